@@ -1,0 +1,1 @@
+"""Data: synthetic/real video reading (decord), packing, text corpora."""

@@ -1,0 +1,105 @@
+"""Starting workers.
+
+- One process is enough (world = 1): train in this process.
+- Already under torchrun (or our own agent): WORLD_SIZE/RANK are set; train in this process.
+- Under SLURM through hydra-submitit-launcher: each task maps its SLURM rank to the same
+  variables, then trains in this process.
+- Otherwise, with world > 1: start `world` local workers with torch's elastic agent (the
+  machinery behind torchrun): one worker failing stops the others, the launcher exits
+  non-zero, and with launcher.max_restarts > 0 all workers restart (resuming from the latest
+  checkpoint when train.ckpt_every > 0).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+from typing import Any, Callable
+
+from dit_train.config import Config, LauncherConfig
+from dit_train.parallel.mesh import ParallelDims
+
+log = logging.getLogger(__name__)
+
+
+class WorkerFailure(RuntimeError):
+    """A local worker exited with an error; the message names the rank and the cause."""
+
+
+def under_external_launcher() -> bool:
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def external_world_size() -> int | None:
+    """Processes started by torchrun / SLURM, or None when this process is alone."""
+    if under_external_launcher():
+        return int(os.environ["WORLD_SIZE"])
+    if "SUBMITIT_EXECUTOR" in os.environ and "SLURM_NTASKS" in os.environ:
+        return int(os.environ["SLURM_NTASKS"])
+    return None
+
+
+def adopt_slurm_env() -> bool:
+    """Inside a submitit/SLURM task: export RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT
+    from the job environment (one task per GPU). Returns True if it did."""
+    if "SUBMITIT_EXECUTOR" not in os.environ or "SLURM_PROCID" not in os.environ:
+        return False
+    import submitit
+
+    env = submitit.JobEnvironment()
+    nodes = env.hostnames
+    os.environ.setdefault("MASTER_ADDR", nodes[0] if nodes else "localhost")
+    # a port derived from the job id: every task of the job computes the same one
+    os.environ.setdefault("MASTER_PORT", str(20000 + int(str(env.job_id).split("_")[0]) % 20000))
+    os.environ["RANK"] = str(env.global_rank)
+    os.environ["LOCAL_RANK"] = str(env.local_rank)
+    os.environ["WORLD_SIZE"] = str(env.num_tasks)
+    os.environ["LOCAL_WORLD_SIZE"] = str(env.num_tasks // max(1, env.num_nodes))
+    return True
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn: Callable[..., Any], args: tuple) -> Any:
+    return fn(*args)
+
+
+def launch_local(fn: Callable[..., Any], args: tuple, nproc: int, cfg: LauncherConfig) -> dict[int, Any]:
+    """Run fn(*args) in `nproc` local processes with RANK/WORLD_SIZE/MASTER_* set.
+
+    Returns {rank: return value}. Raises WorkerFailure if any worker fails (after
+    launcher.max_restarts restarts of the whole group); no worker outlives this call.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    port = cfg.master_port or free_port()
+    lc = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc,
+        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", rdzv_configs={"timeout": 120},
+        run_id=f"dit_train_{uuid.uuid4().hex[:8]}", max_restarts=cfg.max_restarts,
+        monitor_interval=cfg.monitor_interval, start_method="spawn",
+    )
+    try:
+        return elastic_launch(lc, _worker)(fn, args)
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        msg = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
+        raise WorkerFailure(f"worker rank {rank} failed (exit code {failure.exitcode}): "
+                            f"{msg or 'see the traceback above'}") from None
+
+
+def launch(cfg: Config, fn: Callable[[Config], Any]) -> Any:
+    """Run `fn(cfg)` on as many processes as the layout needs; returns rank 0's result."""
+    dims = ParallelDims.from_config(cfg.parallel)
+    if dims.world == 1 or under_external_launcher() or adopt_slurm_env():
+        return fn(cfg)
+    results = launch_local(fn, (cfg,), dims.world, cfg.launcher)
+    return results.get(0)

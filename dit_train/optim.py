@@ -1,0 +1,40 @@
+"""Optimizer and learning-rate schedule from OptimConfig."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from dit_train.config import OptimConfig
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.name == "adamw":
+        # foreach=False: the per-tensor path is bitwise independent of how tensors are grouped,
+        # so sharded and unsharded runs apply identical updates.
+        return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                                 weight_decay=cfg.weight_decay, foreach=False)
+    if cfg.name == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, foreach=False)
+    raise ValueError(f"optim.name={cfg.name!r} must be adamw or sgd")
+
+
+def lr_factor(step: int, total: int, cfg: OptimConfig) -> float:
+    """Multiplier of cfg.lr at optimizer step `step` (0-based): linear warmup, then schedule."""
+    if cfg.warmup_steps > 0 and step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    span = max(1, total - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    if cfg.schedule == "cosine":
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    if cfg.schedule == "linear":
+        return 1.0 - (1 - cfg.min_lr_ratio) * progress
+    raise ValueError(f"optim.schedule={cfg.schedule!r} must be constant, cosine or linear")
+
+
+def build_scheduler(opt: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total_steps, cfg))

@@ -1,0 +1,133 @@
+"""Context parallelism for packed sequences: Ulysses, ring, and their hybrid.
+
+A pack of L tokens is split over cp = cp_ring × cp_ulysses ranks (batch.cp_token_index);
+rank c = r·cp_ulysses + u holds chunk c. Inside every attention layer:
+
+1. Ulysses (group of the cp_ulysses ranks sharing r): an all-to-all trades heads for
+   sequence, so each rank holds H/cp_ulysses heads of the tokens of all its group's chunks.
+2. Ring (group of the cp_ring ranks sharing u): queries stay, K/V blocks travel around the
+   ring; each block's partial attention and log-sum-exp are merged exactly (online softmax).
+   With cp_ring = 1 the whole pack is local after step 1 and the fast varlen kernel runs.
+3. The inverse all-to-all restores the rank's tokens with all heads.
+
+All communication goes through autograd-aware functional collectives
+(`all_to_all_single_autograd`), so the backward pass is the exact transpose of the forward.
+Masks come from the full pack's sample ids and in-sample order (metadata every rank has);
+the split itself never looks at sample boundaries.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+from dit_train.batch import PackedBatch, cp_token_index
+from kernels import VarlenMeta, attention_mask, attention_with_lse, merge_partials, varlen_attention
+
+
+@dataclass
+class CPAttnMeta:
+    """Attention metadata of one CP-split pack (identical on every rank of the CP group).
+
+    seg / order: [L] of the full pack; index[c]: [L/cp] token indices held by CP rank c.
+    """
+
+    seg: torch.Tensor
+    order: torch.Tensor
+    causal: bool
+    index: list[torch.Tensor]
+
+
+def split_for_cp(batch: PackedBatch, cp: int, cp_rank: int, layout: str) -> tuple[PackedBatch, CPAttnMeta]:
+    """Pad the full pack to a multiple of cp (2·cp for zigzag) and take this rank's tokens."""
+    multiple = 2 * cp if layout == "zigzag" else cp
+    full = batch.pad_to_multiple(multiple)
+    L = full.num_tokens
+    index = [cp_token_index(L, cp, c, layout).to(full.seg.device) for c in range(cp)]
+    meta = CPAttnMeta(seg=full.seg, order=full.order, causal=full.causal, index=index)
+    return full.select(index[cp_rank]), meta
+
+
+def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup, n: int) -> torch.Tensor:
+    """Equal-split all-to-all along dim 0 (x.shape[0] divisible by the group size n)."""
+    sizes = [x.shape[0] // n] * n
+    return all_to_all_single_autograd(x.contiguous(), sizes, sizes, group)
+
+
+def _ring_shift(x: torch.Tensor, group: dist.ProcessGroup, rank: int, n: int) -> torch.Tensor:
+    """Send x to ring rank (rank+1) % n, receive from (rank-1) % n (an all-to-all with one
+    non-empty split each way, so autograd sends gradients back the other way)."""
+    m = x.shape[0]
+    send = [m if j == (rank + 1) % n else 0 for j in range(n)]
+    recv = [m if j == (rank - 1) % n else 0 for j in range(n)]
+    return all_to_all_single_autograd(x.contiguous(), recv, send, group)
+
+
+class ContextParallelAttention:
+    """Drop-in replacement for `kernels.LocalAttention` under CP.
+
+    __call__(q, k, v, meta: CPAttnMeta) with q, k, v [L/cp, H, D] (this rank's tokens, all
+    heads) returns [L/cp, H, D].
+    ulysses_group / ring_group: this rank's process groups along cp_ulysses / cp_ring (None = 1).
+    """
+
+    def __init__(self, ulysses_group, ulysses_size: int, ulysses_rank: int,
+                 ring_group, ring_size: int, ring_rank: int, backend: str):
+        self.ug, self.U, self.u = ulysses_group, ulysses_size, ulysses_rank
+        self.rg, self.R, self.r = ring_group, ring_size, ring_rank
+        self.backend = backend
+
+    def _ring_tokens(self, meta: CPAttnMeta, ring_rank: int) -> torch.Tensor:
+        """Pack indices of the tokens held (after Ulysses) by the ranks of ring position r."""
+        return torch.cat([meta.index[ring_rank * self.U + j] for j in range(self.U)])
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: CPAttnMeta) -> torch.Tensor:
+        Lc, H, D = q.shape
+        if H % self.U:
+            raise ValueError(f"{H} heads cannot be split over parallel.cp_ulysses={self.U}")
+        qkv = torch.stack([q, k, v])  # [3, Lc, H, D]
+        if self.U > 1:
+            # heads -> destination rank: [U, 3, Lc, H/U, D]; receive [U(src), 3, Lc, H/U, D]
+            x = qkv.view(3, Lc, self.U, H // self.U, D).permute(2, 0, 1, 3, 4)
+            x = _all_to_all(x, self.ug, self.U)
+            qkv = x.permute(1, 0, 2, 3, 4).reshape(3, self.U * Lc, H // self.U, D)
+        q, k, v = qkv.unbind(0)
+        mine = self._ring_tokens(meta, self.r)
+        if self.R == 1:
+            out = self._local(q, k, v, meta, mine)
+        else:
+            out = self._ring(q, k, v, meta, mine)
+        if self.U > 1:
+            # back: [U(dst), Lc, H/U, D] -> receive [U(src head group), Lc, H/U, D] -> [Lc, H, D]
+            x = _all_to_all(out.view(self.U, Lc, H // self.U, D), self.ug, self.U)
+            out = x.permute(1, 0, 2, 3).reshape(Lc, H, D)
+        return out
+
+    def _local(self, q, k, v, meta: CPAttnMeta, idx: torch.Tensor) -> torch.Tensor:
+        """Whole pack local (cp_ring = 1): restore pack order, run the varlen kernel, undo."""
+        perm = torch.argsort(idx)
+        sorted_idx = idx[perm]
+        vm = VarlenMeta.build(meta.seg[sorted_idx], meta.order[sorted_idx], meta.causal)
+        out_sorted = varlen_attention(q[perm], k[perm], v[perm], vm, self.backend)
+        out = torch.empty_like(out_sorted)
+        out[perm] = out_sorted
+        return out
+
+    def _ring(self, q, k, v, meta: CPAttnMeta, idx_q: torch.Tensor) -> torch.Tensor:
+        """Queries stay; K/V (with their ring origin) rotate R-1 times; merge by LSE."""
+        seg_q, ord_q = meta.seg[idx_q], meta.order[idx_q]
+        kv = torch.stack([k, v])
+        outs, lses = [], []
+        for step in range(self.R):
+            src = (self.r - step) % self.R
+            idx_k = self._ring_tokens(meta, src)
+            mask = attention_mask(seg_q, ord_q, meta.seg[idx_k], meta.order[idx_k], meta.causal)
+            if bool(mask.any()):  # a block no query may see contributes nothing
+                o, lse = attention_with_lse(q, kv[0], kv[1], mask)
+                outs.append(o)
+                lses.append(lse)
+            if step < self.R - 1:
+                kv = _ring_shift(kv, self.rg, self.r, self.R)
+        return merge_partials(outs, lses)

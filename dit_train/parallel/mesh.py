@@ -1,0 +1,159 @@
+"""Process groups and the device mesh for dp_replicate × dp_shard × cp_ring × cp_ulysses."""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from dit_train.config import ParallelConfig
+
+# Mesh dimension order, outermost first. Ulysses (an all-to-all per attention layer, the most
+# traffic) is innermost so its ranks are neighbours; data-parallel replication outermost.
+MESH_DIMS = ("dp_replicate", "dp_shard", "cp_ring", "cp_ulysses")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp_ring: int = 1
+    cp_ulysses: int = 1
+
+    @staticmethod
+    def from_config(cfg: ParallelConfig) -> "ParallelDims":
+        return ParallelDims(cfg.dp_replicate, cfg.dp_shard, cfg.cp_ring, cfg.cp_ulysses)
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def cp(self) -> int:
+        return self.cp_ring * self.cp_ulysses
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.cp
+
+    def shape(self) -> tuple[int, ...]:
+        return (self.dp_replicate, self.dp_shard, self.cp_ring, self.cp_ulysses)
+
+    def describe(self) -> str:
+        return (f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x cp_ring={self.cp_ring} "
+                f"x cp_ulysses={self.cp_ulysses} = {self.world}")
+
+
+@dataclass
+class ParallelContext:
+    """Everything a rank needs to know about the layout.
+
+    cp_rank is the flattened index r·cp_ulysses + u (ring-major), which is also the index of
+    the pack chunk this rank holds. Groups are None where their size is 1 (no collective).
+    """
+
+    dims: ParallelDims
+    device: torch.device
+    rank: int = 0
+    local_rank: int = 0
+    mesh: DeviceMesh | None = None
+    views: dict[str, DeviceMesh] = field(default_factory=dict)
+    dp_rank: int = 0
+    cp_rank: int = 0
+    ring_rank: int = 0
+    ulysses_rank: int = 0
+    dp_group: dist.ProcessGroup | None = None
+    cp_group: dist.ProcessGroup | None = None
+    ring_group: dist.ProcessGroup | None = None
+    ulysses_group: dist.ProcessGroup | None = None
+    world_group: dist.ProcessGroup | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.mesh is not None
+
+
+def resolve_device(cfg: ParallelConfig, local_rank: int = 0) -> torch.device:
+    if cfg.device == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    elif cfg.device in ("cpu", "cuda"):
+        kind = cfg.device
+        if kind == "cuda" and not torch.cuda.is_available():
+            raise ValueError("parallel.device=cuda but no CUDA device is visible; use parallel.device=cpu")
+    else:
+        raise ValueError(f"parallel.device={cfg.device!r} must be auto, cpu or cuda")
+    if kind == "cuda":
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def init_parallel(cfg: ParallelConfig) -> ParallelContext:
+    """Initialise the process group (if the layout needs more than one process) and the mesh.
+
+    Reads the rank from the launcher's standard variables (RANK, LOCAL_RANK, WORLD_SIZE,
+    MASTER_ADDR/PORT) set by our local launcher, torchrun or the SLURM adapter.
+    """
+    dims = ParallelDims.from_config(cfg)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = resolve_device(cfg, local_rank)
+    if dims.world == 1:
+        return ParallelContext(dims=dims, device=device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=10))
+    if dist.get_world_size() != dims.world:
+        raise ValueError(f"{dist.get_world_size()} processes were started but the layout needs "
+                         f"{dims.describe()}; start that many or change the parallel.* degrees")
+    mesh = init_device_mesh(device.type, dims.shape(), mesh_dim_names=MESH_DIMS)
+    # Flattened views are kept by name: slicing them back out of the root mesh is deprecated.
+    views = {
+        "dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
+        "cp": mesh["cp_ring", "cp_ulysses"]._flatten("cp"),
+        "dp_cp": mesh["dp_replicate", "dp_shard", "cp_ring", "cp_ulysses"]._flatten("dp_cp"),
+        "cp_ring": mesh["cp_ring"],
+        "cp_ulysses": mesh["cp_ulysses"],
+    }
+
+    def group(name: str, size: int) -> dist.ProcessGroup | None:
+        return views[name].get_group() if size > 1 else None
+
+    return ParallelContext(
+        dims=dims, device=device, rank=dist.get_rank(), local_rank=local_rank, mesh=mesh, views=views,
+        dp_rank=views["dp"].get_local_rank(), cp_rank=views["cp"].get_local_rank(),
+        ring_rank=views["cp_ring"].get_local_rank(), ulysses_rank=views["cp_ulysses"].get_local_rank(),
+        dp_group=group("dp", dims.dp), cp_group=group("cp", dims.cp),
+        ring_group=group("cp_ring", dims.cp_ring), ulysses_group=group("cp_ulysses", dims.cp_ulysses),
+        world_group=views["dp_cp"].get_group(),
+    )
+
+
+def fsdp_mesh(ctx: ParallelContext, cp_fsdp_mode: str) -> DeviceMesh:
+    """The mesh FSDP2 shards over: 2-D (replicate, shard) for HSDP when dp_replicate > 1.
+
+    cp_fsdp_mode=all: shard over dp_shard × cp (CP ranks hold different tokens of the same
+    samples, so their gradients are summed by the same reduce-scatter). none: shard over
+    dp_shard only; the CP sum is a separate all-reduce.
+    """
+    assert ctx.mesh is not None
+    d = ctx.dims
+    if cp_fsdp_mode == "all":
+        base, shard = ctx.views["dp_cp"], d.dp_shard * d.cp
+    else:
+        base, shard = ctx.views["dp"], d.dp_shard
+    if d.dp_replicate == 1:
+        return base
+    return base._unflatten(0, (d.dp_replicate, shard), ("dp_replicate", "dp_shard_fsdp"))
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,130 @@
+"""`parallelize(model, ctx, cfg)`: the one place a plain model becomes a distributed one.
+
+Order (as in torchtitan): context parallelism (swap every attention callable), activation
+checkpointing, torch.compile per block, then data parallelism (FSDP2 per block + root, or DDP).
+
+The gradient path is a SUM everywhere: the loss already carries the global weights (see
+dit_train/loss), so any averaging would divide the single-device gradient by the world size.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from dit_train.config import ModelConfig, ParallelConfig, TrainConfig
+from dit_train.parallel.context_parallel import ContextParallelAttention
+from dit_train.parallel.mesh import ParallelContext, fsdp_mesh
+
+
+def _attention_layers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "attention_fn")]
+
+
+def apply_context_parallel(model: nn.Module, ctx: ParallelContext, backend: str) -> None:
+    cp_attn = ContextParallelAttention(
+        ctx.ulysses_group, ctx.dims.cp_ulysses, ctx.ulysses_rank,
+        ctx.ring_group, ctx.dims.cp_ring, ctx.ring_rank, backend,
+    )
+    for layer in _attention_layers(model):
+        layer.attention_fn = cp_attn
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+
+
+def apply_compile(model: nn.Module) -> None:
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = torch.compile(block, dynamic=True)
+
+
+def _sum_allreduce_hook(process_group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future:
+    """DDP comm hook: all-reduce SUM (DDP's default divides by the world size)."""
+    fut = dist.all_reduce(bucket.buffer(), group=process_group, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0])
+
+
+def apply_fsdp(model: nn.Module, ctx: ParallelContext, cfg: ParallelConfig, param_dtype: torch.dtype | None) -> None:
+    mesh = fsdp_mesh(ctx, cfg.cp_fsdp_mode)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            # Sum, never average. force_sum keeps the collective a plain SUM (gloo has no
+            # PREMUL_SUM; NCCL's had silent bf16 bugs); the divide factor 1.0 then means no scaling.
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+
+
+def parallelize(model: nn.Module, ctx: ParallelContext, cfg: ParallelConfig, model_cfg: ModelConfig,
+                train_cfg: TrainConfig, attn_backend: str) -> nn.Module:
+    """Apply CP, activation checkpointing, compile and data parallelism to a plain model.
+
+    Returns the module to train (the same object for FSDP2, a DDP wrapper for DDP).
+    The CP gradient all-reduce needed when CP is not folded into the DP group is done by
+    `sync_unsharded_grads` after the last micro-batch's backward.
+    """
+    if ctx.dims.cp > 1:
+        apply_context_parallel(model, ctx, attn_backend)
+    if model_cfg.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if train_cfg.compile:
+        apply_compile(model)
+    if not ctx.distributed or cfg.dp_mode == "none":
+        return model.to(ctx.device)
+    if cfg.dp_mode == "fsdp2":
+        param_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(train_cfg.precision) if ctx.device.type == "cuda" else None
+        apply_fsdp(model, ctx, cfg, param_dtype)
+        return model
+    if cfg.dp_mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        group = ctx.world_group if cfg.cp_fsdp_mode == "all" else ctx.views["dp"].get_group()
+        ddp = DDP(model.to(ctx.device), process_group=group,
+                  device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+        ddp.register_comm_hook(group, _sum_allreduce_hook)
+        return ddp
+    raise ValueError(f"parallel.dp_mode={cfg.dp_mode!r} must be fsdp2, ddp or none")
+
+
+def grad_sync_groups(ctx: ParallelContext, cfg: ParallelConfig) -> list[dist.ProcessGroup]:
+    """Groups whose gradient SUM is not done by the DP wrapper and must be done by hand.
+
+    dp_mode=none: the whole world. FSDP2/DDP with cp_fsdp_mode=none: the CP group.
+    """
+    if not ctx.distributed:
+        return []
+    if cfg.dp_mode == "none":
+        return [ctx.world_group]
+    if cfg.cp_fsdp_mode == "none" and ctx.cp_group is not None:
+        return [ctx.cp_group]
+    return []
+
+
+@torch.no_grad()
+def sync_unsharded_grads(model: nn.Module, groups: list[dist.ProcessGroup]) -> None:
+    """All-reduce SUM every gradient over `groups` (local shards for FSDP DTensors: the CP
+    ranks of one dp_shard position hold the same shard layout)."""
+    if not groups:
+        return
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    if not locals_:
+        return
+    flat = torch.cat([t.reshape(-1) for t in locals_])
+    for group in groups:
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    offset = 0
+    for t in locals_:
+        n = t.numel()
+        t.copy_(flat[offset:offset + n].view_as(t))
+        offset += n

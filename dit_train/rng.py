@@ -1,0 +1,20 @@
+"""Randomness that touches the loss, as a pure function of (seed, sample id, step).
+
+Never of the rank, the micro-batch or the position in a pack: a different parallel layout
+puts a sample elsewhere but draws the same noise, timestep and conditioning dropout for it.
+Generators are CPU generators (same bits on every device); callers move results to the device.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+STREAMS = ("noise", "timestep", "caption_dropout", "sampling")
+
+
+def sample_generator(seed: int, sample_id: int, step: int, stream: str) -> torch.Generator:
+    if stream not in STREAMS:
+        raise ValueError(f"unknown random stream {stream!r}")
+    digest = hashlib.blake2b(f"{seed}:{sample_id}:{step}:{stream}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))

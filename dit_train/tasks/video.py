@@ -1,0 +1,84 @@
+"""Video diffusion task: clips -> noisy packed patches -> per-token flow-matching loss."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from einops import rearrange
+from torch import nn
+
+from dit_train.batch import PackedBatch
+from dit_train.config import LossConfig, ModelConfig
+from dit_train.objectives.flow_matching import noisy_sample, per_token_mse
+
+
+def patchify(x: torch.Tensor, patch: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """[C, F, H, W] -> tokens [T, C·pt·ph·pw] and their (t, h, w) grid positions [T, 3]."""
+    pt, ph, pw = patch
+    C, F, H, W = x.shape
+    f, h, w = F // pt, H // ph, W // pw
+    x = x[:, : f * pt, : h * ph, : w * pw]
+    tokens = rearrange(x, "c (f pt) (h ph) (w pw) -> (f h w) (c pt ph pw)", pt=pt, ph=ph, pw=pw)
+    grid = torch.stack(torch.meshgrid(torch.arange(f), torch.arange(h), torch.arange(w), indexing="ij"), dim=-1)
+    return tokens, grid.reshape(-1, 3)
+
+
+def unpatchify(tokens: torch.Tensor, grid: tuple[int, int, int], patch: tuple[int, int, int], channels: int) -> torch.Tensor:
+    """Inverse of patchify: tokens [f·h·w, C·pt·ph·pw] -> [C, f·pt, h·ph, w·pw]."""
+    f, h, w = grid
+    pt, ph, pw = patch
+    return rearrange(tokens, "(f h w) (c pt ph pw) -> c (f pt) (h ph) (w pw)", f=f, h=h, w=w, c=channels, pt=pt, ph=ph, pw=pw)
+
+
+class VideoTask:
+    """Builds packs of noisy video patches and scores the DiT's velocity prediction.
+
+    dataset: indexable by sample id, returning an object with `.pixels` [C, F, H, W] (pixels
+    in [-1, 1] or VAE latents).
+    """
+
+    causal = False
+    cp_layout = "contiguous"
+
+    def __init__(self, dataset: Any, model_cfg: ModelConfig, loss_cfg: LossConfig, seed: int):
+        self.dataset = dataset
+        self.patch = tuple(model_cfg.patch_size)
+        self.patch_dim = model_cfg.in_channels * self.patch[0] * self.patch[1] * self.patch[2]
+        self.loss_cfg = loss_cfg
+        self.seed = seed
+
+    def lengths(self) -> list[int]:
+        return self.dataset.lengths()
+
+    def build(self, sample_ids: list[int], step: int) -> PackedBatch:
+        """The full (un-split) pack of `sample_ids` at `step`, on the CPU."""
+        xs, targets, pos, seg, order, ts = [], [], [], [], [], []
+        for k, sid in enumerate(sample_ids):
+            x0 = self.dataset[sid].pixels
+            xt, v, t = noisy_sample(x0, self.seed, sid, step, self.loss_cfg)
+            tok, grid = patchify(xt, self.patch)
+            tgt, _ = patchify(v, self.patch)
+            n = tok.shape[0]
+            xs.append(tok)
+            targets.append(tgt)
+            pos.append(grid)
+            seg.append(torch.full((n,), k, dtype=torch.long))
+            order.append(torch.arange(n))
+            ts.append(t)
+        if not sample_ids:
+            return PackedBatch(seg=torch.zeros(0, dtype=torch.long), pos=torch.zeros(0, 3, dtype=torch.long),
+                               order=torch.zeros(0, dtype=torch.long), valid=torch.zeros(0, dtype=torch.bool),
+                               tokens={"x": torch.zeros(0, self.patch_dim), "target": torch.zeros(0, self.patch_dim)},
+                               samples={"t": torch.zeros(0)}, causal=False)
+        seg_t = torch.cat(seg)
+        return PackedBatch(
+            seg=seg_t, pos=torch.cat(pos), order=torch.cat(order), valid=torch.ones_like(seg_t, dtype=torch.bool),
+            tokens={"x": torch.cat(xs), "target": torch.cat(targets)},
+            samples={"t": torch.tensor(ts, dtype=torch.float32)},
+            sample_ids=torch.tensor(sample_ids, dtype=torch.long), causal=False,
+        )
+
+    def per_token_loss(self, model: nn.Module, batch: PackedBatch, attn_meta: Any) -> torch.Tensor:
+        """[L_local] MSE of the predicted velocity of each local token."""
+        pred = model(batch.tokens["x"], batch.pos, batch.seg, batch.samples["t"], attn_meta)
+        return per_token_mse(pred, batch.tokens["target"])

@@ -1,0 +1,141 @@
+"""One optimizer step: plan -> build packs -> CP split -> metadata sync -> weighted backward
+over micro-batches (gradient sync on the last only) -> SUM -> clip -> step."""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from data_pipelines.packing import plan_step
+from dit_train.batch import PackedBatch
+from dit_train.config import LossConfig, OptimConfig, ParallelConfig, TrainConfig
+from dit_train.loss import StepMeta, sync_metadata, token_weights, weighted_loss
+from dit_train.parallel.context_parallel import split_for_cp
+from dit_train.parallel.mesh import ParallelContext
+from dit_train.parallel.parallelize import grad_sync_groups, sync_unsharded_grads
+from kernels import VarlenMeta
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    tokens: int
+    samples: int
+    micro_batches: int
+    skipped: bool
+
+
+def grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Global L2 norm of all gradients (across FSDP shards: DTensor reductions give the same
+    value as one process); clip in place when max_norm > 0."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0, foreach=False)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    if max_norm > 0 and math.isfinite(float(norm)):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=False)
+    return norm
+
+
+class Trainer:
+    """Runs optimizer steps on a parallelized model.
+
+    task: builds full packs (`build(ids, step) -> PackedBatch`), knows its CP layout and
+    computes per-token losses (`per_token_loss(model, batch, attn_meta) -> [L_local]`).
+    """
+
+    def __init__(self, model: nn.Module, task: Any, optimizer: torch.optim.Optimizer,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler, ctx: ParallelContext,
+                 train: TrainConfig, optim: OptimConfig, loss: LossConfig, parallel: ParallelConfig):
+        self.model, self.task, self.optimizer, self.scheduler, self.ctx = model, task, optimizer, scheduler, ctx
+        self.train_cfg, self.optim_cfg, self.loss_cfg, self.parallel_cfg = train, optim, loss, parallel
+        self.lengths = dict(enumerate(task.lengths()))
+        self._manual_sync = grad_sync_groups(ctx, parallel)
+        self.skipped_in_a_row = 0
+        self.skipped_total = 0
+
+    # -- data ----------------------------------------------------------------------------------
+
+    def micro_batches(self, step: int) -> tuple[list[PackedBatch], list[Any]]:
+        """This rank's micro-batches of `step` (CP-local tokens, on device) and attention metas."""
+        t = self.train_cfg
+        plan = plan_step(step, self.lengths, t.global_batch, self.ctx.dims.dp, t.grad_accum, t.micro_batch_tokens, t.seed)
+        batches, metas = [], []
+        cp = self.ctx.dims.cp
+        for ids in plan.micro_batches[self.ctx.dp_rank]:
+            full = self.task.build(ids, step)
+            if cp > 1:
+                local, meta = split_for_cp(full, cp, self.ctx.cp_rank, self.task.cp_layout)
+                meta.seg, meta.order = meta.seg.to(self.ctx.device), meta.order.to(self.ctx.device)
+                meta.index = [i.to(self.ctx.device) for i in meta.index]
+            else:
+                local = full.pad_to_multiple(1)  # an empty micro-batch still runs (collectives match)
+                meta = None
+            local = local.to(self.ctx.device)
+            if meta is None:
+                meta = VarlenMeta.build(local.seg, local.order, local.causal)
+            batches.append(local)
+            metas.append(meta)
+        return batches, metas
+
+    def sync(self, batches: list[PackedBatch]) -> StepMeta:
+        return sync_metadata(batches, self.ctx.cp_group, self.ctx.dp_group, world=self.ctx.dims.world, device=self.ctx.device)
+
+    # -- gradient sync control -----------------------------------------------------------------
+
+    def _sync_context(self, last: bool):
+        """Gradients are reduced only on the last micro-batch of a step."""
+        if isinstance(self.model, FSDPModule):
+            self.model.set_requires_gradient_sync(last)
+            return contextlib.nullcontext()
+        if isinstance(self.model, torch.nn.parallel.DistributedDataParallel) and not last:
+            return self.model.no_sync()
+        return contextlib.nullcontext()
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def step(self, step: int) -> StepResult:
+        batches, attn_metas = self.micro_batches(step)
+        meta = self.sync(batches)
+        reduction = self.loss_cfg.reduction
+        loss_sum = torch.zeros((), device=self.ctx.device)
+        n = len(batches)
+        for k, (batch, attn_meta) in enumerate(zip(batches, attn_metas)):
+            with self._sync_context(last=k == n - 1):
+                per_token = self.task.per_token_loss(self.model, batch, attn_meta)
+                weights = token_weights(reduction, batch.seg, batch.valid, meta, k)
+                loss = weighted_loss(per_token, weights)
+                loss.backward()
+            loss_sum += loss.detach()
+        sync_unsharded_grads(self.model, self._manual_sync)
+        norm = grad_norm_(self.model, self.optim_cfg.max_grad_norm)
+        # The norm is a global quantity (same on every rank), so skipping is consistent.
+        skipped = not bool(torch.isfinite(norm))
+        if skipped:
+            self.skipped_in_a_row += 1
+            self.skipped_total += 1
+        else:
+            self.skipped_in_a_row = 0
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        # the logged loss is the true global Σ w·l: one detached all-reduce per step
+        if self.ctx.world_group is not None:
+            dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM, group=self.ctx.world_group)
+        return StepResult(loss=float(loss_sum), grad_norm=float(norm), tokens=meta.num_tokens,
+                          samples=meta.num_samples, micro_batches=n, skipped=skipped)
+
+
+def timed(fn, *args):
+    t0 = time.perf_counter()
+    out = fn(*args)
+    return out, time.perf_counter() - t0

@@ -1,0 +1,242 @@
+"""One varlen attention interface over several single-device kernels.
+
+A packed micro-batch is one flat sequence of L tokens holding several samples. Attention must
+stay inside a sample (block-diagonal mask), optionally causal within it. Every backend here
+computes exactly that from the same `VarlenMeta`:
+
+    q, k, v: [L, H, D]  ->  out: [L, H, D]
+
+Backends:
+  sdpa        per-sample loop over torch SDPA (no mask materialised); CPU default.
+  sdpa_dense  one SDPA call with a dense [L, L] boolean mask (reference; O(L^2) memory).
+  flex        torch flex_attention with a block mask built from the sample ids.
+  xformers    xformers `BlockDiagonalMask` + memory_efficient_attention (CUDA only, optional).
+  flash       flash-attn `flash_attn_varlen_func` (CUDA only, optional).
+  auto        flash > xformers > sdpa on CUDA; sdpa on CPU.
+
+Padding tokens carry sample id -1; they form their own segment (they attend to each other)
+so that no query row is empty and no NaN appears. Their outputs get loss weight 0.
+
+`attention_with_lse` is the differentiable math kernel used by ring attention: it also returns
+the log-sum-exp of each query row so that partial results over KV blocks can be merged.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("auto", "sdpa", "sdpa_dense", "flex", "xformers", "flash")
+
+# Masked logits are set to this finite value instead of -inf, so a query row that sees no key
+# in one ring block yields a finite LSE (its merge weight is then exp(-1e30) = 0) and no NaN
+# ever enters the backward pass. Scores are always computed in fp32.
+_MASKED = -1e30
+
+
+@dataclass
+class VarlenMeta:
+    """Layout of one packed sequence.
+
+    seg: [L] int64, sample index of each token inside the pack; -1 = padding.
+    pos: [L] int64, position of the token inside its sample (causal order).
+    causal: mask keys that come after the query inside the same sample.
+    cu_seqlens: [S+1] int32 boundaries when every segment is contiguous and in order (the
+        usual packed layout); None when tokens are permuted (then only dense/math paths apply).
+    max_seqlen: longest segment.
+    """
+
+    seg: torch.Tensor
+    pos: torch.Tensor
+    causal: bool
+    cu_seqlens: torch.Tensor | None
+    max_seqlen: int
+
+    @staticmethod
+    def build(seg: torch.Tensor, pos: torch.Tensor, causal: bool) -> "VarlenMeta":
+        cu, max_len = contiguous_segments(seg, pos)
+        return VarlenMeta(seg=seg, pos=pos, causal=causal, cu_seqlens=cu, max_seqlen=max_len)
+
+
+def contiguous_segments(seg: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor | None, int]:
+    """cu_seqlens [S+1] if each segment id occupies one contiguous run in increasing position
+    order, else (None, 0). Runs are split wherever the id changes."""
+    L = seg.numel()
+    if L == 0:
+        return torch.zeros(1, dtype=torch.int32, device=seg.device), 0
+    change = torch.ones(L, dtype=torch.bool, device=seg.device)
+    change[1:] = seg[1:] != seg[:-1]
+    starts = torch.nonzero(change).flatten()
+    run_ids = seg[starts]
+    if torch.unique(run_ids).numel() != run_ids.numel():
+        return None, 0  # some id appears in two runs: not contiguous
+    # inside a run, positions must increase by one (padding runs may repeat position 0)
+    same = ~change[1:]
+    step_ok = (pos[1:] - pos[:-1] == 1) | (seg[1:] < 0)
+    if not bool(torch.all(step_ok | ~same)):
+        return None, 0
+    cu = torch.cat([starts, torch.tensor([L], device=seg.device)]).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())
+
+
+def attention_mask(
+    seg_q: torch.Tensor, pos_q: torch.Tensor, seg_k: torch.Tensor, pos_k: torch.Tensor, causal: bool
+) -> torch.Tensor:
+    """Boolean [Lq, Lk]: True where query i may attend to key j."""
+    m = seg_q[:, None] == seg_k[None, :]
+    if causal:
+        m &= pos_k[None, :] <= pos_q[:, None]
+    return m
+
+
+def attention_with_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked softmax attention that also returns each row's log-sum-exp.
+
+    q: [Lq, H, D], k/v: [Lk, H, D], mask: [Lq, Lk] bool.
+    Returns out [Lq, H, D] (dtype of q) and lse [H, Lq] (fp32). Differentiable; computed in fp32.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    s = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+    s = s.masked_fill(~mask[None], _MASKED)
+    lse = torch.logsumexp(s, dim=-1)  # [H, Lq]
+    p = torch.exp(s - lse[..., None])
+    out = torch.einsum("hqk,khd->qhd", p, v.float())
+    return out.to(q.dtype), lse
+
+
+def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
+    """Combine attention over disjoint key blocks: out = Σ_i exp(lse_i - lse) out_i.
+
+    outs: list of [Lq, H, D]; lses: list of [H, Lq] (fp32). Exact, differentiable.
+    """
+    lse = torch.logsumexp(torch.stack(lses), dim=0)  # [H, Lq]
+    total = 0
+    for o, l in zip(outs, lses):
+        w = torch.exp(l - lse).transpose(0, 1)[..., None]  # [Lq, H, 1]
+        total = total + w * o.float()
+    return total.to(outs[0].dtype)
+
+
+# --------------------------------------------------------------------------- backends
+
+
+def _sdpa_loop(q, k, v, meta: VarlenMeta) -> torch.Tensor:
+    assert meta.cu_seqlens is not None
+    bounds = meta.cu_seqlens.tolist()
+    out = torch.empty_like(q)
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        # [1, H, T, D] per sample; is_causal is exact because positions increase inside a run
+        qs, ks, vs = (t[s:e].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=meta.causal)
+        out[s:e] = o.squeeze(0).transpose(0, 1)
+    return out
+
+
+def _sdpa_dense(q, k, v, meta: VarlenMeta) -> torch.Tensor:
+    mask = attention_mask(meta.seg, meta.pos, meta.seg, meta.pos, meta.causal)
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask[None, None],
+    )
+    return o.squeeze(0).transpose(0, 1)
+
+
+def _flex(q, k, v, meta: VarlenMeta) -> torch.Tensor:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    seg, pos, causal = meta.seg, meta.pos, meta.causal
+
+    def mask_mod(b, h, qi, ki):
+        m = seg[qi] == seg[ki]
+        if causal:
+            m = m & (pos[ki] <= pos[qi])
+        return m
+
+    L = q.shape[0]
+    bm = create_block_mask(mask_mod, None, None, L, L, device=q.device)
+    o = flex_attention(
+        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), block_mask=bm
+    )
+    return o.squeeze(0).transpose(0, 1)
+
+
+def _xformers(q, k, v, meta: VarlenMeta) -> torch.Tensor:
+    from xformers.ops import fmha
+
+    assert meta.cu_seqlens is not None
+    seqlens = (meta.cu_seqlens[1:] - meta.cu_seqlens[:-1]).tolist()
+    bias = fmha.BlockDiagonalMask.from_seqlens(seqlens)
+    if meta.causal:
+        bias = bias.make_causal()
+    o = fmha.memory_efficient_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_bias=bias)
+    return o.squeeze(0)
+
+
+def _flash(q, k, v, meta: VarlenMeta) -> torch.Tensor:
+    from flash_attn import flash_attn_varlen_func
+
+    assert meta.cu_seqlens is not None
+    cu = meta.cu_seqlens.to(device=q.device, dtype=torch.int32)
+    return flash_attn_varlen_func(q, k, v, cu, cu, meta.max_seqlen, meta.max_seqlen, causal=meta.causal)
+
+
+_IMPLS = {"sdpa": _sdpa_loop, "sdpa_dense": _sdpa_dense, "flex": _flex, "xformers": _xformers, "flash": _flash}
+_NEEDS_CONTIGUOUS = {"sdpa", "xformers", "flash"}
+
+
+@functools.lru_cache(maxsize=None)
+def _has(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def resolve_backend(name: str, device: torch.device | str) -> str:
+    """Pick a concrete backend; raise a clear error for one that cannot run on `device`."""
+    if name not in BACKENDS:
+        raise ValueError(f"model.attn_backend={name!r} is not one of {BACKENDS}")
+    cuda = torch.device(device).type == "cuda"
+    if name == "auto":
+        if cuda and _has("flash_attn"):
+            return "flash"
+        if cuda and _has("xformers"):
+            return "xformers"
+        return "sdpa"
+    if name in ("xformers", "flash"):
+        module = "flash_attn" if name == "flash" else "xformers"
+        if not cuda:
+            raise ValueError(f"model.attn_backend={name} needs CUDA; use sdpa (or auto) on CPU")
+        if not _has(module):
+            raise ValueError(f"model.attn_backend={name} needs `pip install {module.replace('_', '-')}`")
+    return name
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMeta, backend: str) -> torch.Tensor:
+    """Block-diagonal (optionally causal) attention over a packed sequence.
+
+    q, k, v: [L, H, D]; returns [L, H, D]. `backend` must be resolved (not "auto").
+    Falls back to the dense mask when the layout is not contiguous (a permuted sequence).
+    """
+    if meta.cu_seqlens is None and backend in _NEEDS_CONTIGUOUS:
+        backend = "sdpa_dense"
+    return _IMPLS[backend](q, k, v, meta)
+
+
+class LocalAttention:
+    """The default attention callable held by every attention layer: one device, whole pack.
+
+    `dit_train.parallel.parallelize` swaps it for a context-parallel one; models never know.
+    """
+
+    def __init__(self, backend: str = "sdpa"):
+        self.backend = backend
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMeta) -> torch.Tensor:
+        return varlen_attention(q, k, v, meta, self.backend)
