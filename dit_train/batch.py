@@ -53,7 +53,10 @@ class PackedBatch:
         def pad(t: torch.Tensor, value=0) -> torch.Tensor:
             return torch.cat([t, t.new_full((n, *t.shape[1:]), value)])
 
-        return replace(self, seg=pad(self.seg, -1), pos=pad(self.pos), order=pad(self.order),
+        # padding is one more "sample" (id -1) with its own in-order positions, so causal and
+        # bidirectional kernels agree on it too (its tokens carry weight 0 anyway)
+        order = torch.cat([self.order, torch.arange(n, dtype=self.order.dtype)])
+        return replace(self, seg=pad(self.seg, -1), pos=pad(self.pos), order=order,
                        valid=pad(self.valid, False), tokens={k: pad(v) for k, v in self.tokens.items()})
 
     def select(self, index: torch.Tensor) -> "PackedBatch":

@@ -14,8 +14,9 @@ Backends:
   flash       flash-attn `flash_attn_varlen_func` (CUDA only, optional).
   auto        flash > xformers > sdpa on CUDA; sdpa on CPU.
 
-Padding tokens carry sample id -1; they form their own segment (they attend to each other)
-so that no query row is empty and no NaN appears. Their outputs get loss weight 0.
+Padding tokens carry sample id -1 and in-order positions; they form their own segment (they
+attend to each other) so that no query row is empty and no NaN appears. Their outputs get
+loss weight 0.
 
 `attention_with_lse` is the differentiable math kernel used by ring attention: it also returns
 the log-sum-exp of each query row so that partial results over KV blocks can be merged.
@@ -73,10 +74,9 @@ def contiguous_segments(seg: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Ten
     run_ids = seg[starts]
     if torch.unique(run_ids).numel() != run_ids.numel():
         return None, 0  # some id appears in two runs: not contiguous
-    # inside a run, positions must increase by one (padding runs may repeat position 0)
+    # inside a run, positions must increase by one (then per-run is_causal is the same mask)
     same = ~change[1:]
-    step_ok = (pos[1:] - pos[:-1] == 1) | (seg[1:] < 0)
-    if not bool(torch.all(step_ok | ~same)):
+    if not bool(torch.all((pos[1:] - pos[:-1] == 1) | ~same)):
         return None, 0
     cu = torch.cat([starts, torch.tensor([L], device=seg.device)]).to(torch.int32)
     return cu, int((cu[1:] - cu[:-1]).max())
@@ -102,27 +102,29 @@ def attention_with_lse(
     """Masked softmax attention that also returns each row's log-sum-exp.
 
     q: [Lq, H, D], k/v: [Lk, H, D], mask: [Lq, Lk] bool.
-    Returns out [Lq, H, D] (dtype of q) and lse [H, Lq] (fp32). Differentiable; computed in fp32.
+    Returns out [Lq, H, D] (dtype of q) and lse [H, Lq] (fp32, or fp64 for fp64 inputs).
+    Differentiable; computed in at least fp32.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    s = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+    acc = torch.promote_types(q.dtype, torch.float32)  # fp32 for bf16/fp16 inputs, fp64 stays fp64
+    s = torch.einsum("qhd,khd->hqk", q.to(acc), k.to(acc)) * scale
     s = s.masked_fill(~mask[None], _MASKED)
     lse = torch.logsumexp(s, dim=-1)  # [H, Lq]
     p = torch.exp(s - lse[..., None])
-    out = torch.einsum("hqk,khd->qhd", p, v.float())
+    out = torch.einsum("hqk,khd->qhd", p, v.to(acc))
     return out.to(q.dtype), lse
 
 
 def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
     """Combine attention over disjoint key blocks: out = Σ_i exp(lse_i - lse) out_i.
 
-    outs: list of [Lq, H, D]; lses: list of [H, Lq] (fp32). Exact, differentiable.
+    outs: list of [Lq, H, D]; lses: list of [H, Lq] (fp32/fp64). Exact, differentiable.
     """
     lse = torch.logsumexp(torch.stack(lses), dim=0)  # [H, Lq]
     total = 0
     for o, l in zip(outs, lses):
         w = torch.exp(l - lse).transpose(0, 1)[..., None]  # [Lq, H, 1]
-        total = total + w * o.float()
+        total = total + w * o.to(lse.dtype)
     return total.to(outs[0].dtype)
 
 

@@ -124,10 +124,12 @@ class ContextParallelAttention:
             src = (self.r - step) % self.R
             idx_k = self._ring_tokens(meta, src)
             mask = attention_mask(seg_q, ord_q, meta.seg[idx_k], meta.order[idx_k], meta.causal)
-            if bool(mask.any()):  # a block no query may see contributes nothing
-                o, lse = attention_with_lse(q, kv[0], kv[1], mask)
-                outs.append(o)
-                lses.append(lse)
+            # Every block is computed, even one that no query may see: skipping it would leave
+            # the last received K/V out of the autograd graph on some ranks only, and their
+            # backward ring would then issue fewer collectives than their neighbours' (deadlock).
+            o, lse = attention_with_lse(q, kv[0], kv[1], mask)
+            outs.append(o)
+            lses.append(lse)
             if step < self.R - 1:
                 kv = _ring_shift(kv, self.rg, self.r, self.R)
         return merge_partials(outs, lses)

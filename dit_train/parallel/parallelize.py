@@ -43,8 +43,11 @@ def apply_compile(model: nn.Module) -> None:
         model.blocks[i] = torch.compile(block, dynamic=True)
 
 
-def _sum_allreduce_hook(process_group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future:
-    """DDP comm hook: all-reduce SUM (DDP's default divides by the world size)."""
+def _sum_allreduce_hook(process_group, bucket):
+    """DDP comm hook: all-reduce SUM (DDP's default divides by the world size).
+
+    No annotations: DDP inspects them and `from __future__ import annotations` turns them
+    into strings it rejects."""
     fut = dist.all_reduce(bucket.buffer(), group=process_group, async_op=True).get_future()
     return fut.then(lambda f: f.value()[0])
 

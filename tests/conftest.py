@@ -1,0 +1,60 @@
+"""Shared fixtures: config composition, a tiny training setup and the embedded data cache."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from dit_train.config import Config, register_configs
+
+REPO = Path(__file__).resolve().parents[1]
+CONF = REPO / "conf"
+
+register_configs()
+
+# A model and data small enough for many multi-process runs on 2 cores. init=normal so every
+# parameter moves from step 1 (adaLN-zero would leave most weights untouched in 2 steps and
+# make layout comparisons vacuous); SGD so the update is linear in the gradient.
+TINY = [
+    "model.dim=32", "model.depth=2", "model.heads=4", "model.init=normal",
+    "optim=sgd", "optim.lr=0.5",
+    "train.steps=2", "train.global_batch=6", "train.micro_batch_tokens=300", "train.progress=false",
+    "data.num_clips=16", "data.max_frames=8",
+]
+
+
+def compose_config(overrides: list[str] | None = None, cache_dir: str | None = None) -> Config:
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        d = compose("config", overrides=list(overrides or []))
+    cfg: Config = OmegaConf.to_object(d)
+    if cache_dir is not None:
+        cfg.data.cache_dir = cache_dir
+    return cfg
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory) -> str:
+    """One cache dir for the whole session (clips are generated once)."""
+    return str(tmp_path_factory.mktemp("dit_train_cache"))
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg(data_cache) -> Config:
+    from dit_train.data import prepare_data
+
+    cfg = compose_config(TINY, cache_dir=data_cache)
+    prepare_data(cfg.mode, cfg.data)
+    return cfg
+
+
+def run_cli(args: list[str], cwd: Path, timeout: int = 600):
+    """`python -m dit_train <args>` in a subprocess; returns CompletedProcess (text)."""
+    import subprocess
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "dit_train", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)

@@ -1,0 +1,122 @@
+"""Embedded video data (written with PyAV, read with decord) and packing."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from data_pipelines.packing import balanced_split, pack_ffd, plan_step, step_samples
+from data_pipelines.synthetic_video import dataset_dir, ensure_synthetic_videos, write_mp4
+from data_pipelines.video_dataset import VideoClipDataset
+from data_pipelines.video_io import VideoInfo, frame_indices, probe, read_frames
+
+
+def test_generator_writes_clips_that_decord_reads_back(tiny_cfg):
+    d = dataset_dir(tiny_cfg.data.cache_dir, tiny_cfg.data.num_clips, tiny_cfg.data.gen_seed)
+    rows = [json.loads(line) for line in (d / "manifest.jsonl").read_text().splitlines()]
+    assert len(rows) == tiny_cfg.data.num_clips
+    sizes = {(r["frames"], r["height"], r["width"]) for r in rows}
+    assert len({r["frames"] for r in rows}) > 3 and len({(r["height"], r["width"]) for r in rows}) > 3, sizes
+    for r in rows[:6]:
+        info = probe(str(d / r["path"]))
+        assert (info.frames, info.height, info.width) == (r["frames"], r["height"], r["width"])
+        frames = read_frames(str(d / r["path"]), list(range(info.frames)), info)
+        assert frames.shape == (r["frames"], r["height"], r["width"], 3) and frames.dtype == torch.uint8
+        assert r["caption"].startswith("a ")
+
+
+def test_generation_is_deterministic(tmp_path, tiny_cfg):
+    a = ensure_synthetic_videos(tmp_path / "a", 3, 7)
+    b = ensure_synthetic_videos(tmp_path / "b", 3, 7)
+    assert (a / "manifest.jsonl").read_text() == (b / "manifest.jsonl").read_text()
+    ia = probe(str(a / "clip_0001.mp4"))
+    fa = read_frames(str(a / "clip_0001.mp4"), [0, 1], ia)
+    fb = read_frames(str(b / "clip_0001.mp4"), [0, 1], ia)
+    assert torch.equal(fa, fb)
+
+
+def test_decord_odd_width_workaround(tmp_path):
+    """decord 0.6 garbles width 48; read_frames must still return the right shape and content."""
+    frames = torch.zeros(4, 32, 48, 3, dtype=torch.uint8)
+    frames[:, :, 20:28, 0] = 255  # a red bar at x = 20..27
+    write_mp4(tmp_path / "w48.mp4", frames.numpy())
+    info = probe(str(tmp_path / "w48.mp4"))
+    assert (info.height, info.width) == (32, 48)
+    out = read_frames(str(tmp_path / "w48.mp4"), [0, 2], info)
+    assert out.shape == (2, 32, 48, 3)
+    red = out[0, 16, :, 0].float()
+    assert red[21:27].min() > 150 and red[:15].max() < 80 and red[33:].max() < 80
+
+
+def test_frame_sampling_by_stride_and_fps():
+    assert frame_indices(20, 8.0, 0.0, 2, 16, 1) == list(range(0, 20, 2))
+    assert frame_indices(20, 8.0, 0.0, 1, 6, 4) == [0, 1, 2, 3]  # max 6, multiple of 4
+    assert frame_indices(16, 16.0, 8.0, 1, 100, 1) == list(range(0, 16, 2))  # 16 fps -> 8 fps
+    assert frame_indices(3, 8.0, 0.0, 1, 16, 4) == []  # shorter than one temporal patch
+
+
+def test_dataset_token_counts_match_decoded_samples(tiny_cfg):
+    from dit_train.data import build_video_dataset
+
+    ds = build_video_dataset(tiny_cfg.data, tiny_cfg.model)
+    pt, ph, pw = tiny_cfg.model.patch_size
+    for i in range(4):
+        x = ds[i].pixels
+        c, f, h, w = x.shape
+        assert c == 3 and f % pt == 0 and h % ph == 0 and w % pw == 0
+        assert ds.num_tokens(i) == f // pt * (h // ph) * (w // pw)
+        assert -1.0 <= float(x.min()) and float(x.max()) <= 1.0
+    assert len(set(ds.lengths())) > 3  # uneven on purpose
+
+
+def test_unusable_clips_are_skipped_and_counted(tmp_path):
+    entries = [
+        __import__("data_pipelines.video_dataset", fromlist=["ClipEntry"]).ClipEntry("ok.mp4", "", VideoInfo(8, 32, 32, 8)),
+        __import__("data_pipelines.video_dataset", fromlist=["ClipEntry"]).ClipEntry("short.mp4", "", VideoInfo(1, 32, 32, 8)),
+    ]
+    ds = VideoClipDataset(entries, patch=(2, 8, 8))
+    assert len(ds) == 1 and ds.skipped[0][0] == "short.mp4"
+
+
+@pytest.mark.parametrize("budget", [300, 700, 5000])
+def test_ffd_respects_budget_and_loses_nothing(budget):
+    g = torch.Generator().manual_seed(0)
+    lengths = {i: int(x) for i, x in enumerate(torch.randint(1, 300, (60,), generator=g))}
+    bins = pack_ffd(list(lengths), lengths, budget)
+    assert sorted(i for b in bins for i in b) == sorted(lengths)
+    assert all(sum(lengths[i] for i in b) <= budget for b in bins)
+
+
+def test_sample_larger_than_budget_is_a_clear_error():
+    with pytest.raises(ValueError, match="micro_batch_tokens"):
+        pack_ffd([0], {0: 10}, 5)
+
+
+def test_step_samples_do_not_depend_on_layout():
+    lengths = {i: 10 + (i * 37) % 200 for i in range(40)}
+    for step in range(12):
+        sets = []
+        for dp, ga, budget in [(1, 1, 10_000), (2, 1, 300), (4, 3, 250), (3, 2, 400)]:
+            plan = plan_step(step, lengths, 8, dp, ga, budget, seed=3)
+            got = sorted(i for rank in plan.micro_batches for mb in rank for i in mb)
+            assert len({len(r) for r in plan.micro_batches}) == 1  # same micro-batch count per rank
+            most = max(sum(len(mb) for mb in r) for r in plan.micro_batches)
+            assert len(plan.micro_batches[0]) >= min(ga, most)  # at least one micro-batch per non-empty group
+            sets.append(got)
+        assert all(s == sets[0] for s in sets)
+        assert len(set(sets[0])) == 8  # no sample twice in a step
+
+
+def test_epochs_cover_dataset_and_differ():
+    ids = [i for s in range(5) for i in step_samples(s, 10, 2, seed=0)]
+    assert sorted(ids) == list(range(10))
+    assert step_samples(0, 10, 2, 0) != step_samples(5, 10, 2, 0) or step_samples(1, 10, 2, 0) != step_samples(6, 10, 2, 0)
+
+
+def test_balanced_split_balances_tokens():
+    lengths = {i: 100 - i for i in range(20)}
+    groups = balanced_split(list(lengths), lengths, 4)
+    loads = [sum(lengths[i] for i in g) for g in groups]
+    assert max(loads) - min(loads) <= max(lengths.values())
