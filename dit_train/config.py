@@ -45,8 +45,8 @@ class DataConfig:
     """Where samples come from. `name`: synthetic_video | video_folder | latent_cache | text."""
 
     name: str = "synthetic_video"
-    # Cache for generated clips / latents. Relative paths are taken from the launch directory.
-    cache_dir: str = ".cache/dit_train"
+    # Cache for generated clips (and the default place for latents); `~` is expanded.
+    cache_dir: str = "~/.cache/dit_train"
     # --- embedded synthetic video set (generated once, read back with decord) ---
     num_clips: int = 48
     gen_seed: int = 1234

@@ -48,6 +48,20 @@ def build_parallel_model(cfg: Config, ctx: ParallelContext) -> torch.nn.Module:
     return parallelize(model, ctx, cfg.parallel, cfg.model, cfg.train, backend)
 
 
+def shared_run_dir(run_dir: str, ctx: ParallelContext) -> str:
+    """Rank 0's run dir for everyone. Under torchrun every rank composed its own Hydra config,
+    and a time-stamped default dir can differ by a second between ranks."""
+    if not ctx.distributed:
+        return run_dir
+    import torch.distributed as dist
+
+    box = [run_dir]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] != run_dir:
+        log.warning("rank %d: using rank 0's run dir %s (pass hydra.run.dir=... under torchrun)", ctx.rank, box[0])
+    return box[0]
+
+
 def write_resolved_config(cfg: Config, run_dir: Path) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
@@ -57,8 +71,9 @@ def run(cfg: Config, ctx: ParallelContext | None = None) -> dict[str, Any]:
     """Train for cfg.train.steps; returns a summary. Creates the process group if needed."""
     ctx = ctx or init_parallel(cfg.parallel)
     set_threads(cfg.parallel.threads_per_worker, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    run_dir = Path(cfg.run_dir)
+    run_dir = Path(shared_run_dir(cfg.run_dir, ctx))
     if ctx.is_main:
+        cfg.run_dir = str(run_dir)
         write_resolved_config(cfg, run_dir)
 
     task = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed)

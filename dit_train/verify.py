@@ -125,9 +125,14 @@ def verify_layouts(cfg: Config, layouts: list[str], reductions: list[str], tol: 
 
 
 def format_table(results: list[LayoutResult]) -> str:
-    rows = [f"| {'layout':<44} | {'world':>5} | {'reduction':<11} | {'max rel. diff':>13} | result |",
-            f"|{'-' * 46}|{'-' * 7}|{'-' * 13}|{'-' * 15}|--------|"]
+    """Markdown table. naive_mean rows read 'biased' when they differ (the expected outcome)."""
+    width = max([44] + [len(r.layout) for r in results])
+    rows = [f"| {'layout':<{width}} | world | {'reduction':<11} | max rel. diff | result |",
+            f"|{'-' * (width + 2)}|-------|-------------|---------------|--------|"]
     for r in results:
-        verdict = "PASS" if r.passed else ("FAIL" if r.reduction != "naive_mean" else "differs")
-        rows.append(f"| {r.layout:<44} | {r.world:>5} | {r.reduction:<11} | {r.rel_diff:>13.2e} | {verdict:<6} |")
+        if r.reduction == "naive_mean":
+            verdict = "same" if r.passed else "biased"
+        else:
+            verdict = "PASS" if r.passed else "FAIL"
+        rows.append(f"| {r.layout:<{width}} | {r.world:>5} | {r.reduction:<11} | {r.rel_diff:>13.2e} | {verdict:<6} |")
     return "\n".join(rows)

@@ -22,7 +22,7 @@ register_configs()
 TINY = [
     "model.dim=32", "model.depth=2", "model.heads=4", "model.init=normal",
     "optim=sgd", "optim.lr=0.5",
-    "train.steps=2", "train.global_batch=6", "train.micro_batch_tokens=300", "train.progress=false",
+    "train.steps=2", "train.global_batch=6", "train.micro_batch_tokens=400", "train.progress=false",
     "data.num_clips=16", "data.max_frames=8",
 ]
 

@@ -1,0 +1,76 @@
+"""`python -m dit_train` end to end: outputs, learning, sweeps, local multi-process launch."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.conftest import REPO, TINY, run_cli
+
+METRIC_KEYS = {"step", "loss", "grad_norm", "lr", "tokens", "samples", "step_time_s"}
+
+
+def _records(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_three_step_run_writes_every_output(tmp_path, data_cache):
+    out = tmp_path / "run"
+    r = run_cli(["train.steps=3", f"data.cache_dir={data_cache}", f"hydra.run.dir={out}"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    recs = _records(out)
+    assert [x["step"] for x in recs] == [0, 1, 2] and all(METRIC_KEYS <= x.keys() for x in recs)
+    assert all(x["samples"] == 8 and x["tokens"] > 0 for x in recs)
+    assert (out / "config.yaml").exists() and "reduction: sample_mean" in (out / "config.yaml").read_text()
+    assert list((out / "tb").glob("events.out.tfevents.*"))
+    weights = load_file(out / "weights.safetensors")
+    assert "blocks.0.attn.qkv.weight" in weights and "x_embedder.weight" in weights
+    assert all(v.dtype.is_floating_point and str(v.dtype) == "torch.float32" for v in weights.values())
+
+
+def test_two_process_run_shares_one_run_dir_and_key_names(tmp_path, data_cache):
+    one, two = tmp_path / "one", tmp_path / "two"
+    base = [*TINY, "train.steps=2", f"data.cache_dir={data_cache}"]
+    r1 = run_cli([*base, f"hydra.run.dir={one}"], cwd=tmp_path)
+    r2 = run_cli([*base, "parallel.dp_shard=2", f"hydra.run.dir={two}"], cwd=tmp_path)
+    assert r1.returncode == 0 and r2.returncode == 0, r2.stderr[-3000:]
+    assert len(_records(two)) == 2  # only rank 0 writes metrics
+    assert not [p for p in tmp_path.iterdir() if p.name not in ("one", "two")]  # no per-rank dirs
+    w1, w2 = load_file(one / "weights.safetensors"), load_file(two / "weights.safetensors")
+    assert w1.keys() == w2.keys()
+    assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < 1e-5
+
+
+def test_bad_override_fails_before_running(tmp_path):
+    r = run_cli(["train.stpes=3", f"hydra.run.dir={tmp_path / 'x'}"], cwd=tmp_path)
+    assert r.returncode != 0 and "stpes" in r.stderr
+    r = run_cli(["parallel.cp_ulysses=3", f"hydra.run.dir={tmp_path / 'y'}"], cwd=tmp_path)
+    assert r.returncode != 0 and "cp_ulysses" in r.stderr and not (tmp_path / "y" / "metrics.jsonl").exists()
+
+
+@pytest.mark.slow
+def test_loss_decreases_over_50_steps(tmp_path, data_cache):
+    out = tmp_path / "run"
+    r = run_cli(["train.steps=50", "optim.lr=3e-3", "train.progress=false", f"data.cache_dir={data_cache}",
+                 f"hydra.run.dir={out}"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    losses = [x["loss"] for x in _records(out)]
+    first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
+    assert last < 0.8 * first, (first, last)
+
+
+@pytest.mark.slow
+def test_sweep_and_plot(tmp_path, data_cache):
+    sweep = tmp_path / "sweep"
+    r = run_cli(["-m", "optim.lr=1e-3,3e-3", "loss.reduction=sample_mean,token_mean", "train.steps=3",
+                 "train.progress=false", f"data.cache_dir={data_cache}", f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert len(list(sweep.glob("*/metrics.jsonl"))) == 4
+    p = subprocess.run([sys.executable, str(REPO / "tools" / "plot_sweep.py"), str(sweep)], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert (sweep / "loss_curves.png").stat().st_size > 10_000
+    table = (sweep / "summary.md").read_text()
+    assert table.count("optim.lr=") == 4 and "loss.reduction=token_mean" in table

@@ -1,0 +1,112 @@
+"""Config tree: every group option and experiment composes into the typed schema; typos fail."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from dit_train.config import Config
+from dit_train.validate import ConfigError, validate
+from tests.conftest import CONF, compose_config
+
+GROUPS = ["model", "data", "parallel", "launcher", "loss", "optim", "train", "mode", "experiment"]
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def test_default_config_is_video_on_one_process():
+    cfg = compose_config()
+    assert isinstance(cfg, Config)
+    assert cfg.mode == "video" and cfg.model.name == "dit" and cfg.data.name == "synthetic_video"
+    assert cfg.loss.reduction == "sample_mean" and cfg.parallel.dp_shard == 1
+    validate(cfg)
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
+def test_every_option_composes(group, option):
+    prefix = "+" if group == "experiment" else ""
+    extra = ["mode=llm"] if group == "model" and option.startswith("lm") else []
+    cfg = compose_config([*extra, f"{prefix}{group}={option}"])
+    assert isinstance(cfg, Config)
+    if group not in ("data",):  # data options may need a user path (data.root=???)
+        validate(cfg)
+
+
+def test_stable_user_keys_exist():
+    cfg = compose_config([
+        "train.steps=7", "train.seed=3", "train.global_batch=5", "train.grad_accum=2", "train.micro_batch_tokens=999",
+        "optim.name=sgd", "optim.lr=0.1", "optim.weight_decay=0.01", "optim.max_grad_norm=0", "loss.reduction=token_mean",
+        "parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.cp_ulysses=2", "parallel.cp_ring=2",
+        "parallel.dp_mode=ddp", "parallel.cp_fsdp_mode=none",
+    ])
+    assert (cfg.train.steps, cfg.train.seed, cfg.train.global_batch, cfg.train.grad_accum) == (7, 3, 5, 2)
+    assert cfg.optim.max_grad_norm == 0 and cfg.parallel.cp_fsdp_mode == "none"
+
+
+@pytest.mark.parametrize("override", ["train.stpes=3", "optim.lr=fast", "parallel.dp_shards=2", "model=dit_huge"])
+def test_typos_fail_at_composition(override):
+    with pytest.raises(ConfigCompositionException):
+        compose_config([override])
+
+
+def test_mode_llm_switches_model_data_and_reduction():
+    cfg = compose_config(["mode=llm"])
+    assert (cfg.mode, cfg.model.name, cfg.data.name, cfg.loss.reduction) == ("llm", "lm", "text", "token_mean")
+    cfg = compose_config(["mode=llm", "loss=sample_mean"])  # a user's choice still wins
+    assert cfg.loss.reduction == "sample_mean"
+
+
+def test_experiment_video_cp8_is_8_way_cp():
+    cfg = compose_config(["+experiment=video_cp8"])
+    assert cfg.parallel.cp_ulysses * cfg.parallel.cp_ring == 8
+    validate(cfg)
+
+
+@pytest.mark.parametrize("override,needle", [
+    (["parallel.cp_ulysses=3"], "divisible by parallel.cp_ulysses"),
+    (["parallel.dp_mode=ddp", "parallel.meta_init=true"], "meta_init"),
+    (["train.precision=fp8"], "train.precision"),
+    (["loss.reduction=mean"], "loss.reduction"),
+    (["mode=llm", "model=dit_tiny"], "model.name=lm"),
+])
+def test_invalid_values_give_actionable_errors(override, needle):
+    with pytest.raises(ConfigError, match=needle):
+        validate(compose_config(override))
+
+
+def test_world_size_mismatch_under_torchrun_says_what_to_change():
+    with pytest.raises(ConfigError, match="parallel.dp_shard=4"):
+        validate(compose_config(["parallel.dp_shard=2"]), world_size=4)
+
+
+def test_slurm_launcher_composes():
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        d = compose("config", overrides=["hydra/launcher=submitit_slurm", "hydra.launcher.nodes=2",
+                                         "hydra.launcher.tasks_per_node=8", "hydra.launcher.gpus_per_node=8",
+                                         "parallel.dp_shard=16"], return_hydra_config=True)
+    assert d.hydra.launcher.nodes == 2 and d.hydra.launcher.tasks_per_node == 8
+    assert "SlurmLauncher" in d.hydra.launcher._target_
+
+
+def test_slurm_task_environment_becomes_torch_ranks(monkeypatch):
+    pytest.importorskip("submitit")
+    from dit_train.launch import adopt_slurm_env, external_world_size
+
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    env = {"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "4242", "SLURM_PROCID": "5", "SLURM_LOCALID": "1",
+           "SLURM_NTASKS": "8", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "node[07-08]", "SLURM_NODEID": "1"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert external_world_size() == 8
+    assert adopt_slurm_env()
+    import os
+
+    assert (os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"]) == ("5", "1", "8")
+    assert os.environ["MASTER_ADDR"] == "node07"
