@@ -34,11 +34,34 @@ def build_video_dataset(cfg: DataConfig, model_cfg: ModelConfig) -> Any:
                      f"(use synthetic_video, video_folder or latent_cache)")
 
 
-def build_task(mode: str, data: DataConfig, model: ModelConfig, loss: LossConfig, seed: int) -> Any:
+def build_text_datasets(cfg: DataConfig, model_cfg: ModelConfig) -> tuple[Any, Any]:
+    from data_pipelines.text import load_text_datasets
+
+    if cfg.name != "text":
+        raise ValueError(f"data.name={cfg.name!r} is not a text source for mode=llm (use data=text)")
+    train, heldout = load_text_datasets(cfg.text_path, cfg.tokenizer, cfg.max_doc_tokens, cfg.heldout_fraction)
+    if train.tokenizer.vocab_size > model_cfg.vocab_size:
+        raise ValueError(f"the {cfg.tokenizer} tokenizer has {train.tokenizer.vocab_size} ids but "
+                         f"model.vocab_size={model_cfg.vocab_size}; raise model.vocab_size")
+    return train, heldout
+
+
+def build_task(mode: str, data: DataConfig, model: ModelConfig, loss: LossConfig, seed: int,
+               split: str = "train") -> Any:
+    """The task of `mode` over the configured data (`split="heldout"` for evaluation data;
+    None when the source has no held-out part)."""
     if mode == "video":
         from dit_train.tasks.video import VideoTask
 
+        if split != "train":
+            return None
         return VideoTask(build_video_dataset(data, model), model, loss, seed)
+    if mode == "llm":
+        from dit_train.tasks.llm import LMTask
+
+        train, heldout = build_text_datasets(data, model)
+        ds = train if split == "train" else heldout
+        return LMTask(ds) if ds is not None else None
     raise ValueError(f"mode={mode!r} must be video or llm")
 
 

@@ -77,6 +77,8 @@ def run(cfg: Config, ctx: ParallelContext | None = None) -> dict[str, Any]:
         write_resolved_config(cfg, run_dir)
 
     task = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed)
+    heldout = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed, split="heldout") \
+        if cfg.train.eval_every > 0 else None
     model = build_parallel_model(cfg, ctx)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
@@ -92,12 +94,15 @@ def run(cfg: Config, ctx: ParallelContext | None = None) -> dict[str, Any]:
             res = trainer.step(step)
             dt = time.perf_counter() - t0
             last = res
-            logger.log({
+            record = {
                 "step": step, "loss": res.loss, "grad_norm": res.grad_norm,
                 "lr": scheduler.get_last_lr()[0], "tokens": res.tokens, "samples": res.samples,
                 "micro_batches": res.micro_batches, "step_time_s": dt, "tokens_per_s": res.tokens / max(dt, 1e-9),
                 "skipped": int(res.skipped),
-            })
+            }
+            if heldout is not None and ((step + 1) % cfg.train.eval_every == 0 or step + 1 == cfg.train.steps):
+                record.update(trainer.evaluate(heldout))
+            logger.log(record)
             if trainer.skipped_in_a_row > cfg.train.max_skipped_steps:
                 raise RuntimeError(f"{trainer.skipped_in_a_row} steps in a row had non-finite gradients "
                                    f"(train.max_skipped_steps={cfg.train.max_skipped_steps}); lower optim.lr or "

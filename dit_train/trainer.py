@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from data_pipelines.packing import plan_step
+from data_pipelines.packing import balanced_split, pack_ffd, plan_step
 from dit_train.batch import PackedBatch
 from dit_train.config import LossConfig, OptimConfig, ParallelConfig, TrainConfig
 from dit_train.loss import StepMeta, sync_metadata, token_weights, weighted_loss
@@ -69,12 +69,16 @@ class Trainer:
         """This rank's micro-batches of `step` (CP-local tokens, on device) and attention metas."""
         t = self.train_cfg
         plan = plan_step(step, self.lengths, t.global_batch, self.ctx.dims.dp, t.grad_accum, t.micro_batch_tokens, t.seed)
+        return self._prepare(self.task, plan.micro_batches[self.ctx.dp_rank], step)
+
+    def _prepare(self, task: Any, packs: list[list[int]], step: int) -> tuple[list[PackedBatch], list[Any]]:
+        """Build each pack of sample ids, split it for CP, move it to the device."""
         batches, metas = [], []
         cp = self.ctx.dims.cp
-        for ids in plan.micro_batches[self.ctx.dp_rank]:
-            full = self.task.build(ids, step)
+        for ids in packs:
+            full = task.build(ids, step)
             if cp > 1:
-                local, meta = split_for_cp(full, cp, self.ctx.cp_rank, self.task.cp_layout)
+                local, meta = split_for_cp(full, cp, self.ctx.cp_rank, task.cp_layout)
                 meta.seg, meta.order = meta.seg.to(self.ctx.device), meta.order.to(self.ctx.device)
                 meta.index = [i.to(self.ctx.device) for i in meta.index]
             else:
@@ -86,6 +90,34 @@ class Trainer:
             batches.append(local)
             metas.append(meta)
         return batches, metas
+
+    @torch.no_grad()
+    def evaluate(self, task: Any) -> dict[str, float]:
+        """Token-mean loss (and perplexity) over every sample of `task`, shared across ranks.
+
+        Exact and layout-independent: sums of losses and of valid tokens are all-reduced once.
+        """
+        lengths = dict(enumerate(task.lengths()))
+        per_rank = [pack_ffd(ids, lengths, self.train_cfg.micro_batch_tokens)
+                    for ids in balanced_split(list(lengths), lengths, self.ctx.dims.dp)]
+        m = max(len(r) for r in per_rank)  # same number of forwards on every rank (FSDP)
+        packs = per_rank[self.ctx.dp_rank] + [[] for _ in range(m - len(per_rank[self.ctx.dp_rank]))]
+        was_training = self.model.training
+        self.model.eval()
+        totals = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
+        for k in range(m):  # one pack at a time: evaluation sets can be large
+            (batch,), (meta,) = self._prepare(task, [packs[k]], step=0)
+            per_token = self.task_loss(task, batch, meta)
+            totals[0] += (per_token.double() * batch.valid).sum()
+            totals[1] += batch.valid.sum()
+        self.model.train(was_training)
+        if self.ctx.world_group is not None:
+            dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=self.ctx.world_group)
+        loss = float(totals[0] / totals[1].clamp(min=1))
+        return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": int(totals[1])}
+
+    def task_loss(self, task: Any, batch: PackedBatch, meta: Any) -> torch.Tensor:
+        return task.per_token_loss(self.model, batch, meta)
 
     def sync(self, batches: list[PackedBatch]) -> StepMeta:
         return sync_metadata(batches, self.ctx.cp_group, self.ctx.dp_group, world=self.ctx.dims.world, device=self.ctx.device)

@@ -1,0 +1,148 @@
+"""mode=llm: documents packed with block-causal masks, token-mean on the same backbone."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from data_pipelines.text import IGNORE, ByteTokenizer, TextDataset, load_text_datasets
+from dit_train.tasks.llm import LMTask
+from dit_train.verify import apply_layout, parse_layout, relative_difference, run_layout
+from tests.conftest import REPO, compose_config, run_cli
+
+LLM_TINY = [
+    "mode=llm", "model.dim=32", "model.depth=2", "model.heads=4", "model.init=normal",
+    "optim=sgd", "optim.lr=0.5", "train.steps=2", "train.global_batch=6", "train.micro_batch_tokens=160",
+    "train.progress=false", "data.max_doc_tokens=128", "data.heldout_fraction=0.0", "train.eval_every=0",
+]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Uneven documents (2..300 bytes) plus prompt-only rows whose labels are all ignored, so
+    some packs hold no valid token at all."""
+    g = torch.Generator().manual_seed(0)
+    words = "the cat sat on a mat while dogs ran far away from every green hill".split()
+    rows = []
+    for i in range(30):
+        n = int(torch.randint(1, 60, (1,), generator=g))
+        rows.append({"text": " ".join(words[int(j)] for j in torch.randint(0, len(words), (n,), generator=g))})
+        if i % 5 == 0:
+            rows.append({"prompt": f"question {i}: what sat on the mat?", "completion": ""})
+    p = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
+    p.write_text("\n".join(json.dumps(r) for r in rows) + "\nnot json\n")
+    return str(p)
+
+
+@pytest.fixture(scope="module")
+def llm_cfg(corpus):
+    return compose_config([*LLM_TINY, f"data.text_path={corpus}"])
+
+
+def test_embedded_corpus_loads_with_heldout_split():
+    train, heldout = load_text_datasets("", "byte", 512, 0.05)
+    assert len(train) > 500 and heldout is not None and len(heldout) > 10
+    assert max(train.lengths()) == 512 and min(train.lengths()) >= 1
+
+
+def test_labels_shift_inside_documents_and_prompts_are_ignored():
+    tok = ByteTokenizer()
+    ds = TextDataset([("0", "abcd"), ("1\x00prompt", json.dumps(["Q:", "yes"])), ("2", "xy")], tok, 128, heldout_fraction=0)
+    batch = LMTask(ds).build([0, 1, 2], step=0)
+    assert batch.tokens["ids"].tolist() == tok.encode("abc") + tok.encode("Q:ye") + tok.encode("x")
+    labels = batch.tokens["labels"].tolist()
+    assert labels[:3] == tok.encode("bcd")  # shifted within doc 0, nothing crosses into doc 1
+    assert labels[3:7] == [IGNORE] + tok.encode("yes")  # "Q:" predicts ":" -> ignored prompt label
+    assert labels[7:] == tok.encode("y")
+    assert batch.seg.tolist() == [0] * 3 + [1] * 4 + [2] and batch.order.tolist() == [0, 1, 2, 0, 1, 2, 3, 0]
+    assert batch.valid.tolist() == [x != IGNORE for x in labels]
+
+
+def test_packs_without_valid_tokens_give_finite_zero_loss(llm_cfg):
+    from dit_train.data import build_task
+    from dit_train.loss import sync_metadata, token_weights
+    from dit_train.models import build_model, init_weights
+    from kernels import VarlenMeta
+
+    task = build_task(llm_cfg.mode, llm_cfg.data, llm_cfg.model, llm_cfg.loss, 0)
+    prompt_only = [i for i in range(len(task.dataset)) if task.dataset[i].prompt_len >= task.dataset.num_tokens(i)]
+    assert prompt_only, "the fixture corpus must contain prompt-only documents"
+    batch = task.build(prompt_only[:2], step=0).pad_to_multiple(1)
+    assert not batch.valid.any()
+    model = build_model(llm_cfg.model)
+    init_weights(model, 0, "normal")
+    meta = sync_metadata([batch], None, None)
+    for reduction in ("token_mean", "sample_mean", "sample_sum"):
+        per_token = task.per_token_loss(model, batch, VarlenMeta.build(batch.seg, batch.order, True))
+        loss = (per_token * token_weights(reduction, batch.seg, batch.valid, meta, 0)).sum()
+        loss.backward()
+        assert torch.isfinite(loss) and float(loss) == 0.0
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+LLM_LAYOUTS = [
+    "dp_shard=2",
+    "cp_ulysses=2",                                   # zigzag + permuted varlen path
+    "cp_ring=2,grad_accum=2",                         # zigzag ring, causal masks across chunks
+    "dp_shard=2,cp_ulysses=2,cp_ring=2",              # hybrid, 8 workers
+    "dp_replicate=2,cp_ring=2,dp_mode=ddp,cp_fsdp_mode=none",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", LLM_LAYOUTS)
+def test_llm_layout_matches_one_process(spec, llm_cfg, llm_oracle):
+    reductions = ["token_mean", "sample_mean", "sample_sum"]
+    got = run_layout(llm_cfg, parse_layout(spec), reductions)
+    for r, ref, other in zip(reductions, llm_oracle, got):
+        rel = relative_difference(ref, other)
+        assert rel <= 1e-4, f"{spec} {r}: {rel:.2e}"
+
+
+@pytest.fixture(scope="module")
+def llm_oracle(llm_cfg):
+    return run_layout(llm_cfg, {}, ["token_mean", "sample_mean", "sample_sum"])
+
+
+def _eval_worker(cfg):
+    from dit_train.data import build_task
+    from dit_train.optim import build_optimizer, build_scheduler
+    from dit_train.parallel.mesh import init_parallel
+    from dit_train.train import build_parallel_model
+    from dit_train.trainer import Trainer
+
+    ctx = init_parallel(cfg.parallel)
+    task = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, 0)
+    model = build_parallel_model(cfg, ctx)
+    opt = build_optimizer(model, cfg.optim)
+    tr = Trainer(model, task, opt, build_scheduler(opt, cfg.optim, 1), ctx, cfg.train, cfg.optim, cfg.loss, cfg.parallel)
+    return tr.evaluate(task)
+
+
+@pytest.mark.slow
+def test_perplexity_is_layout_independent(llm_cfg):
+    from dit_train.launch import launch_local
+
+    one = _eval_worker(llm_cfg)
+    cfg = apply_layout(llm_cfg, {"dp_shard": 2, "cp_ring": 2})
+    four = launch_local(_eval_worker, (cfg,), 4, cfg.launcher)[0]
+    assert one["eval_tokens"] == four["eval_tokens"] > 0
+    assert abs(one["eval_loss"] - four["eval_loss"]) < 1e-5 * one["eval_loss"]
+
+
+@pytest.mark.slow
+def test_llm_run_on_embedded_corpus_lowers_loss_and_generates(tmp_path):
+    out = tmp_path / "lm"
+    r = run_cli(["mode=llm", "model.dim=64", "train.steps=40", "train.eval_every=20", "optim.lr=3e-3",
+                 "train.progress=false", f"hydra.run.dir={out}"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert recs[0]["loss"] > 5.0 and recs[-1]["loss"] < 3.5  # ln(256) = 5.55 at the start
+    evals = [x for x in recs if "eval_ppl" in x]
+    assert len(evals) == 2 and evals[-1]["eval_ppl"] < evals[0]["eval_ppl"] * 1.2 and evals[-1]["eval_ppl"] < 40
+    p = subprocess.run([sys.executable, str(REPO / "tools" / "generate.py"), str(out), "--prompt", "The ",
+                        "--max-new", "20"], capture_output=True, text=True)
+    assert p.returncode == 0 and p.stdout.startswith("The ") and len(p.stdout) > 15, p.stderr
