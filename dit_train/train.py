@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from dit_train.checkpoint import export_weights
+from dit_train.checkpoint import export_weights, load_checkpoint, resolve_checkpoint, save_checkpoint
 from dit_train.config import Config
 from dit_train.data import build_task
 from dit_train.metrics import MetricsLogger
@@ -62,9 +62,12 @@ def shared_run_dir(run_dir: str, ctx: ParallelContext) -> str:
     return box[0]
 
 
-def write_resolved_config(cfg: Config, run_dir: Path) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+def resume_spec(cfg: Config) -> str:
+    """train.resume, except that a worker restarted by the elastic agent (after a failure,
+    launcher.max_restarts > 0) always continues from the newest checkpoint of its run."""
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and not cfg.train.resume:
+        return "auto"
+    return cfg.train.resume
 
 
 def run(cfg: Config, ctx: ParallelContext | None = None) -> dict[str, Any]:
@@ -72,9 +75,11 @@ def run(cfg: Config, ctx: ParallelContext | None = None) -> dict[str, Any]:
     ctx = ctx or init_parallel(cfg.parallel)
     set_threads(cfg.parallel.threads_per_worker, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     run_dir = Path(shared_run_dir(cfg.run_dir, ctx))
+    cfg.run_dir = str(run_dir)
+    config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
     if ctx.is_main:
-        cfg.run_dir = str(run_dir)
-        write_resolved_config(cfg, run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(config_yaml)
 
     task = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed)
     heldout = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed, split="heldout") \
@@ -85,9 +90,18 @@ def run(cfg: Config, ctx: ParallelContext | None = None) -> dict[str, Any]:
     trainer = Trainer(model, task, optimizer, scheduler, ctx, cfg.train, cfg.optim, cfg.loss, cfg.parallel)
 
     start = 0
+    ckpt = resolve_checkpoint(resume_spec(cfg), run_dir)
+    if ckpt is not None:
+        meta = load_checkpoint(ckpt, model, optimizer, scheduler)
+        trainer.load_state_dict(meta.get("trainer", {}))
+        start = int(meta["step"]) + 1
+
     logger = MetricsLogger(run_dir, cfg.train.steps, start, enabled=ctx.is_main,
                            progress=cfg.train.progress, log_every=cfg.train.log_every)
+    if ckpt is not None:
+        logger.write(f"resumed from {ckpt} at step {start}")
     last = None
+    every = cfg.train.ckpt_every
     try:
         for step in range(start, cfg.train.steps):
             t0 = time.perf_counter()
@@ -98,20 +112,33 @@ def run(cfg: Config, ctx: ParallelContext | None = None) -> dict[str, Any]:
                 "step": step, "loss": res.loss, "grad_norm": res.grad_norm,
                 "lr": scheduler.get_last_lr()[0], "tokens": res.tokens, "samples": res.samples,
                 "micro_batches": res.micro_batches, "step_time_s": dt, "tokens_per_s": res.tokens / max(dt, 1e-9),
-                "skipped": int(res.skipped),
+                "skipped": int(res.skipped), "skipped_total": trainer.skipped_total,
             }
+            if res.dropped:
+                record["samples_dropped"] = res.dropped
+            if trainer.loss_scale is not None:
+                record["loss_scale"] = trainer.loss_scale.scale
             if heldout is not None and ((step + 1) % cfg.train.eval_every == 0 or step + 1 == cfg.train.steps):
                 record.update(trainer.evaluate(heldout))
             logger.log(record)
             if trainer.skipped_in_a_row > cfg.train.max_skipped_steps:
-                raise RuntimeError(f"{trainer.skipped_in_a_row} steps in a row had non-finite gradients "
-                                   f"(train.max_skipped_steps={cfg.train.max_skipped_steps}); lower optim.lr or "
-                                   f"check the data")
+                raise NonFiniteTraining(
+                    f"{trainer.skipped_in_a_row} steps in a row had non-finite gradients or losses "
+                    f"(train.max_skipped_steps={cfg.train.max_skipped_steps}); lower optim.lr, enable clipping "
+                    f"(optim.max_grad_norm), use train.precision=bf16 instead of fp16, or check the data")
+            if every > 0 and ((step + 1) % every == 0 or step + 1 == cfg.train.steps):
+                save_checkpoint(run_dir, step, model, optimizer, scheduler, trainer.state_dict(), config_yaml,
+                                cfg.train.keep_last)
         if cfg.train.save_weights:
             export_weights(model, run_dir / "weights.safetensors", ctx.is_main)
     finally:
         logger.close()
-    summary = {"steps": cfg.train.steps, "final_loss": last.loss if last else None, "skipped_steps": trainer.skipped_total}
+    summary = {"steps": cfg.train.steps, "final_loss": last.loss if last else None,
+               "skipped_steps": trainer.skipped_total, "resumed_from": str(ckpt) if ckpt else None}
     if ctx.is_main:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+class NonFiniteTraining(RuntimeError):
+    """Too many consecutive steps with non-finite gradients."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +18,7 @@ from dit_train.batch import PackedBatch
 from dit_train.config import LossConfig, OptimConfig, ParallelConfig, TrainConfig
 from dit_train.loss import StepMeta, sync_metadata, token_weights, weighted_loss
 from dit_train.parallel.context_parallel import split_for_cp
+from dit_train.precision import DynamicLossScale, autocast
 from dit_train.parallel.mesh import ParallelContext
 from dit_train.parallel.parallelize import grad_sync_groups, sync_unsharded_grads
 from kernels import VarlenMeta
@@ -32,6 +32,7 @@ class StepResult:
     samples: int
     micro_batches: int
     skipped: bool
+    dropped: int = 0  # samples of this step whose data could not be read (skipped and counted)
 
 
 def grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
@@ -62,6 +63,8 @@ class Trainer:
         self._manual_sync = grad_sync_groups(ctx, parallel)
         self.skipped_in_a_row = 0
         self.skipped_total = 0
+        self._dropped = 0
+        self.loss_scale = DynamicLossScale() if train.precision == "fp16" else None
 
     # -- data ----------------------------------------------------------------------------------
 
@@ -75,8 +78,10 @@ class Trainer:
         """Build each pack of sample ids, split it for CP, move it to the device."""
         batches, metas = [], []
         cp = self.ctx.dims.cp
+        self._dropped = 0
         for ids in packs:
             full = task.build(ids, step)
+            self._dropped += len(ids) - full.num_samples
             if cp > 1:
                 local, meta = split_for_cp(full, cp, self.ctx.cp_rank, task.cp_layout)
                 meta.seg, meta.order = meta.seg.to(self.ctx.device), meta.order.to(self.ctx.device)
@@ -107,7 +112,8 @@ class Trainer:
         totals = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
         for k in range(m):  # one pack at a time: evaluation sets can be large
             (batch,), (meta,) = self._prepare(task, [packs[k]], step=0)
-            per_token = self.task_loss(task, batch, meta)
+            with self._autocast():
+                per_token = self.task_loss(task, batch, meta)
             totals[0] += (per_token.double() * batch.valid).sum()
             totals[1] += batch.valid.sum()
         self.model.train(was_training)
@@ -124,14 +130,27 @@ class Trainer:
 
     # -- gradient sync control -----------------------------------------------------------------
 
-    def _sync_context(self, last: bool):
-        """Gradients are reduced only on the last micro-batch of a step."""
+    def _sync_context(self, sync: bool):
+        """Gradients are reduced only when `sync` (the last micro-batch of a step)."""
         if isinstance(self.model, FSDPModule):
-            self.model.set_requires_gradient_sync(last)
+            self.model.set_requires_gradient_sync(sync)
             return contextlib.nullcontext()
-        if isinstance(self.model, torch.nn.parallel.DistributedDataParallel) and not last:
+        if isinstance(self.model, torch.nn.parallel.DistributedDataParallel) and not sync:
             return self.model.no_sync()
         return contextlib.nullcontext()
+
+    def _any_rank(self, flag: torch.Tensor) -> bool:
+        """True if `flag` is set on any rank (one tiny all-reduce MAX over all ranks)."""
+        if self.ctx.world_group is not None:
+            flag = flag.to(torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.ctx.world_group)
+        return bool(flag)
+
+    @property
+    def _can_skip_sync(self) -> bool:
+        """FSDP2 must run its reduce-scatter on the last backward (its accumulated unsharded
+        gradients live inside FSDP); DDP and manual sums can simply not communicate."""
+        return not isinstance(self.model, FSDPModule)
 
     # -- the step ------------------------------------------------------------------------------
 
@@ -140,34 +159,64 @@ class Trainer:
         meta = self.sync(batches)
         reduction = self.loss_cfg.reduction
         loss_sum = torch.zeros((), device=self.ctx.device)
+        nonfinite = torch.zeros((), dtype=torch.bool, device=self.ctx.device)
+        scale = self.loss_scale.scale if self.loss_scale is not None else 1.0
+        known_bad = False
         n = len(batches)
         for k, (batch, attn_meta) in enumerate(zip(batches, attn_metas)):
-            with self._sync_context(last=k == n - 1):
+            last = k == n - 1
+            if last:
+                # a non-finite loss on any rank is known before the gradient sync: the sync is
+                # skipped where the wrapper allows it, and the step is skipped everywhere
+                known_bad = self._any_rank(nonfinite)
+            with self._sync_context(last and not (known_bad and self._can_skip_sync)), self._autocast():
                 per_token = self.task.per_token_loss(self.model, batch, attn_meta)
                 weights = token_weights(reduction, batch.seg, batch.valid, meta, k)
                 loss = weighted_loss(per_token, weights)
-                loss.backward()
+                (loss * scale if scale != 1.0 else loss).backward()
+            nonfinite |= ~torch.isfinite(loss.detach())
             loss_sum += loss.detach()
-        sync_unsharded_grads(self.model, self._manual_sync)
+        if not known_bad:
+            sync_unsharded_grads(self.model, self._manual_sync)
+        if scale != 1.0:
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(1.0 / scale)
         norm = grad_norm_(self.model, self.optim_cfg.max_grad_norm)
-        # The norm is a global quantity (same on every rank), so skipping is consistent.
-        skipped = not bool(torch.isfinite(norm))
+        # known_bad and the norm are global quantities (same on every rank): consistent skips
+        skipped = known_bad or not bool(torch.isfinite(norm))
         if skipped:
             self.skipped_in_a_row += 1
             self.skipped_total += 1
         else:
             self.skipped_in_a_row = 0
             self.optimizer.step()
+        if self.loss_scale is not None:
+            self.loss_scale.update(overflow=skipped)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        # the logged loss is the true global Σ w·l: one detached all-reduce per step
+        # the logged loss is the true global Σ w·l: one detached all-reduce per step (with the
+        # count of unreadable samples, taken once per CP group)
+        stats = torch.stack([loss_sum.double(), torch.tensor(float(self._dropped if self.ctx.cp_rank == 0 else 0),
+                                                               dtype=torch.float64, device=loss_sum.device)])
         if self.ctx.world_group is not None:
-            dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM, group=self.ctx.world_group)
-        return StepResult(loss=float(loss_sum), grad_norm=float(norm), tokens=meta.num_tokens,
-                          samples=meta.num_samples, micro_batches=n, skipped=skipped)
+            dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=self.ctx.world_group)
+        return StepResult(loss=float(stats[0]), grad_norm=float(norm), tokens=meta.num_tokens,
+                          samples=meta.num_samples, micro_batches=n, skipped=skipped, dropped=int(stats[1]))
 
+    def _autocast(self):
+        fsdp_casts = isinstance(self.model, FSDPModule) and self.ctx.device.type == "cuda"
+        return autocast(self.train_cfg.precision, self.ctx.device, fsdp_casts)
 
-def timed(fn, *args):
-    t0 = time.perf_counter()
-    out = fn(*args)
-    return out, time.perf_counter() - t0
+    # -- state for checkpoints ------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"skipped_in_a_row": self.skipped_in_a_row, "skipped_total": self.skipped_total,
+                "loss_scale": self.loss_scale.state_dict() if self.loss_scale is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.skipped_in_a_row = int(state.get("skipped_in_a_row", 0))
+        self.skipped_total = int(state.get("skipped_total", 0))
+        if self.loss_scale is not None and state.get("loss_scale"):
+            self.loss_scale.load_state_dict(state["loss_scale"])

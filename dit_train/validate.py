@@ -43,6 +43,15 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check(t.grad_accum >= 1, f"train.grad_accum={t.grad_accum} must be >= 1", e)
     _check(t.micro_batch_tokens >= 1, f"train.micro_batch_tokens={t.micro_batch_tokens} must be >= 1", e)
     _check(t.precision in ("fp32", "bf16", "fp16"), f"train.precision={t.precision!r} must be fp32, bf16 or fp16", e)
+    _check(t.ckpt_every >= 0, f"train.ckpt_every={t.ckpt_every} must be >= 0 (0 = no checkpoints)", e)
+    _check(t.keep_last >= 1, f"train.keep_last={t.keep_last} must be >= 1", e)
+    _check(t.max_skipped_steps >= 0, f"train.max_skipped_steps={t.max_skipped_steps} must be >= 0", e)
+    _check(t.eval_every >= 0, f"train.eval_every={t.eval_every} must be >= 0", e)
+    _check(0.0 <= cfg.data.heldout_fraction < 1.0, f"data.heldout_fraction={cfg.data.heldout_fraction} must be in [0, 1)", e)
+    _check(cfg.launcher.max_restarts >= 0, f"launcher.max_restarts={cfg.launcher.max_restarts} must be >= 0", e)
+    _check(not (cfg.launcher.max_restarts > 0 and t.ckpt_every == 0),
+           "launcher.max_restarts > 0 restarts from the latest checkpoint, but train.ckpt_every=0 writes none; "
+           "set train.ckpt_every (e.g. 100)", e)
     _check(o.name in ("adamw", "sgd"), f"optim.name={o.name!r} must be adamw or sgd", e)
     _check(o.lr > 0, f"optim.lr={o.lr} must be > 0", e)
     _check(o.max_grad_norm >= 0, f"optim.max_grad_norm={o.max_grad_norm} must be >= 0 (0 disables clipping)", e)

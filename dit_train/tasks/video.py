@@ -1,12 +1,14 @@
 """Video diffusion task: clips -> noisy packed patches -> per-token flow-matching loss."""
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 from einops import rearrange
 from torch import nn
 
+from data_pipelines.video_io import VideoReadError
 from dit_train.batch import PackedBatch
 from dit_train.config import LossConfig, ModelConfig
 from dit_train.objectives.flow_matching import noisy_sample, per_token_mse
@@ -30,6 +32,9 @@ def unpatchify(tokens: torch.Tensor, grid: tuple[int, int, int], patch: tuple[in
     return rearrange(tokens, "(f h w) (c pt ph pw) -> c (f pt) (h ph) (w pw)", f=f, h=h, w=w, c=channels, pt=pt, ph=ph, pw=pw)
 
 
+log = logging.getLogger(__name__)
+
+
 class VideoTask:
     """Builds packs of noisy video patches and scores the DiT's velocity prediction.
 
@@ -46,6 +51,7 @@ class VideoTask:
         self.patch_dim = model_cfg.in_channels * self.patch[0] * self.patch[1] * self.patch[2]
         self.loss_cfg = loss_cfg
         self.seed = seed
+        self.failed: set[int] = set()  # samples whose file could not be decoded (skipped, counted)
 
     def lengths(self) -> list[int]:
         return self.dataset.lengths()
@@ -53,8 +59,19 @@ class VideoTask:
     def build(self, sample_ids: list[int], step: int) -> PackedBatch:
         """The full (un-split) pack of `sample_ids` at `step`, on the CPU."""
         xs, targets, pos, seg, order, ts = [], [], [], [], [], []
-        for k, sid in enumerate(sample_ids):
-            x0 = self.dataset[sid].pixels
+        kept = []
+        for sid in sample_ids:
+            try:
+                x0 = self.dataset[sid].pixels
+            except VideoReadError as err:
+                # skip and count: the same file fails whatever the layout, so dropping it keeps
+                # every rank consistent (its tokens are simply absent from the metadata sync)
+                if sid not in self.failed:
+                    log.warning("dropping sample %d: %s", sid, err)
+                self.failed.add(sid)
+                continue
+            k = len(kept)
+            kept.append(sid)
             xt, v, t = noisy_sample(x0, self.seed, sid, step, self.loss_cfg)
             tok, grid = patchify(xt, self.patch)
             tgt, _ = patchify(v, self.patch)
@@ -65,7 +82,7 @@ class VideoTask:
             seg.append(torch.full((n,), k, dtype=torch.long))
             order.append(torch.arange(n))
             ts.append(t)
-        if not sample_ids:
+        if not kept:
             return PackedBatch(seg=torch.zeros(0, dtype=torch.long), pos=torch.zeros(0, 3, dtype=torch.long),
                                order=torch.zeros(0, dtype=torch.long), valid=torch.zeros(0, dtype=torch.bool),
                                tokens={"x": torch.zeros(0, self.patch_dim), "target": torch.zeros(0, self.patch_dim)},
@@ -75,7 +92,7 @@ class VideoTask:
             seg=seg_t, pos=torch.cat(pos), order=torch.cat(order), valid=torch.ones_like(seg_t, dtype=torch.bool),
             tokens={"x": torch.cat(xs), "target": torch.cat(targets)},
             samples={"t": torch.tensor(ts, dtype=torch.float32)},
-            sample_ids=torch.tensor(sample_ids, dtype=torch.long), causal=False,
+            sample_ids=torch.tensor(kept, dtype=torch.long), causal=False,
         )
 
     def per_token_loss(self, model: nn.Module, batch: PackedBatch, attn_meta: Any) -> torch.Tensor:
