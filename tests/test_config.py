@@ -98,15 +98,16 @@ def test_slurm_task_environment_becomes_torch_ranks(monkeypatch):
     pytest.importorskip("submitit")
     from dit_train.launch import adopt_slurm_env, external_world_size
 
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
-        monkeypatch.delenv(k, raising=False)
+    import os
+
+    # adopt_slurm_env writes os.environ: give it a throw-away copy so nothing leaks into later tests
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items()
+                                        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")})
     env = {"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "4242", "SLURM_PROCID": "5", "SLURM_LOCALID": "1",
            "SLURM_NTASKS": "8", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "node[07-08]", "SLURM_NODEID": "1"}
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     assert external_world_size() == 8
     assert adopt_slurm_env()
-    import os
-
     assert (os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"]) == ("5", "1", "8")
     assert os.environ["MASTER_ADDR"] == "node07"

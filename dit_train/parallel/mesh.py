@@ -94,6 +94,17 @@ def resolve_device(cfg: ParallelConfig, local_rank: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
+def _restart_safe_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """Under torch elastic the workers share the agent's TCPStore, which outlives a restart:
+    the killed round's keys (e.g. gloo's peer addresses) would be read back by the new round
+    and connections refused. A prefix per restart round keeps each round's keys apart."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"dit_train/restart{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 def init_parallel(cfg: ParallelConfig) -> ParallelContext:
     """Initialise the process group (if the layout needs more than one process) and the mesh.
 
@@ -109,7 +120,13 @@ def init_parallel(cfg: ParallelConfig) -> ParallelContext:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=10))
+        timeout = datetime.timedelta(minutes=10)
+        store = _restart_safe_store(timeout)
+        if store is not None:
+            dist.init_process_group(backend=backend, store=store, rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+        else:
+            dist.init_process_group(backend=backend, timeout=timeout)
     if dist.get_world_size() != dims.world:
         raise ValueError(f"{dist.get_world_size()} processes were started but the layout needs "
                          f"{dims.describe()}; start that many or change the parallel.* degrees")
