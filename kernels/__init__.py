@@ -1,4 +1,5 @@
 """Single-device attention kernels behind one varlen interface (see attention.py)."""
+from kernels.cross_attention import packed_cross_attention
 from kernels.attention import (
     BACKENDS,
     LocalAttention,
@@ -17,6 +18,7 @@ __all__ = [
     "attention_mask",
     "attention_with_lse",
     "merge_partials",
+    "packed_cross_attention",
     "resolve_backend",
     "varlen_attention",
 ]
