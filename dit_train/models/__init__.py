@@ -23,7 +23,7 @@ def build_model(cfg: ModelConfig, attn_backend: str = "sdpa") -> nn.Module:
     if cfg.name == "dit":
         if len(cfg.patch_size) != 3:
             raise ValueError(f"model.patch_size={list(cfg.patch_size)} must be [t, h, w]")
-        return VideoDiT(patch_dim=patch_dim(cfg), **common)
+        return VideoDiT(patch_dim=patch_dim(cfg), text_dim=cfg.text_dim, **common)
     if cfg.name == "lm":
         return CausalLM(vocab_size=cfg.vocab_size, **common)
     raise ValueError(f"model.name={cfg.name!r} must be 'dit' or 'lm'")
