@@ -56,6 +56,13 @@ class VideoTask:
     def lengths(self) -> list[int]:
         return self.dataset.lengths()
 
+    def prefetch(self, sample_ids: list[int]) -> None:
+        """Ids that the next `build` calls will read: decoded ahead in background workers when
+        the dataset has them (data.num_workers > 0); a no-op otherwise."""
+        ahead = getattr(self.dataset, "prefetch", None)
+        if ahead is not None:
+            ahead(sample_ids)
+
     def build(self, sample_ids: list[int], step: int) -> PackedBatch:
         """The full (un-split) pack of `sample_ids` at `step`, on the CPU."""
         xs, targets, pos, seg, order, ts = [], [], [], [], [], []
