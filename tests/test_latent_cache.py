@@ -172,6 +172,12 @@ def test_in_channels_must_match_the_cache(cache):
         check_data(cfg)
     cfg.model.in_channels = Z_DIM
     check_data(cfg)
+    from dit_train.data import build_task
+
+    task = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed)  # data.num_workers=2: prefetched
+    assert task.dataset.text_dim == TEXT_DIM and task.dataset.null_text_emb().shape == (1, TEXT_DIM)
+    task.prefetch([0, 1])
+    assert task.dataset[1].text_emb.shape[1] == TEXT_DIM
 
 
 def test_training_on_latents(cache, tmp_path):

@@ -186,16 +186,12 @@ def test_pixel_source_refuses_latent_channels(folder, tmp_path):
 
 @pytest.mark.slow
 def test_cli_trains_on_a_video_folder(folder, tmp_path):
-    """3 steps from the command line, with 0 and 2 decode workers: the same losses."""
-    losses = []
-    for workers in (0, 2):
-        run_dir = tmp_path / f"run{workers}"
-        res = run_cli(TINY + ["data=video_folder", f"data.root={folder}", f"data.cache_dir={tmp_path / 'cache'}",
-                              f"data.num_workers={workers}", "train.steps=3", "train.global_batch=3",
-                              f"hydra.run.dir={run_dir}"], cwd=REPO)
-        assert res.returncode == 0, res.stderr[-3000:]
-        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        assert [r["step"] for r in rows] == [0, 1, 2] and all(r["samples"] == 3 for r in rows)
-        losses.append([r["loss"] for r in rows])
+    """`python -m dit_train data=video_folder ...`: 3 steps with 2 decode workers, the corrupt
+    file skipped and reported (pack equality across worker counts: test above)."""
+    run_dir = tmp_path / "run"
+    res = run_cli(TINY + ["data=video_folder", f"data.root={folder}", f"data.cache_dir={tmp_path / 'cache'}",
+                          "data.num_workers=2", "train.steps=3", "train.global_batch=3", f"hydra.run.dir={run_dir}"], cwd=REPO)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2] and all(r["samples"] == 3 and r["tokens"] > 0 for r in rows)
     assert "skipped 1 unreadable video" in res.stdout + res.stderr
-    assert losses[0] == losses[1]
