@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,8 +30,13 @@ class ClipEntry:
 
 @dataclass
 class VideoSample:
-    pixels: torch.Tensor  # [3, F, H, W] float in [-1, 1], F/H/W multiples of the patch
+    # [C, F, H, W], F/H/W multiples of the patch: pixels in [-1, 1] (C = 3) for video sources,
+    # normalized VAE latents (C = latent channels) for latent_cache
+    pixels: torch.Tensor
     caption: str
+    # caption embedding [Lt, text_dim] float32, valid tokens only (Lt varies per sample);
+    # None when the source has no encoded captions (raw videos)
+    text_emb: torch.Tensor | None = None
 
 
 def read_manifest(path: Path) -> list[dict]:
@@ -68,6 +74,7 @@ class VideoClipDataset:
         self.buckets = [tuple(b) for b in (buckets or [])]
         self.cache_items = cache_items
         self._cache: OrderedDict[int, VideoSample] = OrderedDict()
+        self._lock = threading.Lock()  # background decode threads (data.num_workers) share the cache
         self.entries: list[ClipEntry] = []
         self.skipped: list[tuple[str, str]] = []  # (path, why) of clips left out
         for e in entries:
@@ -133,9 +140,10 @@ class VideoClipDataset:
     # -- decoding ---------------------------------------------------------------------------
 
     def __getitem__(self, i: int) -> VideoSample:
-        if i in self._cache:
-            self._cache.move_to_end(i)
-            return self._cache[i]
+        with self._lock:
+            if i in self._cache:
+                self._cache.move_to_end(i)
+                return self._cache[i]
         e = self.entries[i]
         frames = read_frames(e.path, self._indices(e), e.info)  # uint8 [F, H, W, 3]
         x = to_model_range(frames)  # [3, F, H, W]
@@ -143,9 +151,10 @@ class VideoClipDataset:
         x = _resize_crop(x, h, w, resize=bool(self.buckets))
         sample = VideoSample(x, e.caption)
         if self.cache_items > 0:
-            self._cache[i] = sample
-            if len(self._cache) > self.cache_items:
-                self._cache.popitem(last=False)
+            with self._lock:
+                self._cache[i] = sample
+                if len(self._cache) > self.cache_items:
+                    self._cache.popitem(last=False)
         return sample
 
 

@@ -56,7 +56,7 @@ class DataConfig:
     frame_stride: int = 1  # take every k-th frame
     fps: float = 0.0  # resample to this frame rate before striding; 0 = native
     resolution_buckets: List[List[int]] = field(default_factory=list)  # [[h, w], ...]; empty = native (cropped to patch)
-    num_workers: int = 0
+    num_workers: int = 0  # background decode threads: this and the next step's samples load while the model runs
     decoded_cache_items: int = 256  # decoded clips kept in memory (the embedded set fits)
     # --- text (mode=llm) ---
     text_path: str = ""  # "" = embedded corpus (CPython's pydoc_data.topics); else .txt or .jsonl {"text": ...}

@@ -15,23 +15,74 @@ def _synthetic_dir(cfg: DataConfig) -> Path:
 
 
 def prepare_data(mode: str, cfg: DataConfig) -> None:
-    """Create what must exist on disk before training (idempotent, safe to race)."""
+    """Create what must exist on disk before training (idempotent, safe to race): the embedded
+    clips, or the probe index of a video folder (so workers read it instead of probing)."""
     if mode == "video" and cfg.name == "synthetic_video":
         from data_pipelines.synthetic_video import ensure_synthetic_videos
 
         ensure_synthetic_videos(cfg.cache_dir, cfg.num_clips, cfg.gen_seed)
+    elif mode == "video" and cfg.name == "video_folder":
+        from data_pipelines.video_folder import index_video_folder
+
+        index_video_folder(cfg.root, cfg.cache_dir, cfg.num_workers)
+
+
+def build_pixel_dataset(cfg: DataConfig, patch: tuple[int, int, int], cache_items: int | None = None) -> Any:
+    """The clips of a pixel source (synthetic_video | video_folder) as a VideoClipDataset that
+    crops frames to multiples of patch[0] and sizes to multiples of patch[1:] (or buckets).
+    Clips that cannot be read or are too small are left out and listed in `.skipped`."""
+    from data_pipelines.video_dataset import VideoClipDataset
+
+    kw = dict(patch=tuple(patch), max_frames=cfg.max_frames, frame_stride=cfg.frame_stride, fps=cfg.fps,
+              buckets=[tuple(b) for b in cfg.resolution_buckets],
+              cache_items=cfg.decoded_cache_items if cache_items is None else cache_items)
+    if cfg.name == "synthetic_video":
+        return VideoClipDataset.from_manifest(_synthetic_dir(cfg) / "manifest.jsonl", **kw)
+    if cfg.name == "video_folder":
+        from data_pipelines.video_folder import index_video_folder
+
+        if not cfg.root:
+            raise ValueError("data=video_folder needs data.root=<folder of videos, or a .csv/.jsonl manifest>")
+        index = index_video_folder(cfg.root, cfg.cache_dir, cfg.num_workers)
+        if not index.entries:
+            raise ValueError(f"no readable video under data.root={cfg.root} ({len(index.skipped)} unreadable, "
+                             f"e.g. {index.skipped[0][0]}: {index.skipped[0][1]})")
+        ds = VideoClipDataset(index.entries, **kw)
+        ds.skipped = index.skipped + ds.skipped
+        return ds
+    raise ValueError(f"data.name={cfg.name!r} is not a pixel video source (use synthetic_video or video_folder)")
 
 
 def build_video_dataset(cfg: DataConfig, model_cfg: ModelConfig) -> Any:
-    from data_pipelines.video_dataset import VideoClipDataset
-
+    """The samples of mode=video; wrapped in a background decoder when data.num_workers > 0."""
     patch = tuple(model_cfg.patch_size)
-    kw = dict(patch=patch, max_frames=cfg.max_frames, frame_stride=cfg.frame_stride, fps=cfg.fps,
-              buckets=[tuple(b) for b in cfg.resolution_buckets], cache_items=cfg.decoded_cache_items)
-    if cfg.name == "synthetic_video":
-        return VideoClipDataset.from_manifest(_synthetic_dir(cfg) / "manifest.jsonl", **kw)
-    raise ValueError(f"data.name={cfg.name!r} is not a video source for mode=video "
-                     f"(use synthetic_video, video_folder or latent_cache)")
+    if cfg.name == "latent_cache":
+        from data_pipelines.latent_cache import LatentCacheDataset, read_meta
+
+        if not cfg.root:
+            raise ValueError("data=latent_cache needs data.root=<folder written by tools/cache_latents.py>")
+        meta = read_meta(cfg.root)
+        channels, text_dim = int(meta["latent_channels"]), int(meta.get("text_dim", 0))
+        if model_cfg.in_channels != channels:
+            raise ValueError(f"the latent cache {cfg.root} holds {channels}-channel latents but "
+                             f"model.in_channels={model_cfg.in_channels}; set model.in_channels={channels}")
+        if model_cfg.text_dim and text_dim and model_cfg.text_dim != text_dim:
+            raise ValueError(f"the latent cache {cfg.root} holds {text_dim}-wide caption embeddings but "
+                             f"model.text_dim={model_cfg.text_dim}; set model.text_dim={text_dim}")
+        ds = LatentCacheDataset(cfg.root, patch)
+    elif cfg.name in ("synthetic_video", "video_folder"):
+        if model_cfg.in_channels != 3:
+            raise ValueError(f"data={cfg.name} gives RGB pixels but model.in_channels={model_cfg.in_channels}; "
+                             f"set model.in_channels=3 (or train on data=latent_cache)")
+        ds = build_pixel_dataset(cfg, patch)
+    else:
+        raise ValueError(f"data.name={cfg.name!r} is not a video source for mode=video "
+                         f"(use synthetic_video, video_folder or latent_cache)")
+    if cfg.num_workers > 0:
+        from data_pipelines.prefetch import Prefetcher
+
+        ds = Prefetcher(ds, cfg.num_workers)
+    return ds
 
 
 def build_text_datasets(cfg: DataConfig, model_cfg: ModelConfig) -> tuple[Any, Any]:
@@ -70,17 +121,12 @@ def check_data(cfg) -> None:
     from dit_train.validate import ConfigError
 
     try:
-        task = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed)
-        lengths = task.lengths()
+        lengths = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed).lengths()
     except ValueError as err:
         raise ConfigError(str(err)) from err
     if len(lengths) < cfg.train.global_batch:
         raise ConfigError(f"train.global_batch={cfg.train.global_batch} is larger than the dataset "
                           f"({len(lengths)} samples); lower it or add data")
-    text_dim = getattr(getattr(task, "dataset", None), "text_dim", None)
-    if cfg.mode == "video" and cfg.model.text_dim and text_dim and text_dim != cfg.model.text_dim:
-        raise ConfigError(f"the cached caption embeddings are {text_dim}-wide but model.text_dim={cfg.model.text_dim}; "
-                          f"set model.text_dim={text_dim}")
     longest = max(lengths)
     if longest > cfg.train.micro_batch_tokens:
         raise ConfigError(f"the longest sample has {longest} tokens but train.micro_batch_tokens="

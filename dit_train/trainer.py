@@ -72,7 +72,19 @@ class Trainer:
         """This rank's micro-batches of `step` (CP-local tokens, on device) and attention metas."""
         t = self.train_cfg
         plan = plan_step(step, self.lengths, t.global_batch, self.ctx.dims.dp, t.grad_accum, t.micro_batch_tokens, t.seed)
+        if hasattr(self.task, "prefetch"):
+            self._prefetch(step, plan.micro_batches[self.ctx.dp_rank])
         return self._prepare(self.task, plan.micro_batches[self.ctx.dp_rank], step)
+
+    def _prefetch(self, step: int, packs: list[list[int]]) -> None:
+        """Tell the task which samples this rank reads now and at step+1, so that background
+        workers (data.num_workers) decode them while the model runs. Changes no result."""
+        t = self.train_cfg
+        ids = [i for p in packs for i in p]
+        if step + 1 < t.steps:
+            nxt = plan_step(step + 1, self.lengths, t.global_batch, self.ctx.dims.dp, t.grad_accum, t.micro_batch_tokens, t.seed)
+            ids += [i for p in nxt.micro_batches[self.ctx.dp_rank] for i in p]
+        self.task.prefetch(ids)
 
     def _prepare(self, task: Any, packs: list[list[int]], step: int) -> tuple[list[PackedBatch], list[Any]]:
         """Build each pack of sample ids, split it for CP, move it to the device."""

@@ -73,6 +73,13 @@ class VideoTask:
         emb = getattr(sample, "text_emb", None)
         return emb[: self.text_len].float() if emb is not None else self._bytes(sample.caption)
 
+    def prefetch(self, sample_ids: list[int]) -> None:
+        """Ids that the next `build` calls will read: decoded ahead in background workers when
+        the dataset has them (data.num_workers > 0); a no-op otherwise."""
+        ahead = getattr(self.dataset, "prefetch", None)
+        if ahead is not None:
+            ahead(sample_ids)
+
     def build(self, sample_ids: list[int], step: int) -> PackedBatch:
         """The full (un-split) pack of `sample_ids` at `step`, on the CPU."""
         xs, targets, pos, seg, order, ts, ctx = [], [], [], [], [], [], []

@@ -1,0 +1,362 @@
+"""VAE latent cache: clips encoded once with a diffusers video VAE (and captions with a
+transformers text encoder), then trained on instead of pixels (`data=latent_cache`).
+
+Layout of a cache folder:
+
+    meta.json                   VAE / text encoder paths, latent channels, compression factors,
+                                per-channel latents mean/std, text_dim, settings fingerprint
+    null_text_emb.safetensors   `text_emb` [Lt0, text_dim] of the empty caption (caption dropout, CFG)
+    samples/<key>.safetensors   `latents` [C, f, h, w] float32 normalized, `text_emb` [Lt, text_dim]
+                                float32 (valid tokens only); key = hash of the source path
+    manifest.jsonl              {file, caption, source, latent_shape, text_len} per encoded clip,
+                                in source order (sample id = line number)
+    report.json                 counts: encoded, reused, unreadable (path, why), ...
+
+Latents are normalized like the Wan pipelines do: (z - latents_mean) / latents_std per channel,
+from the VAE's config (VAEs with a single `scaling_factor`/`shift_factor` use those instead).
+Each sample file is written to a temporary name and renamed, so an interrupted run leaves only
+complete files and a rerun skips them (resumable).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from data_pipelines.video_dataset import VideoSample
+from data_pipelines.video_io import VideoReadError
+
+log = logging.getLogger(__name__)
+
+META, MANIFEST, REPORT, NULL_TEXT, SAMPLES = "meta.json", "manifest.jsonl", "report.json", "null_text_emb.safetensors", "samples"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def component_path(path: str, sub: str) -> str:
+    """`path`, or `path/sub` when `path` is a whole diffusers pipeline folder (vae/, text_encoder/, ...)."""
+    p = Path(path).expanduser()
+    return str(p / sub) if (p / sub / "config.json").is_file() or (p / sub / "tokenizer_config.json").is_file() else str(p)
+
+
+class VaeCodec:
+    """A diffusers video VAE from a local folder: pixels [3, F, H, W] in [-1, 1] <-> normalized
+    latents [C, f, h, w], f = 1 + (F - 1) / t, h = H / s, w = W / s (t, s: its compression)."""
+
+    def __init__(self, path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 tiling: bool = False):
+        from diffusers import AutoModel
+
+        self.path = component_path(path, "vae")
+        self.device, self.dtype = torch.device(device), dtype
+        self.vae = AutoModel.from_pretrained(self.path, torch_dtype=dtype).to(self.device).eval()
+        if tiling and hasattr(self.vae, "enable_tiling"):
+            self.vae.enable_tiling()
+        cfg = self.vae.config
+        self.latent_channels = int(cfg.get("z_dim") or cfg.get("latent_channels"))
+        self.temporal = int(cfg.get("scale_factor_temporal") or getattr(self.vae, "temporal_compression_ratio", 1) or 1)
+        self.spatial = int(getattr(self.vae, "spatial_compression_ratio", None) or cfg.get("scale_factor_spatial") or 8)
+        if cfg.get("latents_mean") is not None and cfg.get("latents_std") is not None:
+            mean, std = list(cfg["latents_mean"]), list(cfg["latents_std"])
+        else:  # one scalar for all channels (CogVideoX, HunyuanVideo, ...)
+            mean = [float(cfg.get("shift_factor") or 0.0)] * self.latent_channels
+            std = [1.0 / float(cfg.get("scaling_factor") or 1.0)] * self.latent_channels
+        self.latents_mean, self.latents_std = [float(m) for m in mean], [float(s) for s in std]
+        if len(self.latents_mean) != self.latent_channels:
+            raise ValueError(f"VAE {self.path}: latents_mean has {len(self.latents_mean)} entries for "
+                             f"{self.latent_channels} latent channels")
+        self._mean = torch.tensor(self.latents_mean).view(-1, 1, 1, 1)
+        self._std = torch.tensor(self.latents_std).view(-1, 1, 1, 1)
+
+    @property
+    def class_name(self) -> str:
+        return type(self.vae).__name__
+
+    def usable_frames(self, frames: int) -> int:
+        """The longest 1 + t·k prefix of `frames` (causal video VAEs encode frame 0 alone)."""
+        return 1 + (frames - 1) // self.temporal * self.temporal if frames > 0 else 0
+
+    def latent_shape(self, frames: int, height: int, width: int) -> tuple[int, int, int, int]:
+        return (self.latent_channels, 1 + (self.usable_frames(frames) - 1) // self.temporal,
+                height // self.spatial, width // self.spatial)
+
+    @torch.no_grad()
+    def encode(self, pixels: torch.Tensor) -> torch.Tensor:
+        """[3, F, H, W] in [-1, 1] (H, W multiples of s) -> normalized latents [C, f, h, w] float32
+        (the posterior's mode: deterministic, as Wan's pipelines do). Frames past 1 + t·k are dropped."""
+        c, f, h, w = pixels.shape
+        if h % self.spatial or w % self.spatial:
+            raise ValueError(f"frame size {h}x{w} is not a multiple of the VAE's spatial factor {self.spatial}")
+        x = pixels[:, : self.usable_frames(f)].unsqueeze(0).to(self.device, self.dtype)
+        dist = self.vae.encode(x).latent_dist
+        z = dist.mode()[0].float().cpu()
+        want = self.latent_shape(f, h, w)
+        if tuple(z.shape) != want:
+            raise RuntimeError(f"VAE {self.path} returned latents {tuple(z.shape)} for pixels {tuple(pixels.shape)}; "
+                               f"expected {want} from its compression factors (t={self.temporal}, s={self.spatial})")
+        return (z - self._mean) / self._std
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Normalized latents [C, f, h, w] -> pixels [3, F, H, W] in [-1, 1], float32 on the CPU."""
+        z = latents.float().cpu() * self._std + self._mean
+        x = self.vae.decode(z.unsqueeze(0).to(self.device, self.dtype)).sample[0]
+        return x.float().clamp(-1, 1).cpu()
+
+
+class TextEncoder:
+    """Captions -> embeddings [Lt, text_dim] float32 of the valid tokens (no padding), with a
+    transformers tokenizer and encoder from local folders (T5 / UMT5 / mT5: encoder only)."""
+
+    ENCODER_ONLY = {"t5": "T5EncoderModel", "mt5": "MT5EncoderModel", "umt5": "UMT5EncoderModel"}
+
+    def __init__(self, path: str, tokenizer: str = "", max_length: int = 512, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32):
+        import transformers
+
+        self.path = component_path(path, "text_encoder")
+        self.tokenizer_path = component_path(tokenizer or path, "tokenizer")
+        self.max_length = max_length
+        self.device = torch.device(device)
+        self.tokenizer = transformers.AutoTokenizer.from_pretrained(self.tokenizer_path)
+        config = transformers.AutoConfig.from_pretrained(self.path)
+        cls = getattr(transformers, self.ENCODER_ONLY.get(config.model_type, "AutoModel"))
+        model = cls.from_pretrained(self.path, torch_dtype=dtype)
+        if getattr(config, "is_encoder_decoder", False) and hasattr(model, "get_encoder"):
+            model = model.get_encoder()
+        self.model = model.to(self.device).eval()
+        self.text_dim = int(getattr(config, "d_model", None) or config.hidden_size)
+
+    @torch.no_grad()
+    def encode(self, caption: str) -> torch.Tensor:
+        enc = self.tokenizer([caption.strip()], max_length=self.max_length, truncation=True,
+                             padding=False, return_attention_mask=True, return_tensors="pt")
+        ids, mask = enc.input_ids.to(self.device), enc.attention_mask.to(self.device)
+        hidden = self.model(input_ids=ids, attention_mask=mask).last_hidden_state[0]
+        return hidden[mask[0].bool()].float().cpu().contiguous()
+
+
+# -- the cache folder ------------------------------------------------------------------------
+
+
+def sample_key(source: str) -> str:
+    """File name of a clip's latents: stable under added/removed clips (ids shift, keys do not)."""
+    return hashlib.sha1(source.encode()).hexdigest()[:20]
+
+
+def fingerprint(settings: dict) -> str:
+    return hashlib.sha1(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _save_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def read_meta(root: str | os.PathLike) -> dict:
+    p = Path(root).expanduser() / META
+    if not p.is_file():
+        raise ValueError(f"{p} not found: data.root must be a folder written by tools/cache_latents.py")
+    return json.loads(p.read_text())
+
+
+def check_or_write_meta(out: Path, meta: dict, write: bool) -> None:
+    """Refuse to mix latents made with other settings into `out`; rank 0 writes meta.json."""
+    p = out / META
+    if p.is_file():
+        old = json.loads(p.read_text())
+        if old.get("fingerprint") != meta["fingerprint"]:
+            diff = sorted(k for k in set(old.get("settings", {})) | set(meta["settings"])
+                          if old.get("settings", {}).get(k) != meta["settings"].get(k))
+            raise ValueError(f"{out} holds latents made with other settings (differ: {', '.join(diff)}); "
+                             f"pick another output folder or delete it")
+    if write:
+        _write_text_atomic(p, json.dumps(meta, indent=2))
+
+
+def build_meta(vae: VaeCodec, text: TextEncoder | None, settings: dict) -> dict:
+    return {
+        "format": 1, "settings": settings, "fingerprint": fingerprint(settings),
+        "vae": vae.path, "vae_class": vae.class_name, "latent_channels": vae.latent_channels,
+        "scale_factor_temporal": vae.temporal, "scale_factor_spatial": vae.spatial,
+        "latents_mean": vae.latents_mean, "latents_std": vae.latents_std,
+        "text_encoder": text.path if text else "", "tokenizer": text.tokenizer_path if text else "",
+        "text_dim": text.text_dim if text else 0, "max_text_len": text.max_length if text else 0,
+        "null_text_emb": NULL_TEXT if text else "",
+    }
+
+
+def write_null_text(out: Path, text: TextEncoder) -> None:
+    _save_atomic(out / NULL_TEXT, {"text_emb": text.encode("")}, {"caption": ""})
+
+
+def encode_shard(dataset: Any, out: Path, vae: VaeCodec, text: TextEncoder | None, rank: int = 0,
+                 world: int = 1, progress: bool = True) -> dict:
+    """Encode the clips i ≡ rank (mod world) of `dataset` (VideoClipDataset: `entries`,
+    `__getitem__` -> VideoSample with pixels [3, F, H, W], H/W multiples of the VAE's factor)
+    into `out/samples/`, skipping those already there. Returns this rank's counts."""
+    from tqdm import tqdm
+
+    mine = list(range(rank, len(dataset), world))
+    report = {"encoded": 0, "reused": 0, "unreadable": []}
+    bar = tqdm(mine, desc=f"caching latents (rank {rank}/{world})", unit="clip", position=rank, disable=not progress)
+    for i in bar:
+        entry = dataset.entries[i]
+        path = out / SAMPLES / f"{sample_key(entry.path)}.safetensors"
+        if path.is_file():
+            report["reused"] += 1
+            continue
+        try:
+            sample = dataset[i]
+        except VideoReadError as err:
+            report["unreadable"].append([entry.path, str(err)])
+            continue
+        tensors = {"latents": vae.encode(sample.pixels)}
+        if text is not None:
+            tensors["text_emb"] = text.encode(entry.caption)
+        _save_atomic(path, tensors, {"caption": entry.caption, "source": entry.path})
+        report["encoded"] += 1
+    bar.close()
+    return report
+
+
+def write_manifest(out: Path, dataset: Any, reports: list[dict]) -> dict:
+    """After every rank finished: manifest.jsonl of the clips that have latents (source order)
+    and report.json (counts over all ranks + clips the source itself skipped)."""
+    from safetensors import safe_open
+
+    lines = []
+    for entry in dataset.entries:
+        name = f"{SAMPLES}/{sample_key(entry.path)}.safetensors"
+        if not (out / name).is_file():
+            continue
+        with safe_open(str(out / name), "pt") as f:
+            shape = list(f.get_slice("latents").get_shape())
+            text_len = f.get_slice("text_emb").get_shape()[0] if "text_emb" in f.keys() else 0
+        lines.append(json.dumps({"file": name, "caption": entry.caption, "source": entry.path,
+                                 "latent_shape": shape, "text_len": int(text_len)}))
+    _write_text_atomic(out / MANIFEST, "".join(line + "\n" for line in lines))
+    report = {
+        "samples": len(lines),
+        "encoded": sum(r["encoded"] for r in reports), "reused": sum(r["reused"] for r in reports),
+        "unreadable": [u for r in reports for u in r["unreadable"]],
+        "skipped_by_source": [list(s) for s in getattr(dataset, "skipped", [])],
+    }
+    _write_text_atomic(out / REPORT, json.dumps(report, indent=2))
+    return report
+
+
+# -- reading it back -------------------------------------------------------------------------
+
+
+class LatentCacheDataset:
+    """Cached latents as VideoSample (pixels = normalized latents [C, f, h, w] cropped to
+    multiples of `patch`, text_emb [Lt, text_dim] or None); token counts from the manifest."""
+
+    def __init__(self, root: str | os.PathLike, patch: tuple[int, int, int]):
+        self.root = Path(root).expanduser()
+        self.meta = read_meta(self.root)
+        self.patch = tuple(patch)
+        self.latent_channels = int(self.meta["latent_channels"])
+        self.text_dim = int(self.meta.get("text_dim", 0))
+        manifest = self.root / MANIFEST
+        if not manifest.is_file():
+            raise ValueError(f"{manifest} not found: the cache tool did not finish; run it again (it resumes)")
+        self.rows: list[dict] = []
+        self.skipped: list[tuple[str, str]] = []
+        pt, ph, pw = self.patch
+        for line in manifest.read_text().splitlines():
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            _, f, h, w = row["latent_shape"]
+            if f < pt or h < ph or w < pw:
+                self.skipped.append((row["file"], f"latent grid {f}x{h}x{w} is smaller than one patch {self.patch}"))
+            else:
+                self.rows.append(row)
+        if self.skipped:
+            log.warning("skipped %d cached clip(s) smaller than one patch, e.g. %s", len(self.skipped), self.skipped[0][0])
+        if not self.rows:
+            raise ValueError(f"the latent cache {self.root} has no usable sample "
+                             f"({len(self.skipped)} smaller than model.patch_size={list(self.patch)}; the patch applies "
+                             f"to the latent grid: use a small one such as model.patch_size=[1,2,2])")
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def num_tokens(self, i: int) -> int:
+        _, f, h, w = self.rows[i]["latent_shape"]
+        pt, ph, pw = self.patch
+        return (f // pt) * (h // ph) * (w // pw)
+
+    def lengths(self) -> list[int]:
+        return [self.num_tokens(i) for i in range(len(self))]
+
+    def __getitem__(self, i: int) -> VideoSample:
+        from safetensors.torch import load_file
+
+        row = self.rows[i]
+        try:
+            t = load_file(str(self.root / row["file"]))
+        except Exception as err:  # missing or truncated file: skipped and counted by the task
+            raise VideoReadError(f"cannot read cached latents {self.root / row['file']}: {err}") from err
+        z = t["latents"].float()
+        _, f, h, w = z.shape
+        pt, ph, pw = self.patch
+        z = z[:, : f - f % pt, : h - h % ph, : w - w % pw].contiguous()
+        emb = t.get("text_emb")
+        return VideoSample(z, row["caption"], emb.float() if emb is not None else None)
+
+    def null_text_emb(self) -> torch.Tensor:
+        """[Lt0, text_dim]: the empty caption's embedding (caption dropout, classifier-free guidance)."""
+        from safetensors.torch import load_file
+
+        if not self.meta.get("null_text_emb"):
+            raise ValueError(f"the latent cache {self.root} has no text embeddings (cached without --text-encoder)")
+        return load_file(str(self.root / self.meta["null_text_emb"]))["text_emb"].float()
+
+
+def load_decoder(root: str | os.PathLike, device: str | torch.device = "cpu",
+                 dtype: torch.dtype = torch.float32) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The cache's VAE decoder: normalized latents [C, f, h, w] -> pixels [3, F, H, W] in [-1, 1]
+    (F = 1 + t·(f - 1), H = s·h, W = s·w), for validation videos."""
+    meta = read_meta(root)
+    return VaeCodec(meta["vae"], device, dtype).decode
+
+
+@dataclass
+class CacheSettings:
+    """What decides the content of a cache (its fingerprint): change one, use a new folder."""
+
+    vae: str
+    text_encoder: str
+    tokenizer: str
+    max_text_len: int
+    dtype: str
+    source: dict
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)

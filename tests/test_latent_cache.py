@@ -1,0 +1,228 @@
+"""Latent cache: a tiny random AutoencoderKLWan + tiny T5 encoder saved by the test, the cache
+tool (single process and 2 local workers), resuming, reading back, decoding, and training."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from data_pipelines import latent_cache as lc  # noqa: E402
+from data_pipelines.video_io import VideoReadError  # noqa: E402
+from tests.conftest import TINY, compose_config  # noqa: E402
+from tests.test_video_folder import make_video_folder  # noqa: E402
+
+Z_DIM, TEXT_DIM = 4, 16
+MEAN, STD = [0.1, -0.2, 0.0, 0.3], [1.5, 0.5, 1.0, 2.0]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> Path:
+    from diffusers import AutoencoderKLWan
+    from transformers import ByT5Tokenizer, T5Config, T5EncoderModel
+
+    d = tmp_path_factory.mktemp("models")
+    torch.manual_seed(0)
+    AutoencoderKLWan(base_dim=8, z_dim=Z_DIM, dim_mult=[1, 2, 2, 2], num_res_blocks=1, temperal_downsample=[False, True, True],
+                     latents_mean=MEAN, latents_std=STD).save_pretrained(d / "vae")
+    ByT5Tokenizer().save_pretrained(d / "text")  # byte-level: needs no vocabulary file
+    T5EncoderModel(T5Config(vocab_size=384, d_model=TEXT_DIM, d_kv=4, d_ff=32, num_layers=1, num_heads=2)).save_pretrained(d / "text")
+    return d
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory) -> Path:
+    """5 readable clips (4 captioned) + 1 corrupt file."""
+    return make_video_folder(tmp_path_factory.mktemp("videos"), tmp_path_factory.mktemp("src"), n=5)
+
+
+def cache_args(models: Path, source: Path, out: Path, cache: Path, *extra: str) -> list[str]:
+    return ["--vae", str(models / "vae"), "--text-encoder", str(models / "text"), "--out", str(out), "--no-progress",
+            "data=video_folder", f"data.root={source}", f"data.cache_dir={cache}", "data.max_frames=5", *extra]
+
+
+@pytest.fixture(scope="module")
+def cache(models, source, tmp_path_factory) -> Path:
+    from tools.cache_latents import main
+
+    out = tmp_path_factory.mktemp("latents")
+    assert main(cache_args(models, source, out, out.parent / "probe_cache")) == 0
+    return out
+
+
+def test_cache_layout_shapes_and_report(cache, source, models):
+    meta = lc.read_meta(cache)
+    assert meta["latent_channels"] == Z_DIM and meta["text_dim"] == TEXT_DIM and meta["vae_class"] == "AutoencoderKLWan"
+    assert (meta["scale_factor_temporal"], meta["scale_factor_spatial"]) == (4, 8)
+    assert meta["latents_mean"] == MEAN and meta["latents_std"] == STD
+    rows = [json.loads(line) for line in (cache / lc.MANIFEST).read_text().splitlines()]
+    assert len(rows) == 5
+    report = json.loads((cache / lc.REPORT).read_text())
+    assert report["encoded"] == 5 and [Path(p).name for p, _ in report["skipped_by_source"]] == ["broken.mp4"]
+    from data_pipelines.video_io import probe
+
+    for r in rows:
+        info = probe(r["source"])
+        frames = min(info.frames, 5)
+        assert r["latent_shape"] == [Z_DIM, 1 + (frames - 1) // 4, info.height // 8, info.width // 8]
+        from safetensors.torch import load_file
+
+        t = load_file(str(cache / r["file"]))
+        assert list(t["latents"].shape) == r["latent_shape"] and t["latents"].dtype == torch.float32
+        # only valid tokens: ByT5 = one id per UTF-8 byte + EOS
+        assert t["text_emb"].shape == (len(r["caption"].encode()) + 1, TEXT_DIM) == (r["text_len"], TEXT_DIM)
+
+
+def test_latents_are_normalized_vae_modes(cache, models):
+    """The stored latents are (mode(z) - latents_mean) / latents_std of the clip's frames."""
+    from diffusers import AutoencoderKLWan
+
+    from dit_train.data import build_pixel_dataset
+
+    cfg = compose_config(["data=video_folder", f"data.root={lc.read_meta(cache)['settings']['source']['root']}",
+                          "data.max_frames=5"], cache_dir=str(cache.parent / "probe_cache"))
+    pixels = build_pixel_dataset(cfg.data, (1, 8, 8), cache_items=0)
+    entry_ids = {e.path: i for i, e in enumerate(pixels.entries)}
+    row = json.loads((cache / lc.MANIFEST).read_text().splitlines()[0])
+    x = pixels[entry_ids[row["source"]]].pixels
+    x = x[:, : 1 + (x.shape[1] - 1) // 4 * 4]
+    vae = AutoencoderKLWan.from_pretrained(str(models / "vae")).eval()
+    with torch.no_grad():
+        z = vae.encode(x.unsqueeze(0)).latent_dist.mode()[0]
+    want = (z - torch.tensor(MEAN).view(-1, 1, 1, 1)) / torch.tensor(STD).view(-1, 1, 1, 1)
+    from safetensors.torch import load_file
+
+    assert torch.allclose(load_file(str(cache / row["file"]))["latents"], want, atol=1e-5)
+
+
+def test_dataset_reads_latents_text_and_null_caption(cache):
+    ds = lc.LatentCacheDataset(cache, patch=(1, 2, 2))
+    assert len(ds) == 5 and ds.text_dim == TEXT_DIM and ds.latent_channels == Z_DIM
+    for i in range(len(ds)):
+        s = ds[i]
+        c, f, h, w = s.pixels.shape
+        assert c == Z_DIM and h % 2 == 0 and w % 2 == 0 and ds.num_tokens(i) == f * (h // 2) * (w // 2)
+        assert s.text_emb.shape[1] == TEXT_DIM and s.text_emb.dtype == torch.float32
+    assert ds.null_text_emb().shape == (1, TEXT_DIM)  # the empty caption is just EOS
+    # a patch larger than every latent grid: a clear error that names the key
+    with pytest.raises(ValueError, match="model.patch_size"):
+        lc.LatentCacheDataset(cache, patch=(1, 100, 100))
+
+
+def test_decode_of_encode_has_the_pixel_shape(cache):
+    ds = lc.LatentCacheDataset(cache, patch=(1, 1, 1))
+    decode = lc.load_decoder(cache, "cpu")
+    z = ds[0].pixels
+    x = decode(z)
+    c, f, h, w = z.shape
+    assert x.shape == (3, 1 + 4 * (f - 1), 8 * h, 8 * w) and float(x.abs().max()) <= 1.0
+
+
+def test_resume_encodes_only_what_is_missing(cache, models, source):
+    from tools.cache_latents import main
+
+    files = sorted((cache / lc.SAMPLES).iterdir())
+    stamps = {p: p.stat().st_mtime_ns for p in files}
+    files[1].unlink()
+    args = cache_args(models, source, cache, cache.parent / "probe_cache")
+    assert main(args) == 0
+    report = json.loads((cache / lc.REPORT).read_text())
+    assert (report["encoded"], report["reused"], report["samples"]) == (1, 4, 5)
+    assert all(p.stat().st_mtime_ns == stamps[p] for p in files if p != files[1])
+    assert main(args) == 0
+    assert json.loads((cache / lc.REPORT).read_text())["encoded"] == 0
+    # other settings into the same folder: refused
+    assert main(args + ["data.max_frames=9"]) == 1
+
+
+def test_missing_sample_file_is_a_read_error(cache, tmp_path):
+    import shutil
+
+    copy = tmp_path / "c"
+    shutil.copytree(cache, copy)
+    ds = lc.LatentCacheDataset(copy, patch=(1, 2, 2))
+    (copy / ds.rows[2]["file"]).unlink()
+    with pytest.raises(VideoReadError):
+        ds[2]
+
+
+@pytest.mark.slow
+def test_two_workers_write_the_same_cache(cache, models, source, tmp_path):
+    from safetensors.torch import load_file
+
+    from tools.cache_latents import main
+
+    out = tmp_path / "sharded"
+    assert main(cache_args(models, source, out, cache.parent / "probe_cache", "--workers", "2")) == 0
+    assert (out / lc.MANIFEST).read_text() == (cache / lc.MANIFEST).read_text()
+    for row in map(json.loads, (out / lc.MANIFEST).read_text().splitlines()):
+        a, b = load_file(str(out / row["file"])), load_file(str(cache / row["file"]))
+        assert torch.equal(a["latents"], b["latents"]) and torch.equal(a["text_emb"], b["text_emb"])
+
+
+def test_in_channels_must_match_the_cache(cache):
+    from dit_train.data import check_data
+    from dit_train.validate import ConfigError
+
+    cfg = compose_config(TINY + ["data=latent_cache", f"data.root={cache}", "model.patch_size=[1,2,2]", "train.global_batch=3"])
+    with pytest.raises(ConfigError, match=f"set model.in_channels={Z_DIM}"):
+        check_data(cfg)
+    cfg.model.in_channels = Z_DIM
+    check_data(cfg)
+    from dit_train.data import build_task
+
+    task = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed)  # data.num_workers=2: prefetched
+    assert task.dataset.text_dim == TEXT_DIM and task.dataset.null_text_emb().shape == (1, TEXT_DIM)
+    task.prefetch([0, 1])
+    assert task.dataset[1].text_emb.shape[1] == TEXT_DIM
+
+
+def test_training_on_latents(cache, tmp_path):
+    """The whole entry path (validate, check_data, launch, train) in this process, 3 steps."""
+    from dit_train.__main__ import run_from_config
+
+    run_dir = tmp_path / "run"
+    cfg = compose_config(TINY + ["data=latent_cache", f"data.root={cache}", f"model.in_channels={Z_DIM}",
+                                 "model.patch_size=[1,2,2]", "train.steps=3", "train.global_batch=3"])
+    cfg.run_dir = str(run_dir)
+    assert run_from_config(cfg)["steps"] == 3
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2] and all(r["samples"] == 3 and r["tokens"] > 0 for r in rows)
+
+
+def test_shards_split_clips_by_rank_and_count_unreadable(tmp_path):
+    """Clip i goes to rank i % world; a clip that fails to decode is listed, not fatal."""
+    from types import SimpleNamespace
+
+    from data_pipelines.video_dataset import VideoSample
+
+    class Clips:
+        entries = [SimpleNamespace(path=f"/videos/{i}.mp4", caption=f"clip {i}") for i in range(5)]
+
+        def __len__(self):
+            return 5
+
+        def __getitem__(self, i):
+            if i == 3:
+                raise VideoReadError("truncated")
+            return VideoSample(torch.full((3, 1, 8, 8), float(i)), "")
+
+    class Codec:
+        seen = []
+
+        def encode(self, x):
+            Codec.seen.append(int(x[0, 0, 0, 0]))
+            return x[:1, :, :1, :1].clone()
+
+    r0 = lc.encode_shard(Clips(), tmp_path, Codec(), None, rank=0, world=2, progress=False)
+    assert Codec.seen == [0, 2, 4]
+    r1 = lc.encode_shard(Clips(), tmp_path, Codec(), None, rank=1, world=2, progress=False)
+    assert Codec.seen == [0, 2, 4, 1] and r1["unreadable"] == [["/videos/3.mp4", "truncated"]]
+    report = lc.write_manifest(tmp_path, Clips(), [r0, r1])
+    assert (report["samples"], report["encoded"], len(report["unreadable"])) == (4, 4, 1)
+    rows = [json.loads(line) for line in (tmp_path / lc.MANIFEST).read_text().splitlines()]
+    assert [r["source"] for r in rows] == ["/videos/0.mp4", "/videos/1.mp4", "/videos/2.mp4", "/videos/4.mp4"]
+    assert all(r["text_len"] == 0 for r in rows)  # cached without a text encoder
