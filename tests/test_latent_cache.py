@@ -171,6 +171,9 @@ def test_in_channels_must_match_the_cache(cache):
     with pytest.raises(ConfigError, match=f"set model.in_channels={Z_DIM}"):
         check_data(cfg)
     cfg.model.in_channels = Z_DIM
+    with pytest.raises(ConfigError, match=f"set model.text_dim={TEXT_DIM}"):
+        check_data(cfg)  # the tiny default model reads 32-wide captions; the cache holds 16-wide ones
+    cfg.model.text_dim = TEXT_DIM
     check_data(cfg)
     from dit_train.data import build_task
 
@@ -181,16 +184,30 @@ def test_in_channels_must_match_the_cache(cache):
 
 
 def test_training_on_latents(cache, tmp_path):
-    """The whole entry path (validate, check_data, launch, train) in this process, 3 steps."""
+    """The whole entry path (validate, check_data, launch, train) in this process, 3 steps, with
+    cross-attention to the cached caption embeddings and validation videos decoded by the VAE."""
+    import decord
+    from safetensors.torch import load_file
+
     from dit_train.__main__ import run_from_config
 
     run_dir = tmp_path / "run"
     cfg = compose_config(TINY + ["data=latent_cache", f"data.root={cache}", f"model.in_channels={Z_DIM}",
-                                 "model.patch_size=[1,2,2]", "train.steps=3", "train.global_batch=3"])
+                                 f"model.text_dim={TEXT_DIM}", "model.patch_size=[1,2,2]", "train.steps=3",
+                                 "train.global_batch=3", "train.sample_every=3", "train.sample_steps=2",
+                                 "train.num_samples=2", "train.guidance_scale=2.0"])
     cfg.run_dir = str(run_dir)
     assert run_from_config(cfg)["steps"] == 3
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2] and all(r["samples"] == 3 and r["tokens"] > 0 for r in rows)
+    out = run_dir / "samples" / "step_000003"
+    latents = load_file(out / "samples.safetensors")
+    assert len(latents) == 2 and (out / "grid.png").exists()
+    for key, z in latents.items():
+        assert z.shape[0] == Z_DIM
+        video = decord.VideoReader(str(out / f"{key}.mp4"))
+        assert len(video) == 1 + 4 * (z.shape[1] - 1)  # the Wan VAE's temporal factor
+        assert video[0].shape[:2] == (8 * z.shape[2], 8 * z.shape[3])
 
 
 def test_shards_split_clips_by_rank_and_count_unreadable(tmp_path):
