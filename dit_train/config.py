@@ -75,7 +75,7 @@ class DataConfig:
     tokenizer: str = "byte"
     max_doc_tokens: int = 512  # documents are cut into pieces of at most this many tokens
     heldout_fraction: float = 0.02
-    caption_dropout: float = 0.0
+    caption_dropout: float = 0.0  # probability a caption is replaced by the empty one (for CFG); by (seed, id, step)
 
 
 @dataclass
@@ -144,9 +144,10 @@ class TrainConfig:
     resume: str = ""  # "" | auto | path to a checkpoint dir
     max_skipped_steps: int = 5
     eval_every: int = 0
-    sample_every: int = 0
-    num_samples: int = 2
-    sample_steps: int = 20
+    sample_every: int = 0  # validation videos every N steps (and at the end); 0 = never
+    num_samples: int = 2  # clips per validation (the first readable clips: their sizes and captions)
+    sample_steps: int = 20  # Euler steps of the flow-matching sampler
+    guidance_scale: float = 1.0  # classifier-free guidance of validation videos (needs captions); 1 = off
 
 
 @dataclass

@@ -55,7 +55,7 @@ def build_task(mode: str, data: DataConfig, model: ModelConfig, loss: LossConfig
 
         if split != "train":
             return None
-        return VideoTask(build_video_dataset(data, model), model, loss, seed)
+        return VideoTask(build_video_dataset(data, model), model, loss, seed, caption_dropout=data.caption_dropout)
     if mode == "llm":
         from dit_train.tasks.llm import LMTask
 
@@ -70,12 +70,17 @@ def check_data(cfg) -> None:
     from dit_train.validate import ConfigError
 
     try:
-        lengths = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed).lengths()
+        task = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed)
+        lengths = task.lengths()
     except ValueError as err:
         raise ConfigError(str(err)) from err
     if len(lengths) < cfg.train.global_batch:
         raise ConfigError(f"train.global_batch={cfg.train.global_batch} is larger than the dataset "
                           f"({len(lengths)} samples); lower it or add data")
+    text_dim = getattr(getattr(task, "dataset", None), "text_dim", None)
+    if cfg.mode == "video" and cfg.model.text_dim and text_dim and text_dim != cfg.model.text_dim:
+        raise ConfigError(f"the cached caption embeddings are {text_dim}-wide but model.text_dim={cfg.model.text_dim}; "
+                          f"set model.text_dim={text_dim}")
     longest = max(lengths)
     if longest > cfg.train.micro_batch_tokens:
         raise ConfigError(f"the longest sample has {longest} tokens but train.micro_batch_tokens="

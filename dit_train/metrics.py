@@ -51,6 +51,11 @@ class MetricsLogger:
             print(f"step {step}: loss {record['loss']:.4f}  grad_norm {record.get('grad_norm', float('nan')):.3f}  "
                   f"{record.get('tokens_per_s', 0):.0f} tok/s", flush=True)
 
+    @property
+    def tensorboard(self):
+        """The SummaryWriter (None on ranks other than the main one)."""
+        return self._tb
+
     def scalar(self, name: str, value: float, step: int) -> None:
         if self.enabled:
             self._tb.add_scalar(name, value, step)

@@ -62,6 +62,19 @@ def shared_run_dir(run_dir: str, ctx: ParallelContext) -> str:
     return box[0]
 
 
+def build_sampler(cfg: Config, task: Any, ctx: ParallelContext):
+    """Validation-video sampler; rank 0 alone decodes latents (it alone writes videos)."""
+    from dit_train.sampling import ValidationSampler
+
+    decode = None
+    if cfg.data.name == "latent_cache" and ctx.is_main:
+        from data_pipelines.latent_cache import load_decoder
+
+        decode = load_decoder(cfg.data.root, ctx.device)
+    return ValidationSampler(task, ctx, cfg.train.num_samples, cfg.train.sample_steps, cfg.train.guidance_scale,
+                             cfg.train.seed, decode)
+
+
 def resume_spec(cfg: Config) -> str:
     """train.resume, except that a worker restarted by the elastic agent (after a failure,
     launcher.max_restarts > 0) always continues from the newest checkpoint of its run."""
@@ -96,6 +109,7 @@ def run(cfg: Config, ctx: ParallelContext | None = None) -> dict[str, Any]:
         trainer.load_state_dict(meta.get("trainer", {}))
         start = int(meta["step"]) + 1
 
+    sampler = build_sampler(cfg, task, ctx) if cfg.train.sample_every > 0 else None
     logger = MetricsLogger(run_dir, cfg.train.steps, start, enabled=ctx.is_main,
                            progress=cfg.train.progress, log_every=cfg.train.log_every)
     if ckpt is not None:
@@ -121,6 +135,11 @@ def run(cfg: Config, ctx: ParallelContext | None = None) -> dict[str, Any]:
             if heldout is not None and ((step + 1) % cfg.train.eval_every == 0 or step + 1 == cfg.train.steps):
                 record.update(trainer.evaluate(heldout))
             logger.log(record)
+            if sampler is not None and (step + 1) % cfg.train.sample_every == 0:
+                clips = sampler.sample(model, trainer._autocast)
+                if ctx.is_main:
+                    out = sampler.write(clips, run_dir / "samples" / f"step_{step + 1:06d}", logger.tensorboard, step)
+                    logger.write(f"validation videos: {out}")
             if trainer.skipped_in_a_row > cfg.train.max_skipped_steps:
                 raise NonFiniteTraining(
                     f"{trainer.skipped_in_a_row} steps in a row had non-finite gradients or losses "

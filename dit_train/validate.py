@@ -47,6 +47,15 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check(t.keep_last >= 1, f"train.keep_last={t.keep_last} must be >= 1", e)
     _check(t.max_skipped_steps >= 0, f"train.max_skipped_steps={t.max_skipped_steps} must be >= 0", e)
     _check(t.eval_every >= 0, f"train.eval_every={t.eval_every} must be >= 0", e)
+    _check(t.sample_every >= 0, f"train.sample_every={t.sample_every} must be >= 0 (0 = no validation videos)", e)
+    _check(not (t.sample_every > 0 and cfg.mode != "video"),
+           "train.sample_every makes validation videos (mode=video); for mode=llm use tools/generate.py", e)
+    _check(t.sample_steps >= 1 and t.num_samples >= 1,
+           f"train.sample_steps={t.sample_steps} and train.num_samples={t.num_samples} must be >= 1", e)
+    _check(t.guidance_scale >= 1.0, f"train.guidance_scale={t.guidance_scale} must be >= 1 (1 = no guidance)", e)
+    _check(m.text_dim >= 0 and m.text_len >= 1, f"model.text_dim={m.text_dim} must be >= 0 and model.text_len="
+           f"{m.text_len} >= 1", e)
+    _check(0.0 <= cfg.data.caption_dropout < 1.0, f"data.caption_dropout={cfg.data.caption_dropout} must be in [0, 1)", e)
     _check(0.0 <= cfg.data.heldout_fraction < 1.0, f"data.heldout_fraction={cfg.data.heldout_fraction} must be in [0, 1)", e)
     _check(cfg.launcher.max_restarts >= 0, f"launcher.max_restarts={cfg.launcher.max_restarts} must be >= 0", e)
     _check(not (cfg.launcher.max_restarts > 0 and t.ckpt_every == 0),

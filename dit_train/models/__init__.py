@@ -23,7 +23,7 @@ def build_model(cfg: ModelConfig, attn_backend: str = "sdpa") -> nn.Module:
     if cfg.name == "dit":
         if len(cfg.patch_size) != 3:
             raise ValueError(f"model.patch_size={list(cfg.patch_size)} must be [t, h, w]")
-        return VideoDiT(patch_dim=patch_dim(cfg), **common)
+        return VideoDiT(patch_dim=patch_dim(cfg), text_dim=cfg.text_dim, **common)
     if cfg.name == "wan":
         from dit_train.models.wan import PackedWan  # imports diffusers: only when asked for
 

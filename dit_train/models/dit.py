@@ -6,7 +6,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dit_train.models.layers import Block, Conditioning, TimestepEmbedder, modulate
+from dit_train.models.layers import Block, Conditioning, TextContext, TimestepEmbedder, modulate
 from dit_train.models.rope import RotaryEmbedding
 
 
@@ -27,32 +27,46 @@ class FinalLayer(nn.Module):
 class VideoDiT(nn.Module):
     """Diffusion transformer over packed (t, h, w) patches.
 
-    forward(x, pos, seg, t, meta):
+    forward(x, pos, seg, t, meta, context=None, context_len=None):
       x:    [L, patch_dim]  noisy patches of every clip in the pack, concatenated
       pos:  [L, 3]          (t, h, w) patch coordinates inside each clip, for 3-D RoPE
       seg:  [L]             index of the clip in the pack (-1 = padding)
       t:    [S]             flow-matching time of each clip
       meta: attention metadata for the attention callable (VarlenMeta, or its CP variant)
+      context:     [S, Lc, text_dim] caption embeddings, valid tokens first (text_dim > 0 only)
+      context_len: [S] int64 valid caption tokens of each clip
     returns [L, patch_dim], the predicted velocity.
     """
 
-    # parameters that DiT initialises to zero ("adaLN-zero"); see models/init.py
-    zero_init = ("adaLN_modulation", "final.linear")
+    # parameters that start at zero ("adaLN-zero" of DiT, zero cross-attention output of
+    # PixArt-α: a new block starts as the identity); see models/init.py
+    zero_init = ("adaLN_modulation", "final.linear", "cross_attn.proj")
 
     def __init__(self, patch_dim: int, dim: int, depth: int, heads: int, mlp_ratio: float,
-                 qk_norm: bool = True, rope_theta: float = 10000.0, backend: str = "sdpa"):
+                 qk_norm: bool = True, rope_theta: float = 10000.0, backend: str = "sdpa", text_dim: int = 0):
         super().__init__()
         self.patch_dim = patch_dim
+        self.text_dim = text_dim
         self.x_embedder = nn.Linear(patch_dim, dim)
         self.t_embedder = TimestepEmbedder(dim)
+        # caption embeddings (any encoder width) -> model width, as PixArt's caption projection
+        self.context_embedder = nn.Sequential(nn.Linear(text_dim, dim), nn.GELU(approximate="tanh"),
+                                              nn.Linear(dim, dim)) if text_dim else None
         self.rope = RotaryEmbedding(dim // heads, axes=3, theta=rope_theta)
-        self.blocks = nn.ModuleList(Block(dim, heads, mlp_ratio, dim, qk_norm, backend) for _ in range(depth))
+        self.blocks = nn.ModuleList(Block(dim, heads, mlp_ratio, dim, qk_norm, backend, cross_attention=bool(text_dim))
+                                    for _ in range(depth))
         self.final = FinalLayer(dim, patch_dim)
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor, seg: torch.Tensor, t: torch.Tensor, meta: Any) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, seg: torch.Tensor, t: torch.Tensor, meta: Any,
+                context: torch.Tensor | None = None, context_len: torch.Tensor | None = None) -> torch.Tensor:
         h = self.x_embedder(x)
         cond = Conditioning.from_samples(self.t_embedder(t), seg)
         rope = self.rope(pos)
+        text = None
+        if self.context_embedder is not None:
+            if context is None:
+                raise ValueError("this model has text cross-attention (model.text_dim > 0) but the batch has no captions")
+            text = TextContext(self.context_embedder(context.to(h.dtype)), context_len, seg)
         for block in self.blocks:
-            h = block(h, rope, meta, cond)
+            h = block(h, rope, meta, cond, text)
         return self.final(h, cond)

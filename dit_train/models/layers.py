@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from dit_train.models.rope import apply_rope
-from kernels import LocalAttention
+from kernels import LocalAttention, packed_cross_attention
 
 
 @dataclass
@@ -66,6 +66,45 @@ class Attention(nn.Module):
         return self.proj(out.reshape(L, -1))
 
 
+@dataclass
+class TextContext:
+    """Caption tokens of the samples of a pack, already embedded to the model width.
+
+    tokens: [S, Lc, dim] — per sample, valid tokens first (zero padded).
+    length: [S] int64 — valid tokens of each sample.
+    seg:    [L] int64 — sample of each (local) query token, -1 = padding.
+    Per-sample, so identical on every CP rank: cross-attention needs no communication.
+    """
+
+    tokens: torch.Tensor
+    length: torch.Tensor
+    seg: torch.Tensor
+
+
+class CrossAttention(nn.Module):
+    """Attention from video tokens to their own sample's caption tokens (PixArt-style).
+
+    x: [L, dim], ctx: TextContext -> [L, dim]. No RoPE: captions and patches share no axis.
+    """
+
+    def __init__(self, dim: int, heads: int, qk_norm: bool = True):
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.q = nn.Linear(dim, dim)
+        self.kv = nn.Linear(dim, 2 * dim)
+        self.q_norm = nn.RMSNorm(self.head_dim, eps=1e-6) if qk_norm else nn.Identity()
+        self.k_norm = nn.RMSNorm(self.head_dim, eps=1e-6) if qk_norm else nn.Identity()
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, ctx: TextContext) -> torch.Tensor:
+        L = x.shape[0]
+        S, Lc, _ = ctx.tokens.shape
+        q = self.q_norm(self.q(x).view(L, self.heads, self.head_dim))
+        k, v = self.kv(ctx.tokens).view(S, Lc, 2, self.heads, self.head_dim).unbind(2)
+        out = packed_cross_attention(q, self.k_norm(k), v, ctx.seg, ctx.length)
+        return self.proj(out.reshape(L, -1))
+
+
 class MLP(nn.Module):
     def __init__(self, dim: int, hidden: int):
         super().__init__()
@@ -82,14 +121,21 @@ class Block(nn.Module):
 
     With `cond_dim` it is a DiT block: LayerNorms without affine, modulated per sample by
     adaLN-zero (shift, scale, gate for attention and MLP). Without, a plain pre-RMSNorm block
-    (the causal LM). Same attention and MLP either way.
+    (the causal LM). Same attention and MLP either way. With `cross_attention`, a caption
+    cross-attention sits between them (pre-LayerNorm, residual, no gate: as in PixArt-α).
     """
 
     def __init__(
-        self, dim: int, heads: int, mlp_ratio: float, cond_dim: int | None, qk_norm: bool = True, backend: str = "sdpa"
+        self, dim: int, heads: int, mlp_ratio: float, cond_dim: int | None, qk_norm: bool = True, backend: str = "sdpa",
+        cross_attention: bool = False,
     ):
         super().__init__()
         self.attn = Attention(dim, heads, qk_norm, backend)
+        if cross_attention:
+            self.norm_cross = nn.LayerNorm(dim, eps=1e-6)
+            self.cross_attn = CrossAttention(dim, heads, qk_norm)
+        else:
+            self.cross_attn = None
         self.mlp = MLP(dim, int(dim * mlp_ratio))
         if cond_dim:
             self.norm1 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
@@ -101,7 +147,8 @@ class Block(nn.Module):
             self.adaLN_modulation = None
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: Any, cond: Conditioning | None = None
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: Any, cond: Conditioning | None = None,
+        text: TextContext | None = None,
     ) -> torch.Tensor:
         if self.adaLN_modulation is None:
             x = x + self.attn(self.norm1(x), rope, meta)
@@ -110,6 +157,8 @@ class Block(nn.Module):
         mod = self.adaLN_modulation(cond.per_sample)[cond.index]
         shift1, scale1, gate1, shift2, scale2, gate2 = mod.chunk(6, dim=-1)
         x = x + gate1 * self.attn(modulate(self.norm1(x), shift1, scale1), rope, meta)
+        if self.cross_attn is not None:
+            x = x + self.cross_attn(self.norm_cross(x), text)
         return x + gate2 * self.mlp(modulate(self.norm2(x), shift2, scale2))
 
 

@@ -12,6 +12,7 @@ from data_pipelines.video_io import VideoReadError
 from dit_train.batch import PackedBatch
 from dit_train.config import LossConfig, ModelConfig
 from dit_train.objectives.flow_matching import noisy_sample, per_token_mse
+from dit_train.tasks.captions import ByteCaptionEncoder, drop_caption, pad_contexts
 
 
 def patchify(x: torch.Tensor, patch: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,14 +40,20 @@ class VideoTask:
     """Builds packs of noisy video patches and scores the DiT's velocity prediction.
 
     dataset: indexable by sample id, returning an object with `.pixels` [C, F, H, W] (pixels
-    in [-1, 1] or VAE latents).
+    in [-1, 1] or VAE latents), `.caption` and optionally `.text_emb` [Lt, text_dim] (cached
+    text-encoder output). With model.text_dim > 0 every pack carries per-sample captions:
+    samples["context"] [S, Lc, text_dim] and samples["context_len"] [S].
     """
 
     causal = False
     cp_layout = "contiguous"
 
-    def __init__(self, dataset: Any, model_cfg: ModelConfig, loss_cfg: LossConfig, seed: int):
+    def __init__(self, dataset: Any, model_cfg: ModelConfig, loss_cfg: LossConfig, seed: int,
+                 caption_dropout: float = 0.0):
         self.dataset = dataset
+        self.text_dim, self.text_len = model_cfg.text_dim, model_cfg.text_len
+        self.caption_dropout = caption_dropout
+        self._bytes = ByteCaptionEncoder(self.text_dim, self.text_len) if self.text_dim else None
         self.patch = tuple(model_cfg.patch_size)
         self.patch_dim = model_cfg.in_channels * self.patch[0] * self.patch[1] * self.patch[2]
         self.loss_cfg = loss_cfg
@@ -56,13 +63,24 @@ class VideoTask:
     def lengths(self) -> list[int]:
         return self.dataset.lengths()
 
+    def null_caption(self) -> torch.Tensor:
+        """[Lt, text_dim] embedding of the empty caption (dropout, and the CFG negative)."""
+        null = getattr(self.dataset, "null_text_emb", None)
+        return null()[: self.text_len].float() if null is not None else self._bytes("")
+
+    def caption_embedding(self, sample: Any) -> torch.Tensor:
+        """[Lt, text_dim] of one sample: cached encoder output when the data has it."""
+        emb = getattr(sample, "text_emb", None)
+        return emb[: self.text_len].float() if emb is not None else self._bytes(sample.caption)
+
     def build(self, sample_ids: list[int], step: int) -> PackedBatch:
         """The full (un-split) pack of `sample_ids` at `step`, on the CPU."""
-        xs, targets, pos, seg, order, ts = [], [], [], [], [], []
+        xs, targets, pos, seg, order, ts, ctx = [], [], [], [], [], [], []
         kept = []
         for sid in sample_ids:
             try:
-                x0 = self.dataset[sid].pixels
+                item = self.dataset[sid]
+                x0 = item.pixels
             except VideoReadError as err:
                 # skip and count: the same file fails whatever the layout, so dropping it keeps
                 # every rank consistent (its tokens are simply absent from the metadata sync)
@@ -82,20 +100,32 @@ class VideoTask:
             seg.append(torch.full((n,), k, dtype=torch.long))
             order.append(torch.arange(n))
             ts.append(t)
+            if self.text_dim:
+                dropped = drop_caption(self.seed, sid, step, self.caption_dropout)
+                ctx.append(self.null_caption() if dropped else self.caption_embedding(item))
+        samples = {"t": torch.tensor(ts, dtype=torch.float32)}
+        if self.text_dim:
+            samples["context"], samples["context_len"] = pad_contexts(ctx, self.text_dim)
         if not kept:
             return PackedBatch(seg=torch.zeros(0, dtype=torch.long), pos=torch.zeros(0, 3, dtype=torch.long),
                                order=torch.zeros(0, dtype=torch.long), valid=torch.zeros(0, dtype=torch.bool),
                                tokens={"x": torch.zeros(0, self.patch_dim), "target": torch.zeros(0, self.patch_dim)},
-                               samples={"t": torch.zeros(0)}, causal=False)
+                               samples=samples, causal=False)
         seg_t = torch.cat(seg)
         return PackedBatch(
             seg=seg_t, pos=torch.cat(pos), order=torch.cat(order), valid=torch.ones_like(seg_t, dtype=torch.bool),
-            tokens={"x": torch.cat(xs), "target": torch.cat(targets)},
-            samples={"t": torch.tensor(ts, dtype=torch.float32)},
+            tokens={"x": torch.cat(xs), "target": torch.cat(targets)}, samples=samples,
             sample_ids=torch.tensor(kept, dtype=torch.long), causal=False,
         )
 
     def per_token_loss(self, model: nn.Module, batch: PackedBatch, attn_meta: Any) -> torch.Tensor:
         """[L_local] MSE of the predicted velocity of each local token."""
-        pred = model(batch.tokens["x"], batch.pos, batch.seg, batch.samples["t"], attn_meta)
+        pred = model(batch.tokens["x"], batch.pos, batch.seg, batch.samples["t"], attn_meta, **model_context(batch))
         return per_token_mse(pred, batch.tokens["target"])
+
+
+def model_context(batch: PackedBatch) -> dict[str, torch.Tensor]:
+    """The caption keyword arguments of a video model call ({} for unconditional packs)."""
+    if "context" not in batch.samples:
+        return {}
+    return {"context": batch.samples["context"], "context_len": batch.samples["context_len"]}
