@@ -191,19 +191,42 @@ def load_checkpoint(path: str | Path, model: nn.Module, optimizer: torch.optim.O
     return meta
 
 
-def export_checkpoint(path: str | Path, out: str | Path) -> Path:
-    """Full weights of a checkpoint as safetensors, in one process (no GPU, no process group)."""
+def read_config(path: str | Path) -> Any:
+    """The typed Config stored as config.yaml in a checkpoint or run dir."""
     from omegaconf import OmegaConf
 
     from dit_train.config import Config
+
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(Path(path) / "config.yaml")))
+
+
+def checkpoint_weights(path: str | Path) -> tuple[Any, dict[str, torch.Tensor]]:
+    """(Config, full fp32 weights) of a checkpoint, in one process (no GPU, no process group)."""
     from dit_train.models import build_model
 
     path = Path(path)
-    cfg: Config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path / "config.yaml")))
+    cfg = read_config(path)
     model = build_model(cfg.model)
     sd = model.state_dict()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*")
         dcp.load({"model": sd}, checkpoint_id=str(path))
-    save_safetensors({k: v.float().contiguous() for k, v in sd.items()}, out)
+    return cfg, {k: v.float().contiguous() for k, v in sd.items()}
+
+
+def export_checkpoint(path: str | Path, out: str | Path) -> Path:
+    """Full weights of a checkpoint as safetensors, in one process (no GPU, no process group)."""
+    _, sd = checkpoint_weights(path)
+    save_safetensors(sd, out)
     return Path(out)
+
+
+def export_diffusers(cfg: Any, state_dict: dict[str, torch.Tensor], out_dir: str | Path) -> Path:
+    """Write full weights of a model.name=wan run as a diffusers WanTransformer3DModel folder
+    (`save_pretrained`: config.json + safetensors), loadable with `from_pretrained`."""
+    if cfg.model.name != "wan":
+        raise ValueError(f"--diffusers exports model.name=wan runs; this one is model.name={cfg.model.name}")
+    from dit_train.models.wan import to_diffusers
+
+    to_diffusers(state_dict, cfg.model).save_pretrained(str(out_dir))
+    return Path(out_dir)

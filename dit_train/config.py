@@ -16,7 +16,8 @@ from hydra.core.config_store import ConfigStore
 
 @dataclass
 class ModelConfig:
-    """Transformer shape. `name` picks the model: `dit` (packed video DiT) or `lm` (causal LM)."""
+    """Transformer shape. `name` picks the model: `dit` (packed video DiT), `wan` (diffusers'
+    WanTransformer3DModel through the packed path) or `lm` (causal LM)."""
 
     name: str = "dit"
     dim: int = 128
@@ -38,6 +39,17 @@ class ModelConfig:
     # Width of caption embeddings for cross-attention; 0 = unconditional.
     text_dim: int = 0
     text_len: int = 16
+    # --- diffusers Wan transformer (name=wan, dit_train/models/wan.py) ---
+    # Local diffusers folder (config.json + safetensors of a WanTransformer3DModel) to start
+    # from; "" = initialise from train.seed. Its shape must match the keys of this config.
+    pretrained: str = ""
+    ffn_dim: int = 0  # feed-forward width; 0 = dim * mlp_ratio
+    freq_dim: int = 256  # sinusoidal timestep features
+    cross_attn_norm: bool = True  # affine LayerNorm before cross-attention
+    norm_eps: float = 1e-6
+    # Cross-attention sees the caption zero-padded to text_len, as Wan was trained (and as
+    # diffusers' WanPipeline feeds it); false: only the context_len valid tokens.
+    attend_padded_context: bool = True
 
 
 @dataclass

@@ -15,7 +15,7 @@ from dit_train.checkpoint import export_weights, load_checkpoint, resolve_checkp
 from dit_train.config import Config
 from dit_train.data import build_task
 from dit_train.metrics import MetricsLogger
-from dit_train.models import build_model, init_weights
+from dit_train.models import build_model, initialize
 from dit_train.optim import build_optimizer, build_scheduler
 from dit_train.parallel.mesh import ParallelContext, init_parallel
 from dit_train.parallel.parallelize import parallelize
@@ -40,10 +40,10 @@ def build_parallel_model(cfg: Config, ctx: ParallelContext) -> torch.nn.Module:
             model = build_model(cfg.model, backend)
         model = parallelize(model, ctx, cfg.parallel, cfg.model, cfg.train, backend)
         model.to_empty(device=ctx.device)
-        init_weights(model, cfg.train.seed, cfg.model.init)
+        initialize(model, cfg.model, cfg.train.seed)
         return model
     model = build_model(cfg.model, backend)
-    init_weights(model, cfg.train.seed, cfg.model.init)
+    initialize(model, cfg.model, cfg.train.seed)
     model.to(ctx.device)
     return parallelize(model, ctx, cfg.parallel, cfg.model, cfg.train, backend)
 

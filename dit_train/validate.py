@@ -66,7 +66,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check(o.max_grad_norm >= 0, f"optim.max_grad_norm={o.max_grad_norm} must be >= 0 (0 disables clipping)", e)
     _check(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), f"optim.betas={list(o.betas)} must be two values in [0, 1)", e)
     if cfg.mode == "video":
-        _check(m.name == "dit", f"mode=video trains model.name=dit, got {m.name!r} (pick a model=dit_* config)", e)
+        _check(m.name in ("dit", "wan"),
+               f"mode=video trains model.name=dit or wan, got {m.name!r} (pick a model=dit_* or model=wan_* config)", e)
         _check(len(m.patch_size) == 3 and all(x >= 1 for x in m.patch_size),
                f"model.patch_size={list(m.patch_size)} must be three positive ints [t, h, w]", e)
     else:

@@ -13,6 +13,19 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from dit_train.config import ModelConfig
+
+
+# Name parts added by wrappers that parallelize() may apply before initialisation (meta_init):
+# activation checkpointing and torch.compile. Seeds and pretrained keys use the plain names.
+_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def plain_name(name: str) -> str:
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name
+
 
 def named_seed(seed: int, name: str) -> int:
     digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
@@ -48,12 +61,44 @@ def init_weights(model: nn.Module, seed: int, scheme: str = "adaln_zero", std: f
     zero_patterns = getattr(model, "zero_init", ())
     for mod_name, module in model.named_modules():
         for pname, p in module.named_parameters(recurse=False):
-            name = f"{mod_name}.{pname}" if mod_name else pname
+            name = plain_name(f"{mod_name}.{pname}" if mod_name else pname)
             gen = torch.Generator().manual_seed(named_seed(seed, name))
             full = torch.empty(p.shape, dtype=torch.float32)
             zero = scheme == "adaln_zero" and any(z in name for z in zero_patterns)
             _fill(module, pname, full, gen, zero, scheme, std)
-            if isinstance(p, DTensor):
-                # src_data_rank=None: every rank built the same full tensor; slice locally, no comms
-                full = distribute_tensor(full.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
-            p.copy_(full.to(device=p.device, dtype=p.dtype))
+            _copy_full(p, full)
+
+
+def _copy_full(p: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a full (unsharded) tensor into parameter p, or into p's local shard if p is a DTensor."""
+    if isinstance(p, DTensor):
+        # src_data_rank=None: every rank holds the same full tensor; slice locally, no comms
+        full = distribute_tensor(full.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+    p.copy_(full.to(device=p.device, dtype=p.dtype))
+
+
+@torch.no_grad()
+def load_full_weights(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+    """Copy full tensors (keys = the plain model's parameter names) into `model`, plain or
+    sharded (each rank keeps its shard). Every parameter must be given, and nothing else."""
+    params = {plain_name(n): p for n, p in model.named_parameters()}
+    missing, unexpected = sorted(params.keys() - state_dict.keys()), sorted(state_dict.keys() - params.keys())
+    if missing or unexpected:
+        raise ValueError(f"pretrained weights do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for name, p in params.items():
+        if tuple(state_dict[name].shape) != tuple(p.shape):
+            raise ValueError(f"pretrained {name} has shape {tuple(state_dict[name].shape)}, the model {tuple(p.shape)}")
+        _copy_full(p, state_dict[name])
+
+
+def initialize(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
+    """Initial weights of a built (possibly sharded) model: `cfg.pretrained` when set (a local
+    diffusers folder, model.name=wan), else `init_weights` from the seed."""
+    if not cfg.pretrained:
+        init_weights(model, seed, cfg.init)
+        return
+    if cfg.name != "wan":
+        raise ValueError(f"model.pretrained is supported for model.name=wan, not {cfg.name!r}")
+    from dit_train.models.wan import read_pretrained
+
+    load_full_weights(model, read_pretrained(cfg.pretrained, cfg))

@@ -1,0 +1,255 @@
+"""diffusers' WanTransformer3DModel trained through our packed path.
+
+`PackedWan` holds the very submodules of a diffusers `WanTransformer3DModel` under the same
+names (patch_embedding, condition_embedder, blocks.N.*, norm_out, proj_out,
+scale_shift_table), so its state dict IS a diffusers state dict: pretrained folders load
+1:1 and trained weights export back with `save_pretrained`. Only the forward is ours, so that
+several clips of different sizes share one flat token sequence and every parallelism of
+dit_train (FSDP2 over `.blocks`, Ulysses/ring CP through `attention_fn`) applies unchanged:
+
+- patch embedding: the Conv3d (kernel = stride = patch) is a linear map on our (c, pt, ph, pw)
+  patch features, so its weight is used flattened;
+- time: one embedding per clip (Wan's time embedding expects t·1000, t the flow time with
+  noise at t = 1, as ours), gathered per token and given to diffusers' own
+  `WanTransformerBlock.forward` through its per-token path (temb [1, L, 6, dim], the one
+  Wan 2.2 TI2V uses);
+- 3-D RoPE: WanRotaryPosEmbed's frequencies, computed from each token's (t, h, w) instead of
+  one grid per batch;
+- attention: the blocks' WanAttention modules get `PackedWanAttnProcessor` (diffusers'
+  processor extension point): self-attention calls `attn1.attention_fn` (varlen inside each
+  clip; swapped for CP by parallelize), cross-attention attends each token to its own clip's
+  caption with `kernels.packed_cross_attention`;
+- output: proj_out's features are (pt, ph, pw, c) in diffusers; reordered to our (c, pt, ph, pw).
+
+No parallelism here (no torch.distributed).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dit_train.config import ModelConfig
+from kernels import LocalAttention, packed_cross_attention
+
+# Wan's time embedding was trained on scheduler timesteps t·num_train_timesteps.
+NUM_TRAIN_TIMESTEPS = 1000.0
+# Key of our config for each WanTransformer3DModel config key (for clear mismatch errors).
+_OUR_KEY = {"patch_size": "patch_size", "num_attention_heads": "heads", "attention_head_dim": "dim / heads",
+            "in_channels": "in_channels", "out_channels": "in_channels", "text_dim": "text_dim",
+            "freq_dim": "freq_dim", "ffn_dim": "ffn_dim", "num_layers": "depth",
+            "cross_attn_norm": "cross_attn_norm", "eps": "norm_eps"}
+
+
+def wan_config(cfg: ModelConfig) -> dict[str, Any]:
+    """WanTransformer3DModel(**kwargs) of the same shape as `cfg` (model.name=wan)."""
+    if cfg.dim % cfg.heads:
+        raise ValueError(f"model.dim={cfg.dim} must be divisible by model.heads={cfg.heads}")
+    if cfg.text_dim <= 0:
+        raise ValueError("model.name=wan needs model.text_dim > 0 (width of the caption embeddings; 4096 for umT5)")
+    if len(cfg.patch_size) != 3:
+        raise ValueError(f"model.patch_size={list(cfg.patch_size)} must be [t, h, w]")
+    if cfg.rope_theta != 10000.0:
+        raise ValueError(f"model.rope_theta={cfg.rope_theta}: Wan's RoPE is fixed at 10000; remove the override")
+    return dict(patch_size=tuple(cfg.patch_size), num_attention_heads=cfg.heads, attention_head_dim=cfg.dim // cfg.heads,
+                in_channels=cfg.in_channels, out_channels=cfg.in_channels, text_dim=cfg.text_dim,
+                freq_dim=cfg.freq_dim, ffn_dim=cfg.ffn_dim or int(cfg.dim * cfg.mlp_ratio), num_layers=cfg.depth,
+                cross_attn_norm=cfg.cross_attn_norm, eps=cfg.norm_eps)
+
+
+def wan_rope(pos: torch.Tensor, head_dim: int, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token (cos, sin) [L, head_dim/2] of WanRotaryPosEmbed for positions [L, 3] (t, h, w).
+
+    Same split (h and w get 2·(head_dim//6) channels each, t the rest, in that order t|h|w) and
+    the same float64 angles as diffusers' table, so the values are bit-identical to its lookup.
+    """
+    h_dim = w_dim = 2 * (head_dim // 6)
+    parts = []
+    for axis, d in enumerate((head_dim - h_dim - w_dim, h_dim, w_dim)):
+        freqs = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=pos.device) / d)
+        parts.append(pos[:, axis, None].to(torch.float64) * freqs)
+    ang = torch.cat(parts, dim=-1)
+    return ang.cos().float(), ang.sin().float()
+
+
+def apply_wan_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs (x[2i], x[2i+1]) of x [L, H, D] by angles cos/sin [L, D/2]."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    c, s = cos[:, None], sin[:, None]
+    return torch.stack([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1).flatten(-2).type_as(x)
+
+
+class PackedRope:
+    """What WanTransformerBlock passes untouched to attn1 as `rotary_emb`: the per-token
+    rotation and the attention metadata. A plain class, not a dataclass, so FSDP's input cast
+    leaves the fp32 angles alone (diffusers keeps RoPE in fp32 too)."""
+
+    __slots__ = ("cos", "sin", "meta")
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, meta: Any):
+        self.cos, self.sin, self.meta = cos, sin, meta
+
+
+class PackedContext:
+    """What WanTransformerBlock passes untouched to attn2 as `encoder_hidden_states`.
+
+    states: [S, Lc, dim] embedded captions; seg: [L] clip of each (local) token, -1 padding;
+    lengths: [S] int64 caption tokens each clip attends to.
+    """
+
+    __slots__ = ("states", "seg", "lengths")
+
+    def __init__(self, states: torch.Tensor, seg: torch.Tensor, lengths: torch.Tensor):
+        self.states, self.seg, self.lengths = states, seg, lengths
+
+
+class PackedWanAttnProcessor:
+    """WanAttention processor for packed sequences (hidden_states [1, L, dim], batch of one).
+
+    Self-attention (encoder_hidden_states None): QK-RMSNorm, RoPE, `attn.attention_fn(q, k, v,
+    meta)` with [L, H, D]. Cross-attention: each token attends to its own clip's caption.
+    Same projections and norms as diffusers' WanAttnProcessor (text-to-video; no image K/V).
+    """
+
+    def __call__(self, attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: PackedContext | None = None,
+                 attention_mask: torch.Tensor | None = None, rotary_emb: PackedRope | None = None) -> torch.Tensor:
+        x = hidden_states[0]
+        if encoder_hidden_states is None:
+            q, k, v = attn.to_q(x), attn.to_k(x), attn.to_v(x)
+        else:
+            ctx = encoder_hidden_states.states
+            q, k, v = attn.to_q(x), attn.to_k(ctx), attn.to_v(ctx)
+        q = attn.norm_q(q).unflatten(-1, (attn.heads, -1))
+        k = attn.norm_k(k).unflatten(-1, (attn.heads, -1))
+        v = v.unflatten(-1, (attn.heads, -1))
+        if encoder_hidden_states is None:
+            q = apply_wan_rope(q, rotary_emb.cos, rotary_emb.sin)
+            k = apply_wan_rope(k, rotary_emb.cos, rotary_emb.sin)
+            out = attn.attention_fn(q, k, v, rotary_emb.meta)
+        else:
+            out = packed_cross_attention(q, k, v, encoder_hidden_states.seg, encoder_hidden_states.lengths)
+        out = attn.to_out[1](attn.to_out[0](out.flatten(1).type_as(q)))
+        return out[None]
+
+
+class PackedWan(nn.Module):
+    """Packed-sequence forward over a diffusers WanTransformer3DModel's modules.
+
+    forward(x, pos, seg, t, meta, context=None, context_len=None):
+      x:    [L, C·pt·ph·pw]  noisy patches, features ordered (c, pt, ph, pw)
+      pos:  [L, 3]           (t, h, w) patch coordinates inside each clip
+      seg:  [L]              clip of each token (-1 = padding)
+      t:    [S]              flow time of each clip in [0, 1]
+      meta: attention metadata for `attention_fn` (VarlenMeta, or CPAttnMeta under CP)
+      context: [S, Lc, text_dim] caption embeddings (valid tokens first); None = one all-zero token
+      context_len: [S] int64 valid caption tokens
+    returns [L, C·pt·ph·pw], the predicted velocity.
+    """
+
+    # Wan zero-initialises its output head when trained from scratch.
+    zero_init = ("proj_out",)
+
+    def __init__(self, cfg: ModelConfig, backend: str = "sdpa"):
+        super().__init__()
+        from diffusers import WanTransformer3DModel
+
+        self.diffusers_config = wan_config(cfg)
+        self.text_len, self.pad_context = cfg.text_len, cfg.attend_padded_context
+        wan = WanTransformer3DModel(**self.diffusers_config)
+        # the same modules under the same names: our state dict is diffusers' (its RoPE table
+        # is a non-persistent buffer we do not need: frequencies are recomputed per token)
+        self.patch_embedding = wan.patch_embedding
+        self.condition_embedder = wan.condition_embedder
+        self.blocks = wan.blocks
+        self.norm_out = wan.norm_out
+        self.proj_out = wan.proj_out
+        self.scale_shift_table = wan.scale_shift_table
+        for block in self.blocks:
+            block.attn1.set_processor(PackedWanAttnProcessor())
+            block.attn2.set_processor(PackedWanAttnProcessor())
+            block.attn1.attention_fn = LocalAttention(backend)  # swapped for CP by parallelize()
+
+    def _context(self, context: torch.Tensor | None, context_len: torch.Tensor | None, S: int,
+                 like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Captions [S, Lc', text_dim] and the tokens each clip attends to [S]."""
+        text_dim = self.diffusers_config["text_dim"]
+        if context is None:
+            context = like.new_zeros(S, 1, text_dim)
+            context_len = torch.ones(S, dtype=torch.long, device=like.device)
+        if context.shape[0] != S or context.shape[-1] != text_dim:
+            raise ValueError(f"context {tuple(context.shape)} must be [{S}, Lc, model.text_dim={text_dim}]")
+        if context_len is None:
+            context_len = torch.full((S,), context.shape[1], dtype=torch.long, device=context.device)
+        if not self.pad_context:
+            return context, context_len
+        Lc = context.shape[1]
+        if Lc > self.text_len:
+            raise ValueError(f"captions have {Lc} tokens but model.text_len={self.text_len}; raise model.text_len")
+        # Wan's convention: valid tokens, then zeros up to text_len, all attended to
+        valid = torch.arange(Lc, device=context.device)[None, :] < context_len[:, None]
+        context = F.pad(context * valid[..., None].to(context.dtype), (0, 0, 0, self.text_len - Lc))
+        return context, torch.full_like(context_len, self.text_len)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, seg: torch.Tensor, t: torch.Tensor, meta: Any,
+                context: torch.Tensor | None = None, context_len: torch.Tensor | None = None) -> torch.Tensor:
+        S = t.shape[0]
+        row = torch.where(seg < 0, torch.full_like(seg, S), seg)  # padding tokens use an extra time row (t=0)
+        timestep = torch.cat([t.float(), t.new_zeros(1, dtype=torch.float32)]) * NUM_TRAIN_TIMESTEPS
+        context, lengths = self._context(context, context_len, S, x)
+        temb, timestep_proj, states, _ = self.condition_embedder(timestep, context)  # [S+1, dim], [S+1, 6·dim]
+        h = F.linear(x, self.patch_embedding.weight.flatten(1), self.patch_embedding.bias)[None]  # [1, L, dim]
+        temb_tok = timestep_proj.unflatten(1, (6, -1))[row][None]  # [1, L, 6, dim]
+        rope = PackedRope(*wan_rope(pos, self.diffusers_config["attention_head_dim"]), meta)
+        ctx = PackedContext(states, seg, lengths)
+        for block in self.blocks:
+            h = block(h, ctx, temb_tok, rope)
+        shift, scale = (self.scale_shift_table + temb[:, None]).unbind(1)  # [S+1, dim] each
+        h = h[0]
+        h = (self.norm_out(h.float()) * (1 + scale[row]) + shift[row]).type_as(h)
+        out = self.proj_out(h)  # [L, (pt, ph, pw, c)]
+        C = self.diffusers_config["out_channels"]
+        return out.unflatten(-1, (-1, C)).transpose(1, 2).flatten(1)
+
+
+# --------------------------------------------------------------------------- diffusers folders
+
+
+def read_pretrained(path: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """fp32 CPU state dict of the diffusers folder `path` (WanTransformer3DModel), after
+    checking its shape against `cfg` (error names the keys to set)."""
+    from pathlib import Path
+
+    from diffusers import WanTransformer3DModel
+
+    folder = Path(path).expanduser()
+    if not (folder / "config.json").exists():
+        sub = folder / "transformer"
+        if (sub / "config.json").exists():
+            folder = sub  # a whole pipeline folder: its transformer
+        else:
+            raise FileNotFoundError(f"model.pretrained={path}: no config.json there (expected a diffusers "
+                                    f"WanTransformer3DModel folder, or a pipeline folder with transformer/)")
+    wan = WanTransformer3DModel.from_pretrained(str(folder), torch_dtype=torch.float32)
+    want = wan_config(cfg)
+    wrong = []
+    for key, ours in want.items():
+        theirs = wan.config[key]
+        if (tuple(theirs) if isinstance(theirs, list) else theirs) != ours:
+            wrong.append(f"{key}={theirs} (model.{_OUR_KEY[key]} gives {ours})")
+    for key in ("image_dim", "added_kv_proj_dim"):
+        if wan.config.get(key) is not None:
+            wrong.append(f"{key}={wan.config[key]}: image-conditioned Wan (I2V) is not supported")
+    if wrong:
+        raise ValueError(f"model.pretrained={path} does not match the model config: " + "; ".join(wrong))
+    return {k: v.detach().float().contiguous() for k, v in wan.state_dict().items()}
+
+
+def to_diffusers(state_dict: dict[str, torch.Tensor], cfg: ModelConfig) -> Any:
+    """A diffusers WanTransformer3DModel holding `state_dict` (our keys = diffusers' keys)."""
+    from diffusers import WanTransformer3DModel
+
+    wan = WanTransformer3DModel(**wan_config(cfg))
+    wan.load_state_dict(state_dict, strict=True)
+    return wan

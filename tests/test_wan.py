@@ -1,0 +1,203 @@
+"""diffusers' WanTransformer3DModel through our packed path (model.name=wan).
+
+1. The packed adapter equals diffusers' own forward run clip by clip (forward and weight
+   gradients), for clips of different sizes, with caption masking or Wan's zero padding.
+2. Diffusers folders: load (model.pretrained), train, export with tools/export_weights.py
+   --diffusers, load back with from_pretrained: same weights, same outputs.
+3. Layout invariance: 1 process vs cp_ulysses=2 vs dp_shard=2 (meta-device build, pretrained
+   weights loaded per shard) after 2 SGD steps, sample_mean.
+"""
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import replace
+
+import pytest
+import torch
+
+from dit_train.config import ModelConfig
+from dit_train.models import build_model, init_weights
+from dit_train.models.wan import read_pretrained, to_diffusers
+from dit_train.tasks.video import patchify, unpatchify
+from dit_train.verify import parse_layout, relative_difference, run_layout
+from kernels import VarlenMeta
+from tests.conftest import REPO, TINY, compose_config
+
+PATCH = (1, 2, 2)
+SHAPES = [(2, 4, 6), (3, 2, 4)]  # (F, H, W) of the two clips: 12 and 6 tokens
+
+
+def tiny_wan_cfg(**kw) -> ModelConfig:
+    base = dict(name="wan", dim=32, heads=2, depth=2, ffn_dim=64, freq_dim=32, text_dim=32, text_len=6,
+                in_channels=4, patch_size=list(PATCH), init="normal")
+    return ModelConfig(**(base | kw))
+
+
+def random_model(cfg: ModelConfig, seed: int = 0) -> torch.nn.Module:
+    """Every weight random (norm gains and modulation tables too), so no swap goes unseen."""
+    model = build_model(cfg)
+    init_weights(model, seed, "normal")
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def pack(clips: list[torch.Tensor], pad: int = 0):
+    """Our packed inputs for `clips` ([C, F, H, W] each), plus `pad` padding tokens at the end."""
+    toks, pos, seg = [], [], []
+    for i, x in enumerate(clips):
+        tk, grid = patchify(x, PATCH)
+        toks.append(tk), pos.append(grid), seg.append(torch.full((tk.shape[0],), i))
+    toks.append(torch.zeros(pad, toks[0].shape[1])), pos.append(torch.zeros(pad, 3, dtype=torch.long))
+    seg.append(torch.full((pad,), -1))
+    seg = torch.cat(seg)
+    order = torch.cat([torch.arange(len(s)) for s in torch.split(seg, [t.shape[0] for t in toks])])
+    return torch.cat(toks), torch.cat(pos), seg, VarlenMeta.build(seg, order, causal=False)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["masked_context", "wan_padded_context"])
+def test_packed_forward_and_grads_match_diffusers_per_clip(padded):
+    cfg = tiny_wan_cfg(attend_padded_context=padded)
+    ours = random_model(cfg)
+    ref = to_diffusers(ours.state_dict(), cfg)  # diffusers' own module, same weights
+    g = torch.Generator().manual_seed(0)
+    clips = [torch.randn(4, *s, generator=g) for s in SHAPES]
+    t = torch.tensor([0.3, 0.85])
+    context, context_len = torch.randn(2, 5, 32, generator=g), torch.tensor([3, 5])
+    x, pos, seg, meta = pack(clips, pad=3)
+    out = ours(x, pos, seg, t, meta, context, context_len)
+    probes = [torch.randn(4, *s, generator=g) for s in SHAPES]  # random cotangents
+
+    loss_ours, loss_ref, off = 0.0, 0.0, 0
+    for i, clip in enumerate(clips):
+        grid = (clip.shape[1] // PATCH[0], clip.shape[2] // PATCH[1], clip.shape[3] // PATCH[2])
+        n = grid[0] * grid[1] * grid[2]
+        mine = unpatchify(out[off:off + n], grid, PATCH, 4)
+        off += n
+        # diffusers' pipeline convention: timestep = 1000·t; captions zero-padded to text_len (Wan)
+        # or just the valid tokens
+        ctx = context[i:i + 1, :context_len[i]]
+        if padded:
+            ctx = torch.nn.functional.pad(ctx, (0, 0, 0, cfg.text_len - ctx.shape[1]))
+        theirs = ref(clip[None], t[i:i + 1] * 1000, ctx).sample[0]
+        assert theirs.shape == mine.shape
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+        loss_ours = loss_ours + (mine * probes[i]).sum()
+        loss_ref = loss_ref + (theirs * probes[i]).sum()
+    assert out[off:].abs().max() < 1e3  # padding tokens: finite, ignored
+
+    loss_ours.backward()
+    loss_ref.backward()
+    ref_grads = dict(ref.named_parameters())
+    for name, p in ours.named_parameters():
+        gr = ref_grads[name].grad
+        assert p.grad is not None and gr is not None, name
+        scale = gr.abs().max().clamp_min(1e-6)
+        assert (p.grad - gr).abs().max() <= 1e-4 * scale, name
+
+
+def test_context_none_is_one_zero_token_and_rope_uses_positions():
+    """Fallback without captions; a clip's output depends on its (t, h, w) positions only
+    through RoPE (shuffled positions change it)."""
+    cfg = tiny_wan_cfg(attend_padded_context=False)
+    ours = random_model(cfg)
+    g = torch.Generator().manual_seed(3)
+    clips = [torch.randn(4, *s, generator=g) for s in SHAPES]
+    x, pos, seg, meta = pack(clips)
+    t = torch.tensor([0.5, 0.2])
+    a = ours(x, pos, seg, t, meta)
+    b = ours(x, pos, seg, t, meta, torch.zeros(2, 1, 32), torch.ones(2, dtype=torch.long))
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    c = ours(x, pos.flip(0), seg, t, meta)
+    assert (a - c).abs().max() > 1e-3
+
+
+def test_pretrained_shape_mismatch_names_the_keys(tmp_path):
+    cfg = tiny_wan_cfg()
+    to_diffusers(random_model(cfg).state_dict(), cfg).save_pretrained(str(tmp_path / "wan"))
+    with pytest.raises(ValueError, match=r"num_layers=2 \(model.depth gives 3\)"):
+        read_pretrained(str(tmp_path / "wan"), tiny_wan_cfg(depth=3))
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        read_pretrained(str(tmp_path), cfg)
+
+
+# --------------------------------------------------------------------------- training runs
+
+
+@pytest.fixture(scope="module")
+def wan_run_cfg(data_cache):
+    from dit_train.data import prepare_data
+
+    cfg = compose_config(["model=wan_tiny", *TINY, "model.text_len=16", "optim.max_grad_norm=0.05"], cache_dir=data_cache)
+    prepare_data(cfg.mode, cfg.data)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def pretrained_dir(wan_run_cfg, tmp_path_factory):
+    """A diffusers folder with random weights of wan_tiny's shape (nothing downloaded)."""
+    path = tmp_path_factory.mktemp("wan_pretrained") / "transformer"
+    to_diffusers(random_model(wan_run_cfg.model, seed=7).state_dict(), wan_run_cfg.model).save_pretrained(str(path))
+    return path
+
+
+def test_train_from_pretrained_and_export_to_diffusers(wan_run_cfg, pretrained_dir, tmp_path):
+    from diffusers import WanTransformer3DModel
+    from safetensors.torch import load_file
+
+    from dit_train.train import run
+
+    # model.pretrained = the pipeline dir holding transformer/; one step, a checkpoint, and
+    # validation videos (the sampler runs the Wan model too, with CFG)
+    cfg = replace(wan_run_cfg, model=replace(wan_run_cfg.model, pretrained=str(pretrained_dir.parent)),
+                  train=replace(wan_run_cfg.train, steps=1, ckpt_every=1, sample_every=1, sample_steps=2,
+                                num_samples=2, guidance_scale=2.0),
+                  run_dir=str(tmp_path / "run"))
+    run(cfg)
+    assert (tmp_path / "run" / "samples" / "step_000001" / "sample_1.mp4").exists()
+    start = read_pretrained(str(pretrained_dir), cfg.model)
+    trained = load_file(str(tmp_path / "run" / "weights.safetensors"))
+    assert trained.keys() == start.keys()
+    assert max(float((trained[k] - start[k]).abs().max()) for k in start) > 0  # it trained from there
+
+    spec = importlib.util.spec_from_file_location("export_weights", REPO / "tools" / "export_weights.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.main([str(tmp_path / "run"), "--diffusers", str(tmp_path / "from_ckpt")]) == 0
+    assert tool.main([str(tmp_path / "run" / "weights.safetensors"), "--diffusers", str(tmp_path / "from_w")]) == 0
+    for folder in ("from_ckpt", "from_w"):
+        wan = WanTransformer3DModel.from_pretrained(str(tmp_path / folder))
+        sd = wan.state_dict()
+        assert all(torch.equal(sd[k], trained[k]) for k in trained), folder
+
+    # same outputs: our packed model with the run's weights vs diffusers on the exported folder
+    ours = build_model(cfg.model)
+    ours.load_state_dict(trained)
+    g = torch.Generator().manual_seed(5)
+    clip = torch.randn(3, 2, 16, 24, generator=g)
+    tok, grid = patchify(clip, tuple(cfg.model.patch_size))
+    seg = torch.zeros(tok.shape[0], dtype=torch.long)
+    with torch.no_grad():
+        mine = ours(tok, grid, seg, torch.tensor([0.4]), VarlenMeta.build(seg, torch.arange(len(seg)), False))
+        theirs = wan(clip[None], torch.tensor([400.0]), torch.zeros(1, cfg.model.text_len, cfg.model.text_dim)).sample[0]
+    torch.testing.assert_close(unpatchify(mine, (1, 2, 3), tuple(cfg.model.patch_size), 3), theirs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_layout_invariance_1_vs_ulysses2_vs_fsdp2_meta_pretrained(wan_run_cfg, pretrained_dir):
+    """Same weights after 2 SGD steps (clipping on) for 1 process, Ulysses CP=2, FSDP2 dp_shard=2
+    built on the meta device with the pretrained weights loaded per shard. Uneven clips, packs
+    split inside clips by CP, captions (byte embeddings) with dropout."""
+    cfg = replace(wan_run_cfg, model=replace(wan_run_cfg.model, pretrained=str(pretrained_dir)))
+    start = read_pretrained(str(pretrained_dir), cfg.model)
+    (oracle,) = run_layout(cfg, {}, ["sample_mean"])
+    assert all(torch.equal(oracle[f"__init__/{k}"], v) for k, v in start.items())
+    for spec in ("cp_ulysses=2", "dp_shard=2,meta_init=true"):
+        (got,) = run_layout(cfg, parse_layout(spec), ["sample_mean"])
+        assert all(torch.equal(got[f"__init__/{k}"], v) for k, v in start.items()), spec
+        rel = relative_difference(oracle, got)
+        assert rel <= 1e-4, f"{spec}: weights differ by {rel:.2e} of the update"
+        norms_ref, norms = oracle["__grad_norms__"], got["__grad_norms__"]
+        assert (norms - norms_ref).abs().max() <= 1e-5 * norms_ref.abs().max(), (spec, norms, norms_ref)
