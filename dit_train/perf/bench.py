@@ -1,0 +1,97 @@
+"""Small helpers shared by the planner and the `tools/bench_*.py` scripts: interleaved timing,
+collective counting, tables and JSON results."""
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+
+
+def interleaved_times(fns: dict[str, Callable[[], Any]], reps: int, warmup: int = 1) -> dict[str, list[float]]:
+    """Time each callable `reps` times, round-robin (A B C A B C ...), so that slow drift of the
+    machine (other processes, thermal state) hits every variant alike. Returns seconds."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for r in range(reps):
+        # rotate the start so no variant always runs right after the same other one
+        keys = list(fns)[r % len(fns):] + list(fns)[:r % len(fns)]
+        for k in keys:
+            t0 = time.perf_counter()
+            fns[k]()
+            times[k].append(time.perf_counter() - t0)
+    return times
+
+
+def median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def format_table(rows: list[dict[str, Any]], columns: list[str] | None = None) -> str:
+    """Markdown table (readable in a terminal and pasteable into the README)."""
+    if not rows:
+        return "(no rows)"
+    columns = columns or list(rows[0])
+
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.4g}" if abs(v) < 1e5 else f"{v:.3e}"
+        return str(v)
+
+    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    line = lambda vals: "| " + " | ".join(v.ljust(w) for v, w in zip(vals, widths)) + " |"  # noqa: E731
+    out = [line(columns), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    out += [line(r) for r in cells]
+    return "\n".join(out)
+
+
+def environment() -> dict[str, Any]:
+    return {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
+            "threads": torch.get_num_threads(),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def write_json(path: str | Path | None, name: str, payload: dict[str, Any]) -> Path:
+    """Write `payload` (+ environment) to `path`, default benchmarks/results/<name>.json."""
+    p = Path(path) if path else RESULTS_DIR / f"{name}.json"
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps({"benchmark": name, "env": environment(), **payload}, indent=2))
+    return p
+
+
+COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single", "all_gather_into_tensor",
+               "all_gather", "all_to_all_single", "broadcast")
+
+
+@contextmanager
+def count_collectives(names: Sequence[str] = COLLECTIVES) -> Iterator[dict[str, int]]:
+    """Count calls of torch.distributed collectives made through the `torch.distributed`
+    module (FSDP2, DDP's hooks and our metadata sync all call them there)."""
+    import torch.distributed as dist
+
+    calls = {n: 0 for n in names if hasattr(dist, n)}
+    originals = {n: getattr(dist, n) for n in calls}
+
+    def wrap(name: str):
+        def f(*a, **kw):
+            calls[name] += 1
+            return originals[name](*a, **kw)
+        return f
+
+    for n in calls:
+        setattr(dist, n, wrap(n))
+    try:
+        yield calls
+    finally:
+        for n, fn in originals.items():
+            setattr(dist, n, fn)
