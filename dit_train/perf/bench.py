@@ -44,7 +44,9 @@ def format_table(rows: list[dict[str, Any]], columns: list[str] | None = None) -
 
     def fmt(v: Any) -> str:
         if isinstance(v, float):
-            return f"{v:.4g}" if abs(v) < 1e5 else f"{v:.3e}"
+            if v != v or abs(v) < 1000:
+                return f"{v:.4g}"
+            return f"{v:.0f}" if abs(v) < 1e9 else f"{v:.3e}"
         return str(v)
 
     cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
