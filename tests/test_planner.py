@@ -76,7 +76,7 @@ def test_memory_monotone_in_tokens_sharding_and_checkpointing():
     state = [estimate_memory(s, dp_shard=d, micro_batch_tokens=4096, checkpointing=False, **kw) for d in (2, 4, 8)]
     assert state[0].params > state[1].params > state[2].params and state[0].total > state[1].total > state[2].total
     ac = estimate_memory(s, dp_shard=2, micro_batch_tokens=4096, checkpointing=True, **kw)
-    assert ac.activations < state[0].activations / 3
+    assert ac.activations < state[0].activations / 2  # depth 4: one block recomputed at a time
     cp = estimate_memory(s, dp_shard=1, micro_batch_tokens=4096, checkpointing=False, **dict(kw, cp_ulysses=2))
     assert cp.activations < state[0].activations * 0.7  # CP halves the tokens each rank holds
     dense = estimate_memory(s, dp_shard=2, micro_batch_tokens=4096, checkpointing=False, **dict(kw, backend="sdpa_dense"))

@@ -15,9 +15,12 @@ import torch
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 
-def interleaved_times(fns: dict[str, Callable[[], Any]], reps: int, warmup: int = 1) -> dict[str, list[float]]:
+def interleaved_times(fns: dict[str, Callable[[], Any]], reps: int, warmup: int = 1,
+                      clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
     """Time each callable `reps` times, round-robin (A B C A B C ...), so that slow drift of the
-    machine (other processes, thermal state) hits every variant alike. Returns seconds."""
+    machine (other processes, thermal state) hits every variant alike. Returns seconds of
+    `clock`: wall time by default; `time.process_time` (CPU seconds of this process, all
+    threads) is far less sensitive to other processes on a shared machine."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
@@ -26,9 +29,9 @@ def interleaved_times(fns: dict[str, Callable[[], Any]], reps: int, warmup: int 
         # rotate the start so no variant always runs right after the same other one
         keys = list(fns)[r % len(fns):] + list(fns)[:r % len(fns)]
         for k in keys:
-            t0 = time.perf_counter()
+            t0 = clock()
             fns[k]()
-            times[k].append(time.perf_counter() - t0)
+            times[k].append(clock() - t0)
     return times
 
 
