@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from dit_train.perf.bench import format_table, interleaved_times, median, write_json  # noqa: E402
+from dit_train.perf.bench import format_table, interleaved_wall_and_cpu, median, write_json  # noqa: E402
 
 REDUCTIONS = ("naive_mean", "sample_mean", "token_mean")
 
@@ -88,22 +88,8 @@ def main(argv: list[str] | None = None) -> int:
             counter["i"] += 1
         return run
 
-    both = {"wall": {r: [] for r in REDUCTIONS}, "cpu": {r: [] for r in REDUCTIONS}}
-
-    def timed(red: str):
-        fn = variant(red)
-
-        def run():
-            w0, c0 = time.perf_counter(), time.process_time()
-            fn()
-            both["wall"][red].append(time.perf_counter() - w0)
-            both["cpu"][red].append(time.process_time() - c0)
-        return run
-
-    interleaved_times({r: timed(r) for r in REDUCTIONS}, reps=a.reps, warmup=1)
-    for d in both.values():  # drop the warm-up call
-        for r in d:
-            d[r] = d[r][1:]
+    wall, cpu = interleaved_wall_and_cpu({r: variant(r) for r in REDUCTIONS}, reps=a.reps, warmup=1)
+    both = {"wall": wall, "cpu": cpu}
     times = both["wall"]
     base = median(times["naive_mean"])
     cbase = median(both["cpu"]["naive_mean"])

@@ -10,8 +10,10 @@ Workloads (same clips for both models; 16-channel latents, patch (1, 2, 2)):
   uniform  B clips of one shape: Wan runs one [B, C, F, H, W] batch, ours one packed sequence.
   mixed    clips of several shapes (heavy-tailed lengths): Wan can take no mask, so it runs one
            batch per shape bucket (the best it can do without padding); ours packs them all
-           into one sequence with per-sample (varlen) attention.
-Timing: median of interleaved repetitions (ours, Wan, ours, ...) after one warm-up each.
+           into one sequence with per-sample (varlen) attention. `wan_padded`: Wan on one batch
+           of all clips zero-padded to the largest shape (a dense model without bucketing).
+Timing: median of interleaved repetitions (ours, Wan, ours, ...) after one warm-up each, in
+wall time and in CPU time of the process (robust to other load on a shared machine).
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from dit_train.perf.bench import format_table, interleaved_times, median, write_json  # noqa: E402
+from dit_train.perf.bench import format_table, interleaved_wall_and_cpu, median, write_json  # noqa: E402
 
 PATCH = (1, 2, 2)
 C = 16
@@ -98,6 +100,18 @@ def wan_inputs(shapes, text_dim, text_len=16, seed=0):
     return batches
 
 
+def wan_padded_input(shapes, text_dim, text_len=16, seed=0):
+    """All clips in one batch, zero-padded to the largest (F, H, W): a dense model without
+    bucketing. Only the valid tokens count in tokens/s."""
+    g = torch.Generator().manual_seed(seed)
+    F, H, W = (max(s[i] for s in shapes) for i in range(3))
+    b = len(shapes)
+    x = torch.zeros(b, C, F, H, W)
+    for i, (f, h, w) in enumerate(shapes):
+        x[i, :, :f, :h, :w] = torch.randn(C, f, h, w, generator=g)
+    return x, torch.randint(0, 1000, (b,), generator=g), torch.randn(b, text_len, text_dim, generator=g), torch.randn(x.shape, generator=g)
+
+
 def tokens(shapes) -> int:
     return sum((f // PATCH[0]) * (h // PATCH[1]) * (w // PATCH[2]) for f, h, w in shapes)
 
@@ -137,12 +151,26 @@ def main(argv: list[str] | None = None) -> int:
             for x, t, txt, tgt in w_batches:
                 ((wan(x, t, txt, return_dict=False)[0] - tgt) ** 2).mean().backward()
 
-        times = interleaved_times({"ours": run_ours, "wan": run_wan}, reps=a.reps, warmup=1)
+        fns = {"ours": run_ours, "wan": run_wan}
+        if len(set(shapes)) > 1:
+            padded = wan_padded_input(shapes, a.text_dim)
+
+            def run_wan_padded():
+                wan.zero_grad(set_to_none=True)
+                x, t, txt, tgt = padded
+                ((wan(x, t, txt, return_dict=False)[0] - tgt) ** 2).mean().backward()
+
+            fns["wan_padded"] = run_wan_padded
+        wall, cpu = interleaved_wall_and_cpu(fns, reps=a.reps, warmup=1)
         n = tokens(shapes)
-        to, tw = median(times["ours"]), median(times["wan"])
+        to, tw = median(wall["ours"]), median(wall["wan"])
         rows.append({"workload": kind, "clips": len(shapes), "tokens": n, "wan_batches": len(w_batches),
                      "ours_tok_s": n / to, "wan_tok_s": n / tw, "speedup": tw / to,
+                     "cpu_time_speedup": median(cpu["wan"]) / median(cpu["ours"]),
                      "ours_ms": to * 1e3, "wan_ms": tw * 1e3})
+        if "wan_padded" in wall:
+            tp = median(wall["wan_padded"])
+            rows[-1].update(wan_padded_tok_s=n / tp, speedup_vs_padded=tp / to)
     po, pw = nparams(ours), nparams(wan)
     print(f"ours VideoDiT: {po / 1e6:.2f}M params (dim {a.dim}, depth {a.depth}, heads {a.heads}, attn {a.backend}); "
           f"Wan: {pw / 1e6:.2f}M params (ffn_dim {ffn}, text_dim {a.text_dim}); ratio {pw / po:.3f}; "

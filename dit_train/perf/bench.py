@@ -35,6 +35,27 @@ def interleaved_times(fns: dict[str, Callable[[], Any]], reps: int, warmup: int 
     return times
 
 
+def interleaved_wall_and_cpu(fns: dict[str, Callable[[], Any]], reps: int, warmup: int = 1
+                             ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """`interleaved_times` recording both wall seconds and CPU seconds of this process."""
+    wall: dict[str, list[float]] = {k: [] for k in fns}
+    cpu: dict[str, list[float]] = {k: [] for k in fns}
+
+    def timed(k: str, fn: Callable[[], Any]) -> Callable[[], None]:
+        def run() -> None:
+            w0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            wall[k].append(time.perf_counter() - w0)
+            cpu[k].append(time.process_time() - c0)
+        return run
+
+    interleaved_times({k: timed(k, fn) for k, fn in fns.items()}, reps=reps, warmup=warmup)
+    for d in (wall, cpu):  # drop the warm-up calls
+        for k in d:
+            d[k] = d[k][warmup:]
+    return wall, cpu
+
+
 def median(xs: Sequence[float]) -> float:
     return float(statistics.median(xs))
 
@@ -43,7 +64,8 @@ def format_table(rows: list[dict[str, Any]], columns: list[str] | None = None) -
     """Markdown table (readable in a terminal and pasteable into the README)."""
     if not rows:
         return "(no rows)"
-    columns = columns or list(rows[0])
+    if columns is None:  # union of keys, in first-seen order (rows may add columns)
+        columns = list(dict.fromkeys(k for r in rows for k in r))
 
     def fmt(v: Any) -> str:
         if isinstance(v, float):
