@@ -91,6 +91,9 @@ class ParallelConfig:
     device: str = "auto"  # auto | cpu | cuda
     meta_init: bool = False  # build on the meta device, shard, then initialise shards in place
     reshard_after_forward: bool = True
+    # FSDP2 explicit prefetch: all-gather the next N blocks' parameters (forward) / previous N
+    # (backward) ahead of use; 0 = FSDP2's implicit one-block prefetch. More overlap, more memory.
+    fsdp_prefetch: int = 0
     threads_per_worker: int = 0  # torch intra-op threads per local worker; 0 = cores / local workers
 
 

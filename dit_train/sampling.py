@@ -69,8 +69,8 @@ def predict_velocity(model: torch.nn.Module, batch: PackedBatch, ctx: ParallelCo
         meta.index = [i.to(ctx.device) for i in meta.index]
         local = local.to(ctx.device)
         out = model(local.tokens["x"], local.pos, local.seg, local.samples["t"], meta, **model_context(local)).float()
-        shares = torch.empty((cp, *out.shape), dtype=out.dtype, device=out.device)
-        dist.all_gather_into_tensor(shares, out.contiguous(), group=ctx.cp_group)
+        shares = [torch.empty_like(out) for _ in range(cp)]
+        dist.all_gather(shares, out.contiguous(), group=ctx.cp_group)
         full = torch.empty((meta.seg.numel(), out.shape[-1]), dtype=out.dtype, device=out.device)
         for c in range(cp):
             full[meta.index[c]] = shares[c]

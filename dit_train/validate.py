@@ -29,6 +29,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                  f"parallel.dp_replicate/dp_shard/cp_ulysses/cp_ring equal {world_size} (e.g. parallel.dp_shard={world_size})")
     _check(p.dp_mode in ("fsdp2", "ddp", "none"), f"parallel.dp_mode={p.dp_mode!r} must be fsdp2, ddp or none", e)
     _check(p.cp_fsdp_mode in ("all", "none"), f"parallel.cp_fsdp_mode={p.cp_fsdp_mode!r} must be all or none", e)
+    _check(p.fsdp_prefetch >= 0, f"parallel.fsdp_prefetch={p.fsdp_prefetch} must be >= 0 (0 = FSDP2's implicit prefetch)", e)
     _check(p.device in ("auto", "cpu", "cuda"), f"parallel.device={p.device!r} must be auto, cpu or cuda", e)
     _check(m.dim % m.heads == 0, f"model.dim={m.dim} must be divisible by model.heads={m.heads}", e)
     _check(p.cp_ulysses >= 1 and m.heads % max(1, p.cp_ulysses) == 0,

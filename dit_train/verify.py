@@ -23,7 +23,8 @@ from dit_train.parallel.mesh import ParallelDims, init_parallel
 from dit_train.train import build_parallel_model, set_threads
 from dit_train.trainer import Trainer
 
-PARALLEL_KEYS = {"dp_replicate", "dp_shard", "cp_ulysses", "cp_ring", "dp_mode", "cp_fsdp_mode", "meta_init"}
+PARALLEL_KEYS = {"dp_replicate", "dp_shard", "cp_ulysses", "cp_ring", "dp_mode", "cp_fsdp_mode", "meta_init",
+                 "fsdp_prefetch"}
 TRAIN_KEYS = {"grad_accum", "micro_batch_tokens"}
 
 

@@ -132,15 +132,30 @@ def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.
 
 
 def _sdpa_loop(q, k, v, meta: VarlenMeta) -> torch.Tensor:
+    """One SDPA call per run of consecutive samples of equal length (a contiguous run of n
+    samples of T tokens is a free [n, T, H, D] view: one batched call instead of n).
+
+    Built from `split`/`cat` rather than slicing into a preallocated output: the backward of
+    a slice materialises a zero tensor of the whole sequence per sample (O(S·L) work and
+    memory per layer); split's backward is a single concatenation.
+    """
     assert meta.cu_seqlens is not None
     bounds = meta.cu_seqlens.tolist()
-    out = torch.empty_like(q)
-    for s, e in zip(bounds[:-1], bounds[1:]):
-        # [1, H, T, D] per sample; is_causal is exact because positions increase inside a run
-        qs, ks, vs = (t[s:e].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=meta.causal)
-        out[s:e] = o.squeeze(0).transpose(0, 1)
-    return out
+    lens = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    runs: list[tuple[int, int]] = []  # (samples in the run, tokens per sample)
+    for n in lens:
+        if runs and runs[-1][1] == n:
+            runs[-1] = (runs[-1][0] + 1, n)
+        else:
+            runs.append((1, n))
+    sizes = [c * n for c, n in runs]
+    outs = []
+    for (count, n), qs, ks, vs in zip(runs, q.split(sizes), k.split(sizes), v.split(sizes)):
+        # [count·n, H, D] -> [count, H, n, D]; is_causal is exact because positions increase inside a run
+        qb, kb, vb = (t.reshape(count, n, *t.shape[1:]).transpose(1, 2) for t in (qs, ks, vs))
+        o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=meta.causal)
+        outs.append(o.transpose(1, 2).reshape(count * n, *q.shape[1:]))
+    return torch.cat(outs) if len(outs) != 1 else outs[0]
 
 
 def _sdpa_dense(q, k, v, meta: VarlenMeta) -> torch.Tensor:

@@ -36,13 +36,20 @@ def packed_cross_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
     loop with no [L, S·Lc] mask materialised."""
     out = q.new_zeros(q.shape)
     lens = kv_len.tolist()
+    used = False
     for start, end, s in _runs(q_seg):
         if s < 0 or lens[s] == 0:
             continue
+        used = True
         n = lens[s]
         qs = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
         ks = k[s, :n].transpose(0, 1).unsqueeze(0)
         vs = v[s, :n].transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(qs, ks, vs)
         out = out.index_copy(0, torch.arange(start, end, device=q.device), o.squeeze(0).transpose(0, 1))
+    if not used:
+        # no query saw a caption (an empty or all-padding pack): keep k and v in the autograd
+        # graph with an exact zero, so every projection gets a (zero) gradient. DDP requires
+        # that on every rank, and a rank may well get such a micro-batch.
+        out = out + 0.0 * (k.sum() + v.sum())
     return out

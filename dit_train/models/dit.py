@@ -6,7 +6,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dit_train.models.layers import Block, Conditioning, TextContext, TimestepEmbedder, modulate
+from dit_train.models.layers import Block, Conditioning, TextContext, TimestepEmbedder, modulation
 from dit_train.models.rope import RotaryEmbedding
 
 
@@ -20,8 +20,8 @@ class FinalLayer(nn.Module):
         self.linear = nn.Linear(dim, out_dim)
 
     def forward(self, x: torch.Tensor, cond: Conditioning) -> torch.Tensor:
-        shift, scale = self.adaLN_modulation(cond.per_sample)[cond.index].chunk(2, dim=-1)
-        return self.linear(modulate(self.norm(x), shift, scale))
+        shift, scale1p = modulation(self.adaLN_modulation(cond.per_sample), cond.index, 2, scale_at=(1,))
+        return self.linear(torch.addcmul(shift, self.norm(x), scale1p))
 
 
 class VideoDiT(nn.Module):

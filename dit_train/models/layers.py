@@ -40,6 +40,16 @@ def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch
     return x * (1 + scale) + shift
 
 
+def modulation(per_sample: torch.Tensor, index: torch.Tensor, chunks: int, scale_at: tuple[int, ...]) -> list[torch.Tensor]:
+    """Per-sample adaLN outputs [S+1, chunks·d] -> `chunks` per-token tensors [L, d], with the
+    `1 + scale` of the chunks in `scale_at` added per *sample* before the gather: the same
+    values as adding per token, one [L, d] pass fewer each (pair with `torch.addcmul`)."""
+    d = per_sample.shape[-1] // chunks
+    one = per_sample.new_zeros(chunks, d)
+    one[list(scale_at)] = 1.0
+    return list((per_sample + one.reshape(-1))[index].chunk(chunks, dim=-1))
+
+
 class Attention(nn.Module):
     """Multi-head self-attention with optional QK-RMSNorm and RoPE.
 
@@ -153,13 +163,14 @@ class Block(nn.Module):
         if self.adaLN_modulation is None:
             x = x + self.attn(self.norm1(x), rope, meta)
             return x + self.mlp(self.norm2(x))
-        # modulation is computed once per sample ([S+1, 6·dim]) and gathered per token
-        mod = self.adaLN_modulation(cond.per_sample)[cond.index]
-        shift1, scale1, gate1, shift2, scale2, gate2 = mod.chunk(6, dim=-1)
-        x = x + gate1 * self.attn(modulate(self.norm1(x), shift1, scale1), rope, meta)
+        # modulation is computed once per sample ([S+1, 6·dim]) and gathered per token;
+        # addcmul(shift, x, 1 + scale) fuses DiT's x·(1 + scale) + shift (fewer [L, dim] passes)
+        shift1, scale1p, gate1, shift2, scale2p, gate2 = modulation(
+            self.adaLN_modulation(cond.per_sample), cond.index, 6, scale_at=(1, 4))
+        x = torch.addcmul(x, gate1, self.attn(torch.addcmul(shift1, self.norm1(x), scale1p), rope, meta))
         if self.cross_attn is not None:
             x = x + self.cross_attn(self.norm_cross(x), text)
-        return x + gate2 * self.mlp(modulate(self.norm2(x), shift2, scale2))
+        return torch.addcmul(x, gate2, self.mlp(torch.addcmul(shift2, self.norm2(x), scale2p)))
 
 
 class TimestepEmbedder(nn.Module):

@@ -58,6 +58,12 @@ def apply_fsdp(model: nn.Module, ctx: ParallelContext, cfg: ParallelConfig, para
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    n = cfg.fsdp_prefetch
+    if n > 0:
+        blocks = list(model.blocks)
+        for i, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + n])
+            block.set_modules_to_backward_prefetch(blocks[max(0, i - n):i][::-1])
     for m in model.modules():
         if isinstance(m, FSDPModule):
             # Sum, never average. force_sum keeps the collective a plain SUM (gloo has no

@@ -1,0 +1,124 @@
+"""Small helpers shared by the planner and the `tools/bench_*.py` scripts: interleaved timing,
+collective counting, tables and JSON results."""
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+
+
+def interleaved_times(fns: dict[str, Callable[[], Any]], reps: int, warmup: int = 1,
+                      clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
+    """Time each callable `reps` times, round-robin (A B C A B C ...), so that slow drift of the
+    machine (other processes, thermal state) hits every variant alike. Returns seconds of
+    `clock`: wall time by default; `time.process_time` (CPU seconds of this process, all
+    threads) is far less sensitive to other processes on a shared machine."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for r in range(reps):
+        # rotate the start so no variant always runs right after the same other one
+        keys = list(fns)[r % len(fns):] + list(fns)[:r % len(fns)]
+        for k in keys:
+            t0 = clock()
+            fns[k]()
+            times[k].append(clock() - t0)
+    return times
+
+
+def interleaved_wall_and_cpu(fns: dict[str, Callable[[], Any]], reps: int, warmup: int = 1
+                             ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """`interleaved_times` recording both wall seconds and CPU seconds of this process."""
+    wall: dict[str, list[float]] = {k: [] for k in fns}
+    cpu: dict[str, list[float]] = {k: [] for k in fns}
+
+    def timed(k: str, fn: Callable[[], Any]) -> Callable[[], None]:
+        def run() -> None:
+            w0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            wall[k].append(time.perf_counter() - w0)
+            cpu[k].append(time.process_time() - c0)
+        return run
+
+    interleaved_times({k: timed(k, fn) for k, fn in fns.items()}, reps=reps, warmup=warmup)
+    for d in (wall, cpu):  # drop the warm-up calls
+        for k in d:
+            d[k] = d[k][warmup:]
+    return wall, cpu
+
+
+def median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def format_table(rows: list[dict[str, Any]], columns: list[str] | None = None) -> str:
+    """Markdown table (readable in a terminal and pasteable into the README)."""
+    if not rows:
+        return "(no rows)"
+    if columns is None:  # union of keys, in first-seen order (rows may add columns)
+        columns = list(dict.fromkeys(k for r in rows for k in r))
+
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            if v != v or abs(v) < 1000:
+                return f"{v:.4g}"
+            return f"{v:.0f}" if abs(v) < 1e9 else f"{v:.3e}"
+        return str(v)
+
+    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    line = lambda vals: "| " + " | ".join(v.ljust(w) for v, w in zip(vals, widths)) + " |"  # noqa: E731
+    out = [line(columns), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    out += [line(r) for r in cells]
+    return "\n".join(out)
+
+
+def environment() -> dict[str, Any]:
+    return {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
+            "threads": torch.get_num_threads(),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+
+
+def write_json(path: str | Path | None, name: str, payload: dict[str, Any]) -> Path:
+    """Write `payload` (+ environment) to `path`, default benchmarks/results/<name>.json."""
+    p = Path(path) if path else RESULTS_DIR / f"{name}.json"
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps({"benchmark": name, "env": environment(), **payload}, indent=2))
+    return p
+
+
+COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single", "all_gather_into_tensor",
+               "all_gather", "all_to_all_single", "broadcast")
+
+
+@contextmanager
+def count_collectives(names: Sequence[str] = COLLECTIVES) -> Iterator[dict[str, int]]:
+    """Count calls of torch.distributed collectives made through the `torch.distributed`
+    module (FSDP2, DDP's hooks and our metadata sync all call them there)."""
+    import torch.distributed as dist
+
+    calls = {n: 0 for n in names if hasattr(dist, n)}
+    originals = {n: getattr(dist, n) for n in calls}
+
+    def wrap(name: str):
+        def f(*a, **kw):
+            calls[name] += 1
+            return originals[name](*a, **kw)
+        return f
+
+    for n in calls:
+        setattr(dist, n, wrap(n))
+    try:
+        yield calls
+    finally:
+        for n, fn in originals.items():
+            setattr(dist, n, fn)

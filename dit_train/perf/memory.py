@@ -1,0 +1,298 @@
+"""Per-rank memory model of a training step (what the planner ranks layouts by).
+
+All sizes are bytes on ONE rank. Notation: P parameters (P_blk per transformer block), d model
+width, h MLP hidden width, H heads, p patch values per token (video) / V vocabulary (LLM),
+S the FSDP shard degree, L the micro-batch's tokens on this rank (micro_batch_tokens / cp),
+c the compute dtype's size (4 fp32, 2 bf16/fp16).
+
+State (sharded by FSDP over S = dp_shard · cp when parallel.cp_fsdp_mode=all, dp_shard otherwise;
+dp_replicate never shards):
+    params 4P/S  +  grads 4P/S  +  optimizer (AdamW 8P/S; SGD 4P/S with momentum, else 0)
+    + FSDP buffers: the all-gathered block being computed and the prefetched next one
+      (2·c·P_blk), the unsharded gradient of one block and its fp32 reduce-scatter input
+      (c+4)·P_blk, the root's unsharded parameters c·P_other; without resharding after forward
+      every block stays gathered (depth·c·P_blk).
+    DDP keeps full params/grads/optimizer plus a 4P gradient bucket copy.
+
+Activations saved for backward, per token per block, read off the autograd graph of
+`models/layers.Block` (checked against `saved_activation_bytes`, which hooks the real graph):
+    fp32 run:    (23·d + 2·h)·4  +  (3·H + 4)·4       (LSE, norm statistics)
+      23·d = residual in, LN out, modulated input, qkv (3), q/k RMSNorm outputs (2),
+             RoPE'd q/k (2), attention out (1) and its reshaped copy (1), proj out (1),
+             adaLN modulation gathered per token (6, `1 + scale` included), residual after
+             attention (1), LN2 out, modulated MLP input, fc2 out (1); 2·h = fc1 out + GELU out.
+    bf16/fp16 autocast: 4·d stay fp32 (q/k upcast for RMSNorm/RoPE and their outputs) and
+      (21·d + 2·h) are stored in the compute dtype (the residual stream is bf16 because the
+      patch embedding's output is). Calibrated on CPU autocast; CUDA autocast keeps LayerNorm
+      outputs in fp32 (2·d·2 more bytes, ~5% of a block).
+    LLM block (pre-RMSNorm, no modulation): 15·d + 2·h in fp32; 8·d fp32 + (9·d + 2·h)·c.
+    Ulysses (cp_ulysses > 1): + 4·d·c for the all-to-all'd q, k, v and output.
+    Ring (cp_ring > 1): the ring kernel materialises fp32 scores and probabilities for every
+      KV block: + cp_ring · (L_r)² · (8·H/u + 1) bytes per block, L_r = micro_batch_tokens/cp_ring.
+Outside the blocks (embedding, final layer, loss, RoPE tables): (6·d)·c + 2·p·4 + Dh·4 per
+token for the DiT; 2·V·4 logits (+ d·c) for the LLM.
+Activation checkpointing keeps only each block's input (d·4 per token per block) and
+recomputes one block at a time in backward: depth·4·d + one block's full activations.
+
+Attention workspace (transient, one call): sdpa loop: a packed output copy L·d·c; flash /
+xformers: LSE H·L·4; flex: LSE + block mask ≈ 8·(L/128)²; sdpa_dense: the [L, L] boolean
+mask and its additive bias L²·(1+c) (use only as a reference).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from dit_train.config import ModelConfig
+
+GIB = 1024 ** 3
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the memory and FLOP models need to know about a model (built on the meta device)."""
+
+    kind: str  # dit | lm
+    dim: int
+    depth: int
+    heads: int
+    hidden: int
+    io_dim: int  # patch values per token (dit) or vocabulary size (lm)
+    params: int
+    params_block: int
+    # parameters applied to every token by a matmul (what 6·N·T counts): blocks + embed/head
+    params_per_token: int
+
+    @property
+    def params_other(self) -> int:
+        return self.params - self.depth * self.params_block
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.heads
+
+
+def model_shape(cfg: ModelConfig) -> ModelShape:
+    """Build the model on the meta device (no memory, no init) and read its sizes."""
+    from dit_train.models import build_model
+
+    with torch.device("meta"):
+        model = build_model(cfg)
+    params = sum(p.numel() for p in model.parameters())
+    blk = model.blocks[0]
+    p_blk = sum(p.numel() for p in blk.parameters())
+    # per-token matmuls of a block: qkv, proj, fc1, fc2 (adaLN acts once per sample, not per token)
+    per_tok_blk = sum(m.weight.numel() for m in (blk.attn.qkv, blk.attn.proj, blk.mlp.fc1, blk.mlp.fc2))
+    if cfg.name == "dit":
+        io = model.patch_dim
+        per_tok_other = model.x_embedder.weight.numel() + model.final.linear.weight.numel()
+    else:
+        io = cfg.vocab_size
+        per_tok_other = model.output.weight.numel()  # the embedding is a lookup, not a matmul
+    return ModelShape(kind=cfg.name, dim=cfg.dim, depth=cfg.depth, heads=cfg.heads, hidden=int(cfg.dim * cfg.mlp_ratio),
+                      io_dim=io, params=params, params_block=p_blk,
+                      params_per_token=cfg.depth * per_tok_blk + per_tok_other)
+
+
+# --------------------------------------------------------------------------- activations
+
+
+# (fp32 run: elements of d; autocast: fp32 elements of d, compute-dtype elements of d); + 2·h always
+_BLOCK_COEFFS = {"dit": (23, 4, 21), "lm": (15, 8, 9)}
+
+
+def block_activation_bytes_per_token(s: ModelShape, precision: str) -> float:
+    """Bytes saved for backward by one block, per local token (no CP terms)."""
+    stats = (3 * s.heads + 4) * 4
+    full, f32, lp = _BLOCK_COEFFS[s.kind]
+    if precision == "fp32":
+        return (full * s.dim + 2 * s.hidden) * 4 + stats
+    c = DTYPE_BYTES[precision]
+    return f32 * s.dim * 4 + (lp * s.dim + 2 * s.hidden) * c + stats
+
+
+def outside_activation_bytes_per_token(s: ModelShape, precision: str) -> float:
+    c = DTYPE_BYTES[precision]
+    if s.kind == "dit":
+        return 6 * s.dim * c + 2 * s.io_dim * 4 + s.head_dim * 4
+    return s.dim * c + 2 * s.io_dim * 4 + s.head_dim * 4
+
+
+def cp_block_bytes(s: ModelShape, micro_batch_tokens: int, cp_ulysses: int, cp_ring: int, precision: str) -> float:
+    """Extra saved bytes per block on one rank caused by context parallelism (whole micro-batch)."""
+    c = DTYPE_BYTES[precision]
+    local = micro_batch_tokens / (cp_ulysses * cp_ring)
+    extra = 0.0
+    if cp_ulysses > 1:
+        extra += 4 * s.dim * c * local
+    if cp_ring > 1:
+        lr = micro_batch_tokens / cp_ring
+        extra += cp_ring * lr * lr * (8 * s.heads / cp_ulysses + 1)
+    return extra
+
+
+def activation_bytes(s: ModelShape, micro_batch_tokens: int, precision: str, checkpointing: bool,
+                     cp_ulysses: int = 1, cp_ring: int = 1) -> float:
+    """Activation bytes held at the peak of backward on one rank for one micro-batch."""
+    local = math.ceil(micro_batch_tokens / (cp_ulysses * cp_ring))
+    per_block = block_activation_bytes_per_token(s, precision) * local + cp_block_bytes(
+        s, micro_batch_tokens, cp_ulysses, cp_ring, precision)
+    outside = outside_activation_bytes_per_token(s, precision) * local
+    if checkpointing:
+        return s.depth * 4 * s.dim * local + per_block + outside
+    return s.depth * per_block + outside
+
+
+def attention_workspace_bytes(s: ModelShape, backend: str, micro_batch_tokens: int, precision: str,
+                              cp_ulysses: int = 1, cp_ring: int = 1) -> float:
+    """Transient bytes of one attention call (forward or backward) on one rank."""
+    c = DTYPE_BYTES[precision]
+    L = micro_batch_tokens / cp_ring  # sequence seen by the kernel after the Ulysses all-to-all
+    h = s.heads / cp_ulysses
+    if backend == "sdpa":
+        return L * h * s.head_dim * c
+    if backend in ("flash", "xformers"):
+        return h * L * 4
+    if backend == "flex":
+        return h * L * 4 + 8 * (L / 128) ** 2
+    if backend == "sdpa_dense":
+        return L * L * (1 + c)
+    raise ValueError(f"unknown attention backend {backend!r}")
+
+
+# --------------------------------------------------------------------------- state
+
+
+@dataclass
+class MemoryEstimate:
+    """Per-rank bytes by component; `total` includes the fixed reserve."""
+
+    params: float
+    grads: float
+    optimizer: float
+    fsdp_buffers: float
+    activations: float
+    attention_workspace: float
+    reserve: float
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return (self.params + self.grads + self.optimizer + self.fsdp_buffers + self.activations
+                + self.attention_workspace + self.reserve + sum(self.extra.values()))
+
+    def as_gib(self) -> dict[str, float]:
+        d = {k: v / GIB for k, v in asdict(self).items() if k != "extra"}
+        d.update({k: v / GIB for k, v in self.extra.items()})
+        d["total"] = self.total / GIB
+        return d
+
+
+def optimizer_bytes_per_param(optimizer: str, momentum: float = 0.0) -> int:
+    if optimizer == "adamw":
+        return 8
+    if optimizer == "sgd":
+        return 4 if momentum > 0 else 0
+    raise ValueError(f"optim.name={optimizer!r} must be adamw or sgd")
+
+
+def estimate_memory(s: ModelShape, *, dp_replicate: int, dp_shard: int, cp_ulysses: int, cp_ring: int,
+                    micro_batch_tokens: int, checkpointing: bool, precision: str = "fp32", optimizer: str = "adamw",
+                    momentum: float = 0.0, backend: str = "flash", dp_mode: str = "fsdp2", cp_fsdp_mode: str = "all",
+                    reshard_after_forward: bool = True, reserve_bytes: float = 0.0) -> MemoryEstimate:
+    """Peak bytes of one rank for one layout (see the module docstring for every term)."""
+    cp = cp_ulysses * cp_ring
+    world = dp_replicate * dp_shard * cp
+    c = DTYPE_BYTES[precision]
+    opt = optimizer_bytes_per_param(optimizer, momentum)
+    extra: dict[str, float] = {}
+    if dp_mode == "fsdp2" and world > 1:
+        shard = dp_shard * (cp if cp_fsdp_mode == "all" else 1)
+        params, grads, optim_b = 4 * s.params / shard, 4 * s.params / shard, opt * s.params / shard
+        if shard > 1:
+            gathered = (s.depth if not reshard_after_forward else 2) * c * s.params_block
+            fsdp = gathered + (c + 4) * s.params_block + c * s.params_other
+        else:
+            fsdp = 0.0
+        if precision != "fp32" and shard == 1:
+            extra["autocast_weight_cache"] = c * s.params
+    else:
+        params, grads, optim_b = 4.0 * s.params, 4.0 * s.params, float(opt * s.params)
+        fsdp = 4.0 * s.params if dp_mode == "ddp" and world > 1 else 0.0  # DDP's bucket copy
+        if precision != "fp32":
+            extra["autocast_weight_cache"] = c * s.params
+    acts = activation_bytes(s, micro_batch_tokens, precision, checkpointing, cp_ulysses, cp_ring)
+    ws = attention_workspace_bytes(s, backend, micro_batch_tokens, precision, cp_ulysses, cp_ring)
+    return MemoryEstimate(params=params, grads=grads, optimizer=optim_b, fsdp_buffers=fsdp, activations=acts,
+                          attention_workspace=ws, reserve=reserve_bytes, extra=extra)
+
+
+# --------------------------------------------------------------------------- measurement
+
+
+def saved_activation_bytes(fn: Callable[[], Any], exclude: list[torch.Tensor] | tuple = ()) -> tuple[int, Any]:
+    """Run `fn()` and return (bytes of distinct storages autograd saved for backward, fn's result).
+
+    Works on any device without an allocator: every tensor saved by the autograd graph passes
+    through `saved_tensors_hooks`; storages are de-duplicated (a view of a saved tensor costs
+    nothing) and tensors in `exclude` (the parameters) are not activations.
+    Activation-checkpointed regions save through their own hooks and are not seen here.
+    """
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        if ptr not in skip:
+            seen[ptr] = max(seen.get(ptr, 0), st.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(seen.values()), out
+
+
+def calibrate_block(cfg: ModelConfig, tokens: int = 256, precision: str = "fp32", seed: int = 0) -> dict[str, float]:
+    """Measure one block's saved bytes per token on the CPU with the real dims of `cfg`.
+
+    Builds the model with depth 1 and 2 (the difference is one block, whatever is outside),
+    runs a forward over two samples of `tokens` tokens in total and compares with
+    `block_activation_bytes_per_token`. Returns measured, estimated and the relative error.
+    """
+    from dataclasses import replace
+
+    from dit_train.models import build_model, init_weights
+    from kernels import VarlenMeta
+
+    measured = []
+    for depth in (1, 2):
+        c = replace(cfg, depth=depth)
+        torch.manual_seed(seed)
+        model = build_model(c)
+        init_weights(model, seed, "normal")
+        lens = [tokens // 3, tokens - tokens // 3]
+        seg = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])
+        order = torch.cat([torch.arange(n) for n in lens])
+        meta = VarlenMeta.build(seg, order, causal=c.name == "lm")
+        if c.name == "dit":
+            pos = torch.stack([order // 64, (order // 8) % 8, order % 8], dim=-1)
+            args = (torch.randn(tokens, model.patch_dim), pos, seg, torch.rand(len(lens)), meta)
+        else:
+            args = (torch.randint(0, c.vocab_size, (tokens,)), order[:, None], meta)
+        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else torch.autocast("cpu", enabled=False)
+        with ctx:
+            b, _ = saved_activation_bytes(lambda: model(*args), exclude=list(model.parameters()))
+        measured.append(b)
+    # autocast's bf16 copies of the block's weights are saved too; they are not per-token
+    # activations (the planner counts them once, as `autocast_weight_cache`)
+    copies = 2 * model_shape(cfg).params_block if precision == "bf16" else 0
+    per_token = (measured[1] - measured[0] - copies) / tokens
+    est = block_activation_bytes_per_token(model_shape(cfg), precision)
+    return {"measured_bytes_per_token_block": per_token, "estimated_bytes_per_token_block": est,
+            "rel_error": (est - per_token) / per_token, "tokens": tokens, "precision": precision}

@@ -1,0 +1,279 @@
+"""Micro-batch planner: which (dp_shard, dp_replicate, cp_ulysses, cp_ring, micro_batch_tokens,
+grad_accum, activation_checkpointing) to run for a world size, a global batch and a GPU size.
+
+Every candidate layout of `world` ranks is checked with the same validator as training
+(`dit_train.validate`) plus planner rules (no idle data-parallel rank, a micro-batch holds the
+longest sample), costed with the per-rank memory model of `dit_train.perf.memory`, and ranked:
+
+    fits in memory first, then larger micro-batch (tokens per rank), then checkpointing off,
+    then fewer accumulation steps, then less CP, then more headroom.
+
+`smoke()` runs a few real steps of the best candidates (any device; gloo on CPU) and reports
+the steady-state median step time (step 0, with its lazy initialisation, is skipped) and, on
+CUDA, the measured peak `torch.cuda.max_memory_allocated` against the estimate.
+CLI: `tools/plan.py`.
+"""
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from dit_train.config import Config
+from dit_train.perf.memory import GIB, MemoryEstimate, ModelShape, estimate_memory, model_shape
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp_replicate: int
+    dp_shard: int
+    cp_ulysses: int
+    cp_ring: int
+    micro_batch_tokens: int
+    grad_accum: int
+    activation_checkpointing: bool
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.cp_ulysses * self.cp_ring
+
+    def overrides(self) -> list[str]:
+        """The command-line overrides that select this layout."""
+        return [f"parallel.dp_replicate={self.dp_replicate}", f"parallel.dp_shard={self.dp_shard}",
+                f"parallel.cp_ulysses={self.cp_ulysses}", f"parallel.cp_ring={self.cp_ring}",
+                f"train.micro_batch_tokens={self.micro_batch_tokens}", f"train.grad_accum={self.grad_accum}",
+                f"model.activation_checkpointing={str(self.activation_checkpointing).lower()}"]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one optimizer step holds: `global_batch` samples of `mean_sample_tokens` tokens on
+    average, the longest having `max_sample_tokens`."""
+
+    global_batch: int
+    max_sample_tokens: int
+    mean_sample_tokens: float
+
+    @property
+    def step_tokens(self) -> float:
+        return self.global_batch * self.mean_sample_tokens
+
+
+@dataclass
+class Candidate:
+    layout: Layout
+    memory: MemoryEstimate
+    capacity: float  # bytes per rank
+    smoke: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def headroom(self) -> float:
+        return self.capacity - self.memory.total
+
+    @property
+    def fits(self) -> bool:
+        return self.headroom >= 0
+
+    def rank_key(self) -> tuple:
+        """Fits first; then the larger micro-batch *per rank* (micro_batch_tokens / cp, the work
+        each kernel gets), then checkpointing off, then fewer accumulation steps, then less
+        context parallelism (it only adds communication at equal work), then more headroom."""
+        L = self.layout
+        cp = L.cp_ulysses * L.cp_ring
+        return (not self.fits, -L.micro_batch_tokens / cp, L.activation_checkpointing, L.grad_accum, cp, -self.headroom)
+
+    def row(self) -> dict[str, Any]:
+        L = self.layout
+        r = {"dp_rep": L.dp_replicate, "dp_shard": L.dp_shard, "cp_uly": L.cp_ulysses, "cp_ring": L.cp_ring,
+             "micro_tokens": L.micro_batch_tokens, "accum": L.grad_accum, "ac": "on" if L.activation_checkpointing else "off",
+             "state_GiB": (self.memory.params + self.memory.grads + self.memory.optimizer + self.memory.fsdp_buffers
+                           + sum(self.memory.extra.values())) / GIB,
+             "act_GiB": (self.memory.activations + self.memory.attention_workspace) / GIB,
+             "total_GiB": self.memory.total / GIB, "headroom_GiB": self.headroom / GIB, "fits": "yes" if self.fits else "no"}
+        if self.smoke:
+            r["step_s"] = self.smoke.get("median_step_s", float("nan"))
+            if "peak_GiB" in self.smoke:
+                r["peak_GiB"] = self.smoke["peak_GiB"]
+        return r
+
+    def to_json(self) -> dict[str, Any]:
+        return {"layout": asdict(self.layout), "overrides": self.layout.overrides(), "fits": self.fits,
+                "memory_GiB": self.memory.as_gib(), "headroom_GiB": self.headroom / GIB, "smoke": self.smoke}
+
+
+def factorizations(world: int) -> list[tuple[int, int, int, int]]:
+    """Every (dp_replicate, dp_shard, cp_ulysses, cp_ring) whose product is `world`."""
+    divs = [d for d in range(1, world + 1) if world % d == 0]
+    out = []
+    for r in divs:
+        for s in divs:
+            for u in divs:
+                if r * s * u <= world and world % (r * s * u) == 0:
+                    out.append((r, s, u, world // (r * s * u)))
+    return out
+
+
+def apply_layout(cfg: Config, layout: Layout) -> Config:
+    c = copy.deepcopy(cfg)
+    for k in ("dp_replicate", "dp_shard", "cp_ulysses", "cp_ring"):
+        setattr(c.parallel, k, getattr(layout, k))
+    c.train.micro_batch_tokens = layout.micro_batch_tokens
+    c.train.grad_accum = layout.grad_accum
+    c.model.activation_checkpointing = layout.activation_checkpointing
+    return c
+
+
+def check_layout(cfg: Config, layout: Layout, work: Workload) -> list[str]:
+    """Why `layout` cannot run (empty if it can): the training validator's errors plus the
+    planner's own rules."""
+    from dit_train.validate import ConfigError, validate
+
+    reasons = []
+    try:
+        validate(apply_layout(cfg, layout), layout.world)
+    except ConfigError as err:
+        reasons += [line.strip()[2:] for line in str(err).splitlines()[1:]]
+    if layout.dp > work.global_batch:
+        reasons.append(f"dp_replicate·dp_shard={layout.dp} > train.global_batch={work.global_batch}: "
+                       f"some data-parallel ranks would get no sample")
+    if layout.micro_batch_tokens < work.max_sample_tokens:
+        reasons.append(f"train.micro_batch_tokens={layout.micro_batch_tokens} < the longest sample "
+                       f"({work.max_sample_tokens} tokens)")
+    if layout.micro_batch_tokens < layout.cp_ulysses * layout.cp_ring:
+        reasons.append("fewer tokens per micro-batch than CP ranks")
+    return reasons
+
+
+def micro_batch_options(work: Workload, dp: int, max_micro_tokens: int) -> list[tuple[int, int]]:
+    """(micro_batch_tokens, grad_accum) pairs: powers of two from the longest sample up; the
+    accumulation is the number of micro-batches a rank's share of the step needs."""
+    per_rank = work.step_tokens / dp
+    lo = max(work.max_sample_tokens, 1)
+    opts = sorted({lo} | {1 << k for k in range(lo.bit_length(), max_micro_tokens.bit_length()) if (1 << k) <= max_micro_tokens})
+    out = []
+    for mbt in opts:
+        ga = max(1, math.ceil(per_rank / mbt))
+        out.append((mbt, ga))
+        if ga == 1:
+            break  # a larger micro-batch would only hold padding
+    return out
+
+
+def resolve_plan_backend(cfg: Config, device: str) -> str:
+    b = cfg.model.attn_backend
+    if b != "auto":
+        return b
+    return "flash" if device == "cuda" else "sdpa"
+
+
+def plan(cfg: Config, world: int, capacity_bytes: float, work: Workload, *, reserve_bytes: float = 0.0,
+         backend: str = "flash", ac_options: tuple[bool, ...] = (False, True), max_micro_tokens: int = 1 << 17,
+         shape: ModelShape | None = None) -> tuple[list[Candidate], list[tuple[Layout, list[str]]]]:
+    """All candidates for `world` ranks, best first, and the rejected layouts with reasons."""
+    shape = shape or model_shape(cfg.model)
+    p, t = cfg.parallel, cfg.train
+    cands, rejected = [], []
+    for r, s, u, g in factorizations(world):
+        for mbt, ga in micro_batch_options(work, r * s, max_micro_tokens):
+            for ac in ac_options:
+                layout = Layout(r, s, u, g, mbt, ga, ac)
+                reasons = check_layout(cfg, layout, work)
+                if reasons:
+                    rejected.append((layout, reasons))
+                    continue
+                mem = estimate_memory(
+                    shape, dp_replicate=r, dp_shard=s, cp_ulysses=u, cp_ring=g, micro_batch_tokens=mbt,
+                    checkpointing=ac, precision=t.precision, optimizer=cfg.optim.name, momentum=cfg.optim.momentum,
+                    backend=backend, dp_mode=p.dp_mode, cp_fsdp_mode=p.cp_fsdp_mode,
+                    reshard_after_forward=p.reshard_after_forward, reserve_bytes=reserve_bytes)
+                cands.append(Candidate(layout, mem, capacity_bytes))
+    cands.sort(key=Candidate.rank_key)
+    return cands, rejected
+
+
+def workload_from_data(cfg: Config) -> Workload:
+    """Sample lengths of the configured dataset (prepares the embedded set if needed)."""
+    from dit_train.data import build_task, prepare_data
+
+    prepare_data(cfg.mode, cfg.data)
+    lengths = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed).lengths()
+    return Workload(cfg.train.global_batch, max(lengths), sum(lengths) / len(lengths))
+
+
+# --------------------------------------------------------------------------- smoke runs
+
+
+def _smoke_worker(cfg: Config, steps: int) -> dict[str, Any]:
+    """Run `steps` optimizer steps of `cfg`'s layout on this rank; times and peak memory."""
+    import torch
+
+    from dit_train.data import build_task
+    from dit_train.optim import build_optimizer, build_scheduler
+    from dit_train.parallel.mesh import init_parallel
+    from dit_train.train import build_parallel_model, set_threads
+    from dit_train.trainer import Trainer
+
+    import os
+
+    ctx = init_parallel(cfg.parallel)
+    set_threads(cfg.parallel.threads_per_worker, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    task = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed)
+    model = build_parallel_model(cfg, ctx)
+    opt = build_optimizer(model, cfg.optim)
+    trainer = Trainer(model, task, opt, build_scheduler(opt, cfg.optim, steps), ctx, cfg.train, cfg.optim,
+                      cfg.loss, cfg.parallel)
+    cuda = ctx.device.type == "cuda"
+    times, tokens = [], []
+    for step in range(steps):
+        if cuda:
+            torch.cuda.synchronize()
+            if step == 1:
+                torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        res = trainer.step(step)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        tokens.append(res.tokens)
+    out = {"step_times_s": times, "tokens": tokens}
+    if cuda:
+        out["peak_bytes"] = torch.cuda.max_memory_allocated()
+    return out
+
+
+def smoke(cfg: Config, candidates: list[Candidate], steps: int = 4) -> None:
+    """Run `steps` steps of each candidate's layout (started like training: local workers, gloo
+    on CPU) and store the steady-state median step time in `candidate.smoke`."""
+    from dit_train.data import prepare_data
+    from dit_train.launch import launch_local
+    from dit_train.validate import validate
+
+    if steps < 2:
+        raise ValueError("--smoke-steps must be >= 2 (step 0 is warm-up and not timed)")
+    prepare_data(cfg.mode, cfg.data)
+    for cand in candidates:
+        c = apply_layout(cfg, cand.layout)
+        c.train.steps, c.train.progress, c.train.save_weights = steps, False, False
+        validate(c, cand.layout.world)
+        if cand.layout.world == 1:
+            res = {0: _smoke_worker(c, steps)}
+        else:
+            res = launch_local(_smoke_worker, (c, steps), cand.layout.world, c.launcher)
+        # a step ends when the slowest rank ends: take the max over ranks, then the median over steps
+        per_step = [max(r["step_times_s"][i] for r in res.values()) for i in range(steps)]
+        steady = per_step[1:]
+        toks = res[0]["tokens"][1:]
+        cand.smoke = {"steps": steps, "median_step_s": statistics.median(steady),
+                      "tokens_per_s": statistics.median(t / s for t, s in zip(toks, steady))}
+        peaks = [r["peak_bytes"] for r in res.values() if "peak_bytes" in r]
+        if peaks:
+            est = cand.memory.total - cand.memory.reserve
+            cand.smoke.update(peak_GiB=max(peaks) / GIB, estimate_GiB=est / GIB,
+                              estimate_rel_error=(est - max(peaks)) / max(peaks))

@@ -1,0 +1,60 @@
+"""Every benchmark script runs end to end in its quick mode and writes its JSON (catches breakage;
+the figures themselves come from the full runs quoted in the README, never from tests)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+
+def test_bench_packing_quick(tmp_path):
+    from tools.bench_packing import main
+
+    out = tmp_path / "p.json"
+    assert main(["--quick", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["mix"] for r in rows} == {"lognormal", "pareto"}
+    for r in rows:
+        assert 0 < r["pad_to_max"] < r["ffd_stream"] <= 1 and 0 < r["ffd_per_step"] <= 1
+
+
+def test_bench_reductions_quick(tiny_cfg, tmp_path):
+    from tools.bench_reductions import main
+
+    out = tmp_path / "r.json"
+    overrides = ["model.dim=32", "model.depth=2", "data.num_clips=16", "data.max_frames=8",
+                 f"data.cache_dir={tiny_cfg.data.cache_dir}", "train.global_batch=4", "train.micro_batch_tokens=400"]
+    assert main([*overrides, "--quick", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["reduction"] for r in rows] == ["naive_mean", "sample_mean", "token_mean"]
+    assert all(r["median_step_ms"] > 0 and r["loss_path_ms"] > 0 for r in rows)
+
+
+def test_bench_wan_quick(tmp_path):
+    pytest.importorskip("diffusers")
+    from tools.bench_wan import main
+
+    out = tmp_path / "w.json"
+    assert main(["--quick", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert 0.9 < data["params"]["wan"] / data["params"]["ours"] < 1.1  # parameter counts matched
+    assert all(r["ours_tok_s"] > 0 and r["wan_tok_s"] > 0 for r in data["rows"])
+
+
+def test_bench_mfu_cpu_dry_run(tmp_path):
+    from tools.bench_mfu import main
+
+    out = tmp_path / "m.json"
+    assert main(["--model", "dit_tiny", "--device", "cpu", "--tokens", "256", "--sample-tokens", "128", "--ac", "off,on",
+                 "--backend", "sdpa", "--precision", "fp32", "--steps", "2", "--peak-tflops", "1", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["ac"] for r in rows] == ["off", "on"] and all(r["TFLOPs"] > 0 and 0 < r["MFU"] for r in rows)
+
+
+@pytest.mark.slow
+def test_bench_collectives_quick(tmp_path):
+    from tools.bench_collectives import main
+
+    out = tmp_path / "c.json"
+    assert main(["--quick", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["flat"]
