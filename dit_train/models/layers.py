@@ -36,10 +36,6 @@ class Conditioning:
         return Conditioning(rows, torch.where(seg < 0, torch.full_like(seg, S), seg))
 
 
-def modulate(x: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return x * (1 + scale) + shift
-
-
 def modulation(per_sample: torch.Tensor, index: torch.Tensor, chunks: int, scale_at: tuple[int, ...]) -> list[torch.Tensor]:
     """Per-sample adaLN outputs [S+1, chunks·d] -> `chunks` per-token tensors [L, d], with the
     `1 + scale` of the chunks in `scale_at` added per *sample* before the gather: the same
