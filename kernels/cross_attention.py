@@ -48,8 +48,8 @@ def packed_cross_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
         o = F.scaled_dot_product_attention(qs, ks, vs)
         out = out.index_copy(0, torch.arange(start, end, device=q.device), o.squeeze(0).transpose(0, 1))
     if not used:
-        # no query saw a caption (an empty or all-padding pack): keep k and v in the autograd
-        # graph with an exact zero, so every projection gets a (zero) gradient. DDP requires
-        # that on every rank, and a rank may well get such a micro-batch.
-        out = out + 0.0 * (k.sum() + v.sum())
+        # no query saw a caption (an empty or all-padding pack): keep q, k and v in the
+        # autograd graph with an exact zero, so every projection gets a (zero) gradient. DDP
+        # requires that on every rank, and a rank may well get such a micro-batch.
+        out = out + 0.0 * (q.sum() + k.sum() + v.sum())
     return out

@@ -32,6 +32,7 @@ import torch  # noqa: E402
 from dit_train.perf.bench import format_table, write_json  # noqa: E402
 from dit_train.perf.flops import mfu, train_flops  # noqa: E402
 from dit_train.perf.memory import GIB, estimate_memory, model_shape  # noqa: E402
+from dit_train.tasks.video import model_context  # noqa: E402
 
 
 def model_cfg(name: str):
@@ -57,6 +58,9 @@ def make_pack(cfg, tokens: int, sample_tokens: int, device, seed: int = 0):
     batch = PackedBatch(seg=seg, pos=pos, order=order, valid=torch.ones_like(seg, dtype=torch.bool),
                         tokens={"x": torch.randn(tokens, pd, generator=g), "target": torch.randn(tokens, pd, generator=g)},
                         samples={"t": torch.rand(len(lens), generator=g)}, sample_ids=torch.arange(len(lens)))
+    if cfg.text_dim:  # text-conditioned model: full-length captions for every clip
+        batch.samples["context"] = torch.randn(len(lens), cfg.text_len, cfg.text_dim, generator=g)
+        batch.samples["context_len"] = torch.full((len(lens),), cfg.text_len, dtype=torch.long)
     return batch, lens
 
 
@@ -87,7 +91,7 @@ def run_single(cfg, tokens, sample_tokens, ac, compile_, backend, precision, dev
                 torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         with amp:
-            pred = model(batch.tokens["x"], batch.pos, batch.seg, batch.samples["t"], meta)
+            pred = model(batch.tokens["x"], batch.pos, batch.seg, batch.samples["t"], meta, **model_context(batch))
             loss = ((pred.float() - batch.tokens["target"]) ** 2).mean()
         loss.backward()
         opt.step()
@@ -139,7 +143,7 @@ def _cp_worker(cfg, tokens, sample_tokens, precision, backend):
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
     with amp:
-        fwd = lambda: model(local.tokens["x"], local.pos, local.seg, local.samples["t"], meta)  # noqa: E731
+        fwd = lambda: model(local.tokens["x"], local.pos, local.seg, local.samples["t"], meta, **model_context(local))  # noqa: E731
         saved, pred = saved_activation_bytes(fwd, exclude=list(model.parameters()))
     out = {"saved_bytes": saved, "local_tokens": int(local.seg.numel())}
     if cuda:

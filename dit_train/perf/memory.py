@@ -272,7 +272,9 @@ def calibrate_block(cfg: ModelConfig, tokens: int = 256, precision: str = "fp32"
 
     measured = []
     for depth in (1, 2):
-        c = replace(cfg, depth=depth)
+        # the formula models the block without caption cross-attention (text_dim=0); with it,
+        # add ~(3·d + 2·h)·bytes per token per block for the cross-attention's saved q, out, norm
+        c = replace(cfg, depth=depth, text_dim=0)
         torch.manual_seed(seed)
         model = build_model(c)
         init_weights(model, seed, "normal")
