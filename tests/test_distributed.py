@@ -45,25 +45,14 @@ def test_metadata_sync_equals_single_process_counts(tiny_cfg):
 
 def _count_worker(cfg, grad_accums):
     """Count gradient collectives issued during one optimizer step for each grad_accum."""
-    import torch.distributed as dist
-
     from dit_train.data import build_task
     from dit_train.optim import build_optimizer, build_scheduler
     from dit_train.parallel.mesh import init_parallel
+    from dit_train.perf.bench import count_collectives
     from dit_train.train import build_parallel_model
     from dit_train.trainer import Trainer
 
     counts = {}
-    names = ("reduce_scatter_single", "reduce_scatter_tensor", "all_reduce")
-    originals = {n: getattr(dist, n) for n in names}
-    calls = {n: 0 for n in names}
-
-    def counting(name):
-        def f(*a, **kw):
-            calls[name] += 1
-            return originals[name](*a, **kw)
-        return f
-
     ctx = init_parallel(cfg.parallel)
     for ga in grad_accums:
         c = apply_layout(cfg, {"grad_accum": ga})
@@ -72,14 +61,8 @@ def _count_worker(cfg, grad_accums):
         opt = build_optimizer(model, c.optim)
         trainer = Trainer(model, task, opt, build_scheduler(opt, c.optim, 2), ctx, c.train, c.optim, c.loss, c.parallel)
         trainer.step(0)  # warm-up (lazy init)
-        for n in names:
-            calls[n] = 0
-            setattr(dist, n, counting(n))
-        try:
+        with count_collectives(("reduce_scatter_single", "reduce_scatter_tensor", "all_reduce")) as calls:
             res = trainer.step(1)
-        finally:
-            for n in names:
-                setattr(dist, n, originals[n])
         counts[ga] = dict(calls, micro_batches=res.micro_batches)
     return counts
 
