@@ -65,8 +65,7 @@ def predict_velocity(model: torch.nn.Module, batch: PackedBatch, ctx: ParallelCo
     cp = ctx.dims.cp
     if cp > 1:
         local, meta = split_for_cp(batch, cp, ctx.cp_rank, "contiguous")
-        meta.seg, meta.order = meta.seg.to(ctx.device), meta.order.to(ctx.device)
-        meta.index = [i.to(ctx.device) for i in meta.index]
+        meta = meta.to(ctx.device)
         local = local.to(ctx.device)
         out = model(local.tokens["x"], local.pos, local.seg, local.samples["t"], meta, **model_context(local)).float()
         shares = [torch.empty_like(out) for _ in range(cp)]

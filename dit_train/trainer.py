@@ -96,8 +96,7 @@ class Trainer:
             self._dropped += len(ids) - full.num_samples
             if cp > 1:
                 local, meta = split_for_cp(full, cp, self.ctx.cp_rank, task.cp_layout)
-                meta.seg, meta.order = meta.seg.to(self.ctx.device), meta.order.to(self.ctx.device)
-                meta.index = [i.to(self.ctx.device) for i in meta.index]
+                meta = meta.to(self.ctx.device)
             else:
                 local = full.pad_to_multiple(1)  # an empty micro-batch still runs (collectives match)
                 meta = None

@@ -130,7 +130,7 @@ def _cp_worker(cfg, tokens, sample_tokens, precision, backend):
     cp = ctx.dims.cp
     if cp > 1:
         local, meta = split_for_cp(full, cp, ctx.cp_rank, "contiguous")
-        meta.seg, meta.order, meta.index = meta.seg.to(ctx.device), meta.order.to(ctx.device), [i.to(ctx.device) for i in meta.index]
+        meta = meta.to(ctx.device)
     else:
         from kernels import VarlenMeta
 

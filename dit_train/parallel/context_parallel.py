@@ -39,6 +39,9 @@ class CPAttnMeta:
     causal: bool
     index: list[torch.Tensor]
 
+    def to(self, device: torch.device | str) -> "CPAttnMeta":
+        return CPAttnMeta(self.seg.to(device), self.order.to(device), self.causal, [i.to(device) for i in self.index])
+
 
 def split_for_cp(batch: PackedBatch, cp: int, cp_rank: int, layout: str) -> tuple[PackedBatch, CPAttnMeta]:
     """Pad the full pack to a multiple of cp (2·cp for zigzag) and take this rank's tokens."""
