@@ -39,11 +39,16 @@ class Conditioning:
 def modulation(per_sample: torch.Tensor, index: torch.Tensor, chunks: int, scale_at: tuple[int, ...]) -> list[torch.Tensor]:
     """Per-sample adaLN outputs [S+1, chunks·d] -> `chunks` per-token tensors [L, d], with the
     `1 + scale` of the chunks in `scale_at` added per *sample* before the gather: the same
-    values as adding per token, one [L, d] pass fewer each (pair with `torch.addcmul`)."""
+    values as adding per token, one [L, d] pass fewer each (pair with `torch.addcmul`).
+
+    Chunked per sample first, then each chunk gathered on its own: the backward of a gather
+    is a scatter-add into the small [S+1, d] table, whereas gathering [L, chunks·d] and
+    chunking that would make the backward concatenate `chunks` [L, d] gradients along the
+    last axis (a large strided copy: ~15% of a CPU step on a 5M-parameter DiT)."""
     d = per_sample.shape[-1] // chunks
     one = per_sample.new_zeros(chunks, d)
     one[list(scale_at)] = 1.0
-    return list((per_sample + one.reshape(-1))[index].chunk(chunks, dim=-1))
+    return [c.index_select(0, index) for c in (per_sample + one.reshape(-1)).chunk(chunks, dim=-1)]
 
 
 class Attention(nn.Module):

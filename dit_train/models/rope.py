@@ -34,8 +34,39 @@ class RotaryEmbedding(nn.Module):
         return ang.cos(), ang.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [L, H, D] by per-token angles; cos/sin [L, D/2] (split-half convention)."""
-    x1, x2 = x.float().chunk(2, dim=-1)
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
+    """x [L, H, D] rotated pairwise (x1, x2) -> (x1·c - x2·s, x1·s + x2·c), by -angle if
+    `inverse`; computed in fp32 (cos/sin dtype), returned in x's dtype. Writes both halves
+    into one output instead of concatenating them."""
+    x1, x2 = x.chunk(2, dim=-1)
     c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1).to(x.dtype)
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, cos.dtype), device=x.device)
+    o1, o2 = out.chunk(2, dim=-1)
+    torch.mul(x1, c, out=o1)
+    torch.mul(x2, c, out=o2)
+    o1.addcmul_(x2, s, value=1.0 if inverse else -1.0)
+    o2.addcmul_(x1, s, value=-1.0 if inverse else 1.0)
+    return out.to(x.dtype)
+
+
+class _Rope(torch.autograd.Function):
+    """RoPE with its backward written out: a rotation's gradient is the inverse rotation of
+    the incoming gradient. Autograd of the elementwise form would save x and run twice the
+    elementwise passes (two products per term) plus a concatenation; this saves nothing but
+    the (shared) cos/sin."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(cos, sin)
+        return _rotate(x, cos, sin, inverse=False)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        return _rotate(grad, cos, sin, inverse=True), None, None
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [L, H, D] by per-token angles; cos/sin [L, D/2] (split-half convention).
+    Positions carry no gradient: cos/sin get none."""
+    return _Rope.apply(x, cos, sin)

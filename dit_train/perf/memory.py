@@ -16,13 +16,13 @@ dp_replicate never shards):
 
 Activations saved for backward, per token per block, read off the autograd graph of
 `models/layers.Block` (checked against `saved_activation_bytes`, which hooks the real graph):
-    fp32 run:    (23·d + 2·h)·4  +  (3·H + 4)·4       (LSE, norm statistics)
-      23·d = residual in, LN out, modulated input, qkv (3), q/k RMSNorm outputs (2),
-             RoPE'd q/k (2), attention out (1) and its reshaped copy (1), proj out (1),
+    fp32 run:    (21·d + 2·h)·4  +  (3·H + 4)·4       (LSE, norm statistics)
+      21·d = residual in, LN out, modulated input, qkv (3), RoPE'd q/k (2) (RoPE's own
+             backward saves only cos/sin), attention out (1) and its reshaped copy (1), proj out (1),
              adaLN modulation gathered per token (6, `1 + scale` included), residual after
              attention (1), LN2 out, modulated MLP input, fc2 out (1); 2·h = fc1 out + GELU out.
     bf16/fp16 autocast: 4·d stay fp32 (q/k upcast for RMSNorm/RoPE and their outputs) and
-      (21·d + 2·h) are stored in the compute dtype (the residual stream is bf16 because the
+      (19·d + 2·h) are stored in the compute dtype (the residual stream is bf16 because the
       patch embedding's output is). Calibrated on CPU autocast; CUDA autocast keeps LayerNorm
       outputs in fp32 (2·d·2 more bytes, ~5% of a block).
     LLM block (pre-RMSNorm, no modulation): 15·d + 2·h in fp32; 8·d fp32 + (9·d + 2·h)·c.
@@ -103,7 +103,7 @@ def model_shape(cfg: ModelConfig) -> ModelShape:
 
 
 # (fp32 run: elements of d; autocast: fp32 elements of d, compute-dtype elements of d); + 2·h always
-_BLOCK_COEFFS = {"dit": (23, 4, 21), "lm": (15, 8, 9)}
+_BLOCK_COEFFS = {"dit": (21, 4, 19), "lm": (15, 8, 9)}
 
 
 def block_activation_bytes_per_token(s: ModelShape, precision: str) -> float:
