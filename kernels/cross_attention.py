@@ -31,22 +31,40 @@ def _runs(seg: torch.Tensor) -> list[tuple[int, int, int]]:
 
 def packed_cross_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_seg: torch.Tensor,
                            kv_len: torch.Tensor) -> torch.Tensor:
-    """See the module docstring. One SDPA call per run of same-sample tokens: a pack holds a
-    few runs (samples are contiguous in packs and in contiguous CP shards), so this is a short
-    loop with no [L, S·Lc] mask materialised."""
-    out = q.new_zeros(q.shape)
+    """See the module docstring. Tokens of a sample are contiguous (in packs and in contiguous
+    CP shards), so the pack is a few runs of same-sample tokens; neighbouring runs with equal
+    query and caption lengths share one batched SDPA call ([count, H, T, D] against
+    [count, H, n, D]), as in the self-attention `sdpa` loop. Built from `split`/`cat`: writing
+    each run into a preallocated output (index_copy) would make every run's backward touch the
+    whole [L, H, D] pack — O(samples · L) per layer, which dominated the step on many-clip packs.
+    No [L, S·Lc] mask is materialised."""
     lens = kv_len.tolist()
+    runs = _runs(q_seg)
+    # groups of neighbouring runs: (sample ids, query tokens per run, caption tokens); n = 0 for
+    # padding (-1) and caption-less samples, whose output is zero
+    groups: list[tuple[list[int], int, int]] = []
+    for start, end, s in runs:
+        n = lens[s] if s >= 0 else 0
+        T = end - start
+        if groups and groups[-1][1] == T and groups[-1][2] == n:
+            groups[-1][0].append(s)
+        else:
+            groups.append(([s], T, n))
+    outs = []
     used = False
-    for start, end, s in _runs(q_seg):
-        if s < 0 or lens[s] == 0:
+    for (ids, T, n), qs in zip(groups, q.split([len(ids) * T for ids, T, _ in groups])):
+        if n == 0:
+            outs.append(qs.new_zeros(qs.shape))
             continue
         used = True
-        n = lens[s]
-        qs = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, H, T, D]
-        ks = k[s, :n].transpose(0, 1).unsqueeze(0)
-        vs = v[s, :n].transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(qs, ks, vs)
-        out = out.index_copy(0, torch.arange(start, end, device=q.device), o.squeeze(0).transpose(0, 1))
+        count = len(ids)
+        idx = torch.tensor(ids, device=k.device)
+        qb = qs.reshape(count, T, *q.shape[1:]).transpose(1, 2)  # [count, H, T, D]
+        kb = k[idx, :n].transpose(1, 2)  # [count, H, n, D]
+        vb = v[idx, :n].transpose(1, 2)
+        o = F.scaled_dot_product_attention(qb, kb, vb)
+        outs.append(o.transpose(1, 2).reshape(count * T, *q.shape[1:]))
+    out = torch.cat(outs) if len(outs) > 1 else outs[0] if outs else q.new_zeros(q.shape)
     if not used:
         # no query saw a caption (an empty or all-padding pack): keep q, k and v in the
         # autograd graph with an exact zero, so every projection gets a (zero) gradient. DDP
