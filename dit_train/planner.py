@@ -11,7 +11,7 @@ longest sample), costed with the per-rank memory model of `dit_train.perf.memory
 `smoke()` runs a few real steps of the best candidates (any device; gloo on CPU) and reports
 the steady-state median step time (step 0, with its lazy initialisation, is skipped) and, on
 CUDA, the measured peak `torch.cuda.max_memory_allocated` against the estimate.
-CLI: `tools/plan.py`.
+CLI: `python -m dit_train.tools.plan` (dit_train/tools/plan.py; `tools/plan.py` is a shim).
 """
 from __future__ import annotations
 

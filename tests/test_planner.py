@@ -99,7 +99,7 @@ def test_flops_count_quadratic_attention_per_sample():
 
 
 def test_plan_cli_smoke_runs_top_candidate(tiny_cfg, tmp_path, capsys):
-    from tools.plan import main
+    from dit_train.tools.plan import main
 
     out = tmp_path / "plan.json"
     args = ["model.dim=32", "model.depth=2", "data.num_clips=16", "data.max_frames=8", f"data.cache_dir={tiny_cfg.data.cache_dir}",
@@ -110,3 +110,15 @@ def test_plan_cli_smoke_runs_top_candidate(tiny_cfg, tmp_path, capsys):
     best = data["candidates"][0]
     assert best["fits"] and best["smoke"]["median_step_s"] > 0 and best["smoke"]["steps"] == 3
     assert "best: parallel.dp_replicate=1" in capsys.readouterr().out
+
+
+def test_plan_runs_as_module_from_any_directory(tmp_path):
+    """`python -m dit_train.tools.plan` (the documented spelling) finds conf/ from anywhere."""
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "dit_train.tools.plan", "model.dim=32", "model.depth=2", "--world", "2",
+                        "--device", "cpu", "--gpu-mem-gib", "4", "--top", "3"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "best: parallel." in r.stdout and "dim=32" in r.stdout

@@ -45,7 +45,7 @@ def _worker(cfg, grad_accums):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tools.plan import compose_cfg
+    from dit_train.tools.plan import compose_cfg
 
     from dit_train.data import prepare_data
     from dit_train.launch import launch_local

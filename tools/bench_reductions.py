@@ -29,7 +29,7 @@ REDUCTIONS = ("naive_mean", "sample_mean", "token_mean")
 
 
 def build_trainer(overrides: list[str]):
-    from tools.plan import compose_cfg
+    from dit_train.tools.plan import compose_cfg
 
     from dit_train.data import build_task, prepare_data
     from dit_train.optim import build_optimizer, build_scheduler

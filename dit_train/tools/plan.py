@@ -1,11 +1,11 @@
 """Plan the layout of a run: which dp/cp degrees, micro-batch size, accumulation and
 activation checkpointing fit a GPU, best first.
 
-    python tools/plan.py +experiment=video_cp8 model=dit_1b --world 8 --gpu-mem-gib 80
-    python tools/plan.py model=dit_1b train.precision=bf16 train.global_batch=64 --world 8 \\
+    python -m dit_train.tools.plan +experiment=video_cp8 model=dit_1b --world 8 --gpu-mem-gib 80
+    python -m dit_train.tools.plan model=dit_1b train.precision=bf16 train.global_batch=64 --world 8 \\
         --max-sample-tokens 32760 --mean-sample-tokens 16000 --json plan.json
-    python tools/plan.py --from-data --world 2 --device cpu --gpu-mem-gib 4 --smoke 2   # run the top 2
-    python tools/plan.py model=dit_1b --calibrate                  # activation formula vs autograd, on CPU
+    python -m dit_train.tools.plan --from-data --world 2 --device cpu --gpu-mem-gib 4 --smoke 2   # run the top 2
+    python -m dit_train.tools.plan model=dit_1b --calibrate                  # activation formula vs autograd, on CPU
 
 Positional arguments are Hydra overrides of the training config (composed like
 `python -m dit_train`); the layout keys they set are the starting point of the search only.
@@ -18,28 +18,28 @@ import json
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
-from hydra import compose, initialize_config_dir  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
+from dit_train.config import Config, register_configs
+from dit_train.parallel.mesh import ParallelDims
+from dit_train.perf.bench import format_table
+from dit_train.perf.memory import GIB, calibrate_block, model_shape
+from dit_train.planner import Workload, plan, resolve_plan_backend, smoke, workload_from_data
 
-from dit_train.config import Config, register_configs  # noqa: E402
-from dit_train.parallel.mesh import ParallelDims  # noqa: E402
-from dit_train.perf.bench import format_table  # noqa: E402
-from dit_train.perf.memory import GIB, calibrate_block, model_shape  # noqa: E402
-from dit_train.planner import Workload, plan, resolve_plan_backend, smoke, workload_from_data  # noqa: E402
+# the same conf/ tree `python -m dit_train` composes (its @hydra.main points at ../conf)
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 
 def compose_cfg(overrides: list[str]) -> Config:
     register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         d = compose("config", overrides=overrides)
     return OmegaConf.to_object(d)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m dit_train.tools.plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +experiment=video_cp8 model=dit_1b")
     ap.add_argument("--world", type=int, default=0, help="ranks (default: the config's layout)")
     ap.add_argument("--gpu-mem-gib", type=float, default=80.0, help="memory per rank (default 80, an H100)")
