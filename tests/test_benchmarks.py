@@ -37,7 +37,10 @@ def test_bench_wan_quick(tmp_path):
     out = tmp_path / "w.json"
     assert main(["--quick", "--out", str(out)]) == 0
     data = json.loads(out.read_text())
-    assert 0.9 < data["params"]["wan"] / data["params"]["ours"] < 1.1  # parameter counts matched
+    assert set(data["params"]) == {"adaln", "adaln+text"}
+    for p in data["params"].values():  # parameter counts matched, per variant
+        assert 0.9 < p["wan"] / p["ours"] < 1.1
+    assert {r["variant"] for r in data["rows"]} == {"adaln", "adaln+text"}
     assert all(r["ours_tok_s"] > 0 and r["wan_tok_s"] > 0 for r in data["rows"])
 
 

@@ -4,8 +4,13 @@ fp32 on the CPU, at (nearly) equal parameter counts and exactly equal tokens.
     python tools/bench_wan.py [--dim 256 --depth 4 --heads 4] [--reps 5] [--out FILE] [--quick]
 
 Parameters: Wan has cross-attention in every block and a shared modulation table; our DiT has
-per-block adaLN linears and no cross-attention. Wan's `ffn_dim` is solved so that its
-parameter count matches ours (reported, with the ratio).
+per-block adaLN linears. Two variants of ours, each against its own Wan whose `ffn_dim` is
+solved so that the parameter counts match (reported, with the ratio):
+  adaln       no caption cross-attention (text_dim 0). Caveat: adaLN weights are parameters
+              that cost no per-token FLOPs (applied once per sample), so at equal parameters
+              Wan gets a wider FFN plus cross-attention: ~20% more matmul FLOPs per token.
+  adaln+text  with caption cross-attention to the same 16 caption tokens Wan attends to: the
+              like-for-like architecture comparison.
 Workloads (same clips for both models; 16-channel latents, patch (1, 2, 2)):
   uniform  B clips of one shape: Wan runs one [B, C, F, H, W] batch, ours one packed sequence.
   mixed    clips of several shapes (heavy-tailed lengths): Wan can take no mask, so it runs one
@@ -31,11 +36,15 @@ PATCH = (1, 2, 2)
 C = 16
 
 
-def ours_model(dim: int, depth: int, heads: int, backend: str):
+TEXT_LEN = 16  # caption tokens per clip, for Wan and for the text-conditioned variant of ours
+
+
+def ours_model(dim: int, depth: int, heads: int, backend: str, text_dim: int = 0):
     from dit_train.config import ModelConfig
     from dit_train.models import build_model, init_weights
 
-    cfg = ModelConfig(dim=dim, depth=depth, heads=heads, patch_size=list(PATCH), in_channels=C, init="normal")
+    cfg = ModelConfig(dim=dim, depth=depth, heads=heads, patch_size=list(PATCH), in_channels=C, init="normal",
+                      text_dim=text_dim)
     m = build_model(cfg, backend)
     init_weights(m, 0, "normal")
     return m
@@ -70,7 +79,7 @@ def clips(kind: str, quick: bool) -> list[tuple[int, int, int]]:
     return shapes[:4] + shapes[-1:] if quick else shapes
 
 
-def ours_inputs(shapes, seed=0):
+def ours_inputs(shapes, text_dim: int = 0, seed=0):
     from dit_train.tasks.video import patchify
     from kernels import VarlenMeta
 
@@ -85,10 +94,14 @@ def ours_inputs(shapes, seed=0):
     order = torch.cat([torch.arange(len(s)) for s in seg])
     meta = VarlenMeta.build(seg_t, order, causal=False)
     x = torch.cat(xs)
-    return (x, torch.cat(pos), seg_t, torch.rand(len(shapes), generator=g), meta), torch.randn(x.shape, generator=g)
+    args = (x, torch.cat(pos), seg_t, torch.rand(len(shapes), generator=g), meta)
+    if text_dim:
+        S = len(shapes)
+        args += (torch.randn(S, TEXT_LEN, text_dim, generator=g), torch.full((S,), TEXT_LEN))
+    return args, torch.randn(x.shape, generator=g)
 
 
-def wan_inputs(shapes, text_dim, text_len=16, seed=0):
+def wan_inputs(shapes, text_dim, text_len=TEXT_LEN, seed=0):
     """One batch per distinct shape."""
     g = torch.Generator().manual_seed(seed)
     batches = []
@@ -100,7 +113,7 @@ def wan_inputs(shapes, text_dim, text_len=16, seed=0):
     return batches
 
 
-def wan_padded_input(shapes, text_dim, text_len=16, seed=0):
+def wan_padded_input(shapes, text_dim, text_len=TEXT_LEN, seed=0):
     """All clips in one batch, zero-padded to the largest (F, H, W): a dense model without
     bucketing. Only the valid tokens count in tokens/s."""
     g = torch.Generator().manual_seed(seed)
@@ -116,30 +129,20 @@ def tokens(shapes) -> int:
     return sum((f // PATCH[0]) * (h // PATCH[1]) * (w // PATCH[2]) for f, h, w in shapes)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dim", type=int, default=256)
-    ap.add_argument("--depth", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--text-dim", type=int, default=256)
-    ap.add_argument("--backend", default="sdpa", help="our attention backend (sdpa | flex | sdpa_dense)")
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--out", default="")
-    ap.add_argument("--quick", action="store_true")
-    a = ap.parse_args(argv)
-    if a.quick:
-        a.dim, a.depth, a.heads, a.text_dim, a.reps = 64, 2, 2, 64, 1
-    if a.threads:
-        torch.set_num_threads(a.threads)
+def bench_variant(variant: str, a: argparse.Namespace, params: dict) -> list[dict]:
+    """Rows (one per workload) of one variant of ours against its parameter-matched Wan."""
+    if variant not in ("adaln", "adaln+text"):
+        raise SystemExit(f"unknown variant {variant!r}: use adaln or adaln+text")
+    ours_text = a.text_dim if variant == "adaln+text" else 0
     torch.manual_seed(0)
-    ours = ours_model(a.dim, a.depth, a.heads, a.backend)
+    ours = ours_model(a.dim, a.depth, a.heads, a.backend, ours_text)
     ffn = matched_ffn(a.dim, a.depth, a.heads, a.text_dim, nparams(ours))
     wan = wan_model(a.dim, a.depth, a.heads, ffn, a.text_dim)
+    params[variant] = {"ours": nparams(ours), "wan": nparams(wan), "wan_ffn_dim": ffn}
     rows = []
     for kind in ("uniform", "mixed"):
         shapes = clips(kind, a.quick)
-        o_args, o_tgt = ours_inputs(shapes)
+        o_args, o_tgt = ours_inputs(shapes, ours_text)
         w_batches = wan_inputs(shapes, a.text_dim)
 
         def run_ours():
@@ -164,21 +167,43 @@ def main(argv: list[str] | None = None) -> int:
         wall, cpu = interleaved_wall_and_cpu(fns, reps=a.reps, warmup=1)
         n = tokens(shapes)
         to, tw = median(wall["ours"]), median(wall["wan"])
-        rows.append({"workload": kind, "clips": len(shapes), "tokens": n, "wan_batches": len(w_batches),
+        rows.append({"variant": variant, "workload": kind, "clips": len(shapes), "tokens": n,
+                     "wan_batches": len(w_batches), "params_ratio": nparams(wan) / nparams(ours),
                      "ours_tok_s": n / to, "wan_tok_s": n / tw, "speedup": tw / to,
                      "cpu_time_speedup": median(cpu["wan"]) / median(cpu["ours"]),
                      "ours_ms": to * 1e3, "wan_ms": tw * 1e3})
         if "wan_padded" in wall:
             tp = median(wall["wan_padded"])
             rows[-1].update(wan_padded_tok_s=n / tp, speedup_vs_padded=tp / to)
-    po, pw = nparams(ours), nparams(wan)
-    print(f"ours VideoDiT: {po / 1e6:.2f}M params (dim {a.dim}, depth {a.depth}, heads {a.heads}, attn {a.backend}); "
-          f"Wan: {pw / 1e6:.2f}M params (ffn_dim {ffn}, text_dim {a.text_dim}); ratio {pw / po:.3f}; "
-          f"fp32, {torch.get_num_threads()} threads, {a.reps} reps")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--text-dim", type=int, default=256)
+    ap.add_argument("--backend", default="sdpa", help="our attention backend (sdpa | flex | sdpa_dense)")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--out", default="")
+    ap.add_argument("--variants", default="adaln,adaln+text", help="comma list of: adaln, adaln+text")
+    ap.add_argument("--quick", action="store_true")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.dim, a.depth, a.heads, a.text_dim, a.reps = 64, 2, 2, 64, 1
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    rows, params = [], {}
+    for variant in a.variants.split(","):
+        rows += bench_variant(variant, a, params)
+    print(f"fp32, {torch.get_num_threads()} threads, {a.reps} reps; dim {a.dim}, depth {a.depth}, heads {a.heads}, "
+          f"our attention {a.backend}, Wan text_dim {a.text_dim}")
     print(format_table(rows))
     best = min(r["speedup"] for r in rows)
     print(f"smallest speedup {best:.2f}x (target >= 1.2x: {'met' if best >= 1.2 else 'NOT met'})")
-    p = write_json(a.out, "wan", {"args": vars(a), "params": {"ours": po, "wan": pw, "wan_ffn_dim": ffn}, "rows": rows})
+    p = write_json(a.out, "wan", {"args": vars(a), "params": params, "rows": rows})
     print(f"wrote {p}")
     return 0
 
