@@ -36,17 +36,14 @@ class RotaryEmbedding(nn.Module):
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool) -> torch.Tensor:
     """x [L, H, D] rotated pairwise (x1, x2) -> (x1·c - x2·s, x1·s + x2·c), by -angle if
-    `inverse`; computed in fp32 (cos/sin dtype), returned in x's dtype. Writes both halves
-    into one output instead of concatenating them."""
+    `inverse`; computed in fp32 (cos/sin dtype), returned in x's dtype. Functional ops only
+    (no `out=`): torch.compile (`train.compile`) must be able to trace it with dynamic shapes."""
     x1, x2 = x.chunk(2, dim=-1)
     c, s = cos[:, None, :], sin[:, None, :]
-    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, cos.dtype), device=x.device)
-    o1, o2 = out.chunk(2, dim=-1)
-    torch.mul(x1, c, out=o1)
-    torch.mul(x2, c, out=o2)
-    o1.addcmul_(x2, s, value=1.0 if inverse else -1.0)
-    o2.addcmul_(x1, s, value=-1.0 if inverse else 1.0)
-    return out.to(x.dtype)
+    sign = -1.0 if inverse else 1.0
+    o1 = torch.addcmul(x1 * c, x2, s, value=-sign)
+    o2 = torch.addcmul(x2 * c, x1, s, value=sign)
+    return torch.cat([o1, o2], dim=-1).to(x.dtype)
 
 
 class _Rope(torch.autograd.Function):
