@@ -123,3 +123,51 @@ def test_compiled_blocks_match_eager_forward_and_backward():
     torch.testing.assert_close(compiled[0], eager[0], atol=1e-5, rtol=1e-5)
     for a, b in zip(compiled[1], eager[1]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["dit", "wan"])
+def test_fsdp_mixed_precision_keeps_flow_time_fp32(name, tmp_path):
+    """Under FSDP2 bf16 parameters (the CUDA bf16 path, run here on a 1-rank gloo mesh) the
+    per-clip time t reaches the timestep embedding in fp32 (the root's policy must not cast
+    it: bf16 rounds Wan's 1000·t by up to ~2), and forward/backward run in bf16 with the
+    model casting its own inputs."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dit_train.config import ModelConfig
+    from dit_train.models import build_model, init_weights
+    from dit_train.parallel.parallelize import fsdp_mp_policies
+
+    common = dict(dim=32, depth=2, heads=2, patch_size=[1, 2, 2], in_channels=4, init="normal", text_dim=8)
+    cfg = ModelConfig(**common) if name == "dit" else ModelConfig(name="wan", ffn_dim=64, freq_dim=32, text_len=6,
+                                                                 **common)
+    model = build_model(cfg)
+    init_weights(model, seed=0, scheme="normal")
+    embedder = model.t_embedder if name == "dit" else model.condition_embedder
+    seen = {}
+    embedder.register_forward_pre_hook(lambda mod, args: seen.update(t=args[0].detach().clone()))
+    g = torch.Generator().manual_seed(0)
+    lens = [8, 12]
+    seg = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])
+    order = torch.cat([torch.arange(n) for n in lens])
+    pos = torch.stack([order // 4, order % 4 // 2, order % 2], -1)
+    args = (torch.randn(seg.numel(), 16, generator=g), pos, seg, torch.tensor([0.3337, 0.7771]),
+            VarlenMeta.build(seg, order, False), torch.randn(2, 5, 8, generator=g), torch.tensor([5, 3]))
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        root_mp, block_mp = fsdp_mp_policies(torch.bfloat16)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=block_mp)
+        fully_shard(model, mesh=mesh, mp_policy=root_mp)
+        out = model(*args)
+        out.float().square().mean().backward()
+    finally:
+        dist.destroy_process_group()
+    t = args[3]
+    expected = t if name == "dit" else torch.cat([t, t.new_zeros(1)]) * 1000  # Wan's timestep, fp32
+    assert seen["t"].dtype == torch.float32 and torch.equal(seen["t"], expected)  # not rounded through bf16
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
+    assert all(p.grad is not None and torch.isfinite(p.grad.full_tensor()).all() for p in model.parameters())

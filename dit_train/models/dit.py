@@ -59,7 +59,8 @@ class VideoDiT(nn.Module):
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, seg: torch.Tensor, t: torch.Tensor, meta: Any,
                 context: torch.Tensor | None = None, context_len: torch.Tensor | None = None) -> torch.Tensor:
-        h = self.x_embedder(x)
+        # inputs arrive in fp32 (FSDP2's root does not cast them, see parallel.fsdp_mp_policies)
+        h = self.x_embedder(x.to(self.x_embedder.weight.dtype))
         cond = Conditioning.from_samples(self.t_embedder(t), seg)
         rope = self.rope(pos)
         text = None

@@ -198,8 +198,10 @@ class PackedWan(nn.Module):
         row = torch.where(seg < 0, torch.full_like(seg, S), seg)  # padding tokens use an extra time row (t=0)
         timestep = torch.cat([t.float(), t.new_zeros(1, dtype=torch.float32)]) * NUM_TRAIN_TIMESTEPS
         context, lengths = self._context(context, context_len, S, x)
+        context = context.to(self.condition_embedder.text_embedder.linear_1.weight.dtype)
         temb, timestep_proj, states, _ = self.condition_embedder(timestep, context)  # [S+1, dim], [S+1, 6·dim]
-        h = F.linear(x, self.patch_embedding.weight.flatten(1), self.patch_embedding.bias)[None]  # [1, L, dim]
+        w = self.patch_embedding.weight  # inputs arrive in fp32 under FSDP2 mixed precision
+        h = F.linear(x.to(w.dtype), w.flatten(1), self.patch_embedding.bias)[None]  # [1, L, dim]
         temb_tok = timestep_proj.unflatten(1, (6, -1))[row][None]  # [1, L, 6, dim]
         rope = PackedRope(*wan_rope(pos, self.diffusers_config["attention_head_dim"]), meta)
         ctx = PackedContext(states, seg, lengths)

@@ -52,12 +52,23 @@ def _sum_allreduce_hook(process_group, bucket):
     return fut.then(lambda f: f.value()[0])
 
 
+def fsdp_mp_policies(param_dtype: torch.dtype | None) -> tuple[MixedPrecisionPolicy, MixedPrecisionPolicy]:
+    """(root, block) FSDP2 mixed-precision policies: parameters in `param_dtype` (bf16/fp16
+    on CUDA), gradients reduced in fp32. The root does not cast its forward inputs: it
+    would round the per-clip flow time t to bf16 (Wan's timestep 1000·t by up to ~2) before
+    the fp32 sinusoidal embedding; the models cast what enters their first matmuls
+    themselves. Blocks do cast theirs (activations, conditioning, RoPE tables)."""
+    root = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
+    block = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    return root, block
+
+
 def apply_fsdp(model: nn.Module, ctx: ParallelContext, cfg: ParallelConfig, param_dtype: torch.dtype | None) -> None:
     mesh = fsdp_mesh(ctx, cfg.cp_fsdp_mode)
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    root_mp, block_mp = fsdp_mp_policies(param_dtype)
     for block in model.blocks:
-        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=cfg.reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+        fully_shard(block, mesh=mesh, mp_policy=block_mp, reshard_after_forward=cfg.reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=root_mp, reshard_after_forward=False)
     n = cfg.fsdp_prefetch
     if n > 0:
         blocks = list(model.blocks)
