@@ -8,6 +8,16 @@ import torch
 from kernels import VarlenMeta, varlen_attention
 
 
+
+def _tiny_pack(lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, VarlenMeta]:
+    """pos [L, 3], seg [L] and attention metadata of a pack of clips with `lens` tokens each
+    (positions on a (t, 2, 2) patch grid)."""
+    seg = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])
+    order = torch.cat([torch.arange(n) for n in lens])
+    pos = torch.stack([order // 4, order % 4 // 2, order % 2], -1)
+    return pos, seg, VarlenMeta.build(seg, order, False)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("lens", [[4, 4, 4, 7, 7, 3, 4], [5], [6, 6], [2, 9, 9, 9]])
 def test_sdpa_runs_match_dense_forward_and_backward(lens, causal):
@@ -103,12 +113,8 @@ def test_compiled_blocks_match_eager_forward_and_backward():
     model = build_model(cfg)
     init_weights(model, seed=0, scheme="normal")
     g = torch.Generator().manual_seed(0)
-    lens = [8, 8, 12]
-    seg = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])
-    order = torch.cat([torch.arange(n) for n in lens])
-    pos = torch.stack([order // 4, order % 4 // 2, order % 2], -1)
-    x = torch.randn(seg.numel(), 16, generator=g)
-    args = (x, pos, seg, torch.rand(3, generator=g), VarlenMeta.build(seg, order, False),
+    pos, seg, meta = _tiny_pack([8, 8, 12])
+    args = (torch.randn(seg.numel(), 16, generator=g), pos, seg, torch.rand(3, generator=g), meta,
             torch.randn(3, 5, 8, generator=g), torch.tensor([5, 3, 0]))
 
     def run():
@@ -148,12 +154,9 @@ def test_fsdp_mixed_precision_keeps_flow_time_fp32(name, tmp_path):
     seen = {}
     embedder.register_forward_pre_hook(lambda mod, args: seen.update(t=args[0].detach().clone()))
     g = torch.Generator().manual_seed(0)
-    lens = [8, 12]
-    seg = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])
-    order = torch.cat([torch.arange(n) for n in lens])
-    pos = torch.stack([order // 4, order % 4 // 2, order % 2], -1)
-    args = (torch.randn(seg.numel(), 16, generator=g), pos, seg, torch.tensor([0.3337, 0.7771]),
-            VarlenMeta.build(seg, order, False), torch.randn(2, 5, 8, generator=g), torch.tensor([5, 3]))
+    pos, seg, meta = _tiny_pack([8, 12])
+    args = (torch.randn(seg.numel(), 16, generator=g), pos, seg, torch.tensor([0.3337, 0.7771]), meta,
+            torch.randn(2, 5, 8, generator=g), torch.tensor([5, 3]))
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:

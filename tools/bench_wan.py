@@ -129,8 +129,9 @@ def tokens(shapes) -> int:
     return sum((f // PATCH[0]) * (h // PATCH[1]) * (w // PATCH[2]) for f, h, w in shapes)
 
 
-def bench_variant(variant: str, a: argparse.Namespace, params: dict) -> list[dict]:
-    """Rows (one per workload) of one variant of ours against its parameter-matched Wan."""
+def bench_variant(variant: str, a: argparse.Namespace) -> tuple[dict, list[dict]]:
+    """Parameter counts and rows (one per workload) of one variant of ours against its
+    parameter-matched Wan."""
     if variant not in ("adaln", "adaln+text"):
         raise SystemExit(f"unknown variant {variant!r}: use adaln or adaln+text")
     ours_text = a.text_dim if variant == "adaln+text" else 0
@@ -138,7 +139,7 @@ def bench_variant(variant: str, a: argparse.Namespace, params: dict) -> list[dic
     ours = ours_model(a.dim, a.depth, a.heads, a.backend, ours_text)
     ffn = matched_ffn(a.dim, a.depth, a.heads, a.text_dim, nparams(ours))
     wan = wan_model(a.dim, a.depth, a.heads, ffn, a.text_dim)
-    params[variant] = {"ours": nparams(ours), "wan": nparams(wan), "wan_ffn_dim": ffn}
+    params = {"ours": nparams(ours), "wan": nparams(wan), "wan_ffn_dim": ffn}
     rows = []
     for kind in ("uniform", "mixed"):
         shapes = clips(kind, a.quick)
@@ -168,14 +169,14 @@ def bench_variant(variant: str, a: argparse.Namespace, params: dict) -> list[dic
         n = tokens(shapes)
         to, tw = median(wall["ours"]), median(wall["wan"])
         rows.append({"variant": variant, "workload": kind, "clips": len(shapes), "tokens": n,
-                     "wan_batches": len(w_batches), "params_ratio": nparams(wan) / nparams(ours),
+                     "wan_batches": len(w_batches), "params_ratio": params["wan"] / params["ours"],
                      "ours_tok_s": n / to, "wan_tok_s": n / tw, "speedup": tw / to,
                      "cpu_time_speedup": median(cpu["wan"]) / median(cpu["ours"]),
                      "ours_ms": to * 1e3, "wan_ms": tw * 1e3})
         if "wan_padded" in wall:
             tp = median(wall["wan_padded"])
             rows[-1].update(wan_padded_tok_s=n / tp, speedup_vs_padded=tp / to)
-    return rows
+    return params, rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(a.threads)
     rows, params = [], {}
     for variant in a.variants.split(","):
-        rows += bench_variant(variant, a, params)
+        params[variant], variant_rows = bench_variant(variant, a)
+        rows += variant_rows
     print(f"fp32, {torch.get_num_threads()} threads, {a.reps} reps; dim {a.dim}, depth {a.depth}, heads {a.heads}, "
           f"our attention {a.backend}, Wan text_dim {a.text_dim}")
     print(format_table(rows))
