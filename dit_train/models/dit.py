@@ -6,6 +6,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dit_train.models.fused import addcmul
 from dit_train.models.layers import Block, Conditioning, TextContext, TimestepEmbedder, modulation
 from dit_train.models.rope import RotaryEmbedding
 
@@ -21,7 +22,7 @@ class FinalLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cond: Conditioning) -> torch.Tensor:
         shift, scale1p = modulation(self.adaLN_modulation(cond.per_sample), cond.index, 2, scale_at=(1,))
-        return self.linear(torch.addcmul(shift, self.norm(x), scale1p))
+        return self.linear(addcmul(shift, self.norm(x), scale1p))
 
 
 class VideoDiT(nn.Module):

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from dit_train.models.fused import RMSNorm, addcmul
 from dit_train.models.rope import apply_rope
 from kernels import LocalAttention, packed_cross_attention
 
@@ -39,7 +40,7 @@ class Conditioning:
 def modulation(per_sample: torch.Tensor, index: torch.Tensor, chunks: int, scale_at: tuple[int, ...]) -> list[torch.Tensor]:
     """Per-sample adaLN outputs [S+1, chunks·d] -> `chunks` per-token tensors [L, d], with the
     `1 + scale` of the chunks in `scale_at` added per *sample* before the gather: the same
-    values as adding per token, one [L, d] pass fewer each (pair with `torch.addcmul`).
+    values as adding per token, one [L, d] pass fewer each (pair with `fused.addcmul`).
 
     Chunked per sample first, then each chunk gathered on its own: the backward of a gather
     is a scatter-add into the small [S+1, d] table, whereas gathering [L, chunks·d] and
@@ -63,8 +64,8 @@ class Attention(nn.Module):
             raise ValueError(f"model.dim={dim} must be divisible by model.heads={heads}")
         self.heads, self.head_dim = heads, dim // heads
         self.qkv = nn.Linear(dim, 3 * dim)
-        self.q_norm = nn.RMSNorm(self.head_dim, eps=1e-6) if qk_norm else nn.Identity()
-        self.k_norm = nn.RMSNorm(self.head_dim, eps=1e-6) if qk_norm else nn.Identity()
+        self.q_norm = RMSNorm(self.head_dim, eps=1e-6) if qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(self.head_dim, eps=1e-6) if qk_norm else nn.Identity()
         self.proj = nn.Linear(dim, dim)
         self.attention_fn: Callable[..., torch.Tensor] = LocalAttention(backend)
 
@@ -103,8 +104,8 @@ class CrossAttention(nn.Module):
         self.heads, self.head_dim = heads, dim // heads
         self.q = nn.Linear(dim, dim)
         self.kv = nn.Linear(dim, 2 * dim)
-        self.q_norm = nn.RMSNorm(self.head_dim, eps=1e-6) if qk_norm else nn.Identity()
-        self.k_norm = nn.RMSNorm(self.head_dim, eps=1e-6) if qk_norm else nn.Identity()
+        self.q_norm = RMSNorm(self.head_dim, eps=1e-6) if qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(self.head_dim, eps=1e-6) if qk_norm else nn.Identity()
         self.proj = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor, ctx: TextContext) -> torch.Tensor:
@@ -153,8 +154,8 @@ class Block(nn.Module):
             self.norm2 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
             self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(cond_dim, 6 * dim))
         else:
-            self.norm1 = nn.RMSNorm(dim, eps=1e-6)
-            self.norm2 = nn.RMSNorm(dim, eps=1e-6)
+            self.norm1 = RMSNorm(dim, eps=1e-6)
+            self.norm2 = RMSNorm(dim, eps=1e-6)
             self.adaLN_modulation = None
 
     def forward(
@@ -168,10 +169,10 @@ class Block(nn.Module):
         # addcmul(shift, x, 1 + scale) fuses DiT's x·(1 + scale) + shift (fewer [L, dim] passes)
         shift1, scale1p, gate1, shift2, scale2p, gate2 = modulation(
             self.adaLN_modulation(cond.per_sample), cond.index, 6, scale_at=(1, 4))
-        x = torch.addcmul(x, gate1, self.attn(torch.addcmul(shift1, self.norm1(x), scale1p), rope, meta))
+        x = addcmul(x, gate1, self.attn(addcmul(shift1, self.norm1(x), scale1p), rope, meta))
         if self.cross_attn is not None:
             x = x + self.cross_attn(self.norm_cross(x), text)
-        return torch.addcmul(x, gate2, self.mlp(torch.addcmul(shift2, self.norm2(x), scale2p)))
+        return addcmul(x, gate2, self.mlp(addcmul(shift2, self.norm2(x), scale2p)))
 
 
 class TimestepEmbedder(nn.Module):

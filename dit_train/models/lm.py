@@ -6,6 +6,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dit_train.models.fused import RMSNorm
 from dit_train.models.layers import Block
 from dit_train.models.rope import RotaryEmbedding
 
@@ -26,7 +27,7 @@ class CausalLM(nn.Module):
         self.tok_embeddings = nn.Embedding(vocab_size, dim)
         self.rope = RotaryEmbedding(dim // heads, axes=1, theta=rope_theta)
         self.blocks = nn.ModuleList(Block(dim, heads, mlp_ratio, None, qk_norm, backend) for _ in range(depth))
-        self.norm = nn.RMSNorm(dim, eps=1e-6)
+        self.norm = RMSNorm(dim, eps=1e-6)
         self.output = nn.Linear(dim, vocab_size, bias=False)
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor, meta: Any) -> torch.Tensor:

@@ -16,16 +16,19 @@ dp_replicate never shards):
 
 Activations saved for backward, per token per block, read off the autograd graph of
 `models/layers.Block` (checked against `saved_activation_bytes`, which hooks the real graph):
-    fp32 run:    (21·d + 2·h)·4  +  (3·H + 4)·4       (LSE, norm statistics)
-      21·d = residual in, LN out, modulated input, qkv (3), RoPE'd q/k (2) (RoPE's own
-             backward saves only cos/sin), attention out (1) and its reshaped copy (1), proj out (1),
-             adaLN modulation gathered per token (6, `1 + scale` included), residual after
-             attention (1), LN2 out, modulated MLP input, fc2 out (1); 2·h = fc1 out + GELU out.
-    bf16/fp16 autocast: 4·d stay fp32 (q/k upcast for RMSNorm/RoPE and their outputs) and
-      (19·d + 2·h) are stored in the compute dtype (the residual stream is bf16 because the
-      patch embedding's output is). Calibrated on CPU autocast; CUDA autocast keeps LayerNorm
-      outputs in fp32 (2·d·2 more bytes, ~5% of a block).
-    LLM block (pre-RMSNorm, no modulation): 15·d + 2·h in fp32; 8·d fp32 + (9·d + 2·h)·c.
+    fp32 run:    (19·d + 2·h)·4  +  (3·H + 4)·4       (LSE, norm statistics)
+      19·d = residual in, LN out, modulated input (3); qkv (3), which QK-RMSNorm's hand-written
+             backward reuses (it saves only x and rstd); RoPE'd q/k (2) (RoPE's backward saves
+             only cos/sin); attention out in SDPA layout and its packed copy (2); proj out (1);
+             adaLN scale and gate gathered per token (4: the shifts are only added, and the
+             hand-written addcmul saves just its two factors); residual after attention (1);
+             LN2 out, modulated MLP input, fc2 out (3); 2·h = fc1 out + GELU out.
+    bf16/fp16 autocast: the residual stream is in the compute dtype (the patch embedding's
+      output is), and so is everything above: 0·d fp32 + (19·d + 2·h)·c. Calibrated on CPU
+      autocast; CUDA autocast keeps LayerNorm outputs in fp32 (2·d·2 more bytes, ~5% of a block).
+    LLM block (pre-RMSNorm, no modulation): 11·d + 2·h in fp32 (residual in, norm1 out, qkv 3,
+      RoPE'd q/k 2, attention out 2, residual after attention, norm2 out); under autocast the
+      residual stream stays fp32 (the embedding's output is): 2·d fp32 + (9·d + 2·h)·c.
     Ulysses (cp_ulysses > 1): + 4·d·c for the all-to-all'd q, k, v and output.
     Ring (cp_ring > 1): the ring kernel materialises fp32 scores and probabilities for every
       KV block: + cp_ring · (L_r)² · (8·H/u + 1) bytes per block, L_r = micro_batch_tokens/cp_ring.
@@ -103,7 +106,7 @@ def model_shape(cfg: ModelConfig) -> ModelShape:
 
 
 # (fp32 run: elements of d; autocast: fp32 elements of d, compute-dtype elements of d); + 2·h always
-_BLOCK_COEFFS = {"dit": (21, 4, 19), "lm": (15, 8, 9)}
+_BLOCK_COEFFS = {"dit": (19, 0, 19), "lm": (11, 2, 9)}
 
 
 def block_activation_bytes_per_token(s: ModelShape, precision: str) -> float:

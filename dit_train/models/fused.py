@@ -1,0 +1,90 @@
+"""Elementwise layers with their backward written out.
+
+Autograd through the composite form of these ops saves more and runs more full-size passes
+than the maths needs: on the CPU (where torch has no fused kernel for them) the QK-RMSNorm's
+backward was ~5% of a DiT step and `addcmul`'s backward multiplies by its `value` (1) in two
+extra passes. Same values as the stock ops (tests/test_fused.py compares forward and
+gradients); shapes in the docstrings.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _opmath(x: torch.Tensor) -> torch.Tensor:
+    """x in fp32, or fp64 if it is fp64 (torch's "opmath" type for reductions)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+class _RMSNorm(torch.autograd.Function):
+    """y = x · rstd · w, rstd = 1/sqrt(mean(x²) + eps) over the last axis; computed in fp32
+    (fp64 for fp64 input), returned in x's dtype.
+
+    Saves x (usually a view of the qkv projection that attention keeps anyway) and rstd
+    [..., 1]; the backward recomputes x̂ = x · rstd:
+        dx = rstd · (g·w − x̂ · mean(g·w · x̂)),   dw = Σ g · x̂."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = _opmath(x)
+        rstd = torch.rsqrt(xf.square().mean(-1, keepdim=True).add_(eps))
+        ctx.save_for_backward(x, rstd, weight)
+        return (xf * rstd * weight.to(xf.dtype)).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, rstd, weight = ctx.saved_tensors
+        xhat = _opmath(x) * rstd
+        gw = grad.to(xhat.dtype) * weight.to(xhat.dtype)
+        dx = (gw - xhat * (gw * xhat).mean(-1, keepdim=True)) * rstd
+        dw = (grad.to(xhat.dtype) * xhat).reshape(-1, x.shape[-1]).sum(0) if ctx.needs_input_grad[1] else None
+        return dx.to(x.dtype), None if dw is None else dw.to(weight.dtype), None
+
+
+class RMSNorm(nn.RMSNorm):
+    """`nn.RMSNorm` (same parameter, same state-dict key) with the hand-written backward where
+    torch runs the composite form (CPU). Where torch has a fused kernel (CUDA) or no weight is
+    kept, the stock `F.rms_norm`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu" or self.weight is None or len(self.normalized_shape) != 1:
+            return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        return _RMSNorm.apply(x, self.weight, eps)
+
+
+def _sum_to(grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Reduce a broadcast gradient back to an input's shape."""
+    if grad.shape == shape:
+        return grad
+    lead = grad.dim() - len(shape)
+    dims = tuple(range(lead)) + tuple(i + lead for i, n in enumerate(shape) if n == 1 and grad.shape[i + lead] != 1)
+    return grad.sum(dims, keepdim=True).reshape(shape)
+
+
+class _Addcmul(torch.autograd.Function):
+    """a + b · c with gradients (g, g·c, g·b): torch's own backward multiplies b and c by
+    `value` first, two more full passes per call (an adaLN block has four such calls)."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(b, c)
+        ctx.shapes = (a.shape, b.shape, c.shape)
+        return torch.addcmul(a, b, c)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        b, c = ctx.saved_tensors
+        sa, sb, sc = ctx.shapes
+        ga = _sum_to(grad, sa) if ctx.needs_input_grad[0] else None
+        gb = _sum_to(grad * c, sb) if ctx.needs_input_grad[1] else None
+        gc = _sum_to(grad * b, sc) if ctx.needs_input_grad[2] else None
+        return ga, gb, gc
+
+
+def addcmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """a + b · c (broadcasting), one pass forward, two backward. Used for adaLN's modulate
+    (shift + x · (1 + scale)) and gated residual (x + gate · out)."""
+    return _Addcmul.apply(a, b, c)
