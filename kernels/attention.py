@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.runs import group_neighbours, run_starts
+
 BACKENDS = ("auto", "sdpa", "sdpa_dense", "flex", "xformers", "flash")
 
 # Masked logits are set to this finite value instead of -inf, so a query row that sees no key
@@ -68,9 +70,7 @@ def contiguous_segments(seg: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Ten
     L = seg.numel()
     if L == 0:
         return torch.zeros(1, dtype=torch.int32, device=seg.device), 0
-    change = torch.ones(L, dtype=torch.bool, device=seg.device)
-    change[1:] = seg[1:] != seg[:-1]
-    starts = torch.nonzero(change).flatten()
+    change, starts = run_starts(seg)
     run_ids = seg[starts]
     if torch.unique(run_ids).numel() != run_ids.numel():
         return None, 0  # some id appears in two runs: not contiguous
@@ -142,15 +142,10 @@ def _sdpa_loop(q, k, v, meta: VarlenMeta) -> torch.Tensor:
     assert meta.cu_seqlens is not None
     bounds = meta.cu_seqlens.tolist()
     lens = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
-    runs: list[tuple[int, int]] = []  # (samples in the run, tokens per sample)
-    for n in lens:
-        if runs and runs[-1][1] == n:
-            runs[-1] = (runs[-1][0] + 1, n)
-        else:
-            runs.append((1, n))
-    sizes = [c * n for c, n in runs]
+    runs = group_neighbours(lens)  # (tokens per sample, samples in the run)
+    sizes = [n * count for n, count in runs]
     outs = []
-    for (count, n), qs, ks, vs in zip(runs, q.split(sizes), k.split(sizes), v.split(sizes)):
+    for (n, count), qs, ks, vs in zip(runs, q.split(sizes), k.split(sizes), v.split(sizes)):
         # [count·n, H, D] -> [count, H, n, D]; is_causal is exact because positions increase inside a run
         qb, kb, vb = (t.reshape(count, n, *t.shape[1:]).transpose(1, 2) for t in (qs, ks, vs))
         o = F.scaled_dot_product_attention(qb, kb, vb, is_causal=meta.causal)

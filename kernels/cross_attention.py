@@ -15,18 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-
-def _runs(seg: torch.Tensor) -> list[tuple[int, int, int]]:
-    """(start, end, id) of each maximal run of equal ids (one host sync)."""
-    L = seg.numel()
-    if L == 0:
-        return []
-    change = torch.ones(L, dtype=torch.bool, device=seg.device)
-    change[1:] = seg[1:] != seg[:-1]
-    starts = torch.nonzero(change).flatten()
-    bounds = torch.cat([starts, starts.new_tensor([L])]).tolist()
-    ids = seg[starts].tolist()
-    return [(s, e, i) for s, e, i in zip(bounds[:-1], bounds[1:], ids)]
+from kernels.runs import group_neighbours, run_starts
 
 
 def packed_cross_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_seg: torch.Tensor,
@@ -39,26 +28,23 @@ def packed_cross_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_
     whole [L, H, D] pack — O(samples · L) per layer, which dominated the step on many-clip packs.
     No [L, S·Lc] mask is materialised."""
     lens = kv_len.tolist()
-    runs = _runs(q_seg)
-    # groups of neighbouring runs: (sample ids, query tokens per run, caption tokens); n = 0 for
+    _, starts = run_starts(q_seg)
+    bounds = starts.tolist() + [q_seg.numel()]
+    ids = q_seg[starts].tolist()
+    # neighbouring runs with equal (query tokens T, caption tokens n) form one batch; n = 0 for
     # padding (-1) and caption-less samples, whose output is zero
-    groups: list[tuple[list[int], int, int]] = []
-    for start, end, s in runs:
-        n = lens[s] if s >= 0 else 0
-        T = end - start
-        if groups and groups[-1][1] == T and groups[-1][2] == n:
-            groups[-1][0].append(s)
-        else:
-            groups.append(([s], T, n))
+    keys = [(end - start, lens[s] if s >= 0 else 0) for start, end, s in zip(bounds[:-1], bounds[1:], ids)]
+    groups = group_neighbours(keys)
     outs = []
     used = False
-    for (ids, T, n), qs in zip(groups, q.split([len(ids) * T for ids, T, _ in groups])):
+    first = 0  # index of the group's first run (= into `ids`)
+    for ((T, n), count), qs in zip(groups, q.split([T * count for (T, _), count in groups])):
+        run_ids, first = ids[first:first + count], first + count
         if n == 0:
             outs.append(qs.new_zeros(qs.shape))
             continue
         used = True
-        count = len(ids)
-        idx = torch.tensor(ids, device=k.device)
+        idx = torch.tensor(run_ids, device=k.device)
         qb = qs.reshape(count, T, *q.shape[1:]).transpose(1, 2)  # [count, H, T, D]
         kb = k[idx, :n].transpose(1, 2)  # [count, H, n, D]
         vb = v[idx, :n].transpose(1, 2)
