@@ -30,7 +30,7 @@ from dit_train.parallel.context_parallel import split_for_cp
 from dit_train.parallel.mesh import ParallelContext
 from dit_train.rng import sample_generator
 from dit_train.tasks.captions import pad_contexts
-from dit_train.tasks.video import model_context, patchify, unpatchify
+from dit_train.tasks.video import model_context, pack_clips, unpatchify
 from kernels import VarlenMeta
 
 log = logging.getLogger(__name__)
@@ -38,19 +38,11 @@ log = logging.getLogger(__name__)
 
 def _pack(xs: list[torch.Tensor], ts: list[float], ctxs: list[torch.Tensor] | None, patch, text_dim: int) -> PackedBatch:
     """Clips [C, F, H, W] at times ts -> one bidirectional pack (tokens of clip k have seg k)."""
-    toks, pos, seg, order = [], [], [], []
-    for k, x in enumerate(xs):
-        tok, grid = patchify(x, patch)
-        toks.append(tok)
-        pos.append(grid)
-        seg.append(torch.full((tok.shape[0],), k, dtype=torch.long))
-        order.append(torch.arange(tok.shape[0]))
     samples = {"t": torch.tensor(ts, dtype=torch.float32)}
     if ctxs is not None:
         samples["context"], samples["context_len"] = pad_contexts(ctxs, text_dim)
-    seg_t = torch.cat(seg)
-    return PackedBatch(seg=seg_t, pos=torch.cat(pos), order=torch.cat(order), valid=torch.ones_like(seg_t, dtype=torch.bool),
-                       tokens={"x": torch.cat(toks)}, samples=samples, sample_ids=torch.arange(len(xs)))
+    patch_dim = xs[0].shape[0] * patch[0] * patch[1] * patch[2]
+    return pack_clips({"x": xs}, patch, patch_dim, samples, torch.arange(len(xs)))
 
 
 @torch.no_grad()

@@ -33,6 +33,35 @@ def unpatchify(tokens: torch.Tensor, grid: tuple[int, int, int], patch: tuple[in
     return rearrange(tokens, "(f h w) (c pt ph pw) -> c (f pt) (h ph) (w pw)", f=f, h=h, w=w, c=channels, pt=pt, ph=ph, pw=pw)
 
 
+def pack_clips(clips: dict[str, list[torch.Tensor]], patch: tuple[int, int, int], patch_dim: int,
+               samples: dict[str, torch.Tensor], sample_ids: torch.Tensor) -> PackedBatch:
+    """Clips -> one bidirectional pack: tokens of clip k have seg k, in-clip order and (t, h, w)
+    positions. `clips` maps a token field ("x", "target", ...) to one [C, F, H, W] tensor per
+    clip (same clip shapes in every field); each field becomes tokens[field] [L, patch_dim].
+    No clips -> an empty pack with the same fields."""
+    first = next(iter(clips.values()))
+    if not first:
+        empty = torch.zeros(0, dtype=torch.long)
+        return PackedBatch(seg=empty, pos=torch.zeros(0, 3, dtype=torch.long), order=empty,
+                           valid=torch.zeros(0, dtype=torch.bool),
+                           tokens={name: torch.zeros(0, patch_dim) for name in clips}, samples=samples,
+                           sample_ids=sample_ids, causal=False)
+    tokens = {name: [] for name in clips}
+    pos, seg, order = [], [], []
+    for k in range(len(first)):
+        for name, xs in clips.items():
+            tok, grid = patchify(xs[k], patch)
+            tokens[name].append(tok)
+        n = tok.shape[0]
+        pos.append(grid)
+        seg.append(torch.full((n,), k, dtype=torch.long))
+        order.append(torch.arange(n))
+    seg_t = torch.cat(seg)
+    return PackedBatch(seg=seg_t, pos=torch.cat(pos), order=torch.cat(order), valid=torch.ones_like(seg_t, dtype=torch.bool),
+                       tokens={name: torch.cat(t) for name, t in tokens.items()}, samples=samples,
+                       sample_ids=sample_ids, causal=False)
+
+
 log = logging.getLogger(__name__)
 
 
@@ -82,7 +111,7 @@ class VideoTask:
 
     def build(self, sample_ids: list[int], step: int) -> PackedBatch:
         """The full (un-split) pack of `sample_ids` at `step`, on the CPU."""
-        xs, targets, pos, seg, order, ts, ctx = [], [], [], [], [], [], []
+        xs, targets, ts, ctx = [], [], [], []
         kept = []
         for sid in sample_ids:
             try:
@@ -95,17 +124,10 @@ class VideoTask:
                     log.warning("dropping sample %d: %s", sid, err)
                 self.failed.add(sid)
                 continue
-            k = len(kept)
             kept.append(sid)
             xt, v, t = noisy_sample(x0, self.seed, sid, step, self.loss_cfg)
-            tok, grid = patchify(xt, self.patch)
-            tgt, _ = patchify(v, self.patch)
-            n = tok.shape[0]
-            xs.append(tok)
-            targets.append(tgt)
-            pos.append(grid)
-            seg.append(torch.full((n,), k, dtype=torch.long))
-            order.append(torch.arange(n))
+            xs.append(xt)
+            targets.append(v)
             ts.append(t)
             if self.text_dim:
                 dropped = drop_caption(self.seed, sid, step, self.caption_dropout)
@@ -113,17 +135,8 @@ class VideoTask:
         samples = {"t": torch.tensor(ts, dtype=torch.float32)}
         if self.text_dim:
             samples["context"], samples["context_len"] = pad_contexts(ctx, self.text_dim)
-        if not kept:
-            return PackedBatch(seg=torch.zeros(0, dtype=torch.long), pos=torch.zeros(0, 3, dtype=torch.long),
-                               order=torch.zeros(0, dtype=torch.long), valid=torch.zeros(0, dtype=torch.bool),
-                               tokens={"x": torch.zeros(0, self.patch_dim), "target": torch.zeros(0, self.patch_dim)},
-                               samples=samples, causal=False)
-        seg_t = torch.cat(seg)
-        return PackedBatch(
-            seg=seg_t, pos=torch.cat(pos), order=torch.cat(order), valid=torch.ones_like(seg_t, dtype=torch.bool),
-            tokens={"x": torch.cat(xs), "target": torch.cat(targets)}, samples=samples,
-            sample_ids=torch.tensor(kept, dtype=torch.long), causal=False,
-        )
+        return pack_clips({"x": xs, "target": targets}, self.patch, self.patch_dim, samples,
+                          torch.tensor(kept, dtype=torch.long))
 
     def per_token_loss(self, model: nn.Module, batch: PackedBatch, attn_meta: Any) -> torch.Tensor:
         """[L_local] MSE of the predicted velocity of each local token."""
