@@ -17,7 +17,7 @@ the split itself never looks at sample boundaries.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,9 @@ class CPAttnMeta:
     order: torch.Tensor
     causal: bool
     index: list[torch.Tensor]
+    # (query ring rank, key ring rank) -> may any query see any key: filled by the first
+    # attention layer (one host sync per block), reused by the others
+    visible: dict[tuple[int, int], bool] = field(default_factory=dict, repr=False, compare=False)
 
     def to(self, device: torch.device | str) -> "CPAttnMeta":
         return CPAttnMeta(self.seg.to(device), self.order.to(device), self.causal, [i.to(device) for i in self.index])
@@ -81,6 +84,8 @@ class ContextParallelAttention:
         self.ug, self.U, self.u = ulysses_group, ulysses_size, ulysses_rank
         self.rg, self.R, self.r = ring_group, ring_size, ring_rank
         self.backend = backend
+        # ring blocks (query block x K/V block) computed and skipped as fully masked, since creation
+        self.ring_blocks = {"computed": 0, "skipped": 0}
 
     def _ring_tokens(self, meta: CPAttnMeta, ring_rank: int) -> torch.Tensor:
         """Pack indices of the tokens held (after Ulysses) by the ranks of ring position r."""
@@ -127,12 +132,20 @@ class ContextParallelAttention:
             src = (self.r - step) % self.R
             idx_k = self._ring_tokens(meta, src)
             mask = attention_mask(seg_q, ord_q, meta.seg[idx_k], meta.order[idx_k], meta.causal)
-            # Every block is computed, even one that no query may see: skipping it would leave
-            # the last received K/V out of the autograd graph on some ranks only, and their
-            # backward ring would then issue fewer collectives than their neighbours' (deadlock).
-            o, lse = attention_with_lse(q, kv[0], kv[1], mask)
-            outs.append(o)
-            lses.append(lse)
+            if (self.r, src) not in meta.visible:
+                meta.visible[(self.r, src)] = bool(mask.any())
+            if step == 0 or meta.visible[(self.r, src)]:  # step 0 (own keys) holds each query's own token
+                o, lse = attention_with_lse(q, kv[0], kv[1], mask)
+                outs.append(o)
+                lses.append(lse)
+                self.ring_blocks["computed"] += 1
+            else:
+                # No query may see this block (other samples, or later in causal order): skip
+                # the O(Lq·Lk) block. Its K/V still enter the graph through an exact zero, so
+                # every rank's backward ring issues the same collectives as its neighbours'
+                # (a block left out of the graph on some ranks only deadlocked the ring).
+                outs[-1] = outs[-1] + 0.0 * kv.sum()
+                self.ring_blocks["skipped"] += 1
             if step < self.R - 1:
                 kv = _ring_shift(kv, self.rg, self.r, self.R)
         return merge_partials(outs, lses)

@@ -31,7 +31,8 @@ Activations saved for backward, per token per block, read off the autograd graph
       residual stream stays fp32 (the embedding's output is): 2·d fp32 + (9·d + 2·h)·c.
     Ulysses (cp_ulysses > 1): + 4·d·c for the all-to-all'd q, k, v and output.
     Ring (cp_ring > 1): the ring kernel materialises fp32 scores and probabilities for every
-      KV block: + cp_ring · (L_r)² · (8·H/u + 1) bytes per block, L_r = micro_batch_tokens/cp_ring.
+      KV block some query may see: at most + cp_ring · (L_r)² · (8·H/u + 1) bytes per block,
+      L_r = micro_batch_tokens/cp_ring (fully masked blocks are skipped; the bound assumes none).
 Outside the blocks (embedding, final layer, loss, RoPE tables): (6·d)·c + 2·p·4 + Dh·4 per
 token for the DiT; 2·V·4 logits (+ d·c) for the LLM.
 Activation checkpointing keeps only each block's input (d·4 per token per block) and
