@@ -44,12 +44,14 @@ class _RMSNorm(torch.autograd.Function):
 
 
 class RMSNorm(nn.RMSNorm):
-    """`nn.RMSNorm` (same parameter, same state-dict key) with the hand-written backward where
-    torch runs the composite form (CPU). Where torch has a fused kernel (CUDA) or no weight is
-    kept, the stock `F.rms_norm`."""
+    """`nn.RMSNorm` (same parameter, same state-dict key) with the hand-written backward
+    wherever torch would run the composite form: on the CPU, and on CUDA when x and the weight
+    differ in dtype (bf16 autocast over fp32 parameters), where the composite also saves fp32
+    upcasts. Torch's fused CUDA kernel (same dtypes) and the weight-less case stay stock."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu" or self.weight is None or len(self.normalized_shape) != 1:
+        fused_kernel = x.device.type == "cuda" and self.weight is not None and x.dtype == self.weight.dtype
+        if fused_kernel or self.weight is None or len(self.normalized_shape) != 1:
             return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
         return _RMSNorm.apply(x, self.weight, eps)
