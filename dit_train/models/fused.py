@@ -57,15 +57,6 @@ class RMSNorm(nn.RMSNorm):
         return _RMSNorm.apply(x, self.weight, eps)
 
 
-def _sum_to(grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """Reduce a broadcast gradient back to an input's shape."""
-    if grad.shape == shape:
-        return grad
-    lead = grad.dim() - len(shape)
-    dims = tuple(range(lead)) + tuple(i + lead for i, n in enumerate(shape) if n == 1 and grad.shape[i + lead] != 1)
-    return grad.sum(dims, keepdim=True).reshape(shape)
-
-
 class _Addcmul(torch.autograd.Function):
     """a + b · c with gradients (g, g·c, g·b): torch's own backward multiplies b and c by
     `value` first, two more full passes per call (an adaLN block has four such calls)."""
@@ -80,9 +71,9 @@ class _Addcmul(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         b, c = ctx.saved_tensors
         sa, sb, sc = ctx.shapes
-        ga = _sum_to(grad, sa) if ctx.needs_input_grad[0] else None
-        gb = _sum_to(grad * c, sb) if ctx.needs_input_grad[1] else None
-        gc = _sum_to(grad * b, sc) if ctx.needs_input_grad[2] else None
+        ga = grad.sum_to_size(sa) if ctx.needs_input_grad[0] else None
+        gb = (grad * c).sum_to_size(sb) if ctx.needs_input_grad[1] else None
+        gc = (grad * b).sum_to_size(sc) if ctx.needs_input_grad[2] else None
         return ga, gb, gc
 
 
