@@ -176,7 +176,7 @@ def _write_text_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def read_meta(root: str | os.PathLike) -> dict:
+def read_cache_info(root: str | os.PathLike) -> dict:
     p = Path(root).expanduser() / META
     if not p.is_file():
         raise ValueError(f"{p} not found: data.root must be a folder written by tools/cache_latents.py")
@@ -278,7 +278,7 @@ class LatentCacheDataset:
 
     def __init__(self, root: str | os.PathLike, patch: tuple[int, int, int]):
         self.root = Path(root).expanduser()
-        self.meta = read_meta(self.root)
+        self.meta = read_cache_info(self.root)
         self.patch = tuple(patch)
         self.latent_channels = int(self.meta["latent_channels"])
         self.text_dim = int(self.meta.get("text_dim", 0))
@@ -343,7 +343,7 @@ def load_decoder(root: str | os.PathLike, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32) -> Callable[[torch.Tensor], torch.Tensor]:
     """The cache's VAE decoder: normalized latents [C, f, h, w] -> pixels [3, F, H, W] in [-1, 1]
     (F = 1 + t·(f - 1), H = s·h, W = s·w), for validation videos."""
-    meta = read_meta(root)
+    meta = read_cache_info(root)
     return VaeCodec(meta["vae"], device, dtype).decode
 
 

@@ -51,6 +51,27 @@ def read_manifest(path: Path) -> list[dict]:
     raise ValueError(f"manifest {path} must be .jsonl or .csv")
 
 
+def manifest_entries(manifest: Path) -> tuple[list[ClipEntry], list[tuple[str, str]]]:
+    """(entries, skipped) of a manifest; rows without size metadata are probed with decord,
+    and files that cannot be opened are skipped and counted as (path, why)."""
+    root = manifest.parent
+    entries, bad = [], []
+    for row in read_manifest(manifest):
+        path = str((root / row["path"]).resolve()) if not Path(row["path"]).is_absolute() else row["path"]
+        try:
+            if all(row.get(k) not in (None, "") for k in ("frames", "height", "width")):
+                info = VideoInfo(int(row["frames"]), int(row["height"]), int(row["width"]), float(row.get("fps") or 0))
+            else:
+                info = probe(path)
+        except (VideoReadError, ValueError) as err:
+            bad.append((path, str(err)))
+            continue
+        entries.append(ClipEntry(path, str(row.get("caption", "")), info))
+    if not entries:
+        raise ValueError(f"no readable clip in {manifest} ({len(bad)} unreadable)")
+    return entries, bad
+
+
 def _target_size(h: int, w: int, patch_hw: tuple[int, int], buckets: list[tuple[int, int]]) -> tuple[int, int]:
     if buckets:
         # closest aspect ratio, ties to the larger area
@@ -91,24 +112,9 @@ class VideoClipDataset:
 
     @classmethod
     def from_manifest(cls, manifest: Path, **kw) -> "VideoClipDataset":
-        """Entries from a manifest; rows without size metadata are probed with decord, and
-        files that cannot be opened are skipped and counted (`dataset.skipped`)."""
-        root = manifest.parent
-        entries, bad = [], []
-        for row in read_manifest(manifest):
-            path = str((root / row["path"]).resolve()) if not Path(row["path"]).is_absolute() else row["path"]
-            try:
-                if all(row.get(k) not in (None, "") for k in ("frames", "height", "width")):
-                    info = VideoInfo(int(row["frames"]), int(row["height"]), int(row["width"]), float(row.get("fps") or 0))
-                else:
-                    info = probe(path)
-            except (VideoReadError, ValueError) as err:
-                bad.append((path, str(err)))
-                continue
-            entries.append(ClipEntry(path, str(row.get("caption", "")), info))
-        ds = cls(entries, **kw) if entries else None
-        if ds is None:
-            raise ValueError(f"no readable clip in {manifest} ({len(bad)} unreadable)")
+        """The clips of a manifest (see `manifest_entries`)."""
+        entries, bad = manifest_entries(manifest)
+        ds = cls(entries, **kw)
         ds.skipped = bad + ds.skipped
         return ds
 

@@ -1,7 +1,7 @@
-"""`python -m dit_train [overrides]` — the Hydra app.
+"""`python -m dit_train [overrides]` (or `dit-train [overrides]`) — the Hydra app.
 
-Composes the config (strict: unknown keys fail), validates it, prepares the embedded data,
-then trains on one process or starts the workers the layout needs. See README.md.
+Composes the config (strict: unknown keys fail), checks it, prepares the data, then trains on
+one process or starts the workers the layout needs. See README.md.
 """
 from __future__ import annotations
 
@@ -9,30 +9,35 @@ import sys
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from dit_train.config import Config, register_configs
+from dit_train.config import Config, config_dir, register_configs, to_config
 
 
 def run_from_config(cfg: Config) -> dict:
-    """Validate, prepare data and train (in this process or in local workers)."""
+    """Check, prepare data and train (in this process or in local workers)."""
     from dit_train.data import check_data, prepare_data
-    from dit_train.launch import external_world_size, launch
-    from dit_train.train import run
-    from dit_train.validate import validate
+    from dit_train.engine.checks import check_config
+    from dit_train.engine.launch import external_world_size, launch
+    from dit_train.engine.worker import train
 
-    validate(cfg, external_world_size())
-    prepare_data(cfg.mode, cfg.data)
+    check_config(cfg, external_world_size())
+    try:
+        prepare_data(cfg.data, cfg.model)
+    except ValueError as err:
+        from dit_train.engine.checks import ConfigError
+
+        raise ConfigError(str(err)) from err
     check_data(cfg)
-    return launch(cfg, run)
+    return launch(cfg, train)
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+@hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")
 def main(dcfg: DictConfig) -> float | None:
-    cfg: Config = OmegaConf.to_object(dcfg)
+    cfg = to_config(dcfg)
     cfg.run_dir = HydraConfig.get().runtime.output_dir
-    from dit_train.launch import WorkerFailure
-    from dit_train.validate import ConfigError
+    from dit_train.engine.checks import ConfigError
+    from dit_train.engine.launch import WorkerFailure
 
     try:
         summary = run_from_config(cfg)

@@ -4,12 +4,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 from torch import nn
 
-from dit_train.config import Config
+from dit_train.config import Config, load_config
 from dit_train.models import build_model
-from kernels import VarlenMeta
+from kernels import VarlenLayout
 
 
 def load_run(run_dir: str | Path, weights: str | Path | None = None) -> tuple[Config, nn.Module]:
@@ -17,9 +16,7 @@ def load_run(run_dir: str | Path, weights: str | Path | None = None) -> tuple[Co
     from safetensors.torch import load_file
 
     run_dir = Path(run_dir)
-    if not (run_dir / "config.yaml").exists():
-        raise FileNotFoundError(f"{run_dir} has no config.yaml: is it a dit_train run dir?")
-    cfg: Config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(run_dir / "config.yaml")))
+    cfg = load_config(run_dir)
     path = Path(weights) if weights else run_dir / "weights.safetensors"
     if not path.exists():
         raise FileNotFoundError(f"no weights at {path} (export them from a checkpoint first)")
@@ -43,7 +40,7 @@ def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, top_k: in
     for _ in range(max_new_tokens):
         n = ids.numel()
         pos = torch.arange(n)
-        meta = VarlenMeta.build(torch.zeros(n, dtype=torch.long), pos, causal=True)
+        meta = VarlenLayout.build(torch.zeros(n, dtype=torch.long), pos, causal=True)
         logits = model(ids, pos[:, None], meta)[-1].float()
         if top_k > 0:
             values, idx = torch.topk(logits / max(temperature, 1e-6), min(top_k, logits.numel()))

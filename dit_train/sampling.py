@@ -31,7 +31,7 @@ from dit_train.parallel.mesh import ParallelContext
 from dit_train.rng import sample_generator
 from dit_train.tasks.captions import pad_contexts
 from dit_train.tasks.video import model_context, pack_clips, unpatchify
-from kernels import VarlenMeta
+from kernels import VarlenLayout
 
 log = logging.getLogger(__name__)
 
@@ -67,11 +67,11 @@ def predict_velocity(model: torch.nn.Module, batch: PackedBatch, ctx: ParallelCo
             full[meta.index[c]] = shares[c]
         return full[:L]
     b = batch.to(ctx.device)
-    meta = VarlenMeta.build(b.seg, b.order, False)
+    meta = VarlenLayout.build(b.seg, b.order, False)
     return model(b.tokens["x"], b.pos, b.seg, b.samples["t"], meta, **model_context(b)).float()
 
 
-class ValidationSampler:
+class VideoSampler:
     """Generates the same `num_samples` clips at every call (see the module docstring).
 
     task: the training VideoTask (shapes, captions, patch size). decode: latents [C, f, h, w]

@@ -27,23 +27,15 @@ bug that collapses grad_norm by the batch size): it is refused with an error.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 
-from data_pipelines.packing import balanced_split, pack_ffd
 from dit_train.config import Config
-from dit_train.data import build_task
-from dit_train.loss import StepMeta
-from dit_train.optim import build_optimizer, build_scheduler
-from dit_train.parallel.mesh import init_parallel
-from dit_train.parallel.parallelize import grad_sync_groups, sync_unsharded_grads
-from dit_train.train import build_parallel_model
-from dit_train.trainer import Trainer, grad_norm_
+from dit_train.engine.build import build_run
+from dit_train.loss import StepCounts, inverse_sample_tokens, token_weights
 
 NORMALIZATIONS = ("num_loss_tokens", "num_sequences", "none")
 
@@ -64,16 +56,14 @@ class LossFn:
     weight: str
     raw_sum: bool
 
-    def weights(self, seg: torch.Tensor, valid: torch.Tensor, meta: StepMeta, micro: int) -> torch.Tensor:
-        v = valid.to(torch.float32)
+    def weights(self, seg: torch.Tensor, valid: torch.Tensor, counts: StepCounts, micro: int) -> torch.Tensor:
+        """[L] weights from the loss reductions' own functions (dit_train/loss/reductions.py)."""
         if self.weight == "token":
-            return v
+            return token_weights("sum", seg, valid, counts, micro)
         if self.weight == "sequence":
-            T = meta.sample_tokens[micro].to(device=seg.device, dtype=torch.float32)
-            T_tok = T[seg.clamp(min=0)] if T.numel() else torch.zeros_like(v)
-            return torch.where(valid & (T_tok > 0), 1.0 / T_tok.clamp(min=1.0), 0.0)
+            return inverse_sample_tokens(seg, valid, counts, micro)
         if self.weight == "call_token_mean":
-            return v / meta.num_tokens if meta.num_tokens > 0 else v * 0
+            return token_weights("token_mean", seg, valid, counts, micro)
         raise ValueError(f"unknown loss weighting {self.weight!r}")
 
 
@@ -97,21 +87,15 @@ class TrainingSession:
 
     Every rank calls the same methods with the same arguments (the sample ids of the whole
     call); the session spreads the samples over data-parallel ranks and packs them by
-    train.micro_batch_tokens, exactly like the trainer.
+    train.micro_batch_tokens, exactly like the trainer (whose public step pieces it uses).
     """
 
     def __init__(self, cfg: Config, task: Any | None = None):
         self.cfg = cfg
-        self.ctx = init_parallel(cfg.parallel)
-        self.task = task or build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed)
-        self.model = build_parallel_model(cfg, self.ctx)
-        self.optimizer = build_optimizer(self.model, cfg.optim)
-        self.scheduler = build_scheduler(self.optimizer, cfg.optim, max(1, cfg.train.steps))
-        # the trainer supplies batch building, CP splitting, metadata sync and norms
-        self._trainer = Trainer(self.model, self.task, self.optimizer, self.scheduler, self.ctx,
-                                cfg.train, cfg.optim, cfg.loss, cfg.parallel)
+        run = build_run(cfg, task=task)
+        self.run, self.ctx, self.task, self.model = run, run.ctx, run.task, run.model
+        self.optimizer, self.scheduler, self._trainer = run.optimizer, run.scheduler, run.trainer
         self._lengths = dict(enumerate(self.task.lengths()))
-        self._manual_groups = grad_sync_groups(self.ctx, cfg.parallel)
         self.step_count = 0
         self._reset()
 
@@ -122,29 +106,6 @@ class TrainingSession:
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
         self._pending_sync = False
 
-    # -- gradient sync control ---------------------------------------------------------------
-
-    def _no_sync(self):
-        if isinstance(self.model, FSDPModule):
-            self.model.set_requires_gradient_sync(False)
-            return contextlib.nullcontext()
-        if isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
-            return self.model.no_sync()
-        return contextlib.nullcontext()
-
-    def _flush_gradients(self) -> None:
-        """Reduce the gradients accumulated (unreduced) by all calls since the last step.
-
-        FSDP2 and DDP reduce inside backward hooks, so a forward/backward of one padding token
-        (loss 0) with sync enabled adds nothing and triggers exactly one reduction.
-        """
-        if self.ctx.distributed and self.cfg.parallel.dp_mode in ("fsdp2", "ddp"):
-            if isinstance(self.model, FSDPModule):
-                self.model.set_requires_gradient_sync(True)
-            (batch,), (meta,) = self._trainer._prepare(self.task, [[]], self.step_count)
-            (self._trainer.task_loss(self.task, batch, meta).sum() * 0.0).backward()
-        sync_unsharded_grads(self.model, self._manual_groups)
-
     # -- the API -------------------------------------------------------------------------------
 
     def forward_backward(self, sample_ids: list[int], loss_fn: LossFn) -> dict[str, float]:
@@ -153,25 +114,22 @@ class TrainingSession:
         Back-propagates Σ w·l with the loss function's weights and adds the call's global
         counts to the accumulator. Returns the call's counts and its (weighted) loss.
         """
-        per_rank = [pack_ffd(ids, self._lengths, self.cfg.train.micro_batch_tokens)
-                    for ids in balanced_split(list(sample_ids), self._lengths, self.ctx.dims.dp)]
-        m = max(1, max(len(r) for r in per_rank))
-        packs = per_rank[self.ctx.dp_rank] + [[] for _ in range(m - len(per_rank[self.ctx.dp_rank]))]
-        batches, metas = self._trainer._prepare(self.task, packs, self.step_count)
-        meta = self._trainer.sync(batches)
+        tr = self._trainer
+        micro = tr.prepare(tr.spread(sample_ids, self._lengths), self.step_count)
+        counts = tr.sync_counts(micro)
         call_loss = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
-        with self._no_sync():
-            for k, (batch, attn_meta) in enumerate(zip(batches, metas)):
-                per_token = self._trainer.task_loss(self.task, batch, attn_meta)
-                loss = (per_token.float() * loss_fn.weights(batch.seg, batch.valid, meta, k)).sum()
+        for k, mb in enumerate(micro):
+            with tr.gradient_sync(False):  # reduced once, at optim_step
+                per_token = tr.per_token_loss(mb)
+                loss = (per_token.float() * loss_fn.weights(mb.batch.seg, mb.batch.valid, counts, k)).sum()
                 loss.backward()
-                call_loss += loss.detach().double()
+            call_loss += loss.detach().double()
         self._pending_sync = True
         self._raw_sums.add(loss_fn.raw_sum)
-        self.num_loss_tokens += meta.num_tokens
-        self.num_sequences += meta.num_samples
+        self.num_loss_tokens += counts.num_tokens
+        self.num_sequences += counts.num_samples
         self._loss_sum += call_loss
-        return {"num_loss_tokens": meta.num_tokens, "num_sequences": meta.num_samples}
+        return {"num_loss_tokens": counts.num_tokens, "num_sequences": counts.num_samples}
 
     def optim_step(self, normalization: str = "num_loss_tokens", max_grad_norm: float | None = None) -> dict[str, float]:
         """Scale gradients by 1/accumulated count, clip, step, zero, reset the accumulator."""
@@ -184,21 +142,10 @@ class TrainingSession:
                 f"normalized twice. Use raw-sum losses (token_sum_loss / sequence_mean_sum_loss) with "
                 f"{normalization!r}, or optim_step(normalization='none') with pre-normalized losses.")
         if self._pending_sync:
-            self._flush_gradients()
+            self._trainer.flush_unreduced_gradients(self.step_count)
         count = {"num_loss_tokens": self.num_loss_tokens, "num_sequences": self.num_sequences, "none": 1}[normalization]
         scale = 1.0 / count if count > 0 else 0.0
-        if scale != 1.0:
-            with torch.no_grad():
-                for p in self.model.parameters():
-                    if p.grad is not None:
-                        p.grad.mul_(scale)  # in place: a DTensor gradient keeps its sharding
-        clip = self.cfg.optim.max_grad_norm if max_grad_norm is None else max_grad_norm
-        norm = grad_norm_(self.model, clip)
-        skipped = not bool(torch.isfinite(norm))
-        if not skipped:
-            self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        norm, skipped = self._trainer.apply_gradients(grad_scale=scale, max_grad_norm=max_grad_norm)
         loss = self._loss_sum.clone()
         if self.ctx.world_group is not None:
             dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=self.ctx.world_group)

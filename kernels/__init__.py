@@ -3,7 +3,7 @@ from kernels.cross_attention import packed_cross_attention
 from kernels.attention import (
     BACKENDS,
     LocalAttention,
-    VarlenMeta,
+    VarlenLayout,
     attention_mask,
     attention_with_lse,
     merge_partials,
@@ -14,7 +14,7 @@ from kernels.attention import (
 __all__ = [
     "BACKENDS",
     "LocalAttention",
-    "VarlenMeta",
+    "VarlenLayout",
     "attention_mask",
     "attention_with_lse",
     "merge_partials",

@@ -2,7 +2,7 @@
 
 A packed micro-batch is one flat sequence of L tokens holding several samples. Attention must
 stay inside a sample (block-diagonal mask), optionally causal within it. Every backend here
-computes exactly that from the same `VarlenMeta`:
+computes exactly that from the same `VarlenLayout`:
 
     q, k, v: [L, H, D]  ->  out: [L, H, D]
 
@@ -41,7 +41,7 @@ _MASKED = -1e30
 
 
 @dataclass
-class VarlenMeta:
+class VarlenLayout:
     """Layout of one packed sequence.
 
     seg: [L] int64, sample index of each token inside the pack; -1 = padding.
@@ -59,9 +59,9 @@ class VarlenMeta:
     max_seqlen: int
 
     @staticmethod
-    def build(seg: torch.Tensor, pos: torch.Tensor, causal: bool) -> "VarlenMeta":
+    def build(seg: torch.Tensor, pos: torch.Tensor, causal: bool) -> "VarlenLayout":
         cu, max_len = contiguous_segments(seg, pos)
-        return VarlenMeta(seg=seg, pos=pos, causal=causal, cu_seqlens=cu, max_seqlen=max_len)
+        return VarlenLayout(seg=seg, pos=pos, causal=causal, cu_seqlens=cu, max_seqlen=max_len)
 
 
 def contiguous_segments(seg: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor | None, int]:
@@ -131,7 +131,7 @@ def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.
 # --------------------------------------------------------------------------- backends
 
 
-def _sdpa_loop(q, k, v, meta: VarlenMeta) -> torch.Tensor:
+def _sdpa_loop(q, k, v, meta: VarlenLayout) -> torch.Tensor:
     """One SDPA call per run of consecutive samples of equal length (a contiguous run of n
     samples of T tokens is a free [n, T, H, D] view: one batched call instead of n).
 
@@ -153,7 +153,7 @@ def _sdpa_loop(q, k, v, meta: VarlenMeta) -> torch.Tensor:
     return torch.cat(outs) if len(outs) != 1 else outs[0]
 
 
-def _sdpa_dense(q, k, v, meta: VarlenMeta) -> torch.Tensor:
+def _sdpa_dense(q, k, v, meta: VarlenLayout) -> torch.Tensor:
     mask = attention_mask(meta.seg, meta.pos, meta.seg, meta.pos, meta.causal)
     o = F.scaled_dot_product_attention(
         q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
@@ -162,7 +162,7 @@ def _sdpa_dense(q, k, v, meta: VarlenMeta) -> torch.Tensor:
     return o.squeeze(0).transpose(0, 1)
 
 
-def _flex(q, k, v, meta: VarlenMeta) -> torch.Tensor:
+def _flex(q, k, v, meta: VarlenLayout) -> torch.Tensor:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     seg, pos, causal = meta.seg, meta.pos, meta.causal
@@ -181,7 +181,7 @@ def _flex(q, k, v, meta: VarlenMeta) -> torch.Tensor:
     return o.squeeze(0).transpose(0, 1)
 
 
-def _xformers(q, k, v, meta: VarlenMeta) -> torch.Tensor:
+def _xformers(q, k, v, meta: VarlenLayout) -> torch.Tensor:
     from xformers.ops import fmha
 
     assert meta.cu_seqlens is not None
@@ -193,7 +193,7 @@ def _xformers(q, k, v, meta: VarlenMeta) -> torch.Tensor:
     return o.squeeze(0)
 
 
-def _flash(q, k, v, meta: VarlenMeta) -> torch.Tensor:
+def _flash(q, k, v, meta: VarlenLayout) -> torch.Tensor:
     from flash_attn import flash_attn_varlen_func
 
     assert meta.cu_seqlens is not None
@@ -230,7 +230,7 @@ def resolve_backend(name: str, device: torch.device | str) -> str:
     return name
 
 
-def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMeta, backend: str) -> torch.Tensor:
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenLayout, backend: str) -> torch.Tensor:
     """Block-diagonal (optionally causal) attention over a packed sequence.
 
     q, k, v: [L, H, D]; returns [L, H, D]. `backend` must be resolved (not "auto").
@@ -250,5 +250,5 @@ class LocalAttention:
     def __init__(self, backend: str = "sdpa"):
         self.backend = backend
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenMeta) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: VarlenLayout) -> torch.Tensor:
         return varlen_attention(q, k, v, meta, self.backend)

@@ -6,15 +6,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
-from dit_train.config import Config, register_configs
+from dit_train.config import Config, compose
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
-
-register_configs()
 
 # A model and data small enough for many multi-process runs on 2 cores. init=normal so every
 # parameter moves from step 1 (adaLN-zero would leave most weights untouched in 2 steps and
@@ -25,12 +21,12 @@ TINY = [
     "train.steps=2", "train.global_batch=6", "train.micro_batch_tokens=400", "train.progress=false",
     "data.num_clips=16", "data.max_frames=8",
 ]
+# TINY without the embedded set's data keys, for tests that switch to another data source
+TINY_MODEL = [o for o in TINY if not o.startswith("data.")]
 
 
 def compose_config(overrides: list[str] | None = None, cache_dir: str | None = None) -> Config:
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        d = compose("config", overrides=list(overrides or []))
-    cfg: Config = OmegaConf.to_object(d)
+    cfg = compose(list(overrides or []))
     if cache_dir is not None:
         cfg.data.cache_dir = cache_dir
     return cfg
@@ -47,7 +43,7 @@ def tiny_cfg(data_cache) -> Config:
     from dit_train.data import prepare_data
 
     cfg = compose_config(TINY, cache_dir=data_cache)
-    prepare_data(cfg.mode, cfg.data)
+    prepare_data(cfg.data, cfg.model)
     return cfg
 
 

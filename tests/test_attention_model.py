@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from dit_train.batch import PackedBatch
-from dit_train.config import ModelConfig
+from dit_train.models import model_config
 from dit_train.models import build_model, init_weights
-from kernels import VarlenMeta, attention_mask, attention_with_lse, merge_partials, varlen_attention
+from kernels import VarlenLayout, attention_mask, attention_with_lse, merge_partials, varlen_attention
 
 
 def _pack(lens, H=2, D=8, seed=0, causal=False):
@@ -16,7 +16,7 @@ def _pack(lens, H=2, D=8, seed=0, causal=False):
     order = torch.cat([torch.arange(n) for n in lens])
     L = seg.numel()
     q, k, v = (torch.randn(L, H, D, generator=g) for _ in range(3))
-    return q, k, v, VarlenMeta.build(seg, order, causal)
+    return q, k, v, VarlenLayout.build(seg, order, causal)
 
 
 BACKENDS = ["sdpa", "sdpa_dense", "flex"]
@@ -79,7 +79,7 @@ def test_gpu_only_backends_refuse_cpu_with_a_clear_message():
 
 
 def _tiny_dit(init="normal"):
-    cfg = ModelConfig(dim=32, depth=2, heads=4, patch_size=[1, 4, 4], init=init)
+    cfg = model_config("dit", dim=32, depth=2, heads=4, patch_size=[1, 4, 4], init=init)
     model = build_model(cfg)
     init_weights(model, seed=0, scheme=init)
     return model, cfg
@@ -101,7 +101,7 @@ def test_dit_samples_in_a_pack_are_independent():
         pos = torch.cat([poss[i] for i in idx])
         seg = torch.cat([torch.full((xs[i].shape[0],), k) for k, i in enumerate(idx)])
         order = torch.cat([torch.arange(xs[i].shape[0]) for i in idx])
-        return model(x, pos, seg, ts[idx], VarlenMeta.build(seg, order, False))
+        return model(x, pos, seg, ts[idx], VarlenLayout.build(seg, order, False))
 
     packed = run([0, 1, 2])
     alone = run([1])
@@ -115,7 +115,7 @@ def test_padding_and_empty_packs_are_harmless():
                         order=torch.zeros(0, dtype=torch.long), valid=torch.zeros(0, dtype=torch.bool),
                         tokens={"x": torch.zeros(0, 48)}, samples={"t": torch.zeros(0)}).pad_to_multiple(4)
     assert empty.num_tokens == 4 and not empty.valid.any()
-    out = model(empty.tokens["x"], empty.pos, empty.seg, empty.samples["t"], VarlenMeta.build(empty.seg, empty.order, False))
+    out = model(empty.tokens["x"], empty.pos, empty.seg, empty.samples["t"], VarlenLayout.build(empty.seg, empty.order, False))
     assert torch.isfinite(out).all()
 
 

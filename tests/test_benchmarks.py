@@ -8,7 +8,7 @@ import pytest
 
 
 def test_bench_packing_quick(tmp_path):
-    from tools.bench_packing import main
+    from dit_train.tools.bench_packing import main
 
     out = tmp_path / "p.json"
     assert main(["--quick", "--out", str(out)]) == 0
@@ -19,7 +19,7 @@ def test_bench_packing_quick(tmp_path):
 
 
 def test_bench_reductions_quick(tiny_cfg, tmp_path):
-    from tools.bench_reductions import main
+    from dit_train.tools.bench_reductions import main
 
     out = tmp_path / "r.json"
     overrides = ["model.dim=32", "model.depth=2", "data.num_clips=16", "data.max_frames=8",
@@ -32,7 +32,7 @@ def test_bench_reductions_quick(tiny_cfg, tmp_path):
 
 def test_bench_wan_quick(tmp_path):
     pytest.importorskip("diffusers")
-    from tools.bench_wan import main
+    from dit_train.tools.bench_wan import main
 
     out = tmp_path / "w.json"
     assert main(["--quick", "--out", str(out)]) == 0
@@ -45,7 +45,7 @@ def test_bench_wan_quick(tmp_path):
 
 
 def test_bench_mfu_cpu_dry_run(tmp_path):
-    from tools.bench_mfu import main
+    from dit_train.tools.bench_mfu import main
 
     out = tmp_path / "m.json"
     assert main(["--model", "dit_tiny", "--device", "cpu", "--tokens", "256", "--sample-tokens", "128", "--ac", "off,on",
@@ -56,7 +56,7 @@ def test_bench_mfu_cpu_dry_run(tmp_path):
 
 @pytest.mark.slow
 def test_bench_collectives_quick(tmp_path):
-    from tools.bench_collectives import main
+    from dit_train.tools.bench_collectives import main
 
     out = tmp_path / "c.json"
     assert main(["--quick", "--out", str(out)]) == 0

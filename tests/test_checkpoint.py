@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dit_train.verify import apply_layout
+from dit_train.engine.layout_equivalence import apply_layout
 from tests.conftest import REPO, TINY, run_cli
 
 ADAM_TINY = [o for o in TINY if not o.startswith("optim")] + ["optim.lr=3e-3", "optim.warmup_steps=2",
@@ -42,7 +42,7 @@ def test_resume_from_step_k_gives_the_same_weights(tmp_path, data_cache):
     # CPU kernels with 2 threads are not bitwise deterministic run to run (~3e-8 here), so 1e-6
     assert _max_diff(load_file(full / "weights.safetensors"), load_file(part / "weights.safetensors")) < 1e-6
     # export from the checkpoint = the run's own final weights
-    p = subprocess.run([sys.executable, str(REPO / "tools" / "export_weights.py"), str(full), "--out",
+    p = subprocess.run([sys.executable, "-m", "dit_train.tools.export_weights", str(full), "--out",
                         str(tmp_path / "exported.safetensors")], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     assert _max_diff(load_file(full / "weights.safetensors"), load_file(tmp_path / "exported.safetensors")) == 0.0
@@ -154,7 +154,7 @@ def _nan_worker(cfg, nan_rank, nan_steps):
     import torch.distributed as dist
 
     from dit_train.tasks.video import VideoTask
-    from dit_train.verify import train_weights
+    from dit_train.engine.layout_equivalence import train_weights
 
     orig = VideoTask.per_token_loss
     state = {"calls": 0}
@@ -167,7 +167,7 @@ def _nan_worker(cfg, nan_rank, nan_steps):
             out = out + float("nan")
         return out
 
-    from dit_train import trainer as T
+    from dit_train.engine import trainer as T
 
     orig_step = T.Trainer.step
 
@@ -189,8 +189,8 @@ def _nan_worker(cfg, nan_rank, nan_steps):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [{"dp_shard": 2}, {"dp_shard": 2, "dp_mode": "ddp"}, {"cp_ring": 2, "dp_mode": "none"}])
 def test_nan_on_one_rank_skips_the_step_everywhere(tiny_cfg, layout):
-    from dit_train.launch import launch_local
-    from dit_train.verify import relative_difference
+    from dit_train.engine.launch import launch_local
+    from dit_train.engine.layout_equivalence import relative_difference
 
     cfg = apply_layout(tiny_cfg, {})
     cfg.train.steps = 3
@@ -206,7 +206,7 @@ def test_nan_on_one_rank_skips_the_step_everywhere(tiny_cfg, layout):
 
 def test_too_many_non_finite_steps_stop_with_a_clear_message(tmp_path, tiny_cfg, monkeypatch):
     from dit_train.tasks.video import VideoTask
-    from dit_train.train import NonFiniteTraining, run
+    from dit_train.engine.worker import NonFiniteTraining, train as run
 
     orig = VideoTask.per_token_loss
     monkeypatch.setattr(VideoTask, "per_token_loss", lambda self, *a: orig(self, *a) * float("inf"))
@@ -231,7 +231,7 @@ def test_dynamic_loss_scale_halves_on_overflow_and_grows_back():
 
 def test_fp16_lane_runs_and_skips_overflowing_steps(tmp_path, tiny_cfg, monkeypatch):
     from dit_train.tasks.video import VideoTask
-    from dit_train.train import run
+    from dit_train.engine.worker import train as run
 
     cfg = apply_layout(tiny_cfg, {})
     cfg.train.steps, cfg.train.precision, cfg.run_dir = 4, "fp16", str(tmp_path)

@@ -70,7 +70,7 @@ def test_sweep_and_plot(tmp_path, data_cache):
                  "train.progress=false", f"data.cache_dir={data_cache}", f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert len(list(sweep.glob("*/metrics.jsonl"))) == 4
-    p = subprocess.run([sys.executable, str(REPO / "tools" / "plot_sweep.py"), str(sweep)], capture_output=True, text=True)
+    p = subprocess.run([sys.executable, "-m", "dit_train.tools.plot_sweep", str(sweep)], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     assert (sweep / "loss_curves.png").stat().st_size > 10_000
     table = (sweep / "summary.md").read_text()

@@ -9,7 +9,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from dit_train.config import Config
-from dit_train.validate import ConfigError, validate
+from dit_train.engine.checks import ConfigError, check_config as validate
 from tests.conftest import CONF, compose_config
 
 GROUPS = ["model", "data", "parallel", "launcher", "loss", "optim", "train", "mode", "experiment"]
@@ -70,13 +70,30 @@ def test_experiment_video_cp8_is_8_way_cp():
 @pytest.mark.parametrize("override,needle", [
     (["parallel.cp_ulysses=3"], "divisible by parallel.cp_ulysses"),
     (["parallel.dp_mode=ddp", "parallel.meta_init=true"], "meta_init"),
-    (["train.precision=fp8"], "train.precision"),
-    (["loss.reduction=mean"], "loss.reduction"),
-    (["mode=llm", "model=dit_tiny"], "model.name=lm"),
+    (["mode=llm", "model=dit_tiny"], "cannot train model=dit"),
+    (["mode=llm", "data=synthetic_video"], "data=synthetic_video is a source for mode=video"),
 ])
 def test_invalid_values_give_actionable_errors(override, needle):
     with pytest.raises(ConfigError, match=needle):
         validate(compose_config(override))
+
+
+@pytest.mark.parametrize("override", ["train.precision=fp8", "loss.reduction=mean", "parallel.dp_mode=zero3",
+                                      "optim.name=lion", "model.attn_backend=magic"])
+def test_enumerated_keys_are_checked_by_the_schema(override):
+    """Allowed values live once, in the schema's Choice enums: composition rejects others..."""
+    with pytest.raises(ConfigCompositionException, match=override.split("=")[0]):
+        compose_config([override])
+
+
+def test_enumerated_keys_of_configs_built_in_python_are_checked_too():
+    """... and configs made in Python (no Hydra) are checked against the same enums."""
+    cfg = compose_config()
+    cfg.train.precision, cfg.parallel.dp_mode = "fp8", "zero3"
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert "train.precision='fp8' must be one of fp32, bf16, fp16" in str(err.value)
+    assert "parallel.dp_mode='zero3' must be one of fsdp2, ddp, none" in str(err.value)
 
 
 def test_world_size_mismatch_under_torchrun_says_what_to_change():
@@ -86,6 +103,9 @@ def test_world_size_mismatch_under_torchrun_says_what_to_change():
 
 def test_slurm_launcher_composes():
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    from dit_train.config import register_configs
+
+    register_configs()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         d = compose("config", overrides=["hydra/launcher=submitit_slurm", "hydra.launcher.nodes=2",
                                          "hydra.launcher.tasks_per_node=8", "hydra.launcher.gpus_per_node=8",
@@ -96,7 +116,7 @@ def test_slurm_launcher_composes():
 
 def test_slurm_task_environment_becomes_torch_ranks(monkeypatch):
     pytest.importorskip("submitit")
-    from dit_train.launch import adopt_slurm_env, external_world_size
+    from dit_train.engine.launch import adopt_slurm_env, external_world_size
 
     import os
 

@@ -7,7 +7,7 @@ import torch
 
 from dit_train.batch import cp_token_index
 from dit_train.config import LauncherConfig, ParallelConfig
-from kernels import VarlenMeta, varlen_attention
+from kernels import VarlenLayout, varlen_attention
 
 
 def make_pack(seed: int, L: int, H: int = 4, D: int = 8):
@@ -26,14 +26,14 @@ def make_pack(seed: int, L: int, H: int = 4, D: int = 8):
 
 
 def _one_case(U: int, R: int, causal: bool, layout: str, L: int):
-    from dit_train.parallel.context_parallel import ContextParallelAttention, CPAttnMeta
+    from dit_train.parallel.context_parallel import ContextParallelAttention, CPAttnLayout
     from dit_train.parallel.mesh import init_parallel
 
     ctx = init_parallel(ParallelConfig(cp_ulysses=U, cp_ring=R))
     seg, order, q, k, v, w = make_pack(7, L)
     # reference: one device, whole pack
     qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
-    ref = varlen_attention(qr, kr, vr, VarlenMeta.build(seg, order, causal), "sdpa_dense")
+    ref = varlen_attention(qr, kr, vr, VarlenLayout.build(seg, order, causal), "sdpa_dense")
     (ref * w).sum().backward()
     # context parallel: this rank's tokens only
     cp = U * R
@@ -41,7 +41,7 @@ def _one_case(U: int, R: int, causal: bool, layout: str, L: int):
     mine = index[ctx.cp_rank]
     ql, kl, vl = (t[mine].clone().requires_grad_() for t in (q, k, v))
     attn = ContextParallelAttention(ctx.ulysses_group, U, ctx.ulysses_rank, ctx.ring_group, R, ctx.ring_rank, "sdpa")
-    out = attn(ql, kl, vl, CPAttnMeta(seg=seg, order=order, causal=causal, index=index))
+    out = attn(ql, kl, vl, CPAttnLayout(seg=seg, order=order, causal=causal, index=index))
     (out * w[mine]).sum().backward()
     err = lambda a, b: float((a - b).abs().max())  # noqa: E731
     return {"out": err(out, ref[mine]), "dq": err(ql.grad, qr.grad[mine]), "dk": err(kl.grad, kr.grad[mine]),
@@ -63,7 +63,7 @@ CASES = {
 @pytest.mark.parametrize("world", sorted(CASES))
 def test_cp_attention_equals_full_attention(world):
     """fp64 so that any difference beyond rounding is a bug (missing block, wrong mask, lost grad)."""
-    from dit_train.launch import launch_local
+    from dit_train.engine.launch import launch_local
 
     cases = [(U, R, causal, layout, 64) for U, R in CASES[world]
              for causal, layout in [(False, "contiguous"), (True, "zigzag")]]

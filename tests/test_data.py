@@ -58,9 +58,9 @@ def test_frame_sampling_by_stride_and_fps():
 
 
 def test_dataset_token_counts_match_decoded_samples(tiny_cfg):
-    from dit_train.data import build_video_dataset
+    from dit_train.data import open_dataset
 
-    ds = build_video_dataset(tiny_cfg.data, tiny_cfg.model)
+    ds = open_dataset(tiny_cfg.data, tiny_cfg.model)
     pt, ph, pw = tiny_cfg.model.patch_size
     for i in range(4):
         x = ds[i].pixels

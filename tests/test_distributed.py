@@ -4,21 +4,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dit_train.verify import apply_layout
+from dit_train.engine.layout_equivalence import apply_layout
 
 
 def _meta_worker(cfg):
     """Sync metadata on a dp×cp layout; return what this rank sees plus its sample ids."""
     from dit_train.data import build_task
     from dit_train.parallel.mesh import init_parallel
-    from dit_train.trainer import Trainer
+    from dit_train.engine.trainer import Trainer
 
     ctx = init_parallel(cfg.parallel)
     task = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed)
     trainer = Trainer(torch.nn.Linear(1, 1), task, None, None, ctx, cfg.train, cfg.optim, cfg.loss, cfg.parallel)
-    batches, _ = trainer.micro_batches(step=1)
-    meta = trainer.sync(batches)
-    T = {int(sid): int(t) for b, ts in zip(batches, meta.sample_tokens) for sid, t in zip(b.sample_ids, ts)}
+    micro = trainer.prepare(trainer.plan(1), 1)
+    meta = trainer.sync_counts(micro)
+    T = {int(sid): int(t) for m, ts in zip(micro, meta.sample_tokens) for sid, t in zip(m.batch.sample_ids, ts)}
     return {"T": T, "B": meta.num_samples, "N": meta.num_tokens, "world": meta.world}
 
 
@@ -28,7 +28,7 @@ def test_metadata_sync_equals_single_process_counts(tiny_cfg):
     N over DP×CP: compared with the counts of one process holding everything."""
     from data_pipelines.packing import step_samples
     from dit_train.data import build_task
-    from dit_train.launch import launch_local
+    from dit_train.engine.launch import launch_local
 
     cfg = apply_layout(tiny_cfg, {"dp_shard": 2, "cp_ring": 2, "micro_batch_tokens": 400})
     lengths = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed).lengths()
@@ -43,40 +43,19 @@ def test_metadata_sync_equals_single_process_counts(tiny_cfg):
     assert sorted(seen) == sorted(ids)
 
 
-def _count_worker(cfg, grad_accums):
-    """Count gradient collectives issued during one optimizer step for each grad_accum."""
-    from dit_train.data import build_task
-    from dit_train.optim import build_optimizer, build_scheduler
-    from dit_train.parallel.mesh import init_parallel
-    from dit_train.perf.bench import count_collectives
-    from dit_train.train import build_parallel_model
-    from dit_train.trainer import Trainer
-
-    counts = {}
-    ctx = init_parallel(cfg.parallel)
-    for ga in grad_accums:
-        c = apply_layout(cfg, {"grad_accum": ga})
-        task = build_task(c.mode, c.data, c.model, c.loss, c.train.seed)
-        model = build_parallel_model(c, ctx)
-        opt = build_optimizer(model, c.optim)
-        trainer = Trainer(model, task, opt, build_scheduler(opt, c.optim, 2), ctx, c.train, c.optim, c.loss, c.parallel)
-        trainer.step(0)  # warm-up (lazy init)
-        with count_collectives(("reduce_scatter_single", "reduce_scatter_tensor", "all_reduce")) as calls:
-            res = trainer.step(1)
-        counts[ga] = dict(calls, micro_batches=res.micro_batches)
-    return counts
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [{"dp_shard": 2}, {"dp_shard": 2, "dp_mode": "ddp"},
                                     {"dp_replicate": 2, "cp_ring": 2, "cp_fsdp_mode": "none"}])
 def test_gradient_communication_does_not_grow_with_grad_accum(tiny_cfg, layout):
-    from dit_train.launch import launch_local
+    from dit_train.engine.launch import launch_local
     from dit_train.parallel.mesh import ParallelDims
+
+    from dit_train.tools.bench_collectives import count_step_collectives
 
     cfg = apply_layout(tiny_cfg, layout)
     world = ParallelDims.from_config(cfg.parallel).world
-    counts = launch_local(_count_worker, (cfg, [1, 3]), world, cfg.launcher)[0]
+    names = ("reduce_scatter_single", "reduce_scatter_tensor", "all_reduce")
+    counts = launch_local(count_step_collectives, (cfg, [1, 3], names), world, cfg.launcher)[0]
     assert counts[3]["micro_batches"] > counts[1]["micro_batches"]  # really more micro-batches
     for name in ("reduce_scatter_single", "reduce_scatter_tensor", "all_reduce"):
         assert counts[3][name] == counts[1][name], (layout, counts)
@@ -101,7 +80,7 @@ def test_one_failing_worker_stops_the_others_and_reports():
     import time
 
     from dit_train.config import LauncherConfig
-    from dit_train.launch import WorkerFailure, launch_local
+    from dit_train.engine.launch import WorkerFailure, launch_local
 
     t0 = time.time()
     with pytest.raises(WorkerFailure, match="rank 1 failed.*injected failure"):

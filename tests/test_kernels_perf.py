@@ -5,17 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import VarlenMeta, varlen_attention
+from kernels import VarlenLayout, varlen_attention
 
 
 
-def _tiny_pack(lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, VarlenMeta]:
+def _tiny_pack(lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, VarlenLayout]:
     """pos [L, 3], seg [L] and attention metadata of a pack of clips with `lens` tokens each
     (positions on a (t, 2, 2) patch grid)."""
     seg = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])
     order = torch.cat([torch.arange(n) for n in lens])
     pos = torch.stack([order // 4, order % 4 // 2, order % 2], -1)
-    return pos, seg, VarlenMeta.build(seg, order, False)
+    return pos, seg, VarlenLayout.build(seg, order, False)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -24,7 +24,7 @@ def test_sdpa_runs_match_dense_forward_and_backward(lens, causal):
     g = torch.Generator().manual_seed(len(lens))
     seg = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])
     order = torch.cat([torch.arange(n) for n in lens])
-    meta = VarlenMeta.build(seg, order, causal)
+    meta = VarlenLayout.build(seg, order, causal)
     L, H, D = seg.numel(), 3, 8
     base = [torch.randn(L, H, D, generator=g, dtype=torch.float64) for _ in range(3)]
     grad_out = torch.randn(L, H, D, generator=g, dtype=torch.float64)
@@ -41,7 +41,7 @@ def test_sdpa_runs_match_dense_forward_and_backward(lens, causal):
 def test_equal_length_neighbours_do_not_attend_to_each_other():
     lens = [5, 5, 5]
     seg = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])
-    meta = VarlenMeta.build(seg, torch.cat([torch.arange(n) for n in lens]), False)
+    meta = VarlenLayout.build(seg, torch.cat([torch.arange(n) for n in lens]), False)
     q, k, v = (torch.randn(15, 2, 4) for _ in range(3))
     out = varlen_attention(q, k, v, meta, "sdpa")
     k2, v2 = k.clone(), v.clone()
@@ -56,7 +56,7 @@ def test_equal_length_neighbours_do_not_attend_to_each_other():
 def test_fsdp_explicit_prefetch_keeps_the_layout_exact(tiny_cfg):
     """parallel.fsdp_prefetch=2 (explicit forward/backward all-gather prefetch) changes when
     parameters arrive, never the result: weights match one process."""
-    from dit_train.verify import parse_layout, relative_difference, run_layout
+    from dit_train.engine.layout_equivalence import parse_layout, relative_difference, run_layout
 
     ref = run_layout(tiny_cfg, {}, ["sample_mean"])[0]
     got = run_layout(tiny_cfg, parse_layout("dp_shard=2,fsdp_prefetch=2"), ["sample_mean"])[0]
@@ -105,11 +105,11 @@ def test_compiled_blocks_match_eager_forward_and_backward():
     """`train.compile` (torch.compile per block, dynamic shapes) traces the whole block —
     custom autograd functions (RoPE) and the per-run attention loops included — and gives
     the eager outputs and gradients. Guards against ops inductor cannot trace (e.g. `out=`)."""
-    from dit_train.config import ModelConfig
+    from dit_train.models import model_config
     from dit_train.models import build_model, init_weights
     from dit_train.parallel.parallelize import apply_compile
 
-    cfg = ModelConfig(dim=32, depth=1, heads=2, patch_size=[1, 2, 2], in_channels=4, init="normal", text_dim=8)
+    cfg = model_config("dit", dim=32, depth=1, heads=2, patch_size=[1, 2, 2], in_channels=4, init="normal", text_dim=8)
     model = build_model(cfg)
     init_weights(model, seed=0, scheme="normal")
     g = torch.Generator().manual_seed(0)
@@ -124,7 +124,7 @@ def test_compiled_blocks_match_eager_forward_and_backward():
         return out.detach(), [p.grad.clone() for p in model.parameters()]
 
     eager = run()
-    apply_compile(model)
+    apply_compile(model.blocks)
     compiled = run()
     torch.testing.assert_close(compiled[0], eager[0], atol=1e-5, rtol=1e-5)
     for a, b in zip(compiled[1], eager[1]):
@@ -141,12 +141,12 @@ def test_fsdp_mixed_precision_keeps_flow_time_fp32(name, tmp_path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from dit_train.config import ModelConfig
+    from dit_train.models import model_config
     from dit_train.models import build_model, init_weights
     from dit_train.parallel.parallelize import fsdp_mp_policies
 
     common = dict(dim=32, depth=2, heads=2, patch_size=[1, 2, 2], in_channels=4, init="normal", text_dim=8)
-    cfg = ModelConfig(**common) if name == "dit" else ModelConfig(name="wan", ffn_dim=64, freq_dim=32, text_len=6,
+    cfg = model_config("dit", **common) if name == "dit" else model_config("wan", ffn_dim=64, freq_dim=32, text_len=6,
                                                                  **common)
     model = build_model(cfg)
     init_weights(model, seed=0, scheme="normal")

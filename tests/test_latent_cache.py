@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 
 from data_pipelines import latent_cache as lc  # noqa: E402
 from data_pipelines.video_io import VideoReadError  # noqa: E402
-from tests.conftest import TINY, compose_config  # noqa: E402
+from tests.conftest import TINY_MODEL, compose_config  # noqa: E402
 from tests.test_video_folder import make_video_folder  # noqa: E402
 
 Z_DIM, TEXT_DIM = 4, 16
@@ -54,7 +54,7 @@ def cache(models, source, tmp_path_factory) -> Path:
 
 
 def test_cache_layout_shapes_and_report(cache, source, models):
-    meta = lc.read_meta(cache)
+    meta = lc.read_cache_info(cache)
     assert meta["latent_channels"] == Z_DIM and meta["text_dim"] == TEXT_DIM and meta["vae_class"] == "AutoencoderKLWan"
     assert (meta["scale_factor_temporal"], meta["scale_factor_spatial"]) == (4, 8)
     assert meta["latents_mean"] == MEAN and meta["latents_std"] == STD
@@ -80,11 +80,11 @@ def test_latents_are_normalized_vae_modes(cache, models):
     """The stored latents are (mode(z) - latents_mean) / latents_std of the clip's frames."""
     from diffusers import AutoencoderKLWan
 
-    from dit_train.data import build_pixel_dataset
+    from dit_train.data import source_for
 
-    cfg = compose_config(["data=video_folder", f"data.root={lc.read_meta(cache)['settings']['source']['root']}",
+    cfg = compose_config(["data=video_folder", f"data.root={lc.read_cache_info(cache)['settings']['source']['root']}",
                           "data.max_frames=5"], cache_dir=str(cache.parent / "probe_cache"))
-    pixels = build_pixel_dataset(cfg.data, (1, 8, 8), cache_items=0)
+    pixels = source_for(cfg.data, cfg.model).pixel_dataset((1, 8, 8), cache_items=0)
     entry_ids = {e.path: i for i, e in enumerate(pixels.entries)}
     row = json.loads((cache / lc.MANIFEST).read_text().splitlines()[0])
     x = pixels[entry_ids[row["source"]]].pixels
@@ -165,9 +165,9 @@ def test_two_workers_write_the_same_cache(cache, models, source, tmp_path):
 
 def test_in_channels_must_match_the_cache(cache):
     from dit_train.data import check_data
-    from dit_train.validate import ConfigError
+    from dit_train.engine.checks import ConfigError
 
-    cfg = compose_config(TINY + ["data=latent_cache", f"data.root={cache}", "model.patch_size=[1,2,2]", "train.global_batch=3"])
+    cfg = compose_config(TINY_MODEL + ["data=latent_cache", f"data.root={cache}", "model.patch_size=[1,2,2]", "train.global_batch=3"])
     with pytest.raises(ConfigError, match=f"set model.in_channels={Z_DIM}"):
         check_data(cfg)
     cfg.model.in_channels = Z_DIM
@@ -192,7 +192,7 @@ def test_training_on_latents(cache, tmp_path):
     from dit_train.__main__ import run_from_config
 
     run_dir = tmp_path / "run"
-    cfg = compose_config(TINY + ["data=latent_cache", f"data.root={cache}", f"model.in_channels={Z_DIM}",
+    cfg = compose_config(TINY_MODEL + ["data=latent_cache", f"data.root={cache}", f"model.in_channels={Z_DIM}",
                                  f"model.text_dim={TEXT_DIM}", "model.patch_size=[1,2,2]", "train.steps=3",
                                  "train.global_batch=3", "train.sample_every=3", "train.sample_steps=2",
                                  "train.num_samples=2", "train.guidance_scale=2.0"])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from dit_train.verify import apply_layout, relative_difference, run_layout
+from dit_train.engine.layout_equivalence import apply_layout, relative_difference, run_layout
 
 EXACT = ["sample_mean", "token_mean", "sample_sum", "sum"]
 TOL = 1e-4
@@ -40,7 +40,7 @@ def oracle(clipped_cfg):
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", LAYOUTS)
 def test_layout_matches_one_process(spec, clipped_cfg, oracle):
-    from dit_train.verify import parse_layout
+    from dit_train.engine.layout_equivalence import parse_layout
 
     got = run_layout(clipped_cfg, parse_layout(spec), EXACT)
     for reduction, ref, other in zip(EXACT, oracle, got):
@@ -54,7 +54,7 @@ def test_layout_matches_one_process(spec, clipped_cfg, oracle):
 def test_naive_mean_is_biased_under_data_parallelism(tiny_cfg):
     """The ablation: plain per-rank means + averaging changes the result with the layout
     (no clipping here: it would renormalise the biased gradient and hide part of the bias)."""
-    from dit_train.verify import parse_layout
+    from dit_train.engine.layout_equivalence import parse_layout
 
     ref = run_layout(tiny_cfg, {}, ["naive_mean", "sample_mean"])
     got = run_layout(tiny_cfg, parse_layout("dp_shard=2"), ["naive_mean", "sample_mean"])

@@ -10,7 +10,7 @@ import torch
 
 from data_pipelines.text import IGNORE, ByteTokenizer, TextDataset, load_text_datasets
 from dit_train.tasks.llm import LMTask
-from dit_train.verify import apply_layout, parse_layout, relative_difference, run_layout
+from dit_train.engine.layout_equivalence import apply_layout, parse_layout, relative_difference, run_layout
 from tests.conftest import REPO, compose_config, run_cli
 
 LLM_TINY = [
@@ -63,9 +63,9 @@ def test_labels_shift_inside_documents_and_prompts_are_ignored():
 
 def test_packs_without_valid_tokens_give_finite_zero_loss(llm_cfg):
     from dit_train.data import build_task
-    from dit_train.loss import sync_metadata, token_weights
+    from dit_train.loss import sync_counts, token_weights
     from dit_train.models import build_model, init_weights
-    from kernels import VarlenMeta
+    from kernels import VarlenLayout
 
     task = build_task(llm_cfg.mode, llm_cfg.data, llm_cfg.model, llm_cfg.loss, 0)
     prompt_only = [i for i in range(len(task.dataset)) if task.dataset[i].prompt_len >= task.dataset.num_tokens(i)]
@@ -74,9 +74,9 @@ def test_packs_without_valid_tokens_give_finite_zero_loss(llm_cfg):
     assert not batch.valid.any()
     model = build_model(llm_cfg.model)
     init_weights(model, 0, "normal")
-    meta = sync_metadata([batch], None, None)
+    meta = sync_counts([batch], None, None)
     for reduction in ("token_mean", "sample_mean", "sample_sum"):
-        per_token = task.per_token_loss(model, batch, VarlenMeta.build(batch.seg, batch.order, True))
+        per_token = task.per_token_loss(model, batch, VarlenLayout.build(batch.seg, batch.order, True))
         loss = (per_token * token_weights(reduction, batch.seg, batch.valid, meta, 0)).sum()
         loss.backward()
         assert torch.isfinite(loss) and float(loss) == 0.0
@@ -108,23 +108,15 @@ def llm_oracle(llm_cfg):
 
 
 def _eval_worker(cfg):
-    from dit_train.data import build_task
-    from dit_train.optim import build_optimizer, build_scheduler
-    from dit_train.parallel.mesh import init_parallel
-    from dit_train.train import build_parallel_model
-    from dit_train.trainer import Trainer
+    from dit_train.engine.build import build_run
 
-    ctx = init_parallel(cfg.parallel)
-    task = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, 0)
-    model = build_parallel_model(cfg, ctx)
-    opt = build_optimizer(model, cfg.optim)
-    tr = Trainer(model, task, opt, build_scheduler(opt, cfg.optim, 1), ctx, cfg.train, cfg.optim, cfg.loss, cfg.parallel)
-    return tr.evaluate(task)
+    run = build_run(cfg)
+    return run.trainer.heldout_loss(run.task)
 
 
 @pytest.mark.slow
 def test_perplexity_is_layout_independent(llm_cfg):
-    from dit_train.launch import launch_local
+    from dit_train.engine.launch import launch_local
 
     one = _eval_worker(llm_cfg)
     cfg = apply_layout(llm_cfg, {"dp_shard": 2, "cp_ring": 2})
@@ -143,6 +135,6 @@ def test_llm_run_on_embedded_corpus_lowers_loss_and_generates(tmp_path):
     assert recs[0]["loss"] > 5.0 and recs[-1]["loss"] < 3.5  # ln(256) = 5.55 at the start
     evals = [x for x in recs if "eval_ppl" in x]
     assert len(evals) == 2 and evals[-1]["eval_ppl"] < evals[0]["eval_ppl"] * 1.2 and evals[-1]["eval_ppl"] < 40
-    p = subprocess.run([sys.executable, str(REPO / "tools" / "generate.py"), str(out), "--prompt", "The ",
+    p = subprocess.run([sys.executable, "-m", "dit_train.tools.generate", str(out), "--prompt", "The ",
                         "--max-new", "20"], capture_output=True, text=True)
     assert p.returncode == 0 and p.stdout.startswith("The ") and len(p.stdout) > 15, p.stderr

@@ -5,16 +5,22 @@ import json
 
 import pytest
 
-from dit_train.config import ModelConfig
+from dit_train.models import model_config
 from dit_train.perf.flops import train_flops
 from dit_train.perf.memory import GIB, MemoryEstimate, calibrate_block, estimate_memory, model_shape
-from dit_train.planner import Candidate, Layout, Workload, check_layout, factorizations, plan
+from dit_train.perf.planner import Candidate, Layout, Workload, check_layout, factorizations, plan
+from dit_train.parallel.mesh import ParallelDims
 from tests.conftest import compose_config
+
+
+def layout(dp_replicate, dp_shard, cp_ulysses, cp_ring, mbt, ga, ac) -> Layout:
+    return Layout(ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp_ulysses=cp_ulysses, cp_ring=cp_ring),
+                  mbt, ga, ac)
 
 
 def _cand(mbt, ac, ga, total_gib, cp=1, cap=10.0):
     mem = MemoryEstimate(0, 0, 0, 0, total_gib * GIB, 0, 0)
-    return Candidate(Layout(1, 2 // cp, cp, 1, mbt, ga, ac), mem, cap * GIB)
+    return Candidate(layout(1, 2 // cp, cp, 1, mbt, ga, ac), mem, cap * GIB)
 
 
 def test_rank_order_is_fits_micro_batch_no_checkpointing_accum_cp_headroom():
@@ -57,18 +63,18 @@ def test_impossible_layouts_are_rejected_with_reasons(tiny_cfg):
     cfg = copy.deepcopy(tiny_cfg)
     cfg.model.heads, cfg.model.dim = 3, 48  # 3 heads: Ulysses 2 cannot split them
     work = Workload(global_batch=1, max_sample_tokens=512, mean_sample_tokens=512)
-    assert any("divisible by parallel.cp_ulysses=2" in r for r in check_layout(cfg, Layout(1, 1, 2, 1, 512, 1, False), work))
-    assert any("global_batch" in r for r in check_layout(cfg, Layout(1, 2, 1, 1, 512, 1, False), work))
-    assert any("longest sample" in r for r in check_layout(cfg, Layout(1, 1, 1, 2, 256, 1, False), work))
-    assert check_layout(cfg, Layout(1, 1, 1, 2, 512, 1, False), work) == []
+    assert any("divisible by parallel.cp_ulysses=2" in r for r in check_layout(cfg, layout(1, 1, 2, 1, 512, 1, False), work))
+    assert any("global_batch" in r for r in check_layout(cfg, layout(1, 2, 1, 1, 512, 1, False), work))
+    assert any("longest sample" in r for r in check_layout(cfg, layout(1, 1, 1, 2, 256, 1, False), work))
+    assert check_layout(cfg, layout(1, 1, 1, 2, 512, 1, False), work) == []
     cands, rejected = plan(cfg, 2, 64 * GIB, work, backend="sdpa")
     assert {(c.layout.cp_ulysses, c.layout.cp_ring, c.layout.dp) for c in cands} == {(1, 2, 1)}
     assert rejected and all(r for _, r in rejected)
-    assert sorted(factorizations(4)) == sorted(set(factorizations(4))) and len(factorizations(4)) == 10
+    assert len(set(factorizations(4))) == len(factorizations(4)) == 10 and all(d.world == 4 for d in factorizations(4))
 
 
 def test_memory_monotone_in_tokens_sharding_and_checkpointing():
-    s = model_shape(ModelConfig(dim=256, depth=4, heads=4, patch_size=[1, 2, 2], in_channels=16))
+    s = model_shape(model_config("dit", dim=256, depth=4, heads=4, patch_size=[1, 2, 2], in_channels=16))
     kw = dict(dp_replicate=1, cp_ulysses=1, cp_ring=1, precision="bf16", backend="flash")
     totals = [estimate_memory(s, dp_shard=2, micro_batch_tokens=t, checkpointing=False, **kw).total
               for t in (1024, 2048, 4096, 8192)]
@@ -85,14 +91,14 @@ def test_memory_monotone_in_tokens_sharding_and_checkpointing():
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_activation_formula_matches_autograd_saved_tensors(precision):
-    for cfg in (ModelConfig(dim=64, depth=2, heads=4, patch_size=[1, 2, 2], in_channels=16),
-                ModelConfig(name="lm", dim=64, depth=2, heads=4)):
+    for cfg in (model_config("dit", dim=64, depth=2, heads=4, patch_size=[1, 2, 2], in_channels=16),
+                model_config("lm", dim=64, depth=2, heads=4)):
         r = calibrate_block(cfg, tokens=192, precision=precision)
         assert abs(r["rel_error"]) < 0.03, r
 
 
 def test_flops_count_quadratic_attention_per_sample():
-    s = model_shape(ModelConfig(dim=64, depth=2, heads=4, patch_size=[1, 2, 2], in_channels=16))
+    s = model_shape(model_config("dit", dim=64, depth=2, heads=4, patch_size=[1, 2, 2], in_channels=16))
     one, two = train_flops(s, [512]), train_flops(s, [256, 256])
     assert one - two == pytest.approx(3 * 4 * 64 * 2 * (512 ** 2 - 2 * 256 ** 2))
     assert two == pytest.approx(6 * s.params_per_token * 512 + 3 * 4 * 64 * 2 * 2 * 256 ** 2)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dit_train.batch import PackedBatch
-from dit_train.loss import StepMeta, sync_metadata, token_weights
+from dit_train.loss import StepCounts, sync_counts, token_weights
 
 
 def _batch(lens, valid_frac=1.0, seed=0):
@@ -18,7 +18,7 @@ def _batch(lens, valid_frac=1.0, seed=0):
 
 
 def _total(reduction, batches, losses):
-    meta = sync_metadata(batches, None, None)
+    meta = sync_counts(batches, None, None)
     return sum(float((token_weights(reduction, b.seg, b.valid, meta, k) * l).sum()) for k, (b, l) in enumerate(zip(batches, losses)))
 
 
@@ -44,7 +44,7 @@ def test_reductions_match_their_definitions():
 @pytest.mark.parametrize("reduction", ["sample_mean", "token_mean", "sample_sum", "sum", "naive_mean"])
 def test_no_valid_tokens_gives_zero_weights_not_nan(reduction):
     batches = [_batch([4, 3], valid_frac=0.0), _batch([])]
-    meta = sync_metadata(batches, None, None)
+    meta = sync_counts(batches, None, None)
     assert meta.num_tokens == 0 and meta.num_samples == 0
     for k, b in enumerate(batches):
         w = token_weights(reduction, b.seg, b.valid, meta, k)
@@ -53,7 +53,7 @@ def test_no_valid_tokens_gives_zero_weights_not_nan(reduction):
 
 def test_padding_gets_zero_weight():
     b = _batch([5, 2])
-    meta = sync_metadata([b], None, None)
+    meta = sync_counts([b], None, None)
     for r in ["sample_mean", "token_mean", "sample_sum", "sum", "naive_mean"]:
         w = token_weights(r, b.seg, b.valid, meta, 0)
         assert float(w[b.seg < 0].abs().sum()) == 0.0
@@ -62,11 +62,11 @@ def test_padding_gets_zero_weight():
 def test_samples_without_valid_tokens_do_not_count():
     b = _batch([3, 4])
     b.valid[b.seg == 1] = False
-    meta = sync_metadata([b], None, None)
+    meta = sync_counts([b], None, None)
     assert meta.num_samples == 1 and meta.sample_tokens[0].tolist() == [3, 0]
 
 
 def test_unknown_reduction_is_rejected():
     b = _batch([2])
     with pytest.raises(ValueError, match="loss.reduction"):
-        token_weights("mean", b.seg, b.valid, StepMeta([torch.tensor([2])], 1, 2, [2], 1), 0)
+        token_weights("mean", b.seg, b.valid, StepCounts([torch.tensor([2])], 1, 2, [2], 1), 0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dit_train.verify import apply_layout, relative_difference
+from dit_train.engine.layout_equivalence import apply_layout, relative_difference
 
 STEPS = 2
 SPLITS = [1, 3]  # uneven call boundaries inside each global batch: [:1], [1:3], [3:]
@@ -30,7 +30,7 @@ def _session_weights(cfg, loss_name, normalization, calls):
 
 
 def _trainer_weights(cfg, reduction):
-    from dit_train.verify import train_weights
+    from dit_train.engine.layout_equivalence import train_weights
 
     c = apply_layout(cfg, {}, reduction)
     c.train.steps = STEPS
@@ -83,7 +83,7 @@ def test_session_equals_trainer_on_one_process(one_process):
 @pytest.mark.parametrize("layout", [{"dp_shard": 2, "cp_ulysses": 2}, {"dp_shard": 2, "dp_mode": "ddp"},
                                     {"dp_replicate": 2, "cp_ring": 2, "cp_fsdp_mode": "none"}])
 def test_session_equals_trainer_across_layouts(layout, session_cfg, one_process):
-    from dit_train.launch import launch_local
+    from dit_train.engine.launch import launch_local
     from dit_train.parallel.mesh import ParallelDims
 
     cfg = apply_layout(session_cfg, layout)
@@ -126,7 +126,7 @@ def _comm_worker(cfg):
 
 @pytest.mark.slow
 def test_gradients_are_reduced_once_per_optim_step(session_cfg):
-    from dit_train.launch import launch_local
+    from dit_train.engine.launch import launch_local
 
     cfg = apply_layout(session_cfg, {"dp_shard": 2})
     counts = launch_local(_comm_worker, (cfg,), 2, cfg.launcher)[0]

@@ -5,16 +5,19 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dit_train.config import LossConfig, ModelConfig
+import dataclasses
+
+from dit_train.config import LossConfig
+from dit_train.models import model_config
 from dit_train.models import build_model, init_weights
 from dit_train.tasks.captions import ByteCaptionEncoder, drop_caption, pad_contexts
 from dit_train.tasks.video import VideoTask, patchify
-from kernels import VarlenMeta
+from kernels import VarlenLayout
 from tests.conftest import TINY, run_cli
 
 
 def _text_dit():
-    cfg = ModelConfig(dim=32, depth=2, heads=4, patch_size=[1, 4, 4], init="normal", text_dim=8, text_len=16)
+    cfg = model_config("dit", dim=32, depth=2, heads=4, patch_size=[1, 4, 4], init="normal", text_dim=8, text_len=16)
     model = build_model(cfg)
     init_weights(model, seed=0, scheme="normal")
     return model
@@ -34,7 +37,7 @@ def _run(model, xs, pos, ctxs, idx):
     order = torch.cat([torch.arange(xs[i].shape[0]) for i in idx])
     context, length = pad_contexts([ctxs[i] for i in idx], 8)
     t = torch.tensor([0.3, 0.7])[idx]
-    return model(x, p, seg, t, VarlenMeta.build(seg, order, False), context=context, context_len=length)
+    return model(x, p, seg, t, VarlenLayout.build(seg, order, False), context=context, context_len=length)
 
 
 def test_captions_condition_only_their_own_clip():
@@ -52,15 +55,15 @@ def test_captions_condition_only_their_own_clip():
 
 
 def test_caption_dropout_is_a_pure_function_of_seed_sample_and_step(tiny_cfg):
-    from dit_train.data import build_video_dataset
+    from dit_train.data import open_dataset
 
     drops = [drop_caption(0, sid, step, 0.3) for sid in range(50) for step in range(20)]
     assert 0.25 < sum(drops) / len(drops) < 0.35
     assert drops == [drop_caption(0, sid, step, 0.3) for sid in range(50) for step in range(20)]
     assert not any(drop_caption(0, sid, 0, 0.0) for sid in range(50))
 
-    model_cfg = ModelConfig(**{**vars(tiny_cfg.model), "text_dim": 8})
-    task = VideoTask(build_video_dataset(tiny_cfg.data, model_cfg), model_cfg, LossConfig(), seed=0, caption_dropout=0.5)
+    model_cfg = dataclasses.replace(tiny_cfg.model, text_dim=8)
+    task = VideoTask(open_dataset(tiny_cfg.data, model_cfg), model_cfg, LossConfig(), seed=0, caption_dropout=0.5)
     step = 3
     together = task.build([0, 1, 2, 3, 4, 5], step)
     for k, sid in enumerate([0, 1, 2, 3, 4, 5]):
@@ -88,10 +91,10 @@ def test_sampler_integrates_the_flow_from_noise_to_data(tiny_cfg):
     the scheduler's sigmas and the pack/unpack bookkeeping."""
     from dit_train.data import build_task
     from dit_train.parallel.mesh import init_parallel
-    from dit_train.sampling import ValidationSampler
+    from dit_train.sampling import VideoSampler
 
     task = build_task("video", tiny_cfg.data, tiny_cfg.model, tiny_cfg.loss, 0)
-    sampler = ValidationSampler(task, init_parallel(tiny_cfg.parallel), num_samples=2, steps=6, guidance_scale=1.0, seed=0)
+    sampler = VideoSampler(task, init_parallel(tiny_cfg.parallel), num_samples=2, steps=6, guidance_scale=1.0, seed=0)
     data = [task.dataset[sid].pixels for sid, _, _ in sampler.items]
     model = _OracleVelocity(torch.cat([patchify(x, task.patch)[0] for x in data]))
     out = sampler.sample(model)

@@ -16,7 +16,7 @@ from data_pipelines.synthetic_video import ensure_synthetic_videos
 from data_pipelines.video_dataset import VideoSample
 from data_pipelines.video_folder import index_clips, index_path, index_video_folder, list_clips
 from data_pipelines.video_io import VideoReadError
-from tests.conftest import REPO, TINY, compose_config, run_cli
+from tests.conftest import REPO, TINY, TINY_MODEL, compose_config, run_cli
 
 
 def make_video_folder(root: Path, src_cache: Path, n: int = 6) -> Path:
@@ -135,8 +135,8 @@ def test_video_task_drops_unreadable_sample_through_workers(tiny_cfg):
 
 
 def test_trainer_announces_this_and_next_step():
-    """Trainer.micro_batches(s) hands the task the ids of step s then step s+1 (this rank's)."""
-    from dit_train.trainer import Trainer
+    """Trainer.plan(s) hands the task the ids of step s then step s+1 (this rank's)."""
+    from dit_train.engine.trainer import Trainer
 
     class Task:
         def __init__(self):
@@ -150,11 +150,10 @@ def test_trainer_announces_this_and_next_step():
     tr = Trainer.__new__(Trainer)
     tr.task, tr.train_cfg, tr.lengths = Task(), t, lengths
     tr.ctx = SimpleNamespace(dims=SimpleNamespace(dp=2), dp_rank=1)
-    tr._prepare = lambda task, packs, step: (packs, None)
     mine = lambda s: [i for p in plan_step(s, lengths, 6, 2, 1, 60, 3).micro_batches[1] for i in p]
-    tr.micro_batches(2)
+    tr.plan(2)
     assert tr.task.announced == [mine(2) + mine(3)]
-    tr.micro_batches(3)  # the last step: nothing beyond it
+    tr.plan(3)  # the last step: nothing beyond it
     assert tr.task.announced[-1] == mine(3)
 
 
@@ -163,7 +162,7 @@ def test_num_workers_do_not_change_packs(folder, tmp_path):
 
     packs = []
     for workers in (0, 2):
-        cfg = compose_config(TINY + ["data=video_folder", f"data.root={folder}", f"data.num_workers={workers}"],
+        cfg = compose_config(TINY_MODEL + ["data.max_frames=8", "data=video_folder", f"data.root={folder}", f"data.num_workers={workers}"],
                              cache_dir=str(tmp_path))
         task = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed)
         assert isinstance(task.dataset, Prefetcher) == (workers > 0)
@@ -177,9 +176,9 @@ def test_num_workers_do_not_change_packs(folder, tmp_path):
 
 def test_pixel_source_refuses_latent_channels(folder, tmp_path):
     from dit_train.data import check_data
-    from dit_train.validate import ConfigError
+    from dit_train.engine.checks import ConfigError
 
-    cfg = compose_config(TINY + ["data=video_folder", f"data.root={folder}", "model.in_channels=16"], cache_dir=str(tmp_path))
+    cfg = compose_config(TINY_MODEL + ["data.max_frames=8", "data=video_folder", f"data.root={folder}", "model.in_channels=16"], cache_dir=str(tmp_path))
     with pytest.raises(ConfigError, match="model.in_channels=3"):
         check_data(cfg)
 
@@ -189,7 +188,7 @@ def test_cli_trains_on_a_video_folder(folder, tmp_path):
     """`python -m dit_train data=video_folder ...`: 3 steps with 2 decode workers, the corrupt
     file skipped and reported (pack equality across worker counts: test above)."""
     run_dir = tmp_path / "run"
-    res = run_cli(TINY + ["data=video_folder", f"data.root={folder}", f"data.cache_dir={tmp_path / 'cache'}",
+    res = run_cli(TINY_MODEL + ["data.max_frames=8", "data=video_folder", f"data.root={folder}", f"data.cache_dir={tmp_path / 'cache'}",
                           "data.num_workers=2", "train.steps=3", "train.global_batch=3", f"hydra.run.dir={run_dir}"], cwd=REPO)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

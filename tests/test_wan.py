@@ -15,25 +15,25 @@ from dataclasses import replace
 import pytest
 import torch
 
-from dit_train.config import ModelConfig
+from dit_train.models import WanConfig, model_config
 from dit_train.models import build_model, init_weights
 from dit_train.models.wan import read_pretrained, to_diffusers
 from dit_train.tasks.video import patchify, unpatchify
-from dit_train.verify import parse_layout, relative_difference, run_layout
-from kernels import VarlenMeta
+from dit_train.engine.layout_equivalence import parse_layout, relative_difference, run_layout
+from kernels import VarlenLayout
 from tests.conftest import REPO, TINY, compose_config
 
 PATCH = (1, 2, 2)
 SHAPES = [(2, 4, 6), (3, 2, 4)]  # (F, H, W) of the two clips: 12 and 6 tokens
 
 
-def tiny_wan_cfg(**kw) -> ModelConfig:
-    base = dict(name="wan", dim=32, heads=2, depth=2, ffn_dim=64, freq_dim=32, text_dim=32, text_len=6,
+def tiny_wan_cfg(**kw) -> WanConfig:
+    base = dict(dim=32, heads=2, depth=2, ffn_dim=64, freq_dim=32, text_dim=32, text_len=6,
                 in_channels=4, patch_size=list(PATCH), init="normal")
-    return ModelConfig(**(base | kw))
+    return model_config("wan", **(base | kw))
 
 
-def random_model(cfg: ModelConfig, seed: int = 0) -> torch.nn.Module:
+def random_model(cfg: WanConfig, seed: int = 0) -> torch.nn.Module:
     """Every weight random (norm gains and modulation tables too), so no swap goes unseen."""
     model = build_model(cfg)
     init_weights(model, seed, "normal")
@@ -54,7 +54,7 @@ def pack(clips: list[torch.Tensor], pad: int = 0):
     seg.append(torch.full((pad,), -1))
     seg = torch.cat(seg)
     order = torch.cat([torch.arange(len(s)) for s in torch.split(seg, [t.shape[0] for t in toks])])
-    return torch.cat(toks), torch.cat(pos), seg, VarlenMeta.build(seg, order, causal=False)
+    return torch.cat(toks), torch.cat(pos), seg, VarlenLayout.build(seg, order, causal=False)
 
 
 @pytest.mark.parametrize("padded", [False, True], ids=["masked_context", "wan_padded_context"])
@@ -131,7 +131,7 @@ def wan_run_cfg(data_cache):
     from dit_train.data import prepare_data
 
     cfg = compose_config(["model=wan_tiny", *TINY, "model.text_len=16", "optim.max_grad_norm=0.05"], cache_dir=data_cache)
-    prepare_data(cfg.mode, cfg.data)
+    prepare_data(cfg.data, cfg.model)
     return cfg
 
 
@@ -147,7 +147,7 @@ def test_train_from_pretrained_and_export_to_diffusers(wan_run_cfg, pretrained_d
     from diffusers import WanTransformer3DModel
     from safetensors.torch import load_file
 
-    from dit_train.train import run
+    from dit_train.engine.worker import train as run
 
     # model.pretrained = the pipeline dir holding transformer/; one step, a checkpoint, and
     # validation videos (the sampler runs the Wan model too, with CFG)
@@ -162,9 +162,8 @@ def test_train_from_pretrained_and_export_to_diffusers(wan_run_cfg, pretrained_d
     assert trained.keys() == start.keys()
     assert max(float((trained[k] - start[k]).abs().max()) for k in start) > 0  # it trained from there
 
-    spec = importlib.util.spec_from_file_location("export_weights", REPO / "tools" / "export_weights.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    from dit_train.tools import export_weights as tool
+
     assert tool.main([str(tmp_path / "run"), "--diffusers", str(tmp_path / "from_ckpt")]) == 0
     assert tool.main([str(tmp_path / "run" / "weights.safetensors"), "--diffusers", str(tmp_path / "from_w")]) == 0
     for folder in ("from_ckpt", "from_w"):
@@ -180,7 +179,7 @@ def test_train_from_pretrained_and_export_to_diffusers(wan_run_cfg, pretrained_d
     tok, grid = patchify(clip, tuple(cfg.model.patch_size))
     seg = torch.zeros(tok.shape[0], dtype=torch.long)
     with torch.no_grad():
-        mine = ours(tok, grid, seg, torch.tensor([0.4]), VarlenMeta.build(seg, torch.arange(len(seg)), False))
+        mine = ours(tok, grid, seg, torch.tensor([0.4]), VarlenLayout.build(seg, torch.arange(len(seg)), False))
         theirs = wan(clip[None], torch.tensor([400.0]), torch.zeros(1, cfg.model.text_len, cfg.model.text_dim)).sample[0]
     torch.testing.assert_close(unpatchify(mine, (1, 2, 3), tuple(cfg.model.patch_size), 3), theirs, rtol=1e-5, atol=1e-5)
 

@@ -1,67 +1,8 @@
 #!/usr/bin/env python
-"""Full model weights (safetensors) from any checkpoint, on one process.
-
-    python tools/export_weights.py outputs/run/checkpoints/step_00000100            # -> <ckpt>/weights.safetensors
-    python tools/export_weights.py outputs/run --out weights_latest.safetensors      # newest checkpoint of a run
-    python tools/export_weights.py outputs/run --diffusers wan_finetuned/            # model=wan: a diffusers folder
-    python tools/export_weights.py outputs/run/weights.safetensors --diffusers wan_finetuned/
-
-Key names are those of the plain model, the same as the run's own weights.safetensors,
-whatever layout wrote the checkpoint. With --diffusers (model.name=wan runs) the output is a
-WanTransformer3DModel folder (save_pretrained) that diffusers' from_pretrained and
-WanPipeline load, and that model.pretrained accepts.
-"""
-from __future__ import annotations
-
-import argparse
+"""Same as `python -m dit_train.tools.export_weights` (see its --help); kept so the tool also runs as a script."""
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("checkpoint", help="a checkpoints/step_XXXXXXXX dir, a run dir (its newest checkpoint), "
-                                       "or (with --diffusers) a run's weights.safetensors")
-    ap.add_argument("--out", default=None, help="output .safetensors (default: <checkpoint>/weights.safetensors)")
-    ap.add_argument("--diffusers", default=None, metavar="DIR",
-                    help="write a diffusers model folder (model.name=wan) instead of one .safetensors")
-    args = ap.parse_args(argv)
-
-    from dit_train.checkpoint import (checkpoint_weights, export_checkpoint, export_diffusers, read_config,
-                                      resolve_checkpoint)
-
-    src = Path(args.checkpoint)
-    if src.suffix == ".safetensors":
-        if not args.diffusers:
-            print("error: a .safetensors input only makes sense with --diffusers", file=sys.stderr)
-            return 2
-        if not (src.parent / "config.yaml").exists():
-            print(f"error: {src.parent} has no config.yaml (pass a weights.safetensors inside its run dir)", file=sys.stderr)
-            return 2
-        from safetensors.torch import load_file
-
-        out = export_diffusers(read_config(src.parent), load_file(str(src)), args.diffusers)
-        print(f"wrote {out} (from {src})")
-        return 0
-    try:
-        ckpt = resolve_checkpoint(args.checkpoint, args.checkpoint)
-    except FileNotFoundError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if args.diffusers:
-        try:
-            out = export_diffusers(*checkpoint_weights(ckpt), args.diffusers)
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-    else:
-        out = Path(args.out) if args.out else ckpt / "weights.safetensors"
-        export_checkpoint(ckpt, out)
-    print(f"wrote {out} (from {ckpt})")
-    return 0
-
+from dit_train.tools.export_weights import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,10 +1,8 @@
-"""Same as `python -m dit_train.tools.plan` (kept so every tool runs as `python tools/<name>.py`)."""
+#!/usr/bin/env python
+"""Same as `python -m dit_train.tools.plan` (see its --help); kept so the tool also runs as a script."""
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dit_train.tools.plan import main  # noqa: E402
+from dit_train.tools.plan import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -2,7 +2,7 @@
 
 The global loss of a step is L = Σ_{ranks, micro-batches, tokens} w·l. Each rank
 back-propagates its local Σ w·l and gradients are summed over ranks, so the gradient equals
-the single-device gradient of L exactly when w depends only on global counts (StepMeta):
+the single-device gradient of L exactly when w depends only on global counts (StepCounts):
 
     token_mean   w = 1 / N_global                 (LLM default)
     sample_mean  w = 1 / (B_global · T_b)         (video default; every sample weighs the same)
@@ -17,14 +17,16 @@ from dataclasses import dataclass
 
 import torch
 
-REDUCTIONS = ("sample_mean", "token_mean", "sample_sum", "sum", "naive_mean")
+from dit_train.config.choices import Reduction
+
+REDUCTIONS = Reduction.values()
 # reductions whose result is independent of the layout (naive_mean is the ablation)
 EXACT_REDUCTIONS = ("sample_mean", "token_mean", "sample_sum", "sum")
 
 
 @dataclass
-class StepMeta:
-    """Global counts of one optimizer step (output of `sync_metadata`).
+class StepCounts:
+    """Global counts of one optimizer step (output of `sync_counts`).
 
     sample_tokens[k]: [S_k] T_b, valid tokens of each sample of micro-batch k, over the whole
         sample (summed over its CP group); the same on every CP rank of the group.
@@ -45,7 +47,15 @@ class StepMeta:
         return len(self.sample_tokens)
 
 
-def token_weights(reduction: str, seg: torch.Tensor, valid: torch.Tensor, meta: StepMeta, micro: int) -> torch.Tensor:
+def inverse_sample_tokens(seg: torch.Tensor, valid: torch.Tensor, meta: StepCounts, micro: int) -> torch.Tensor:
+    """[L] fp32 1 / T_b of each valid local token's sample (0 for padding and ignored tokens):
+    the weight of a per-sample token mean, before any division by the number of samples."""
+    T = meta.sample_tokens[micro].to(device=seg.device, dtype=torch.float32)
+    T_tok = T[seg.clamp(min=0)] if T.numel() else torch.zeros(seg.shape, dtype=torch.float32, device=seg.device)
+    return torch.where(valid & (T_tok > 0), 1.0 / T_tok.clamp(min=1.0), 0.0)
+
+
+def token_weights(reduction: str, seg: torch.Tensor, valid: torch.Tensor, meta: StepCounts, micro: int) -> torch.Tensor:
     """[L] fp32 weight of each local token of micro-batch `micro`.
 
     seg: [L] sample index in the pack (-1 padding); valid: [L] bool. Tokens that are not valid,
@@ -57,9 +67,7 @@ def token_weights(reduction: str, seg: torch.Tensor, valid: torch.Tensor, meta: 
     if reduction == "sample_mean":
         if meta.num_samples == 0:
             return v * 0
-        T = meta.sample_tokens[micro].to(device=seg.device, dtype=torch.float32)
-        T_tok = T[seg.clamp(min=0)] if T.numel() else torch.zeros_like(v)
-        return torch.where(valid & (T_tok > 0), 1.0 / (meta.num_samples * T_tok.clamp(min=1.0)), 0.0)
+        return inverse_sample_tokens(seg, valid, meta, micro) / meta.num_samples
     if reduction == "sample_sum":
         return v / meta.num_samples if meta.num_samples > 0 else v * 0
     if reduction == "sum":

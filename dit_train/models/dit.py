@@ -1,14 +1,26 @@
 """Packed video DiT: one flat sequence of patch tokens from several clips of different sizes."""
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from dit_train.config.choices import Mode
+from dit_train.config.schema import VideoModelConfig
 from dit_train.models.fused import addcmul
 from dit_train.models.layers import Block, Conditioning, TextContext, TimestepEmbedder, modulation
+from dit_train.models.registry import ActivationModel, ModelSpec, register_model
 from dit_train.models.rope import RotaryEmbedding
+
+
+@dataclass
+class DiTConfig(VideoModelConfig):
+    """The packed video DiT (`model.name=dit`): the keys of every video model, nothing more."""
+
+    name: str = "dit"
 
 
 class FinalLayer(nn.Module):
@@ -33,7 +45,7 @@ class VideoDiT(nn.Module):
       pos:  [L, 3]          (t, h, w) patch coordinates inside each clip, for 3-D RoPE
       seg:  [L]             index of the clip in the pack (-1 = padding)
       t:    [S]             flow-matching time of each clip
-      meta: attention metadata for the attention callable (VarlenMeta, or its CP variant)
+      meta: attention metadata for the attention callable (VarlenLayout, or its CP variant)
       context:     [S, Lc, text_dim] caption embeddings, valid tokens first (text_dim > 0 only)
       context_len: [S] int64 valid caption tokens of each clip
     returns [L, patch_dim], the predicted velocity.
@@ -72,3 +84,37 @@ class VideoDiT(nn.Module):
         for block in self.blocks:
             h = block(h, rope, meta, cond, text)
         return self.final(h, cond)
+
+
+def patch_dim(cfg: VideoModelConfig) -> int:
+    return cfg.in_channels * math.prod(cfg.patch_size)
+
+
+def build(cfg: DiTConfig, attn_backend: str = "sdpa") -> VideoDiT:
+    return VideoDiT(patch_dim=patch_dim(cfg), dim=cfg.dim, depth=cfg.depth, heads=cfg.heads, mlp_ratio=cfg.mlp_ratio,
+                    qk_norm=cfg.qk_norm, rope_theta=cfg.rope_theta, backend=attn_backend, text_dim=cfg.text_dim)
+
+
+def _checks(cfg: DiTConfig) -> list[str]:
+    if len(cfg.patch_size) != 3 or any(x < 1 for x in cfg.patch_size):
+        return [f"model.patch_size={list(cfg.patch_size)} must be three positive ints [t, h, w]"]
+    return []
+
+
+def _activations(cfg: DiTConfig) -> ActivationModel:
+    """Saved per token per block, read off the autograd graph of layers.Block (the list is in
+    perf/memory.py); caption cross-attention adds ~6.3·d (its LayerNorm output, q and normed q,
+    the attention output in SDPA layout and packed, its projection, and per-sample K/V spread
+    over the tokens), measured with saved_tensors_hooks at d = 64 and 128."""
+    extra = 6.3 if cfg.text_dim else 0
+    return ActivationModel(fp32_d=19 + extra, autocast_f32_d=0, autocast_lp_d=19 + extra, outside_d=6)
+
+
+register_model(ModelSpec(
+    name="dit", config=DiTConfig, mode=Mode.video, build=build, checks=_checks,
+    # read off the autograd graph of layers.Block (adaLN DiT block; see perf/memory.py for the list)
+    activations=_activations,
+    block_linears=lambda m: [m.blocks[0].attn.qkv, m.blocks[0].attn.proj, m.blocks[0].mlp.fc1, m.blocks[0].mlp.fc2],
+    io_linears=lambda m: [m.x_embedder, m.final.linear],
+    io_dim=patch_dim, hidden=lambda cfg: int(cfg.dim * cfg.mlp_ratio),
+))

@@ -13,8 +13,6 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from dit_train.config import ModelConfig
-
 
 # Name parts added by wrappers that parallelize() may apply before initialisation (meta_init):
 # activation checkpointing and torch.compile. Seeds and pretrained keys use the plain names.
@@ -91,14 +89,14 @@ def load_full_weights(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> 
         _copy_full(p, state_dict[name])
 
 
-def initialize(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
-    """Initial weights of a built (possibly sharded) model: `cfg.pretrained` when set (a local
-    diffusers folder, model.name=wan), else `init_weights` from the seed."""
-    if not cfg.pretrained:
-        init_weights(model, seed, cfg.init)
-        return
-    if cfg.name != "wan":
-        raise ValueError(f"model.pretrained is supported for model.name=wan, not {cfg.name!r}")
-    from dit_train.models.wan import read_pretrained
+def initialize(model: nn.Module, cfg, seed: int) -> None:
+    """Initial weights of a built (possibly sharded) model: the model's pretrained weights when
+    its config names a folder (`model.pretrained`, models whose spec can read one), else
+    `init_weights` from the seed."""
+    from dit_train.models.registry import model_spec
 
-    load_full_weights(model, read_pretrained(cfg.pretrained, cfg))
+    spec = model_spec(cfg)
+    if spec.pretrained is not None and getattr(cfg, "pretrained", ""):
+        load_full_weights(model, spec.pretrained(cfg))
+        return
+    init_weights(model, seed, cfg.init)

@@ -1,14 +1,26 @@
 """Causal language model built from the same transformer blocks as the DiT."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from dit_train.config.choices import Mode
+from dit_train.config.schema import ModelConfig
 from dit_train.models.fused import RMSNorm
 from dit_train.models.layers import Block
+from dit_train.models.registry import ActivationModel, ModelSpec, register_model
 from dit_train.models.rope import RotaryEmbedding
+
+
+@dataclass
+class LMConfig(ModelConfig):
+    """The causal LM (`model.name=lm`) built from the DiT's blocks."""
+
+    name: str = "lm"
+    vocab_size: int = 256
 
 
 class CausalLM(nn.Module):
@@ -36,3 +48,19 @@ class CausalLM(nn.Module):
         for block in self.blocks:
             h = block(h, rope, meta)
         return self.output(self.norm(h))
+
+
+def build(cfg: LMConfig, attn_backend: str = "sdpa") -> CausalLM:
+    return CausalLM(vocab_size=cfg.vocab_size, dim=cfg.dim, depth=cfg.depth, heads=cfg.heads, mlp_ratio=cfg.mlp_ratio,
+                    qk_norm=cfg.qk_norm, rope_theta=cfg.rope_theta, backend=attn_backend)
+
+
+register_model(ModelSpec(
+    name="lm", config=LMConfig, mode=Mode.llm, build=build,
+    # pre-RMSNorm block: 11·d + 2·h in fp32; under autocast the residual stream stays fp32 (the
+    # embedding's output is): 2·d fp32 + 9·d in the compute dtype
+    activations=lambda cfg: ActivationModel(fp32_d=11, autocast_f32_d=2, autocast_lp_d=9, outside_d=1),
+    block_linears=lambda m: [m.blocks[0].attn.qkv, m.blocks[0].attn.proj, m.blocks[0].mlp.fc1, m.blocks[0].mlp.fc2],
+    io_linears=lambda m: [m.output],  # the embedding is a lookup, not a matmul
+    io_dim=lambda cfg: cfg.vocab_size, hidden=lambda cfg: int(cfg.dim * cfg.mlp_ratio),
+))

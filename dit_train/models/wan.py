@@ -25,14 +25,35 @@ No parallelism here (no torch.distributed).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dit_train.config import ModelConfig
+from dit_train.config.choices import Mode
+from dit_train.config.schema import VideoModelConfig
+from dit_train.models.registry import ActivationModel, ModelSpec, register_model
 from kernels import LocalAttention, packed_cross_attention
+
+
+@dataclass
+class WanConfig(VideoModelConfig):
+    """diffusers' WanTransformer3DModel through the packed path (`model.name=wan`)."""
+
+    name: str = "wan"
+    # Local diffusers folder (config.json + safetensors of a WanTransformer3DModel, or a pipeline
+    # folder holding transformer/) to start from; "" = initialise from train.seed. Its shape
+    # must match the keys of this node.
+    pretrained: str = ""
+    ffn_dim: int = 0  # feed-forward width; 0 = dim * mlp_ratio
+    freq_dim: int = 256  # sinusoidal timestep features
+    cross_attn_norm: bool = True  # affine LayerNorm before cross-attention
+    norm_eps: float = 1e-6
+    # Cross-attention sees the caption zero-padded to text_len, as Wan was trained (and as
+    # diffusers' WanPipeline feeds it); false: only the context_len valid tokens.
+    attend_padded_context: bool = True
 
 # Wan's time embedding was trained on scheduler timesteps t·num_train_timesteps.
 NUM_TRAIN_TIMESTEPS = 1000.0
@@ -43,7 +64,7 @@ _OUR_KEY = {"patch_size": "patch_size", "num_attention_heads": "heads", "attenti
             "cross_attn_norm": "cross_attn_norm", "eps": "norm_eps"}
 
 
-def wan_config(cfg: ModelConfig) -> dict[str, Any]:
+def wan_config(cfg: WanConfig) -> dict[str, Any]:
     """WanTransformer3DModel(**kwargs) of the same shape as `cfg` (model.name=wan)."""
     if cfg.dim % cfg.heads:
         raise ValueError(f"model.dim={cfg.dim} must be divisible by model.heads={cfg.heads}")
@@ -142,7 +163,7 @@ class PackedWan(nn.Module):
       pos:  [L, 3]           (t, h, w) patch coordinates inside each clip
       seg:  [L]              clip of each token (-1 = padding)
       t:    [S]              flow time of each clip in [0, 1]
-      meta: attention metadata for `attention_fn` (VarlenMeta, or CPAttnMeta under CP)
+      meta: attention metadata for `attention_fn` (VarlenLayout, or CPAttnLayout under CP)
       context: [S, Lc, text_dim] caption embeddings (valid tokens first); None = one all-zero token
       context_len: [S] int64 valid caption tokens
     returns [L, C·pt·ph·pw], the predicted velocity.
@@ -151,7 +172,7 @@ class PackedWan(nn.Module):
     # Wan zero-initialises its output head when trained from scratch.
     zero_init = ("proj_out",)
 
-    def __init__(self, cfg: ModelConfig, backend: str = "sdpa"):
+    def __init__(self, cfg: WanConfig, backend: str = "sdpa"):
         super().__init__()
         from diffusers import WanTransformer3DModel
 
@@ -218,7 +239,7 @@ class PackedWan(nn.Module):
 # --------------------------------------------------------------------------- diffusers folders
 
 
-def read_pretrained(path: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def read_pretrained(path: str, cfg: WanConfig) -> dict[str, torch.Tensor]:
     """fp32 CPU state dict of the diffusers folder `path` (WanTransformer3DModel), after
     checking its shape against `cfg` (error names the keys to set)."""
     from pathlib import Path
@@ -248,10 +269,43 @@ def read_pretrained(path: str, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     return {k: v.detach().float().contiguous() for k, v in wan.state_dict().items()}
 
 
-def to_diffusers(state_dict: dict[str, torch.Tensor], cfg: ModelConfig) -> Any:
+def to_diffusers(state_dict: dict[str, torch.Tensor], cfg: WanConfig) -> Any:
     """A diffusers WanTransformer3DModel holding `state_dict` (our keys = diffusers' keys)."""
     from diffusers import WanTransformer3DModel
 
     wan = WanTransformer3DModel(**wan_config(cfg))
     wan.load_state_dict(state_dict, strict=True)
     return wan
+
+
+def _checks(cfg: WanConfig) -> list[str]:
+    try:
+        wan_config(cfg)
+    except ValueError as err:
+        return [str(err)]
+    return []
+
+
+def _ffn(cfg: WanConfig) -> int:
+    return cfg.ffn_dim or int(cfg.dim * cfg.mlp_ratio)
+
+
+def _block_linears(m: PackedWan) -> list[nn.Module]:
+    """Matmuls applied to every video token (attn2's to_k/to_v act on caption tokens only)."""
+    b = m.blocks[0]
+    return [b.attn1.to_q, b.attn1.to_k, b.attn1.to_v, b.attn1.to_out[0], b.attn2.to_q, b.attn2.to_out[0],
+            b.ffn.net[0].proj, b.ffn.net[2]]
+
+
+register_model(ModelSpec(
+    name="wan", config=WanConfig, mode=Mode.video, build=lambda cfg, backend="sdpa": PackedWan(cfg, backend),
+    checks=_checks,
+    # measured with saved_tensors_hooks on diffusers' WanTransformerBlock run by PackedWan at
+    # d = 64 and 128 (tests/test_planner.py re-measures every registered model): its FP32LayerNorms
+    # and `.float()` residual/modulation keep ~16·d in fp32 under autocast
+    activations=lambda cfg: ActivationModel(fp32_d=32.4, autocast_f32_d=16, autocast_lp_d=20.5, outside_d=6),
+    block_linears=_block_linears,
+    io_linears=lambda m: [m.patch_embedding, m.proj_out],
+    io_dim=lambda cfg: cfg.in_channels * cfg.patch_size[0] * cfg.patch_size[1] * cfg.patch_size[2], hidden=_ffn,
+    pretrained=lambda cfg: read_pretrained(cfg.pretrained, cfg), to_diffusers=to_diffusers,
+))

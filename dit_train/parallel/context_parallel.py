@@ -24,11 +24,11 @@ import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from dit_train.batch import PackedBatch, cp_token_index
-from kernels import VarlenMeta, attention_mask, attention_with_lse, merge_partials, varlen_attention
+from kernels import VarlenLayout, attention_mask, attention_with_lse, merge_partials, varlen_attention
 
 
 @dataclass
-class CPAttnMeta:
+class CPAttnLayout:
     """Attention metadata of one CP-split pack (identical on every rank of the CP group).
 
     seg / order: [L] of the full pack; index[c]: [L/cp] token indices held by CP rank c.
@@ -42,17 +42,17 @@ class CPAttnMeta:
     # attention layer (one host sync per block), reused by the others
     visible: dict[tuple[int, int], bool] = field(default_factory=dict, repr=False, compare=False)
 
-    def to(self, device: torch.device | str) -> "CPAttnMeta":
-        return CPAttnMeta(self.seg.to(device), self.order.to(device), self.causal, [i.to(device) for i in self.index])
+    def to(self, device: torch.device | str) -> "CPAttnLayout":
+        return CPAttnLayout(self.seg.to(device), self.order.to(device), self.causal, [i.to(device) for i in self.index])
 
 
-def split_for_cp(batch: PackedBatch, cp: int, cp_rank: int, layout: str) -> tuple[PackedBatch, CPAttnMeta]:
+def split_for_cp(batch: PackedBatch, cp: int, cp_rank: int, layout: str) -> tuple[PackedBatch, CPAttnLayout]:
     """Pad the full pack to a multiple of cp (2·cp for zigzag) and take this rank's tokens."""
     multiple = 2 * cp if layout == "zigzag" else cp
     full = batch.pad_to_multiple(multiple)
     L = full.num_tokens
     index = [cp_token_index(L, cp, c, layout).to(full.seg.device) for c in range(cp)]
-    meta = CPAttnMeta(seg=full.seg, order=full.order, causal=full.causal, index=index)
+    meta = CPAttnLayout(seg=full.seg, order=full.order, causal=full.causal, index=index)
     return full.select(index[cp_rank]), meta
 
 
@@ -74,7 +74,7 @@ def _ring_shift(x: torch.Tensor, group: dist.ProcessGroup, rank: int, n: int) ->
 class ContextParallelAttention:
     """Drop-in replacement for `kernels.LocalAttention` under CP.
 
-    __call__(q, k, v, meta: CPAttnMeta) with q, k, v [L/cp, H, D] (this rank's tokens, all
+    __call__(q, k, v, meta: CPAttnLayout) with q, k, v [L/cp, H, D] (this rank's tokens, all
     heads) returns [L/cp, H, D].
     ulysses_group / ring_group: this rank's process groups along cp_ulysses / cp_ring (None = 1).
     """
@@ -87,11 +87,11 @@ class ContextParallelAttention:
         # ring blocks (query block x K/V block) computed and skipped as fully masked, since creation
         self.ring_blocks = {"computed": 0, "skipped": 0}
 
-    def _ring_tokens(self, meta: CPAttnMeta, ring_rank: int) -> torch.Tensor:
+    def _ring_tokens(self, meta: CPAttnLayout, ring_rank: int) -> torch.Tensor:
         """Pack indices of the tokens held (after Ulysses) by the ranks of ring position r."""
         return torch.cat([meta.index[ring_rank * self.U + j] for j in range(self.U)])
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: CPAttnMeta) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: CPAttnLayout) -> torch.Tensor:
         Lc, H, D = q.shape
         if H % self.U:
             raise ValueError(f"{H} heads cannot be split over parallel.cp_ulysses={self.U}")
@@ -113,17 +113,17 @@ class ContextParallelAttention:
             out = x.permute(1, 0, 2, 3).reshape(Lc, H, D)
         return out
 
-    def _local(self, q, k, v, meta: CPAttnMeta, idx: torch.Tensor) -> torch.Tensor:
+    def _local(self, q, k, v, meta: CPAttnLayout, idx: torch.Tensor) -> torch.Tensor:
         """Whole pack local (cp_ring = 1): restore pack order, run the varlen kernel, undo."""
         perm = torch.argsort(idx)
         sorted_idx = idx[perm]
-        vm = VarlenMeta.build(meta.seg[sorted_idx], meta.order[sorted_idx], meta.causal)
+        vm = VarlenLayout.build(meta.seg[sorted_idx], meta.order[sorted_idx], meta.causal)
         out_sorted = varlen_attention(q[perm], k[perm], v[perm], vm, self.backend)
         out = torch.empty_like(out_sorted)
         out[perm] = out_sorted
         return out
 
-    def _ring(self, q, k, v, meta: CPAttnMeta, idx_q: torch.Tensor) -> torch.Tensor:
+    def _ring(self, q, k, v, meta: CPAttnLayout, idx_q: torch.Tensor) -> torch.Tensor:
         """Queries stay; K/V (with their ring origin) rotate R-1 times; merge by LSE."""
         seg_q, ord_q = meta.seg[idx_q], meta.order[idx_q]
         kv = torch.stack([k, v])

@@ -9,15 +9,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from dit_train.config import ParallelConfig
+from dit_train.config import PARALLEL_DEGREES, ParallelConfig
 
-# Mesh dimension order, outermost first. Ulysses (an all-to-all per attention layer, the most
-# traffic) is innermost so its ranks are neighbours; data-parallel replication outermost.
-MESH_DIMS = ("dp_replicate", "dp_shard", "cp_ring", "cp_ulysses")
+# Mesh dimension order, outermost first (see PARALLEL_DEGREES for why).
+MESH_DIMS = PARALLEL_DEGREES
 
 
 @dataclass(frozen=True)
 class ParallelDims:
+    """The parallel degrees (fields in PARALLEL_DEGREES order)."""
+
     dp_replicate: int = 1
     dp_shard: int = 1
     cp_ring: int = 1
@@ -25,7 +26,7 @@ class ParallelDims:
 
     @staticmethod
     def from_config(cfg: ParallelConfig) -> "ParallelDims":
-        return ParallelDims(cfg.dp_replicate, cfg.dp_shard, cfg.cp_ring, cfg.cp_ulysses)
+        return ParallelDims(**{k: getattr(cfg, k) for k in PARALLEL_DEGREES})
 
     @property
     def dp(self) -> int:
@@ -40,11 +41,10 @@ class ParallelDims:
         return self.dp * self.cp
 
     def shape(self) -> tuple[int, ...]:
-        return (self.dp_replicate, self.dp_shard, self.cp_ring, self.cp_ulysses)
+        return tuple(getattr(self, k) for k in PARALLEL_DEGREES)
 
     def describe(self) -> str:
-        return (f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x cp_ring={self.cp_ring} "
-                f"x cp_ulysses={self.cp_ulysses} = {self.world}")
+        return " x ".join(f"{k}={getattr(self, k)}" for k in PARALLEL_DEGREES) + f" = {self.world}"
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""`parallelize(model, ctx, cfg)`: the one place a plain model becomes a distributed one.
+"""`parallelize(model, spec, ctx, cfg, ...)`: the one place a plain model becomes a distributed one.
 
 Order (as in torchtitan): context parallelism (swap every attention callable), activation
 checkpointing, torch.compile per block, then data parallelism (FSDP2 per block + root, or DDP).
@@ -13,34 +13,32 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from dit_train.config import ModelConfig, ParallelConfig, TrainConfig
+from dit_train.config import ParallelConfig, TrainConfig
+from dit_train.models.registry import ModelSpec
 from dit_train.parallel.context_parallel import ContextParallelAttention
 from dit_train.parallel.mesh import ParallelContext, fsdp_mesh
 
 
-def _attention_layers(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if hasattr(m, "attention_fn")]
-
-
-def apply_context_parallel(model: nn.Module, ctx: ParallelContext, backend: str) -> None:
+def apply_context_parallel(model: nn.Module, spec: ModelSpec, ctx: ParallelContext, backend: str) -> None:
+    """Swap the attention callable of every layer the model's spec names for the CP one."""
     cp_attn = ContextParallelAttention(
         ctx.ulysses_group, ctx.dims.cp_ulysses, ctx.ulysses_rank,
         ctx.ring_group, ctx.dims.cp_ring, ctx.ring_rank, backend,
     )
-    for layer in _attention_layers(model):
+    for layer in spec.attention_layers(model):
         layer.attention_fn = cp_attn
 
 
-def apply_activation_checkpointing(model: nn.Module) -> None:
+def apply_activation_checkpointing(blocks: nn.ModuleList) -> None:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    for i, block in enumerate(model.blocks):
-        model.blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)
+    for i, block in enumerate(blocks):
+        blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)
 
 
-def apply_compile(model: nn.Module) -> None:
-    for i, block in enumerate(model.blocks):
-        model.blocks[i] = torch.compile(block, dynamic=True)
+def apply_compile(blocks: nn.ModuleList) -> None:
+    for i, block in enumerate(blocks):
+        blocks[i] = torch.compile(block, dynamic=True)
 
 
 def _sum_allreduce_hook(process_group, bucket):
@@ -63,15 +61,17 @@ def fsdp_mp_policies(param_dtype: torch.dtype | None) -> tuple[MixedPrecisionPol
     return root, block
 
 
-def apply_fsdp(model: nn.Module, ctx: ParallelContext, cfg: ParallelConfig, param_dtype: torch.dtype | None) -> None:
+def apply_fsdp(model: nn.Module, blocks: nn.ModuleList, ctx: ParallelContext, cfg: ParallelConfig,
+               param_dtype: torch.dtype | None) -> None:
+    """FSDP2 per block, then the root (the rest of the parameters), SUM gradient reduction."""
     mesh = fsdp_mesh(ctx, cfg.cp_fsdp_mode)
     root_mp, block_mp = fsdp_mp_policies(param_dtype)
-    for block in model.blocks:
+    for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=block_mp, reshard_after_forward=cfg.reshard_after_forward)
     fully_shard(model, mesh=mesh, mp_policy=root_mp, reshard_after_forward=False)
     n = cfg.fsdp_prefetch
     if n > 0:
-        blocks = list(model.blocks)
+        blocks = list(blocks)
         for i, block in enumerate(blocks):
             block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + n])
             block.set_modules_to_backward_prefetch(blocks[max(0, i - n):i][::-1])
@@ -83,25 +83,27 @@ def apply_fsdp(model: nn.Module, ctx: ParallelContext, cfg: ParallelConfig, para
             m.set_force_sum_reduction_for_comms(True)
 
 
-def parallelize(model: nn.Module, ctx: ParallelContext, cfg: ParallelConfig, model_cfg: ModelConfig,
+def parallelize(model: nn.Module, spec: ModelSpec, ctx: ParallelContext, cfg: ParallelConfig, model_cfg,
                 train_cfg: TrainConfig, attn_backend: str) -> nn.Module:
-    """Apply CP, activation checkpointing, compile and data parallelism to a plain model.
+    """Apply CP, activation checkpointing, compile and data parallelism to a plain model, at
+    the places its spec names (attention layers, blocks).
 
     Returns the module to train (the same object for FSDP2, a DDP wrapper for DDP).
     The CP gradient all-reduce needed when CP is not folded into the DP group is done by
     `sync_unsharded_grads` after the last micro-batch's backward.
     """
+    blocks = spec.blocks(model)
     if ctx.dims.cp > 1:
-        apply_context_parallel(model, ctx, attn_backend)
+        apply_context_parallel(model, spec, ctx, attn_backend)
     if model_cfg.activation_checkpointing:
-        apply_activation_checkpointing(model)
+        apply_activation_checkpointing(blocks)
     if train_cfg.compile:
-        apply_compile(model)
+        apply_compile(blocks)
     if not ctx.distributed or cfg.dp_mode == "none":
         return model.to(ctx.device)
     if cfg.dp_mode == "fsdp2":
         param_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(train_cfg.precision) if ctx.device.type == "cuda" else None
-        apply_fsdp(model, ctx, cfg, param_dtype)
+        apply_fsdp(model, blocks, ctx, cfg, param_dtype)
         return model
     if cfg.dp_mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP

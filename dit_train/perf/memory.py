@@ -51,7 +51,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from dit_train.config import ModelConfig
+from dit_train.models.registry import ActivationModel, model_spec
 
 GIB = 1024 ** 3
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -61,16 +61,17 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 class ModelShape:
     """What the memory and FLOP models need to know about a model (built on the meta device)."""
 
-    kind: str  # dit | lm
+    name: str  # registered model name
     dim: int
     depth: int
     heads: int
     hidden: int
-    io_dim: int  # patch values per token (dit) or vocabulary size (lm)
+    io_dim: int  # patch values per token (video) or vocabulary size (llm)
     params: int
     params_block: int
     # parameters applied to every token by a matmul (what 6·N·T counts): blocks + embed/head
     params_per_token: int
+    activations: ActivationModel
 
     @property
     def params_other(self) -> int:
@@ -81,50 +82,40 @@ class ModelShape:
         return self.dim // self.heads
 
 
-def model_shape(cfg: ModelConfig) -> ModelShape:
-    """Build the model on the meta device (no memory, no init) and read its sizes."""
+def model_shape(cfg) -> ModelShape:
+    """Build the model on the meta device (no memory, no init) and read its sizes; the
+    per-token matmuls and activation coefficients come from the model's spec."""
     from dit_train.models import build_model
 
+    spec = model_spec(cfg)
     with torch.device("meta"):
         model = build_model(cfg)
     params = sum(p.numel() for p in model.parameters())
-    blk = model.blocks[0]
-    p_blk = sum(p.numel() for p in blk.parameters())
-    # per-token matmuls of a block: qkv, proj, fc1, fc2 (adaLN acts once per sample, not per token)
-    per_tok_blk = sum(m.weight.numel() for m in (blk.attn.qkv, blk.attn.proj, blk.mlp.fc1, blk.mlp.fc2))
-    if cfg.name == "dit":
-        io = model.patch_dim
-        per_tok_other = model.x_embedder.weight.numel() + model.final.linear.weight.numel()
-    else:
-        io = cfg.vocab_size
-        per_tok_other = model.output.weight.numel()  # the embedding is a lookup, not a matmul
-    return ModelShape(kind=cfg.name, dim=cfg.dim, depth=cfg.depth, heads=cfg.heads, hidden=int(cfg.dim * cfg.mlp_ratio),
-                      io_dim=io, params=params, params_block=p_blk,
-                      params_per_token=cfg.depth * per_tok_blk + per_tok_other)
+    blocks = spec.blocks(model)
+    p_blk = sum(p.numel() for p in blocks[0].parameters())
+    per_tok_blk = sum(m.weight.numel() for m in spec.block_linears(model))
+    per_tok_other = sum(m.weight.numel() for m in spec.io_linears(model))
+    return ModelShape(name=cfg.name, dim=cfg.dim, depth=len(blocks), heads=cfg.heads, hidden=spec.hidden(cfg),
+                      io_dim=spec.io_dim(cfg), params=params, params_block=p_blk,
+                      params_per_token=len(blocks) * per_tok_blk + per_tok_other, activations=spec.activations(cfg))
 
 
 # --------------------------------------------------------------------------- activations
 
 
-# (fp32 run: elements of d; autocast: fp32 elements of d, compute-dtype elements of d); + 2·h always
-_BLOCK_COEFFS = {"dit": (19, 0, 19), "lm": (11, 2, 9)}
-
-
 def block_activation_bytes_per_token(s: ModelShape, precision: str) -> float:
     """Bytes saved for backward by one block, per local token (no CP terms)."""
     stats = (3 * s.heads + 4) * 4
-    full, f32, lp = _BLOCK_COEFFS[s.kind]
+    a = s.activations
     if precision == "fp32":
-        return (full * s.dim + 2 * s.hidden) * 4 + stats
+        return (a.fp32_d * s.dim + a.h_elems * s.hidden) * 4 + stats
     c = DTYPE_BYTES[precision]
-    return f32 * s.dim * 4 + (lp * s.dim + 2 * s.hidden) * c + stats
+    return a.autocast_f32_d * s.dim * 4 + (a.autocast_lp_d * s.dim + a.h_elems * s.hidden) * c + stats
 
 
 def outside_activation_bytes_per_token(s: ModelShape, precision: str) -> float:
     c = DTYPE_BYTES[precision]
-    if s.kind == "dit":
-        return 6 * s.dim * c + 2 * s.io_dim * 4 + s.head_dim * 4
-    return s.dim * c + 2 * s.io_dim * 4 + s.head_dim * 4
+    return s.activations.outside_d * s.dim * c + 2 * s.io_dim * 4 + s.head_dim * 4
 
 
 def cp_block_bytes(s: ModelShape, micro_batch_tokens: int, cp_ulysses: int, cp_ring: int, precision: str) -> float:
@@ -262,7 +253,28 @@ def saved_activation_bytes(fn: Callable[[], Any], exclude: list[torch.Tensor] | 
     return sum(seen.values()), out
 
 
-def calibrate_block(cfg: ModelConfig, tokens: int = 256, precision: str = "fp32", seed: int = 0) -> dict[str, float]:
+def example_inputs(cfg, tokens: int, seed: int = 0) -> tuple:
+    """Forward arguments of a model of `cfg` for one pack of two samples of `tokens` tokens in all
+    (video: patches, (t, h, w) positions, times and, with captions, 8-token contexts; llm: ids)."""
+    from dit_train.models import model_spec
+    from kernels import VarlenLayout
+
+    spec = model_spec(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    lens = [tokens // 3, tokens - tokens // 3]
+    seg = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])
+    order = torch.cat([torch.arange(n) for n in lens])
+    layout = VarlenLayout.build(seg, order, causal=spec.mode == "llm")
+    if spec.mode == "llm":
+        return (torch.randint(0, spec.io_dim(cfg), (tokens,), generator=gen), order[:, None], layout)
+    pos = torch.stack([order // 64, (order // 8) % 8, order % 8], dim=-1)
+    args = (torch.randn(tokens, spec.io_dim(cfg), generator=gen), pos, seg, torch.rand(len(lens), generator=gen), layout)
+    if cfg.text_dim:
+        args += (torch.randn(len(lens), 8, cfg.text_dim, generator=gen), torch.full((len(lens),), 8))
+    return args
+
+
+def calibrate_block(cfg, tokens: int = 256, precision: str = "fp32", seed: int = 0) -> dict[str, float]:
     """Measure one block's saved bytes per token on the CPU with the real dims of `cfg`.
 
     Builds the model with depth 1 and 2 (the difference is one block, whatever is outside),
@@ -272,33 +284,22 @@ def calibrate_block(cfg: ModelConfig, tokens: int = 256, precision: str = "fp32"
     from dataclasses import replace
 
     from dit_train.models import build_model, init_weights
-    from kernels import VarlenMeta
 
     measured = []
     for depth in (1, 2):
-        # the formula models the block without caption cross-attention (text_dim=0); with it,
-        # add ~(3·d + 2·h)·bytes per token per block for the cross-attention's saved q, out, norm
-        c = replace(cfg, depth=depth, text_dim=0)
-        torch.manual_seed(seed)
+        c = replace(cfg, depth=depth)
         model = build_model(c)
         init_weights(model, seed, "normal")
-        lens = [tokens // 3, tokens - tokens // 3]
-        seg = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])
-        order = torch.cat([torch.arange(n) for n in lens])
-        meta = VarlenMeta.build(seg, order, causal=c.name == "lm")
-        if c.name == "dit":
-            pos = torch.stack([order // 64, (order // 8) % 8, order % 8], dim=-1)
-            args = (torch.randn(tokens, model.patch_dim), pos, seg, torch.rand(len(lens)), meta)
-        else:
-            args = (torch.randint(0, c.vocab_size, (tokens,)), order[:, None], meta)
+        args = example_inputs(c, tokens, seed)
         ctx = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else torch.autocast("cpu", enabled=False)
         with ctx:
             b, _ = saved_activation_bytes(lambda: model(*args), exclude=list(model.parameters()))
         measured.append(b)
+    shape = model_shape(cfg)
     # autocast's bf16 copies of the block's weights are saved too; they are not per-token
     # activations (the planner counts them once, as `autocast_weight_cache`)
-    copies = 2 * model_shape(cfg).params_block if precision == "bf16" else 0
+    copies = 2 * shape.params_block if precision == "bf16" else 0
     per_token = (measured[1] - measured[0] - copies) / tokens
-    est = block_activation_bytes_per_token(model_shape(cfg), precision)
+    est = block_activation_bytes_per_token(shape, precision)
     return {"measured_bytes_per_token_block": per_token, "estimated_bytes_per_token_block": est,
             "rel_error": (est - per_token) / per_token, "tokens": tokens, "precision": precision}

@@ -14,28 +14,16 @@ Memory model and formulas: dit_train/perf/memory.py. Ranking: dit_train/planner.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
-
-from dit_train.config import Config, register_configs
+from dit_train.config import compose
 from dit_train.parallel.mesh import ParallelDims
 from dit_train.perf.bench import format_table
 from dit_train.perf.memory import GIB, calibrate_block, model_shape
-from dit_train.planner import Workload, plan, resolve_plan_backend, smoke, workload_from_data
-
-# the same conf/ tree `python -m dit_train` composes (its @hydra.main points at ../conf)
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
-
-
-def compose_cfg(overrides: list[str]) -> Config:
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        d = compose("config", overrides=overrides)
-    return OmegaConf.to_object(d)
+from dit_train.perf.planner import Workload, plan, resolve_plan_backend, smoke, workload_from_data
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calibrate", action="store_true", help="measure one block's saved activations on CPU vs the formula")
     args = ap.parse_args(argv)
 
-    cfg = compose_cfg(args.overrides)
+    cfg = compose(args.overrides)
     world = args.world or ParallelDims.from_config(cfg.parallel).world
     shape = model_shape(cfg.model)
     if args.from_data:
@@ -90,15 +78,18 @@ def main(argv: list[str] | None = None) -> int:
         print("best: " + " ".join(cands[0].layout.overrides()))
     else:
         print("nothing fits: raise --gpu-mem-gib, the world size, or lower the longest sample")
-    for layout, reasons in rejected[:3]:
-        print(f"  rejected dp_rep={layout.dp_replicate} dp_shard={layout.dp_shard} cp_uly={layout.cp_ulysses} "
-              f"cp_ring={layout.cp_ring}: {reasons[0]}")
+    # one line per distinct (parallel degrees, reason): micro-batch and AC options repeat them
+    seen = dict.fromkeys((layout.dims, reason) for layout, reasons in rejected for reason in reasons)
+    for dims, reason in list(seen)[:5]:
+        print(f"  rejected {dims.describe()}: {reason}")
+    if len(seen) > 5:
+        print(f"  ... {len(seen) - 5} more rejections (--json lists them all)")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({
             "world": world, "gpu_mem_gib": args.gpu_mem_gib, "backend": backend, "workload": work.__dict__,
-            "model": shape.__dict__, "calibration": calib, "candidates": [c.to_json() for c in cands],
-            "rejected": [{"layout": l.__dict__, "reasons": r} for l, r in rejected]}, indent=2))
+            "model": dataclasses.asdict(shape), "calibration": calib, "candidates": [c.to_json() for c in cands],
+            "rejected": [{"layout": lay.to_json(), "reasons": r} for lay, r in rejected]}, indent=2))
         print(f"wrote {args.json}")
     return 0 if cands and cands[0].fits else 1
 

@@ -22,34 +22,46 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dit_train.config import Config
+from dit_train.config import PARALLEL_DEGREES, Config
+from dit_train.parallel.mesh import ParallelDims
 from dit_train.perf.memory import GIB, MemoryEstimate, ModelShape, estimate_memory, model_shape
 
 
 @dataclass(frozen=True)
 class Layout:
-    dp_replicate: int
-    dp_shard: int
-    cp_ulysses: int
-    cp_ring: int
+    """A candidate: parallel degrees plus how each rank's share is cut into micro-batches."""
+
+    dims: ParallelDims
     micro_batch_tokens: int
     grad_accum: int
     activation_checkpointing: bool
 
+    def __getattr__(self, name: str):  # layout.dp_shard, layout.cp_ring, ... (PARALLEL_DEGREES)
+        if name in PARALLEL_DEGREES:
+            return getattr(self.dims, name)
+        raise AttributeError(name)
+
     @property
     def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
+        return self.dims.dp
+
+    @property
+    def cp(self) -> int:
+        return self.dims.cp
 
     @property
     def world(self) -> int:
-        return self.dp * self.cp_ulysses * self.cp_ring
+        return self.dims.world
 
     def overrides(self) -> list[str]:
         """The command-line overrides that select this layout."""
-        return [f"parallel.dp_replicate={self.dp_replicate}", f"parallel.dp_shard={self.dp_shard}",
-                f"parallel.cp_ulysses={self.cp_ulysses}", f"parallel.cp_ring={self.cp_ring}",
-                f"train.micro_batch_tokens={self.micro_batch_tokens}", f"train.grad_accum={self.grad_accum}",
-                f"model.activation_checkpointing={str(self.activation_checkpointing).lower()}"]
+        return [f"parallel.{k}={getattr(self.dims, k)}" for k in PARALLEL_DEGREES] + [
+            f"train.micro_batch_tokens={self.micro_batch_tokens}", f"train.grad_accum={self.grad_accum}",
+            f"model.activation_checkpointing={str(self.activation_checkpointing).lower()}"]
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self.dims), "micro_batch_tokens": self.micro_batch_tokens, "grad_accum": self.grad_accum,
+                "activation_checkpointing": self.activation_checkpointing}
 
 
 @dataclass(frozen=True)
@@ -86,8 +98,7 @@ class Candidate:
         each kernel gets), then checkpointing off, then fewer accumulation steps, then less
         context parallelism (it only adds communication at equal work), then more headroom."""
         L = self.layout
-        cp = L.cp_ulysses * L.cp_ring
-        return (not self.fits, -L.micro_batch_tokens / cp, L.activation_checkpointing, L.grad_accum, cp, -self.headroom)
+        return (not self.fits, -L.micro_batch_tokens / L.cp, L.activation_checkpointing, L.grad_accum, L.cp, -self.headroom)
 
     def row(self) -> dict[str, Any]:
         L = self.layout
@@ -104,26 +115,24 @@ class Candidate:
         return r
 
     def to_json(self) -> dict[str, Any]:
-        return {"layout": asdict(self.layout), "overrides": self.layout.overrides(), "fits": self.fits,
+        return {"layout": self.layout.to_json(), "overrides": self.layout.overrides(), "fits": self.fits,
                 "memory_GiB": self.memory.as_gib(), "headroom_GiB": self.headroom / GIB, "smoke": self.smoke}
 
 
-def factorizations(world: int) -> list[tuple[int, int, int, int]]:
-    """Every (dp_replicate, dp_shard, cp_ulysses, cp_ring) whose product is `world`."""
-    divs = [d for d in range(1, world + 1) if world % d == 0]
-    out = []
-    for r in divs:
-        for s in divs:
-            for u in divs:
-                if r * s * u <= world and world % (r * s * u) == 0:
-                    out.append((r, s, u, world // (r * s * u)))
-    return out
+def factorizations(world: int) -> list[ParallelDims]:
+    """Every assignment of the parallel degrees whose product is `world`."""
+    def split(n: int, k: int) -> list[tuple[int, ...]]:
+        if k == 1:
+            return [(n,)]
+        return [(d, *rest) for d in range(1, n + 1) if n % d == 0 for rest in split(n // d, k - 1)]
+
+    return [ParallelDims(*degrees) for degrees in split(world, len(PARALLEL_DEGREES))]
 
 
 def apply_layout(cfg: Config, layout: Layout) -> Config:
     c = copy.deepcopy(cfg)
-    for k in ("dp_replicate", "dp_shard", "cp_ulysses", "cp_ring"):
-        setattr(c.parallel, k, getattr(layout, k))
+    for k in PARALLEL_DEGREES:
+        setattr(c.parallel, k, getattr(layout.dims, k))
     c.train.micro_batch_tokens = layout.micro_batch_tokens
     c.train.grad_accum = layout.grad_accum
     c.model.activation_checkpointing = layout.activation_checkpointing
@@ -133,11 +142,11 @@ def apply_layout(cfg: Config, layout: Layout) -> Config:
 def check_layout(cfg: Config, layout: Layout, work: Workload) -> list[str]:
     """Why `layout` cannot run (empty if it can): the training validator's errors plus the
     planner's own rules."""
-    from dit_train.validate import ConfigError, validate
+    from dit_train.engine.checks import ConfigError, check_config
 
     reasons = []
     try:
-        validate(apply_layout(cfg, layout), layout.world)
+        check_config(apply_layout(cfg, layout), layout.world)
     except ConfigError as err:
         reasons += [line.strip()[2:] for line in str(err).splitlines()[1:]]
     if layout.dp > work.global_batch:
@@ -146,7 +155,7 @@ def check_layout(cfg: Config, layout: Layout, work: Workload) -> list[str]:
     if layout.micro_batch_tokens < work.max_sample_tokens:
         reasons.append(f"train.micro_batch_tokens={layout.micro_batch_tokens} < the longest sample "
                        f"({work.max_sample_tokens} tokens)")
-    if layout.micro_batch_tokens < layout.cp_ulysses * layout.cp_ring:
+    if layout.micro_batch_tokens < layout.cp:
         reasons.append("fewer tokens per micro-batch than CP ranks")
     return reasons
 
@@ -180,16 +189,17 @@ def plan(cfg: Config, world: int, capacity_bytes: float, work: Workload, *, rese
     shape = shape or model_shape(cfg.model)
     p, t = cfg.parallel, cfg.train
     cands, rejected = [], []
-    for r, s, u, g in factorizations(world):
-        for mbt, ga in micro_batch_options(work, r * s, max_micro_tokens):
+    for dims in factorizations(world):
+        for mbt, ga in micro_batch_options(work, dims.dp, max_micro_tokens):
             for ac in ac_options:
-                layout = Layout(r, s, u, g, mbt, ga, ac)
+                layout = Layout(dims, mbt, ga, ac)
                 reasons = check_layout(cfg, layout, work)
                 if reasons:
                     rejected.append((layout, reasons))
                     continue
                 mem = estimate_memory(
-                    shape, dp_replicate=r, dp_shard=s, cp_ulysses=u, cp_ring=g, micro_batch_tokens=mbt,
+                    shape, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, cp_ulysses=dims.cp_ulysses,
+                    cp_ring=dims.cp_ring, micro_batch_tokens=mbt,
                     checkpointing=ac, precision=t.precision, optimizer=cfg.optim.name, momentum=cfg.optim.momentum,
                     backend=backend, dp_mode=p.dp_mode, cp_fsdp_mode=p.cp_fsdp_mode,
                     reshard_after_forward=p.reshard_after_forward, reserve_bytes=reserve_bytes)
@@ -202,7 +212,7 @@ def workload_from_data(cfg: Config) -> Workload:
     """Sample lengths of the configured dataset (prepares the embedded set if needed)."""
     from dit_train.data import build_task, prepare_data
 
-    prepare_data(cfg.mode, cfg.data)
+    prepare_data(cfg.data, cfg.model)
     lengths = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed).lengths()
     return Workload(cfg.train.global_batch, max(lengths), sum(lengths) / len(lengths))
 
@@ -214,22 +224,10 @@ def _smoke_worker(cfg: Config, steps: int) -> dict[str, Any]:
     """Run `steps` optimizer steps of `cfg`'s layout on this rank; times and peak memory."""
     import torch
 
-    from dit_train.data import build_task
-    from dit_train.optim import build_optimizer, build_scheduler
-    from dit_train.parallel.mesh import init_parallel
-    from dit_train.train import build_parallel_model, set_threads
-    from dit_train.trainer import Trainer
+    from dit_train.engine.build import build_run
 
-    import os
-
-    ctx = init_parallel(cfg.parallel)
-    set_threads(cfg.parallel.threads_per_worker, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    task = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed)
-    model = build_parallel_model(cfg, ctx)
-    opt = build_optimizer(model, cfg.optim)
-    trainer = Trainer(model, task, opt, build_scheduler(opt, cfg.optim, steps), ctx, cfg.train, cfg.optim,
-                      cfg.loss, cfg.parallel)
-    cuda = ctx.device.type == "cuda"
+    run = build_run(cfg)
+    cuda = run.ctx.device.type == "cuda"
     times, tokens = [], []
     for step in range(steps):
         if cuda:
@@ -237,7 +235,7 @@ def _smoke_worker(cfg: Config, steps: int) -> dict[str, Any]:
             if step == 1:
                 torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        res = trainer.step(step)
+        res = run.trainer.step(step)
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
@@ -252,16 +250,16 @@ def smoke(cfg: Config, candidates: list[Candidate], steps: int = 4) -> None:
     """Run `steps` steps of each candidate's layout (started like training: local workers, gloo
     on CPU) and store the steady-state median step time in `candidate.smoke`."""
     from dit_train.data import prepare_data
-    from dit_train.launch import launch_local
-    from dit_train.validate import validate
+    from dit_train.engine.checks import check_config
+    from dit_train.engine.launch import launch_local
 
     if steps < 2:
         raise ValueError("--smoke-steps must be >= 2 (step 0 is warm-up and not timed)")
-    prepare_data(cfg.mode, cfg.data)
+    prepare_data(cfg.data, cfg.model)
     for cand in candidates:
         c = apply_layout(cfg, cand.layout)
         c.train.steps, c.train.progress, c.train.save_weights = steps, False, False
-        validate(c, cand.layout.world)
+        check_config(c, cand.layout.world)
         if cand.layout.world == 1:
             res = {0: _smoke_worker(c, steps)}
         else:

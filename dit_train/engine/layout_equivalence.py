@@ -1,6 +1,6 @@
 """Layout equivalence: train the same steps on several layouts, compare with one process.
 
-Used by `tools/verify_layouts.py` (users prove their config exact before a long run) and by
+Used by `python -m dit_train.tools.verify_layouts` (users prove their config exact before a long run) and by
 the tests. The measure is the largest weight difference relative to the size of the update:
 
     rel = max_i |w_i(layout) - w_i(1 proc)| / max_i |w_i(1 proc) - w_i(init)|
@@ -16,20 +16,20 @@ from typing import Any
 import torch
 
 from dit_train.checkpoint import full_state_dict
-from dit_train.config import Config
-from dit_train.data import build_task
-from dit_train.optim import build_optimizer, build_scheduler
+from dit_train.config import TRAIN_LAYOUT_KEYS, Config, ParallelConfig, TrainConfig, parallel_layout_keys
+from dit_train.engine.build import build_run
 from dit_train.parallel.mesh import ParallelDims, init_parallel
-from dit_train.train import build_parallel_model, set_threads
-from dit_train.trainer import Trainer
 
-PARALLEL_KEYS = {"dp_replicate", "dp_shard", "cp_ulysses", "cp_ring", "dp_mode", "cp_fsdp_mode", "meta_init",
-                 "fsdp_prefetch"}
-TRAIN_KEYS = {"grad_accum", "micro_batch_tokens"}
+PARALLEL_KEYS = set(parallel_layout_keys()) - {"device", "threads_per_worker"}
+TRAIN_KEYS = set(TRAIN_LAYOUT_KEYS)
 
 
 def parse_layout(spec: str) -> dict[str, Any]:
-    """'dp_shard=2,cp_ulysses=2,grad_accum=2' -> {key: value}. '1' or '' = one process."""
+    """'dp_shard=2,cp_ulysses=2,grad_accum=2' -> {key: value} (typed by the schema). '1' or '' =
+    one process."""
+    import typing
+
+    types = typing.get_type_hints(ParallelConfig) | typing.get_type_hints(TrainConfig)
     out: dict[str, Any] = {}
     for item in filter(None, (s.strip() for s in spec.split(","))):
         if item == "1":
@@ -37,7 +37,11 @@ def parse_layout(spec: str) -> dict[str, Any]:
         key, _, value = item.partition("=")
         if key not in PARALLEL_KEYS | TRAIN_KEYS:
             raise ValueError(f"unknown layout key {key!r} in {spec!r}; use {sorted(PARALLEL_KEYS | TRAIN_KEYS)}")
-        out[key] = value if key in ("dp_mode", "cp_fsdp_mode") else (value.lower() == "true" if key == "meta_init" else int(value))
+        kind = types[key]
+        try:
+            out[key] = value.lower() == "true" if kind is bool else kind(value)
+        except ValueError as err:
+            raise ValueError(f"layout {spec!r}: {key}={value!r} is not a valid {getattr(kind, '__name__', kind)}") from err
     return out
 
 
@@ -51,23 +55,22 @@ def apply_layout(cfg: Config, layout: dict[str, Any], reduction: str | None = No
 
 
 def train_weights(cfgs: list[Config]) -> list[dict[str, torch.Tensor]]:
-    """Train each config (same layout) for cfg.train.steps; full final weights on rank 0.
+    """Train each config for cfg.train.steps; full final weights on rank 0.
 
-    Returns a list aligned with cfgs holding {"__init__/<name>": ..., "<name>": ...} on rank 0
-    and empty dicts elsewhere. Runs inside the current process group.
+    The configs may have different layouts of the same world size (each gets its own device
+    mesh inside the current process group). Returns a list aligned with cfgs holding
+    {"__init__/<name>": ..., "<name>": ..., "__grad_norms__": ...} on rank 0 and empty dicts
+    elsewhere.
     """
-    ctx = init_parallel(cfgs[0].parallel)
-    set_threads(cfgs[0].parallel.threads_per_worker, ctx.dims.world)
     results = []
+    meshes: dict[str, Any] = {}
     for cfg in cfgs:
-        task = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed)
-        model = build_parallel_model(cfg, ctx)
-        init = full_state_dict(model)
-        opt = build_optimizer(model, cfg.optim)
-        trainer = Trainer(model, task, opt, build_scheduler(opt, cfg.optim, cfg.train.steps), ctx,
-                          cfg.train, cfg.optim, cfg.loss, cfg.parallel)
-        norms = [trainer.step(s).grad_norm for s in range(cfg.train.steps)]
-        final = full_state_dict(model)
+        key = repr(cfg.parallel)
+        ctx = meshes[key] = meshes.get(key) or init_parallel(cfg.parallel)
+        run = build_run(cfg, ctx)
+        init = full_state_dict(run.model)
+        norms = [run.trainer.step(s).grad_norm for s in range(cfg.train.steps)]
+        final = full_state_dict(run.model)
         out = {f"__init__/{k}": v for k, v in init.items()} | final if ctx.is_main else {}
         if ctx.is_main:
             out["__grad_norms__"] = torch.tensor(norms, dtype=torch.float64)
@@ -98,29 +101,46 @@ class LayoutResult:
         return self.rel_diff <= self.tol
 
 
+def world_of(cfg: Config) -> int:
+    return ParallelDims.from_config(cfg.parallel).world
+
+
+def train_on_workers(cfgs: list[Config]) -> list[dict[str, torch.Tensor]]:
+    """`train_weights(cfgs)` with one local launch per world size (spawning workers costs more
+    than a tiny run: layouts of the same size share their workers). Results in cfgs' order."""
+    from dit_train.engine.launch import launch_local
+
+    out: list[dict[str, torch.Tensor]] = [{} for _ in cfgs]
+    for world in sorted({world_of(c) for c in cfgs}):
+        idx = [i for i, c in enumerate(cfgs) if world_of(c) == world]
+        group = [cfgs[i] for i in idx]
+        res = train_weights(group) if world == 1 else launch_local(train_weights, (group,), world, group[0].launcher)[0]
+        for i, r in zip(idx, res):
+            out[i] = r
+    return out
+
+
 def run_layout(cfg: Config, layout: dict[str, Any], reductions: list[str]) -> list[dict[str, torch.Tensor]]:
     """Train every reduction on one layout (local workers if it needs more than one process)."""
-    from dit_train.launch import launch_local
-
-    cfgs = [apply_layout(cfg, layout, r) for r in reductions]
-    world = ParallelDims.from_config(cfgs[0].parallel).world
-    if world == 1:
-        return train_weights(cfgs)
-    return launch_local(train_weights, (cfgs,), world, cfg.launcher)[0]
+    return train_on_workers([apply_layout(cfg, layout, r) for r in reductions])
 
 
-def verify_layouts(cfg: Config, layouts: list[str], reductions: list[str], tol: float = 1e-4,
-                   progress: bool = True) -> list[LayoutResult]:
+def run_layouts(cfg: Config, layouts: list[str], reductions: list[str]) -> dict[str, list[dict[str, torch.Tensor]]]:
+    """{layout spec: [results per reduction]} for every layout, in one launch per world size."""
+    cfgs = [apply_layout(cfg, parse_layout(spec), r) for spec in layouts for r in reductions]
+    flat = train_on_workers(cfgs)
+    n = len(reductions)
+    return {spec: flat[i * n:(i + 1) * n] for i, spec in enumerate(layouts)}
+
+
+def verify_layouts(cfg: Config, layouts: list[str], reductions: list[str], tol: float = 1e-4) -> list[LayoutResult]:
     """Compare every layout with the one-process oracle, for every reduction."""
-    from tqdm.auto import tqdm
-
-    oracle = run_layout(cfg, {}, reductions)
+    got = run_layouts(cfg, ["1", *layouts], reductions)
+    oracle = got.pop("1")
     results = []
-    for spec in tqdm(layouts, desc="layouts", disable=not progress):
-        layout = parse_layout(spec)
-        world = ParallelDims.from_config(apply_layout(cfg, layout).parallel).world
-        got = run_layout(cfg, layout, reductions)
-        for r, ref, other in zip(reductions, oracle, got):
+    for spec, per_reduction in got.items():
+        world = world_of(apply_layout(cfg, parse_layout(spec)))
+        for r, ref, other in zip(reductions, oracle, per_reduction):
             results.append(LayoutResult(spec or "1", r, world, relative_difference(ref, other), tol))
     return results
 

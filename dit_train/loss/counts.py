@@ -13,11 +13,11 @@ import torch
 import torch.distributed as dist
 
 from dit_train.batch import PackedBatch
-from dit_train.loss.reductions import StepMeta
+from dit_train.loss.reductions import StepCounts
 
 
-def sync_metadata(batches: list[PackedBatch], cp_group: dist.ProcessGroup | None, dp_group: dist.ProcessGroup | None,
-                  world: int = 1, device: torch.device | str = "cpu") -> StepMeta:
+def sync_counts(batches: list[PackedBatch], cp_group: dist.ProcessGroup | None, dp_group: dist.ProcessGroup | None,
+                  world: int = 1, device: torch.device | str = "cpu") -> StepCounts:
     """Global counts for the step from this rank's (CP-local) micro-batches.
 
     cp_group: the CP group of this rank (all-reduce SUM of per-sample counts), None if cp = 1.
@@ -36,7 +36,7 @@ def sync_metadata(batches: list[PackedBatch], cp_group: dist.ProcessGroup | None
     if dp_group is not None:
         dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=dp_group)
     b_global, n_global = totals.tolist()
-    return StepMeta(
+    return StepCounts(
         sample_tokens=[t.cpu() for t in sample_tokens],
         num_samples=int(b_global),
         num_tokens=int(n_global),

@@ -1,0 +1,73 @@
+"""Full weights out of a run: safetensors (any layout, one process) and diffusers folders."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded fp32 CPU state dict; a collective under FSDP (every rank must call it).
+
+    Keys are those of the plain model: wrapper prefixes (DDP `module.`, activation
+    checkpointing, torch.compile) are removed by torch.distributed.checkpoint.
+    """
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v.detach().to(torch.float32, copy=True).contiguous() for k, v in sd.items()}
+
+
+def save_safetensors(sd: dict[str, torch.Tensor], path: str | Path) -> None:
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    tmp = path.with_suffix(".tmp")
+    save_file(sd, str(tmp))
+    tmp.replace(path)  # atomic: a reader never sees half a file
+
+
+def export_weights(model: nn.Module, path: str | Path, is_main: bool) -> None:
+    sd = full_state_dict(model)
+    if is_main:
+        save_safetensors(sd, path)
+
+
+def checkpoint_weights(path: str | Path) -> tuple[Any, dict[str, torch.Tensor]]:
+    """(Config, full fp32 weights) of a checkpoint, in one process (no GPU, no process group)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from dit_train.config import load_config
+    from dit_train.models import build_model
+
+    path = Path(path)
+    cfg = load_config(path)
+    model = build_model(cfg.model)
+    sd = model.state_dict()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*single process.*")
+        dcp.load({"model": sd}, checkpoint_id=str(path))
+    return cfg, {k: v.float().contiguous() for k, v in sd.items()}
+
+
+def export_checkpoint(path: str | Path, out: str | Path) -> Path:
+    """Full weights of a checkpoint as safetensors, in one process (no GPU, no process group)."""
+    _, sd = checkpoint_weights(path)
+    save_safetensors(sd, out)
+    return Path(out)
+
+
+def export_diffusers(cfg: Any, state_dict: dict[str, torch.Tensor], out_dir: str | Path) -> Path:
+    """Write full weights as a diffusers model folder (`save_pretrained`: config.json +
+    safetensors), loadable with `from_pretrained`, for models whose spec can (model.name=wan)."""
+    from dit_train.models import model_spec
+
+    spec = model_spec(cfg.model)
+    if spec.to_diffusers is None:
+        raise ValueError(f"--diffusers exports models with a diffusers counterpart (model.name=wan); "
+                         f"this run is model.name={cfg.model.name}")
+    spec.to_diffusers(state_dict, cfg.model).save_pretrained(str(out_dir))
+    return Path(out_dir)

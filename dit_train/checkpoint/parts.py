@@ -1,0 +1,85 @@
+"""The stateful parts a checkpoint is made of.
+
+A checkpoint is a dict of named parts; each part has `state_dict()` / `load_state_dict()` and
+says how it is stored:
+
+- sharded parts (model weights, optimizer state, EMA weights, ...) hold tensors and go
+  through torch.distributed.checkpoint: stored by parameter name with global shapes, so any
+  layout loads any other's (DCP reshards);
+- small parts (LR schedule, trainer counters, loss scale, ...) are JSON, written by rank 0 into
+  trainer.json, identical on every rank.
+
+Adding a part to a run is one entry in the dict the worker passes to `save_checkpoint`.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+
+class Part(Protocol):
+    sharded: bool  # True: tensors through DCP; False: JSON written by rank 0
+    optional: bool  # True: a checkpoint without this part still loads (the part keeps its state)
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class ModelState:
+    """The (possibly sharded) model's weights, keyed by the plain model's parameter names."""
+
+    sharded, optional = True, False
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_model_state_dict(self.model, state)
+
+
+class OptimizerState:
+    """Optimizer state (moments, step counts) keyed by parameter name (layout-free)."""
+
+    sharded, optional = True, False
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_optimizer_state_dict(self.model, self.optimizer, state)
+
+
+class JSONState:
+    """A small object (LR scheduler, trainer counters) stored as JSON."""
+
+    sharded = False
+
+    def __init__(self, obj: Any, optional: bool = False):
+        self.obj, self.optional = obj, optional
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.obj.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.obj.load_state_dict(state)
+
+
+def training_parts(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, trainer: Any) -> dict[str, Part]:
+    """The parts every training run has (more are added by the features that need them)."""
+    return {"model": ModelState(model), "optim": OptimizerState(model, optimizer), "scheduler": JSONState(scheduler),
+            "trainer": JSONState(trainer)}

@@ -1,0 +1,204 @@
+"""Checkpoint folders: save, find, load (sharded, torch.distributed.checkpoint).
+
+Layout of a run dir:
+
+    checkpoints/step_00000010/   a complete checkpoint: DCP shards + .metadata (sharded parts),
+                                 trainer.json (step, world size, JSON parts), config.yaml,
+                                 rng_rank<r>.safetensors (each rank's torch RNG)
+    checkpoints/.step_00000020.tmp   a save in progress (or one a crash interrupted: ignored)
+
+A save writes everything into the temporary directory, all ranks meet at a barrier, then rank
+0 renames it into place: a crash mid-save never touches the latest good checkpoint, and only
+renamed directories count. Tensors are stored by parameter name with their global shapes,
+so a checkpoint loads into any layout (another FSDP degree, CP folded in or not, 1 process).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from dit_train.checkpoint.parts import Part
+
+log = logging.getLogger(__name__)
+
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+FORMAT = 2  # trainer.json layout; 1 (no "format" key): {"step", "world_size", "scheduler", "trainer"}
+
+
+def checkpoint_root(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints under `root`, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        m = _STEP_DIR.match(p.name)
+        if m and (p / "trainer.json").exists() and (p / ".metadata").exists():
+            out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+def resolve_checkpoint(spec: str, run_dir: str | Path) -> Path | None:
+    """train.resume -> a checkpoint dir. '' -> None; 'auto' -> the newest complete one in this
+    run dir (None if there is none); a path -> that checkpoint, or the newest in that run dir."""
+    if not spec:
+        return None
+    if spec == "auto":
+        found = list_checkpoints(checkpoint_root(run_dir))
+        return found[-1][1] if found else None
+    p = Path(spec).expanduser()
+    if (p / "trainer.json").exists():
+        return p
+    for root in (p, checkpoint_root(p)):
+        found = list_checkpoints(root)
+        if found:
+            return found[-1][1]
+    raise FileNotFoundError(f"train.resume={spec}: no complete checkpoint there "
+                            f"(expected a checkpoints/step_XXXXXXXX dir or a run dir holding one)")
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _quiet():
+    """DCP warns "assuming ... a single process" when world = 1: yes, that is intended."""
+    ctx = warnings.catch_warnings()
+    ctx.__enter__()
+    warnings.filterwarnings("ignore", message=".*single process.*")
+    return ctx
+
+
+# -- per-rank RNG: safetensors, never a pickle -------------------------------------------------
+
+
+def _save_rng(path: Path) -> None:
+    from safetensors.torch import save_file
+
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    save_file(state, str(path))
+
+
+def _load_rng(ckpt: Path) -> None:
+    """This rank's torch RNG, if the checkpoint was written by the same number of ranks (nothing
+    in the loss uses it: noise is a function of (seed, sample id, step); user code may)."""
+    from safetensors.torch import load_file
+
+    new, old = ckpt / f"rng_rank{_rank()}.safetensors", ckpt / f"rng_rank{_rank()}.pt"
+    if new.exists():
+        r = load_file(str(new))
+        cuda = [r[k] for k in sorted((k for k in r if k.startswith("cuda")), key=lambda k: int(k[4:]))]
+    elif old.exists():  # format 1: a dict of tensors; weights_only refuses anything else
+        r = torch.load(old, weights_only=True)
+        cuda = r.get("cuda", [])
+    else:
+        return
+    torch.set_rng_state(r["torch"])
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+
+
+# -- save / load --------------------------------------------------------------------------------
+
+
+def save_checkpoint(run_dir: str | Path, step: int, parts: dict[str, Part], config_yaml: str, keep_last: int) -> Path:
+    """Save after optimizer step `step` (every rank calls this). Returns the final directory."""
+    root = checkpoint_root(run_dir)
+    final = root / f"step_{step:08d}"
+    tmp = root / f".step_{step:08d}.tmp"
+    if _rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save of the same step
+    _barrier()
+    sharded = {name: p.state_dict() for name, p in parts.items() if p.sharded}
+    q = _quiet()
+    try:
+        dcp.save(sharded, checkpoint_id=str(tmp))
+    finally:
+        q.__exit__(None, None, None)
+    _save_rng(tmp / f"rng_rank{_rank()}.safetensors")
+    _barrier()
+    if _rank() == 0:
+        small = {name: p.state_dict() for name, p in parts.items() if not p.sharded}
+        meta = {"format": FORMAT, "step": step, "world_size": _world(), "sharded": sorted(sharded), "parts": small}
+        (tmp / "config.yaml").write_text(config_yaml)
+        (tmp / "trainer.json").write_text(json.dumps(meta, indent=2, default=_jsonable))
+        if final.exists():  # re-saving a step (after a restart): replace the old copy
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for _, old in list_checkpoints(root)[:-keep_last] if keep_last > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.tolist()
+    raise TypeError(f"cannot store {type(x).__name__} in trainer.json")
+
+
+def read_checkpoint_info(path: str | Path) -> dict[str, Any]:
+    """trainer.json in the current format: {"step", "world_size", "sharded": [...], "parts": {...}}."""
+    meta = json.loads((Path(path) / "trainer.json").read_text())
+    if "format" not in meta:  # format 1
+        meta = {"format": 1, "step": meta["step"], "world_size": meta.get("world_size"), "sharded": ["model", "optim"],
+                "parts": {"scheduler": meta["scheduler"], "trainer": meta.get("trainer", {})}}
+    return meta
+
+
+def load_checkpoint(path: str | Path, parts: dict[str, Part]) -> int:
+    """Load a checkpoint into already built (parallelized) parts, any layout. Returns its step.
+
+    A part the checkpoint does not hold is an error unless the part is optional (it then keeps
+    its current state, and a warning says so).
+    """
+    path = Path(path)
+    info = read_checkpoint_info(path)
+    stored = set(info["sharded"]) | set(info["parts"])
+    missing = [n for n in parts if n not in stored]
+    required = [n for n in missing if not parts[n].optional]
+    if required:
+        raise ValueError(f"checkpoint {path} has no {', '.join(required)} state (it holds {', '.join(sorted(stored))}); "
+                         f"resume with the settings it was written with")
+    for n in missing:
+        log.warning("checkpoint %s has no %s state: starting it fresh", path, n)
+    sharded = {n: p.state_dict() for n, p in parts.items() if p.sharded and n in stored}
+    q = _quiet()
+    try:
+        dcp.load(sharded, checkpoint_id=str(path))
+    finally:
+        q.__exit__(None, None, None)
+    for n, state in sharded.items():
+        parts[n].load_state_dict(state)
+    for n, p in parts.items():
+        if not p.sharded and n in info["parts"]:
+            p.load_state_dict(info["parts"][n])
+    if info.get("world_size") == _world():
+        _load_rng(path)
+    return int(info["step"])

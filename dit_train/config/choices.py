@@ -1,0 +1,92 @@
+"""The allowed values of every enumerated key, defined once.
+
+Each is a `str` Enum: the schema types a key with it, so Hydra/OmegaConf reject any other
+value at composition (the message lists the allowed ones), and code compares and prints it
+as the plain string (`cfg.parallel.dp_mode == "fsdp2"`, f"{cfg.parallel.dp_mode}").
+"""
+from __future__ import annotations
+
+from enum import Enum
+
+
+class Choice(str, Enum):
+    """A config choice whose members are named by their value."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    @classmethod
+    def values(cls) -> tuple[str, ...]:
+        return tuple(m.value for m in cls)
+
+
+class Mode(Choice):
+    video = "video"  # flow-matching DiT on packed clips
+    llm = "llm"  # causal LM on packed documents
+
+
+class DPMode(Choice):
+    fsdp2 = "fsdp2"
+    ddp = "ddp"
+    none = "none"  # plain model, gradients summed by hand
+
+
+class CPFSDPMode(Choice):
+    all = "all"  # CP ranks join the FSDP shard group
+    none = "none"  # CP gradients summed by a separate all-reduce
+
+
+class Device(Choice):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Reduction(Choice):
+    sample_mean = "sample_mean"
+    token_mean = "token_mean"
+    sample_sum = "sample_sum"
+    sum = "sum"
+    naive_mean = "naive_mean"
+
+
+class TimestepSampling(Choice):
+    logit_normal = "logit_normal"
+    uniform = "uniform"
+
+
+class OptimName(Choice):
+    adamw = "adamw"
+    sgd = "sgd"
+
+
+class Schedule(Choice):
+    constant = "constant"
+    cosine = "cosine"
+    linear = "linear"
+
+
+class Precision(Choice):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class AttnBackend(Choice):
+    auto = "auto"
+    sdpa = "sdpa"
+    sdpa_dense = "sdpa_dense"
+    flex = "flex"
+    xformers = "xformers"
+    flash = "flash"
+
+
+class InitScheme(Choice):
+    adaln_zero = "adaln_zero"  # DiT's init: modulation and output layer start at zero
+    normal = "normal"  # every weight N(0, 0.02): the exactness tests need every parameter to move

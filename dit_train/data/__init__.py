@@ -1,0 +1,68 @@
+"""Data sources -> tasks. `prepare_data` runs once before workers start (may write the embedded
+set or a probe index); `build_task` runs in every worker and only reads.
+
+Sources are found by name in `SOURCES` (see source.py for the protocol); the task is chosen
+by the mode (video: `VideoTask`, llm: `LMTask`).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from dit_train.data import latent_cache, synthetic_video, text, video_folder  # noqa: F401  (register)
+from dit_train.data.source import SOURCES, DataSource, Dataset, register_source, source_for
+
+
+def prepare_data(data_cfg: Any, model_cfg: Any = None) -> None:
+    """Create what must exist on disk before training (idempotent, safe to race)."""
+    source_for(data_cfg, model_cfg).prepare()
+
+
+def open_dataset(data_cfg: Any, model_cfg: Any, split: str = "train") -> Any:
+    """The source's dataset of `split` (None if it has none), wrapped in background decoding
+    when data.num_workers > 0."""
+    ds = source_for(data_cfg, model_cfg).open(split)
+    if ds is not None and data_cfg.num_workers > 0 and split == "train":
+        from data_pipelines.prefetch import Prefetcher
+
+        ds = Prefetcher(ds, data_cfg.num_workers)
+    return ds
+
+
+def build_task(mode: str, data: Any, model: Any, loss: Any, seed: int, split: str = "train") -> Any:
+    """The task of `mode` over the configured data (`split="heldout"` for evaluation data;
+    None when the source has no held-out part)."""
+    src = SOURCES[data.name]
+    if src.mode != mode:
+        raise ValueError(f"data={data.name} is a source for mode={src.mode}, not mode={mode}")
+    ds = open_dataset(data, model, split)
+    if ds is None:
+        return None
+    if mode == "video":
+        from dit_train.tasks.video import VideoTask
+
+        return VideoTask(ds, model, loss, seed, caption_dropout=data.caption_dropout)
+    from dit_train.tasks.llm import LMTask
+
+    return LMTask(ds)
+
+
+def check_data(cfg: Any) -> None:
+    """Fail before training if the data cannot fill a step or a sample cannot fit a micro-batch."""
+    from dit_train.engine.checks import ConfigError
+
+    try:
+        lengths = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed).lengths()
+    except ValueError as err:
+        raise ConfigError(str(err)) from err
+    if len(lengths) < cfg.train.global_batch:
+        raise ConfigError(f"train.global_batch={cfg.train.global_batch} is larger than the dataset "
+                          f"({len(lengths)} samples); lower it or add data")
+    longest = max(lengths)
+    if longest > cfg.train.micro_batch_tokens:
+        raise ConfigError(f"the longest sample has {longest} tokens but train.micro_batch_tokens="
+                          f"{cfg.train.micro_batch_tokens}; raise train.micro_batch_tokens to at least {longest} "
+                          f"(or lower data.max_frames / the resolution)")
+
+
+__all__ = ["SOURCES", "DataSource", "Dataset", "build_task", "check_data", "open_dataset", "prepare_data",
+           "register_source", "source_for"]

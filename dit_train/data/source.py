@@ -1,0 +1,70 @@
+"""What a data source is: the protocol every registered source follows.
+
+A source is one module (`dit_train/data/<name>.py`: its config node and a `DataSource`
+subclass registered in `SOURCES`) plus one YAML (`conf/data/<name>.yaml`, whose defaults list
+names `<name>_schema`). The trainer never sees a source: `build_task` wraps the dataset it
+opens into the mode's task (video: noisy packed patches; llm: packed documents), which is what
+the step planner and the trainer use (`lengths()`, `build(ids, step)`, optional `prefetch`).
+"""
+from __future__ import annotations
+
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+from dit_train.config.choices import Mode
+from dit_train.registry import Registry
+
+
+@runtime_checkable
+class Dataset(Protocol):
+    """Samples by id (0..len-1) with token counts known without decoding.
+
+    `__getitem__` returns a `VideoSample` (video: pixels [C, F, H, W] or latents, caption,
+    optional text_emb) or a `Document` (llm: ids [T], prompt_len); it may raise
+    `VideoReadError` for a sample that cannot be read (the task skips and counts it).
+    `skipped`: (file, why) of what was left out while the dataset was built.
+    Optional: `prefetch(ids)` to decode ahead in background workers.
+    """
+
+    skipped: list
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, i: int) -> Any: ...
+
+    def lengths(self) -> list[int]: ...
+
+
+class DataSource:
+    """A registered source of samples for one mode.
+
+    prepare(): runs once, before any worker starts (may write to disk: the embedded clips, a
+    probe index); must be idempotent and safe to race. open(split): runs in every worker and
+    only reads; returns the split's Dataset, or None when the source has no such split.
+    Errors a user can fix are ValueErrors naming the key or file to change.
+    """
+
+    name: ClassVar[str]
+    config: ClassVar[type]
+    mode: ClassVar[Mode]
+
+    def __init__(self, cfg: Any, model_cfg: Any):
+        self.cfg, self.model_cfg = cfg, model_cfg
+
+    def prepare(self) -> None:
+        """Nothing to do by default."""
+
+    def open(self, split: str = "train") -> Dataset | None:
+        raise NotImplementedError
+
+
+SOURCES: Registry[type[DataSource]] = Registry("data source")
+
+
+def register_source(cls: type[DataSource]) -> type[DataSource]:
+    """Class decorator: add a DataSource subclass to SOURCES under its `name`."""
+    SOURCES.register(cls.name, cls)
+    return cls
+
+
+def source_for(cfg: Any, model_cfg: Any) -> DataSource:
+    return SOURCES[cfg.name](cfg, model_cfg)

@@ -1,0 +1,36 @@
+"""`data=synthetic_video`: the embedded clips of moving shapes (generated on first use)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from dit_train.data.source import register_source
+from dit_train.data.video import PixelVideoSource, VideoReadConfig
+
+
+@dataclass
+class SyntheticVideoConfig(VideoReadConfig):
+    name: str = "synthetic_video"
+    num_clips: int = 48
+    gen_seed: int = 1234
+
+
+@register_source
+class SyntheticVideoSource(PixelVideoSource):
+    name = "synthetic_video"
+    config = SyntheticVideoConfig
+
+    def directory(self) -> Path:
+        from data_pipelines.synthetic_video import dataset_dir
+
+        return dataset_dir(self.cfg.cache_dir, self.cfg.num_clips, self.cfg.gen_seed)
+
+    def prepare(self) -> None:
+        from data_pipelines.synthetic_video import ensure_synthetic_videos
+
+        ensure_synthetic_videos(self.cfg.cache_dir, self.cfg.num_clips, self.cfg.gen_seed)
+
+    def entries(self) -> tuple[list, list]:
+        from data_pipelines.video_dataset import manifest_entries
+
+        return manifest_entries(self.directory() / "manifest.jsonl")

@@ -1,0 +1,55 @@
+"""Pixel video sources (the embedded clips, your folders): decoding settings they share."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List
+
+from dit_train.config.choices import Mode
+from dit_train.config.schema import DataConfig
+from dit_train.data.source import DataSource
+
+
+@dataclass
+class VideoReadConfig(DataConfig):
+    """How clips are read: frames resampled to `fps` (0 = native), every `frame_stride`-th, at
+    most `max_frames` (cut to a multiple of the temporal patch); sizes go to the closest
+    `resolution_buckets` entry ([[h, w], ...]) or, without buckets, stay native (cropped to
+    the patch)."""
+
+    max_frames: int = 16
+    frame_stride: int = 1
+    fps: float = 0.0
+    resolution_buckets: List[List[int]] = field(default_factory=list)
+    decoded_cache_items: int = 256  # decoded clips kept in memory (the embedded set fits)
+
+
+class PixelVideoSource(DataSource):
+    """A source of RGB clips in [-1, 1]; subclasses say where the clip entries come from."""
+
+    mode = Mode.video
+
+    def entries(self) -> tuple[list, list]:
+        """(ClipEntry list, skipped (path, why) list) of the source."""
+        raise NotImplementedError
+
+    def pixel_dataset(self, patch: tuple[int, int, int], cache_items: int | None = None) -> Any:
+        """The clips as a VideoClipDataset cropping frames to multiples of patch[0] and sizes
+        to multiples of patch[1:] (or buckets). Clips that cannot be read or are too small are
+        left out and listed in `.skipped`."""
+        from data_pipelines.video_dataset import VideoClipDataset
+
+        c = self.cfg
+        entries, skipped = self.entries()
+        ds = VideoClipDataset(entries, patch=tuple(patch), max_frames=c.max_frames, frame_stride=c.frame_stride,
+                              fps=c.fps, buckets=[tuple(b) for b in c.resolution_buckets],
+                              cache_items=c.decoded_cache_items if cache_items is None else cache_items)
+        ds.skipped = skipped + ds.skipped
+        return ds
+
+    def open(self, split: str = "train") -> Any:
+        if split != "train":
+            return None
+        if self.model_cfg.in_channels != 3:
+            raise ValueError(f"data={self.name} gives RGB pixels but model.in_channels={self.model_cfg.in_channels}; "
+                             f"set model.in_channels=3 (or train on data=latent_cache)")
+        return self.pixel_dataset(tuple(self.model_cfg.patch_size))

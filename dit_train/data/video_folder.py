@@ -1,0 +1,40 @@
+"""`data=video_folder`: your videos (a folder tree with .txt captions, or a csv/jsonl manifest)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dit_train.data.source import register_source
+from dit_train.data.video import PixelVideoSource, VideoReadConfig
+
+
+@dataclass
+class VideoFolderConfig(VideoReadConfig):
+    name: str = "video_folder"
+    root: str = ""  # a folder (searched recursively) or a .csv/.jsonl manifest
+
+
+@register_source
+class VideoFolderSource(PixelVideoSource):
+    name = "video_folder"
+    config = VideoFolderConfig
+
+    def _root(self) -> str:
+        if not self.cfg.root:
+            raise ValueError("data=video_folder needs data.root=<folder of videos, or a .csv/.jsonl manifest>")
+        return self.cfg.root
+
+    def prepare(self) -> None:
+        """Probe every file once (workers then read the index instead of probing)."""
+        from data_pipelines.video_folder import index_video_folder
+
+        index_video_folder(self._root(), self.cfg.cache_dir, self.cfg.num_workers)
+
+    def entries(self) -> tuple[list, list]:
+        from data_pipelines.video_folder import index_video_folder
+
+        root = self._root()
+        index = index_video_folder(root, self.cfg.cache_dir, self.cfg.num_workers)
+        if not index.entries:
+            raise ValueError(f"no readable video under data.root={root} ({len(index.skipped)} unreadable, "
+                             f"e.g. {index.skipped[0][0]}: {index.skipped[0][1]})")
+        return index.entries, list(index.skipped)

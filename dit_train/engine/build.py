@@ -1,0 +1,84 @@
+"""The one recipe that turns a config into something that trains:
+
+    config -> parallel context -> task -> model (registry) -> initialise -> parallelize
+           -> optimizer / LR schedule -> Trainer
+
+Training, the deferred-normalization session, layout verification, the planner's smoke runs,
+the benchmarks and the tests all build through `build_run`, so a new part of a run (EMA,
+adapters, ...) is added here once.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from dit_train.config import Config
+from dit_train.engine.trainer import Trainer
+from dit_train.models import build_model, initialize, model_spec
+from dit_train.optim import build_optimizer, build_scheduler
+from dit_train.parallel.mesh import ParallelContext, init_parallel
+from dit_train.parallel.parallelize import parallelize
+from kernels import resolve_backend
+
+
+@dataclass
+class Run:
+    """Everything one rank trains with."""
+
+    cfg: Config
+    ctx: ParallelContext
+    task: Any
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    trainer: Trainer
+    heldout: Any = None  # the held-out task (evaluation), when the source has one and train.eval_every > 0
+
+
+def set_threads(threads_per_worker: int, local_world: int) -> None:
+    """torch intra-op threads: the configured number, or the cores shared by the local workers."""
+    if threads_per_worker > 0:
+        torch.set_num_threads(threads_per_worker)
+    elif local_world > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+
+
+def build_parallel_model(cfg: Config, ctx: ParallelContext) -> nn.Module:
+    """Plain model -> initialised -> parallelized. Initial weights depend only on train.seed
+    (or the pretrained folder), never on the layout."""
+    spec = model_spec(cfg.model)
+    backend = resolve_backend(cfg.model.attn_backend, ctx.device)
+    if cfg.parallel.meta_init:
+        with torch.device("meta"):
+            model = build_model(cfg.model, backend)
+        model = parallelize(model, spec, ctx, cfg.parallel, cfg.model, cfg.train, backend)
+        model.to_empty(device=ctx.device)
+        initialize(model, cfg.model, cfg.train.seed)
+        return model
+    model = build_model(cfg.model, backend)
+    initialize(model, cfg.model, cfg.train.seed)
+    model.to(ctx.device)
+    return parallelize(model, spec, ctx, cfg.parallel, cfg.model, cfg.train, backend)
+
+
+def build_run(cfg: Config, ctx: ParallelContext | None = None, *, task: Any = None, heldout: bool = False) -> Run:
+    """Build a rank's run from `cfg` inside the current process group (created if needed).
+
+    task: use this task instead of the configured data's (e.g. the session's caller data).
+    heldout: also build the held-out task (None when the source has none).
+    """
+    from dit_train.data import build_task
+
+    ctx = ctx or init_parallel(cfg.parallel)
+    set_threads(cfg.parallel.threads_per_worker, int(os.environ.get("LOCAL_WORLD_SIZE", ctx.dims.world)))
+    task = task or build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed)
+    held = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed, split="heldout") if heldout else None
+    model = build_parallel_model(cfg, ctx)
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, max(1, cfg.train.steps))
+    trainer = Trainer(model, task, optimizer, scheduler, ctx, cfg.train, cfg.optim, cfg.loss, cfg.parallel)
+    return Run(cfg, ctx, task, model, optimizer, scheduler, trainer, held)

@@ -1,0 +1,116 @@
+"""Checks that run before any worker starts; each error says what to change.
+
+Enumerated keys are checked against the schema itself (every field typed with a `Choice`
+enum), numeric ranges and combinations here, model-specific rules by the model's spec.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any
+
+from dit_train.config import PARALLEL_DEGREES, Config
+from dit_train.config.choices import Choice
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names the keys to change."""
+
+
+def _check(ok: bool, message: str, errors: list[str]) -> None:
+    if not ok:
+        errors.append(message)
+
+
+def choice_errors(node: Any, prefix: str) -> list[str]:
+    """Values of `Choice`-typed fields (recursively) that are not among the allowed ones.
+
+    Composition already enforces this for configs made by Hydra; configs built in Python
+    (dataclass constructors, `dataclasses.replace`) are checked here."""
+    errors = []
+    hints = typing.get_type_hints(type(node))
+    for f in dataclasses.fields(node):
+        value, kind = getattr(node, f.name), hints.get(f.name)
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            errors += choice_errors(value, key + ".")
+        elif isinstance(kind, type) and issubclass(kind, Choice) and value not in kind.values():
+            errors.append(f"{key}={value!r} must be one of {', '.join(kind.values())}")
+    return errors
+
+
+def _parallel(cfg: Config, world_size: int | None, e: list[str]) -> None:
+    from dit_train.parallel.mesh import ParallelDims
+
+    p, m = cfg.parallel, cfg.model
+    for key in PARALLEL_DEGREES:
+        _check(getattr(p, key) >= 1, f"parallel.{key}={getattr(p, key)} must be >= 1", e)
+    dims = ParallelDims.from_config(p)
+    if world_size is not None and world_size != dims.world:
+        e.append(f"the launcher started {world_size} processes but {dims.describe()}; make the product of "
+                 f"parallel.{'/'.join(PARALLEL_DEGREES)} equal {world_size} (e.g. parallel.dp_shard={world_size})")
+    _check(p.fsdp_prefetch >= 0, f"parallel.fsdp_prefetch={p.fsdp_prefetch} must be >= 0 (0 = FSDP2's implicit prefetch)", e)
+    _check(m.dim % m.heads == 0, f"model.dim={m.dim} must be divisible by model.heads={m.heads}", e)
+    _check(p.cp_ulysses >= 1 and m.heads % max(1, p.cp_ulysses) == 0,
+           f"model.heads={m.heads} must be divisible by parallel.cp_ulysses={p.cp_ulysses} (Ulysses splits heads)", e)
+    _check(not (p.dp_mode == "ddp" and p.meta_init),
+           "parallel.meta_init=true needs FSDP2 (DDP needs full weights on every rank); set parallel.dp_mode=fsdp2 "
+           "or parallel.meta_init=false", e)
+    _check(not (p.dp_mode == "none" and p.meta_init), "parallel.meta_init=true needs parallel.dp_mode=fsdp2", e)
+
+
+def _train(cfg: Config, e: list[str]) -> None:
+    t, o = cfg.train, cfg.optim
+    for key, low in (("steps", 0), ("global_batch", 1), ("grad_accum", 1), ("micro_batch_tokens", 1), ("keep_last", 1),
+                     ("max_skipped_steps", 0), ("eval_every", 0)):
+        _check(getattr(t, key) >= low, f"train.{key}={getattr(t, key)} must be >= {low}", e)
+    _check(t.ckpt_every >= 0, f"train.ckpt_every={t.ckpt_every} must be >= 0 (0 = no checkpoints)", e)
+    _check(t.sample_every >= 0, f"train.sample_every={t.sample_every} must be >= 0 (0 = no validation videos)", e)
+    _check(not (t.sample_every > 0 and cfg.mode != "video"),
+           "train.sample_every makes validation videos (mode=video); for mode=llm use python -m dit_train.tools.generate", e)
+    _check(t.sample_steps >= 1 and t.num_samples >= 1,
+           f"train.sample_steps={t.sample_steps} and train.num_samples={t.num_samples} must be >= 1", e)
+    _check(t.guidance_scale >= 1.0, f"train.guidance_scale={t.guidance_scale} must be >= 1 (1 = no guidance)", e)
+    _check(cfg.launcher.max_restarts >= 0, f"launcher.max_restarts={cfg.launcher.max_restarts} must be >= 0", e)
+    _check(not (cfg.launcher.max_restarts > 0 and t.ckpt_every == 0),
+           "launcher.max_restarts > 0 restarts from the latest checkpoint, but train.ckpt_every=0 writes none; "
+           "set train.ckpt_every (e.g. 100)", e)
+    _check(o.lr > 0, f"optim.lr={o.lr} must be > 0", e)
+    _check(o.max_grad_norm >= 0, f"optim.max_grad_norm={o.max_grad_norm} must be >= 0 (0 disables clipping)", e)
+    _check(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), f"optim.betas={list(o.betas)} must be two values in [0, 1)", e)
+
+
+def _model_and_data(cfg: Config, e: list[str]) -> None:
+    from dit_train.data import SOURCES
+    from dit_train.models import MODELS
+
+    m, d = cfg.model, cfg.data
+    if m.name not in MODELS:
+        e.append(f"model.name={m.name!r} is not a registered model ({', '.join(MODELS.names())})")
+        return
+    spec = MODELS[m.name]
+    _check(spec.mode == cfg.mode, f"mode={cfg.mode} cannot train model={m.name} (a mode={spec.mode} model); "
+           f"pick one of: {', '.join(n for n in MODELS.names() if MODELS[n].mode == cfg.mode)}", e)
+    e.extend(spec.checks(m))
+    if hasattr(m, "text_dim"):
+        _check(m.text_dim >= 0 and m.text_len >= 1, f"model.text_dim={m.text_dim} must be >= 0 and model.text_len="
+               f"{m.text_len} >= 1", e)
+    if d.name not in SOURCES:
+        e.append(f"data.name={d.name!r} is not a registered data source ({', '.join(SOURCES.names())})")
+        return
+    _check(SOURCES[d.name].mode == cfg.mode, f"data={d.name} is a source for mode={SOURCES[d.name].mode}, "
+           f"not mode={cfg.mode}", e)
+    _check(0.0 <= d.caption_dropout < 1.0, f"data.caption_dropout={d.caption_dropout} must be in [0, 1)", e)
+    if hasattr(d, "heldout_fraction"):
+        _check(0.0 <= d.heldout_fraction < 1.0, f"data.heldout_fraction={d.heldout_fraction} must be in [0, 1)", e)
+
+
+def check_config(cfg: Config, world_size: int | None = None) -> None:
+    """Raise ConfigError listing every problem found. `world_size`: processes already started
+    by an outside launcher (torchrun / SLURM), or None when we start them ourselves."""
+    e = choice_errors(cfg, "")
+    _parallel(cfg, world_size, e)
+    _train(cfg, e)
+    _model_and_data(cfg, e)
+    if e:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(e))

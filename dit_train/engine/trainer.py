@@ -1,0 +1,283 @@
+"""One optimizer step: plan -> build packs -> CP split -> count sync -> weighted backward
+over micro-batches (gradient sync on the last only) -> SUM -> clip -> step.
+
+The pieces are public so that other drivers (the deferred-normalization session) reuse them:
+`prepare` (packs -> CP-local micro-batches), `sync_counts` (the metadata sync),
+`per_token_loss`, `gradient_sync` (whether the wrapper reduces in this backward),
+`flush_unreduced_gradients` and `apply_gradients` (scale, clip, optimizer, schedule, zero).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from data_pipelines.packing import balanced_split, pack_ffd, plan_step
+from dit_train.batch import PackedBatch
+from dit_train.config import LossConfig, OptimConfig, ParallelConfig, TrainConfig
+from dit_train.loss import StepCounts, sync_counts, token_weights, weighted_loss
+from dit_train.parallel.context_parallel import split_for_cp
+from dit_train.parallel.mesh import ParallelContext
+from dit_train.parallel.parallelize import grad_sync_groups, sync_unsharded_grads
+from dit_train.precision import DynamicLossScale, autocast
+from kernels import VarlenLayout
+
+
+@dataclass
+class MicroBatch:
+    """One micro-batch on this rank: its CP-local tokens (on the device) and the attention
+    layout the model needs (VarlenLayout, or CPAttnLayout under context parallelism)."""
+
+    batch: PackedBatch
+    attn: Any
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    tokens: int
+    samples: int
+    micro_batches: int
+    skipped: bool
+    dropped: int = 0  # samples of this step whose data could not be read (skipped and counted)
+
+
+def grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Global L2 norm of all gradients (across FSDP shards: DTensor reductions give the same
+    value as one process); clip in place when max_norm > 0."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0, foreach=False)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    if max_norm > 0 and math.isfinite(float(norm)):
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=False)
+    return norm
+
+
+@torch.no_grad()
+def scale_gradients_(model: nn.Module, factor: float) -> None:
+    """grad *= factor in place (a DTensor gradient keeps its sharding)."""
+    if factor == 1.0:
+        return
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.mul_(factor)
+
+
+class Trainer:
+    """Runs optimizer steps on a parallelized model.
+
+    task: builds full packs (`build(ids, step) -> PackedBatch`), knows its CP layout and
+    computes per-token losses (`per_token_loss(model, batch, attn) -> [L_local]`).
+    """
+
+    def __init__(self, model: nn.Module, task: Any, optimizer: torch.optim.Optimizer,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler, ctx: ParallelContext,
+                 train: TrainConfig, optim: OptimConfig, loss: LossConfig, parallel: ParallelConfig):
+        self.model, self.task, self.optimizer, self.scheduler, self.ctx = model, task, optimizer, scheduler, ctx
+        self.train_cfg, self.optim_cfg, self.loss_cfg, self.parallel_cfg = train, optim, loss, parallel
+        self.lengths = dict(enumerate(task.lengths()))
+        self._manual_sync = grad_sync_groups(ctx, parallel)
+        self.skipped_in_a_row = 0
+        self.skipped_total = 0
+        self.dropped = 0  # unreadable samples of the last `prepare`
+        self.loss_scale = DynamicLossScale() if train.precision == "fp16" else None
+
+    # -- data ----------------------------------------------------------------------------------
+
+    def plan(self, step: int) -> list[list[int]]:
+        """This rank's packs (sample ids per micro-batch) of `step`; starts background decoding
+        of them and of the next step's when the task can prefetch."""
+        t = self.train_cfg
+        plan = plan_step(step, self.lengths, t.global_batch, self.ctx.dims.dp, t.grad_accum, t.micro_batch_tokens, t.seed)
+        packs = plan.micro_batches[self.ctx.dp_rank]
+        if hasattr(self.task, "prefetch"):
+            ids = [i for p in packs for i in p]
+            if step + 1 < t.steps:
+                nxt = plan_step(step + 1, self.lengths, t.global_batch, self.ctx.dims.dp, t.grad_accum,
+                                t.micro_batch_tokens, t.seed)
+                ids += [i for p in nxt.micro_batches[self.ctx.dp_rank] for i in p]
+            self.task.prefetch(ids)  # changes no result, only how long `build` waits
+        return packs
+
+    def spread(self, sample_ids: list[int], lengths: dict[int, int]) -> list[list[int]]:
+        """This rank's packs of a given set of samples (token-balanced over DP ranks, then
+        first-fit-decreasing); every rank gets the same number of packs (FSDP's collectives
+        must match), empty ones where it has less work."""
+        per_rank = [pack_ffd(ids, lengths, self.train_cfg.micro_batch_tokens)
+                    for ids in balanced_split(list(sample_ids), lengths, self.ctx.dims.dp)]
+        m = max(1, max(len(r) for r in per_rank))
+        mine = per_rank[self.ctx.dp_rank]
+        return mine + [[] for _ in range(m - len(mine))]
+
+    def prepare(self, packs: list[list[int]], step: int, task: Any = None) -> list[MicroBatch]:
+        """Build each pack of sample ids, split it for CP, move it to the device."""
+        task = task or self.task
+        out = []
+        cp = self.ctx.dims.cp
+        self.dropped = 0
+        for ids in packs:
+            full = task.build(ids, step)
+            self.dropped += len(ids) - full.num_samples
+            if cp > 1:
+                local, attn = split_for_cp(full, cp, self.ctx.cp_rank, task.cp_layout)
+                attn = attn.to(self.ctx.device)
+            else:
+                local = full.pad_to_multiple(1)  # an empty micro-batch still runs (collectives match)
+                attn = None
+            local = local.to(self.ctx.device)
+            if attn is None:
+                attn = VarlenLayout.build(local.seg, local.order, local.causal)
+            out.append(MicroBatch(local, attn))
+        return out
+
+    def sync_counts(self, micro: list[MicroBatch]) -> StepCounts:
+        """The metadata sync: global counts of these micro-batches (T_b within CP, B and N
+        across DP; see dit_train/loss/counts.py)."""
+        return sync_counts([m.batch for m in micro], self.ctx.cp_group, self.ctx.dp_group, world=self.ctx.dims.world,
+                           device=self.ctx.device)
+
+    def per_token_loss(self, mb: MicroBatch, task: Any = None) -> torch.Tensor:
+        """[L_local] loss of each local token (padding included; weights zero it)."""
+        return (task or self.task).per_token_loss(self.model, mb.batch, mb.attn)
+
+    @torch.no_grad()
+    def heldout_loss(self, task: Any) -> dict[str, float]:
+        """Token-mean loss (and perplexity) over every sample of `task`, shared across ranks.
+
+        Exact and layout-independent: sums of losses and of valid tokens are all-reduced once.
+        """
+        lengths = dict(enumerate(task.lengths()))
+        packs = self.spread(list(lengths), lengths)
+        was_training = self.model.training
+        self.model.eval()
+        totals = torch.zeros(2, dtype=torch.float64, device=self.ctx.device)
+        for pack in packs:  # one pack at a time: evaluation sets can be large
+            (mb,) = self.prepare([pack], step=0, task=task)
+            with self.autocast():
+                per_token = self.per_token_loss(mb, task)
+            totals[0] += (per_token.double() * mb.batch.valid).sum()
+            totals[1] += mb.batch.valid.sum()
+        self.model.train(was_training)
+        if self.ctx.world_group is not None:
+            dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=self.ctx.world_group)
+        loss = float(totals[0] / totals[1].clamp(min=1))
+        return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": int(totals[1])}
+
+    # -- gradient sync control -----------------------------------------------------------------
+
+    def gradient_sync(self, enabled: bool):
+        """Context for a backward: the DP wrapper reduces gradients only when `enabled`."""
+        if isinstance(self.model, FSDPModule):
+            self.model.set_requires_gradient_sync(enabled)
+            return contextlib.nullcontext()
+        if isinstance(self.model, torch.nn.parallel.DistributedDataParallel) and not enabled:
+            return self.model.no_sync()
+        return contextlib.nullcontext()
+
+    def any_rank(self, flag: torch.Tensor) -> bool:
+        """True if `flag` is set on any rank (one tiny all-reduce MAX over all ranks)."""
+        if self.ctx.world_group is not None:
+            flag = flag.to(torch.int32)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.ctx.world_group)
+        return bool(flag)
+
+    @property
+    def can_skip_sync(self) -> bool:
+        """FSDP2 must run its reduce-scatter on the last backward (its accumulated unsharded
+        gradients live inside FSDP); DDP and manual sums can simply not communicate."""
+        return not isinstance(self.model, FSDPModule)
+
+    def flush_unreduced_gradients(self, step: int) -> None:
+        """Reduce gradients that backward passes left unreduced (gradient_sync(False)).
+
+        FSDP2 and DDP reduce inside backward hooks, so a forward/backward of one padding token
+        (loss 0) with sync enabled adds nothing and triggers exactly one reduction."""
+        if self.ctx.distributed and self.parallel_cfg.dp_mode in ("fsdp2", "ddp"):
+            (mb,) = self.prepare([[]], step)
+            with self.gradient_sync(True):
+                (self.per_token_loss(mb).sum() * 0.0).backward()
+        sync_unsharded_grads(self.model, self._manual_sync)
+
+    # -- the update ----------------------------------------------------------------------------
+
+    def apply_gradients(self, grad_scale: float = 1.0, max_grad_norm: float | None = None,
+                        known_bad: bool = False) -> tuple[torch.Tensor, bool]:
+        """grad *= grad_scale, clip to the global norm, optimizer step (skipped when known_bad or
+        the norm is not finite: the same decision on every rank), LR schedule, zero grads.
+        Returns (global gradient norm, skipped)."""
+        scale_gradients_(self.model, grad_scale)
+        clip = self.optim_cfg.max_grad_norm if max_grad_norm is None else max_grad_norm
+        norm = grad_norm_(self.model, clip)
+        skipped = known_bad or not bool(torch.isfinite(norm))
+        if skipped:
+            self.skipped_in_a_row += 1
+            self.skipped_total += 1
+        else:
+            self.skipped_in_a_row = 0
+            self.optimizer.step()
+        if self.loss_scale is not None:
+            self.loss_scale.update(overflow=skipped)
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm, skipped
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def step(self, step: int) -> StepResult:
+        micro = self.prepare(self.plan(step), step)
+        counts = self.sync_counts(micro)
+        reduction = self.loss_cfg.reduction
+        loss_sum = torch.zeros((), device=self.ctx.device)
+        nonfinite = torch.zeros((), dtype=torch.bool, device=self.ctx.device)
+        scale = self.loss_scale.scale if self.loss_scale is not None else 1.0
+        known_bad = False
+        n = len(micro)
+        for k, mb in enumerate(micro):
+            last = k == n - 1
+            if last:
+                # a non-finite loss on any rank is known before the gradient sync: the sync is
+                # skipped where the wrapper allows it, and the step is skipped everywhere
+                known_bad = self.any_rank(nonfinite)
+            with self.gradient_sync(last and not (known_bad and self.can_skip_sync)), self.autocast():
+                per_token = self.per_token_loss(mb)
+                weights = token_weights(reduction, mb.batch.seg, mb.batch.valid, counts, k)
+                loss = weighted_loss(per_token, weights)
+                (loss * scale if scale != 1.0 else loss).backward()
+            nonfinite |= ~torch.isfinite(loss.detach())
+            loss_sum += loss.detach()
+        if not known_bad:
+            sync_unsharded_grads(self.model, self._manual_sync)
+        norm, skipped = self.apply_gradients(grad_scale=1.0 / scale, known_bad=known_bad)
+        # the logged loss is the true global Σ w·l: one detached all-reduce per step (with the
+        # count of unreadable samples, taken once per CP group)
+        dropped = float(self.dropped if self.ctx.cp_rank == 0 else 0)
+        stats = torch.stack([loss_sum.double(), torch.tensor(dropped, dtype=torch.float64, device=loss_sum.device)])
+        if self.ctx.world_group is not None:
+            dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=self.ctx.world_group)
+        return StepResult(loss=float(stats[0]), grad_norm=float(norm), tokens=counts.num_tokens,
+                          samples=counts.num_samples, micro_batches=n, skipped=skipped, dropped=int(stats[1]))
+
+    def autocast(self):
+        fsdp_casts = isinstance(self.model, FSDPModule) and self.ctx.device.type == "cuda"
+        return autocast(self.train_cfg.precision, self.ctx.device, fsdp_casts)
+
+    # -- state for checkpoints ------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"skipped_in_a_row": self.skipped_in_a_row, "skipped_total": self.skipped_total,
+                "loss_scale": self.loss_scale.state_dict() if self.loss_scale is not None else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.skipped_in_a_row = int(state.get("skipped_in_a_row", 0))
+        self.skipped_total = int(state.get("skipped_total", 0))
+        if self.loss_scale is not None and state.get("loss_scale"):
+            self.loss_scale.load_state_dict(state["loss_scale"])

@@ -1,0 +1,88 @@
+"""What the rest of dit_train needs to know about a model, declared once per model.
+
+A model is one module (`dit_train/models/<name>.py`: its config node, its nn.Module and a
+`ModelSpec` registered in `MODELS`) plus one or more YAML files (`conf/model/*.yaml`, whose
+defaults list names `<name>_schema`). Everything else — building and initialising it,
+parallelizing it (FSDP units, the attention layers context parallelism swaps), exporting it,
+and the planner's memory/FLOP model — goes through the spec, so no file outside the model's
+own module branches on its name.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from torch import nn
+
+from dit_train.config.choices import Mode
+from dit_train.registry import Registry
+
+
+@dataclass(frozen=True)
+class ActivationModel:
+    """Bytes a block saves for backward per token, as multiples of the model width d and of
+    the MLP hidden width h (see dit_train/perf/memory.py, which adds statistics and CP terms):
+
+        fp32 run:           (fp32_d·d + h_elems·h)·4
+        bf16/fp16 autocast:  autocast_f32_d·d·4 + (autocast_lp_d·d + h_elems·h)·c
+
+    Outside the blocks, per token: outside_d·d·c + 2·io_dim·4 (+ head_dim·4 of RoPE tables).
+    Each model's numbers are read off its autograd graph; tests/test_planner.py checks every
+    registered model against `saved_tensors_hooks` measurements.
+    """
+
+    fp32_d: float
+    autocast_f32_d: float
+    autocast_lp_d: float
+    h_elems: float = 2.0
+    outside_d: float = 6.0
+
+
+def blocks_of(model: nn.Module) -> nn.ModuleList:
+    """The repeated transformer blocks: FSDP units, activation-checkpointing and compile units
+    (wrappers are set back into this list)."""
+    return model.blocks
+
+
+def attention_layers(model: nn.Module) -> list[nn.Module]:
+    """Modules holding an `attention_fn` callable: where context parallelism swaps in its own."""
+    return [m for m in model.modules() if hasattr(m, "attention_fn")]
+
+
+def no_checks(cfg: Any) -> list[str]:
+    return []
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    config: type  # the model's config node (a ModelConfig subclass)
+    mode: Mode  # the task it serves: video (velocity of patch tokens) or llm (next-token logits)
+    build: Callable[[Any, str], nn.Module]  # (model config, attention backend) -> plain, uninitialised model
+    activations: Callable[[Any], ActivationModel]  # of a config (e.g. caption cross-attention adds terms)
+    # per-token matmul weights, for FLOPs (6·N per token): of one block, and outside the blocks
+    block_linears: Callable[[nn.Module], list[nn.Module]]
+    io_linears: Callable[[nn.Module], list[nn.Module]]
+    io_dim: Callable[[Any], int]  # patch values per token (video) or vocabulary size (llm)
+    hidden: Callable[[Any], int]  # MLP hidden width
+    blocks: Callable[[nn.Module], nn.ModuleList] = blocks_of
+    attention_layers: Callable[[nn.Module], list[nn.Module]] = attention_layers
+    # model-specific configuration errors, each one line naming the key to change
+    checks: Callable[[Any], list[str]] = no_checks
+    # full fp32 state dict (plain names) from the config's `pretrained` folder; None = not supported
+    pretrained: Callable[[Any], dict] | None = None
+    # a diffusers model holding a full state dict (for `export_weights --diffusers`); None = not supported
+    to_diffusers: Callable[[dict, Any], Any] | None = None
+    notes: dict = field(default_factory=dict)
+
+
+MODELS: Registry[ModelSpec] = Registry("model")
+
+
+def register_model(spec: ModelSpec) -> ModelSpec:
+    return MODELS.register(spec.name, spec)
+
+
+def model_spec(cfg: Any) -> ModelSpec:
+    """The spec of a model config (by its `name`)."""
+    return MODELS[cfg.name]

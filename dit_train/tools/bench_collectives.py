@@ -1,0 +1,77 @@
+"""Gradient collectives per optimizer step vs gradient accumulation (must not grow).
+
+    python -m dit_train.tools.bench_collectives [overrides ...] [--grad-accum 1,2,4,8] [--layout dp_shard=2] [--out FILE]
+
+Starts the layout's workers (gloo on CPU), runs one warm-up step, then counts the
+torch.distributed calls made during the next optimizer step for each grad_accum. Gradient
+reductions (reduce-scatter for FSDP2, all-reduce for DDP/CP sums) happen once per step, on
+the last micro-batch (parameter all-gathers, per forward/backward by design, are not counted:
+FSDP2 issues them outside `torch.distributed`'s module functions); the all-reduces include the per-step metadata sync,
+non-finite flag and logged loss (constant).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from dit_train.perf.bench import format_table, write_json
+
+
+def count_step_collectives(cfg, grad_accums: list[int], names=None) -> dict[int, dict[str, int]]:
+    """On this rank: for each grad_accum, the torch.distributed calls of one optimizer step
+    (after a warm-up step: lazy initialisation of FSDP / DDP buckets) and its micro-batches."""
+    from dit_train.engine.build import build_run
+    from dit_train.engine.layout_equivalence import apply_layout
+    from dit_train.parallel.mesh import init_parallel
+    from dit_train.perf.bench import COLLECTIVES, count_collectives
+
+    ctx = init_parallel(cfg.parallel)
+    out = {}
+    for ga in grad_accums:
+        run = build_run(apply_layout(cfg, {"grad_accum": ga}), ctx)
+        run.trainer.step(0)
+        with count_collectives(names or COLLECTIVES) as calls:
+            res = run.trainer.step(1)
+        out[ga] = dict(calls, micro_batches=res.micro_batches)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dit_train.config import compose
+    from dit_train.data import prepare_data
+    from dit_train.engine.launch import launch_local
+    from dit_train.engine.layout_equivalence import apply_layout, parse_layout
+    from dit_train.parallel.mesh import ParallelDims
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("overrides", nargs="*")
+    ap.add_argument("--grad-accum", default="1,2,4,8")
+    ap.add_argument("--layout", action="append", default=[], help="e.g. dp_shard=2 (repeatable; default dp_shard=2 and ddp)")
+    ap.add_argument("--out", default="")
+    ap.add_argument("--quick", action="store_true", help="tiny model, grad_accum 1,2, FSDP2 only")
+    a = ap.parse_args(argv)
+    quick = ["model.dim=32", "model.depth=2", "data.num_clips=16", "data.max_frames=8", "train.micro_batch_tokens=400"]
+    cfg = compose(["train.progress=false", "train.global_batch=16", *(quick if a.quick else []), *a.overrides])
+    gas = [1, 2] if a.quick else [int(x) for x in a.grad_accum.split(",")]
+    layouts = a.layout or (["dp_shard=2"] if a.quick else ["dp_shard=2", "dp_shard=2,dp_mode=ddp"])
+    prepare_data(cfg.data, cfg.model)
+    rows = []
+    for spec in layouts:
+        c = apply_layout(cfg, parse_layout(spec))
+        world = ParallelDims.from_config(c.parallel).world
+        counts = launch_local(count_step_collectives, (c, gas), world, c.launcher)[0]
+        for ga in gas:
+            k = counts[ga]
+            rows.append({"layout": spec, "grad_accum": ga, "micro_batches": k["micro_batches"],
+                         "reduce_scatter": k.get("reduce_scatter_tensor", 0) + k.get("reduce_scatter_single", 0),
+                         "all_reduce": k.get("all_reduce", 0)})
+    print(format_table(rows))
+    flat = all(len({(r["reduce_scatter"], r["all_reduce"]) for r in rows if r["layout"] == s}) == 1 for s in layouts)
+    print(f"gradient collectives (reduce_scatter, all_reduce) per step flat in grad_accum: {'yes' if flat else 'NO'}")
+    p = write_json(a.out, "collectives", {"args": vars(a), "rows": rows, "flat": flat})
+    print(f"wrote {p}")
+    return 0 if flat else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""MFU of the packed DiT on one GPU, and activation memory per rank vs context-parallel degree.
+
+    # one GPU (H100): ~1.5B DiT, bf16 autocast, 8k and 32k tokens, AC off/on, compile off/on
+    python -m dit_train.tools.bench_mfu --model dit_1b --tokens 8192,32768 --ac off,on --compile off,on --backend flash,xformers,sdpa
+    # CP activation memory vs degree (needs that many GPUs; gloo + CPU works for tiny models)
+    python -m dit_train.tools.bench_mfu --model dit_1b --cp-memory 1,2,4,8 --tokens 32768
+    # CPU dry run (what the tests run)
+    python -m dit_train.tools.bench_mfu --model dit_tiny --device cpu --tokens 512 --steps 2 --precision fp32
+
+FLOPs (dit_train/perf/flops.py): 6·N_tok·ΣT_b + 12·d·depth·ΣT_b² per step (model FLOPs;
+activation-checkpointing recompute not counted). MFU = FLOPs / (step time · peak); peak
+defaults to 989 TFLOP/s (H100 SXM dense bf16) on CUDA; on CPU give --peak-tflops or read the
+achieved TFLOP/s. Each pack holds `tokens / sample_tokens` samples of `--sample-tokens`
+(default: one sample per pack). The estimate of `dit_train.perf.memory` is printed next to
+the measured `torch.cuda.max_memory_allocated`.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from dit_train.perf.bench import format_table, write_json
+from dit_train.perf.flops import mfu, train_flops
+from dit_train.perf.memory import GIB, estimate_memory, model_shape
+from dit_train.tasks.video import model_context
+
+
+def model_cfg(name: str):
+    """The model node of conf/model/<name>.yaml."""
+    from dit_train.config import compose
+
+    return compose([f"model={name}"]).model
+
+
+def make_pack(cfg, tokens: int, sample_tokens: int, device, seed: int = 0):
+    """A packed micro-batch of `tokens` tokens made of samples of `sample_tokens` tokens."""
+    from dit_train.batch import PackedBatch
+
+    g = torch.Generator().manual_seed(seed)
+    pd = cfg.in_channels * cfg.patch_size[0] * cfg.patch_size[1] * cfg.patch_size[2]
+    lens = [sample_tokens] * (tokens // sample_tokens) + ([tokens % sample_tokens] if tokens % sample_tokens else [])
+    seg = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])
+    order = torch.cat([torch.arange(n) for n in lens])
+    side = 64  # (t, h, w) coordinates of a 64x64-token frame grid
+    pos = torch.stack([order // (side * side), (order // side) % side, order % side], dim=-1)
+    batch = PackedBatch(seg=seg, pos=pos, order=order, valid=torch.ones_like(seg, dtype=torch.bool),
+                        tokens={"x": torch.randn(tokens, pd, generator=g), "target": torch.randn(tokens, pd, generator=g)},
+                        samples={"t": torch.rand(len(lens), generator=g)}, sample_ids=torch.arange(len(lens)))
+    if cfg.text_dim:  # text-conditioned model: full-length captions for every clip
+        batch.samples["context"] = torch.randn(len(lens), cfg.text_len, cfg.text_dim, generator=g)
+        batch.samples["context_len"] = torch.full((len(lens),), cfg.text_len, dtype=torch.long)
+    return batch, lens
+
+
+def run_single(cfg, tokens, sample_tokens, ac, compile_, backend, precision, device, steps, peak):
+    from dit_train.models import build_model, init_weights, model_spec
+    from dit_train.parallel.parallelize import apply_activation_checkpointing, apply_compile
+    from kernels import VarlenLayout, resolve_backend
+
+    backend = resolve_backend(backend, device)
+    model = build_model(cfg, backend)
+    init_weights(model, 0, "normal")
+    model.to(device)
+    if ac:
+        apply_activation_checkpointing(model_spec(cfg).blocks(model))
+    if compile_:
+        apply_compile(model_spec(cfg).blocks(model))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    batch, lens = make_pack(cfg, tokens, sample_tokens, device)
+    batch = batch.to(device)
+    meta = VarlenLayout.build(batch.seg, batch.order, False)
+    amp = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else torch.autocast(device.type, enabled=False)
+    cuda = device.type == "cuda"
+    times = []
+    for step in range(steps):
+        if cuda:
+            torch.cuda.synchronize()
+            if step == 1:
+                torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        with amp:
+            pred = model(batch.tokens["x"], batch.pos, batch.seg, batch.samples["t"], meta, **model_context(batch))
+            loss = ((pred.float() - batch.tokens["target"]) ** 2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    shape = model_shape(cfg)
+    flops = train_flops(shape, lens)
+    t = statistics.median(times[1:]) if steps > 1 else times[0]
+    est = estimate_memory(shape, dp_replicate=1, dp_shard=1, cp_ulysses=1, cp_ring=1, micro_batch_tokens=tokens,
+                          checkpointing=ac, precision=precision, backend=backend, dp_mode="none")
+    row = {"tokens": tokens, "samples": len(lens), "ac": "on" if ac else "off", "compile": "on" if compile_ else "off",
+           "backend": backend, "step_s": t, "TFLOPs": flops / t / 1e12, "est_GiB": est.total / GIB}
+    if peak:
+        row["MFU"] = mfu(flops, t, peak)
+    if cuda:
+        row["peak_GiB"] = torch.cuda.max_memory_allocated() / GIB
+        row["est_err"] = (est.total - torch.cuda.max_memory_allocated()) / torch.cuda.max_memory_allocated()
+    del model, opt
+    if cuda:
+        torch.cuda.empty_cache()
+    return row
+
+
+def _cp_worker(cfg, tokens, sample_tokens, precision, backend):
+    """One rank of a cp_ulysses=world layout: activation bytes of one forward on this rank."""
+    from dit_train.parallel.context_parallel import split_for_cp
+    from dit_train.parallel.mesh import init_parallel
+    from dit_train.perf.memory import saved_activation_bytes
+    from dit_train.engine.build import build_parallel_model
+
+    ctx = init_parallel(cfg.parallel)
+    model = build_parallel_model(cfg, ctx)
+    full, _ = make_pack(cfg.model, tokens, sample_tokens, "cpu")
+    cp = ctx.dims.cp
+    if cp > 1:
+        local, meta = split_for_cp(full, cp, ctx.cp_rank, "contiguous")
+        meta = meta.to(ctx.device)
+    else:
+        from kernels import VarlenLayout
+
+        local, meta = full, VarlenLayout.build(full.seg, full.order, False)
+    local = local.to(ctx.device)
+    amp = torch.autocast(ctx.device.type, dtype=torch.bfloat16) if precision == "bf16" else torch.autocast(ctx.device.type, enabled=False)
+    cuda = ctx.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    with amp:
+        fwd = lambda: model(local.tokens["x"], local.pos, local.seg, local.samples["t"], meta, **model_context(local))  # noqa: E731
+        saved, pred = saved_activation_bytes(fwd, exclude=list(model.parameters()))
+    out = {"saved_bytes": saved, "local_tokens": int(local.seg.numel())}
+    if cuda:
+        out["peak_minus_base"] = torch.cuda.max_memory_allocated() - base
+    ((pred.float() - local.tokens["target"]) ** 2).mean().backward()
+    return out
+
+
+def cp_memory(model_name, degrees, tokens, sample_tokens, precision, device, backend):
+    from dit_train.config import compose
+    from dit_train.engine.launch import launch_local
+
+    rows = []
+    for k in degrees:
+        cfg = compose([f"model={model_name}", f"model.attn_backend={backend}", f"parallel.cp_ulysses={k}",
+                       "parallel.dp_mode=none", f"parallel.device={device}", f"train.precision={precision}"])
+        res = launch_local(_cp_worker, (cfg, tokens, sample_tokens, precision, backend), k, cfg.launcher) if k > 1 \
+            else {0: _cp_worker(cfg, tokens, sample_tokens, precision, backend)}
+        shape = model_shape(cfg.model)
+        est = estimate_memory(shape, dp_replicate=1, dp_shard=1, cp_ulysses=k, cp_ring=1, micro_batch_tokens=tokens,
+                              checkpointing=False, precision=precision, backend=backend, dp_mode="none")
+        row = {"cp_ulysses": k, "tokens": tokens, "local_tokens": res[0]["local_tokens"],
+               "saved_act_GiB": max(r["saved_bytes"] for r in res.values()) / GIB, "est_act_GiB": est.activations / GIB}
+        if "peak_minus_base" in res[0]:
+            row["cuda_fwd_peak_GiB"] = max(r["peak_minus_base"] for r in res.values()) / GIB
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="dit_1b", help="a conf/model/*.yaml name")
+    ap.add_argument("--tokens", default="8192,32768")
+    ap.add_argument("--sample-tokens", type=int, default=0, help="tokens per sample (default: one sample per pack)")
+    ap.add_argument("--ac", default="off,on")
+    ap.add_argument("--compile", default="off")
+    ap.add_argument("--backend", default="auto", help="comma list of kernels/attention backends")
+    ap.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--steps", type=int, default=6, help="steps per config; the first is warm-up")
+    ap.add_argument("--peak-tflops", type=float, default=0.0, help="default 989 on CUDA (H100 bf16), none on CPU")
+    ap.add_argument("--cp-memory", default="", help="e.g. 1,2,4,8: activation bytes per rank vs cp_ulysses")
+    ap.add_argument("--out", default="")
+    a = ap.parse_args(argv)
+    device = torch.device(a.device)
+    peak = a.peak_tflops or (989.0 if device.type == "cuda" else 0.0)
+    cfg = model_cfg(a.model)
+    tokens = [int(x) for x in a.tokens.split(",")]
+    on = lambda s: [x == "on" for x in s.split(",")]  # noqa: E731
+    if a.cp_memory:
+        rows = cp_memory(a.model, [int(x) for x in a.cp_memory.split(",")], tokens[0], a.sample_tokens or tokens[0],
+                         a.precision, a.device, a.backend if a.backend != "auto" else ("flash" if device.type == "cuda" else "sdpa"))
+        name = "cp_memory"
+    else:
+        rows = []
+        for T, ac, comp, backend in itertools.product(tokens, on(a.ac), on(a.compile), a.backend.split(",")):
+            rows.append(run_single(cfg, T, a.sample_tokens or T, ac, comp, backend, a.precision, device, a.steps, peak))
+            print(format_table(rows[-1:]), flush=True)
+        name = "mfu"
+    shape = model_shape(cfg)
+    print(f"model {a.model}: {shape.params / 1e6:.1f}M params ({shape.params_per_token / 1e6:.1f}M per-token matmul), "
+          f"{a.precision}, device {a.device}{f', peak {peak:g} TFLOP/s' if peak else ''}")
+    print(format_table(rows))
+    p = write_json(a.out, name, {"args": vars(a), "rows": rows})
+    print(f"wrote {p}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""Encode a video source once into a latent cache for `data=latent_cache`.
+
+    python -m dit_train.tools.cache_latents --vae /models/Wan2.1-T2V-1.3B-Diffusers --text-encoder /models/Wan2.1-T2V-1.3B-Diffusers \\
+        --out latents/my_videos data=video_folder data.root=videos/ data.max_frames=81 'data.resolution_buckets=[[480,832]]'
+    python -m dit_train.tools.cache_latents --workers 4 ...          # 4 local processes (one GPU each when there are 4)
+    torchrun --nproc-per-node 8 tools/cache_latents ... # or any launcher that sets RANK / WORLD_SIZE
+
+The source is chosen with the same data overrides as `python -m dit_train` (`data=video_folder
+data.root=...`, or the embedded `data=synthetic_video`), with its frame rate / stride / length
+and resolution buckets. `--vae` / `--text-encoder` take a model folder or a whole diffusers
+pipeline folder (its vae/, text_encoder/, tokenizer/ are used). Without `--text-encoder` only
+latents are cached. Clip i goes to rank i % world; each clip's file is written atomically, so an
+interrupted run is resumed by running the same command again (done clips are skipped).
+Unreadable videos are skipped and listed in <out>/report.json.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+
+def compose_data(overrides: list[str]):
+    """cfg.data from conf/ with `overrides` (the same groups and keys as training)."""
+    from dit_train.config import compose
+
+    return compose(overrides).data
+
+
+def source_settings(data) -> dict:
+    src = {"name": data.name, "max_frames": data.max_frames, "frame_stride": data.frame_stride, "fps": data.fps,
+           "resolution_buckets": [list(b) for b in data.resolution_buckets]}
+    if data.name == "synthetic_video":
+        src.update(num_clips=data.num_clips, gen_seed=data.gen_seed)
+    else:
+        src["root"] = str(Path(data.root).expanduser().resolve())
+    return src
+
+
+def pick_device(spec: str, local_rank: int) -> str:
+    import torch
+
+    if spec == "auto":
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
+    if spec == "cuda" and torch.cuda.device_count() > 0:
+        return f"cuda:{local_rank % torch.cuda.device_count()}"
+    return spec
+
+
+def run_rank(rank: int, world: int, local_rank: int, args: argparse.Namespace, data, init_method: str | None) -> dict | None:
+    """One rank's share; rank 0 also writes meta.json, the null caption and, once every rank
+    is done, manifest.jsonl and report.json. Returns the report on rank 0."""
+    import torch
+    import torch.distributed as dist
+
+    from data_pipelines import latent_cache as lc
+    from dit_train.data import prepare_data, source_for
+
+    if world > 1:
+        if args.workers > 1:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(hours=24))  # ranks may wait long for the slowest
+    try:
+        out = Path(args.out).expanduser()
+        device, dtype = pick_device(args.device, local_rank), lc.DTYPES[args.dtype]
+        vae = lc.VaeCodec(args.vae, device, dtype, tiling=args.vae_tiling)
+        text = lc.TextEncoder(args.text_encoder, args.tokenizer, args.max_text_len, device, dtype) if args.text_encoder else None
+        bad = [b for b in data.resolution_buckets if b[0] % vae.spatial or b[1] % vae.spatial]
+        if bad:
+            raise ValueError(f"data.resolution_buckets {bad} are not multiples of the VAE's spatial factor {vae.spatial}")
+        settings = lc.CacheSettings(vae=vae.path, text_encoder=text.path if text else "",
+                                    tokenizer=text.tokenizer_path if text else "", max_text_len=args.max_text_len if text else 0,
+                                    dtype=args.dtype, source=source_settings(data)).as_dict()
+        lc.check_or_write_meta(out, lc.build_meta(vae, text, settings), write=rank == 0)
+        if rank == 0 and text is not None and not (out / lc.NULL_TEXT).is_file():
+            lc.write_null_text(out, text)
+        if rank == 0:
+            prepare_data(data)  # embedded clips / folder index, once
+        if world > 1:
+            dist.barrier()
+        source = source_for(data, None)
+        if not hasattr(source, "pixel_dataset"):
+            raise ValueError(f"data={data.name} is not a source of pixel videos (use data=synthetic_video or video_folder)")
+        dataset = source.pixel_dataset((1, vae.spatial, vae.spatial), cache_items=0)
+        report = lc.encode_shard(dataset, out, vae, text, rank, world, progress=not args.no_progress)
+        reports = [report]
+        if world > 1:
+            reports = [None] * world
+            dist.all_gather_object(reports, report)  # also the barrier: every rank has finished
+        if rank == 0:
+            return lc.write_manifest(out, dataset, reports)
+        return None
+    finally:
+        if world > 1:
+            dist.destroy_process_group()
+
+
+def _spawned(rank: int, world: int, args: argparse.Namespace, data, init_method: str) -> None:
+    run_rank(rank, world, rank, args, data, init_method)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("overrides", nargs="*", help="config overrides choosing the source, e.g. data=video_folder data.root=videos/")
+    ap.add_argument("--out", required=True, help="cache folder (then train with data=latent_cache data.root=<out>)")
+    ap.add_argument("--vae", required=True, help="local diffusers VAE folder (e.g. AutoencoderKLWan), or a pipeline folder")
+    ap.add_argument("--text-encoder", default="", help="local transformers encoder folder (T5/UMT5/...), or a pipeline folder")
+    ap.add_argument("--tokenizer", default="", help="tokenizer folder (default: the text encoder's)")
+    ap.add_argument("--max-text-len", type=int, default=512, help="captions are truncated to this many tokens")
+    ap.add_argument("--workers", type=int, default=1, help="local processes to start (ignored under torchrun)")
+    ap.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    ap.add_argument("--dtype", default="fp32", choices=sorted(["fp32", "bf16", "fp16"]), help="VAE / text encoder precision")
+    ap.add_argument("--vae-tiling", action="store_true", help="tiled VAE encoding (large frames, less memory)")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_intermixed_args(argv)
+    try:
+        data = compose_data(args.overrides)
+        if data.name not in ("synthetic_video", "video_folder"):
+            raise ValueError(f"data={data.name} is not a video source; use data=video_folder data.root=... (or data=synthetic_video)")
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun / SLURM-style launcher
+            report = run_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+                              int(os.environ.get("LOCAL_RANK", 0)), args, data, "env://")
+        elif args.workers > 1:
+            import torch.multiprocessing as mp
+
+            mp.spawn(_spawned, args=(args.workers, args, data, f"tcp://127.0.0.1:{_free_port()}"), nprocs=args.workers)
+            report = json.loads((Path(args.out).expanduser() / "report.json").read_text())
+        else:
+            report = run_rank(0, 1, 0, args, data, None)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    if report is not None:
+        print(f"{report['samples']} clips in {args.out} ({report['encoded']} encoded now, {report['reused']} already there); "
+              f"{len(report['unreadable'])} unreadable, {len(report['skipped_by_source'])} skipped by the source "
+              f"(listed in {Path(args.out) / 'report.json'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
