@@ -77,7 +77,8 @@ def scan_manifest(path: Path) -> tuple[list[dict], list[tuple[str, str]]]:
             rows.append(row)
     if not rows:
         raise ValueError(f"manifest {path} has no usable row" + (f": {describe(skipped, 'row')}" if skipped else "")
-                         + '; each row needs a "path" (relative to the manifest\'s folder, or absolute) and a "caption"')
+                         + '; each row needs a "path" (relative to the manifest\'s folder, or absolute) '
+                           'and a "caption"')
     warn_once(log, describe(skipped, "row"))
     return rows, [(f"{s.file}:{s.line}", s.why) for s in skipped]
 

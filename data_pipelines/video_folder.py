@@ -90,7 +90,8 @@ def _scan_folder(root: Path) -> tuple[list[tuple[str, str]], list[tuple[str, str
         if p.suffix.lower() not in VIDEO_EXTENSIONS or not p.is_file():
             continue
         # clip.txt first, then clip.TXT, then any other case (one caption per clip on case-sensitive disks)
-        found = sorted(captions.get((p.parent, p.stem), []), key=lambda q: (q.suffix != ".txt", q.suffix != ".TXT", q.name))
+        found = sorted(captions.get((p.parent, p.stem), []),
+                       key=lambda q: (q.suffix != ".txt", q.suffix != ".TXT", q.name))
         caption, why = _read_caption(found[0]) if found else ("", "")
         if why:
             skipped.append((str(p.resolve()), why))

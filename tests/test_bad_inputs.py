@@ -38,7 +38,7 @@ def test_binary_file_is_refused_naming_the_file(tmp_path):
         load_text_datasets(str(tmp_path / "weights.bin"), "byte", 64, 0.0)
     # no NUL, but mostly not UTF-8 (e.g. a compressed file or a Latin-1 text): refused as well
     (tmp_path / "data.gz").write_bytes(bytes(b for b in blob if b) + b"\n" + blob[128:].replace(b"\x00", b"\n"))
-    with pytest.raises(ValueError, match=r"data\.gz looks binary or is not UTF-8: \d+% of its paragraphs are not UTF-8"):
+    with pytest.raises(ValueError, match=r"data\.gz looks binary or is not UTF-8: \d+% of its paragraphs are not"):
         load_text_datasets(str(tmp_path / "data.gz"), "byte", 64, 0.0)
 
 
@@ -148,7 +148,8 @@ def test_manifest_bad_rows_are_skipped_with_line_numbers(clips, tmp_path, caplog
     with caplog.at_level(logging.WARNING):
         got, skipped = scan_clips(m)
     assert [c for _, c in got] == [good[0]["caption"], "", good[2]["caption"]]  # null caption = no caption
-    assert skipped == [(f"{m}:2", 'no "path"'), (f"{m}:3", '"path" is a number (7)'), (f"{m}:4", '"caption" is a number (5)'),
+    assert skipped == [(f"{m}:2", 'no "path"'), (f"{m}:3", '"path" is a number (7)'),
+                       (f"{m}:4", '"caption" is a number (5)'),
                        (f"{m}:6", "not a JSON object (a list)"),
                        (f"{m}:8", "not JSON (Unterminated string starting at: column 10)")]
     assert f"skipped 5 row(s) of {m}: line 2:" in caplog.text
