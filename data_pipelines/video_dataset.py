@@ -6,6 +6,7 @@ in a small LRU cache: the embedded set is tiny and is read every epoch.
 """
 from __future__ import annotations
 
+import io
 import json
 import logging
 import threading
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from data_pipelines.records import Skip, decode_utf8, describe, json_kind, normalize_newlines, unencodable, warn_once
 from data_pipelines.video_io import VideoInfo, VideoReadError, frame_indices, probe, read_frames, to_model_range
 
 log = logging.getLogger(__name__)
@@ -39,34 +41,131 @@ class VideoSample:
     text_emb: torch.Tensor | None = None
 
 
-def read_manifest(path: Path) -> list[dict]:
-    """Rows of a .jsonl or .csv manifest (columns: path, caption[, frames, height, width, fps])."""
-    if path.suffix == ".jsonl":
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    if path.suffix == ".csv":
-        import csv
+MANIFEST_SUFFIXES = (".jsonl", ".csv")
 
-        with path.open(newline="") as f:
-            return list(csv.DictReader(f))
-    raise ValueError(f"manifest {path} must be .jsonl or .csv")
+
+def scan_manifest(path: Path) -> tuple[list[dict], list[tuple[str, str]]]:
+    """Usable rows of a .jsonl or .csv manifest (extension in any case), and (`<manifest>:<line>`,
+    why) of each row left out (warned about once, with the first few named).
+
+    Columns: path, caption[, frames, height, width, fps]. A usable row has a non-empty string
+    `path` and a string `caption`; a missing, empty or null caption is the empty caption (the
+    clip trains uncaptioned, as a video without a .txt does: null is how pandas writes a missing
+    value). Left out: lines that are not UTF-8 or not JSON objects, rows without a path, and a
+    path or caption of another type (a number or a list is a column mix-up; its text would be a
+    wrong caption, worse than none). Errors (ValueError naming the manifest): another extension,
+    a binary file, a CSV without a `path` column, no usable row.
+    """
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in MANIFEST_SUFFIXES:
+        raise ValueError(f"manifest {path} must be .jsonl or .csv")
+    try:
+        data = normalize_newlines(path.read_bytes())
+    except OSError as e:
+        raise ValueError(f"manifest {path} cannot be read: {e}") from e
+    if b"\x00" in data:
+        raise ValueError(f"manifest {path} looks binary (it holds NUL bytes); write it as UTF-8 .csv or .jsonl "
+                         f"with columns path, caption")
+    numbered = _jsonl_rows(data) if suffix == ".jsonl" else _csv_rows(path, data)
+    rows, skipped = [], []
+    for line, row in numbered:
+        why = row if isinstance(row, str) else _row_problem(row)
+        if why:
+            skipped.append(Skip(str(path), line, why))
+        else:
+            rows.append(row)
+    if not rows:
+        raise ValueError(f"manifest {path} has no usable row" + (f": {describe(skipped, 'row')}" if skipped else "")
+                         + '; each row needs a "path" (relative to the manifest\'s folder, or absolute) '
+                           'and a "caption"')
+    warn_once(log, describe(skipped, "row"))
+    return rows, [(f"{s.file}:{s.line}", s.why) for s in skipped]
+
+
+def read_manifest(path: Path) -> list[dict]:
+    """Usable rows of a .jsonl or .csv manifest (see scan_manifest; left-out rows are warned about)."""
+    return scan_manifest(path)[0]
+
+
+def _jsonl_rows(data: bytes) -> list[tuple[int, dict | str]]:
+    """(line, row or why it cannot be read) of each non-blank line."""
+    out: list[tuple[int, dict | str]] = []
+    for i, raw in enumerate(data.split(b"\n")):
+        if not raw.strip():
+            continue
+        line, bad_at, why = decode_utf8(raw)
+        if line is None:
+            out.append((i + 1, f"{why} at column {bad_at + 1}"))
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            out.append((i + 1, f"not JSON ({e.msg}: column {e.colno})"))
+            continue
+        out.append((i + 1, row if isinstance(row, dict) else f"not a JSON object ({json_kind(row)})"))
+    return out
+
+
+def _csv_rows(path: Path, data: bytes) -> list[tuple[int, dict | str]]:
+    """(line, row or why it cannot be read) of each CSV record. Bytes that are not UTF-8 are
+    kept as surrogates while parsing (a record may span lines) and the record holding them is
+    left out, not the file."""
+    import csv
+
+    reader = csv.DictReader(io.StringIO(data.decode("utf-8", errors="surrogateescape"), newline=""))
+    if "path" not in (reader.fieldnames or []):
+        raise ValueError(f"manifest {path} needs a `path` column (and `caption`); it has {reader.fieldnames or []}")
+    out: list[tuple[int, dict | str]] = []
+    for row in reader:
+        row.pop(None, None)  # the surplus cells of a row longer than the header
+        bad = next((c for v in row.values() if isinstance(v, str) for c in v if "\udc80" <= c <= "\udcff"), None)
+        out.append((reader.line_num, row if bad is None else f"not UTF-8 (byte 0x{ord(bad) - 0xdc00:02x})"))
+    return out
+
+
+def _row_problem(row: dict) -> str:
+    """Why a manifest row cannot be used ('' if it can); fills in the empty caption."""
+    if "path" not in row or row["path"] is None:
+        return 'no "path"'
+    if not isinstance(row["path"], str):
+        return f'"path" is {json_kind(row["path"])}'
+    if not row["path"].strip():
+        return '"path" is empty'
+    if why := unencodable(row["path"]):
+        return f'"path" {why}'
+    caption = row.get("caption")
+    if caption is None:
+        row["caption"] = ""
+    elif not isinstance(caption, str):
+        return f'"caption" is {json_kind(caption)}'
+    elif why := unencodable(caption):
+        return f'"caption" {why}'
+    return ""
 
 
 def manifest_entries(manifest: Path) -> tuple[list[ClipEntry], list[tuple[str, str]]]:
-    """(entries, skipped) of a manifest; rows without size metadata are probed with decord,
-    and files that cannot be opened are skipped and counted as (path, why)."""
+    """(entries, skipped) of a manifest: rows without size metadata are probed with decord. Rows
+    that cannot be used (see scan_manifest) and files that cannot be opened are skipped and
+    counted as (`<manifest>:<line>` or path, why)."""
+    manifest = Path(manifest)
     root = manifest.parent
-    entries, bad = [], []
-    for row in read_manifest(manifest):
+    rows, bad = scan_manifest(manifest)
+    entries = []
+    for row in rows:
         path = str((root / row["path"]).resolve()) if not Path(row["path"]).is_absolute() else row["path"]
         try:
             if all(row.get(k) not in (None, "") for k in ("frames", "height", "width")):
                 info = VideoInfo(int(row["frames"]), int(row["height"]), int(row["width"]), float(row.get("fps") or 0))
             else:
                 info = probe(path)
-        except (VideoReadError, ValueError) as err:
+        except VideoReadError as err:
             bad.append((path, str(err)))
             continue
-        entries.append(ClipEntry(path, str(row.get("caption", "")), info))
+        except (ValueError, TypeError) as err:  # TypeError: "frames": [8] in a JSON row
+            bad.append((path, f"columns frames/height/width/fps are not numbers: {err}"))
+            continue
+        entries.append(ClipEntry(path, row["caption"], info))
     if not entries:
         raise ValueError(f"no readable clip in {manifest} ({len(bad)} unreadable)")
     return entries, bad

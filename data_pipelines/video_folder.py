@@ -5,7 +5,9 @@ Every file is probed once (frame count, size, fps; decord opens it and decodes o
 token counts are known without decoding. Probe results are kept in an index file under
 `data.cache_dir`, keyed by (path, size, mtime): later runs, and every rank of a run, read the
 index instead of probing again; a changed or added file is probed anew. Files that cannot be
-opened are skipped and counted (`ClipIndex.skipped`, and listed in the index file).
+opened are skipped and counted (`ClipIndex.skipped`, and listed in the index file); so are
+clips whose caption file is not UTF-8 and manifest rows that cannot be used, each named with
+its file (and line) in a warning.
 """
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from data_pipelines.video_dataset import ClipEntry, read_manifest
+from data_pipelines.records import decode_utf8, normalize_newlines, warn_once
+from data_pipelines.video_dataset import MANIFEST_SUFFIXES, ClipEntry, scan_manifest
 from data_pipelines.video_io import VideoInfo, VideoReadError, probe
 
 log = logging.getLogger(__name__)
@@ -29,36 +32,87 @@ VIDEO_EXTENSIONS = (".mp4", ".webm", ".mov", ".mkv", ".avi")
 @dataclass
 class ClipIndex:
     entries: list[ClipEntry]  # readable clips, sorted by path (sample ids are positions here)
-    skipped: list[tuple[str, str]] = field(default_factory=list)  # (path, why) of unreadable files
+    # (where, why) of clips left out: unreadable videos and caption files (where = the video),
+    # unusable manifest rows (where = "<manifest>:<line>")
+    skipped: list[tuple[str, str]] = field(default_factory=list)
     uncaptioned: int = 0  # clips without a caption (kept, trained with the empty caption)
 
 
-def list_clips(root: str | os.PathLike) -> list[tuple[str, str]]:
-    """(absolute path, caption) of every clip under `root`, sorted by path.
+def scan_clips(root: str | os.PathLike) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """(absolute path, caption) of every clip under `root`, sorted by path, and (where, why) of
+    each clip left out (warned about once).
 
-    root: a folder, searched recursively for VIDEO_EXTENSIONS, each video's caption read from
-    the .txt file with the same stem beside it (empty if none); or a .csv/.jsonl manifest with
-    columns `path` (relative to the manifest's folder, or absolute) and `caption`.
+    root: a folder, searched recursively for VIDEO_EXTENSIONS (any case: .MP4 too), each video's
+    caption read from the file beside it with the same stem and extension .txt in any case
+    (clip.txt, else clip.TXT; empty caption if there is none); or a .csv/.jsonl manifest with
+    columns `path` (relative to the manifest's folder, or absolute) and `caption` (rows left
+    out: see scan_manifest; `where` is `<manifest>:<line>`).
+
+    A caption file that cannot be read as UTF-8 leaves its clip out (`where` is the video, `why`
+    names the caption file) rather than training it uncaptioned: the author meant the clip to
+    be conditioned on that text, and an unconditional example in its place would go unnoticed;
+    the fix (save the caption as UTF-8) is the user's.
     """
+    if root is None or not os.fspath(root).strip():  # Path("") is ".": it would scan the working directory
+        raise ValueError("data=video_folder needs data.root=<folder of videos, or a .csv/.jsonl manifest>")
     root = Path(root).expanduser()
     if root.is_file():
-        rows = read_manifest(root)
-        if rows and "path" not in rows[0]:
-            raise ValueError(f"manifest {root} needs a `path` column (and `caption`); it has {sorted(rows[0])}")
+        if root.suffix.lower() not in MANIFEST_SUFFIXES:
+            raise ValueError(f"data.root={str(root)!r} is a file but not a .csv/.jsonl manifest; point it at the "
+                             f"folder holding the videos, or at a manifest")
+        rows, skipped = scan_manifest(root)
         base = root.parent
-        out = [(str(Path(r["path"]) if Path(r["path"]).is_absolute() else (base / r["path"]).resolve()),
-                str(r.get("caption") or "")) for r in rows]
+        out = [(str(Path(r["path"]) if Path(r["path"]).is_absolute() else (base / r["path"]).resolve()), r["caption"])
+               for r in rows]
     elif root.is_dir():
-        out = []
-        for p in sorted(root.rglob("*")):
-            if p.suffix.lower() in VIDEO_EXTENSIONS and p.is_file():
-                txt = p.with_suffix(".txt")
-                out.append((str(p.resolve()), txt.read_text(encoding="utf-8").strip() if txt.is_file() else ""))
+        out, skipped = _scan_folder(root)
     else:
         raise ValueError(f"data.root={str(root)!r} does not exist; point it at a folder of videos or a .csv/.jsonl manifest")
     if not out:
-        raise ValueError(f"data.root={str(root)!r} holds no video ({', '.join(VIDEO_EXTENSIONS)})")
-    return sorted(out)
+        raise ValueError(f"data.root={str(root)!r} holds no video ({', '.join(VIDEO_EXTENSIONS)})"
+                         + (f"; {len(skipped)} left out, e.g. {skipped[0][0]}: {skipped[0][1]}" if skipped else ""))
+    return sorted(out), skipped
+
+
+def list_clips(root: str | os.PathLike) -> list[tuple[str, str]]:
+    """(absolute path, caption) of every clip under `root`, sorted by path (see scan_clips)."""
+    return scan_clips(root)[0]
+
+
+def _scan_folder(root: Path) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    files = sorted(root.rglob("*"))
+    captions: dict[tuple[Path, str], list[Path]] = {}
+    for p in files:
+        if p.suffix.lower() == ".txt":
+            captions.setdefault((p.parent, p.stem), []).append(p)
+    out, skipped = [], []
+    for p in files:
+        if p.suffix.lower() not in VIDEO_EXTENSIONS or not p.is_file():
+            continue
+        # clip.txt first, then clip.TXT, then any other case (one caption per clip on case-sensitive disks)
+        found = sorted(captions.get((p.parent, p.stem), []),
+                       key=lambda q: (q.suffix != ".txt", q.suffix != ".TXT", q.name))
+        caption, why = _read_caption(found[0]) if found else ("", "")
+        if why:
+            skipped.append((str(p.resolve()), why))
+        else:
+            out.append((str(p.resolve()), caption))
+    if skipped:
+        warn_once(log, f"skipped {len(skipped)} clip(s) whose caption file cannot be read, e.g. {skipped[0][1]} "
+                       f"(all listed in ClipIndex.skipped)")
+    return out, skipped
+
+
+def _read_caption(txt: Path) -> tuple[str, str]:
+    """(caption, "") of a caption file, or ("", why) naming the file."""
+    try:
+        raw = normalize_newlines(txt.read_bytes())
+    except OSError as e:
+        return "", f"caption file {txt} cannot be read: {e.strerror or e}"
+    text, bad_at, why = decode_utf8(raw)
+    if text is None:
+        return "", f"caption file {txt}: {why} at offset {bad_at}; save it as UTF-8"
+    return text.strip(), ""
 
 
 def index_path(cache_dir: str | os.PathLike, root: str | os.PathLike) -> Path:
@@ -149,8 +203,12 @@ _reported: set[tuple[str, int, int]] = set()
 
 def index_video_folder(root: str | os.PathLike, cache_dir: str | os.PathLike, workers: int = 0,
                        progress: bool = True) -> ClipIndex:
-    """list_clips + index_clips with the index kept under `cache_dir` (idempotent, safe to race)."""
-    return index_clips(list_clips(root), index_path(cache_dir, root), workers, progress)
+    """scan_clips + index_clips with the index kept under `cache_dir` (idempotent, safe to race).
+    `skipped` lists the clips scan_clips left out first, then the unreadable videos."""
+    clips, left_out = scan_clips(root)  # first: refuses an empty root before index_path resolves it
+    index = index_clips(clips, index_path(cache_dir, root), workers, progress)
+    index.skipped = left_out + index.skipped
+    return index
 
 
 def _write_atomic(path: Path, text: str) -> None:

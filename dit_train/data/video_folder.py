@@ -18,21 +18,16 @@ class VideoFolderSource(PixelVideoSource):
     name = "video_folder"
     config = VideoFolderConfig
 
-    def _root(self) -> str:
-        if not self.cfg.root:
-            raise ValueError("data=video_folder needs data.root=<folder of videos, or a .csv/.jsonl manifest>")
-        return self.cfg.root
-
     def prepare(self) -> None:
         """Probe every file once (workers then read the index instead of probing)."""
         from data_pipelines.video_folder import index_video_folder
 
-        index_video_folder(self._root(), self.cfg.cache_dir, self.cfg.num_workers)
+        index_video_folder(self.cfg.root, self.cfg.cache_dir, self.cfg.num_workers)
 
     def entries(self) -> tuple[list, list]:
         from data_pipelines.video_folder import index_video_folder
 
-        root = self._root()
+        root = self.cfg.root  # "" is refused by the data layer with the key to set
         index = index_video_folder(root, self.cfg.cache_dir, self.cfg.num_workers)
         if not index.entries:
             raise ValueError(f"no readable video under data.root={root} ({len(index.skipped)} unreadable, "

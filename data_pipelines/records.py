@@ -1,0 +1,94 @@
+"""Helpers for records people write by hand: corpus lines, manifest rows, caption files.
+
+The rule everywhere: no silent garbage, and one bad record never stops a run. Bytes are
+decoded as UTF-8 strictly (`errors="replace"` would turn a binary file or a Latin-1 corpus into
+training data full of U+FFFD without a word); a record that cannot be read exactly is left out,
+named by file and line, and counted; a file that is not text at all is refused by the caller
+with one error naming it.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, NamedTuple
+
+BOM = b"\xef\xbb\xbf"  # the UTF-8 byte-order mark some editors (Notepad, Excel) put first
+
+
+class Skip(NamedTuple):
+    """One record left out: the file as the user named it, the 1-based line it is on, and why."""
+
+    file: str
+    line: int
+    why: str
+
+
+def normalize_newlines(data: bytes) -> bytes:
+    """A file's bytes as text mode reads them: no leading byte-order mark, \\r\\n and \\r read as
+    \\n, so that line numbers match what an editor shows. Safe on UTF-8: the bytes \\r and \\n
+    never occur inside a multi-byte character."""
+    if data.startswith(BOM):
+        data = data[len(BOM):]
+    return data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+
+
+def decode_utf8(raw: bytes) -> tuple[str | None, int, str]:
+    """(text, -1, "") when `raw` is UTF-8 text, else (None, offset of the first bad byte, why)."""
+    if b"\x00" in raw:  # valid UTF-8, but no text file holds it: binary data or UTF-16 text
+        return None, raw.index(b"\x00"), "NUL byte (binary data, or UTF-16 text)"
+    try:
+        return raw.decode("utf-8"), -1, ""
+    except UnicodeDecodeError as err:
+        return None, err.start, f"not UTF-8 (byte 0x{raw[err.start]:02x})"
+
+
+def line_column(raw: bytes, offset: int) -> tuple[int, int]:
+    """(lines before `offset`, 1-based column of `offset` on its line) within `raw`."""
+    return raw.count(b"\n", 0, offset), offset - (raw.rfind(b"\n", 0, offset) + 1) + 1
+
+
+def unencodable(text: str) -> str:
+    """'' if `text` can be written as UTF-8, else why not: JSON may escape unpaired surrogates
+    ("\\ud800"), which parse but crash the byte tokenizer later."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return f"holds an unpaired surrogate (\\u{ord(text[err.start]):04x})"
+    return ""
+
+
+def json_kind(value: Any) -> str:
+    """How a JSON value of the wrong type is named in a message: null, a number (5), a list..."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"a boolean ({str(value).lower()})"
+    if isinstance(value, (int, float)):
+        return f"a number ({value})"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return f"a {type(value).__name__}"
+
+
+def describe(skips: list[Skip], unit: str, first: int = 3) -> str:
+    """'skipped 3 line(s) of corpus.jsonl: line 4: "text" is null; line 9: ...; line 12: ...'
+    (the first few named, the rest counted; all skips of one file)."""
+    if not skips:
+        return ""
+    named = "; ".join(f"line {s.line}: {s.why}" for s in skips[:first])
+    more = f"; and {len(skips) - first} more" if len(skips) > first else ""
+    return f"skipped {len(skips)} {unit}(s) of {skips[0].file}: {named}{more}"
+
+
+_warned: set[str] = set()
+
+
+def warn_once(log: logging.Logger, message: str) -> None:
+    """Log `message` as a warning once per process: datasets are rebuilt several times per run
+    (the data check, the train and the held-out split) and each would repeat it."""
+    if message and message not in _warned:
+        _warned.add(message)
+        log.warning(message)
