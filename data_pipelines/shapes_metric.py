@@ -187,19 +187,28 @@ def _axis_ok(word_sign: int, c: float, v: float, half: float, length: int) -> bo
     return expected == word_sign
 
 
+def _end_velocity(d: np.ndarray) -> float:
+    """Mean of the last displacements [k] along one axis since the last bounce: the last step
+    against the direction of the last clear step (>= MIN_AXIS_SPEED). A slow shape moves in
+    whole pixels (steps of 0 are no bounce); the step into a wall is cut short (it is no part
+    of the new direction)."""
+    big = np.flatnonzero(np.abs(d) >= MIN_AXIS_SPEED)
+    if not len(big):
+        return float(d.mean())
+    back = np.flatnonzero(np.sign(d) == -np.sign(d[big[-1]]))
+    start = back[-1] + 1 if len(back) else 0
+    return float(d[min(start, len(d) - 1):].mean())  # a last small step back: that step alone
+
+
 def _motion_ok(blobs: _Blobs, cap: ShapeCaption, height: int, width: int) -> bool:
-    """Velocity at the end, per axis: the mean of the last MOTION_STEPS frame-to-frame centroid
-    displacements after the last sign change (a bounce), from the frames that show the blob."""
+    """Velocity at the end (_end_velocity of the last MOTION_STEPS frame-to-frame centroid
+    displacements, from the frames that show the blob) against the caption's words."""
     have = np.flatnonzero(blobs.size > 0)
     if len(have) < 2 or have[-1] != len(blobs.size) - 1:
         return False
     c = blobs.center[have]
     d = (np.diff(c, axis=0) / np.diff(have)[:, None])[-MOTION_STEPS:]  # [k, 2] px/frame
-    v = np.zeros(2)
-    for a in range(2):
-        run = d[:, a]
-        flips = np.flatnonzero(np.sign(run[:-1]) != np.sign(run[-1]))
-        v[a] = run[flips[-1] + 1:].mean() if len(flips) else run.mean()
+    v = np.array([_end_velocity(d[:, a]) for a in range(2)])
     if np.hypot(*v) < MIN_SPEED:
         return False
     signs = (1 if cap.horizontal == "right" else -1, 1 if cap.vertical == "down" else -1)
@@ -281,7 +290,7 @@ def to_frames(clip: torch.Tensor | np.ndarray) -> int:
 
 
 def _means(scores: list[dict[str, float]], prefix: str) -> dict[str, float]:
-    keys = dict.fromkeys(k for s in scores for k in s)  # first-seen order; motion_ok only where scored
+    keys = [k for k in FIGURES if any(k in s for s in scores)]  # motion_ok: over the clips that have it
     out = {prefix + k: float(np.mean([s[k] for s in scores if k in s])) for k in keys}
     out[prefix + "num_clips"] = float(len(scores))
     return out
