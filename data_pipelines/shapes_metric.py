@@ -27,8 +27,8 @@ PALETTE = np.array([*COLORS.values(), *BACKGROUNDS.values()], np.float32)  # [12
 NUM_SHAPE_COLORS = len(COLORS)  # PALETTE[:8] are shape colours, PALETTE[8:] backgrounds
 # Below half the smallest palette gap (black-navy, 61.6), so "near" names at most one colour.
 # H.264 at crf 12 keeps flat regions within ~5 of the palette; what it moves further are the
-# edge pixels (4:2:0 chroma is at half resolution). 24 lets ~3.6% of uniform or Gaussian noise
-# pixels through.
+# edge pixels (4:2:0 chroma is at half resolution). 24 keeps ~98% of decoded real pixels and
+# lets ~3.6% of uniform or Gaussian noise pixels through.
 PALETTE_TOL = 24.0
 BACKGROUND_MIN_SHARE = 0.5  # the shape covers at most 25% of a frame (half-size <= 0.25 min(H, W))
 COLOR_MIN_SHARE = 0.5  # of the pixels near any shape colour (noise spreads them over all eight)
