@@ -73,7 +73,10 @@ def parse_caption(caption: str) -> ShapeCaption | None:
 
 def to_rgb(clip: torch.Tensor | np.ndarray) -> np.ndarray:
     """uint8 [F, H, W, 3] or float [3, F, H, W] in [-1, 1] (clamped) -> float32 [F, H, W, 3] in 0..255."""
-    x = clip.detach().cpu().numpy() if isinstance(clip, torch.Tensor) else np.asarray(clip)
+    if isinstance(clip, torch.Tensor):  # samples may be bf16, which numpy cannot hold
+        clip = clip.detach().cpu()
+        clip = clip if clip.dtype == torch.uint8 else clip.float()
+    x = np.asarray(clip)
     if x.dtype == np.uint8:  # the decoded layout; anything else is the model's
         return x.astype(np.float32)
     x = np.clip(x.astype(np.float32), -1.0, 1.0)

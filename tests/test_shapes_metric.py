@@ -79,8 +79,10 @@ def test_real_clips_score_at_the_top():
     scores = [score_clip(c, p) for c, p in zip(clips, captions)]
     assert all(s["palette_share"] == 1.0 and s["all_ok"] == 1.0 and s["single_shape"] == 1.0 for s in scores)
     assert all("motion_ok" in s for s in scores)
-    # the model's layout ([3, F, H, W] in [-1, 1]) reads the same pixels
-    assert score_clip(to_model_range(torch.from_numpy(clips[0])), captions[0]) == scores[0]
+    # the model's layout ([3, F, H, W] in [-1, 1]) reads the same pixels, in bf16 too
+    x = to_model_range(torch.from_numpy(clips[0]))
+    assert score_clip(x, captions[0]) == scores[0]
+    assert score_clip(x.bfloat16(), captions[0])["all_ok"] == 1.0
 
 
 def test_h264_round_trip_keeps_real_clips_at_the_top(tmp_path):
