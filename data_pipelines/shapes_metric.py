@@ -1,0 +1,315 @@
+"""Exact scores of a clip against its caption in the embedded shapes world (a GenEval for it).
+
+A caption of `data_pipelines/synthetic_video.py` states a shape colour, a shape kind, a
+direction and a background; `score_clip` checks each statement on the pixels and returns one
+figure in [0, 1] per statement, so a failure says which statement the clip got wrong. Each
+figure compares one statement with what the clip shows (its dominant palette colours, the blob
+of the shape colour): a wrong background word fails background_ok only, a wrong colour word
+color_ok only, and so on; all_ok is their conjunction.
+
+Pixels are RGB in 0..255. A pixel is "near" a palette colour when their Euclidean RGB distance
+is <= PALETTE_TOL. Generated clips ([3, F, H, W] floats in [-1, 1]) are clamped first.
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from data_pipelines.synthetic_video import BACKGROUNDS, COLORS, SHAPES
+
+PALETTE_NAMES: tuple[str, ...] = (*COLORS, *BACKGROUNDS)
+PALETTE = np.array([*COLORS.values(), *BACKGROUNDS.values()], np.float32)  # [12, 3]
+NUM_SHAPE_COLORS = len(COLORS)  # PALETTE[:8] are shape colours, PALETTE[8:] backgrounds
+# Below half the smallest palette gap (black-navy, 61.6), so "near" names at most one colour.
+# H.264 at crf 12 keeps flat regions within ~5 of the palette; what it moves further are the
+# edge pixels (4:2:0 chroma is at half resolution). 24 keeps ~98% of decoded real pixels and
+# lets ~3.6% of uniform or Gaussian noise pixels through.
+PALETTE_TOL = 24.0
+BACKGROUND_MIN_SHARE = 0.5  # the shape covers at most 25% of a frame (half-size <= 0.25 min(H, W))
+COLOR_MIN_SHARE = 0.5  # of the pixels near any shape colour (noise spreads them over all eight)
+BLOB_MIN_EXACT = 0.2  # a blob is the shape only if this share of its pixels is near the shape colour
+BLOB_MIN_AREA = 0.01  # ... and covers this x min(H, W)^2 pixels (the smallest real one: ~0.035)
+SIGNIFICANT = 0.25  # components smaller than this share of the clip's blob size are specks
+SINGLE_MIN_FRAMES = 0.8  # single_shape: share of frames showing exactly one blob of about that size
+STEADY_SIZE = 2.0  # ... "about": within this factor of the clip's median (H.264 moves small ones ~1.6x)
+FILL_SPLIT = 0.92  # fill ratio: disc pi/4 (~0.80; tiny discs reach 0.94), square 1 (H.264: >= 0.945)
+MOTION_STEPS = 4  # the velocity at the end: mean of the last displacements since the last bounce
+MIN_SPEED = 0.5  # px/frame: a shape moving slower is not "moving" (real clips: >= 1)
+MIN_AXIS_SPEED = 0.2  # px/frame: slower components have no measurable sign; either word passes
+WALL_BAND = 0.75  # px: a shape this close to a wall after one more step may or may not bounce
+# the keys of score_clip, in order (motion_ok only where motion is scored)
+FIGURES = ("palette_share", "background_ok", "color_ok", "shape_ok", "single_shape", "motion_ok", "all_ok")
+
+
+@dataclass(frozen=True)
+class ShapeCaption:
+    color: str
+    shape: str
+    vertical: str | None  # "up" / "down"; None for a still-image caption
+    horizontal: str | None  # "left" / "right"
+    background: str
+
+    @property
+    def has_motion(self) -> bool:
+        return self.vertical is not None
+
+
+_CAPTION = re.compile(r"an? (\w+) (\w+)(?: moving (up|down) and (left|right))? on an? (\w+) background\.?")
+
+
+def parse_caption(caption: str) -> ShapeCaption | None:
+    """'a red circle moving up and left on a navy background' (clip) or 'a red circle on a navy
+    background' (still image) -> ShapeCaption; None for any other caption."""
+    m = _CAPTION.fullmatch(caption.strip().lower())
+    if m is None or m[1] not in COLORS or m[2] not in SHAPES or m[5] not in BACKGROUNDS:
+        return None
+    return ShapeCaption(m[1], m[2], m[3], m[4], m[5])
+
+
+def to_rgb(clip: torch.Tensor | np.ndarray) -> np.ndarray:
+    """uint8 [F, H, W, 3] or float [3, F, H, W] in [-1, 1] (clamped) -> float32 [F, H, W, 3] in 0..255."""
+    if isinstance(clip, torch.Tensor):  # samples may be bf16, which numpy cannot hold
+        clip = clip.detach().cpu()
+        clip = clip if clip.dtype == torch.uint8 else clip.float()
+    x = np.asarray(clip)
+    if x.dtype == np.uint8:  # the decoded layout; anything else is the model's
+        return x.astype(np.float32)
+    x = np.clip(x.astype(np.float32), -1.0, 1.0)
+    return np.ascontiguousarray(np.moveaxis((x + 1.0) * 127.5, 0, -1))
+
+
+def palette_labels(rgb: np.ndarray) -> np.ndarray:
+    """float [..., 3] in 0..255 -> int64 [...]: index into PALETTE of the colour within
+    PALETTE_TOL, -1 where none is."""
+    dist = np.linalg.norm(rgb[..., None, :] - PALETTE, axis=-1)  # [..., 12]
+    return np.where(dist.min(-1) <= PALETTE_TOL, dist.argmin(-1), -1)
+
+
+def components(mask: np.ndarray) -> np.ndarray:
+    """8-connected components of each frame of a bool [F, H, W] mask -> int64 [F, H, W]: -1 off
+    the mask, else the flat index of one pixel of the component (an id unique in the clip).
+
+    Min-label propagation over the 3x3 neighbourhood, with pointer jumping (a pixel's label is a
+    pixel of the same component, so following labels stays inside it); frames never touch.
+    """
+    F, H, W = mask.shape
+    none = mask.size
+    lab = np.where(mask, np.arange(mask.size).reshape(mask.shape), none)
+    on = np.flatnonzero(mask)
+    while True:
+        pad = np.pad(lab, ((0, 0), (1, 1), (1, 1)), constant_values=none)
+        new = lab.copy()
+        for dy in range(3):
+            for dx in range(3):
+                np.minimum(new, pad[:, dy:dy + H, dx:dx + W], out=new)
+        new[~mask] = none
+        flat = new.reshape(-1)
+        for _ in range(4):
+            flat[on] = flat[flat[on]]
+        if np.array_equal(new, lab):
+            return np.where(mask, lab, -1)
+        lab = new
+
+
+def _dilate(mask: np.ndarray) -> np.ndarray:
+    """bool [H, W] grown by one pixel (3x3)."""
+    H, W = mask.shape
+    pad = np.pad(mask, 1)
+    return np.logical_or.reduce([pad[dy:dy + H, dx:dx + W] for dy in range(3) for dx in range(3)])
+
+
+@dataclass
+class _Blobs:
+    """Per frame: the shape's blob (the largest valid component) and how many blobs of similar size."""
+    size: np.ndarray  # [F] pixels of the blob, 0 where the frame has none
+    count: np.ndarray  # [F] valid components >= SIGNIFICANT x the clip's median blob size
+    fill: np.ndarray  # [F] area / (widest row x tallest column), soft coverage; nan without blob
+    center: np.ndarray  # [F, 2] (x, y) centroid of the soft coverage, pixel-centre coordinates
+    half: np.ndarray  # [F, 2] half the widest row / tallest column (the half-size r)
+    exact: int  # pixels near the shape colour that lie in a blob (of any frame)
+
+
+def _blobs(rgb: np.ndarray, labels: np.ndarray, bg: int, shape: int) -> _Blobs:
+    """Find the shape in every frame of rgb [F, H, W, 3] given the palette indices of the
+    background and shape colours.
+
+    Coverage t in [0, 1] is where the pixel lies between the two colours (projection on the
+    segment): H.264 mixes them at edges, and its half-resolution chroma pushes edge pixels off
+    the palette, so the blob is every pixel nearer the shape colour than the background (t >=
+    0.5) that is not near a third palette colour. Noise makes such pixels everywhere; a blob
+    therefore counts only if enough of it is near the shape colour itself (BLOB_MIN_EXACT).
+    """
+    F, H, W, _ = rgb.shape
+    seg = PALETTE[shape] - PALETTE[bg]
+    t = np.clip((rgb - PALETTE[bg]) @ seg / float(seg @ seg), 0.0, 1.0)
+    other = (labels >= 0) & (labels != bg) & (labels != shape)
+    comp = components((t >= 0.5) & ~other)
+    exact = labels == shape
+    per_frame, in_blobs = [], 0
+    for f in range(F):
+        ids, sizes = np.unique(comp[f][comp[f] >= 0], return_counts=True)
+        n_exact = np.bincount(np.searchsorted(ids, comp[f][exact[f] & (comp[f] >= 0)]), minlength=len(ids))
+        ok = (n_exact >= BLOB_MIN_EXACT * sizes) & (sizes >= BLOB_MIN_AREA * min(H, W) ** 2)
+        per_frame.append((ids[ok], sizes[ok]))
+        in_blobs += int(n_exact[ok].sum())
+    largest = np.array([s.max() if len(s) else 0 for _, s in per_frame])
+    typical = np.median(largest[largest > 0]) if (largest > 0).any() else 0.0
+    out = _Blobs(largest, np.zeros(F, np.int64), np.full(F, np.nan), np.full((F, 2), np.nan), np.full((F, 2), np.nan),
+                 in_blobs)
+    yy, xx = np.mgrid[0:H, 0:W].astype(np.float32)
+    for f, (ids, sizes) in enumerate(per_frame):
+        if not len(ids):
+            continue
+        out.count[f] = int((sizes >= SIGNIFICANT * typical).sum())
+        cov = np.where(_dilate(comp[f] == ids[sizes.argmax()]) & ~other[f], t[f], 0.0)  # blurred rim included
+        area, row, col = cov.sum(), cov.sum(1).max(), cov.sum(0).max()
+        out.fill[f] = area / (row * col)
+        out.center[f] = (cov * xx).sum() / area, (cov * yy).sum() / area
+        out.half[f] = row / 2, col / 2
+    return out
+
+
+def _axis_ok(word_sign: int, c: float, v: float, half: float, length: int) -> bool:
+    """Does motion along one axis (position c, velocity v, half-size, frame length) show the
+    caption's sign (+1 = right / down)? The caption gives the velocity after the last frame
+    with walls applied (the renderer bounces after drawing), so a shape that the next step
+    takes past a wall is expected to move back; near the wall either sign passes."""
+    if abs(v) < MIN_AXIS_SPEED:
+        return True
+    # the renderer keeps the centre in [r, length - r]: edges in [0, length] in pixel-centre units
+    edge = c + v + half if v > 0 else c + v - half
+    overshoot = edge - length if v > 0 else -edge
+    if abs(overshoot) <= WALL_BAND:
+        return True
+    expected = int(np.sign(v)) * (-1 if overshoot > 0 else 1)
+    return expected == word_sign
+
+
+def _end_velocity(d: np.ndarray) -> float:
+    """Mean of the last displacements [k] along one axis since the last bounce: the last step
+    against the direction of the last clear step (>= MIN_AXIS_SPEED). A slow shape moves in
+    whole pixels (steps of 0 are no bounce); the step into a wall is cut short (it is no part
+    of the new direction)."""
+    big = np.flatnonzero(np.abs(d) >= MIN_AXIS_SPEED)
+    if not len(big):
+        return float(d.mean())
+    back = np.flatnonzero(np.sign(d) == -np.sign(d[big[-1]]))
+    start = back[-1] + 1 if len(back) else 0
+    return float(d[min(start, len(d) - 1):].mean())  # a last small step back: that step alone
+
+
+def _motion_ok(blobs: _Blobs, cap: ShapeCaption, height: int, width: int) -> bool:
+    """Velocity at the end (_end_velocity of the last MOTION_STEPS frame-to-frame centroid
+    displacements, from the frames that show the blob) against the caption's words."""
+    have = np.flatnonzero(blobs.size > 0)
+    if len(have) < 2 or have[-1] != len(blobs.size) - 1:
+        return False
+    c = blobs.center[have]
+    d = (np.diff(c, axis=0) / np.diff(have)[:, None])[-MOTION_STEPS:]  # [k, 2] px/frame
+    v = np.array([_end_velocity(d[:, a]) for a in range(2)])
+    if np.hypot(*v) < MIN_SPEED:
+        return False
+    signs = (1 if cap.horizontal == "right" else -1, 1 if cap.vertical == "down" else -1)
+    return all(_axis_ok(signs[a], c[-1, a], v[a], blobs.half[have[-1], a], (width, height)[a]) for a in range(2))
+
+
+def score_clip(clip: torch.Tensor | np.ndarray, caption: str | ShapeCaption) -> dict[str, float]:
+    """Figures in [0, 1] for one clip (uint8 [F, H, W, 3] or float [3, F, H, W] in [-1, 1]):
+
+    palette_share  share of pixels near some palette colour (8 shape + 4 background colours).
+    background_ok  the palette colour most pixels are near is the caption's background and
+                   covers >= BACKGROUND_MIN_SHARE of the pixels (noise never does).
+    color_ok       the shape colour most pixels are near (the background excluded) is the
+                   caption's; its pixels are >= COLOR_MIN_SHARE of the pixels near any shape
+                   colour, >= BLOB_MIN_AREA x min(H, W)^2 per frame on average, and mostly
+                   (half) inside blobs: a coloured shape, not scattered coloured pixels.
+    shape_ok       half the frames or more show a blob, and its median fill ratio (coverage over
+                   widest row x tallest column: disc pi/4, square 1) is on the caption's side of
+                   FILL_SPLIT.
+    single_shape   >= SINGLE_MIN_FRAMES of the frames show exactly one blob of the shape colour
+                   (components under SIGNIFICANT x the clip's median blob size are specks),
+                   and its size is within a factor STEADY_SIZE of that median.
+    motion_ok      only for >= 2 frames and a caption with a direction: the blob is in the last
+                   frame, moves >= MIN_SPEED px/frame at the end, and each axis's sign (walls
+                   applied, see _axis_ok) matches the caption.
+    all_ok         background, colour, shape and (where scored) motion all right.
+    """
+    cap = parse_caption(caption) if isinstance(caption, str) else caption
+    if cap is None:
+        raise ValueError(f"not a caption of the shapes world: {caption!r}")
+    rgb = to_rgb(clip)
+    F, H, W, _ = rgb.shape
+    labels = palette_labels(rgb)
+    counts = np.bincount(labels[labels >= 0], minlength=len(PALETTE))
+    bg = int(counts.argmax())
+    shape_counts = np.where(np.arange(NUM_SHAPE_COLORS) == bg, 0, counts[:NUM_SHAPE_COLORS])
+    shape = int(np.where(np.arange(NUM_SHAPE_COLORS) == bg, -1, shape_counts).argmax())  # never bg, even with no counts
+    blobs = _blobs(rgb, labels, bg, shape)
+    seen = blobs.size > 0
+    typical = np.median(blobs.size[seen]) if seen.any() else 0.0
+    is_square = seen.any() and np.median(blobs.fill[seen]) >= FILL_SPLIT
+    steady = (blobs.count == 1) & (blobs.size <= STEADY_SIZE * typical) & (blobs.size >= typical / STEADY_SIZE)
+    out = {
+        "palette_share": float((labels >= 0).mean()),
+        "background_ok": float(PALETTE_NAMES[bg] == cap.background and counts[bg] >= BACKGROUND_MIN_SHARE * labels.size),
+        "color_ok": float(PALETTE_NAMES[shape] == cap.color and counts[shape] >= COLOR_MIN_SHARE * shape_counts.sum()
+                          and counts[shape] >= BLOB_MIN_AREA * min(H, W) ** 2 * F and blobs.exact >= 0.5 * counts[shape]),
+        "shape_ok": float(seen.mean() >= 0.5 and is_square == (cap.shape == "square")),
+        "single_shape": float(seen.any() and steady.mean() >= SINGLE_MIN_FRAMES),
+    }
+    checks = [out["background_ok"], out["color_ok"], out["shape_ok"]]
+    if F >= 2 and cap.has_motion:
+        out["motion_ok"] = float(_motion_ok(blobs, cap, H, W))
+        checks.append(out["motion_ok"])
+    out["all_ok"] = float(all(checks))
+    return out
+
+
+def score_clips(clips: list[torch.Tensor | np.ndarray], captions: list[str]) -> dict[str, float]:
+    """Means of `score_clip` over the clips whose caption is of this world, keys prefixed eval/.
+
+    eval/motion_ok averages over the clips where motion is scored; eval/num_clips counts the
+    clips scored, eval/num_skipped those whose caption is not of this world. When the set mixes
+    still images (1 frame) and clips, the same means also come as eval/image/... and
+    eval/video/... (a set of one kind would only repeat eval/...).
+    """
+    scored = [(score_clip(c, p), to_frames(c) == 1) for c, p in zip(clips, captions) if parse_caption(p) is not None]
+    out = _means([s for s, _ in scored], "eval/")
+    out["eval/num_skipped"] = float(len(clips) - len(scored))
+    if 0 < sum(still for _, still in scored) < len(scored):
+        out.update(_means([s for s, still in scored if still], "eval/image/"))
+        out.update(_means([s for s, still in scored if not still], "eval/video/"))
+    return out
+
+
+def to_frames(clip: torch.Tensor | np.ndarray) -> int:
+    """Frame count of a clip in either layout (see to_rgb)."""
+    return int(clip.shape[0] if clip.dtype in (np.uint8, torch.uint8) else clip.shape[1])
+
+
+def _means(scores: list[dict[str, float]], prefix: str) -> dict[str, float]:
+    keys = [k for k in FIGURES if any(k in s for s in scores)]  # motion_ok: over the clips that have it
+    out = {prefix + k: float(np.mean([s[k] for s in scores if k in s])) for k in keys}
+    out[prefix + "num_clips"] = float(len(scores))
+    return out
+
+
+def reference_scores(manifest_dir: str | Path) -> dict[str, float]:
+    """score_clips over the real clips of a set (its manifest.jsonl), decoded with decord: the
+    figures a perfect generator would reach, H.264 artefacts included."""
+    from data_pipelines.video_io import probe, read_frames
+
+    root = Path(manifest_dir)
+    clips, captions = [], []
+    for line in (root / "manifest.jsonl").read_text().splitlines():
+        if line.strip():
+            item = json.loads(line)
+            info = probe(str(root / item["path"]))
+            clips.append(read_frames(str(root / item["path"]), list(range(info.frames)), info))
+            captions.append(item["caption"])
+    return score_clips(clips, captions)
