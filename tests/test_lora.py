@@ -89,6 +89,7 @@ def test_wan_injection_is_identity_and_trains_only_adapters():
     apply_lora(model, SETTINGS, "wan", seed=0)
     with torch.no_grad():
         assert torch.equal(model(*args), before)  # B = 0: exactly the base model
+    assert model.blocks[0].attn1.to_q.scaling == {"default": SETTINGS.alpha / SETTINGS.rank}
 
     # names: base weights map back to diffusers' keys, adapters to LoRA-file keys
     assert {k: torch.equal(p, base[k]) for k, p in base_parameters(model).items()} == {k: True for k in base}
