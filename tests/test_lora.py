@@ -99,7 +99,8 @@ def test_wan_injection_is_identity_and_trains_only_adapters():
     trainable = trainable_names(model)
     assert {plain_lora_name(n) for n in trainable} == {f"{m}.lora_{ab}.weight" for m in adapted for ab in "AB"}
     assert all(is_lora_name(n) == p.requires_grad for n, p in model.named_parameters())
-    assert plain_lora_name("blocks.0._checkpoint_wrapped_module.attn1.to_q.base_layer.weight") == "blocks.0.attn1.to_q.weight"
+    wrapped = "blocks.0._checkpoint_wrapped_module.attn1.to_q.base_layer.weight"
+    assert plain_lora_name(wrapped) == "blocks.0.attn1.to_q.weight"
 
     sgd_steps(model, args, target, 2)
     assert all(p.grad is None for n, p in model.named_parameters() if not p.requires_grad)
@@ -220,10 +221,11 @@ def test_seeded_adapter_init_ignores_global_rng_and_device(init):
     assert builds[0].keys() == builds[1].keys()
     assert all(torch.equal(builds[0][k], builds[1][k]) for k in builds[0])
     torch.manual_seed(1)
+    key = "blocks.0.attn1.to_q.lora_A.weight"
     unseeded = _adapters(apply_lora(build_model(cfg), settings, "wan"))  # peft's draw: global RNG
-    assert not torch.equal(unseeded["blocks.0.attn1.to_q.lora_A.weight"], builds[0]["blocks.0.attn1.to_q.lora_A.weight"])
+    assert not torch.equal(unseeded[key], builds[0][key])
     other = _adapters(apply_lora(build_model(cfg), settings, "wan", seed=6))
-    assert not torch.equal(other["blocks.0.attn1.to_q.lora_A.weight"], builds[0]["blocks.0.attn1.to_q.lora_A.weight"])
+    assert not torch.equal(other[key], builds[0][key])
 
     # peft's distribution: B = 0; A ~ U(±1/sqrt(in)) (default) or N(0, 1/r) (gaussian)
     a = torch.cat([v.flatten() for k, v in builds[0].items() if ".lora_A." in k])

@@ -97,9 +97,10 @@ class LoraSettings:
                 raise ValueError(f"model kind {model_kind!r} has no default LoRA targets ({sorted(DEFAULT_TARGETS)}); "
                                  f"give targets explicitly")
             targets = DEFAULT_TARGETS[model_kind]
+        targets = targets if isinstance(targets, str) else list(targets)
         return LoraConfig(r=self.rank, lora_alpha=self.rank if self.alpha is None else self.alpha,
-                          lora_dropout=self.dropout, target_modules=targets if isinstance(targets, str) else list(targets),
-                          init_lora_weights=_PEFT_INIT[self.init], bias="none")
+                          lora_dropout=self.dropout, target_modules=targets, init_lora_weights=_PEFT_INIT[self.init],
+                          bias="none")
 
 
 # --------------------------------------------------------------------------- names
