@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dit_train.config import ModelConfig
+from dit_train.models import model_config
 from dit_train.models import build_model, init_weights
 from dit_train.models.init import _copy_full
 from dit_train.models.lora import (
@@ -46,7 +46,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max())
 
 
-def wan_inputs(cfg: ModelConfig):
+def wan_inputs(cfg):
     g = torch.Generator().manual_seed(0)
     clips = [torch.randn(cfg.in_channels, *s, generator=g) for s in SHAPES]
     x, pos, seg, meta = pack(clips)
@@ -161,7 +161,7 @@ def test_wan_merged_weights_equal_the_adapted_model(trained_wan):
 
 def tiny_dit() -> torch.nn.Module:
     # init=normal: adaLN-zero gates would be 0, and LoRA on a never-trained adaLN-zero DiT gets no gradient
-    cfg = ModelConfig(name="dit", dim=32, depth=2, heads=2, mlp_ratio=2.0, patch_size=[1, 2, 2], in_channels=4,
+    cfg = model_config("dit", dim=32, depth=2, heads=2, mlp_ratio=2.0, patch_size=[1, 2, 2], in_channels=4,
                       text_dim=8, init="normal")
     model = build_model(cfg)
     init_weights(model, seed=1, scheme="normal")
