@@ -11,13 +11,14 @@ from dit_train.models import build_model
 from kernels import VarlenLayout
 
 
-def load_run(run_dir: str | Path, weights: str | Path | None = None) -> tuple[Config, nn.Module]:
-    """The config and trained model of a run dir (config.yaml + weights.safetensors)."""
+def load_run(run_dir: str | Path, weights: str | Path | None = None, ema: bool = False) -> tuple[Config, nn.Module]:
+    """The config and trained model of a run dir (config.yaml + weights.safetensors, or
+    weights_ema.safetensors with `ema`)."""
     from safetensors.torch import load_file
 
     run_dir = Path(run_dir)
     cfg = load_config(run_dir)
-    path = Path(weights) if weights else run_dir / "weights.safetensors"
+    path = Path(weights) if weights else run_dir / ("weights_ema.safetensors" if ema else "weights.safetensors")
     if not path.exists():
         raise FileNotFoundError(f"no weights at {path} (export them from a checkpoint first)")
     model = build_model(cfg.model)

@@ -139,13 +139,18 @@ class VideoSampler:
         pt, ph, pw = self.task.patch
         return shape[1] // pt, shape[2] // ph, shape[3] // pw
 
-    def write(self, clips: list[torch.Tensor], out_dir: Path, tb: Any = None, step: int = 0) -> Path:
-        """Decode, then write mp4s, a PNG grid, the raw floats and (optionally) a TensorBoard image."""
+    def write(self, clips: list[torch.Tensor], out_dir: Path, tb: Any = None, step: int = 0,
+              info: dict | None = None) -> Path:
+        """Decode, then write mp4s, a PNG grid, the raw floats, info.json and (optionally) a
+        TensorBoard image."""
+        import json
+
         from safetensors.torch import save_file
 
         from data_pipelines.synthetic_video import write_mp4
 
         out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "info.json").write_text(json.dumps(info or {}, indent=2))
         save_file({f"sample_{sid}": c.contiguous() for (sid, _, _), c in zip(self.items, clips)},
                   str(out_dir / "samples.safetensors"))
         rows = []

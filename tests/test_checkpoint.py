@@ -18,7 +18,7 @@ from dit_train.engine.layout_equivalence import apply_layout
 from tests.conftest import REPO, TINY, run_cli
 
 ADAM_TINY = [o for o in TINY if not o.startswith("optim")] + ["optim.lr=3e-3", "optim.warmup_steps=2",
-                                                              "optim.schedule=cosine"]
+                                                              "optim.schedule=cosine", "train.ema_decay=0.9"]
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -27,8 +27,8 @@ def _max_diff(a: dict, b: dict) -> float:
 
 
 def test_resume_from_step_k_gives_the_same_weights(tmp_path, data_cache):
-    """AdamW + cosine schedule: optimizer moments, step counters and the LR schedule must all
-    come back exactly."""
+    """AdamW + cosine schedule + EMA: optimizer moments, step counters, the LR schedule and the
+    EMA weights (and its update count, which sets its warm-up decay) must all come back exactly."""
     base = [*ADAM_TINY, "train.steps=6", f"data.cache_dir={data_cache}"]
     full, part = tmp_path / "full", tmp_path / "part"
     r = run_cli([*base, "train.ckpt_every=3", "train.keep_last=5", f"hydra.run.dir={full}"], cwd=tmp_path)
@@ -41,11 +41,16 @@ def test_resume_from_step_k_gives_the_same_weights(tmp_path, data_cache):
     assert [json.loads(x)["step"] for x in (part / "metrics.jsonl").read_text().splitlines()] == [3, 4, 5]
     # CPU kernels with 2 threads are not bitwise deterministic run to run (~3e-8 here), so 1e-6
     assert _max_diff(load_file(full / "weights.safetensors"), load_file(part / "weights.safetensors")) < 1e-6
+    assert _max_diff(load_file(full / "weights_ema.safetensors"), load_file(part / "weights_ema.safetensors")) < 1e-6
     # export from the checkpoint = the run's own final weights
     p = subprocess.run([sys.executable, "-m", "dit_train.tools.export_weights", str(full), "--out",
                         str(tmp_path / "exported.safetensors")], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     assert _max_diff(load_file(full / "weights.safetensors"), load_file(tmp_path / "exported.safetensors")) == 0.0
+    p = subprocess.run([sys.executable, "-m", "dit_train.tools.export_weights", str(full), "--ema", "--out",
+                        str(tmp_path / "exported_ema.safetensors")], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert _max_diff(load_file(full / "weights_ema.safetensors"), load_file(tmp_path / "exported_ema.safetensors")) == 0.0
 
 
 def test_keep_last_and_incomplete_saves_are_ignored(tmp_path):
@@ -72,7 +77,7 @@ def test_resume_on_a_different_layout_keeps_the_trajectory(tmp_path, data_cache)
     """Saved with dp_shard=2, resumed with cp_ulysses=2 (and on 1 process): same weights as an
     uninterrupted 1-process run (layout-invariant data + DCP resharding). SGD keeps the
     comparison about gradients (see tools/verify_layouts.py)."""
-    base = [*TINY, "train.steps=4", f"data.cache_dir={data_cache}"]
+    base = [*TINY, "train.steps=4", "train.ema_decay=0.9", f"data.cache_dir={data_cache}"]
     ref, a, b, c = (tmp_path / n for n in ("ref", "a", "b", "c"))
     assert run_cli([*base, f"hydra.run.dir={ref}"], cwd=tmp_path).returncode == 0
     r = run_cli([*base, "parallel.dp_shard=2", "train.ckpt_every=2", f"hydra.run.dir={a}"], cwd=tmp_path)
@@ -81,8 +86,9 @@ def test_resume_on_a_different_layout_keeps_the_trajectory(tmp_path, data_cache)
     for run_dir, layout in ((b, ["parallel.cp_ulysses=2"]), (c, [])):
         r = run_cli([*base, *layout, f"train.resume={ck}", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
         assert r.returncode == 0, r.stderr[-3000:]
-        w_ref, w = load_file(ref / "weights.safetensors"), load_file(run_dir / "weights.safetensors")
-        assert _max_diff(w_ref, w) < 1e-6, (layout, _max_diff(w_ref, w))
+        for name in ("weights.safetensors", "weights_ema.safetensors"):  # EMA shards reshard too
+            w_ref, w = load_file(ref / name), load_file(run_dir / name)
+            assert _max_diff(w_ref, w) < 1e-6, (layout, name, _max_diff(w_ref, w))
 
 
 def _children(pid: int) -> list[int]:

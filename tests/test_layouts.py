@@ -1,20 +1,30 @@
-"""The promise: weights after k steps match one process, for every layout and exact reduction.
+"""The promise: weights (and EMA weights) after k steps match one process, for every layout
+and exact reduction.
 
 Every case trains the tiny DiT on the embedded clips (deliberately uneven token counts; the
 small micro-batch budget makes packs, and CP splits inside samples) on N local gloo workers and
-compares against a one-process oracle computed in this process.
+compares against a one-process oracle computed in this process. Layouts of the same world size
+share one launch of workers (spawning costs more than these tiny runs).
 """
 from __future__ import annotations
 
 import pytest
 
-from dit_train.engine.layout_equivalence import apply_layout, relative_difference, run_layout
+from dit_train.engine.layout_equivalence import (
+    apply_layout,
+    parse_layout,
+    relative_difference,
+    run_layouts,
+    train_on_workers,
+    world_of,
+)
 
 EXACT = ["sample_mean", "token_mean", "sample_sum", "sum"]
 TOL = 1e-4
 
 LAYOUTS = [
     "dp_shard=2",                                        # FSDP2
+    "dp_shard=2,fsdp_prefetch=2",                        # explicit all-gather prefetch: when, never what
     "dp_replicate=2,dp_shard=2",                          # HSDP
     "dp_shard=2,dp_mode=ddp,grad_accum=2",                # DDP + SUM hook + no_sync
     "cp_ulysses=2,cp_ring=2,grad_accum=2",                # hybrid CP, accumulation
@@ -29,23 +39,37 @@ LAYOUTS = [
 def clipped_cfg(tiny_cfg):
     cfg = apply_layout(tiny_cfg, {})
     cfg.optim.max_grad_norm = 0.05  # always clips: the global norm across shards must be exact
+    cfg.train.ema_decay = 0.9  # the EMA must be exact too (each rank keeps its shard's EMA)
     return cfg
 
 
+# All four exact reductions on the 2-worker layouts; on the larger ones, sample_mean (T_b summed
+# within CP, B across DP) and token_mean (N over DP x CP) cover every synced count: sample_sum
+# and sum use a subset of them.
+def reductions_for(cfg, spec: str) -> list[str]:
+    return EXACT if spec == "1" or world_of(apply_layout(cfg, parse_layout(spec))) <= 2 else EXACT[:2]
+
+
 @pytest.fixture(scope="module")
-def oracle(clipped_cfg):
-    return run_layout(clipped_cfg, {}, EXACT)
+def all_layouts(clipped_cfg):
+    """{spec: {reduction: result}} for the oracle and every layout, one launch per world size."""
+    jobs = [(spec, r) for spec in ["1", *LAYOUTS] for r in reductions_for(clipped_cfg, spec)]
+    results = train_on_workers([apply_layout(clipped_cfg, parse_layout(spec), r) for spec, r in jobs])
+    out: dict = {}
+    for (spec, r), res in zip(jobs, results):
+        out.setdefault(spec, {})[r] = res
+    return out
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", LAYOUTS)
-def test_layout_matches_one_process(spec, clipped_cfg, oracle):
-    from dit_train.engine.layout_equivalence import parse_layout
-
-    got = run_layout(clipped_cfg, parse_layout(spec), EXACT)
-    for reduction, ref, other in zip(EXACT, oracle, got):
+def test_layout_matches_one_process(spec, all_layouts):
+    oracle, got = all_layouts["1"], all_layouts[spec]
+    for reduction, other in got.items():
+        ref = oracle[reduction]
+        assert any(k.startswith("__ema__/") for k in other), "EMA weights missing"
         rel = relative_difference(ref, other)
-        assert rel <= TOL, f"{spec} {reduction}: weights differ by {rel:.2e} of the update"
+        assert rel <= TOL, f"{spec} {reduction}: weights or EMA differ by {rel:.2e} of the update"
         norms_ref, norms = ref["__grad_norms__"], other["__grad_norms__"]
         assert (norms - norms_ref).abs().max() <= 1e-5 * norms_ref.abs().max(), (spec, reduction, norms, norms_ref)
 
@@ -54,10 +78,8 @@ def test_layout_matches_one_process(spec, clipped_cfg, oracle):
 def test_naive_mean_is_biased_under_data_parallelism(tiny_cfg):
     """The ablation: plain per-rank means + averaging changes the result with the layout
     (no clipping here: it would renormalise the biased gradient and hide part of the bias)."""
-    from dit_train.engine.layout_equivalence import parse_layout
-
-    ref = run_layout(tiny_cfg, {}, ["naive_mean", "sample_mean"])
-    got = run_layout(tiny_cfg, parse_layout("dp_shard=2"), ["naive_mean", "sample_mean"])
-    assert relative_difference(ref[1], got[1]) <= TOL  # same runs, exact reduction: no difference
-    rel = relative_difference(ref[0], got[0])
+    got = run_layouts(tiny_cfg, ["1", "dp_shard=2"], ["naive_mean", "sample_mean"])
+    ref, other = got["1"], got["dp_shard=2"]
+    assert relative_difference(ref[1], other[1]) <= TOL  # same runs, exact reduction: no difference
+    rel = relative_difference(ref[0], other[0])
     assert rel > 1e-2, f"naive_mean should differ visibly from one process, got {rel:.2e}"

@@ -10,7 +10,7 @@ import torch
 
 from data_pipelines.text import IGNORE, ByteTokenizer, TextDataset, load_text_datasets
 from dit_train.tasks.llm import LMTask
-from dit_train.engine.layout_equivalence import apply_layout, parse_layout, relative_difference, run_layout
+from dit_train.engine.layout_equivalence import apply_layout, relative_difference, run_layouts
 from tests.conftest import REPO, compose_config, run_cli
 
 LLM_TINY = [
@@ -92,19 +92,21 @@ LLM_LAYOUTS = [
 ]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("spec", LLM_LAYOUTS)
-def test_llm_layout_matches_one_process(spec, llm_cfg, llm_oracle):
-    reductions = ["token_mean", "sample_mean", "sample_sum"]
-    got = run_layout(llm_cfg, parse_layout(spec), reductions)
-    for r, ref, other in zip(reductions, llm_oracle, got):
-        rel = relative_difference(ref, other)
-        assert rel <= 1e-4, f"{spec} {r}: {rel:.2e}"
+LLM_REDUCTIONS = ["token_mean", "sample_mean", "sample_sum"]
 
 
 @pytest.fixture(scope="module")
-def llm_oracle(llm_cfg):
-    return run_layout(llm_cfg, {}, ["token_mean", "sample_mean", "sample_sum"])
+def llm_layouts(llm_cfg):
+    """Every layout and the one-process oracle, one launch of workers per world size."""
+    return run_layouts(llm_cfg, ["1", *LLM_LAYOUTS], LLM_REDUCTIONS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", LLM_LAYOUTS)
+def test_llm_layout_matches_one_process(spec, llm_layouts):
+    for r, ref, other in zip(LLM_REDUCTIONS, llm_layouts["1"], llm_layouts[spec]):
+        rel = relative_difference(ref, other)
+        assert rel <= 1e-4, f"{spec} {r}: {rel:.2e}"
 
 
 def _eval_worker(cfg):

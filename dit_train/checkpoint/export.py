@@ -34,12 +34,14 @@ def export_weights(model: nn.Module, path: str | Path, is_main: bool) -> None:
         save_safetensors(sd, path)
 
 
-def checkpoint_weights(path: str | Path) -> tuple[Any, dict[str, torch.Tensor]]:
-    """(Config, full fp32 weights) of a checkpoint, in one process (no GPU, no process group)."""
+def checkpoint_weights(path: str | Path, ema: bool = False) -> tuple[Any, dict[str, torch.Tensor]]:
+    """(Config, full fp32 weights) of a checkpoint, in one process (no GPU, no process group).
+    ema: the EMA weights instead (the checkpoint must hold them: train.ema_decay > 0)."""
     import warnings
 
     import torch.distributed.checkpoint as dcp
 
+    from dit_train.checkpoint.store import read_checkpoint_info
     from dit_train.config import load_config
     from dit_train.models import build_model
 
@@ -47,15 +49,18 @@ def checkpoint_weights(path: str | Path) -> tuple[Any, dict[str, torch.Tensor]]:
     cfg = load_config(path)
     model = build_model(cfg.model)
     sd = model.state_dict()
+    if ema and "ema" not in read_checkpoint_info(path)["sharded"]:
+        raise ValueError(f"checkpoint {path} holds no EMA weights (it was trained with train.ema_decay=0)")
+    state = {"ema": {"shadow": sd}} if ema else {"model": sd}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*")
-        dcp.load({"model": sd}, checkpoint_id=str(path))
+        dcp.load(state, checkpoint_id=str(path))
     return cfg, {k: v.float().contiguous() for k, v in sd.items()}
 
 
-def export_checkpoint(path: str | Path, out: str | Path) -> Path:
-    """Full weights of a checkpoint as safetensors, in one process (no GPU, no process group)."""
-    _, sd = checkpoint_weights(path)
+def export_checkpoint(path: str | Path, out: str | Path, ema: bool = False) -> Path:
+    """Full weights (or EMA weights) of a checkpoint as safetensors, in one process."""
+    _, sd = checkpoint_weights(path, ema)
     save_safetensors(sd, out)
     return Path(out)
 

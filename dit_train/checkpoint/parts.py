@@ -27,7 +27,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 class Part(Protocol):
     sharded: bool  # True: tensors through DCP; False: JSON written by rank 0
-    optional: bool  # True: a checkpoint without this part still loads (the part keeps its state)
+    optional: bool  # True: a checkpoint without this part still loads (then `missing_from_checkpoint()`
+    # is called if the part has it, after every other part was loaded; else it keeps its state)
 
     def state_dict(self) -> dict[str, Any]: ...
 

@@ -199,6 +199,9 @@ def load_checkpoint(path: str | Path, parts: dict[str, Part]) -> int:
     for n, p in parts.items():
         if not p.sharded and n in info["parts"]:
             p.load_state_dict(info["parts"][n])
+    for n in missing:  # after the others: a fresh part may start from the loaded weights (EMA)
+        if hasattr(parts[n], "missing_from_checkpoint"):
+            parts[n].missing_from_checkpoint()
     if info.get("world_size") == _world():
         _load_rng(path)
     return int(info["step"])

@@ -146,6 +146,9 @@ class TrainConfig:
     keep_last: int = 2
     resume: str = ""  # "" | auto | path to a checkpoint dir
     max_skipped_steps: int = 5
+    # EMA of the trainable weights (0 = off): shadow <- d·shadow + (1-d)·w after every step taken,
+    # d = min(ema_decay, (1 + n)/(10 + n)) for the n-th update (dit_train/engine/ema.py)
+    ema_decay: float = 0.0
     eval_every: int = 0
     sample_every: int = 0  # validation videos every N steps (and at the end); 0 = never
     num_samples: int = 2  # clips per validation (the first readable clips: their sizes and captions)

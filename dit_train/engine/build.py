@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from dit_train.config import Config
+from dit_train.engine.ema import EMA
 from dit_train.engine.trainer import Trainer
 from dit_train.models import build_model, initialize, model_spec
 from dit_train.optim import build_optimizer, build_scheduler
@@ -37,6 +38,16 @@ class Run:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     trainer: Trainer
     heldout: Any = None  # the held-out task (evaluation), when the source has one and train.eval_every > 0
+    ema: EMA | None = None  # EMA of the trainable weights (train.ema_decay > 0)
+
+    def checkpoint_parts(self) -> dict[str, Any]:
+        """The stateful parts a checkpoint of this run holds (dit_train/checkpoint/parts.py)."""
+        from dit_train.checkpoint import training_parts
+
+        parts = training_parts(self.model, self.optimizer, self.scheduler, self.trainer)
+        if self.ema is not None:
+            parts["ema"] = self.ema
+        return parts
 
 
 def set_threads(threads_per_worker: int, local_world: int) -> None:
@@ -81,4 +92,6 @@ def build_run(cfg: Config, ctx: ParallelContext | None = None, *, task: Any = No
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, max(1, cfg.train.steps))
     trainer = Trainer(model, task, optimizer, scheduler, ctx, cfg.train, cfg.optim, cfg.loss, cfg.parallel)
-    return Run(cfg, ctx, task, model, optimizer, scheduler, trainer, held)
+    if cfg.train.ema_decay > 0:
+        trainer.ema = EMA(model, cfg.train.ema_decay)
+    return Run(cfg, ctx, task, model, optimizer, scheduler, trainer, held, trainer.ema)

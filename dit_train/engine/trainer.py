@@ -90,6 +90,7 @@ class Trainer:
         self.skipped_total = 0
         self.dropped = 0  # unreadable samples of the last `prepare`
         self.loss_scale = DynamicLossScale() if train.precision == "fp16" else None
+        self.ema = None  # an engine.ema.EMA, updated after every optimizer step taken
 
     # -- data ----------------------------------------------------------------------------------
 
@@ -224,6 +225,8 @@ class Trainer:
         else:
             self.skipped_in_a_row = 0
             self.optimizer.step()
+            if self.ema is not None:
+                self.ema.update()
         if self.loss_scale is not None:
             self.loss_scale.update(overflow=skipped)
         self.scheduler.step()

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dit_train.checkpoint import export_weights, load_checkpoint, resolve_checkpoint, save_checkpoint, training_parts
+from dit_train.checkpoint import export_weights, load_checkpoint, resolve_checkpoint, save_checkpoint, save_safetensors
 from dit_train.config import Config, to_yaml
 from dit_train.engine.build import Run, build_run
 from dit_train.metrics import MetricsLogger
@@ -48,6 +48,21 @@ def build_video_sampler(cfg: Config, run: Run):
                         cfg.train.seed, decode)
 
 
+def validate_videos(sampler, run: Run, run_dir: Path, step: int, logger: MetricsLogger) -> None:
+    """Generate the validation clips (all ranks; from the EMA weights when EMA is on) and let
+    rank 0 write them to samples/step_XXXXXX/ (info.json says which weights)."""
+    import contextlib
+
+    swap = run.ema.swapped_in() if run.ema is not None else contextlib.nullcontext()
+    with swap:
+        clips = sampler.sample(run.model, run.trainer.autocast)
+    if run.ctx.is_main:
+        weights = "ema" if run.ema is not None else "training"
+        out = sampler.write(clips, run_dir / "samples" / f"step_{step + 1:06d}", logger.tensorboard, step,
+                            info={"step": step + 1, "weights": weights})
+        logger.write(f"validation videos ({weights} weights): {out}")
+
+
 def resume_spec(cfg: Config) -> str:
     """train.resume, except that a worker restarted by the elastic agent (after a failure,
     launcher.max_restarts > 0) always continues from the newest checkpoint of its run."""
@@ -68,7 +83,7 @@ def train(cfg: Config, ctx: ParallelContext | None = None) -> dict[str, Any]:
 
     run = build_run(cfg, ctx, heldout=cfg.train.eval_every > 0)
     trainer, t = run.trainer, cfg.train
-    parts = training_parts(run.model, run.optimizer, run.scheduler, trainer)
+    parts = run.checkpoint_parts()
     start = 0
     ckpt = resolve_checkpoint(resume_spec(cfg), run_dir)
     if ckpt is not None:
@@ -98,11 +113,8 @@ def train(cfg: Config, ctx: ParallelContext | None = None) -> dict[str, Any]:
             if run.heldout is not None and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
                 record.update(trainer.heldout_loss(run.heldout))
             logger.log(record)
-            if sampler is not None and (step + 1) % t.sample_every == 0:
-                clips = sampler.sample(run.model, trainer.autocast)
-                if ctx.is_main:
-                    out = sampler.write(clips, run_dir / "samples" / f"step_{step + 1:06d}", logger.tensorboard, step)
-                    logger.write(f"validation videos: {out}")
+            if sampler is not None and ((step + 1) % t.sample_every == 0 or step + 1 == t.steps):
+                validate_videos(sampler, run, run_dir, step, logger)
             if trainer.skipped_in_a_row > t.max_skipped_steps:
                 raise NonFiniteTraining(
                     f"{trainer.skipped_in_a_row} steps in a row had non-finite gradients or losses "
@@ -112,6 +124,10 @@ def train(cfg: Config, ctx: ParallelContext | None = None) -> dict[str, Any]:
                 save_checkpoint(run_dir, step, parts, config_yaml, t.keep_last)
         if t.save_weights:
             export_weights(run.model, run_dir / "weights.safetensors", ctx.is_main)
+            if run.ema is not None:
+                ema = run.ema.full_state_dict()  # every rank: a collective under FSDP
+                if ctx.is_main:
+                    save_safetensors(ema, run_dir / "weights_ema.safetensors")
     finally:
         logger.close()
     summary = {"steps": t.steps, "final_loss": last.loss if last else None,

@@ -4,6 +4,7 @@
     python -m dit_train.tools.export_weights outputs/run --out weights_latest.safetensors      # newest checkpoint of a run
     python -m dit_train.tools.export_weights outputs/run --diffusers wan_finetuned/            # model=wan: a diffusers folder
     python -m dit_train.tools.export_weights outputs/run/weights.safetensors --diffusers wan_finetuned/
+    python -m dit_train.tools.export_weights outputs/run --ema --diffusers wan_ema/          # the EMA weights
 
 Key names are those of the plain model, the same as the run's own weights.safetensors,
 whatever layout wrote the checkpoint. With --diffusers (model.name=wan runs) the output is a
@@ -17,7 +18,6 @@ import sys
 from pathlib import Path
 
 
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", help="a checkpoints/step_XXXXXXXX dir, a run dir (its newest checkpoint), "
@@ -25,6 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="output .safetensors (default: <checkpoint>/weights.safetensors)")
     ap.add_argument("--diffusers", default=None, metavar="DIR",
                     help="write a diffusers model folder (model.name=wan) instead of one .safetensors")
+    ap.add_argument("--ema", action="store_true",
+                    help="the EMA weights (runs with train.ema_decay > 0; default output <checkpoint>/weights_ema.safetensors)")
     args = ap.parse_args(argv)
 
     from dit_train.checkpoint import checkpoint_weights, export_checkpoint, export_diffusers, resolve_checkpoint
@@ -48,15 +50,15 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.diffusers:
-        try:
-            out = export_diffusers(*checkpoint_weights(ckpt), args.diffusers)
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-    else:
-        out = Path(args.out) if args.out else ckpt / "weights.safetensors"
-        export_checkpoint(ckpt, out)
+    try:
+        if args.diffusers:
+            out = export_diffusers(*checkpoint_weights(ckpt, args.ema), args.diffusers)
+        else:
+            out = Path(args.out) if args.out else ckpt / ("weights_ema.safetensors" if args.ema else "weights.safetensors")
+            export_checkpoint(ckpt, out, args.ema)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(f"wrote {out} (from {ckpt})")
     return 0
 

@@ -16,6 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir", help="a run dir holding config.yaml and weights.safetensors")
     ap.add_argument("--weights", default=None, help="another .safetensors (e.g. exported from a checkpoint)")
+    ap.add_argument("--ema", action="store_true", help="use the run's EMA weights (weights_ema.safetensors)")
     ap.add_argument("--prompt", default="The ")
     ap.add_argument("--max-new", type=int, default=200)
     ap.add_argument("--top-k", type=int, default=0, help="0 = greedy")
@@ -26,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     from data_pipelines.text import build_tokenizer
     from dit_train.generate import generate, load_run
 
-    cfg, model = load_run(args.run_dir, args.weights)
+    cfg, model = load_run(args.run_dir, args.weights, args.ema)
     if cfg.mode != "llm":
         print(f"{args.run_dir} trained mode={cfg.mode}; text generation needs a mode=llm run", file=sys.stderr)
         return 2
