@@ -42,7 +42,7 @@ class MetricsLogger:
         step = record["step"]
         for k, v in record.items():
             if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
-                self._tb.add_scalar(f"train/{k}", v, step)
+                self._tb.add_scalar(k if "/" in k else f"train/{k}", v, step)  # eval/... keep their group
         if self._bar is not None:
             self._bar.update(1)
             self._bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record.get('tokens_per_s', 0):.0f}",

@@ -1,6 +1,8 @@
 """Caption cross-attention, caption dropout and validation sampling."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -91,11 +93,13 @@ def test_sampler_integrates_the_flow_from_noise_to_data(tiny_cfg):
     the scheduler's sigmas and the pack/unpack bookkeeping."""
     from dit_train.data import build_task
     from dit_train.parallel.mesh import init_parallel
-    from dit_train.sampling import VideoSampler
+    from dit_train.sampling import VideoSampler, dataset_requests
 
     task = build_task("video", tiny_cfg.data, tiny_cfg.model, tiny_cfg.loss, 0)
-    sampler = VideoSampler(task, init_parallel(tiny_cfg.parallel), num_samples=2, steps=6, guidance_scale=1.0, seed=0)
-    data = [task.dataset[sid].pixels for sid, _, _ in sampler.items]
+    requests = dataset_requests(task, 2)
+    sampler = VideoSampler(requests, task.patch, task.text_dim, task.null_caption(), init_parallel(tiny_cfg.parallel),
+                           steps=6, guidance_scale=1.0, seed=0)
+    data = [task.dataset[r.noise_id].pixels for r in requests]
     model = _OracleVelocity(torch.cat([patchify(x, task.patch)[0] for x in data]))
     out = sampler.sample(model)
     for got, want in zip(out, data):
@@ -116,6 +120,11 @@ def test_validation_videos_are_written_and_layout_invariant(tmp_path, data_cache
     assert (d1 / "grid.png").exists() and len(list(d1.glob("*.mp4"))) == 2
     a, b = load_file(d1 / "samples.safetensors"), load_file(d2 / "samples.safetensors")
     assert a.keys() == b.keys() and len(a) == 2
+    captions = json.loads((d1 / "captions.json").read_text())
+    assert captions.keys() == a.keys() and all(c.startswith("a ") for c in captions.values())
+    # the embedded world is scored on every validation: eval/ figures in metrics.jsonl
+    last = [json.loads(line) for line in (one / "metrics.jsonl").read_text().splitlines()][-1]
+    assert last["eval/num_clips"] == 2 and 0 <= last["eval/palette_share"] <= 1
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-4, rtol=1e-4)
         vr = decord.VideoReader(str(d1 / f"{k}.mp4"))

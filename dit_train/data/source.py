@@ -56,6 +56,15 @@ class DataSource:
     def open(self, split: str = "train") -> Dataset | None:
         raise NotImplementedError
 
+    def score(self, pixels: list, captions: list[str]) -> dict[str, float] | None:
+        """Quality figures (`eval/...`) of generated clips [3, F, H, W] in [-1, 1] against their
+        captions, for sources whose world can be scored exactly; None otherwise."""
+        return None
+
+    def fps(self, dataset: Any, i: int) -> float:
+        """Frame rate of sample i as the model sees it (for writing generated videos)."""
+        return 8.0
+
 
 SOURCES: Registry[type[DataSource]] = Registry("data source")
 

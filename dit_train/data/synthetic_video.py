@@ -30,6 +30,12 @@ class SyntheticVideoSource(PixelVideoSource):
 
         ensure_synthetic_videos(self.cfg.cache_dir, self.cfg.num_clips, self.cfg.gen_seed)
 
+    def score(self, pixels: list, captions: list[str]) -> dict[str, float]:
+        """The shapes world's exact metric (data_pipelines/shapes_metric.py)."""
+        from data_pipelines.shapes_metric import score_clips
+
+        return score_clips(pixels, captions)
+
     def entries(self) -> tuple[list, list]:
         from data_pipelines.video_dataset import manifest_entries
 

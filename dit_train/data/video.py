@@ -46,6 +46,12 @@ class PixelVideoSource(DataSource):
         ds.skipped = skipped + ds.skipped
         return ds
 
+    def fps(self, dataset: Any, i: int) -> float:
+        """The resampling rate (data.fps) or the clip's native rate, divided by the stride."""
+        entry = dataset.entries[i] if hasattr(dataset, "entries") else None
+        native = entry.info.fps if entry is not None and entry.info.fps > 0 else 8.0
+        return (self.cfg.fps or native) / max(1, self.cfg.frame_stride)
+
     def open(self, split: str = "train") -> Any:
         if split != "train":
             return None

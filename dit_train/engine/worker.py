@@ -35,32 +35,51 @@ def shared_run_dir(run_dir: str, ctx: ParallelContext) -> str:
     return box[0]
 
 
-def build_video_sampler(cfg: Config, run: Run):
-    """Validation-video sampler; rank 0 alone decodes latents (it alone writes videos)."""
-    from dit_train.sampling import VideoSampler
+class Validation:
+    """Validation videos of a video run: the same `train.num_samples` dataset clips every time
+    (all ranks sample; rank 0 decodes, scores and writes samples/step_XXXXXX/)."""
 
-    decode = None
-    if cfg.data.name == "latent_cache" and run.ctx.is_main:
-        from data_pipelines.latent_cache import load_decoder
+    def __init__(self, cfg: Config, run: Run):
+        from dit_train.data import source_for
+        from dit_train.sampling import VideoSampler, dataset_requests
 
-        decode = load_decoder(cfg.data.root, run.ctx.device)
-    return VideoSampler(run.task, run.ctx, cfg.train.num_samples, cfg.train.sample_steps, cfg.train.guidance_scale,
-                        cfg.train.seed, decode)
+        t, task = cfg.train, run.task
+        self.source = source_for(cfg.data, cfg.model)
+        inner = getattr(task.dataset, "dataset", task.dataset)  # through the background prefetcher
+        requests = dataset_requests(task, t.num_samples, lambda i: self.source.fps(inner, i))
+        null = task.null_caption() if task.text_dim else None
+        self.sampler = VideoSampler(requests, task.patch, task.text_dim, null, run.ctx, t.sample_steps,
+                                    t.guidance_scale, t.seed)
+        self.decode = None
+        if cfg.data.name == "latent_cache" and run.ctx.is_main:  # rank 0 alone decodes (it alone writes)
+            from data_pipelines.latent_cache import load_decoder
+
+            self.decode = load_decoder(cfg.data.root, run.ctx.device)
+        self.run, self.guidance, self.steps = run, t.guidance_scale, t.sample_steps
+
+    def __call__(self, run_dir: Path, step: int, tb: Any = None) -> tuple[Path | None, dict[str, float]]:
+        """Sample (from the EMA weights when EMA is on); rank 0 writes. Returns (folder, eval figures)."""
+        import contextlib
+
+        from dit_train.sampling import to_pixels, write_samples
+
+        run = self.run
+        swap = run.ema.swapped_in() if run.ema is not None else contextlib.nullcontext()
+        with swap:
+            clips = self.sampler.sample(run.model, run.trainer.autocast)
+        if not run.ctx.is_main:
+            return None, {}
+        pixels = to_pixels(clips, self.decode)
+        scores = self.source.score(pixels, [r.caption for r in self.sampler.requests]) or {}
+        info = {"step": step + 1, "weights": "ema" if run.ema is not None else "training",
+                "sample_steps": self.steps, "guidance_scale": self.guidance, "scores": scores}
+        out = write_samples(run_dir / "samples" / f"step_{step + 1:06d}", self.sampler.requests, pixels, info, tb, step)
+        return out, scores
 
 
-def validate_videos(sampler, run: Run, run_dir: Path, step: int, logger: MetricsLogger) -> None:
-    """Generate the validation clips (all ranks; from the EMA weights when EMA is on) and let
-    rank 0 write them to samples/step_XXXXXX/ (info.json says which weights)."""
-    import contextlib
-
-    swap = run.ema.swapped_in() if run.ema is not None else contextlib.nullcontext()
-    with swap:
-        clips = sampler.sample(run.model, run.trainer.autocast)
-    if run.ctx.is_main:
-        weights = "ema" if run.ema is not None else "training"
-        out = sampler.write(clips, run_dir / "samples" / f"step_{step + 1:06d}", logger.tensorboard, step,
-                            info={"step": step + 1, "weights": weights})
-        logger.write(f"validation videos ({weights} weights): {out}")
+def format_scores(scores: dict[str, float]) -> str:
+    keys = ("palette_share", "background_ok", "color_ok", "shape_ok", "motion_ok", "all_ok")
+    return " ".join(f"{k}={scores[f'eval/{k}']:.2f}" for k in keys if f"eval/{k}" in scores)
 
 
 def resume_spec(cfg: Config) -> str:
@@ -89,7 +108,7 @@ def train(cfg: Config, ctx: ParallelContext | None = None) -> dict[str, Any]:
     if ckpt is not None:
         start = load_checkpoint(ckpt, parts) + 1
 
-    sampler = build_video_sampler(cfg, run) if t.sample_every > 0 else None
+    validation = Validation(cfg, run) if t.sample_every > 0 else None
     logger = MetricsLogger(run_dir, t.steps, start, enabled=ctx.is_main, progress=t.progress, log_every=t.log_every)
     if ckpt is not None:
         logger.write(f"resumed from {ckpt} at step {start}")
@@ -112,9 +131,13 @@ def train(cfg: Config, ctx: ParallelContext | None = None) -> dict[str, Any]:
                 record["loss_scale"] = trainer.loss_scale.scale
             if run.heldout is not None and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
                 record.update(trainer.heldout_loss(run.heldout))
+            if validation is not None and ((step + 1) % t.sample_every == 0 or step + 1 == t.steps):
+                out, scores = validation(run_dir, step, logger.tensorboard)
+                record.update(scores)
+                if out is not None:
+                    logger.write(f"validation videos ({'EMA' if run.ema else 'training'} weights): {out}"
+                                 + (f"  {format_scores(scores)}" if scores else ""))
             logger.log(record)
-            if sampler is not None and ((step + 1) % t.sample_every == 0 or step + 1 == t.steps):
-                validate_videos(sampler, run, run_dir, step, logger)
             if trainer.skipped_in_a_row > t.max_skipped_steps:
                 raise NonFiniteTraining(
                     f"{trainer.skipped_in_a_row} steps in a row had non-finite gradients or losses "

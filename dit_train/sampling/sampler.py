@@ -1,0 +1,159 @@
+"""A flow-matching Euler sampler over packed clips, CP-aware.
+
+All ranks run the same sampling (FSDP needs every shard holder in each forward, and under CP
+each rank computes its share of the tokens). What is sampled is a list of `SampleRequest`s:
+a clip shape, a caption (and its embedding) and a noise id. Validation takes the first
+`train.num_samples` readable clips of the dataset (their sizes and captions), so successive
+validations are comparable; `python -m dit_train.tools.sample` takes the user's prompts. The
+starting noise of a request comes from the "sampling" random stream of (seed, noise id): any
+layout produces the same videos. The time grid and the Euler update are diffusers'
+`FlowMatchEulerDiscreteScheduler` (sigma = our t, timestep = 1000·t, x ← x + (σ' − σ)·v).
+With `guidance_scale` > 1 and captions, each clip is packed twice — with its caption and with
+the empty caption — and v = v_uncond + g·(v_cond − v_uncond) (classifier-free guidance).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from dit_train.batch import PackedBatch
+from dit_train.parallel.context_parallel import split_for_cp
+from dit_train.parallel.mesh import ParallelContext
+from dit_train.rng import sample_generator
+from dit_train.tasks.captions import pad_contexts
+from dit_train.tasks.video import model_context, pack_clips, unpatchify
+from kernels import VarlenLayout
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SampleRequest:
+    """One clip to generate.
+
+    key: name of the outputs (`sample_<id>` for dataset clips, `prompt_<k>` for prompts).
+    shape: (C, F, H, W) in model space (pixels, or latents for latent-cache runs).
+    caption: the text; context: its embedding [Lt, text_dim] (None for unconditional models).
+    noise_id: picks the starting noise (sampling stream of (seed, noise_id)).
+    fps: frame rate of the written video.
+    """
+
+    key: str
+    shape: tuple[int, int, int, int]
+    caption: str
+    context: torch.Tensor | None
+    noise_id: int
+    fps: float = 8.0
+
+
+def dataset_requests(task: Any, num: int, fps: Callable[[int], float] | None = None) -> list[SampleRequest]:
+    """The first `num` readable samples of the task's dataset (sizes, captions)."""
+    out = []
+    for sid in range(len(task.dataset)):
+        if len(out) == num:
+            break
+        try:
+            item = task.dataset[sid]
+        except Exception as err:  # noqa: BLE001 - an unreadable clip is skipped here as in training
+            log.warning("validation: skipping sample %d (%s)", sid, err)
+            continue
+        emb = task.caption_embedding(item) if task.text_dim else None
+        out.append(SampleRequest(f"sample_{sid}", tuple(item.pixels.shape), item.caption, emb, sid,
+                                 fps(sid) if fps else 8.0))
+    return out
+
+
+@torch.no_grad()
+def predict_velocity(model: torch.nn.Module, batch: PackedBatch, ctx: ParallelContext) -> torch.Tensor:
+    """The model's output for every token of a full pack: [L, patch_dim] on every rank.
+
+    Under CP each rank runs its share of the pack (the same split as training) and the shares
+    are all-gathered over the CP group (`ctx.cp_group`) to rebuild the whole pack. This is
+    evaluation, not the loss path, so the collective lives here.
+    """
+    L = batch.num_tokens
+    cp = ctx.dims.cp
+    if cp > 1:
+        local, attn = split_for_cp(batch, cp, ctx.cp_rank, "contiguous")
+        attn = attn.to(ctx.device)
+        local = local.to(ctx.device)
+        out = model(local.tokens["x"], local.pos, local.seg, local.samples["t"], attn, **model_context(local)).float()
+        shares = [torch.empty_like(out) for _ in range(cp)]
+        dist.all_gather(shares, out.contiguous(), group=ctx.cp_group)
+        full = torch.empty((attn.seg.numel(), out.shape[-1]), dtype=out.dtype, device=out.device)
+        for c in range(cp):
+            full[attn.index[c]] = shares[c]
+        return full[:L]
+    b = batch.to(ctx.device)
+    attn = VarlenLayout.build(b.seg, b.order, False)
+    return model(b.tokens["x"], b.pos, b.seg, b.samples["t"], attn, **model_context(b)).float()
+
+
+class VideoSampler:
+    """Generates `requests` with the model (see the module docstring).
+
+    patch: the model's (pt, ph, pw); text_dim: caption width (0 = unconditional);
+    null_caption: [Lt, text_dim] embedding of the empty caption (the CFG negative).
+    """
+
+    def __init__(self, requests: list[SampleRequest], patch: tuple[int, int, int], text_dim: int,
+                 null_caption: torch.Tensor | None, ctx: ParallelContext, steps: int, guidance_scale: float,
+                 seed: int, shift: float = 1.0):
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        self.requests, self.patch, self.text_dim, self.null_caption = requests, tuple(patch), text_dim, null_caption
+        self.ctx, self.steps, self.guidance, self.seed, self.shift = ctx, steps, guidance_scale, seed, shift
+        self.scheduler_cls = FlowMatchEulerDiscreteScheduler
+
+    def _grid(self, shape: torch.Size) -> tuple[int, int, int]:
+        pt, ph, pw = self.patch
+        return shape[1] // pt, shape[2] // ph, shape[3] // pw
+
+    def _pack(self, xs: list[torch.Tensor], t: float, ctxs: list[torch.Tensor] | None) -> PackedBatch:
+        samples = {"t": torch.full((len(xs),), t, dtype=torch.float32)}
+        if ctxs is not None:
+            samples["context"], samples["context_len"] = pad_contexts(ctxs, self.text_dim)
+        patch_dim = xs[0].shape[0] * math.prod(self.patch)
+        return pack_clips({"x": xs}, self.patch, patch_dim, samples, torch.arange(len(xs)))
+
+    @torch.no_grad()
+    def sample(self, model: torch.nn.Module, autocast: Callable[[], Any] | None = None) -> list[torch.Tensor]:
+        """Run the sampler; returns the clips [C, F, H, W] (model space: pixels or latents)."""
+        autocast = autocast or contextlib.nullcontext
+        xs = [torch.randn(r.shape, generator=sample_generator(self.seed, r.noise_id, 0, "sampling")) for r in self.requests]
+        cfg = self.guidance > 1.0 and self.text_dim > 0
+        ctxs = None
+        if self.text_dim:
+            ctxs = [r.context for r in self.requests]
+            if cfg:
+                ctxs = ctxs + [self.null_caption] * len(ctxs)
+        # one scheduler per clip: diffusers' schedulers keep a step counter per trajectory
+        scheds = [self.scheduler_cls(num_train_timesteps=1000, shift=self.shift) for _ in xs]
+        for s in scheds:
+            s.set_timesteps(self.steps)
+        sigmas = scheds[0].sigmas.tolist()  # decreasing from 1 to 0, steps + 1 values
+        was_training = model.training
+        model.eval()
+        n = len(xs)
+        sizes = [math.prod(self._grid(x.shape)) for x in xs]
+        offsets = np.cumsum([0] + (sizes + sizes if cfg else sizes)).tolist()
+        for i, timestep in enumerate(scheds[0].timesteps):
+            batch = self._pack(xs + xs if cfg else xs, sigmas[i], ctxs)
+            with autocast():
+                v = predict_velocity(model, batch, self.ctx).cpu()
+            for k in range(n):
+                vk = v[offsets[k]:offsets[k + 1]]
+                if cfg:
+                    vu = v[offsets[n + k]:offsets[n + k + 1]]
+                    vk = vu + self.guidance * (vk - vu)
+                vel = unpatchify(vk, self._grid(xs[k].shape), self.patch, xs[k].shape[0])
+                xs[k] = scheds[k].step(vel, timestep, xs[k]).prev_sample  # x + (σ_next − σ)·v
+        model.train(was_training)
+        return xs
