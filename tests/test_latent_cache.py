@@ -201,13 +201,16 @@ def test_training_on_latents(cache, tmp_path):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2] and all(r["samples"] == 3 and r["tokens"] > 0 for r in rows)
     out = run_dir / "samples" / "step_000003"
-    latents = load_file(out / "samples.safetensors")
-    assert len(latents) == 2 and (out / "grid.png").exists()
-    for key, z in latents.items():
-        assert z.shape[0] == Z_DIM
+    # samples.safetensors holds the VAE-decoded pixels in [-1, 1]; the run sampled latents of the
+    # cached clips' shapes (the first two manifest rows)
+    pixels = load_file(out / "samples.safetensors")
+    assert len(pixels) == 2 and (out / "grid.png").exists()
+    shapes = [json.loads(line)["latent_shape"] for line in (Path(cache) / lc.MANIFEST).read_text().splitlines()[:2]]
+    for (key, x), (_, f, h, w) in zip(sorted(pixels.items(), key=lambda kv: int(kv[0].split("_")[1])), shapes):
+        assert x.shape == (3, 1 + 4 * (f - 1), 8 * h, 8 * w)  # the Wan VAE's temporal and spatial factors
+        assert float(x.abs().max()) <= 1.0
         video = decord.VideoReader(str(out / f"{key}.mp4"))
-        assert len(video) == 1 + 4 * (z.shape[1] - 1)  # the Wan VAE's temporal factor
-        assert video[0].shape[:2] == (8 * z.shape[2], 8 * z.shape[3])
+        assert len(video) == x.shape[1] and video[0].shape[:2] == x.shape[2:]
 
 
 def test_shards_split_clips_by_rank_and_count_unreadable(tmp_path):
