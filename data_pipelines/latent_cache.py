@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import torch
 
+from data_pipelines.records import in_heldout
 from data_pipelines.video_dataset import VideoSample
 from data_pipelines.video_io import VideoReadError
 
@@ -274,9 +275,12 @@ def write_manifest(out: Path, dataset: Any, reports: list[dict]) -> dict:
 
 class LatentCacheDataset:
     """Cached latents as VideoSample (pixels = normalized latents [C, f, h, w] cropped to
-    multiples of `patch`, text_emb [Lt, text_dim] or None); token counts from the manifest."""
+    multiples of `patch`, text_emb [Lt, text_dim] or None); token counts from the manifest.
+    split: "" every sample, "train" / "heldout" one side of the `heldout_fraction` split (by a
+    hash of each clip's source file name)."""
 
-    def __init__(self, root: str | os.PathLike, patch: tuple[int, int, int]):
+    def __init__(self, root: str | os.PathLike, patch: tuple[int, int, int], split: str = "",
+                 heldout_fraction: float = 0.0):
         self.root = Path(root).expanduser()
         self.meta = read_cache_info(self.root)
         self.patch = tuple(patch)
@@ -292,6 +296,8 @@ class LatentCacheDataset:
             if not line.strip():
                 continue
             row = json.loads(line)
+            if split and in_heldout(Path(row["source"]).name, heldout_fraction) != (split == "heldout"):
+                continue
             _, f, h, w = row["latent_shape"]
             if f < pt or h < ph or w < pw:
                 self.skipped.append((row["file"], f"latent grid {f}x{h}x{w} is smaller than one patch {self.patch}"))

@@ -76,6 +76,9 @@ class DataConfig:
     num_workers: int = 0  # background decode threads: the next step's samples load while the model runs
     # probability a caption is replaced by the empty one (for CFG); decided by (seed, id, step)
     caption_dropout: float = 0.0
+    # share of samples held out for the evaluation loss (train.eval_every), chosen by a hash of
+    # each sample's file/document name: the same split on every machine, stable as data grows
+    heldout_fraction: float = 0.0
 
 
 @dataclass

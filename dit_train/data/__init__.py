@@ -40,7 +40,9 @@ def build_task(mode: str, data: Any, model: Any, loss: Any, seed: int, split: st
     if mode == "video":
         from dit_train.tasks.video import VideoTask
 
-        return VideoTask(ds, model, loss, seed, caption_dropout=data.caption_dropout)
+        # held-out clips are scored with their captions (no dropout), fixed noise and times
+        dropout = data.caption_dropout if split == "train" else 0.0
+        return VideoTask(ds, model, loss, seed, caption_dropout=dropout)
     from dit_train.tasks.llm import LMTask
 
     return LMTask(ds)

@@ -101,8 +101,10 @@ def _model_and_data(cfg: Config, e: list[str]) -> None:
     _check(SOURCES[d.name].mode == cfg.mode, f"data={d.name} is a source for mode={SOURCES[d.name].mode}, "
            f"not mode={cfg.mode}", e)
     _check(0.0 <= d.caption_dropout < 1.0, f"data.caption_dropout={d.caption_dropout} must be in [0, 1)", e)
-    if hasattr(d, "heldout_fraction"):
-        _check(0.0 <= d.heldout_fraction < 1.0, f"data.heldout_fraction={d.heldout_fraction} must be in [0, 1)", e)
+    _check(0.0 <= d.heldout_fraction < 1.0, f"data.heldout_fraction={d.heldout_fraction} must be in [0, 1)", e)
+    _check(not (cfg.train.eval_every > 0 and d.heldout_fraction <= 0),
+           f"train.eval_every={cfg.train.eval_every} scores held-out samples, but data.heldout_fraction=0 holds none "
+           f"out; set data.heldout_fraction (e.g. 0.1) or train.eval_every=0", e)
 
 
 def check_config(cfg: Config, world_size: int | None = None) -> None:
