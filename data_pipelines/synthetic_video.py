@@ -40,6 +40,10 @@ def _render(rng: np.random.Generator) -> tuple[np.ndarray, str]:
     speed = float(rng.uniform(1.0, 3.0))
     angle = float(rng.uniform(0, 2 * np.pi))
     vx, vy = speed * np.cos(angle), speed * np.sin(angle)
+    # the caption states the direction of the motion at the start: cutting a clip to its first
+    # data.max_frames frames (what training sees) keeps it true; bounces may reverse it later
+    horiz = "right" if vx > 0 else "left"
+    vert = "down" if vy > 0 else "up"
     yy, xx = np.mgrid[0:H, 0:W].astype(np.float32)
     frames = np.empty((F, H, W, 3), np.uint8)
     for f in range(F):
@@ -56,8 +60,6 @@ def _render(rng: np.random.Generator) -> tuple[np.ndarray, str]:
             vx, x = -vx, float(np.clip(x, r, W - r))
         if not r <= y <= H - r:
             vy, y = -vy, float(np.clip(y, r, H - r))
-    horiz = "right" if vx > 0 else "left"
-    vert = "down" if vy > 0 else "up"
     caption = f"a {color_name} {shape} moving {vert} and {horiz} on a {bg_name} background"
     return frames, caption
 
@@ -79,7 +81,8 @@ def write_mp4(path: Path, frames: np.ndarray, fps: int = FPS) -> None:
 
 
 def dataset_dir(cache_dir: str | os.PathLike, num_clips: int, gen_seed: int) -> Path:
-    return Path(cache_dir).expanduser() / f"synthetic_video_v1_n{num_clips}_seed{gen_seed}"
+    # v2: captions state the starting direction (v1: the direction at the end of the clip)
+    return Path(cache_dir).expanduser() / f"synthetic_video_v2_n{num_clips}_seed{gen_seed}"
 
 
 def ensure_synthetic_videos(cache_dir: str | os.PathLike, num_clips: int, gen_seed: int) -> Path:

@@ -125,6 +125,8 @@ def test_validation_videos_are_written_and_layout_invariant(tmp_path, data_cache
     # the embedded world is scored on every validation: eval/ figures in metrics.jsonl
     last = [json.loads(line) for line in (one / "metrics.jsonl").read_text().splitlines()][-1]
     assert last["eval/num_clips"] == 2 and 0 <= last["eval/palette_share"] <= 1
+    ref = json.loads((one / "samples" / "reference.json").read_text())  # the real clips, scored once
+    assert ref["eval/all_ok"] == 1.0 and ref["eval/palette_share"] > 0.9
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-4, rtol=1e-4)
         vr = decord.VideoReader(str(d1 / f"{k}.mp4"))

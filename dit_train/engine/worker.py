@@ -56,6 +56,11 @@ class Validation:
 
             self.decode = load_decoder(cfg.data.root, run.ctx.device)
         self.run, self.guidance, self.steps = run, t.guidance_scale, t.sample_steps
+        self.reference: dict[str, float] = {}
+        if run.ctx.is_main and cfg.data.name != "latent_cache":
+            # the same figures on the real clips: what a perfect generator would score
+            real = [task.dataset[r.noise_id].pixels for r in requests]
+            self.reference = self.source.score(real, [r.caption for r in requests]) or {}
 
     def __call__(self, run_dir: Path, step: int, tb: Any = None) -> tuple[Path | None, dict[str, float]]:
         """Sample (from the EMA weights when EMA is on); rank 0 writes. Returns (folder, eval figures)."""
@@ -109,9 +114,14 @@ def train(cfg: Config, ctx: ParallelContext | None = None) -> dict[str, Any]:
         start = load_checkpoint(ckpt, parts) + 1
 
     validation = Validation(cfg, run) if t.sample_every > 0 else None
+    if validation is not None and validation.reference:
+        (run_dir / "samples").mkdir(parents=True, exist_ok=True)
+        (run_dir / "samples" / "reference.json").write_text(json.dumps(validation.reference, indent=2))
     logger = MetricsLogger(run_dir, t.steps, start, enabled=ctx.is_main, progress=t.progress, log_every=t.log_every)
     if ckpt is not None:
         logger.write(f"resumed from {ckpt} at step {start}")
+    if validation is not None and validation.reference:
+        logger.write(f"quality of the real validation clips (the reference): {format_scores(validation.reference)}")
     last = None
     try:
         for step in range(start, t.steps):
