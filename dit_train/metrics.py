@@ -27,18 +27,22 @@ class MetricsLogger:
             return
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
-        # append: a resumed run continues the same file (steps already logged are not repeated)
-        self._file = (run_dir / "metrics.jsonl").open("a", buffering=1)
+        path = run_dir / "metrics.jsonl"
+        if start_step > 0 and path.exists():
+            drop_rows_from(path, start_step)  # steps replayed after a resume are logged once
+        # append: a resumed run continues the same file
+        self._file = path.open("a", buffering=1)
         from torch.utils.tensorboard import SummaryWriter
 
-        self._tb = SummaryWriter(log_dir=str(run_dir / "tb"))
+        # purge_step: TensorBoard hides the events of steps >= start written by the interrupted run
+        self._tb = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=start_step if start_step > 0 else None)
         if progress:
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(json.dumps(strict_json(record)) + "\n")
         step = record["step"]
         for k, v in record.items():
             if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
@@ -75,6 +79,28 @@ class MetricsLogger:
             self._bar.close()
         self._tb.close()
         self._file.close()
+
+
+def strict_json(record: dict[str, Any]) -> dict[str, Any]:
+    """JSON has no NaN/Infinity: non-finite numbers become null and are listed under "nonfinite"."""
+    bad = [k for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)]
+    if not bad:
+        return record
+    return {**{k: (None if k in bad else v) for k, v in record.items()}, "nonfinite": bad}
+
+
+def drop_rows_from(path: Path, step: int) -> None:
+    """Rewrite metrics.jsonl without the rows of steps >= `step` (atomic: a reader never sees half)."""
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] < step:
+                keep.append(line)
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue  # a line cut by a crash
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    tmp.replace(path)
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

@@ -19,6 +19,7 @@ TINY = [
     "model.dim=32", "model.depth=2", "model.heads=4", "model.init=normal",
     "optim=sgd", "optim.lr=0.5",
     "train.steps=2", "train.global_batch=6", "train.micro_batch_tokens=400", "train.progress=false",
+    "train.sample_every=0",  # validation videos cost more than these runs; tests that need them turn them on
     "data.num_clips=16", "data.max_frames=8",
 ]
 # TINY without the embedded set's data keys, for tests that switch to another data source

@@ -67,7 +67,7 @@ def test_loss_decreases_over_50_steps(tmp_path, data_cache):
 def test_sweep_and_plot(tmp_path, data_cache):
     sweep = tmp_path / "sweep"
     r = run_cli(["-m", "optim.lr=1e-3,3e-3", "loss.reduction=sample_mean,token_mean", "train.steps=3",
-                 "train.progress=false", f"data.cache_dir={data_cache}", f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
+                 "train.progress=false", "train.sample_every=0", "model.dim=32", "model.depth=2", f"data.cache_dir={data_cache}", f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert len(list(sweep.glob("*/metrics.jsonl"))) == 4
     p = subprocess.run([sys.executable, "-m", "dit_train.tools.plot_sweep", str(sweep)], capture_output=True, text=True)

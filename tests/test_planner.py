@@ -115,7 +115,7 @@ def test_plan_cli_smoke_runs_top_candidate(tiny_cfg, tmp_path, capsys):
     data = json.loads(out.read_text())
     best = data["candidates"][0]
     assert best["fits"] and best["smoke"]["median_step_s"] > 0 and best["smoke"]["steps"] == 3
-    assert "best: parallel.dp_replicate=1" in capsys.readouterr().out
+    assert "best (fastest of the 1 measured): parallel.dp_replicate=1" in capsys.readouterr().out
 
 
 def test_plan_runs_as_module_from_any_directory(tmp_path):

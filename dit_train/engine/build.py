@@ -86,7 +86,11 @@ def build_run(cfg: Config, ctx: ParallelContext | None = None, *, task: Any = No
 
     ctx = ctx or init_parallel(cfg.parallel)
     set_threads(cfg.parallel.threads_per_worker, int(os.environ.get("LOCAL_WORLD_SIZE", ctx.dims.world)))
+    from dit_train.data import auto_micro_batch_tokens
+
     task = task or build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed)
+    if cfg.train.micro_batch_tokens == 0:  # auto (normally resolved by check_data before the launch)
+        cfg.train.micro_batch_tokens = auto_micro_batch_tokens(task.lengths())
     held = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed, split="heldout") if heldout else None
     model = build_parallel_model(cfg, ctx)
     optimizer = build_optimizer(model, cfg.optim)

@@ -61,7 +61,7 @@ def _parallel(cfg: Config, world_size: int | None, e: list[str]) -> None:
 
 def _train(cfg: Config, e: list[str]) -> None:
     t, o = cfg.train, cfg.optim
-    for key, low in (("steps", 0), ("global_batch", 1), ("grad_accum", 1), ("micro_batch_tokens", 1), ("keep_last", 1),
+    for key, low in (("steps", 0), ("global_batch", 1), ("grad_accum", 1), ("micro_batch_tokens", 0), ("keep_last", 1),
                      ("max_skipped_steps", 0), ("eval_every", 0)):
         _check(getattr(t, key) >= low, f"train.{key}={getattr(t, key)} must be >= {low}", e)
     _check(t.ckpt_every >= 0, f"train.ckpt_every={t.ckpt_every} must be >= 0 (0 = no checkpoints)", e)
@@ -107,9 +107,24 @@ def _model_and_data(cfg: Config, e: list[str]) -> None:
            f"out; set data.heldout_fraction (e.g. 0.1) or train.eval_every=0", e)
 
 
+def warnings_for(cfg: Config) -> list[str]:
+    """Settings that run but probably do not do what the user wants."""
+    w = []
+    t, m = cfg.train, cfg.model
+    if t.guidance_scale > 1 and t.sample_every > 0 and getattr(m, "text_dim", 0) and cfg.data.caption_dropout <= 0:
+        w.append(f"train.guidance_scale={t.guidance_scale:g} with data.caption_dropout=0: the model never learns the "
+                 f"empty caption that guidance contrasts with; set data.caption_dropout=0.1")
+    return w
+
+
 def check_config(cfg: Config, world_size: int | None = None) -> None:
-    """Raise ConfigError listing every problem found. `world_size`: processes already started
-    by an outside launcher (torchrun / SLURM), or None when we start them ourselves."""
+    """Raise ConfigError listing every problem found (and log warnings for settings that run but
+    probably do not do what is wanted). `world_size`: processes already started by an outside
+    launcher (torchrun / SLURM), or None when we start them ourselves."""
+    import logging
+
+    for message in warnings_for(cfg):
+        logging.getLogger(__name__).warning(message)
     e = choice_errors(cfg, "")
     _parallel(cfg, world_size, e)
     _train(cfg, e)

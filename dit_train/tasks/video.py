@@ -88,6 +88,7 @@ class VideoTask:
         self.loss_cfg = loss_cfg
         self.seed = seed
         self.failed: set[int] = set()  # samples whose file could not be decoded (skipped, counted)
+        self.failure_reasons: dict[int, str] = {}  # ... and why (the first few name them in errors)
 
     def lengths(self) -> list[int]:
         return self.dataset.lengths()
@@ -122,6 +123,7 @@ class VideoTask:
                 # every rank consistent (its tokens are simply absent from the metadata sync)
                 if sid not in self.failed:
                     log.warning("dropping sample %d: %s", sid, err)
+                    self.failure_reasons[sid] = str(err)
                 self.failed.add(sid)
                 continue
             kept.append(sid)
