@@ -127,6 +127,24 @@ def test_images_are_pt_frames_and_token_counts_are_exact(folder, tmp_path, monke
     assert torch.allclose(green, want.expand_as(green), atol=1e-6)
 
 
+def test_image_modes_become_rgb(tmp_path):
+    """Palette, 16-bit greyscale, CMYK and EXIF-rotated images read as upright 8-bit RGB."""
+    ramp = np.tile(np.arange(0, 256, 32, dtype=np.uint8), (8, 1))  # [8, 8], 0..224 across
+    Image.fromarray(np.stack([ramp] * 3, -1)).convert("P", palette=Image.Palette.ADAPTIVE).save(tmp_path / "p.png")
+    Image.fromarray(ramp.astype(np.uint16) * 257).save(tmp_path / "g16.png")
+    Image.fromarray(np.stack([ramp] * 3, -1)).convert("CMYK").save(tmp_path / "cmyk.jpg", quality=100)
+    exif = Image.Exif()
+    exif[0x0112] = 6  # shown turned 90 degrees clockwise: stored 8x16 reads as 16x8
+    Image.fromarray(np.zeros((8, 16, 3), np.uint8)).save(tmp_path / "turned.jpg", exif=exif)
+    for name, tol in (("p.png", 0), ("g16.png", 0), ("cmyk.jpg", 3)):
+        info = probe(str(tmp_path / name))
+        x = read_frames(str(tmp_path / name), [0], info)
+        assert x.shape == (1, 8, 8, 3) and x.dtype == torch.uint8, name
+        assert (x[0].int() - torch.from_numpy(ramp).int()[..., None]).abs().max() <= tol, name
+    info = probe(str(tmp_path / "turned.jpg"))
+    assert (info.height, info.width) == (16, 8) and read_frames(str(tmp_path / "turned.jpg"), [0, 0], info).shape == (2, 16, 8, 3)
+
+
 def test_resolution_buckets_apply_to_images(folder, tmp_path):
     ds = pixel_dataset(folder, tmp_path, "data.resolution_buckets=[[32,32],[32,64]]")
     for i in range(len(ds)):
