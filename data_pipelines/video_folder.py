@@ -2,12 +2,13 @@
 .txt captions, or a .csv/.jsonl manifest with columns `path` and `caption`.
 
 Every file is probed once (frame count, size, fps; decord opens a video and decodes one frame,
-Pillow reads an image's header: 1 frame) so token counts are known without decoding. Probe results are kept in an index file under
-`data.cache_dir`, keyed by (path, size, mtime): later runs, and every rank of a run, read the
-index instead of probing again; a changed or added file is probed anew. Files that cannot be
-opened are skipped and counted (`ClipIndex.skipped`, and listed in the index file); so are
-clips whose caption file is not UTF-8 and manifest rows that cannot be used, each named with
-its file (and line) in a warning.
+Pillow reads an image's header: 1 frame) so token counts are known without decoding. Probe
+results, videos' and images' alike, are kept in an index file under `data.cache_dir`, keyed by
+(path, size, mtime): later runs, and every rank of a run, read the index instead of probing
+again; a changed or added file is probed anew. Files that cannot be opened are skipped and
+counted (`ClipIndex.skipped`, and listed in the index file); so are clips whose caption file is
+not UTF-8 and manifest rows that cannot be used, each named with its file (and line) in a
+warning.
 """
 from __future__ import annotations
 
@@ -44,10 +45,10 @@ def scan_clips(root: str | os.PathLike) -> tuple[list[tuple[str, str]], list[tup
     each clip left out (warned about once).
 
     root: a folder, searched recursively for MEDIA_EXTENSIONS (videos and still images, any
-    case: .MP4, .JPG too), each file's caption read from the file beside it with the same stem and extension .txt in any case
-    (clip.txt, else clip.TXT; empty caption if there is none); or a .csv/.jsonl manifest with
-    columns `path` (relative to the manifest's folder, or absolute) and `caption` (rows left
-    out: see scan_manifest; `where` is `<manifest>:<line>`).
+    case: .MP4, .JPG too), each file's caption read from the file beside it with the same stem
+    and extension .txt in any case (clip.txt, else clip.TXT; empty caption if there is none);
+    or a .csv/.jsonl manifest with columns `path` (relative to the manifest's folder, or
+    absolute) and `caption` (rows left out: see scan_manifest; `where` is `<manifest>:<line>`).
 
     A caption file that cannot be read as UTF-8 leaves its clip out (`where` is the video, `why`
     names the caption file) rather than training it uncaptioned: the author meant the clip to

@@ -71,7 +71,8 @@ def test_folder_indexes_images_next_to_videos(folder, tmp_path, monkeypatch):
     index = index_video_folder(folder, tmp_path, progress=False)
     assert names(index.entries) == ["grey.JPG", "rgba.webp", "still.png", "video_0.mp4", "video_1.mp4"]
     info = {Path(e.path).name: e.info for e in index.entries}
-    assert info["grey.JPG"] == VideoInfo(1, 24, 40, 0.0) and (info["still.png"].frames, info["rgba.webp"].height) == (1, 16)
+    assert info["grey.JPG"] == VideoInfo(1, 24, 40, 0.0)
+    assert (info["still.png"].frames, info["rgba.webp"].height) == (1, 16)
     assert info["video_0.mp4"].frames > 1
     captions = {Path(e.path).name: e.caption for e in index.entries}
     assert captions["grey.JPG"] == "a grey ramp" and parse_caption(captions["still.png"]) is not None
@@ -142,7 +143,8 @@ def test_image_modes_become_rgb(tmp_path):
         assert x.shape == (1, 8, 8, 3) and x.dtype == torch.uint8, name
         assert (x[0].int() - torch.from_numpy(ramp).int()[..., None]).abs().max() <= tol, name
     info = probe(str(tmp_path / "turned.jpg"))
-    assert (info.height, info.width) == (16, 8) and read_frames(str(tmp_path / "turned.jpg"), [0, 0], info).shape == (2, 16, 8, 3)
+    assert (info.height, info.width) == (16, 8)
+    assert read_frames(str(tmp_path / "turned.jpg"), [0, 0], info).shape == (2, 16, 8, 3)
 
 
 def test_resolution_buckets_apply_to_images(folder, tmp_path):
@@ -177,7 +179,8 @@ def test_mixed_manifest(folder, tmp_path):
     assert still.shape == (3, 2, 32, 48) and ds.num_tokens(1) == patchify(still, PATCH)[0].shape[0]
     ds = pixel_dataset(manifest, tmp_path)
     assert [ds[i].caption for i in range(len(ds))] == ["g", "s", "v"]  # the folder source sorts by path
-    assert ds.entries[1].info == probe(str(folder / "still.png")) and [Path(p).name for p, _ in ds.skipped] == ["broken.png"]
+    assert ds.entries[1].info == probe(str(folder / "still.png"))  # probed, not declared
+    assert [Path(p).name for p, _ in ds.skipped] == ["broken.png"]
     csv_manifest = folder / "mixed.csv"
     csv_manifest.write_text("path,caption\nvideo_0.mp4,v\nstill.png,s\nbroken.png,b\n")
     ds = pixel_dataset(csv_manifest, tmp_path)
@@ -196,7 +199,8 @@ def test_embedded_set_images(tmp_path):
     assert [r["path"] for r in images] == [f"image_{i:04d}.png" for i in range(4)]
     for r in images:
         cap = parse_caption(r["caption"])
-        assert cap is not None and not cap.has_motion and r["caption"] == f"a {cap.color} {cap.shape} on a {cap.background} background"
+        assert cap is not None and not cap.has_motion
+        assert r["caption"] == f"a {cap.color} {cap.shape} on a {cap.background} background"
         info = probe(str(mixed / r["path"]))
         assert (1, info.height, info.width) == (r["frames"], r["height"], r["width"])
         frames = read_frames(str(mixed / r["path"]), [0], info)  # uint8 [1, H, W, 3], lossless
@@ -235,6 +239,27 @@ def test_pack_holds_an_image_and_a_video(folder, tmp_path):
     assert t[batch.seg == 1].max() == ds[3].pixels.shape[1] // 2 - 1 > 0
 
 
+def test_truncated_jpeg_is_dropped_when_read(tmp_path):
+    """A JPEG cut short passes the header probe; decoding it fails, and the task drops it and
+    counts it like an undecodable video."""
+    from dit_train.data import build_task
+
+    root = tmp_path / "media"
+    root.mkdir()
+    for name in ("whole", "cut"):
+        Image.fromarray(np.random.default_rng(0).integers(0, 255, (32, 32, 3), np.uint8)).save(root / f"{name}.jpg")
+    data = (root / "cut.jpg").read_bytes()
+    (root / "cut.jpg").write_bytes(data[: len(data) * 3 // 4])  # past the header, into the pixels
+    cfg = compose_config(TINY_MODEL + ["data=video_folder", f"data.root={root}", "data.num_workers=0"],
+                         cache_dir=str(tmp_path / "cache"))
+    task = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed)
+    assert names(task.dataset.entries) == ["cut.jpg", "whole.jpg"]
+    with pytest.raises(VideoReadError, match="cut.jpg"):
+        task.dataset[0]
+    batch = task.build([0, 1], step=0)
+    assert batch.sample_ids.tolist() == [1] and task.failed == {0}
+
+
 def test_latent_cache_encodes_an_image(folder, tmp_path):
     """An image goes through the video VAE as one frame: Wan's causal VAE encodes frame 0
     alone, so 1 frame -> 1 latent frame; trained with temporal patch 1."""
@@ -260,8 +285,8 @@ def test_latent_cache_encodes_an_image(folder, tmp_path):
     frames = min(probe(str(src / "video_0.mp4")).frames, 5)
     assert rows["video_0.mp4"]["latent_shape"][1] == 1 + (frames - 1) // 4
     ds = lc.LatentCacheDataset(out, patch=(1, 2, 2))
-    assert sorted(ds.lengths()) == sorted(r["latent_shape"][1] * (r["latent_shape"][2] // 2) * (r["latent_shape"][3] // 2)
-                                          for r in rows.values())
+    want = [f * (h // 2) * (w // 2) for _, f, h, w in (r["latent_shape"] for r in rows.values())]
+    assert sorted(ds.lengths()) == sorted(want)
 
 
 @pytest.mark.slow
