@@ -294,8 +294,9 @@ def _means(scores: list[dict[str, float]], prefix: str) -> dict[str, float]:
 
 
 def reference_scores(manifest_dir: str | Path) -> dict[str, float]:
-    """score_clips over the real clips of a set (its manifest.jsonl), decoded with decord: the
-    figures a perfect generator would reach, H.264 artefacts included."""
+    """score_clips over the real clips of a set (its manifest.jsonl; videos decoded with decord,
+    still images with Pillow, see video_io.read_frames): the figures a perfect generator would
+    reach, H.264 artefacts included."""
     from data_pipelines.video_io import probe, read_frames
 
     root = Path(manifest_dir)

@@ -1,4 +1,5 @@
-"""`data=synthetic_video`: the embedded clips of moving shapes (generated on first use)."""
+"""`data=synthetic_video`: the embedded clips of moving shapes, and optionally still images of
+the same world (generated on first use)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -13,6 +14,8 @@ class SyntheticVideoConfig(VideoReadConfig):
     name: str = "synthetic_video"
     num_clips: int = 48
     gen_seed: int = 1234
+    # still PNG images of shapes trained next to the clips (one frame each; 0 = clips only)
+    num_images: int = 0
 
 
 @register_source
@@ -23,12 +26,12 @@ class SyntheticVideoSource(PixelVideoSource):
     def directory(self) -> Path:
         from data_pipelines.synthetic_video import dataset_dir
 
-        return dataset_dir(self.cfg.cache_dir, self.cfg.num_clips, self.cfg.gen_seed)
+        return dataset_dir(self.cfg.cache_dir, self.cfg.num_clips, self.cfg.gen_seed, self.cfg.num_images)
 
     def prepare(self) -> None:
         from data_pipelines.synthetic_video import ensure_synthetic_videos
 
-        ensure_synthetic_videos(self.cfg.cache_dir, self.cfg.num_clips, self.cfg.gen_seed)
+        ensure_synthetic_videos(self.cfg.cache_dir, self.cfg.num_clips, self.cfg.gen_seed, self.cfg.num_images)
 
     def score(self, pixels: list, captions: list[str]) -> dict[str, float]:
         """The shapes world's exact metric (data_pipelines/shapes_metric.py)."""

@@ -13,9 +13,10 @@ from dit_train.data.source import DataSource
 @dataclass
 class VideoReadConfig(DataConfig):
     """How clips are read: frames resampled to `fps` (0 = native), every `frame_stride`-th, at
-    most `max_frames` (cut to a multiple of the temporal patch); sizes go to the closest
-    `resolution_buckets` entry ([[h, w], ...]) or, without buckets, stay native (cropped to
-    the patch)."""
+    most `max_frames` (cut to a multiple of the temporal patch); a still image is its one frame
+    repeated to fill one temporal patch (fps / stride / max_frames do not apply); sizes, of
+    images and videos alike, go to the closest `resolution_buckets` entry ([[h, w], ...]) or,
+    without buckets, stay native (cropped to the patch)."""
 
     max_frames: int = 16
     frame_stride: int = 1
@@ -25,7 +26,7 @@ class VideoReadConfig(DataConfig):
 
 
 class PixelVideoSource(DataSource):
-    """A source of RGB clips in [-1, 1]; subclasses say where the clip entries come from."""
+    """A source of RGB clips (and stills) in [-1, 1]; subclasses say where the clip entries come from."""
 
     mode = Mode.video
 

@@ -36,6 +36,8 @@ def source_settings(data) -> dict:
            "resolution_buckets": [list(b) for b in data.resolution_buckets]}
     if data.name == "synthetic_video":
         src.update(num_clips=data.num_clips, gen_seed=data.gen_seed)
+        if data.num_images:  # only when set: caches written before images existed keep their fingerprint
+            src["num_images"] = data.num_images
     else:
         src["root"] = str(Path(data.root).expanduser().resolve())
     return src

@@ -3,11 +3,12 @@ reference rows that validation's eval/ figures are read against.
 
     python -m dit_train.tools.score_shapes                                  # default set: 48 clips, seed 1234
     python -m dit_train.tools.score_shapes --num-clips 16 --cache-dir /tmp/c
+    python -m dit_train.tools.score_shapes --num-images 48                  # with still images (eval/image/, eval/video/ too)
     python -m dit_train.tools.score_shapes --json ref.json                  # also write the rows as JSON
 
-Rows: the real clips decoded with decord (what a perfect generator reaches, H.264 included),
-then Gaussian noise ([3, F, H, W] ~ N(0, 1), clamped) and uniform noise in [-1, 1] of the same
-sizes and captions (what an untrained model reaches).
+Rows: the real clips decoded with decord and images with Pillow (what a perfect generator
+reaches, H.264 included), then Gaussian noise ([3, F, H, W] ~ N(0, 1), clamped) and uniform
+noise in [-1, 1] of the same sizes and captions (what an untrained model reaches).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache-dir", default="~/.cache/dit_train", help="data.cache_dir (the set is written if missing)")
     ap.add_argument("--num-clips", type=int, default=48)
     ap.add_argument("--gen-seed", type=int, default=1234)
+    ap.add_argument("--num-images", type=int, default=0, help="data.num_images: still images next to the clips")
     ap.add_argument("--noise-seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write {row: figures} here")
     args = ap.parse_args(argv)
@@ -31,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     from data_pipelines.shapes_metric import FIGURES, reference_scores, score_clips
     from data_pipelines.synthetic_video import ensure_synthetic_videos
 
-    root = ensure_synthetic_videos(args.cache_dir, args.num_clips, args.gen_seed)
+    root = ensure_synthetic_videos(args.cache_dir, args.num_clips, args.gen_seed, args.num_images)
     items = [json.loads(line) for line in (root / "manifest.jsonl").read_text().splitlines() if line.strip()]
     captions = [it["caption"] for it in items]
     shapes = [(3, it["frames"], it["height"], it["width"]) for it in items]
