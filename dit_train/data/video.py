@@ -55,6 +55,11 @@ class PixelVideoSource(DataSource):
         ds.skipped = skipped + ds.skipped
         return ds
 
+    def is_still(self, dataset: Any, i: int) -> bool:
+        from data_pipelines.video_io import is_image
+
+        return hasattr(dataset, "entries") and is_image(dataset.entries[i].path)
+
     def fps(self, dataset: Any, i: int) -> float:
         """The resampling rate (data.fps) or the clip's native rate, divided by the stride."""
         entry = dataset.entries[i] if hasattr(dataset, "entries") else None

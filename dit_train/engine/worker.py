@@ -51,12 +51,13 @@ class Validation:
 
     def __init__(self, cfg: Config, run: Run):
         from dit_train.data import source_for
-        from dit_train.sampling import VideoSampler, dataset_requests
+        from dit_train.sampling import VideoSampler, dataset_requests, scored_view
 
         t, task = cfg.train, run.task
         self.source = source_for(cfg.data, cfg.model)
         inner = getattr(task.dataset, "dataset", task.dataset)  # through the background prefetcher
-        requests = dataset_requests(task, t.num_samples, lambda i: self.source.fps(inner, i))
+        requests = dataset_requests(task, t.num_samples, lambda i: self.source.fps(inner, i),
+                                    lambda i: self.source.is_still(inner, i))
         null = task.null_caption() if task.text_dim else None
         self.sampler = VideoSampler(requests, task.patch, task.text_dim, null, run.ctx, t.sample_steps,
                                     t.guidance_scale, t.seed)
@@ -69,14 +70,14 @@ class Validation:
         self.reference: dict[str, float] = {}
         if run.ctx.is_main and cfg.data.name != "latent_cache":
             # the same figures on the real clips: what a perfect generator would score
-            real = [task.dataset[r.noise_id].pixels for r in requests]
+            real = scored_view(requests, [task.dataset[r.noise_id].pixels for r in requests])
             self.reference = self.source.score(real, [r.caption for r in requests]) or {}
 
     def __call__(self, run_dir: Path, step: int, tb: Any = None) -> tuple[Path | None, dict[str, float]]:
         """Sample (from the EMA weights when EMA is on); rank 0 writes. Returns (folder, eval figures)."""
         import contextlib
 
-        from dit_train.sampling import to_pixels, write_samples
+        from dit_train.sampling import scored_view, to_pixels, write_samples
 
         run = self.run
         swap = run.ema.swapped_in() if run.ema is not None else contextlib.nullcontext()
@@ -85,7 +86,8 @@ class Validation:
         if not run.ctx.is_main:
             return None, {}
         pixels = to_pixels(clips, self.decode)
-        scores = self.source.score(pixels, [r.caption for r in self.sampler.requests]) or {}
+        requests = self.sampler.requests
+        scores = self.source.score(scored_view(requests, pixels), [r.caption for r in requests]) or {}
         info = {"step": step + 1, "weights": "ema" if run.ema is not None else "training",
                 "sample_steps": self.steps, "guidance_scale": self.guidance, "scores": scores}
         out = write_samples(run_dir / "samples" / f"step_{step + 1:06d}", self.sampler.requests, pixels, info, tb, step)

@@ -26,6 +26,11 @@ def to_pixels(clips: list[torch.Tensor], decode: Callable[[torch.Tensor], torch.
     return [(decode(c) if decode else c).float().clamp(-1, 1) for c in clips]
 
 
+def scored_view(requests: list[SampleRequest], pixels: list[torch.Tensor]) -> list[torch.Tensor]:
+    """What a quality metric should see: a still image as its one frame (the others repeat it)."""
+    return [p[:, :1] if r.still else p for r, p in zip(requests, pixels)]
+
+
 def to_uint8_frames(pixels: torch.Tensor) -> np.ndarray:
     """[3, F, H, W] in [-1, 1] -> uint8 [F, H, W, 3]."""
     return ((pixels + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).permute(1, 2, 3, 0).numpy()

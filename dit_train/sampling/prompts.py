@@ -86,5 +86,5 @@ def prompt_requests(space: PromptSpace, prompts: list[str], num: int, frames: in
     for k, prompt in enumerate(prompts):
         ctx = space.encode(prompt) if space.encode else None
         for j in range(num):
-            out.append(SampleRequest(f"prompt_{k}_{j}", shape, prompt, ctx, k * num + j, space.fps))
+            out.append(SampleRequest(f"prompt_{k}_{j}", shape, prompt, ctx, k * num + j, space.fps, still=frames == 1))
     return out

@@ -43,6 +43,7 @@ class SampleRequest:
     caption: the text; context: its embedding [Lt, text_dim] (None for unconditional models).
     noise_id: picks the starting noise (sampling stream of (seed, noise_id)).
     fps: frame rate of the written video.
+    still: a still image (its clip repeats one frame to fill a temporal patch; scored as an image).
     """
 
     key: str
@@ -51,12 +52,22 @@ class SampleRequest:
     context: torch.Tensor | None
     noise_id: int
     fps: float = 8.0
+    still: bool = False
 
 
-def dataset_requests(task: Any, num: int, fps: Callable[[int], float] | None = None) -> list[SampleRequest]:
-    """The first `num` readable samples of the task's dataset (sizes, captions)."""
+def dataset_requests(task: Any, num: int, fps: Callable[[int], float] | None = None,
+                     still: Callable[[int], bool] | None = None) -> list[SampleRequest]:
+    """The first `num` readable samples of the task's dataset (sizes, captions); when it holds
+    both still images and clips, up to half of them are stills (both kinds get scored)."""
+    order = list(range(len(task.dataset)))
+    if still is not None:
+        stills = [i for i in order if still(i)]
+        clips = [i for i in order if not still(i)]
+        if stills and clips:
+            half = min(len(stills), num // 2)
+            order = clips[: num - half] + stills[:half] + clips[num - half:] + stills[half:]
     out = []
-    for sid in range(len(task.dataset)):
+    for sid in order:
         if len(out) == num:
             break
         try:
@@ -66,7 +77,7 @@ def dataset_requests(task: Any, num: int, fps: Callable[[int], float] | None = N
             continue
         emb = task.caption_embedding(item) if task.text_dim else None
         out.append(SampleRequest(f"sample_{sid}", tuple(item.pixels.shape), item.caption, emb, sid,
-                                 fps(sid) if fps else 8.0))
+                                 fps(sid) if fps else 8.0, bool(still and still(sid))))
     return out
 
 

@@ -54,7 +54,7 @@ def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, 
     from dit_train.models.init import load_full_weights
     from dit_train.parallel.mesh import init_parallel
     from dit_train.precision import autocast
-    from dit_train.sampling import VideoSampler, to_pixels, write_samples
+    from dit_train.sampling import VideoSampler, scored_view, to_pixels, write_samples
     from dit_train.sampling.prompts import prompt_requests, prompt_space
 
     ctx = init_parallel(cfg.parallel)
@@ -69,7 +69,8 @@ def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, 
         return None
     pixels = to_pixels(clips, space.decode)
     try:
-        scores = source_for(cfg.data, cfg.model).score(pixels, [r.caption for r in requests]) or {}
+        source = source_for(cfg.data, cfg.model)
+        scores = source.score(scored_view(requests, pixels), [r.caption for r in requests]) or {}
     except ValueError:
         scores = {}
     info = {"weights": source, "prompts": args.prompt, "num": args.num, "steps": args.steps,
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("run_dir", type=Path, help="a run dir (config.yaml + weights or checkpoints)")
     ap.add_argument("--prompt", action="append", required=True, help="a caption (repeat for several)")
     ap.add_argument("--num", type=int, default=1, help="clips per prompt (different noise)")
-    ap.add_argument("--frames", type=int, default=16)
+    ap.add_argument("--frames", type=int, default=16, help="1 = a still image")
     ap.add_argument("--height", type=int, default=32)
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--steps", type=int, default=30, help="Euler steps of the flow-matching sampler")
