@@ -167,6 +167,8 @@ class TrainConfig:
     num_samples: int = 2  # clips per validation (the first readable clips: their sizes and captions)
     sample_steps: int = 20  # Euler steps of the flow-matching sampler
     guidance_scale: float = 1.0  # classifier-free guidance of validation videos (needs captions); 1 = off
+    # experiment trackers fed by rank 0 besides metrics.jsonl (dit_train/trackers): tensorboard
+    loggers: List[str] = field(default_factory=lambda: ["tensorboard"])
 
 
 AUTO_MICRO_BATCH_TOKENS = 2048

@@ -75,6 +75,9 @@ def _train(cfg: Config, e: list[str]) -> None:
     _check(not (cfg.launcher.max_restarts > 0 and t.ckpt_every == 0),
            "launcher.max_restarts > 0 restarts from the latest checkpoint, but train.ckpt_every=0 writes none; "
            "set train.ckpt_every (e.g. 100)", e)
+    from dit_train.trackers import tracker_errors
+
+    e.extend(tracker_errors(list(t.loggers)))
     _check(o.lr > 0, f"optim.lr={o.lr} must be > 0", e)
     _check(o.max_grad_norm >= 0, f"optim.max_grad_norm={o.max_grad_norm} must be >= 0 (0 disables clipping)", e)
     _check(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), f"optim.betas={list(o.betas)} must be two values in [0, 1)", e)
