@@ -90,3 +90,10 @@ class AttnBackend(Choice):
 class InitScheme(Choice):
     adaln_zero = "adaln_zero"  # DiT's init: modulation and output layer start at zero
     normal = "normal"  # every weight N(0, 0.02): the exactness tests need every parameter to move
+
+
+class WandbMode(Choice):
+    auto = "auto"  # online when W&B credentials are configured and its server answers, else offline
+    online = "online"
+    offline = "offline"  # files under <run folder>/wandb/, uploaded later with `wandb sync`
+    disabled = "disabled"  # wandb's own no-op run

@@ -26,6 +26,7 @@ from dit_train.config.choices import (
     Reduction,
     Schedule,
     TimestepSampling,
+    WandbMode,
 )
 
 # The parallel degrees, outermost mesh dimension first; world size = their product. Ulysses
@@ -167,8 +168,10 @@ class TrainConfig:
     num_samples: int = 2  # clips per validation (the first readable clips: their sizes and captions)
     sample_steps: int = 20  # Euler steps of the flow-matching sampler
     guidance_scale: float = 1.0  # classifier-free guidance of validation videos (needs captions); 1 = off
-    # experiment trackers fed by rank 0 besides metrics.jsonl (dit_train/trackers): tensorboard
+    # experiment trackers fed by rank 0 besides metrics.jsonl (dit_train/trackers): tensorboard | wandb
     loggers: List[str] = field(default_factory=lambda: ["tensorboard"])
+    wandb_project: str = "dit_train"  # W&B project (train.loggers with wandb)
+    wandb_mode: WandbMode = WandbMode.auto  # auto | online | offline | disabled
 
 
 AUTO_MICRO_BATCH_TOKENS = 2048

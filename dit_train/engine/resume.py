@@ -24,7 +24,8 @@ ALLOWED = (
     "run_dir", "train.steps", "train.log_every", "train.progress", "train.save_weights", "train.ckpt_every",
     "train.keep_last", "train.resume", "train.overwrite", "train.max_skipped_steps", "train.sample_every",
     "train.num_samples", "train.sample_steps", "train.guidance_scale", "train.compile", "train.grad_accum",
-    "train.micro_batch_tokens", "train.loggers", "parallel.*", "launcher.*", "model.attn_backend",
+    "train.micro_batch_tokens", "train.loggers", "train.wandb_project", "train.wandb_mode", "parallel.*",
+    "launcher.*", "model.attn_backend",
     "model.activation_checkpointing", "data.num_workers", "data.decoded_cache_items", "data.cache_dir",
     "data.max_dropped_fraction", "train.activation_offload", "model.pretrained", "model.allow_pickle_weights",
 )

@@ -2,15 +2,15 @@
 metrics.jsonl (`train.loggers`, default `[tensorboard]`).
 
 Each tracker is a module that registers a `TrackerSpec` in `TRACKERS` (base.py has the
-interface): tensorboard_tracker.py (TensorBoard, a core dependency). `MetricsLogger`
-(dit_train/metrics.py) fans every record out to the open trackers; `write_samples` hands them
-the validation grid and clips.
+interface): tensorboard_tracker.py (TensorBoard, a core dependency) and wandb_tracker.py
+(Weights & Biases, the `wandb` extra). `MetricsLogger` (dit_train/metrics.py) fans every record
+out to the open trackers; `write_samples` hands them the validation grid and clips.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from dit_train.trackers import tensorboard_tracker  # noqa: F401  (register)
+from dit_train.trackers import tensorboard_tracker, wandb_tracker  # noqa: F401  (register)
 from dit_train.trackers.base import TRACKERS, Clip, TrackedRun, Tracker, TrackerSpec, register_tracker, scalar_tags
 
 
