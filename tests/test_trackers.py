@@ -210,3 +210,18 @@ def test_wandb_auto_mode_is_online_only_with_credentials_and_a_server(tmp_path, 
     finally:
         tracker.close()
     assert len(_offline_runs(tmp_path)) == 1
+
+
+def test_wandb_that_cannot_start_names_the_way_out(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    from dit_train.engine.checks import ConfigError
+    from dit_train.trackers import TrackedRun, wandb_tracker
+
+    def no_key(**kwargs):
+        raise wandb.errors.UsageError("No API key configured. Use `wandb login` to log in.")
+
+    monkeypatch.setattr(wandb, "init", no_key)
+    with pytest.raises(ConfigError) as err:
+        wandb_tracker.WandbTracker(TrackedRun(tmp_path, "nokey0000001", 0, {}), "dit_train", "online")
+    msg = str(err.value)
+    assert "No API key configured" in msg and "train.wandb_mode=offline" in msg and "wandb login" in msg, msg

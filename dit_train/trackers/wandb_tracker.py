@@ -1,13 +1,14 @@
 """Weights & Biases: one W&B run per run folder, continued by every resume of it.
 
-- id: run.json's run id (kept by every resume, run_folder.py), passed with `resume="allow"`, so
-  a resumed run logs into the same W&B run (and a new run folder, or `train.overwrite`, starts
-  a new one); name: the run folder's name; config: the resolved config; files: under
-  `<run folder>/wandb/`.
+- id: run.json's run id (kept by every resume, run_folder.py: also one from another folder's
+  checkpoint), passed with `resume="allow"`, so a resumed run logs into the same W&B run, and a
+  new run (`train.overwrite`, a fresh folder) into a new one; name: the run folder's name;
+  config: the resolved config; files: under `<run folder>/wandb/`.
 - `train.wandb_mode=auto`: online when W&B credentials are configured (`wandb login`, or
   wandb's own settings) and its server answers, else offline (`auto` never prompts).
-- offline: each launch writes `<run folder>/wandb/offline-run-<time>-<id>/`; `wandb beta sync
-  <run folder>/wandb` uploads them, the fragments of one resumed run in order of start time.
+- offline: each launch writes `<run folder>/wandb/offline-run-<time>-<id>/` (same id);
+  `wandb beta sync <run folder>/wandb` (wandb 0.31) uploads them, the fragments of one resumed
+  run one after the other in order of start time (older `wandb sync` did not append fragments).
 - replayed steps: a resume from an older checkpoint trains again steps the interrupted launch
   may have logged. W&B cannot delete logged steps, and it ignores (with a warning) a step lower
   than the run's current one: on W&B those steps keep the first launch's values, while
@@ -64,8 +65,15 @@ class WandbTracker(Tracker):
             has_key = _has_credentials()
             mode = choose_mode(mode, has_key, has_key and _reachable(wandb.setup().settings.base_url))
         self.mode = mode
-        self.run = wandb.init(project=project, name=run.name, id=run.run_id or None, resume="allow",
-                              dir=str(run.run_dir), config=run.config, mode=mode)
+        try:
+            self.run = wandb.init(project=project, name=run.name, id=run.run_id or None, resume="allow",
+                                  dir=str(run.run_dir), config=run.config, mode=mode)
+        except wandb.errors.Error as err:  # no API key, a key the server refuses, no server: before step 0
+            from dit_train.engine.checks import ConfigError
+
+            raise ConfigError(f"train.loggers has wandb, but W&B could not start the run (train.wandb_mode={mode}): "
+                              f"{err}; log in with `wandb login`, or set train.wandb_mode=offline (upload the run "
+                              f"later with `wandb beta sync {run.run_dir}/wandb`)") from err
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         # several calls with the same step make one W&B row (it is sent when a later step comes)
