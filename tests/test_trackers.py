@@ -1,6 +1,7 @@
 """Experiment trackers (`train.loggers`): TensorBoard keeps its outputs, W&B (offline here: no
 network) gets the run's config, metrics, validation grid and clips in the run folder, and a
-resume continues the same W&B run; a tracker name nobody registered is refused up front."""
+resume continues the same W&B run; only rank 0 feeds them; a tracker name nobody registered is
+refused up front."""
 from __future__ import annotations
 
 import json
@@ -225,3 +226,13 @@ def test_wandb_that_cannot_start_names_the_way_out(tmp_path, monkeypatch):
         wandb_tracker.WandbTracker(TrackedRun(tmp_path, "nokey0000001", 0, {}), "dit_train", "online")
     msg = str(err.value)
     assert "No API key configured" in msg and "train.wandb_mode=offline" in msg and "wandb login" in msg, msg
+
+
+@pytest.mark.slow
+def test_only_rank_0_feeds_the_trackers(tmp_path, data_cache):
+    pytest.importorskip("wandb")
+    run = tmp_path / "run"
+    _run([*WANDB, "train.steps=2", "parallel.dp_shard=2"], run, data_cache)
+    files = _offline_runs(run)
+    assert len(files) == 1 and len(list((run / "tb").glob("events.out.tfevents.*"))) == 1, files
+    assert sorted(_wandb_run(files[0])[1]) == [0, 1]
