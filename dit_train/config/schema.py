@@ -36,6 +36,17 @@ PARALLEL_DEGREES = ("dp_replicate", "dp_shard", "cp_ring", "cp_ulysses")
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters (peft) on the model's linear layers; rank 0 = off (full training)."""
+
+    rank: int = 0  # adapter rank; 0 = no adapters, every weight trains
+    alpha: float = 0.0  # scale = alpha / rank; 0 = rank (scale 1)
+    dropout: float = 0.0  # dropout on the adapter input (not layout-invariant: keep 0 for exact runs)
+    targets: List[str] = field(default_factory=list)  # module-name suffixes to adapt; [] = the model's default set
+    init: str = "default"  # peft init of the adapters: default (A kaiming-uniform, B = 0) | gaussian
+
+
+@dataclass
 class ModelConfig:
     """Keys every model has. `name` picks the model from the registry (dit_train/models);
     each model's node adds its own keys (e.g. `DiTConfig`, `WanConfig`, `LMConfig`)."""
@@ -51,6 +62,7 @@ class ModelConfig:
     # Attention kernel (see kernels/attention.py); auto = flash > xformers > sdpa on CUDA, sdpa on CPU.
     attn_backend: AttnBackend = AttnBackend.auto
     activation_checkpointing: bool = False  # recompute each block in backward (less memory, more compute)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass

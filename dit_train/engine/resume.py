@@ -8,8 +8,8 @@ Every changed key is one of:
   values would otherwise come back with the optimizer state; the notice says how the new one
   takes effect), clipping, EMA decay, evaluation settings;
 - refused: what would make the resumed run a different experiment or cannot load — the seed,
-  the model's shape, the optimizer type, the loss reduction and objective, the data's identity
-  and the global batch. One line per key names old and new value and the fix.
+  the model's shape and its LoRA adapters (model.lora.*), the optimizer type, the loss
+  reduction and objective, the data's identity and the global batch. One line per key names old and new value and the fix.
 
 Keys not listed are refused (a new key must choose its class here). Checked in the launching
 process before anything in the run folder is written.

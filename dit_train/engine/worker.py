@@ -8,7 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dit_train.checkpoint import export_weights, load_checkpoint, resolve_checkpoint, save_checkpoint, save_safetensors
+from dit_train.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
+from dit_train.checkpoint.export import export_run_weights
 from dit_train.config import Config, to_yaml
 from dit_train.engine.build import Run, build_run
 from dit_train.engine.resume import apply_optimizer_settings
@@ -228,11 +229,7 @@ def train(cfg: Config, ctx: ParallelContext | None = None, claimed: bool = False
                 logger.write(f"checkpoint of step {step}: {path}")
             done = step + 1
         if t.save_weights:
-            export_weights(run.model, run_dir / "weights.safetensors", ctx.is_main)
-            if run.ema is not None:
-                ema = run.ema.full_state_dict()  # every rank: a collective under FSDP
-                if ctx.is_main:
-                    save_safetensors(ema, run_dir / "weights_ema.safetensors")
+            export_run_weights(run.model, run.ema, cfg.model, run_dir, ctx.is_main)
     except BaseException as err:
         error = err
         raise

@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg.parallel.device = args.device
         if hasattr(cfg.model, "pretrained"):
             cfg.model.pretrained = ""  # the run's weights are loaded below
+        cfg.model.lora.rank = 0  # a LoRA run's weights come merged (weights.safetensors, checkpoint_weights)
         state_dict, source = load_weights(args.run_dir, args.ema)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
