@@ -242,3 +242,36 @@ def test_wan_lora_run_loads_in_diffusers_with_matching_outputs(data_cache, pretr
         theirs = wan(clip[None], torch.tensor([400.0]), ctx).sample[0]
     mine = unpatchify(mine, (1, 2, 3), tuple(cfg.model.patch_size), 3)
     assert float((mine - theirs).abs().max() / theirs.abs().max()) <= 1e-5
+
+
+def _count_reads(cfg):
+    """Build the run with pretrained weights; how often this rank read the folder, and the
+    full weights it ended with (rank 0)."""
+    import dit_train.models.wan as wan_module
+    from dit_train.checkpoint import full_state_dict
+    from dit_train.engine.build import build_run
+
+    reads = {"n": 0}
+    original = wan_module.read_pretrained
+
+    def counting(*a, **kw):
+        reads["n"] += 1
+        return original(*a, **kw)
+
+    wan_module.read_pretrained = counting
+    run = build_run(cfg)
+    return {"reads": reads["n"], "weights": full_state_dict(run.model)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["dp_shard=2", "dp_shard=2,dp_mode=ddp"])
+def test_pretrained_weights_are_read_once_and_broadcast(wan_run_cfg, pretrained_dir, layout):
+    from dit_train.engine.launch import launch_local
+    from dit_train.engine.layout_equivalence import apply_layout, parse_layout
+
+    cfg = apply_layout(replace(wan_run_cfg, model=replace(wan_run_cfg.model, pretrained=str(pretrained_dir))),
+                       parse_layout(layout))
+    got = launch_local(_count_reads, (cfg,), 2, cfg.launcher)
+    assert [got[r]["reads"] for r in sorted(got)] == [1, 0]  # rank 0 read the safetensors, rank 1 did not
+    start = read_pretrained(str(pretrained_dir), cfg.model)
+    assert all(torch.equal(got[0]["weights"][k], v) for k, v in start.items())
