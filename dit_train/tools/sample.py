@@ -74,8 +74,8 @@ def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, 
         return None
     pixels = to_pixels(clips, space.decode)
     try:
-        source = source_for(cfg.data, cfg.model)
-        scores = source.score(scored_view(requests, pixels), [r.caption for r in requests]) or {}
+        data_source = source_for(cfg.data, cfg.model)
+        scores = data_source.score(scored_view(requests, pixels), [r.caption for r in requests]) or {}
     except ValueError:
         scores = {}
     info = {"weights": source, "prompts": args.prompt, "num": args.num, "steps": args.steps,
