@@ -65,8 +65,10 @@ def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, 
     load_full_weights(model, state_dict)
     space = prompt_space(cfg, ctx.device)
     requests = prompt_requests(space, args.prompt, args.num, args.frames, args.height, args.width)
-    # the run's training shift (per clip with loss.shift_reference_tokens), unless --shift names one for every clip
-    shift, reference = (cfg.loss.timestep_shift, cfg.loss.shift_reference_tokens) if args.shift is None else (args.shift, 0)
+    # the run's training shift (per clip size with loss.shift_reference_tokens) ...
+    shift, reference = cfg.loss.timestep_shift, cfg.loss.shift_reference_tokens
+    if args.shift is not None:  # ... unless --shift names one for every clip
+        shift, reference = args.shift, 0
     sampler = VideoSampler(requests, tuple(cfg.model.patch_size), getattr(cfg.model, "text_dim", 0), space.null, ctx,
                            args.steps, args.guidance, args.seed, shift, reference)
     clips = sampler.sample(model, lambda: autocast(cfg.train.precision, ctx.device, False))
