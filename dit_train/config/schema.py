@@ -20,6 +20,7 @@ from dit_train.config.choices import (
     Device,
     DPMode,
     InitScheme,
+    LossWeighting,
     Mode,
     OptimName,
     Precision,
@@ -136,6 +137,12 @@ class LossConfig:
     timestep_sampling: TimestepSampling = TimestepSampling.logit_normal  # how the flow time t is drawn
     logit_mean: float = 0.0  # logit-normal t: mean of the logit
     logit_std: float = 1.0  # logit-normal t: std of the logit
+    # shift of the drawn t: t' = s·t/(1 + (s−1)·t) (SD3/Wan; > 1 = more time at high noise; 1 = off);
+    # validation and the sample tool sample with the same shift (diffusers' scheduler `shift`)
+    timestep_shift: float = 1.0
+    # resolution-dependent shift: a sample of T_b tokens uses timestep_shift·sqrt(T_b / this) (SD3); 0 = off
+    shift_reference_tokens: int = 0
+    weighting: LossWeighting = LossWeighting.none  # none | sigma_sqrt | cosmap: w(t) times each token's loss
 
 
 @dataclass

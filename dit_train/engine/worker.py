@@ -60,8 +60,9 @@ class Validation:
         requests = dataset_requests(task, t.num_samples, lambda i: self.source.fps(inner, i),
                                     lambda i: self.source.is_still(inner, i))
         null = task.null_caption() if task.text_dim else None
+        # the training shift: validation samples from the noise levels the model was trained on
         self.sampler = VideoSampler(requests, task.patch, task.text_dim, null, run.ctx, t.sample_steps,
-                                    t.guidance_scale, t.seed)
+                                    t.guidance_scale, t.seed, cfg.loss.timestep_shift, cfg.loss.shift_reference_tokens)
         self.decode = None
         if cfg.data.name == "latent_cache" and run.ctx.is_main:  # rank 0 alone decodes (it alone writes)
             from data_pipelines.latent_cache import load_decoder
@@ -90,7 +91,8 @@ class Validation:
         requests = self.sampler.requests
         scores = self.source.score(scored_view(requests, pixels), [r.caption for r in requests]) or {}
         info = {"step": step + 1, "weights": "ema" if run.ema is not None else "training",
-                "sample_steps": self.steps, "guidance_scale": self.guidance, "scores": scores}
+                "sample_steps": self.steps, "guidance_scale": self.guidance, "shifts": self.sampler.shifts,
+                "scores": scores}
         out = write_samples(run_dir / "samples" / f"step_{step + 1:06d}", self.sampler.requests, pixels, info, tb, step)
         return out, scores
 
