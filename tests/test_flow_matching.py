@@ -19,6 +19,7 @@ from dit_train.objectives.flow_matching import (
     shift_timestep,
 )
 from dit_train.rng import sample_generator
+from tests.test_text_sampling import _OracleVelocity
 
 N_DRAWS = 10_000
 QUANTILES = torch.linspace(0.01, 0.99, 99, dtype=torch.float64)
@@ -147,15 +148,6 @@ def test_sampler_sigmas_are_the_training_shift_of_the_plain_grid(shift, referenc
     assert torch.equal(one.sigmas, plain.sigmas) and torch.equal(one.timesteps, plain.timesteps)
 
 
-class _OracleVelocity(torch.nn.Module):
-    """The exact velocity towards known clean tokens, v = (x_t − x0)/t, at each clip's own t."""
-
-    def __init__(self, x0_tokens):
-        super().__init__()
-        self.x0 = x0_tokens
-
-    def forward(self, x, pos, seg, t, meta, **_):
-        return (x - self.x0) / t[seg][:, None]
 
 
 def test_sampler_with_per_clip_shifts_integrates_each_clip_to_its_data():
