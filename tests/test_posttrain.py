@@ -372,3 +372,33 @@ def test_bad_datums_are_refused_naming_the_datum_and_field(cfg, batches):
     with pytest.raises(ValueError, match="needs the caller's data"):
         sess.forward_backward([0, 1], grpo_loss())
     assert sess.num_loss_tokens == 0  # nothing was accumulated by the refused calls
+
+
+def test_video_datums_equal_the_same_dataset_clips(tiny_cfg):
+    """Clips passed as VideoDatums (noise keyed by their dataset ids) give the gradients and
+    counts of the same clips passed as dataset ids; bad clips are refused by name."""
+    from dit_train.posttrain import TrainingSession, VideoDatum
+
+    sess = TrainingSession(apply_layout(tiny_cfg, {}))
+    ids = [3, 0, 5]
+    by_id = sess.forward_backward(ids, sft_loss(agg="sequence"))
+    grads = {n: p.grad.clone() for n, p in sess.model.named_parameters()}
+    sess.optimizer.zero_grad(set_to_none=True)
+    clips = [sess.task.dataset[i] for i in ids]
+    datums = [VideoDatum(pixels=c.pixels, caption=c.caption, noise_key=i) for c, i in zip(clips, ids)]
+    assert sess.forward_backward(datums, sft_loss(agg="sequence")) == by_id
+    for n, p in sess.model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[n], atol=1e-7, rtol=1e-6)
+    x = clips[0].pixels
+    for message, datum in {
+        r"datum 1: pixels spans \[0, \d+\]; expected \[-1, 1\]": VideoDatum(pixels=(x + 1) * 127.5),
+        r"datum 1: pixels has shape \[3, 3, .*multiples of model.patch_size": VideoDatum(pixels=x[:, :3]),
+        "datum 1: pixels/latents must be given, exactly one of them": VideoDatum(caption="a red square"),
+        "datum 1: noise_key 3 is used twice": VideoDatum(pixels=x, noise_key=3),
+        "Datum is for mode=llm": Datum([1, 2, 3]),
+    }.items():
+        first = datums[0] if not isinstance(datum, Datum) else datum
+        with pytest.raises((ValueError, TypeError), match=message):
+            sess.forward_backward([first, datum], sft_loss())
+    with pytest.raises(ValueError, match="grpo_loss needs token log-probs: mode=llm only"):
+        sess.forward_backward(datums, grpo_loss())
