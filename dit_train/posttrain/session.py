@@ -315,11 +315,11 @@ class TrainingSession:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, top_k: int = 0, temperature: float = 1.0,
                  seed: int = 0) -> list[list[int]]:
-        """Continue each prompt with the current weights (mode=llm; `dit_train.generate.generate`,
-        prompt i sampled with seed + i). Rank 0 samples from the gathered full weights and
-        broadcasts: every rank gets the same sequences (prompt + continuation)."""
+        """Continue each prompt with the current weights (mode=llm; `dit_train.generate.generate_batch`:
+        greedy when top_k == 0, prompt i sampled with seed + i). Rank 0 samples from the gathered
+        full weights and broadcasts: every rank gets the same sequences (prompt + continuation)."""
         from dit_train.checkpoint import full_state_dict
-        from dit_train.generate import generate
+        from dit_train.generate import generate_batch
         from dit_train.models import build_model
 
         if self.cfg.mode != "llm":
@@ -330,7 +330,7 @@ class TrainingSession:
             model = build_model(self.cfg.model)
             model.load_state_dict(sd)
             model.eval()
-            box[0] = [generate(model, list(p), max_new_tokens, top_k, temperature, seed + i) for i, p in enumerate(prompts)]
+            box[0] = generate_batch(model, [list(p) for p in prompts], max_new_tokens, top_k, temperature, seed)
         if self.ctx.world_group is not None:
             dist.broadcast_object_list(box, src=0)
         return box[0]
