@@ -351,7 +351,8 @@ def test_bad_datums_are_refused_naming_the_datum_and_field(cfg, batches):
         r"datum 1: weights \[0\] is 1.0: it must be 0": Datum(ok.tokens, torch.ones(T)),
         "datum 1: advantages is not finite at token 3": Datum(ok.tokens, advantages=torch.tensor(
             [0.0, 1.0, 1.0, float("nan")] + [0.0] * (T - 4))),
-        "datum 1: old_logprobs holds 0.5 > 0: expected log-probabilities": Datum(ok.tokens, old_logprobs=torch.full((T,), 0.5)),
+        "datum 1: old_logprobs holds 0.5 > 0: expected log-probabilities":
+            Datum(ok.tokens, old_logprobs=torch.full((T,), 0.5)),
         "datum 1: ref_logprobs is missing but datum 0 has it": Datum(ok.tokens, advantages=1.0),
         "datum 1 is a VideoDatum": VideoDatum(pixels=torch.zeros(3, 2, 8, 8)),
     }

@@ -99,7 +99,8 @@ def check_datum(i: int, d: Any, vocab_size: int, max_tokens: int) -> Datum:
     if tokens.dtype.is_floating_point or tokens.dtype == torch.bool or tokens.is_complex():
         raise _fail(i, "tokens", f"has dtype {tokens.dtype}; expected integer token ids")
     if tokens.dim() != 1 or tokens.numel() < 2:
-        raise _fail(i, "tokens", f"has shape {list(tokens.shape)}; expected [T] with T >= 2 (one is predicted from the rest)")
+        raise _fail(i, "tokens", f"has shape {list(tokens.shape)}; expected [T] with T >= 2 "
+                                 f"(one is predicted from the rest)")
     tokens = tokens.to(torch.int64).cpu()
     lo, hi = int(tokens.min()), int(tokens.max())
     if lo < 0 or hi >= vocab_size:
@@ -147,8 +148,8 @@ def check_video_datum(i: int, d: Any, in_channels: int, patch: tuple[int, int, i
                       max_tokens: int) -> tuple[torch.Tensor, Any]:
     """(clip [C, F, H, W] float32, text embedding or None) of the caller's video datum `i`."""
     if not isinstance(d, VideoDatum):
-        raise TypeError(f"datum {i} is a {type(d).__name__}; pass dit_train.posttrain.VideoDatum(pixels=..., caption=...) "
-                        f"(mode=video) or a list of dataset sample ids")
+        raise TypeError(f"datum {i} is a {type(d).__name__}; pass dit_train.posttrain.VideoDatum(pixels=..., "
+                        f"caption=...) (mode=video) or a list of dataset sample ids")
     if (d.pixels is None) == (d.latents is None):
         raise _fail(i, "pixels/latents", "must be given, exactly one of them")
     name = "pixels" if d.pixels is not None else "latents"

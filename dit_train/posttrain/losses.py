@@ -81,7 +81,8 @@ def k3_kl(logp: torch.Tensor, ref: torch.Tensor, valid: torch.Tensor) -> torch.T
     return torch.exp(d) - d - 1.0
 
 
-def dpo_pair_terms(policy: torch.Tensor, reference: torch.Tensor, beta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def dpo_pair_terms(policy: torch.Tensor, reference: torch.Tensor, beta: float
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """DPO on pairs (2k = chosen, 2k+1 = rejected) from per-sequence log-prob sums [2P].
 
     Returns (loss [P] = −log σ(margin), margin [P] = β·((π_c − ref_c) − (π_r − ref_r)),
