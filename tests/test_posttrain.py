@@ -415,3 +415,24 @@ def test_batched_generation_equals_one_prompt_at_a_time(cfg):
     for top_k in (0, 256):
         alone = [generate(model, p, 6, top_k, 1.0, 5 + i) for i, p in enumerate(prompts)]
         assert generate_batch(model, prompts, 6, top_k, 1.0, 5) == alone
+
+
+def test_verl_modes_map_to_losses_and_normalizations(cfg, batches):
+    """verl's loss_agg_mode names give (loss keywords, normalization); the Dr. GRPO horizon
+    divides the step exactly by H (SGD: the update is linear in the gradient)."""
+    from dit_train.parallel.mesh import init_parallel
+    from dit_train.posttrain import verl_loss_agg_mode
+
+    assert verl_loss_agg_mode("token-mean") == ({"agg": "token"}, "num_loss_tokens")
+    assert verl_loss_agg_mode("seq-mean-token-mean") == ({"agg": "sequence"}, "num_sequences")
+    kwargs, norm = verl_loss_agg_mode("seq-mean-token-sum-norm", horizon=4)
+    assert (kwargs, norm) == ({"agg": "token", "horizon": 4}, "num_sequences")
+    with pytest.raises(ValueError, match="pass horizon=H"):
+        verl_loss_agg_mode("seq-mean-token-sum-norm")
+    ctx = init_parallel(cfg.parallel)
+    plain, _, _ = session_step(cfg, ctx, batches["grpo"], grpo_loss(), norm, [4])
+    normed, _, _ = session_step(cfg, ctx, batches["grpo"], grpo_loss(**kwargs), norm, [4])
+    for k in normed:
+        if not k.startswith("__init__/"):
+            init = plain[f"__init__/{k}"]
+            torch.testing.assert_close(normed[k] - init, (plain[k] - init) / 4, atol=1e-7, rtol=1e-5)
