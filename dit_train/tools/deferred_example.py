@@ -7,7 +7,7 @@ the embedded corpus (CPython's pydoc topics), the caller's own sequences in ever
 
 sft:  prompt "topic: " (weight 0) + a paragraph (weight 1); a variable number of calls of
       variable size per step, normalized by all their loss tokens (verl: token-mean).
-grpo: 4 prompts × 4 sampled continuations per step (session.generate); reward = share of
+grpo: 3 prompts × 4 sampled continuations per step (session.generate); reward = share of
       lowercase letters and spaces in the continuation; group-normalized advantages; old
       log-probs from session.forward, reference log-probs from a frozen second session (KL);
       two PPO mini-steps per batch of rollouts (the second sees ratios != 1).
@@ -65,14 +65,14 @@ def reward(text: str) -> float:
     return sum(ch.islower() or ch == " " for ch in text) / max(1, len(text))
 
 
-def grpo(session, steps: int, rng: random.Random, say, kl_coef: float, group: int = 4, new_tokens: int = 16) -> None:
+def grpo(session, steps: int, rng: random.Random, say, kl_coef: float, group: int = 4, new_tokens: int = 12) -> None:
     from dit_train.posttrain import TrainingSession, grpo_loss
 
     reference = TrainingSession(session.cfg, ctx=session.ctx) if kl_coef else None  # the initial weights, frozen
     loss = grpo_loss(clip_low=0.2, clip_high=0.28, kl_coef=kl_coef)
     pool = paragraphs(16)
     for step in range(steps):
-        prompts = [TOK.encode(p[:12]) for _, p in rng.sample(pool, 4) for _ in range(group)]
+        prompts = [TOK.encode(p[:12]) for _, p in rng.sample(pool, 3) for _ in range(group)]
         rollouts = session.generate(prompts, new_tokens, top_k=256, seed=1000 * step)  # same on every rank
         rewards = [reward(TOK.decode(r[len(p):])) for p, r in zip(prompts, rollouts)]
         batch = []
