@@ -15,6 +15,7 @@ from dit_train.config.schema import (
     Config,
     DataConfig,
     LauncherConfig,
+    LoraConfig,
     LossConfig,
     ModelConfig,
     OptimConfig,
@@ -100,7 +101,7 @@ def to_dict(cfg: Config) -> dict[str, Any]:
 
 
 __all__ = [
-    "PARALLEL_DEGREES", "TRAIN_LAYOUT_KEYS", "Choice", "Config", "DataConfig", "LauncherConfig", "LossConfig", "Mode",
+    "PARALLEL_DEGREES", "TRAIN_LAYOUT_KEYS", "Choice", "Config", "DataConfig", "LauncherConfig", "LoraConfig", "LossConfig", "Mode",
     "ModelConfig", "OptimConfig", "ParallelConfig", "TrainConfig", "VideoModelConfig", "compose", "config_dir",
     "load_config", "parallel_layout_keys", "register_configs", "to_config", "to_dict", "to_yaml",
 ]

@@ -61,6 +61,14 @@ class TimestepSampling(Choice):
     uniform = "uniform"
 
 
+class LossWeighting(Choice):
+    """w(t) multiplying each token's flow-matching loss (diffusers' compute_loss_weighting_for_sd3)."""
+
+    none = "none"  # w = 1
+    sigma_sqrt = "sigma_sqrt"  # w = 1/t² (diffusers' name; large near t = 0)
+    cosmap = "cosmap"  # w = 2 / (π·(1 − 2t + 2t²)), SD3's CosMap
+
+
 class OptimName(Choice):
     adamw = "adamw"
     sgd = "sgd"

@@ -20,6 +20,7 @@ from dit_train.config.choices import (
     Device,
     DPMode,
     InitScheme,
+    LossWeighting,
     Mode,
     OptimName,
     Precision,
@@ -34,6 +35,17 @@ from dit_train.config.choices import (
 # neighbours; data-parallel replication outermost. Everything that lists degrees (mesh,
 # validation, planner layouts, layout verification) iterates over this tuple.
 PARALLEL_DEGREES = ("dp_replicate", "dp_shard", "cp_ring", "cp_ulysses")
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters (peft) on the model's linear layers; rank 0 = off (full training)."""
+
+    rank: int = 0  # adapter rank; 0 = no adapters, every weight trains
+    alpha: float = 0.0  # scale = alpha / rank; 0 = rank (scale 1)
+    dropout: float = 0.0  # dropout on the adapter input (not layout-invariant: keep 0 for exact runs)
+    targets: List[str] = field(default_factory=list)  # module-name suffixes to adapt; [] = the model's default set
+    init: str = "default"  # peft init of the adapters: default (A kaiming-uniform, B = 0) | gaussian
 
 
 @dataclass
@@ -52,6 +64,7 @@ class ModelConfig:
     # Attention kernel (see kernels/attention.py); auto = flash > xformers > sdpa on CUDA, sdpa on CPU.
     attn_backend: AttnBackend = AttnBackend.auto
     activation_checkpointing: bool = False  # recompute each block in backward (less memory, more compute)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -125,6 +138,12 @@ class LossConfig:
     timestep_sampling: TimestepSampling = TimestepSampling.logit_normal  # how the flow time t is drawn
     logit_mean: float = 0.0  # logit-normal t: mean of the logit
     logit_std: float = 1.0  # logit-normal t: std of the logit
+    # shift of the drawn t: t' = s·t/(1 + (s−1)·t) (SD3/Wan; > 1 = more time at high noise; 1 = off);
+    # validation and the sample tool sample with the same shift (diffusers' scheduler `shift`)
+    timestep_shift: float = 1.0
+    # resolution-dependent shift: a sample of T_b tokens uses timestep_shift·sqrt(T_b / this) (SD3); 0 = off
+    shift_reference_tokens: int = 0
+    weighting: LossWeighting = LossWeighting.none  # none | sigma_sqrt | cosmap: w(t) times each token's loss
 
 
 @dataclass

@@ -8,8 +8,8 @@ Every changed key is one of:
   values would otherwise come back with the optimizer state; the notice says how the new one
   takes effect), clipping, EMA decay, evaluation settings;
 - refused: what would make the resumed run a different experiment or cannot load — the seed,
-  the model's shape, the optimizer type, the loss reduction and objective, the data's identity
-  and the global batch. One line per key names old and new value and the fix.
+  the model's shape and its LoRA adapters (model.lora.*), the optimizer type, the loss
+  reduction and objective, the data's identity and the global batch. One line per key names old and new value and the fix.
 
 Keys not listed are refused (a new key must choose its class here). Checked in the launching
 process before anything in the run folder is written.
@@ -29,6 +29,13 @@ ALLOWED = (
     "model.activation_checkpointing", "data.num_workers", "data.decoded_cache_items", "data.cache_dir",
     "data.max_dropped_fraction", "train.activation_offload", "model.pretrained", "model.allow_pickle_weights",
 )
+# Refused like any unlisted key, named here because the choice was made, not defaulted: the
+# loss keys define the objective. A shift or weighting changed mid-run would also change what
+# the logged loss and eval_loss measure from the resumed step on (cosmap scales it by up to 4/π,
+# sigma_sqrt by 1/t²), and the run's config.yaml would no longer describe its weights. A
+# staged schedule (e.g. a larger shift for a higher-resolution stage) is a new run folder.
+REFUSED = ("loss.reduction", "loss.timestep_sampling", "loss.logit_mean", "loss.logit_std", "loss.timestep_shift",
+           "loss.shift_reference_tokens", "loss.weighting")
 NOTICE = {
     "optim.lr": "the new peak LR replaces the old one from the resumed step on (same schedule shape: "
                 "LR(step) = new optim.lr x schedule factor)",
@@ -81,6 +88,8 @@ def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def classify(key: str) -> str:
+    if key in REFUSED:
+        return "refused"
     if any(fnmatch(key, pattern) for pattern in ALLOWED):
         return "allowed"
     if key in NOTICE:

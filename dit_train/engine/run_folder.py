@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 # what a finished or running training leaves in its folder (Hydra's own .hydra/ and logs don't count)
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tb", "wandb", "samples", "weights.safetensors",
-               "weights_ema.safetensors", "summary.json", "config.yaml", "run.json", "lora")
+               "weights_ema.safetensors", "summary.json", "config.yaml", "run.json", "lora", "lora_ema")
 
 
 class RunFolderError(ConfigError):

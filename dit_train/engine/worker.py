@@ -8,7 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dit_train.checkpoint import export_weights, load_checkpoint, resolve_checkpoint, save_checkpoint, save_safetensors
+from dit_train.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
+from dit_train.checkpoint.export import export_run_weights
 from dit_train.config import Config, to_dict, to_yaml
 from dit_train.engine.build import Run, build_run
 from dit_train.engine.resume import apply_optimizer_settings
@@ -60,8 +61,9 @@ class Validation:
         requests = dataset_requests(task, t.num_samples, lambda i: self.source.fps(inner, i),
                                     lambda i: self.source.is_still(inner, i))
         null = task.null_caption() if task.text_dim else None
+        # the training shift: validation samples from the noise levels the model was trained on
         self.sampler = VideoSampler(requests, task.patch, task.text_dim, null, run.ctx, t.sample_steps,
-                                    t.guidance_scale, t.seed)
+                                    t.guidance_scale, t.seed, cfg.loss.timestep_shift, cfg.loss.shift_reference_tokens)
         self.decode = None
         if cfg.data.name == "latent_cache" and run.ctx.is_main:  # rank 0 alone decodes (it alone writes)
             from data_pipelines.latent_cache import load_decoder
@@ -91,7 +93,8 @@ class Validation:
         requests = self.sampler.requests
         scores = self.source.score(scored_view(requests, pixels), [r.caption for r in requests]) or {}
         info = {"step": step + 1, "weights": "ema" if run.ema is not None else "training",
-                "sample_steps": self.steps, "guidance_scale": self.guidance, "scores": scores}
+                "sample_steps": self.steps, "guidance_scale": self.guidance, "shifts": self.sampler.shifts,
+                "scores": scores}
         out = write_samples(run_dir / "samples" / f"step_{step + 1:06d}", self.sampler.requests, pixels, info, trackers,
                             step)
         return out, scores
@@ -233,11 +236,7 @@ def train(cfg: Config, ctx: ParallelContext | None = None, claimed: bool = False
                 logger.write(f"checkpoint of step {step}: {path}")
             done = step + 1
         if t.save_weights:
-            export_weights(run.model, run_dir / "weights.safetensors", ctx.is_main)
-            if run.ema is not None:
-                ema = run.ema.full_state_dict()  # every rank: a collective under FSDP
-                if ctx.is_main:
-                    save_safetensors(ema, run_dir / "weights_ema.safetensors")
+            export_run_weights(run.model, run.ema, cfg.model, run_dir, ctx.is_main)
     except BaseException as err:
         error = err
         raise
