@@ -77,6 +77,7 @@ def _failing_worker(fail_rank, marker):
 
 
 @pytest.mark.slow
+@pytest.mark.real_launcher
 def test_one_failing_worker_stops_the_others_and_reports(tmp_path):
     from dit_train.config import LauncherConfig
     from dit_train.engine.launch import WorkerFailure, launch_local
