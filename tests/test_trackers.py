@@ -13,6 +13,10 @@ import pytest
 from tests.conftest import TINY, compose_config
 
 VALIDATION = ["train.steps=3", "train.sample_every=3", "train.num_samples=2", "train.sample_steps=2"]
+# W&B keeps a per-process service and singleton state: each launch gets fresh worker processes,
+# as a user's launches do, not the suite's reusable ones
+pytestmark = pytest.mark.real_launcher
+
 WANDB = ["train.loggers=[tensorboard,wandb]", "train.wandb_mode=offline"]
 
 
