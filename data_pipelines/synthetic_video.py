@@ -12,13 +12,16 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
-# Widths are multiples of 32: decord 0.6 returns garbled frames for some other widths (see
-# data_pipelines/video_io.py); heights are free.
+# Default sizes and frame range (inclusive) of a clip; `data.widths`, `data.heights` and
+# `data.frames` choose others. Widths are multiples of 32: decord 0.6 returns garbled frames for
+# some other widths (see data_pipelines/video_io.py); heights are free.
 WIDTHS = (32, 64, 96)
 HEIGHTS = (32, 48, 64)
+FRAMES = (4, 24)
 FPS = 8
 COLORS = {
     "red": (230, 40, 40), "green": (40, 200, 60), "blue": (40, 80, 230), "yellow": (240, 220, 40),
@@ -28,10 +31,12 @@ BACKGROUNDS = {"black": (10, 10, 10), "gray": (110, 110, 110), "navy": (20, 20, 
 SHAPES = ("circle", "square")
 
 
-def _render(rng: np.random.Generator) -> tuple[np.ndarray, str]:
-    """One clip as uint8 [F, H, W, 3] and its caption."""
-    W, H = int(rng.choice(WIDTHS)), int(rng.choice(HEIGHTS))
-    F = int(rng.integers(4, 25))
+def _render(rng: np.random.Generator, widths: Sequence[int] = WIDTHS, heights: Sequence[int] = HEIGHTS,
+            frames: Sequence[int] = FRAMES) -> tuple[np.ndarray, str]:
+    """One clip as uint8 [F, H, W, 3] and its caption; W, H drawn from `widths`, `heights`,
+    F from frames[0]..frames[1] (inclusive)."""
+    W, H = int(rng.choice(list(widths))), int(rng.choice(list(heights)))
+    F = int(rng.integers(frames[0], frames[1] + 1))
     bg_name = str(rng.choice(list(BACKGROUNDS)))
     color_name = str(rng.choice(list(COLORS)))
     shape = str(rng.choice(SHAPES))
@@ -78,13 +83,31 @@ def write_mp4(path: Path, frames: np.ndarray, fps: int = FPS) -> None:
             container.mux(packet)
 
 
-def dataset_dir(cache_dir: str | os.PathLike, num_clips: int, gen_seed: int) -> Path:
-    return Path(cache_dir).expanduser() / f"synthetic_video_v1_n{num_clips}_seed{gen_seed}"
+def _sizes(widths: Sequence[int], heights: Sequence[int], frames: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+    w, h, f = tuple(int(x) for x in widths), tuple(int(x) for x in heights), tuple(int(x) for x in frames)
+    if not w or not h or any(x % 32 or x <= 0 for x in w):
+        raise ValueError(f"synthetic video widths {list(w)} must be positive multiples of 32 (decord), heights {list(h)} non-empty")
+    if any(x < 8 for x in h):
+        raise ValueError(f"synthetic video heights {list(h)} must be >= 8")
+    if len(f) != 2 or not 1 <= f[0] <= f[1]:
+        raise ValueError(f"synthetic video frames {list(f)} must be [min, max] with 1 <= min <= max")
+    return w, h, f
 
 
-def ensure_synthetic_videos(cache_dir: str | os.PathLike, num_clips: int, gen_seed: int) -> Path:
+def dataset_dir(cache_dir: str | os.PathLike, num_clips: int, gen_seed: int, widths: Sequence[int] = WIDTHS,
+                heights: Sequence[int] = HEIGHTS, frames: Sequence[int] = FRAMES) -> Path:
+    """The set's directory; sizes other than the defaults get their own name."""
+    w, h, f = _sizes(widths, heights, frames)
+    name = f"synthetic_video_v1_n{num_clips}_seed{gen_seed}"
+    if (w, h, f) != (WIDTHS, HEIGHTS, FRAMES):
+        name += "_w" + "-".join(map(str, w)) + "_h" + "-".join(map(str, h)) + "_f" + "-".join(map(str, f))
+    return Path(cache_dir).expanduser() / name
+
+
+def ensure_synthetic_videos(cache_dir: str | os.PathLike, num_clips: int, gen_seed: int, widths: Sequence[int] = WIDTHS,
+                            heights: Sequence[int] = HEIGHTS, frames: Sequence[int] = FRAMES) -> Path:
     """Write the clip set if it is not there yet; return its directory (holding manifest.jsonl)."""
-    out = dataset_dir(cache_dir, num_clips, gen_seed)
+    out = dataset_dir(cache_dir, num_clips, gen_seed, widths, heights, frames)
     if (out / "manifest.jsonl").exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -92,11 +115,11 @@ def ensure_synthetic_videos(cache_dir: str | os.PathLike, num_clips: int, gen_se
     try:
         lines = []
         for i in range(num_clips):
-            frames, caption = _render(np.random.default_rng([gen_seed, i]))
+            clip, caption = _render(np.random.default_rng([gen_seed, i]), widths, heights, frames)
             name = f"clip_{i:04d}.mp4"
-            write_mp4(tmp / name, frames)
-            lines.append(json.dumps({"path": name, "caption": caption, "frames": int(frames.shape[0]),
-                                     "height": int(frames.shape[1]), "width": int(frames.shape[2]), "fps": FPS}))
+            write_mp4(tmp / name, clip)
+            lines.append(json.dumps({"path": name, "caption": caption, "frames": int(clip.shape[0]),
+                                     "height": int(clip.shape[1]), "width": int(clip.shape[2]), "fps": FPS}))
         (tmp / "manifest.jsonl").write_text("\n".join(lines) + "\n")
         try:
             os.rename(tmp, out)

@@ -3,6 +3,7 @@ reference rows that validation's eval/ figures are read against.
 
     python -m dit_train.tools.score_shapes                                  # default set: 48 clips, seed 1234
     python -m dit_train.tools.score_shapes --num-clips 16 --cache-dir /tmp/c
+    python -m dit_train.tools.score_shapes --widths 32 64 --heights 32 48 --frames 4 12   # data.widths/heights/frames
     python -m dit_train.tools.score_shapes --json ref.json                  # also write the rows as JSON
 
 Rows: the real clips decoded with decord (what a perfect generator reaches, H.264 included),
@@ -22,6 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache-dir", default="~/.cache/dit_train", help="data.cache_dir (the set is written if missing)")
     ap.add_argument("--num-clips", type=int, default=48)
     ap.add_argument("--gen-seed", type=int, default=1234)
+    ap.add_argument("--widths", type=int, nargs="+", default=None, help="data.widths (default: the generator's)")
+    ap.add_argument("--heights", type=int, nargs="+", default=None, help="data.heights")
+    ap.add_argument("--frames", type=int, nargs=2, default=None, help="data.frames: min max")
     ap.add_argument("--noise-seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write {row: figures} here")
     args = ap.parse_args(argv)
@@ -29,9 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from data_pipelines.shapes_metric import FIGURES, reference_scores, score_clips
-    from data_pipelines.synthetic_video import ensure_synthetic_videos
+    from data_pipelines.synthetic_video import FRAMES, HEIGHTS, WIDTHS, ensure_synthetic_videos
 
-    root = ensure_synthetic_videos(args.cache_dir, args.num_clips, args.gen_seed)
+    root = ensure_synthetic_videos(args.cache_dir, args.num_clips, args.gen_seed, args.widths or WIDTHS,
+                                   args.heights or HEIGHTS, args.frames or FRAMES)
     items = [json.loads(line) for line in (root / "manifest.jsonl").read_text().splitlines() if line.strip()]
     captions = [it["caption"] for it in items]
     shapes = [(3, it["frames"], it["height"], it["width"]) for it in items]
