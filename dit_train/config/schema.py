@@ -23,6 +23,7 @@ from dit_train.config.choices import (
     Mode,
     OptimName,
     Precision,
+    Prediction,
     Reduction,
     Schedule,
     TimestepSampling,
@@ -114,6 +115,12 @@ class LossConfig:
     timestep_sampling: TimestepSampling = TimestepSampling.logit_normal
     logit_mean: float = 0.0
     logit_std: float = 1.0
+    # What the video model's output means. velocity: v itself. x0: the clean sample, turned into
+    # v = (x_t − x̂0) / max(t, x0_min_t) before the loss and in the sampler, so the loss is still
+    # on v but the network never has to carry the noise through its (LayerNorm'ed) stream
+    # (pixel-space DiTs with wide patches; JiT, Li & He 2025).
+    prediction: Prediction = Prediction.velocity
+    x0_min_t: float = 0.05
 
 
 @dataclass

@@ -11,7 +11,7 @@ from torch import nn
 from data_pipelines.video_io import VideoReadError
 from dit_train.batch import PackedBatch
 from dit_train.config import LossConfig, ModelConfig
-from dit_train.objectives.flow_matching import noisy_sample, per_token_mse
+from dit_train.objectives.flow_matching import noisy_sample, per_token_mse, velocity_from_output
 from dit_train.tasks.captions import ByteCaptionEncoder, drop_caption, pad_contexts
 
 
@@ -140,8 +140,11 @@ class VideoTask:
 
     def per_token_loss(self, model: nn.Module, batch: PackedBatch, attn_meta: Any) -> torch.Tensor:
         """[L_local] MSE of the predicted velocity of each local token."""
-        pred = model(batch.tokens["x"], batch.pos, batch.seg, batch.samples["t"], attn_meta, **model_context(batch))
-        return per_token_mse(pred, batch.tokens["target"])
+        out = model(batch.tokens["x"], batch.pos, batch.seg, batch.samples["t"], attn_meta, **model_context(batch))
+        if self.loss_cfg.prediction != "velocity":
+            t = batch.samples["t"].to(batch.seg.device)[batch.seg.clamp_min(0)]  # per token (padding: any t)
+            out = velocity_from_output(out.float(), batch.tokens["x"], t, self.loss_cfg.prediction, self.loss_cfg.x0_min_t)
+        return per_token_mse(out, batch.tokens["target"])
 
 
 def model_context(batch: PackedBatch) -> dict[str, torch.Tensor]:
