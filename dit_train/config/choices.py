@@ -63,7 +63,7 @@ class TimestepSampling(Choice):
 
 class Prediction(Choice):
     velocity = "velocity"  # the model outputs v = ε − x0 (the target itself)
-    x0 = "x0"  # the model outputs the clean sample; v = (x_t − x̂0) / max(t, loss.x0_min_t)
+    x0 = "x0"  # the model outputs the clean sample; v = (x_t − x̂0) / max(t, model.x0_min_t)
 
 
 class OptimName(Choice):

@@ -64,6 +64,13 @@ class VideoModelConfig(ModelConfig):
     # Width of caption embeddings for cross-attention; 0 = unconditional.
     text_dim: int = 0
     text_len: int = 16
+    # What the model's output means (a property of the weights: pretrained Wan predicts velocity).
+    # velocity: v = ε − x0 itself. x0: the clean sample, turned into v = (x_t − x̂0) / max(t,
+    # x0_min_t) before the loss and in the sampler: the loss is still on v, but the network never
+    # has to carry the noise through its LayerNorm'ed stream (pixel-space DiTs with wide patches;
+    # JiT, Li & He 2025).
+    prediction: Prediction = Prediction.velocity
+    x0_min_t: float = 0.05
 
 
 @dataclass
@@ -115,12 +122,6 @@ class LossConfig:
     timestep_sampling: TimestepSampling = TimestepSampling.logit_normal
     logit_mean: float = 0.0
     logit_std: float = 1.0
-    # What the video model's output means. velocity: v itself. x0: the clean sample, turned into
-    # v = (x_t − x̂0) / max(t, x0_min_t) before the loss and in the sampler, so the loss is still
-    # on v but the network never has to carry the noise through its (LayerNorm'ed) stream
-    # (pixel-space DiTs with wide patches; JiT, Li & He 2025).
-    prediction: Prediction = Prediction.velocity
-    x0_min_t: float = 0.05
 
 
 @dataclass

@@ -78,7 +78,6 @@ def _train(cfg: Config, e: list[str]) -> None:
     _check(o.lr > 0, f"optim.lr={o.lr} must be > 0", e)
     _check(o.max_grad_norm >= 0, f"optim.max_grad_norm={o.max_grad_norm} must be >= 0 (0 disables clipping)", e)
     _check(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), f"optim.betas={list(o.betas)} must be two values in [0, 1)", e)
-    _check(0.0 < cfg.loss.x0_min_t <= 1.0, f"loss.x0_min_t={cfg.loss.x0_min_t} must be in (0, 1]", e)
 
 
 def _model_and_data(cfg: Config, e: list[str]) -> None:
@@ -96,6 +95,8 @@ def _model_and_data(cfg: Config, e: list[str]) -> None:
     if hasattr(m, "text_dim"):
         _check(m.text_dim >= 0 and m.text_len >= 1, f"model.text_dim={m.text_dim} must be >= 0 and model.text_len="
                f"{m.text_len} >= 1", e)
+    if hasattr(m, "x0_min_t"):
+        _check(0.0 < m.x0_min_t <= 1.0, f"model.x0_min_t={m.x0_min_t} must be in (0, 1]", e)
     if d.name not in SOURCES:
         e.append(f"data.name={d.name!r} is not a registered data source ({', '.join(SOURCES.names())})")
         return

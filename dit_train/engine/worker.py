@@ -49,8 +49,7 @@ class Validation:
         requests = dataset_requests(task, t.num_samples, lambda i: self.source.fps(inner, i))
         null = task.null_caption() if task.text_dim else None
         self.sampler = VideoSampler(requests, task.patch, task.text_dim, null, run.ctx, t.sample_steps,
-                                    t.guidance_scale, t.seed, prediction=cfg.loss.prediction,
-                                    x0_min_t=cfg.loss.x0_min_t)
+                                    t.guidance_scale, t.seed, prediction=task.prediction, x0_min_t=task.x0_min_t)
         self.decode = None
         if cfg.data.name == "latent_cache" and run.ctx.is_main:  # rank 0 alone decodes (it alone writes)
             from data_pipelines.latent_cache import load_decoder

@@ -33,7 +33,7 @@ def velocity_from_output(out: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor |
     if prediction == "velocity":
         return out
     if prediction != "x0":
-        raise ValueError(f"loss.prediction={prediction!r} must be velocity or x0")
+        raise ValueError(f"model.prediction={prediction!r} must be velocity or x0")
     if isinstance(t, torch.Tensor):
         t = t.to(out.device, torch.float32).clamp_min(min_t)[:, None]
     else:

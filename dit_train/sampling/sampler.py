@@ -74,7 +74,7 @@ def dataset_requests(task: Any, num: int, fps: Callable[[int], float] | None = N
 @torch.no_grad()
 def predict_velocity(model: torch.nn.Module, batch: PackedBatch, ctx: ParallelContext) -> torch.Tensor:
     """The model's output for every token of a full pack: [L, patch_dim] on every rank (the
-    velocity, or x̂0 for a model trained with loss.prediction=x0: see `velocity_from_output`).
+    velocity, or x̂0 for a model with model.prediction=x0: see `velocity_from_output`).
 
     Under CP each rank runs its share of the pack (the same split as training) and the shares
     are all-gathered over the CP group (`ctx.cp_group`) to rebuild the whole pack. This is
@@ -112,7 +112,7 @@ class VideoSampler:
 
         self.requests, self.patch, self.text_dim, self.null_caption = requests, tuple(patch), text_dim, null_caption
         self.ctx, self.steps, self.guidance, self.seed, self.shift = ctx, steps, guidance_scale, seed, shift
-        self.prediction, self.x0_min_t = prediction, x0_min_t  # what the model outputs (loss.prediction)
+        self.prediction, self.x0_min_t = prediction, x0_min_t  # what the model outputs (model.prediction)
         self.scheduler_cls = FlowMatchEulerDiscreteScheduler
 
     def _grid(self, shape: torch.Size) -> tuple[int, int, int]:

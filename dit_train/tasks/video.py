@@ -86,6 +86,8 @@ class VideoTask:
         self.patch = tuple(model_cfg.patch_size)
         self.patch_dim = model_cfg.in_channels * self.patch[0] * self.patch[1] * self.patch[2]
         self.loss_cfg = loss_cfg
+        self.prediction = getattr(model_cfg, "prediction", "velocity")  # what the model outputs
+        self.x0_min_t = getattr(model_cfg, "x0_min_t", 0.05)
         self.seed = seed
         self.failed: set[int] = set()  # samples whose file could not be decoded (skipped, counted)
 
@@ -141,9 +143,9 @@ class VideoTask:
     def per_token_loss(self, model: nn.Module, batch: PackedBatch, attn_meta: Any) -> torch.Tensor:
         """[L_local] MSE of the predicted velocity of each local token."""
         out = model(batch.tokens["x"], batch.pos, batch.seg, batch.samples["t"], attn_meta, **model_context(batch))
-        if self.loss_cfg.prediction != "velocity":
+        if self.prediction != "velocity":
             t = batch.samples["t"].to(batch.seg.device)[batch.seg.clamp_min(0)]  # per token (padding: any t)
-            out = velocity_from_output(out.float(), batch.tokens["x"], t, self.loss_cfg.prediction, self.loss_cfg.x0_min_t)
+            out = velocity_from_output(out.float(), batch.tokens["x"], t, self.prediction, self.x0_min_t)
         return per_token_mse(out, batch.tokens["target"])
 
 
