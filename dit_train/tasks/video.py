@@ -82,7 +82,8 @@ class VideoTask:
         self.dataset = dataset
         self.text_dim, self.text_len = model_cfg.text_dim, model_cfg.text_len
         self.caption_dropout = caption_dropout
-        self._bytes = ByteCaptionEncoder(self.text_dim, self.text_len) if self.text_dim else None
+        self._bytes = (ByteCaptionEncoder(self.text_dim, self.text_len, words=getattr(model_cfg, "caption_words", False))
+                       if self.text_dim else None)
         self.patch = tuple(model_cfg.patch_size)
         self.patch_dim = model_cfg.in_channels * self.patch[0] * self.patch[1] * self.patch[2]
         self.loss_cfg = loss_cfg
