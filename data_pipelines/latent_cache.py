@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import torch
 
+from data_pipelines.records import in_heldout
 from data_pipelines.video_dataset import VideoSample
 from data_pipelines.video_io import VideoReadError
 
@@ -50,12 +51,14 @@ class VaeCodec:
     latents [C, f, h, w], f = 1 + (F - 1) / t, h = H / s, w = W / s (t, s: its compression)."""
 
     def __init__(self, path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 tiling: bool = False):
+                 tiling: bool = False, allow_pickle: bool = False):
         from diffusers import AutoModel
 
         self.path = component_path(path, "vae")
         self.device, self.dtype = torch.device(device), dtype
-        self.vae = AutoModel.from_pretrained(self.path, torch_dtype=dtype).to(self.device).eval()
+        # safetensors only unless asked: pickled weights (.bin) can run code when loaded
+        self.vae = AutoModel.from_pretrained(self.path, torch_dtype=dtype, use_safetensors=not allow_pickle)
+        self.vae = self.vae.to(self.device).eval()
         if tiling and hasattr(self.vae, "enable_tiling"):
             self.vae.enable_tiling()
         cfg = self.vae.config
@@ -117,7 +120,7 @@ class TextEncoder:
     ENCODER_ONLY = {"t5": "T5EncoderModel", "mt5": "MT5EncoderModel", "umt5": "UMT5EncoderModel"}
 
     def __init__(self, path: str, tokenizer: str = "", max_length: int = 512, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, allow_pickle: bool = False):
         import transformers
 
         self.path = component_path(path, "text_encoder")
@@ -127,7 +130,7 @@ class TextEncoder:
         self.tokenizer = transformers.AutoTokenizer.from_pretrained(self.tokenizer_path)
         config = transformers.AutoConfig.from_pretrained(self.path)
         cls = getattr(transformers, self.ENCODER_ONLY.get(config.model_type, "AutoModel"))
-        model = cls.from_pretrained(self.path, torch_dtype=dtype)
+        model = cls.from_pretrained(self.path, torch_dtype=dtype, use_safetensors=not allow_pickle)
         if getattr(config, "is_encoder_decoder", False) and hasattr(model, "get_encoder"):
             model = model.get_encoder()
         self.model = model.to(self.device).eval()
@@ -274,9 +277,12 @@ def write_manifest(out: Path, dataset: Any, reports: list[dict]) -> dict:
 
 class LatentCacheDataset:
     """Cached latents as VideoSample (pixels = normalized latents [C, f, h, w] cropped to
-    multiples of `patch`, text_emb [Lt, text_dim] or None); token counts from the manifest."""
+    multiples of `patch`, text_emb [Lt, text_dim] or None); token counts from the manifest.
+    split: "" every sample, "train" / "heldout" one side of the `heldout_fraction` split (by a
+    hash of each clip's source file name)."""
 
-    def __init__(self, root: str | os.PathLike, patch: tuple[int, int, int]):
+    def __init__(self, root: str | os.PathLike, patch: tuple[int, int, int], split: str = "",
+                 heldout_fraction: float = 0.0):
         self.root = Path(root).expanduser()
         self.meta = read_cache_info(self.root)
         self.patch = tuple(patch)
@@ -292,6 +298,8 @@ class LatentCacheDataset:
             if not line.strip():
                 continue
             row = json.loads(line)
+            if split and in_heldout(Path(row["source"]).name, heldout_fraction) != (split == "heldout"):
+                continue
             _, f, h, w = row["latent_shape"]
             if f < pt or h < ph or w < pw:
                 self.skipped.append((row["file"], f"latent grid {f}x{h}x{w} is smaller than one patch {self.patch}"))

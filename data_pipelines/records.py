@@ -8,10 +8,18 @@ with one error naming it.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 from typing import Any, NamedTuple
 
 BOM = b"\xef\xbb\xbf"  # the UTF-8 byte-order mark some editors (Notepad, Excel) put first
+
+
+def in_heldout(name: str, fraction: float) -> bool:
+    """Whether the record called `name` belongs to the held-out split: a hash of the name, so
+    the split is the same on every machine and a record keeps its side when data is added."""
+    h = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=4).digest(), "little")
+    return h / 2**32 < fraction
 
 
 class Skip(NamedTuple):

@@ -38,10 +38,10 @@ SIGNIFICANT = 0.25  # components smaller than this share of the clip's blob size
 SINGLE_MIN_FRAMES = 0.8  # single_shape: share of frames showing exactly one blob of about that size
 STEADY_SIZE = 2.0  # ... "about": within this factor of the clip's median (H.264 moves small ones ~1.6x)
 FILL_SPLIT = 0.92  # fill ratio: disc pi/4 (~0.80; tiny discs reach 0.94), square 1 (H.264: >= 0.945)
-MOTION_STEPS = 4  # the velocity at the end: mean of the last displacements since the last bounce
+MOTION_STEPS = 4  # the velocity at the start: mean of the first displacements before the first bounce
 MIN_SPEED = 0.5  # px/frame: a shape moving slower is not "moving" (real clips: >= 1)
 MIN_AXIS_SPEED = 0.2  # px/frame: slower components have no measurable sign; either word passes
-WALL_BAND = 0.75  # px: a shape this close to a wall after one more step may or may not bounce
+WALL_BAND = 0.75  # px: a shape starting this close to a wall (beyond its first step) may bounce at once
 # the keys of score_clip, in order (motion_ok only where motion is scored)
 FIGURES = ("palette_share", "background_ok", "color_ok", "shape_ok", "single_shape", "motion_ok", "all_ok")
 
@@ -174,48 +174,42 @@ def _blobs(rgb: np.ndarray, labels: np.ndarray, bg: int, shape: int) -> _Blobs:
     return out
 
 
-def _axis_ok(word_sign: int, c: float, v: float, half: float, length: int) -> bool:
-    """Does motion along one axis (position c, velocity v, half-size, frame length) show the
-    caption's sign (+1 = right / down)? The caption gives the velocity after the last frame
-    with walls applied (the renderer bounces after drawing), so a shape that the next step
-    takes past a wall is expected to move back; near the wall either sign passes."""
-    if abs(v) < MIN_AXIS_SPEED:
-        return True
-    # the renderer keeps the centre in [r, length - r]: edges in [0, length] in pixel-centre units
-    edge = c + v + half if v > 0 else c + v - half
-    overshoot = edge - length if v > 0 else -edge
-    if abs(overshoot) <= WALL_BAND:
-        return True
-    expected = int(np.sign(v)) * (-1 if overshoot > 0 else 1)
-    return expected == word_sign
-
-
-def _end_velocity(d: np.ndarray) -> float:
-    """Mean of the last displacements [k] along one axis since the last bounce: the last step
-    against the direction of the last clear step (>= MIN_AXIS_SPEED). A slow shape moves in
-    whole pixels (steps of 0 are no bounce); the step into a wall is cut short (it is no part
-    of the new direction)."""
+def _start_velocity(d: np.ndarray) -> float:
+    """Mean of the first displacements [k] along one axis before the first bounce: the first
+    step against the direction of the first clear step (>= MIN_AXIS_SPEED). A slow shape moves
+    in whole pixels (steps of 0 are no bounce)."""
     big = np.flatnonzero(np.abs(d) >= MIN_AXIS_SPEED)
     if not len(big):
         return float(d.mean())
-    back = np.flatnonzero(np.sign(d) == -np.sign(d[big[-1]]))
-    start = back[-1] + 1 if len(back) else 0
-    return float(d[min(start, len(d) - 1):].mean())  # a last small step back: that step alone
+    back = np.flatnonzero(np.sign(d) == -np.sign(d[big[0]]))
+    back = back[back > big[0]]
+    return float(d[: back[0] if len(back) else len(d)].mean())
+
+
+def _axis_ok(word_sign: int, c: float, v: float, half: float, length: int) -> bool:
+    """Does the start of the motion along one axis (first-frame position c, start velocity v,
+    half-size, frame length) show the caption's sign (+1 = right / down)? A shape that starts
+    against the wall the caption points to bounces in its first step (the renderer moves, then
+    reflects): it may show the other sign, so either passes there."""
+    if abs(v) < MIN_AXIS_SPEED or int(np.sign(v)) == word_sign:
+        return True
+    room = length - (c + half) if word_sign > 0 else c - half  # to the wall the caption points to
+    return room <= abs(v) + WALL_BAND
 
 
 def _motion_ok(blobs: _Blobs, cap: ShapeCaption, height: int, width: int) -> bool:
-    """Velocity at the end (_end_velocity of the last MOTION_STEPS frame-to-frame centroid
+    """Velocity at the start (_start_velocity of the first MOTION_STEPS frame-to-frame centroid
     displacements, from the frames that show the blob) against the caption's words."""
     have = np.flatnonzero(blobs.size > 0)
-    if len(have) < 2 or have[-1] != len(blobs.size) - 1:
+    if len(have) < 2 or have[0] != 0:
         return False
     c = blobs.center[have]
-    d = (np.diff(c, axis=0) / np.diff(have)[:, None])[-MOTION_STEPS:]  # [k, 2] px/frame
-    v = np.array([_end_velocity(d[:, a]) for a in range(2)])
+    d = (np.diff(c, axis=0) / np.diff(have)[:, None])[:MOTION_STEPS]  # [k, 2] px/frame
+    v = np.array([_start_velocity(d[:, a]) for a in range(2)])
     if np.hypot(*v) < MIN_SPEED:
         return False
     signs = (1 if cap.horizontal == "right" else -1, 1 if cap.vertical == "down" else -1)
-    return all(_axis_ok(signs[a], c[-1, a], v[a], blobs.half[have[-1], a], (width, height)[a]) for a in range(2))
+    return all(_axis_ok(signs[a], c[0, a], v[a], blobs.half[0, a], (width, height)[a]) for a in range(2))
 
 
 def score_clip(clip: torch.Tensor | np.ndarray, caption: str | ShapeCaption) -> dict[str, float]:
@@ -234,9 +228,9 @@ def score_clip(clip: torch.Tensor | np.ndarray, caption: str | ShapeCaption) -> 
     single_shape   >= SINGLE_MIN_FRAMES of the frames show exactly one blob of the shape colour
                    (components under SIGNIFICANT x the clip's median blob size are specks),
                    and its size is within a factor STEADY_SIZE of that median.
-    motion_ok      only for >= 2 frames and a caption with a direction: the blob is in the last
-                   frame, moves >= MIN_SPEED px/frame at the end, and each axis's sign (walls
-                   applied, see _axis_ok) matches the caption.
+    motion_ok      only for >= 2 frames and a caption with a direction: the blob is in the first
+                   frame, moves >= MIN_SPEED px/frame at the start (before any bounce), and each
+                   axis's sign matches the caption (see _axis_ok for a start against a wall).
     all_ok         background, colour, shape and (where scored) motion all right.
     """
     cap = parse_caption(caption) if isinstance(caption, str) else caption
@@ -300,8 +294,9 @@ def _means(scores: list[dict[str, float]], prefix: str) -> dict[str, float]:
 
 
 def reference_scores(manifest_dir: str | Path) -> dict[str, float]:
-    """score_clips over the real clips of a set (its manifest.jsonl), decoded with decord: the
-    figures a perfect generator would reach, H.264 artefacts included."""
+    """score_clips over the real clips of a set (its manifest.jsonl; videos decoded with decord,
+    still images with Pillow, see video_io.read_frames): the figures a perfect generator would
+    reach, H.264 artefacts included."""
     from data_pipelines.video_io import probe, read_frames
 
     root = Path(manifest_dir)

@@ -1,9 +1,12 @@
-"""The embedded dataset: small mp4 clips of moving coloured shapes, generated on first use.
+"""The embedded dataset: small mp4 clips of moving coloured shapes, generated on first use,
+and optionally still PNG images of the same world (image + video joint training).
 
 Clips differ in duration and resolution on purpose: the loss weighting only matters when
-samples differ in token count. Everything is a pure function of (gen_seed, clip index), so
-every machine writes the same pixels. The set is written into a temporary directory and
-renamed into place, so concurrent writers (several ranks, several jobs) never see half a set.
+samples differ in token count. Everything is a pure function of (gen_seed, clip index) and
+(gen_seed, image index), so every machine writes the same pixels. Images are drawn from their
+own random stream: adding images changes no clip, and image k is not a frame of clip k. The
+set is written into a temporary directory and renamed into place, so concurrent writers
+(several ranks, several jobs) never see half a set.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ COLORS = {
 }
 BACKGROUNDS = {"black": (10, 10, 10), "gray": (110, 110, 110), "navy": (20, 20, 70), "olive": (80, 90, 30)}
 SHAPES = ("circle", "square")
+IMAGE_STREAM = 0x1A6E  # seeds image k as [gen_seed, IMAGE_STREAM, k], apart from the clips' [gen_seed, k]
 
 
 def _render(rng: np.random.Generator, widths: Sequence[int] = WIDTHS, heights: Sequence[int] = HEIGHTS,
@@ -45,26 +49,53 @@ def _render(rng: np.random.Generator, widths: Sequence[int] = WIDTHS, heights: S
     speed = float(rng.uniform(1.0, 3.0))
     angle = float(rng.uniform(0, 2 * np.pi))
     vx, vy = speed * np.cos(angle), speed * np.sin(angle)
-    yy, xx = np.mgrid[0:H, 0:W].astype(np.float32)
+    # the caption states the direction of the motion at the start: cutting a clip to its first
+    # data.max_frames frames (what training sees) keeps it true; bounces may reverse it later
+    horiz = "right" if vx > 0 else "left"
+    vert = "down" if vy > 0 else "up"
     frames = np.empty((F, H, W, 3), np.uint8)
     for f in range(F):
-        img = np.empty((H, W, 3), np.uint8)
-        img[:] = BACKGROUNDS[bg_name]
-        if shape == "circle":
-            inside = (xx - x) ** 2 + (yy - y) ** 2 <= r * r
-        else:
-            inside = (np.abs(xx - x) <= r) & (np.abs(yy - y) <= r)
-        img[inside] = COLORS[color_name]
-        frames[f] = img
+        frames[f] = _draw(H, W, bg_name, color_name, shape, x, y, r)
         x, y = x + vx, y + vy
         if not r <= x <= W - r:  # bounce off the walls
             vx, x = -vx, float(np.clip(x, r, W - r))
         if not r <= y <= H - r:
             vy, y = -vy, float(np.clip(y, r, H - r))
-    horiz = "right" if vx > 0 else "left"
-    vert = "down" if vy > 0 else "up"
     caption = f"a {color_name} {shape} moving {vert} and {horiz} on a {bg_name} background"
     return frames, caption
+
+
+def _draw(H: int, W: int, bg_name: str, color_name: str, shape: str, x: float, y: float, r: float) -> np.ndarray:
+    """One uint8 [H, W, 3] frame: the shape of half-size r centred at (x, y) on the background."""
+    yy, xx = np.mgrid[0:H, 0:W].astype(np.float32)
+    img = np.empty((H, W, 3), np.uint8)
+    img[:] = BACKGROUNDS[bg_name]
+    if shape == "circle":
+        inside = (xx - x) ** 2 + (yy - y) ** 2 <= r * r
+    else:
+        inside = (np.abs(xx - x) <= r) & (np.abs(yy - y) <= r)
+    img[inside] = COLORS[color_name]
+    return img
+
+
+def _render_image(rng: np.random.Generator, widths: Sequence[int] = WIDTHS,
+                  heights: Sequence[int] = HEIGHTS) -> tuple[np.ndarray, str]:
+    """One still image as uint8 [H, W, 3] and its caption: a clip's first frame drawn the same
+    way (sizes, palette, shape sizes and placement), with no motion, so no direction words."""
+    W, H = int(rng.choice(list(widths))), int(rng.choice(list(heights)))
+    bg_name = str(rng.choice(list(BACKGROUNDS)))
+    color_name = str(rng.choice(list(COLORS)))
+    shape = str(rng.choice(SHAPES))
+    r = float(rng.uniform(0.12, 0.25)) * min(H, W)
+    x, y = float(rng.uniform(r, W - r)), float(rng.uniform(r, H - r))
+    return _draw(H, W, bg_name, color_name, shape, x, y, r), f"a {color_name} {shape} on a {bg_name} background"
+
+
+def write_png(path: Path, image: np.ndarray) -> None:
+    """uint8 [H, W, 3] as a lossless PNG (the decoded pixels are exactly the rendered ones)."""
+    from PIL import Image
+
+    Image.fromarray(image, "RGB").save(path, format="PNG")
 
 
 def write_mp4(path: Path, frames: np.ndarray, fps: int = FPS) -> None:
@@ -94,20 +125,33 @@ def _sizes(widths: Sequence[int], heights: Sequence[int], frames: Sequence[int])
     return w, h, f
 
 
-def dataset_dir(cache_dir: str | os.PathLike, num_clips: int, gen_seed: int, widths: Sequence[int] = WIDTHS,
-                heights: Sequence[int] = HEIGHTS, frames: Sequence[int] = FRAMES) -> Path:
-    """The set's directory; sizes other than the defaults get their own name."""
+def dataset_dir(cache_dir: str | os.PathLike, num_clips: int, gen_seed: int, num_images: int = 0,
+                widths: Sequence[int] = WIDTHS, heights: Sequence[int] = HEIGHTS, frames: Sequence[int] = FRAMES) -> Path:
+    """Where a set lives. Sizes other than the defaults get their own name (`_w.._h.._f..`), and
+    so does a set with images (`_img<k>`): a set written without them (same clips, older code)
+    must never be taken for one that has them."""
     w, h, f = _sizes(widths, heights, frames)
-    name = f"synthetic_video_v1_n{num_clips}_seed{gen_seed}"
+    # v2: captions state the starting direction (v1: the direction at the end of the clip)
+    name = f"synthetic_video_v2_n{num_clips}_seed{gen_seed}"
     if (w, h, f) != (WIDTHS, HEIGHTS, FRAMES):
         name += "_w" + "-".join(map(str, w)) + "_h" + "-".join(map(str, h)) + "_f" + "-".join(map(str, f))
+    if num_images:
+        name += f"_img{num_images}"
     return Path(cache_dir).expanduser() / name
 
 
-def ensure_synthetic_videos(cache_dir: str | os.PathLike, num_clips: int, gen_seed: int, widths: Sequence[int] = WIDTHS,
-                            heights: Sequence[int] = HEIGHTS, frames: Sequence[int] = FRAMES) -> Path:
-    """Write the clip set if it is not there yet; return its directory (holding manifest.jsonl)."""
-    out = dataset_dir(cache_dir, num_clips, gen_seed, widths, heights, frames)
+def ensure_synthetic_videos(cache_dir: str | os.PathLike, num_clips: int, gen_seed: int, num_images: int = 0,
+                            widths: Sequence[int] = WIDTHS, heights: Sequence[int] = HEIGHTS,
+                            frames: Sequence[int] = FRAMES) -> Path:
+    """Write the set if it is not there yet; return its directory (holding manifest.jsonl).
+
+    manifest.jsonl lists the clips (clip_XXXX.mp4) first, then the images (image_XXXX.png,
+    frames=1, no fps), so sample ids of clips do not depend on num_images. Images take the
+    clips' sizes (`widths`, `heights`).
+    """
+    if num_images < 0 or num_clips < 0:
+        raise ValueError(f"data.num_clips={num_clips} and data.num_images={num_images} must be >= 0")
+    out = dataset_dir(cache_dir, num_clips, gen_seed, num_images, widths, heights, frames)
     if (out / "manifest.jsonl").exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -120,6 +164,12 @@ def ensure_synthetic_videos(cache_dir: str | os.PathLike, num_clips: int, gen_se
             write_mp4(tmp / name, clip)
             lines.append(json.dumps({"path": name, "caption": caption, "frames": int(clip.shape[0]),
                                      "height": int(clip.shape[1]), "width": int(clip.shape[2]), "fps": FPS}))
+        for i in range(num_images):
+            image, caption = _render_image(np.random.default_rng([gen_seed, IMAGE_STREAM, i]), widths, heights)
+            name = f"image_{i:04d}.png"
+            write_png(tmp / name, image)
+            lines.append(json.dumps({"path": name, "caption": caption, "frames": 1,
+                                     "height": int(image.shape[0]), "width": int(image.shape[1])}))
         (tmp / "manifest.jsonl").write_text("\n".join(lines) + "\n")
         try:
             os.rename(tmp, out)

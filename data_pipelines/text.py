@@ -10,7 +10,6 @@ a document boundary); prompt tokens and padding get label -100 (ignored).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from dataclasses import dataclass, field
@@ -18,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from data_pipelines.records import (Skip, decode_utf8, describe, json_kind, line_column, normalize_newlines,
-                                    unencodable, warn_once)
+from data_pipelines.records import (Skip, decode_utf8, describe, in_heldout, json_kind, line_column,
+                                    normalize_newlines, unencodable, warn_once)
 
 log = logging.getLogger(__name__)
 
@@ -192,11 +191,6 @@ def _read_paragraphs(path: str, data: bytes) -> tuple[list[tuple[str, str]], Cor
     return docs, report
 
 
-def _is_heldout(name: str, fraction: float) -> bool:
-    h = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=4).digest(), "little")
-    return h / 2**32 < fraction
-
-
 class TextDataset:
     """Tokenized documents (pieces of at most max_doc_tokens + 1 ids), train or held-out split.
 
@@ -214,7 +208,7 @@ class TextDataset:
         self.docs: list[Document] = []
         self.too_short = 0
         for name, text in docs:
-            if _is_heldout(name, heldout_fraction) != (split == "heldout"):
+            if in_heldout(name, heldout_fraction) != (split == "heldout"):
                 continue
             if name.endswith("\x00prompt"):
                 prompt, completion = json.loads(text)

@@ -1,4 +1,4 @@
-"""A dataset of video clips with known token counts.
+"""A dataset of video clips (and still images: clips of one frame) with known token counts.
 
 Token counts are computed from the file's metadata (frames, size) without decoding, so the
 step planner can pack a whole global batch before any pixel is read. Decoded clips are kept
@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from data_pipelines.records import Skip, decode_utf8, describe, json_kind, normalize_newlines, unencodable, warn_once
-from data_pipelines.video_io import VideoInfo, VideoReadError, frame_indices, probe, read_frames, to_model_range
+from data_pipelines.video_io import (VideoInfo, VideoReadError, frame_indices, is_image, probe, read_frames, still_indices,
+                                     to_model_range)
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +49,9 @@ def scan_manifest(path: Path) -> tuple[list[dict], list[tuple[str, str]]]:
     """Usable rows of a .jsonl or .csv manifest (extension in any case), and (`<manifest>:<line>`,
     why) of each row left out (warned about once, with the first few named).
 
-    Columns: path, caption[, frames, height, width, fps]. A usable row has a non-empty string
-    `path` and a string `caption`; a missing, empty or null caption is the empty caption (the
+    Columns: path, caption[, frames, height, width, fps]; a path may be a video or a still image
+    (video_io.IMAGE_EXTENSIONS), mixed freely. A usable row has a non-empty string `path` and a
+    string `caption`; a missing, empty or null caption is the empty caption (the
     clip trains uncaptioned, as a video without a .txt does: null is how pandas writes a missing
     value). Left out: lines that are not UTF-8 or not JSON objects, rows without a path, and a
     path or caption of another type (a number or a list is a column mix-up; its text would be a
@@ -145,18 +147,24 @@ def _row_problem(row: dict) -> str:
 
 
 def manifest_entries(manifest: Path) -> tuple[list[ClipEntry], list[tuple[str, str]]]:
-    """(entries, skipped) of a manifest: rows without size metadata are probed with decord. Rows
-    that cannot be used (see scan_manifest) and files that cannot be opened are skipped and
-    counted as (`<manifest>:<line>` or path, why)."""
+    """(entries, skipped) of a manifest: rows without size metadata are probed (videos with
+    decord, images from their header). An image has one frame whatever `frames` says, so it
+    needs only height and width. Rows that cannot be used (see scan_manifest) and files that
+    cannot be opened are skipped and counted as (`<manifest>:<line>` or path, why)."""
     manifest = Path(manifest)
     root = manifest.parent
     rows, bad = scan_manifest(manifest)
     entries = []
     for row in rows:
         path = str((root / row["path"]).resolve()) if not Path(row["path"]).is_absolute() else row["path"]
+        still = is_image(path)
+        declared = ("height", "width") if still else ("frames", "height", "width")
         try:
-            if all(row.get(k) not in (None, "") for k in ("frames", "height", "width")):
-                info = VideoInfo(int(row["frames"]), int(row["height"]), int(row["width"]), float(row.get("fps") or 0))
+            if all(row.get(k) not in (None, "") for k in declared):
+                if still:
+                    info = VideoInfo(1, int(row["height"]), int(row["width"]), 0.0)
+                else:
+                    info = VideoInfo(int(row["frames"]), int(row["height"]), int(row["width"]), float(row.get("fps") or 0))
             else:
                 info = probe(path)
         except VideoReadError as err:
@@ -182,8 +190,10 @@ class VideoClipDataset:
     """Clips -> VideoSample; `num_tokens(i)` without decoding.
 
     patch: (pt, ph, pw). Frames: resampled to `fps` (0 = native), every `frame_stride`-th,
-    at most `max_frames`, a multiple of pt. Size: resized to the nearest resolution bucket,
-    or centre-cropped to a multiple of (ph, pw) when there are no buckets.
+    at most `max_frames`, a multiple of pt. A still image (video_io.is_image) is its one frame
+    repeated pt times (video_io.still_indices: one temporal slab of tokens; fps, stride and
+    max_frames do not apply). Size, images and videos alike: resized to the nearest resolution
+    bucket, or centre-cropped to a multiple of (ph, pw) when there are no buckets.
     """
 
     def __init__(self, entries: list[ClipEntry], patch: tuple[int, int, int], max_frames: int = 16,
@@ -220,6 +230,8 @@ class VideoClipDataset:
     # -- geometry ---------------------------------------------------------------------------
 
     def _indices(self, e: ClipEntry) -> list[int]:
+        if is_image(e.path):
+            return still_indices(self.patch[0])
         return frame_indices(e.info.frames, e.info.fps, self.fps, self.frame_stride, self.max_frames, self.patch[0])
 
     def _unusable(self, e: ClipEntry) -> str:

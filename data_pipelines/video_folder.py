@@ -1,13 +1,14 @@
-"""Your videos: a folder (recursive) of video files with same-stem .txt captions, or a
-.csv/.jsonl manifest with columns `path` and `caption`.
+"""Your videos and images: a folder (recursive) of video and still-image files with same-stem
+.txt captions, or a .csv/.jsonl manifest with columns `path` and `caption`.
 
-Every file is probed once (frame count, size, fps; decord opens it and decodes one frame) so
-token counts are known without decoding. Probe results are kept in an index file under
-`data.cache_dir`, keyed by (path, size, mtime): later runs, and every rank of a run, read the
-index instead of probing again; a changed or added file is probed anew. Files that cannot be
-opened are skipped and counted (`ClipIndex.skipped`, and listed in the index file); so are
-clips whose caption file is not UTF-8 and manifest rows that cannot be used, each named with
-its file (and line) in a warning.
+Every file is probed once (frame count, size, fps; decord opens a video and decodes one frame,
+Pillow reads an image's header: 1 frame) so token counts are known without decoding. Probe
+results, videos' and images' alike, are kept in an index file under `data.cache_dir`, keyed by
+(path, size, mtime): later runs, and every rank of a run, read the index instead of probing
+again; a changed or added file is probed anew. Files that cannot be opened are skipped and
+counted (`ClipIndex.skipped`, and listed in the index file); so are clips whose caption file is
+not UTF-8 and manifest rows that cannot be used, each named with its file (and line) in a
+warning.
 """
 from __future__ import annotations
 
@@ -22,11 +23,12 @@ from pathlib import Path
 
 from data_pipelines.records import decode_utf8, normalize_newlines, warn_once
 from data_pipelines.video_dataset import MANIFEST_SUFFIXES, ClipEntry, scan_manifest
-from data_pipelines.video_io import VideoInfo, VideoReadError, probe
+from data_pipelines.video_io import IMAGE_EXTENSIONS, VideoInfo, VideoReadError, probe
 
 log = logging.getLogger(__name__)
 
 VIDEO_EXTENSIONS = (".mp4", ".webm", ".mov", ".mkv", ".avi")
+MEDIA_EXTENSIONS = VIDEO_EXTENSIONS + IMAGE_EXTENSIONS  # what a folder scan picks up (any case)
 
 
 @dataclass
@@ -42,11 +44,11 @@ def scan_clips(root: str | os.PathLike) -> tuple[list[tuple[str, str]], list[tup
     """(absolute path, caption) of every clip under `root`, sorted by path, and (where, why) of
     each clip left out (warned about once).
 
-    root: a folder, searched recursively for VIDEO_EXTENSIONS (any case: .MP4 too), each video's
-    caption read from the file beside it with the same stem and extension .txt in any case
-    (clip.txt, else clip.TXT; empty caption if there is none); or a .csv/.jsonl manifest with
-    columns `path` (relative to the manifest's folder, or absolute) and `caption` (rows left
-    out: see scan_manifest; `where` is `<manifest>:<line>`).
+    root: a folder, searched recursively for MEDIA_EXTENSIONS (videos and still images, any
+    case: .MP4, .JPG too), each file's caption read from the file beside it with the same stem
+    and extension .txt in any case (clip.txt, else clip.TXT; empty caption if there is none);
+    or a .csv/.jsonl manifest with columns `path` (relative to the manifest's folder, or
+    absolute) and `caption` (rows left out: see scan_manifest; `where` is `<manifest>:<line>`).
 
     A caption file that cannot be read as UTF-8 leaves its clip out (`where` is the video, `why`
     names the caption file) rather than training it uncaptioned: the author meant the clip to
@@ -69,7 +71,7 @@ def scan_clips(root: str | os.PathLike) -> tuple[list[tuple[str, str]], list[tup
     else:
         raise ValueError(f"data.root={str(root)!r} does not exist; point it at a folder of videos or a .csv/.jsonl manifest")
     if not out:
-        raise ValueError(f"data.root={str(root)!r} holds no video ({', '.join(VIDEO_EXTENSIONS)})"
+        raise ValueError(f"data.root={str(root)!r} holds no video or image ({', '.join(MEDIA_EXTENSIONS)})"
                          + (f"; {len(skipped)} left out, e.g. {skipped[0][0]}: {skipped[0][1]}" if skipped else ""))
     return sorted(out), skipped
 
@@ -87,7 +89,7 @@ def _scan_folder(root: Path) -> tuple[list[tuple[str, str]], list[tuple[str, str
             captions.setdefault((p.parent, p.stem), []).append(p)
     out, skipped = [], []
     for p in files:
-        if p.suffix.lower() not in VIDEO_EXTENSIONS or not p.is_file():
+        if p.suffix.lower() not in MEDIA_EXTENSIONS or not p.is_file():
             continue
         # clip.txt first, then clip.TXT, then any other case (one caption per clip on case-sensitive disks)
         found = sorted(captions.get((p.parent, p.stem), []),
@@ -166,7 +168,7 @@ def index_clips(clips: list[tuple[str, str]], index_file: Path | None = None, wo
     if todo:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(todo), desc="probing videos", unit="file", disable=not progress or len(todo) < 20)
+        bar = tqdm(total=len(todo), desc="probing videos/images", unit="file", disable=not progress or len(todo) < 20)
         if workers > 0:
             with ThreadPoolExecutor(workers, thread_name_prefix="probe") as pool:
                 for row in pool.map(_probe_row, todo):
@@ -191,10 +193,10 @@ def index_clips(clips: list[tuple[str, str]], index_file: Path | None = None, wo
     if report not in _reported:  # once per process, not once per dataset build
         _reported.add(report)
         if skipped:
-            log.warning("skipped %d unreadable video(s) of %d, e.g. %s: %s (all listed in %s)",
+            log.warning("skipped %d unreadable video(s)/image(s) of %d, e.g. %s: %s (all listed in %s)",
                         len(skipped), len(clips), *skipped[0], index_file)
         if uncaptioned:
-            log.warning("%d video(s) have no caption (no .txt beside them / empty caption column)", uncaptioned)
+            log.warning("%d video(s)/image(s) have no caption (no .txt beside them / empty caption column)", uncaptioned)
     return ClipIndex(entries, skipped, uncaptioned)
 
 

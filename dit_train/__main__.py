@@ -15,33 +15,44 @@ from dit_train.config import Config, config_dir, register_configs, to_config
 
 
 def run_from_config(cfg: Config) -> dict:
-    """Check, prepare data and train (in this process or in local workers)."""
+    """Check the config, prepare and check the data, claim the run folder, then train (in this
+    process or in local workers). Everything that can refuse the run happens before step 0."""
+    import functools
+
     from dit_train.data import check_data, prepare_data
-    from dit_train.engine.checks import check_config
+    from dit_train.engine.checks import ConfigError, check_config
     from dit_train.engine.launch import external_world_size, launch
+    from dit_train.engine.run_folder import open_run_folder
     from dit_train.engine.worker import train
 
     check_config(cfg, external_world_size())
     try:
         prepare_data(cfg.data, cfg.model)
     except ValueError as err:
-        from dit_train.engine.checks import ConfigError
-
         raise ConfigError(str(err)) from err
     check_data(cfg)
-    return launch(cfg, train)
+    if external_world_size() is not None:  # torchrun / SLURM: rank 0 claims the folder in the worker
+        return launch(cfg, train)
+    folder = open_run_folder(cfg, cfg.train.resume)
+    try:
+        cfg.train.resume = str(folder.resume_from or "")  # every worker resumes from the same checkpoint
+        return launch(cfg, functools.partial(train, claimed=True))
+    finally:
+        folder.release()
 
 
 @hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")
 def main(dcfg: DictConfig) -> float | None:
     cfg = to_config(dcfg)
     cfg.run_dir = HydraConfig.get().runtime.output_dir
+    from dit_train.checkpoint import CheckpointError
     from dit_train.engine.checks import ConfigError
     from dit_train.engine.launch import WorkerFailure
+    from dit_train.engine.worker import RunFailed
 
     try:
         summary = run_from_config(cfg)
-    except (ConfigError, WorkerFailure) as err:
+    except (ConfigError, WorkerFailure, RunFailed, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)
     # returned to Hydra (sweepers such as Optuna minimise it)
@@ -49,6 +60,11 @@ def main(dcfg: DictConfig) -> float | None:
 
 
 def cli() -> None:
+    if any(a in ("--help", "-h") for a in sys.argv[1:]):
+        from dit_train.config.help import help_text
+
+        print(help_text())
+        return
     register_configs()
     main()
 

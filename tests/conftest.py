@@ -19,7 +19,11 @@ TINY = [
     "model.dim=32", "model.depth=2", "model.heads=4", "model.init=normal",
     "optim=sgd", "optim.lr=0.5",
     "train.steps=2", "train.global_batch=6", "train.micro_batch_tokens=400", "train.progress=false",
+    "train.sample_every=0",  # validation videos cost more than these runs; tests that need them turn them on
     "data.num_clips=16", "data.max_frames=8",
+    # the generator's own sizes and 8x8 patches, not the quickstart's 32-wide clips and 4x4 patches:
+    # widths 32-96 and 4-24 frames keep sample lengths very uneven (what the layouts must get right)
+    "model.patch_size=[2,8,8]", "data.widths=[32,64,96]", "data.heights=[32,48,64]", "data.frames=[4,24]",
 ]
 # TINY without the embedded set's data keys, for tests that switch to another data source
 TINY_MODEL = [o for o in TINY if not o.startswith("data.")]
@@ -30,6 +34,33 @@ def compose_config(overrides: list[str] | None = None, cache_dir: str | None = N
     if cache_dir is not None:
         cfg.data.cache_dir = cache_dir
     return cfg
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _worker_pools():
+    """Multi-process tests run their jobs on reusable gloo workers (tests/pool.py) instead of
+    spawning a new group each time; yields the real launcher for `real_launcher` tests."""
+    import dit_train.engine.launch as launch
+    from tests.pool import Pools
+
+    pools, real = Pools(), launch.launch_local
+    launch.launch_local = pools.launch_local
+    yield real
+    launch.launch_local = real
+    pools.close()
+
+
+@pytest.fixture(autouse=True)
+def _real_launcher_when_marked(request, _worker_pools):
+    """Tests of the launcher itself (failures, restarts) get torch elastic, not the pool."""
+    if request.node.get_closest_marker("real_launcher") is None:
+        yield
+        return
+    import dit_train.engine.launch as launch
+
+    pooled, launch.launch_local = launch.launch_local, _worker_pools
+    yield
+    launch.launch_local = pooled
 
 
 @pytest.fixture(scope="session")

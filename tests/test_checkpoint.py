@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from dit_train.engine.layout_equivalence import apply_layout
-from tests.conftest import REPO, TINY, run_cli
+from tests.conftest import REPO, TINY, compose_config, run_cli
 
 ADAM_TINY = [o for o in TINY if not o.startswith("optim")] + ["optim.lr=3e-3", "optim.warmup_steps=2",
                                                               "optim.schedule=cosine", "train.ema_decay=0.9"]
@@ -72,20 +72,28 @@ def test_keep_last_and_incomplete_saves_are_ignored(tmp_path):
         resolve_checkpoint(str(tmp_path / "nowhere"), tmp_path)
 
 
+def train_in_process(overrides: list[str], run_dir: Path) -> dict:
+    """The CLI's path (check, prepare data, launch local workers if the layout needs them)
+    without starting a new Python for rank 0."""
+    from dit_train.__main__ import run_from_config
+
+    cfg = compose_config(overrides)
+    cfg.run_dir = str(run_dir)
+    return run_from_config(cfg)
+
+
 @pytest.mark.slow
 def test_resume_on_a_different_layout_keeps_the_trajectory(tmp_path, data_cache):
-    """Saved with dp_shard=2, resumed with cp_ulysses=2 (and on 1 process): same weights as an
-    uninterrupted 1-process run (layout-invariant data + DCP resharding). SGD keeps the
-    comparison about gradients (see tools/verify_layouts.py)."""
+    """Saved with dp_shard=2, resumed with cp_ulysses=2 (and on 1 process): same weights and
+    EMA weights as an uninterrupted 1-process run (layout-invariant data + DCP resharding). SGD
+    keeps the comparison about gradients (see dit_train.tools.verify_layouts)."""
     base = [*TINY, "train.steps=4", "train.ema_decay=0.9", f"data.cache_dir={data_cache}"]
     ref, a, b, c = (tmp_path / n for n in ("ref", "a", "b", "c"))
-    assert run_cli([*base, f"hydra.run.dir={ref}"], cwd=tmp_path).returncode == 0
-    r = run_cli([*base, "parallel.dp_shard=2", "train.ckpt_every=2", f"hydra.run.dir={a}"], cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
+    train_in_process(base, ref)
+    train_in_process([*base, "parallel.dp_shard=2", "train.ckpt_every=2"], a)
     ck = a / "checkpoints" / "step_00000001"
     for run_dir, layout in ((b, ["parallel.cp_ulysses=2"]), (c, [])):
-        r = run_cli([*base, *layout, f"train.resume={ck}", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
-        assert r.returncode == 0, r.stderr[-3000:]
+        train_in_process([*base, *layout, f"train.resume={ck}"], run_dir)
         for name in ("weights.safetensors", "weights_ema.safetensors"):  # EMA shards reshard too
             w_ref, w = load_file(ref / name), load_file(run_dir / name)
             assert _max_diff(w_ref, w) < 1e-6, (layout, name, _max_diff(w_ref, w))
@@ -265,7 +273,7 @@ def test_corrupt_and_truncated_videos_are_skipped_and_counted(tmp_path, tiny_cfg
     from dit_train.tasks.video import VideoTask
 
     c = tiny_cfg.data
-    src = dataset_dir(c.cache_dir, c.num_clips, c.gen_seed, c.widths, c.heights, c.frames)
+    src = dataset_dir(c.cache_dir, c.num_clips, c.gen_seed, c.num_images, c.widths, c.heights, c.frames)
     rows = [json.loads(x) for x in (src / "manifest.jsonl").read_text().splitlines()][:4]
     for r in rows:
         r["path"] = str(src / r["path"])

@@ -67,7 +67,7 @@ def test_loss_decreases_over_50_steps(tmp_path, data_cache):
 def test_sweep_and_plot(tmp_path, data_cache):
     sweep = tmp_path / "sweep"
     r = run_cli(["-m", "optim.lr=1e-3,3e-3", "loss.reduction=sample_mean,token_mean", "train.steps=3",
-                 "train.progress=false", f"data.cache_dir={data_cache}", f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
+                 "train.progress=false", "train.sample_every=0", "model.dim=32", "model.depth=2", f"data.cache_dir={data_cache}", f"hydra.sweep.dir={sweep}"], cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     assert len(list(sweep.glob("*/metrics.jsonl"))) == 4
     p = subprocess.run([sys.executable, "-m", "dit_train.tools.plot_sweep", str(sweep)], capture_output=True, text=True)
@@ -75,3 +75,22 @@ def test_sweep_and_plot(tmp_path, data_cache):
     assert (sweep / "loss_curves.png").stat().st_size > 10_000
     table = (sweep / "summary.md").read_text()
     assert table.count("optim.lr=") == 4 and "loss.reduction=token_mean" in table
+
+
+def test_plot_sweep_draws_quality_per_kind_of_sample(tmp_path):
+    from dit_train.tools.plot_sweep import main
+
+    for job, (img, vid) in enumerate([(0.2, 0.6), (0.5, 0.4)]):
+        d = tmp_path / str(job)
+        (d / ".hydra").mkdir(parents=True)
+        (d / ".hydra" / "overrides.yaml").write_text(f"- loss.reduction={'sample_mean' if job else 'token_mean'}\n")
+        rows = [{"step": s, "loss": 1.0 / (s + 1)} for s in range(10)]
+        for r in rows[4::5]:
+            r.update({"eval/image/color_ok": img, "eval/video/color_ok": vid, "eval/image/all_ok": img / 2,
+                      "eval/video/all_ok": vid / 2})
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main([str(tmp_path), "--metrics", "color_ok,all_ok"]) == 0
+    assert (tmp_path / "quality.png").stat().st_size > 10_000
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| job | image color_ok | image all_ok | video color_ok | video all_ok |" in summary
+    assert "| loss.reduction=sample_mean | 0.50 | 0.25 | 0.40 | 0.20 |" in summary

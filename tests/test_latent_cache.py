@@ -211,6 +211,14 @@ def test_training_on_latents(cache, tmp_path):
         assert float(x.abs().max()) <= 1.0
         video = decord.VideoReader(str(out / f"{key}.mp4"))
         assert len(video) == x.shape[1] and video[0].shape[:2] == x.shape[2:]
+    # prompts: encoded with the cache's text encoder, latents decoded with its VAE
+    from dit_train.tools.sample import main as sample
+
+    gen = tmp_path / "gen"
+    assert sample([str(run_dir), "--prompt", "a clip of waves", "--frames", "5", "--height", "16", "--width", "32",
+                   "--steps", "2", "--out", str(gen)]) == 0
+    (x,) = load_file(gen / "samples.safetensors").values()
+    assert x.shape == (3, 5, 16, 32)  # 5 frames -> 2 latent frames -> 1 + 4 decoded; 16x32 px -> 2x4 latents
 
 
 def test_shards_split_clips_by_rank_and_count_unreadable(tmp_path):

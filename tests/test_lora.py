@@ -290,3 +290,51 @@ def test_fsdp2_per_block_frozen_base_matches_one_process(tmp_path):
             lora_state_dict(model, "wan")  # sharded parameters
     finally:
         dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- training runs (layouts)
+
+LORA = ["model.lora.rank=4", "model.lora.alpha=8"]
+LORA_LAYOUTS = ["dp_shard=2,cp_ulysses=2,grad_accum=2", "cp_ulysses=2,cp_ring=2,grad_accum=2",
+                "dp_replicate=2,dp_shard=2,grad_accum=2", "cp_ring=2", "dp_shard=2,dp_mode=ddp"]
+
+
+@pytest.mark.slow
+def test_lora_adapters_match_one_process_on_every_layout(data_cache, tiny_cfg):
+    """FSDP2 / HSDP / DDP x Ulysses / ring / hybrid CP x grad_accum: the adapters (and their EMA)
+    after 2 clipped steps equal one process; the frozen base moves nowhere."""
+    from dit_train.engine.layout_equivalence import relative_difference, run_layouts
+    from tests.conftest import TINY, compose_config
+
+    cfg = compose_config([*TINY, *LORA, "optim.max_grad_norm=0.05", "train.ema_decay=0.9"], cache_dir=data_cache)
+    runs = run_layouts(cfg, ["1", *LORA_LAYOUTS], ["sample_mean"])
+    (ref,) = runs.pop("1")
+    adapters = [k for k in ref if ".lora_" in k and not k.startswith("__")]
+    assert adapters and all(torch.equal(ref[k], ref[f"__init__/{k}"]) for k in ref
+                            if not k.startswith("__") and ".lora_" not in k)
+    for spec, (got,) in runs.items():
+        rel = relative_difference(ref, got)
+        assert rel <= 1e-4, f"{spec}: adapters or their EMA differ by {rel:.2e} of the update"
+
+
+@pytest.mark.slow
+def test_lora_resume_onto_another_layout_is_exact(data_cache, tmp_path):
+    """Checkpoints hold only the adapters (and their optimizer state); saved on dp_shard=2,
+    resumed on cp_ulysses=2: the same merged weights and adapters as an uninterrupted run."""
+    from safetensors.torch import load_file
+
+    from tests.test_checkpoint import train_in_process
+
+    from tests.conftest import TINY
+
+    base = [*TINY, *LORA, "train.steps=4", "train.ema_decay=0.9", f"data.cache_dir={data_cache}"]
+    ref, a, b = tmp_path / "ref", tmp_path / "a", tmp_path / "b"
+    train_in_process(base, ref)
+    train_in_process([*base, "parallel.dp_shard=2", "train.ckpt_every=2"], a)
+    ck = a / "checkpoints" / "step_00000001"
+    sizes = sum(f.stat().st_size for f in ck.glob("*.distcp"))
+    assert sizes < 300_000  # adapters + their AdamW moments, not the 90k-parameter base
+    train_in_process([*base, "parallel.cp_ulysses=2", f"train.resume={ck}"], b)
+    for name in ("weights.safetensors", "weights_ema.safetensors", "lora/pytorch_lora_weights.safetensors"):
+        w_ref, w = load_file(ref / name), load_file(b / name)
+        assert max(float((w_ref[k] - w[k]).abs().max()) for k in w_ref) < 1e-6, name

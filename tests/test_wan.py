@@ -200,3 +200,81 @@ def test_layout_invariance_1_vs_ulysses2_vs_fsdp2_meta_pretrained(wan_run_cfg, p
         assert rel <= 1e-4, f"{spec}: weights differ by {rel:.2e} of the update"
         norms_ref, norms = oracle["__grad_norms__"], got["__grad_norms__"]
         assert (norms - norms_ref).abs().max() <= 1e-5 * norms_ref.abs().max(), (spec, norms, norms_ref)
+
+
+def test_wan_lora_run_loads_in_diffusers_with_matching_outputs(data_cache, pretrained_dir, tmp_path):
+    """+experiment=wan_lora from a pretrained folder: the run writes diffusers' LoRA file; diffusers'
+    own WanTransformer3DModel with the pretrained weights + load_lora_adapter gives the outputs of
+    our packed model with the run's (merged) weights.safetensors: relative error <= 1e-5."""
+    from diffusers import WanTransformer3DModel
+    from safetensors.torch import load_file
+
+    from dit_train.__main__ import run_from_config
+
+    lora_tiny = [o for o in TINY if not o.startswith("optim")]
+    cfg = compose_config(["+experiment=wan_lora", *lora_tiny, "model.text_len=16", "train.steps=3", "train.sample_every=0",
+                          "model.lora.rank=4", "model.lora.alpha=8", f"model.pretrained={pretrained_dir}"],
+                         cache_dir=data_cache)
+    cfg.run_dir = str(tmp_path / "run")
+    run_from_config(cfg)
+    run = tmp_path / "run"
+    adapters = load_file(str(run / "lora" / "pytorch_lora_weights.safetensors"))
+    assert adapters and all(k.startswith("transformer.blocks.") and ".lora_" in k for k in adapters)
+    merged = load_file(str(run / "weights.safetensors"))
+    start = read_pretrained(str(pretrained_dir), cfg.model)
+    assert merged.keys() == start.keys()
+    changed = {k for k in start if not torch.equal(merged[k], start[k])}
+    assert changed and all(".to_" in k or ".ffn." in k for k in changed)  # only adapted layers moved
+
+    wan = WanTransformer3DModel.from_pretrained(str(pretrained_dir))
+    wan.load_lora_adapter(str(run / "lora"), prefix="transformer", weight_name="pytorch_lora_weights.safetensors")
+    cfg.model.lora.rank = 0
+    ours = build_model(cfg.model)
+    ours.load_state_dict(merged)
+    g = torch.Generator().manual_seed(5)
+    clip = torch.randn(3, 2, 16, 24, generator=g)
+    ctx = torch.randn(1, cfg.model.text_len, cfg.model.text_dim, generator=g)
+    tok, grid = patchify(clip, tuple(cfg.model.patch_size))
+    seg = torch.zeros(tok.shape[0], dtype=torch.long)
+    with torch.no_grad():
+        mine = ours(tok, grid, seg, torch.tensor([0.4]), VarlenLayout.build(seg, torch.arange(len(seg)), False),
+                    ctx, torch.tensor([cfg.model.text_len]))
+        theirs = wan(clip[None], torch.tensor([400.0]), ctx).sample[0]
+    mine = unpatchify(mine, (1, 2, 3), tuple(cfg.model.patch_size), 3)
+    assert float((mine - theirs).abs().max() / theirs.abs().max()) <= 1e-5
+
+
+def _count_reads(cfg):
+    """Build the run with pretrained weights; how often this rank read the folder, and the
+    full weights it ended with (rank 0)."""
+    import dit_train.models.wan as wan_module
+    from dit_train.checkpoint import full_state_dict
+    from dit_train.engine.build import build_run
+
+    reads = {"n": 0}
+    original = wan_module.read_pretrained
+
+    def counting(*a, **kw):
+        reads["n"] += 1
+        return original(*a, **kw)
+
+    wan_module.read_pretrained = counting
+    try:
+        run = build_run(cfg)
+    finally:
+        wan_module.read_pretrained = original  # the worker may serve later jobs (tests/pool.py)
+    return {"reads": reads["n"], "weights": full_state_dict(run.model)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["dp_shard=2", "dp_shard=2,dp_mode=ddp"])
+def test_pretrained_weights_are_read_once_and_broadcast(wan_run_cfg, pretrained_dir, layout):
+    from dit_train.engine.launch import launch_local
+    from dit_train.engine.layout_equivalence import apply_layout, parse_layout
+
+    cfg = apply_layout(replace(wan_run_cfg, model=replace(wan_run_cfg.model, pretrained=str(pretrained_dir))),
+                       parse_layout(layout))
+    got = launch_local(_count_reads, (cfg,), 2, cfg.launcher)
+    assert [got[r]["reads"] for r in sorted(got)] == [1, 0]  # rank 0 read the safetensors, rank 1 did not
+    start = read_pretrained(str(pretrained_dir), cfg.model)
+    assert all(torch.equal(got[0]["weights"][k], v) for k, v in start.items())

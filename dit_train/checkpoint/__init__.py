@@ -10,15 +10,17 @@ from dit_train.checkpoint.export import (
 )
 from dit_train.checkpoint.parts import JSONState, ModelState, OptimizerState, Part, training_parts
 from dit_train.checkpoint.store import (
+    CheckpointError,
     checkpoint_root,
     list_checkpoints,
     load_checkpoint,
     read_checkpoint_info,
     resolve_checkpoint,
     save_checkpoint,
+    verify_checkpoint,
 )
 
-__all__ = ["JSONState", "ModelState", "OptimizerState", "Part", "checkpoint_root", "checkpoint_weights",
+__all__ = ["CheckpointError", "JSONState", "ModelState", "OptimizerState", "Part", "checkpoint_root", "checkpoint_weights",
            "export_checkpoint", "export_diffusers", "export_weights", "full_state_dict", "list_checkpoints",
-           "load_checkpoint", "read_checkpoint_info", "resolve_checkpoint", "save_checkpoint", "save_safetensors",
+           "load_checkpoint", "read_checkpoint_info", "resolve_checkpoint", "save_checkpoint", "save_safetensors", "verify_checkpoint",
            "training_parts"]

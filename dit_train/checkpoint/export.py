@@ -34,27 +34,76 @@ def export_weights(model: nn.Module, path: str | Path, is_main: bool) -> None:
         save_safetensors(sd, path)
 
 
-def checkpoint_weights(path: str | Path, ema: bool = False) -> tuple[Any, dict[str, torch.Tensor]]:
-    """(Config, full fp32 weights) of a checkpoint, in one process (no GPU, no process group).
-    ema: the EMA weights instead (the checkpoint must hold them: train.ema_decay > 0)."""
+def export_run_weights(model: nn.Module, ema: Any, model_cfg: Any, run_dir: str | Path, is_main: bool) -> list[Path]:
+    """What a finished run writes (every rank calls it: gathering shards is a collective):
+
+    weights.safetensors (and weights_ema.safetensors with EMA): the plain model's full fp32
+    weights — for a LoRA run the base with the adapters merged in, so every tool loads it like
+    any run's; and for LoRA runs lora/pytorch_lora_weights.safetensors (lora_ema/ for the EMA
+    adapters) in diffusers' LoRA format, loadable by WanPipeline.load_lora_weights."""
+    run_dir = Path(run_dir)
+    full = full_state_dict(model)
+    ema_sd = ema.full_state_dict() if ema is not None else None
+    if not is_main:
+        return []
+    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    out = []
+    for suffix, sd in (("", full), ("_ema", None if ema_sd is None else {**full, **ema_sd})):
+        if sd is None:
+            continue
+        if hasattr(inner, "peft_config"):
+            from dit_train.models import model_spec
+            from dit_train.models.lora import merged_state_dict, save_lora
+
+            out.append(save_lora(inner, run_dir / f"lora{suffix}", model_spec(model_cfg).name, state_dict=sd))
+            sd = merged_state_dict(inner, sd)
+        save_safetensors(sd, run_dir / f"weights{suffix}.safetensors")
+        out.append(run_dir / f"weights{suffix}.safetensors")
+    return out
+
+
+def checkpoint_model(path: str | Path, ema: bool = False) -> tuple[Any, nn.Module]:
+    """(Config, the plain model as trained) of a checkpoint, in one process (no GPU, no process
+    group). LoRA runs: the base from its own initialisation (pretrained folder or seed) with the
+    checkpoint's adapters injected. ema: the EMA weights instead (train.ema_decay > 0)."""
     import warnings
 
     import torch.distributed.checkpoint as dcp
 
     from dit_train.checkpoint.store import read_checkpoint_info
     from dit_train.config import load_config
-    from dit_train.models import build_model
+    from dit_train.engine.build import lora_settings
+    from dit_train.models import build_model, model_spec
+    from dit_train.models.init import initialize
+    from dit_train.models.lora import apply_lora
 
     path = Path(path)
     cfg = load_config(path)
     model = build_model(cfg.model)
-    sd = model.state_dict()
+    lora = lora_settings(cfg.model)
+    if lora is not None:
+        apply_lora(model, lora, model_spec(cfg.model).name)
+        initialize(model, cfg.model, cfg.train.seed)  # the frozen base is not in the checkpoint
     if ema and "ema" not in read_checkpoint_info(path)["sharded"]:
         raise ValueError(f"checkpoint {path} holds no EMA weights (it was trained with train.ema_decay=0)")
+    sd = {k: v for k, v in model.state_dict().items() if lora is None or ".lora_" in k}
     state = {"ema": {"shadow": sd}} if ema else {"model": sd}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*")
         dcp.load(state, checkpoint_id=str(path))
+    model.load_state_dict(sd, strict=lora is None)
+    return cfg, model
+
+
+def checkpoint_weights(path: str | Path, ema: bool = False) -> tuple[Any, dict[str, torch.Tensor]]:
+    """(Config, full fp32 weights of the plain model) of a checkpoint, in one process; LoRA runs
+    give the base with the adapters merged in (the same keys as a full-training run)."""
+    from dit_train.models.lora import merged_state_dict
+
+    cfg, model = checkpoint_model(path, ema)
+    sd = model.state_dict()
+    if hasattr(model, "peft_config"):
+        sd = merged_state_dict(model, sd)
     return cfg, {k: v.float().contiguous() for k, v in sd.items()}
 
 

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -36,18 +37,21 @@ class Part(Protocol):
 
 
 class ModelState:
-    """The (possibly sharded) model's weights, keyed by the plain model's parameter names."""
+    """The (possibly sharded) model's weights, keyed by the plain model's parameter names.
+    trainable_only: only the parameters that train (LoRA adapters: the checkpoint grows with
+    the adapters, not the model; the frozen base comes back from its own initialisation)."""
 
     sharded, optional = True, False
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, trainable_only: bool = False):
         self.model = model
+        self.options = StateDictOptions(ignore_frozen_params=True, strict=False) if trainable_only else None
 
     def state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.model)
+        return get_model_state_dict(self.model, options=self.options)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_model_state_dict(self.model, state)
+        set_model_state_dict(self.model, state, options=self.options)
 
 
 class OptimizerState:
@@ -80,7 +84,8 @@ class JSONState:
         self.obj.load_state_dict(state)
 
 
-def training_parts(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, trainer: Any) -> dict[str, Part]:
+def training_parts(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, trainer: Any,
+                   trainable_only: bool = False) -> dict[str, Part]:
     """The parts every training run has (more are added by the features that need them)."""
-    return {"model": ModelState(model), "optim": OptimizerState(model, optimizer), "scheduler": JSONState(scheduler),
-            "trainer": JSONState(trainer)}
+    return {"model": ModelState(model, trainable_only), "optim": OptimizerState(model, optimizer),
+            "scheduler": JSONState(scheduler), "trainer": JSONState(trainer)}

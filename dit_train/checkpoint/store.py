@@ -3,14 +3,21 @@
 Layout of a run dir:
 
     checkpoints/step_00000010/   a complete checkpoint: DCP shards + .metadata (sharded parts),
-                                 trainer.json (step, world size, JSON parts), config.yaml,
-                                 rng_rank<r>.safetensors (each rank's torch RNG)
+                                 trainer.json (step, world size, run id, JSON parts), config.yaml,
+                                 rng_rank<r>.safetensors (each rank's torch RNG), and last
+                                 integrity.json (size and CRC-32 of every other file)
     checkpoints/.step_00000020.tmp   a save in progress (or one a crash interrupted: ignored)
 
 A save writes everything into the temporary directory, all ranks meet at a barrier, then rank
 0 renames it into place: a crash mid-save never touches the latest good checkpoint, and only
 renamed directories count. Tensors are stored by parameter name with their global shapes,
 so a checkpoint loads into any layout (another FSDP degree, CP folded in or not, 1 process).
+`train.resume=auto` takes the newest checkpoint whose files still match their integrity record
+and says which ones it skipped. A save that fails (disk full, permissions) stops the run with
+one message naming the folder; the previous checkpoints are untouched.
+
+Safe to share: exported `*.safetensors` (tensors only). A checkpoint folder is for trusted
+sources only: DCP's `.metadata` is a pickle (loading it can run code).
 """
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ import os
 import re
 import shutil
 import warnings
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +41,11 @@ log = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 FORMAT = 2  # trainer.json layout; 1 (no "format" key): {"step", "world_size", "scheduler", "trainer"}
+INTEGRITY = "integrity.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message names the folder and the fix."""
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:
@@ -52,21 +65,70 @@ def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
+def _crc(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def integrity_record(folder: Path) -> dict[str, list[int]]:
+    """{file: [size, CRC-32]} of every file in a checkpoint folder but the record itself."""
+    return {p.name: [p.stat().st_size, _crc(p)] for p in sorted(folder.iterdir()) if p.is_file() and p.name != INTEGRITY}
+
+
+def verify_checkpoint(path: Path) -> str:
+    """'' if every file matches the integrity record (checkpoints written before records existed
+    pass), else what is wrong."""
+    rec = path / INTEGRITY
+    if not rec.is_file():
+        return ""
+    try:
+        want = json.loads(rec.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        return f"unreadable {INTEGRITY}: {err}"
+    for name, (size, crc) in want.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != size:
+            return f"{name} has {f.stat().st_size} bytes, {size} were written"
+        if _crc(f) != crc:
+            return f"{name} does not match its checksum (damaged)"
+    return ""
+
+
+def _newest_intact(found: list[tuple[int, Path]], what: str) -> Path | None:
+    for _, p in reversed(found):
+        why = verify_checkpoint(p)
+        if not why:
+            return p
+        log.warning("skipping damaged checkpoint %s (%s); trying the previous one", p, why)
+    if found:
+        raise FileNotFoundError(f"{what}: every checkpoint there is damaged (see the warnings above)")
+    return None
+
+
 def resolve_checkpoint(spec: str, run_dir: str | Path) -> Path | None:
-    """train.resume -> a checkpoint dir. '' -> None; 'auto' -> the newest complete one in this
-    run dir (None if there is none); a path -> that checkpoint, or the newest in that run dir."""
+    """train.resume -> a checkpoint dir. '' -> None; 'auto' -> the newest intact one in this run
+    dir (None if there is none); a path -> that checkpoint (which must be intact), or the newest
+    intact one in that run dir."""
     if not spec:
         return None
     if spec == "auto":
-        found = list_checkpoints(checkpoint_root(run_dir))
-        return found[-1][1] if found else None
+        return _newest_intact(list_checkpoints(checkpoint_root(run_dir)), f"train.resume=auto in {run_dir}")
     p = Path(spec).expanduser()
     if (p / "trainer.json").exists():
+        why = verify_checkpoint(p)
+        if why:
+            raise FileNotFoundError(f"train.resume={spec}: the checkpoint is damaged ({why}); resume from an "
+                                    f"earlier one (or train.resume=auto)")
         return p
     for root in (p, checkpoint_root(p)):
         found = list_checkpoints(root)
         if found:
-            return found[-1][1]
+            return _newest_intact(found, f"train.resume={spec}")
     raise FileNotFoundError(f"train.resume={spec}: no complete checkpoint there "
                             f"(expected a checkpoints/step_XXXXXXXX dir or a run dir holding one)")
 
@@ -114,7 +176,13 @@ def _load_rng(ckpt: Path) -> None:
         r = load_file(str(new))
         cuda = [r[k] for k in sorted((k for k in r if k.startswith("cuda")), key=lambda k: int(k[4:]))]
     elif old.exists():  # format 1: a dict of tensors; weights_only refuses anything else
-        r = torch.load(old, weights_only=True)
+        import pickle
+
+        try:
+            r = torch.load(old, weights_only=True)
+        except pickle.UnpicklingError as err:
+            raise CheckpointError(f"{old} holds more than tensors and was not loaded (a pickle can run code): "
+                                  f"{str(err).splitlines()[0]}; use checkpoints from trusted sources only") from None
         cuda = r.get("cuda", [])
     else:
         return
@@ -126,34 +194,71 @@ def _load_rng(ckpt: Path) -> None:
 # -- save / load --------------------------------------------------------------------------------
 
 
-def save_checkpoint(run_dir: str | Path, step: int, parts: dict[str, Part], config_yaml: str, keep_last: int) -> Path:
-    """Save after optimizer step `step` (every rank calls this). Returns the final directory."""
+def _all_ok(error: str) -> str:
+    """Every rank's error of a save phase ('' = none), agreed on by all ranks."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return error
+    errors: list[str] = [""] * _world()
+    dist.all_gather_object(errors, error)
+    return next((e for e in errors if e), "")
+
+
+def _describe(err: BaseException) -> str:
+    if isinstance(err, OSError) and err.strerror:
+        where = f" at {err.filename}" if err.filename else ""
+        return f"{err.strerror}{where}"
+    cause = err.__cause__ or err.__context__
+    return _describe(cause) if isinstance(cause, OSError) else f"{type(err).__name__}: {err}"
+
+
+def save_checkpoint(run_dir: str | Path, step: int, parts: dict[str, Part], config_yaml: str, keep_last: int,
+                    run_id: str = "") -> Path:
+    """Save after optimizer step `step` (every rank calls this). Returns the final directory.
+    Pruning keeps the newest `keep_last` of this run's checkpoints (`run_id`) and never touches
+    another run's. A failure on any rank raises CheckpointError on every rank."""
     root = checkpoint_root(run_dir)
     final = root / f"step_{step:08d}"
     tmp = root / f".step_{step:08d}.tmp"
-    if _rank() == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save of the same step
-    _barrier()
-    sharded = {name: p.state_dict() for name, p in parts.items() if p.sharded}
-    q = _quiet()
+    error = ""
     try:
-        dcp.save(sharded, checkpoint_id=str(tmp))
-    finally:
-        q.__exit__(None, None, None)
-    _save_rng(tmp / f"rng_rank{_rank()}.safetensors")
-    _barrier()
-    if _rank() == 0:
-        small = {name: p.state_dict() for name, p in parts.items() if not p.sharded}
-        meta = {"format": FORMAT, "step": step, "world_size": _world(), "sharded": sorted(sharded), "parts": small}
-        (tmp / "config.yaml").write_text(config_yaml)
-        (tmp / "trainer.json").write_text(json.dumps(meta, indent=2, default=_jsonable))
-        if final.exists():  # re-saving a step (after a restart): replace the old copy
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        for _, old in list_checkpoints(root)[:-keep_last] if keep_last > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+        if _rank() == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save of the same step
+    except OSError as err:
+        error = _describe(err)
+    if not (error := _all_ok(error)):
+        sharded = {name: p.state_dict() for name, p in parts.items() if p.sharded}
+        q = _quiet()
+        try:  # DCP gathers every rank's write result: it fails on all ranks alike
+            dcp.save(sharded, checkpoint_id=str(tmp))
+            _save_rng(tmp / f"rng_rank{_rank()}.safetensors")
+        except Exception as err:  # noqa: BLE001 - any write failure becomes one clear message
+            error = _describe(err)
+        finally:
+            q.__exit__(None, None, None)
+        error = _all_ok(error)
+    if not error and _rank() == 0:
+        try:
+            small = {name: p.state_dict() for name, p in parts.items() if not p.sharded}
+            meta = {"format": FORMAT, "step": step, "world_size": _world(), "run_id": run_id,
+                    "sharded": sorted(sharded), "parts": small}
+            (tmp / "config.yaml").write_text(config_yaml)
+            (tmp / "trainer.json").write_text(json.dumps(meta, indent=2, default=_jsonable))
+            (tmp / INTEGRITY).write_text(json.dumps(integrity_record(tmp)))
+            if final.exists():  # re-saving a step (after a restart): replace the old copy
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            mine = [(s, p) for s, p in list_checkpoints(root) if read_checkpoint_info(p).get("run_id", "") in ("", run_id)]
+            for _, old in mine[:-keep_last] if keep_last > 0 else []:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError as err:
+            error = _describe(err)
+    if error := _all_ok(error):
+        if _rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        prev = [p for _, p in list_checkpoints(root)]
+        raise CheckpointError(f"could not write the checkpoint of step {step} to {root}: {error}; free space or fix "
+                              f"permissions there" + (f" (the newest complete checkpoint is {prev[-1]})" if prev else ""))
     return final
 
 

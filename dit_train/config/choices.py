@@ -66,6 +66,14 @@ class Prediction(Choice):
     x0 = "x0"  # the model outputs the clean sample; v = (x_t − x̂0) / max(t, model.x0_min_t)
 
 
+class LossWeighting(Choice):
+    """w(t) multiplying each token's flow-matching loss (diffusers' compute_loss_weighting_for_sd3)."""
+
+    none = "none"  # w = 1
+    sigma_sqrt = "sigma_sqrt"  # w = 1/t² (diffusers' name; large near t = 0)
+    cosmap = "cosmap"  # w = 2 / (π·(1 − 2t + 2t²)), SD3's CosMap
+
+
 class OptimName(Choice):
     adamw = "adamw"
     sgd = "sgd"
@@ -95,3 +103,10 @@ class AttnBackend(Choice):
 class InitScheme(Choice):
     adaln_zero = "adaln_zero"  # DiT's init: modulation and output layer start at zero
     normal = "normal"  # every weight N(0, 0.02): the exactness tests need every parameter to move
+
+
+class WandbMode(Choice):
+    auto = "auto"  # online when W&B credentials are configured and its server answers, else offline
+    online = "online"
+    offline = "offline"  # files under <run folder>/wandb/, uploaded later with `wandb sync`
+    disabled = "disabled"  # wandb's own no-op run

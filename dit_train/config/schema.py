@@ -20,6 +20,7 @@ from dit_train.config.choices import (
     Device,
     DPMode,
     InitScheme,
+    LossWeighting,
     Mode,
     OptimName,
     Precision,
@@ -27,6 +28,7 @@ from dit_train.config.choices import (
     Reduction,
     Schedule,
     TimestepSampling,
+    WandbMode,
 )
 
 # The parallel degrees, outermost mesh dimension first; world size = their product. Ulysses
@@ -37,21 +39,33 @@ PARALLEL_DEGREES = ("dp_replicate", "dp_shard", "cp_ring", "cp_ulysses")
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters (peft) on the model's linear layers; rank 0 = off (full training)."""
+
+    rank: int = 0  # adapter rank; 0 = no adapters, every weight trains
+    alpha: float = 0.0  # scale = alpha / rank; 0 = rank (scale 1)
+    dropout: float = 0.0  # dropout on the adapter input (not layout-invariant: keep 0 for exact runs)
+    targets: List[str] = field(default_factory=list)  # module-name suffixes to adapt; [] = the model's default set
+    init: str = "default"  # peft init of the adapters: default (A kaiming-uniform, B = 0) | gaussian
+
+
+@dataclass
 class ModelConfig:
     """Keys every model has. `name` picks the model from the registry (dit_train/models);
     each model's node adds its own keys (e.g. `DiTConfig`, `WanConfig`, `LMConfig`)."""
 
     name: str = MISSING
-    dim: int = 128
-    depth: int = 4
-    heads: int = 4
-    mlp_ratio: float = 4.0
-    rope_theta: float = 10000.0
-    qk_norm: bool = True
-    init: InitScheme = InitScheme.adaln_zero
+    dim: int = 128  # model width
+    depth: int = 4  # transformer blocks
+    heads: int = 4  # attention heads (model.dim / model.heads = head width)
+    mlp_ratio: float = 4.0  # MLP hidden width = dim x mlp_ratio
+    rope_theta: float = 10000.0  # RoPE base frequency
+    qk_norm: bool = True  # RMSNorm on queries and keys
+    init: InitScheme = InitScheme.adaln_zero  # adaln_zero (DiT) | normal (every weight random: exactness tests)
     # Attention kernel (see kernels/attention.py); auto = flash > xformers > sdpa on CUDA, sdpa on CPU.
     attn_backend: AttnBackend = AttnBackend.auto
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool = False  # recompute each block in backward (less memory, more compute)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass
@@ -60,10 +74,10 @@ class VideoModelConfig(ModelConfig):
 
     # (t, h, w) patch; tokens of a clip = (F/pt)·(H/ph)·(W/pw).
     patch_size: List[int] = field(default_factory=lambda: [2, 8, 8])
-    in_channels: int = 3
+    in_channels: int = 3  # 3 for pixels, the VAE's latent channels for data=latent_cache
     # Width of caption embeddings for cross-attention; 0 = unconditional.
     text_dim: int = 0
-    text_len: int = 16
+    text_len: int = 16  # caption tokens kept per sample
     # byte captions (pixel data without a text encoder): each byte also carries a vector of its
     # whole word, so a word is one key for cross-attention (tasks/captions.py)
     caption_words: bool = False
@@ -87,25 +101,32 @@ class DataConfig:
     num_workers: int = 0  # background decode threads: the next step's samples load while the model runs
     # probability a caption is replaced by the empty one (for CFG); decided by (seed, id, step)
     caption_dropout: float = 0.0
+    # share of samples held out for the evaluation loss (train.eval_every), chosen by a hash of
+    # each sample's file/document name: the same split on every machine, stable as data grows
+    heldout_fraction: float = 0.0
+    # a run stops (and says so) when more than this share of the samples it read could not be
+    # decoded, or when a step has no readable sample at all
+    max_dropped_fraction: float = 0.05
 
 
 @dataclass
 class ParallelConfig:
     """Layout. world size = dp_replicate · dp_shard · cp_ring · cp_ulysses."""
 
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    cp_ulysses: int = 1
-    cp_ring: int = 1
-    dp_mode: DPMode = DPMode.fsdp2
-    cp_fsdp_mode: CPFSDPMode = CPFSDPMode.all
-    device: Device = Device.auto
+    dp_replicate: int = 1  # data-parallel replicas (HSDP with FSDP2)
+    dp_shard: int = 1  # FSDP2 shards (DDP ranks with dp_mode=ddp)
+    cp_ulysses: int = 1  # Ulysses context parallelism (all-to-all heads <-> tokens; divides model.heads)
+    cp_ring: int = 1  # ring context parallelism (K/V passed around, exact online softmax)
+    dp_mode: DPMode = DPMode.fsdp2  # fsdp2 | ddp | none (plain model, gradients summed by hand)
+    cp_fsdp_mode: CPFSDPMode = CPFSDPMode.all  # all: CP ranks join the FSDP shard group; none: separate CP sum
+    device: Device = Device.auto  # auto | cpu | cuda
     meta_init: bool = False  # build on the meta device, shard, then initialise shards in place
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool = True  # FSDP2 frees gathered block weights after forward
     # FSDP2 explicit prefetch: all-gather the next N blocks' parameters (forward) / previous N
     # (backward) ahead of use; 0 = FSDP2's implicit one-block prefetch. More overlap, more memory.
     fsdp_prefetch: int = 0
     threads_per_worker: int = 0  # torch intra-op threads per local worker; 0 = cores / local workers
+    timeout_s: float = 600.0  # collective timeout of the process group (NCCL / gloo): a rank waiting longer fails
 
 
 @dataclass
@@ -115,57 +136,75 @@ class LauncherConfig:
     max_restarts: int = 0  # >0: restart all workers from the latest checkpoint after a failure
     master_port: int = 0  # 0 = pick a free port
     monitor_interval: float = 0.2
+    # a local worker that shows no sign of life this long (frozen, stopped) is named and stopped
+    # with the others (then restarted from the last checkpoint with max_restarts > 0); 0 = off
+    heartbeat_timeout_s: float = 120.0
 
 
 @dataclass
 class LossConfig:
     """Per-token weighting (see DESIGN.md) and the flow-matching objective's knobs."""
 
-    reduction: Reduction = Reduction.sample_mean
-    timestep_sampling: TimestepSampling = TimestepSampling.logit_normal
-    logit_mean: float = 0.0
-    logit_std: float = 1.0
+    reduction: Reduction = Reduction.sample_mean  # sample_mean | token_mean | sample_sum | sum | naive_mean
+    timestep_sampling: TimestepSampling = TimestepSampling.logit_normal  # how the flow time t is drawn
+    logit_mean: float = 0.0  # logit-normal t: mean of the logit
+    logit_std: float = 1.0  # logit-normal t: std of the logit
+    # shift of the drawn t: t' = s·t/(1 + (s−1)·t) (SD3/Wan; > 1 = more time at high noise; 1 = off);
+    # validation and the sample tool sample with the same shift (diffusers' scheduler `shift`)
+    timestep_shift: float = 1.0
+    # resolution-dependent shift: a sample of T_b tokens uses timestep_shift·sqrt(T_b / this) (SD3); 0 = off
+    shift_reference_tokens: int = 0
+    weighting: LossWeighting = LossWeighting.none  # none | sigma_sqrt | cosmap: w(t) times each token's loss
 
 
 @dataclass
 class OptimConfig:
-    name: OptimName = OptimName.adamw
-    lr: float = 1e-3
-    weight_decay: float = 0.0
+    name: OptimName = OptimName.adamw  # adamw | sgd
+    lr: float = 1e-3  # peak learning rate
+    weight_decay: float = 0.0  # decoupled (AdamW) / L2 (SGD) weight decay
     betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-    momentum: float = 0.0
+    eps: float = 1e-8  # AdamW epsilon
+    momentum: float = 0.0  # SGD momentum
     max_grad_norm: float = 1.0  # 0 disables clipping
-    schedule: Schedule = Schedule.constant
-    warmup_steps: int = 0
-    min_lr_ratio: float = 0.1
+    schedule: Schedule = Schedule.constant  # LR after warm-up: constant | cosine | linear (to min_lr_ratio)
+    warmup_steps: int = 0  # linear LR warm-up steps
+    min_lr_ratio: float = 0.1  # LR floor of cosine/linear, as a share of optim.lr
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 300
-    seed: int = 0
+    steps: int = 300  # optimizer steps
+    seed: int = 0  # weights, sample order, noise and timesteps all derive from it
     global_batch: int = 8  # samples per optimizer step, whatever the layout
     grad_accum: int = 1  # accumulation groups per data-parallel rank
-    micro_batch_tokens: int = 2048  # packing budget of one micro-batch (before the CP split)
-    precision: Precision = Precision.fp32
-    compile: bool = False
-    log_every: int = 10
-    progress: bool = True
-    save_weights: bool = True
-    ckpt_every: int = 0
-    keep_last: int = 2
+    # packing budget of one micro-batch (before the CP split); 0 = auto: the longest sample, at
+    # least AUTO_MICRO_BATCH_TOKENS (set from the data before the run starts)
+    micro_batch_tokens: int = 0
+    precision: Precision = Precision.fp32  # fp32 | bf16 | fp16 (autocast; FSDP2 mixed precision on CUDA)
+    compile: bool = False  # torch.compile each block
+    log_every: int = 10  # console line every N steps (without the progress bar)
+    progress: bool = True  # progress bar
+    save_weights: bool = True  # write weights.safetensors (and weights_ema.safetensors) at the end
+    ckpt_every: int = 0  # sharded checkpoint every N steps and at the end; 0 = none
+    keep_last: int = 2  # checkpoints kept (this run's newest)
     resume: str = ""  # "" | auto | path to a checkpoint dir
-    max_skipped_steps: int = 5
+    overwrite: bool = False  # start a new run in a folder holding another run (its outputs move to overwritten_<time>/)
+    max_skipped_steps: int = 5  # stop after more non-finite steps in a row
     # EMA of the trainable weights (0 = off): shadow <- d·shadow + (1-d)·w after every step taken,
     # d = min(ema_decay, (1 + n)/(10 + n)) for the n-th update (dit_train/engine/ema.py)
     ema_decay: float = 0.0
-    eval_every: int = 0
+    eval_every: int = 0  # held-out loss every N steps (needs data.heldout_fraction > 0); 0 = never
     sample_every: int = 0  # validation videos every N steps (and at the end); 0 = never
     num_samples: int = 2  # clips per validation (the first readable clips: their sizes and captions)
     sample_steps: int = 20  # Euler steps of the flow-matching sampler
     guidance_scale: float = 1.0  # classifier-free guidance of validation videos (needs captions); 1 = off
+    # experiment trackers fed by rank 0 besides metrics.jsonl (dit_train/trackers): tensorboard | wandb
+    loggers: List[str] = field(default_factory=lambda: ["tensorboard"])
+    wandb_project: str = "dit_train"  # W&B project (train.loggers with wandb)
+    wandb_mode: WandbMode = WandbMode.auto  # auto | online | offline | disabled
 
+
+AUTO_MICRO_BATCH_TOKENS = 2048
 
 # Layout keys outside `parallel`: how a rank's share of a step is cut into micro-batches.
 # Changing them (like the parallel degrees) must not change the result.
@@ -179,7 +218,7 @@ def parallel_layout_keys() -> tuple[str, ...]:
 
 @dataclass
 class Config:
-    mode: Mode = Mode.video
+    mode: Mode = Mode.video  # video | llm
     model: Any = MISSING  # a ModelConfig subclass, chosen by the model group file's schema
     data: Any = MISSING  # a DataConfig subclass, chosen by the data group file's schema
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

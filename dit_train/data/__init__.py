@@ -40,14 +40,24 @@ def build_task(mode: str, data: Any, model: Any, loss: Any, seed: int, split: st
     if mode == "video":
         from dit_train.tasks.video import VideoTask
 
-        return VideoTask(ds, model, loss, seed, caption_dropout=data.caption_dropout)
+        # held-out clips are scored with their captions (no dropout), fixed noise and times
+        dropout = data.caption_dropout if split == "train" else 0.0
+        return VideoTask(ds, model, loss, seed, caption_dropout=dropout)
     from dit_train.tasks.llm import LMTask
 
     return LMTask(ds)
 
 
+def auto_micro_batch_tokens(lengths: list[int]) -> int:
+    """train.micro_batch_tokens=0: the longest sample, at least AUTO_MICRO_BATCH_TOKENS."""
+    from dit_train.config.schema import AUTO_MICRO_BATCH_TOKENS
+
+    return max(max(lengths, default=0), AUTO_MICRO_BATCH_TOKENS)
+
+
 def check_data(cfg: Any) -> None:
-    """Fail before training if the data cannot fill a step or a sample cannot fit a micro-batch."""
+    """Fail before training if the data cannot fill a step or a sample cannot fit a micro-batch;
+    resolve train.micro_batch_tokens=0 (auto) to the longest sample (at least the default budget)."""
     from dit_train.engine.checks import ConfigError
 
     try:
@@ -58,11 +68,14 @@ def check_data(cfg: Any) -> None:
         raise ConfigError(f"train.global_batch={cfg.train.global_batch} is larger than the dataset "
                           f"({len(lengths)} samples); lower it or add data")
     longest = max(lengths)
+    if cfg.train.micro_batch_tokens == 0:
+        cfg.train.micro_batch_tokens = auto_micro_batch_tokens(lengths)
     if longest > cfg.train.micro_batch_tokens:
+        shorter = "data.max_doc_tokens" if cfg.mode == "llm" else "data.max_frames / the resolution"
         raise ConfigError(f"the longest sample has {longest} tokens but train.micro_batch_tokens="
                           f"{cfg.train.micro_batch_tokens}; raise train.micro_batch_tokens to at least {longest} "
-                          f"(or lower data.max_frames / the resolution)")
+                          f"(or 0 = auto), or lower {shorter}")
 
 
-__all__ = ["SOURCES", "DataSource", "Dataset", "build_task", "check_data", "open_dataset", "prepare_data",
+__all__ = ["SOURCES", "auto_micro_batch_tokens", "DataSource", "Dataset", "build_task", "check_data", "open_dataset", "prepare_data",
            "register_source", "source_for"]

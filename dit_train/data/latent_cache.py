@@ -24,7 +24,7 @@ class LatentCacheSource(DataSource):
     def open(self, split: str = "train") -> Any:
         from data_pipelines.latent_cache import LatentCacheDataset, read_cache_info
 
-        if split != "train":
+        if split != "train" and self.cfg.heldout_fraction <= 0:
             return None
         root, m = self.cfg.root, self.model_cfg
         if not root:
@@ -37,4 +37,4 @@ class LatentCacheSource(DataSource):
         if m.text_dim and text_dim and m.text_dim != text_dim:
             raise ValueError(f"the latent cache {root} holds {text_dim}-wide caption embeddings but "
                              f"model.text_dim={m.text_dim}; set model.text_dim={text_dim}")
-        return LatentCacheDataset(root, tuple(m.patch_size))
+        return LatentCacheDataset(root, tuple(m.patch_size), split=split, heldout_fraction=self.cfg.heldout_fraction)

@@ -61,6 +61,10 @@ class DataSource:
         captions, for sources whose world can be scored exactly; None otherwise."""
         return None
 
+    def is_still(self, dataset: Any, i: int) -> bool:
+        """Whether sample i is a still image (a one-frame sample)."""
+        return False
+
     def fps(self, dataset: Any, i: int) -> float:
         """Frame rate of sample i as the model sees it (for writing generated videos)."""
         return 8.0

@@ -1,4 +1,5 @@
-"""`data=synthetic_video`: the embedded clips of moving shapes (generated on first use)."""
+"""`data=synthetic_video`: the embedded clips of moving shapes, and optionally still images of
+the same world (generated on first use)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -19,6 +20,8 @@ class SyntheticVideoConfig(VideoReadConfig):
     widths: List[int] = field(default_factory=lambda: [32, 64, 96])
     heights: List[int] = field(default_factory=lambda: [32, 48, 64])
     frames: List[int] = field(default_factory=lambda: [4, 24])
+    # still PNG images of shapes trained next to the clips (one frame each; 0 = clips only)
+    num_images: int = 0
 
 
 @register_source
@@ -30,13 +33,13 @@ class SyntheticVideoSource(PixelVideoSource):
         from data_pipelines.synthetic_video import dataset_dir
 
         c = self.cfg
-        return dataset_dir(c.cache_dir, c.num_clips, c.gen_seed, c.widths, c.heights, c.frames)
+        return dataset_dir(c.cache_dir, c.num_clips, c.gen_seed, c.num_images, c.widths, c.heights, c.frames)
 
     def prepare(self) -> None:
         from data_pipelines.synthetic_video import ensure_synthetic_videos
 
         c = self.cfg
-        ensure_synthetic_videos(c.cache_dir, c.num_clips, c.gen_seed, c.widths, c.heights, c.frames)
+        ensure_synthetic_videos(c.cache_dir, c.num_clips, c.gen_seed, c.num_images, c.widths, c.heights, c.frames)
 
     def score(self, pixels: list, captions: list[str]) -> dict[str, float]:
         """The shapes world's exact metric (data_pipelines/shapes_metric.py)."""

@@ -15,7 +15,7 @@ class TextConfig(DataConfig):
     text_path: str = ""  # "" = embedded corpus (CPython's pydoc_data.topics); else .txt or .jsonl {"text": ...}
     tokenizer: str = "byte"
     max_doc_tokens: int = 512  # documents are cut into pieces of at most this many tokens
-    heldout_fraction: float = 0.02
+    heldout_fraction: float = 0.02  # (documents; see DataConfig)
 
 
 @register_source

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, List
 
 from dit_train.config.choices import Mode
@@ -12,9 +13,10 @@ from dit_train.data.source import DataSource
 @dataclass
 class VideoReadConfig(DataConfig):
     """How clips are read: frames resampled to `fps` (0 = native), every `frame_stride`-th, at
-    most `max_frames` (cut to a multiple of the temporal patch); sizes go to the closest
-    `resolution_buckets` entry ([[h, w], ...]) or, without buckets, stay native (cropped to
-    the patch)."""
+    most `max_frames` (cut to a multiple of the temporal patch); a still image is its one frame
+    repeated to fill one temporal patch (fps / stride / max_frames do not apply); sizes, of
+    images and videos alike, go to the closest `resolution_buckets` entry ([[h, w], ...]) or,
+    without buckets, stay native (cropped to the patch)."""
 
     max_frames: int = 16
     frame_stride: int = 1
@@ -24,7 +26,7 @@ class VideoReadConfig(DataConfig):
 
 
 class PixelVideoSource(DataSource):
-    """A source of RGB clips in [-1, 1]; subclasses say where the clip entries come from."""
+    """A source of RGB clips (and stills) in [-1, 1]; subclasses say where the clip entries come from."""
 
     mode = Mode.video
 
@@ -32,19 +34,31 @@ class PixelVideoSource(DataSource):
         """(ClipEntry list, skipped (path, why) list) of the source."""
         raise NotImplementedError
 
-    def pixel_dataset(self, patch: tuple[int, int, int], cache_items: int | None = None) -> Any:
+    def pixel_dataset(self, patch: tuple[int, int, int], cache_items: int | None = None, split: str = "") -> Any:
         """The clips as a VideoClipDataset cropping frames to multiples of patch[0] and sizes
         to multiples of patch[1:] (or buckets). Clips that cannot be read or are too small are
-        left out and listed in `.skipped`."""
+        left out and listed in `.skipped`. split: "" = every clip, "train" / "heldout" = one side
+        of the data.heldout_fraction split (by each file's name)."""
+        from data_pipelines.records import in_heldout
         from data_pipelines.video_dataset import VideoClipDataset
 
         c = self.cfg
         entries, skipped = self.entries()
+        if split:
+            entries = [e for e in entries if in_heldout(Path(e.path).name, c.heldout_fraction) == (split == "heldout")]
+            if not entries:
+                raise ValueError(f"data.heldout_fraction={c.heldout_fraction} leaves no {split} clip; "
+                                 f"{'lower' if split == 'train' else 'raise'} it")
         ds = VideoClipDataset(entries, patch=tuple(patch), max_frames=c.max_frames, frame_stride=c.frame_stride,
                               fps=c.fps, buckets=[tuple(b) for b in c.resolution_buckets],
                               cache_items=c.decoded_cache_items if cache_items is None else cache_items)
         ds.skipped = skipped + ds.skipped
         return ds
+
+    def is_still(self, dataset: Any, i: int) -> bool:
+        from data_pipelines.video_io import is_image
+
+        return hasattr(dataset, "entries") and is_image(dataset.entries[i].path)
 
     def fps(self, dataset: Any, i: int) -> float:
         """The resampling rate (data.fps) or the clip's native rate, divided by the stride."""
@@ -53,9 +67,11 @@ class PixelVideoSource(DataSource):
         return (self.cfg.fps or native) / max(1, self.cfg.frame_stride)
 
     def open(self, split: str = "train") -> Any:
-        if split != "train":
-            return None
+        """The clips of `split`: "heldout" = those whose file name hashes under
+        data.heldout_fraction (None when the fraction is 0), "train" = the rest."""
         if self.model_cfg.in_channels != 3:
             raise ValueError(f"data={self.name} gives RGB pixels but model.in_channels={self.model_cfg.in_channels}; "
                              f"set model.in_channels=3 (or train on data=latent_cache)")
-        return self.pixel_dataset(tuple(self.model_cfg.patch_size))
+        if split != "train" and self.cfg.heldout_fraction <= 0:
+            return None
+        return self.pixel_dataset(tuple(self.model_cfg.patch_size), split=split)

@@ -1,4 +1,5 @@
-"""`data=video_folder`: your videos (a folder tree with .txt captions, or a csv/jsonl manifest)."""
+"""`data=video_folder`: your videos and still images (a folder tree with .txt captions, or a
+csv/jsonl manifest); an image trains as a one-frame clip (see VideoClipDataset)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,7 +11,7 @@ from dit_train.data.video import PixelVideoSource, VideoReadConfig
 @dataclass
 class VideoFolderConfig(VideoReadConfig):
     name: str = "video_folder"
-    root: str = ""  # a folder (searched recursively) or a .csv/.jsonl manifest
+    root: str = ""  # a folder (searched recursively) or a .csv/.jsonl manifest; videos and images mix
 
 
 @register_source
@@ -30,6 +31,6 @@ class VideoFolderSource(PixelVideoSource):
         root = self.cfg.root  # "" is refused by the data layer with the key to set
         index = index_video_folder(root, self.cfg.cache_dir, self.cfg.num_workers)
         if not index.entries:
-            raise ValueError(f"no readable video under data.root={root} ({len(index.skipped)} unreadable, "
+            raise ValueError(f"no readable video or image under data.root={root} ({len(index.skipped)} unreadable, "
                              f"e.g. {index.skipped[0][0]}: {index.skipped[0][1]})")
         return index.entries, list(index.skipped)

@@ -9,6 +9,7 @@ adapters, ...) is added here once.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,7 @@ from torch import nn
 from dit_train.config import Config
 from dit_train.engine.ema import EMA
 from dit_train.engine.trainer import Trainer
-from dit_train.models import build_model, initialize, model_spec
+from dit_train.models import build_model, model_spec
 from dit_train.optim import build_optimizer, build_scheduler
 from dit_train.parallel.mesh import ParallelContext, init_parallel
 from dit_train.parallel.parallelize import parallelize
@@ -44,7 +45,8 @@ class Run:
         """The stateful parts a checkpoint of this run holds (dit_train/checkpoint/parts.py)."""
         from dit_train.checkpoint import training_parts
 
-        parts = training_parts(self.model, self.optimizer, self.scheduler, self.trainer)
+        lora = self.cfg.model.lora.rank > 0
+        parts = training_parts(self.model, self.optimizer, self.scheduler, self.trainer, trainable_only=lora)
         if self.ema is not None:
             parts["ema"] = self.ema
         return parts
@@ -58,20 +60,73 @@ def set_threads(threads_per_worker: int, local_world: int) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
 
 
+def lora_settings(model_cfg: Any):
+    """LoraSettings of `model.lora`, or None when model.lora.rank = 0 (full training)."""
+    from dit_train.models.lora import settings_from
+
+    lo = model_cfg.lora
+    return settings_from(lo.rank, lo.alpha, lo.dropout, lo.targets, lo.init) if lo.rank > 0 else None
+
+
+def load_pretrained(model: nn.Module, model_cfg: Any, ctx: ParallelContext) -> None:
+    """The model's pretrained weights, read once: by rank 0, which broadcasts each tensor while
+    every rank keeps its shard (torch.distributed.checkpoint's set_model_state_dict with
+    broadcast_from_rank0, over the default process group). Host memory: one full copy on rank 0
+    (none elsewhere with a meta-device build)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    from dit_train.models.init import load_full_weights
+    from dit_train.models.lora import base_parameters, is_lora_name, plain_lora_name
+
+    spec = model_spec(model_cfg)
+    if not ctx.distributed:
+        load_full_weights(model, spec.pretrained(model_cfg))
+        return
+    full: dict[str, torch.Tensor] = {}
+    if ctx.is_main:
+        sd = spec.pretrained(model_cfg)
+        want = base_parameters(model)  # plain names; checks missing / unexpected keys and shapes
+        missing, unexpected = sorted(want.keys() - sd.keys()), sorted(sd.keys() - want.keys())
+        if missing or unexpected:
+            raise ValueError(f"pretrained weights do not fit the model: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}")
+        # DCP addresses parameters by their fully qualified names (wrappers removed, peft's kept)
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        fqns = {plain_lora_name(k): k for k in get_model_state_dict(model) if not is_lora_name(k)}
+        full = {fqns[k]: v for k, v in sd.items()}
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
+                                                               strict=False))
+
+
 def build_parallel_model(cfg: Config, ctx: ParallelContext) -> nn.Module:
-    """Plain model -> initialised -> parallelized. Initial weights depend only on train.seed
-    (or the pretrained folder), never on the layout."""
+    """Plain model (+ LoRA adapters) -> initialised -> parallelized. Initial weights depend only
+    on train.seed (or the pretrained folder), never on the layout.
+
+    Built on the meta device (no memory until sharded) with parallel.meta_init, and whenever
+    pretrained weights will fill it under FSDP2 across ranks (no rank needs a random copy)."""
+    from dit_train.models.init import init_adapters, init_weights
+    from dit_train.models.lora import apply_lora
+
     spec = model_spec(cfg.model)
     backend = resolve_backend(cfg.model.attn_backend, ctx.device)
-    if cfg.parallel.meta_init:
-        with torch.device("meta"):
-            model = build_model(cfg.model, backend)
+    pretrained = spec.pretrained is not None and bool(getattr(cfg.model, "pretrained", ""))
+    lora = lora_settings(cfg.model)
+    meta = cfg.parallel.meta_init or (pretrained and ctx.distributed and cfg.parallel.dp_mode == "fsdp2")
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        model = build_model(cfg.model, backend)
+        if lora is not None:
+            apply_lora(model, lora, spec.name)  # before parallelize: FSDP2 shards base and adapters together
+    if meta:
         model = parallelize(model, spec, ctx, cfg.parallel, cfg.model, cfg.train, backend)
         model.to_empty(device=ctx.device)
-        initialize(model, cfg.model, cfg.train.seed)
+    if pretrained:
+        load_pretrained(model, cfg.model, ctx)
+    else:
+        init_weights(model, cfg.train.seed, cfg.model.init)
+    init_adapters(model, cfg.train.seed)
+    if meta:
         return model
-    model = build_model(cfg.model, backend)
-    initialize(model, cfg.model, cfg.train.seed)
     model.to(ctx.device)
     return parallelize(model, spec, ctx, cfg.parallel, cfg.model, cfg.train, backend)
 
@@ -86,7 +141,11 @@ def build_run(cfg: Config, ctx: ParallelContext | None = None, *, task: Any = No
 
     ctx = ctx or init_parallel(cfg.parallel)
     set_threads(cfg.parallel.threads_per_worker, int(os.environ.get("LOCAL_WORLD_SIZE", ctx.dims.world)))
+    from dit_train.data import auto_micro_batch_tokens
+
     task = task or build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed)
+    if cfg.train.micro_batch_tokens == 0:  # auto (normally resolved by check_data before the launch)
+        cfg.train.micro_batch_tokens = auto_micro_batch_tokens(task.lengths())
     held = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed, split="heldout") if heldout else None
     model = build_parallel_model(cfg, ctx)
     optimizer = build_optimizer(model, cfg.optim)

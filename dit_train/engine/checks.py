@@ -61,7 +61,7 @@ def _parallel(cfg: Config, world_size: int | None, e: list[str]) -> None:
 
 def _train(cfg: Config, e: list[str]) -> None:
     t, o = cfg.train, cfg.optim
-    for key, low in (("steps", 0), ("global_batch", 1), ("grad_accum", 1), ("micro_batch_tokens", 1), ("keep_last", 1),
+    for key, low in (("steps", 0), ("global_batch", 1), ("grad_accum", 1), ("micro_batch_tokens", 0), ("keep_last", 1),
                      ("max_skipped_steps", 0), ("eval_every", 0)):
         _check(getattr(t, key) >= low, f"train.{key}={getattr(t, key)} must be >= {low}", e)
     _check(t.ckpt_every >= 0, f"train.ckpt_every={t.ckpt_every} must be >= 0 (0 = no checkpoints)", e)
@@ -75,9 +75,19 @@ def _train(cfg: Config, e: list[str]) -> None:
     _check(not (cfg.launcher.max_restarts > 0 and t.ckpt_every == 0),
            "launcher.max_restarts > 0 restarts from the latest checkpoint, but train.ckpt_every=0 writes none; "
            "set train.ckpt_every (e.g. 100)", e)
+    from dit_train.trackers import tracker_errors
+
+    e.extend(tracker_errors(list(t.loggers)))
     _check(o.lr > 0, f"optim.lr={o.lr} must be > 0", e)
     _check(o.max_grad_norm >= 0, f"optim.max_grad_norm={o.max_grad_norm} must be >= 0 (0 disables clipping)", e)
     _check(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), f"optim.betas={list(o.betas)} must be two values in [0, 1)", e)
+
+
+def _loss(cfg: Config, e: list[str]) -> None:
+    lc = cfg.loss
+    _check(lc.timestep_shift > 0, f"loss.timestep_shift={lc.timestep_shift} must be > 0 (1 = no shift)", e)
+    _check(lc.shift_reference_tokens >= 0, f"loss.shift_reference_tokens={lc.shift_reference_tokens} must be >= 0 "
+           f"(0 = the same shift for every sample)", e)
 
 
 def _model_and_data(cfg: Config, e: list[str]) -> None:
@@ -103,16 +113,38 @@ def _model_and_data(cfg: Config, e: list[str]) -> None:
     _check(SOURCES[d.name].mode == cfg.mode, f"data={d.name} is a source for mode={SOURCES[d.name].mode}, "
            f"not mode={cfg.mode}", e)
     _check(0.0 <= d.caption_dropout < 1.0, f"data.caption_dropout={d.caption_dropout} must be in [0, 1)", e)
-    if hasattr(d, "heldout_fraction"):
-        _check(0.0 <= d.heldout_fraction < 1.0, f"data.heldout_fraction={d.heldout_fraction} must be in [0, 1)", e)
+    _check(0.0 <= d.heldout_fraction < 1.0, f"data.heldout_fraction={d.heldout_fraction} must be in [0, 1)", e)
+    _check(not (cfg.train.eval_every > 0 and d.heldout_fraction <= 0),
+           f"train.eval_every={cfg.train.eval_every} scores held-out samples, but data.heldout_fraction=0 holds none "
+           f"out; set data.heldout_fraction (e.g. 0.1) or train.eval_every=0", e)
+
+
+def warnings_for(cfg: Config) -> list[str]:
+    """Settings that run but probably do not do what the user wants."""
+    w = []
+    t, m = cfg.train, cfg.model
+    if t.guidance_scale > 1 and t.sample_every > 0 and getattr(m, "text_dim", 0) and cfg.data.caption_dropout <= 0:
+        w.append(f"train.guidance_scale={t.guidance_scale:g} with data.caption_dropout=0: the model never learns the "
+                 f"empty caption that guidance contrasts with; set data.caption_dropout=0.1")
+    lc = cfg.loss
+    if cfg.mode != "video" and (lc.timestep_shift != 1 or lc.shift_reference_tokens or lc.weighting != "none"):
+        w.append(f"loss.timestep_shift, loss.shift_reference_tokens and loss.weighting shape the flow-matching loss "
+                 f"(mode=video); mode={cfg.mode} ignores them")
+    return w
 
 
 def check_config(cfg: Config, world_size: int | None = None) -> None:
-    """Raise ConfigError listing every problem found. `world_size`: processes already started
-    by an outside launcher (torchrun / SLURM), or None when we start them ourselves."""
+    """Raise ConfigError listing every problem found (and log warnings for settings that run but
+    probably do not do what is wanted). `world_size`: processes already started by an outside
+    launcher (torchrun / SLURM), or None when we start them ourselves."""
+    import logging
+
+    for message in warnings_for(cfg):
+        logging.getLogger(__name__).warning(message)
     e = choice_errors(cfg, "")
     _parallel(cfg, world_size, e)
     _train(cfg, e)
+    _loss(cfg, e)
     _model_and_data(cfg, e)
     if e:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(e))

@@ -13,8 +13,14 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import signal
 import socket
+import tempfile
+import threading
+import time
 import uuid
+from pathlib import Path
 from typing import Any, Callable
 
 from dit_train.config import Config, LauncherConfig
@@ -65,15 +71,68 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn: Callable[..., Any], args: tuple) -> Any:
+class Heartbeat(threading.Thread):
+    """In a worker: touch `<dir>/rank<RANK>` every `interval` seconds. A thread, so it beats
+    while the main thread computes or waits in a collective, and stops only when the whole
+    process does (frozen, SIGSTOP, swapped out): it tells a stuck rank from ranks waiting for it."""
+
+    def __init__(self, beat_dir: str, interval: float = 2.0):
+        super().__init__(daemon=True, name="heartbeat")
+        self.path = Path(beat_dir) / f"rank{os.environ.get('RANK', '0')}"
+        self.interval = interval
+
+    def run(self) -> None:
+        while True:
+            try:
+                self.path.write_text(str(os.getpid()))
+            except OSError:
+                return
+            time.sleep(self.interval)
+
+
+class Watchdog(threading.Thread):
+    """In the launcher: a rank whose heartbeat is older than `timeout` seconds is killed
+    (SIGKILL works on a stopped process too); the elastic agent then stops the others and
+    restarts them (launcher.max_restarts) or fails. `stuck` records whom it stopped and why."""
+
+    def __init__(self, beat_dir: str, timeout: float, interval: float = 1.0):
+        super().__init__(daemon=True, name="watchdog")
+        self.dir, self.timeout, self.interval = Path(beat_dir), timeout, interval
+        self.stuck: dict[int, float] = {}
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop.wait(self.interval):
+            for f in self.dir.glob("rank*"):
+                try:
+                    age, pid = time.time() - f.stat().st_mtime, int(f.read_text() or 0)
+                except (OSError, ValueError):
+                    continue
+                if age > self.timeout and pid > 0:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        continue  # already gone (the agent handles exits)
+                    self.stuck[int(f.name[4:])] = age
+                    log.error("worker rank %s (pid %d) showed no sign of life for %.0f s: stopping it", f.name[4:], pid, age)
+                    f.unlink(missing_ok=True)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def _worker(fn: Callable[..., Any], args: tuple, beat_dir: str | None = None) -> Any:
+    if beat_dir:
+        Heartbeat(beat_dir).start()
     return fn(*args)
 
 
 def launch_local(fn: Callable[..., Any], args: tuple, nproc: int, cfg: LauncherConfig) -> dict[int, Any]:
     """Run fn(*args) in `nproc` local processes with RANK/WORLD_SIZE/MASTER_* set.
 
-    Returns {rank: return value}. Raises WorkerFailure if any worker fails (after
-    launcher.max_restarts restarts of the whole group); no worker outlives this call.
+    Returns {rank: return value}. Raises WorkerFailure if any worker fails or stops showing
+    signs of life for launcher.heartbeat_timeout_s (after launcher.max_restarts restarts of the
+    whole group); no worker outlives this call. Rendezvous listens on loopback only.
     """
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -87,13 +146,26 @@ def launch_local(fn: Callable[..., Any], args: tuple, nproc: int, cfg: LauncherC
         run_id=f"dit_train_{uuid.uuid4().hex[:8]}", max_restarts=cfg.max_restarts,
         monitor_interval=cfg.monitor_interval, start_method="spawn",
     )
+    beat_dir = tempfile.mkdtemp(prefix="dit_train_heartbeat_") if cfg.heartbeat_timeout_s > 0 else None
+    watchdog = Watchdog(beat_dir, cfg.heartbeat_timeout_s) if beat_dir else None
+    if watchdog is not None:
+        watchdog.start()
     try:
-        return elastic_launch(lc, _worker)(fn, args)
+        return elastic_launch(lc, _worker)(fn, args, beat_dir)
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
+        if watchdog is not None and watchdog.stuck:
+            hung, age = next(iter(watchdog.stuck.items()))
+            raise WorkerFailure(f"worker rank {hung} stopped making progress (no sign of life for {age:.0f} s: "
+                                f"frozen, stopped or starved); all workers were stopped "
+                                f"(launcher.heartbeat_timeout_s={cfg.heartbeat_timeout_s:g})") from None
         msg = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
         raise WorkerFailure(f"worker rank {rank} failed (exit code {failure.exitcode}): "
                             f"{msg or 'see the traceback above'}") from None
+    finally:
+        if watchdog is not None:
+            watchdog.stop()
+            shutil.rmtree(beat_dir, ignore_errors=True)
 
 
 def launch(cfg: Config, fn: Callable[[Config], Any]) -> Any:

@@ -152,7 +152,8 @@ class Trainer:
 
     @torch.no_grad()
     def heldout_loss(self, task: Any) -> dict[str, float]:
-        """Token-mean loss (and perplexity) over every sample of `task`, shared across ranks.
+        """Token-mean loss (and, for causal LMs, perplexity) over every sample of `task`, shared
+        across ranks. Video: fixed noise and timesteps (those of step 0 for each held-out clip).
 
         Exact and layout-independent: sums of losses and of valid tokens are all-reduced once.
         """
@@ -171,7 +172,10 @@ class Trainer:
         if self.ctx.world_group is not None:
             dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=self.ctx.world_group)
         loss = float(totals[0] / totals[1].clamp(min=1))
-        return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)), "eval_tokens": int(totals[1])}
+        out = {"eval_loss": loss, "eval_tokens": int(totals[1])}
+        if task.causal:
+            out["eval_ppl"] = math.exp(min(loss, 50.0))
+        return out
 
     # -- gradient sync control -----------------------------------------------------------------
 

@@ -8,17 +8,29 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dit_train.checkpoint import export_weights, load_checkpoint, resolve_checkpoint, save_checkpoint, save_safetensors
-from dit_train.config import Config, to_yaml
+from dit_train.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
+from dit_train.checkpoint.export import export_run_weights
+from dit_train.config import Config, to_dict, to_yaml
 from dit_train.engine.build import Run, build_run
+from dit_train.engine.resume import apply_optimizer_settings
+from dit_train.engine.run_folder import RunFolderError, open_run_folder, run_id_of
 from dit_train.metrics import MetricsLogger
 from dit_train.parallel.mesh import ParallelContext, init_parallel
+from dit_train.trackers import TrackedRun, open_trackers
 
 log = logging.getLogger(__name__)
 
 
-class NonFiniteTraining(RuntimeError):
+class RunFailed(RuntimeError):
+    """The run stopped before its last step; the message says why and what to change."""
+
+
+class NonFiniteTraining(RunFailed):
     """Too many consecutive steps with non-finite gradients."""
+
+
+class DataFailure(RunFailed):
+    """Too much of the data could not be read (or none of a step's)."""
 
 
 def shared_run_dir(run_dir: str, ctx: ParallelContext) -> str:
@@ -41,27 +53,36 @@ class Validation:
 
     def __init__(self, cfg: Config, run: Run):
         from dit_train.data import source_for
-        from dit_train.sampling import VideoSampler, dataset_requests
+        from dit_train.sampling import VideoSampler, dataset_requests, scored_view
 
         t, task = cfg.train, run.task
         self.source = source_for(cfg.data, cfg.model)
         inner = getattr(task.dataset, "dataset", task.dataset)  # through the background prefetcher
-        requests = dataset_requests(task, t.num_samples, lambda i: self.source.fps(inner, i))
+        requests = dataset_requests(task, t.num_samples, lambda i: self.source.fps(inner, i),
+                                    lambda i: self.source.is_still(inner, i))
         null = task.null_caption() if task.text_dim else None
+        # the training shift: validation samples from the noise levels the model was trained on
         self.sampler = VideoSampler(requests, task.patch, task.text_dim, null, run.ctx, t.sample_steps,
-                                    t.guidance_scale, t.seed, prediction=task.prediction, x0_min_t=task.x0_min_t)
+                                    t.guidance_scale, t.seed, cfg.loss.timestep_shift, cfg.loss.shift_reference_tokens,
+                                    prediction=task.prediction, x0_min_t=task.x0_min_t)
         self.decode = None
         if cfg.data.name == "latent_cache" and run.ctx.is_main:  # rank 0 alone decodes (it alone writes)
             from data_pipelines.latent_cache import load_decoder
 
             self.decode = load_decoder(cfg.data.root, run.ctx.device)
         self.run, self.guidance, self.steps = run, t.guidance_scale, t.sample_steps
+        self.reference: dict[str, float] = {}
+        if run.ctx.is_main and cfg.data.name != "latent_cache":
+            # the same figures on the real clips: what a perfect generator would score
+            real = scored_view(requests, [task.dataset[r.noise_id].pixels for r in requests])
+            self.reference = self.source.score(real, [r.caption for r in requests]) or {}
 
-    def __call__(self, run_dir: Path, step: int, tb: Any = None) -> tuple[Path | None, dict[str, float]]:
-        """Sample (from the EMA weights when EMA is on); rank 0 writes. Returns (folder, eval figures)."""
+    def __call__(self, run_dir: Path, step: int, trackers: Any = None) -> tuple[Path | None, dict[str, float]]:
+        """Sample (from the EMA weights when EMA is on); rank 0 writes and hands the grid and clips
+        to the trackers. Returns (folder, eval figures)."""
         import contextlib
 
-        from dit_train.sampling import to_pixels, write_samples
+        from dit_train.sampling import scored_view, to_pixels, write_samples
 
         run = self.run
         swap = run.ema.swapped_in() if run.ema is not None else contextlib.nullcontext()
@@ -70,10 +91,13 @@ class Validation:
         if not run.ctx.is_main:
             return None, {}
         pixels = to_pixels(clips, self.decode)
-        scores = self.source.score(pixels, [r.caption for r in self.sampler.requests]) or {}
+        requests = self.sampler.requests
+        scores = self.source.score(scored_view(requests, pixels), [r.caption for r in requests]) or {}
         info = {"step": step + 1, "weights": "ema" if run.ema is not None else "training",
-                "sample_steps": self.steps, "guidance_scale": self.guidance, "scores": scores}
-        out = write_samples(run_dir / "samples" / f"step_{step + 1:06d}", self.sampler.requests, pixels, info, tb, step)
+                "sample_steps": self.steps, "guidance_scale": self.guidance, "shifts": self.sampler.shifts,
+                "scores": scores}
+        out = write_samples(run_dir / "samples" / f"step_{step + 1:06d}", self.sampler.requests, pixels, info, trackers,
+                            step)
         return out, scores
 
 
@@ -85,34 +109,98 @@ def format_scores(scores: dict[str, float]) -> str:
 def resume_spec(cfg: Config) -> str:
     """train.resume, except that a worker restarted by the elastic agent (after a failure,
     launcher.max_restarts > 0) always continues from the newest checkpoint of its run."""
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0 and not cfg.train.resume:
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         return "auto"
     return cfg.train.resume
 
 
-def train(cfg: Config, ctx: ParallelContext | None = None) -> dict[str, Any]:
-    """Train for cfg.train.steps; returns a summary. Creates the process group if needed."""
+def claim_run_folder(cfg: Config, ctx: ParallelContext, claimed: bool) -> str:
+    """The checkpoint to resume from ("" = none). When no launching process claimed the run
+    folder (direct calls, torchrun, SLURM), rank 0 claims it here (run_folder.py) and every rank
+    learns the outcome: the same resume point, or the same error."""
+    restarting = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if claimed or restarting:
+        return resume_spec(cfg)
+    outcome: list[Any] = [None]
+    if ctx.is_main:
+        try:
+            folder = open_run_folder(cfg, cfg.train.resume)
+            _HELD.append(folder)  # its lock is held as long as this process runs
+            outcome = [("ok", str(folder.resume_from or ""))]
+        except RunFolderError as err:
+            outcome = [("error", str(err))]
+    if ctx.distributed:
+        import torch.distributed as dist
+
+        dist.broadcast_object_list(outcome, src=0)
+    kind, value = outcome[0]
+    if kind == "error":
+        raise RunFolderError(value)
+    return value
+
+
+_HELD: list[Any] = []
+
+
+class DataHealth:
+    """Unreadable samples over the run. A step whose global batch has no readable sample stops
+    the run at once; more than data.max_dropped_fraction of the samples read (judged from 100
+    samples on, and at the end) fails it. Messages name examples (this rank's)."""
+
+    def __init__(self, max_fraction: float, task: Any):
+        self.max_fraction, self.task = max_fraction, task
+        self.seen = self.dropped = 0
+
+    def examples(self) -> str:
+        reasons = getattr(self.task, "failure_reasons", {})
+        shown = list(reasons.values())[:3]
+        return ("e.g. " + "; ".join(shown)) if shown else "see the warnings above"
+
+    def check(self, step: int, samples: int, dropped: int, final: bool = False) -> None:
+        self.seen += samples + dropped
+        self.dropped += dropped
+        if samples == 0 and dropped > 0:
+            raise DataFailure(f"step {step}: none of the {dropped} samples of the global batch could be read "
+                              f"({self.examples()}); check the data (data.root) and its decoding")
+        share = self.dropped / max(1, self.seen)
+        if share > self.max_fraction and (self.seen >= 100 or final):
+            raise DataFailure(f"{self.dropped} of the {self.seen} samples read so far could not be decoded "
+                              f"({share:.0%} > data.max_dropped_fraction={self.max_fraction}; {self.examples()}); "
+                              f"fix or remove those files, or raise data.max_dropped_fraction")
+
+
+def train(cfg: Config, ctx: ParallelContext | None = None, claimed: bool = False) -> dict[str, Any]:
+    """Train for cfg.train.steps; returns a summary. Creates the process group if needed.
+
+    claimed: the launching process already claimed the run folder (`open_run_folder`) and
+    resolved `cfg.train.resume`; otherwise rank 0 does it here."""
     ctx = ctx or init_parallel(cfg.parallel)
     run_dir = Path(shared_run_dir(cfg.run_dir, ctx))
     cfg.run_dir = str(run_dir)
+    resume = claim_run_folder(cfg, ctx, claimed)
     config_yaml = to_yaml(cfg)
-    if ctx.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(config_yaml)
-
     run = build_run(cfg, ctx, heldout=cfg.train.eval_every > 0)
     trainer, t = run.trainer, cfg.train
     parts = run.checkpoint_parts()
     start = 0
-    ckpt = resolve_checkpoint(resume_spec(cfg), run_dir)
+    ckpt = resolve_checkpoint(resume, run_dir)
     if ckpt is not None:
         start = load_checkpoint(ckpt, parts) + 1
+        apply_optimizer_settings(run.optimizer, run.scheduler, cfg.optim)
+    run_id = run_id_of(run_dir) or ""
 
     validation = Validation(cfg, run) if t.sample_every > 0 else None
-    logger = MetricsLogger(run_dir, t.steps, start, enabled=ctx.is_main, progress=t.progress, log_every=t.log_every)
-    if ckpt is not None:
-        logger.write(f"resumed from {ckpt} at step {start}")
-    last = None
+    if validation is not None and validation.reference:
+        (run_dir / "samples").mkdir(parents=True, exist_ok=True)
+        (run_dir / "samples" / "reference.json").write_text(json.dumps(validation.reference, indent=2))
+    trackers = open_trackers(t, TrackedRun(run_dir, run_id, start, to_dict(cfg))) if ctx.is_main else []
+    logger = MetricsLogger(run_dir, t.steps, start, enabled=ctx.is_main, progress=t.progress, log_every=t.log_every,
+                           trackers=trackers)
+    logger.write(f"run folder: {run_dir}" + (f" (resumed from {ckpt} at step {start})" if ckpt is not None else ""))
+    if validation is not None and validation.reference:
+        logger.write(f"quality of the real validation clips (the reference): {format_scores(validation.reference)}")
+    health = DataHealth(cfg.data.max_dropped_fraction, run.task)
+    last, error, done = None, None, start
     try:
         for step in range(start, t.steps):
             t0 = time.perf_counter()
@@ -129,10 +217,11 @@ def train(cfg: Config, ctx: ParallelContext | None = None) -> dict[str, Any]:
                 record["samples_dropped"] = res.dropped
             if trainer.loss_scale is not None:
                 record["loss_scale"] = trainer.loss_scale.scale
+            health.check(step, res.samples, res.dropped, final=step + 1 == t.steps)
             if run.heldout is not None and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
                 record.update(trainer.heldout_loss(run.heldout))
             if validation is not None and ((step + 1) % t.sample_every == 0 or step + 1 == t.steps):
-                out, scores = validation(run_dir, step, logger.tensorboard)
+                out, scores = validation(run_dir, step, logger)
                 record.update(scores)
                 if out is not None:
                     logger.write(f"validation videos ({'EMA' if run.ema else 'training'} weights): {out}"
@@ -144,17 +233,22 @@ def train(cfg: Config, ctx: ParallelContext | None = None) -> dict[str, Any]:
                     f"(train.max_skipped_steps={t.max_skipped_steps}); lower optim.lr, enable clipping "
                     f"(optim.max_grad_norm), use train.precision=bf16 instead of fp16, or check the data")
             if t.ckpt_every > 0 and ((step + 1) % t.ckpt_every == 0 or step + 1 == t.steps):
-                save_checkpoint(run_dir, step, parts, config_yaml, t.keep_last)
+                path = save_checkpoint(run_dir, step, parts, config_yaml, t.keep_last, run_id)
+                logger.write(f"checkpoint of step {step}: {path}")
+            done = step + 1
         if t.save_weights:
-            export_weights(run.model, run_dir / "weights.safetensors", ctx.is_main)
-            if run.ema is not None:
-                ema = run.ema.full_state_dict()  # every rank: a collective under FSDP
-                if ctx.is_main:
-                    save_safetensors(ema, run_dir / "weights_ema.safetensors")
+            export_run_weights(run.model, run.ema, cfg.model, run_dir, ctx.is_main)
+    except BaseException as err:
+        error = err
+        raise
     finally:
-        logger.close()
-    summary = {"steps": t.steps, "final_loss": last.loss if last else None,
-               "skipped_steps": trainer.skipped_total, "resumed_from": str(ckpt) if ckpt else None}
-    if ctx.is_main:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        summary = {"status": "completed" if error is None else "failed", "steps": t.steps, "steps_done": done,
+                   "final_loss": last.loss if last else None, "skipped_steps": trainer.skipped_total,
+                   "samples_dropped": health.dropped, "resumed_from": str(ckpt) if ckpt else None}
+        if error is not None:
+            summary["error"] = f"{type(error).__name__}: {error}"
+        if ctx.is_main:
+            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        logger.write(f"{'finished' if error is None else 'FAILED'}: {run_dir}")
+        logger.close(ok=error is None)
     return summary

@@ -56,10 +56,16 @@ def init_weights(model: nn.Module, seed: int, scheme: str = "adaln_zero", std: f
     """
     if scheme not in ("adaln_zero", "normal"):
         raise ValueError(f"model.init={scheme!r} must be adaln_zero or normal")
+    from dit_train.models.lora import is_lora_name, plain_lora_name
+
     zero_patterns = getattr(model, "zero_init", ())
     for mod_name, module in model.named_modules():
         for pname, p in module.named_parameters(recurse=False):
-            name = plain_name(f"{mod_name}.{pname}" if mod_name else pname)
+            full_name = f"{mod_name}.{pname}" if mod_name else pname
+            if is_lora_name(full_name):
+                continue  # adapters: init_lora_weights_from_seed
+            # a LoRA-wrapped layer's base weight is seeded under the original name
+            name = plain_lora_name(full_name)
             gen = torch.Generator().manual_seed(named_seed(seed, name))
             full = torch.empty(p.shape, dtype=torch.float32)
             zero = scheme == "adaln_zero" and any(z in name for z in zero_patterns)
@@ -78,8 +84,11 @@ def _copy_full(p: torch.Tensor, full: torch.Tensor) -> None:
 @torch.no_grad()
 def load_full_weights(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
     """Copy full tensors (keys = the plain model's parameter names) into `model`, plain or
-    sharded (each rank keeps its shard). Every parameter must be given, and nothing else."""
-    params = {plain_name(n): p for n, p in model.named_parameters()}
+    sharded (each rank keeps its shard). Every parameter must be given, and nothing else (LoRA
+    adapters excepted: they are not in a base model's weights)."""
+    from dit_train.models.lora import base_parameters
+
+    params = base_parameters(model)
     missing, unexpected = sorted(params.keys() - state_dict.keys()), sorted(state_dict.keys() - params.keys())
     if missing or unexpected:
         raise ValueError(f"pretrained weights do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
@@ -90,13 +99,23 @@ def load_full_weights(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> 
 
 
 def initialize(model: nn.Module, cfg, seed: int) -> None:
-    """Initial weights of a built (possibly sharded) model: the model's pretrained weights when
-    its config names a folder (`model.pretrained`, models whose spec can read one), else
-    `init_weights` from the seed."""
+    """Initial weights of a built (possibly sharded) model in one process: the model's
+    pretrained weights when its config names a folder (`model.pretrained`, models whose spec can
+    read one), else `init_weights` from the seed; LoRA adapters, if any, from the seed too.
+    (Across ranks, engine/build.py reads pretrained weights on rank 0 and broadcasts them.)"""
     from dit_train.models.registry import model_spec
 
     spec = model_spec(cfg)
     if spec.pretrained is not None and getattr(cfg, "pretrained", ""):
         load_full_weights(model, spec.pretrained(cfg))
-        return
-    init_weights(model, seed, cfg.init)
+    else:
+        init_weights(model, seed, cfg.init)
+    init_adapters(model, seed)
+
+
+def init_adapters(model: nn.Module, seed: int) -> None:
+    """LoRA adapters from (seed, name), when the model has any."""
+    if hasattr(model, "peft_config"):
+        from dit_train.models.lora import init_lora_weights_from_seed
+
+        init_lora_weights_from_seed(model, seed)

@@ -324,3 +324,28 @@ def merge_lora(model: nn.Module) -> nn.Module:
     for p in merged.parameters():
         p.requires_grad_(True)
     return merged
+
+
+@torch.no_grad()
+def merged_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A LoRA-wrapped model's full state dict (peft names, e.g. from full_state_dict) -> the
+    plain model's weights with every adapter merged: W = W_base + (alpha/r)·B @ A under the
+    original keys. Tensor math on the state dict alone (no model copy), so it also serves
+    sharded models whose full state dict was gathered."""
+    scales = _scales(model)
+    out: dict[str, torch.Tensor] = {}
+    for name, value in state_dict.items():
+        if is_lora_name(name):
+            continue
+        out[plain_lora_name(name)] = value
+    for module, scale in scales.items():
+        a = state_dict[f"{module}.lora_A.{ADAPTER}.weight"].float()
+        b = state_dict[f"{module}.lora_B.{ADAPTER}.weight"].float()
+        key = f"{module}.weight"
+        out[key] = (out[key].float() + scale * (b @ a)).to(out[key].dtype)
+    return out
+
+
+def settings_from(rank: int, alpha: float, dropout: float, targets: Sequence[str], init: str) -> LoraSettings:
+    """LoraSettings from the config's keys (alpha 0 = rank; targets [] = the model's default set)."""
+    return LoraSettings(rank=rank, alpha=alpha or None, dropout=dropout, targets=list(targets) or None, init=init)

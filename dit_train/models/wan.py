@@ -54,6 +54,9 @@ class WanConfig(VideoModelConfig):
     # Cross-attention sees the caption zero-padded to text_len, as Wan was trained (and as
     # diffusers' WanPipeline feeds it); false: only the context_len valid tokens.
     attend_padded_context: bool = True
+    # model.pretrained must hold safetensors weights (a pickle can run code on load); true also
+    # accepts .bin/.pt weights from a source you trust
+    allow_pickle_weights: bool = False
 
 # Wan's time embedding was trained on scheduler timesteps t·num_train_timesteps.
 NUM_TRAIN_TIMESTEPS = 1000.0
@@ -254,7 +257,12 @@ def read_pretrained(path: str, cfg: WanConfig) -> dict[str, torch.Tensor]:
         else:
             raise FileNotFoundError(f"model.pretrained={path}: no config.json there (expected a diffusers "
                                     f"WanTransformer3DModel folder, or a pipeline folder with transformer/)")
-    wan = WanTransformer3DModel.from_pretrained(str(folder), torch_dtype=torch.float32)
+    try:
+        wan = WanTransformer3DModel.from_pretrained(str(folder), torch_dtype=torch.float32,
+                                                    use_safetensors=not cfg.allow_pickle_weights)
+    except EnvironmentError as err:
+        raise ValueError(f"model.pretrained={path}: {err} (weights must be .safetensors; "
+                         f"model.allow_pickle_weights=true also reads .bin from a source you trust)") from None
     want = wan_config(cfg)
     wrong = []
     for key, ours in want.items():

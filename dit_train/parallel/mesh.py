@@ -120,7 +120,7 @@ def init_parallel(cfg: ParallelConfig) -> ParallelContext:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        timeout = datetime.timedelta(minutes=10)
+        timeout = datetime.timedelta(seconds=cfg.timeout_s)
         store = _restart_safe_store(timeout)
         if store is not None:
             dist.init_process_group(backend=backend, store=store, rank=int(os.environ["RANK"]),

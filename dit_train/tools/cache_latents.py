@@ -36,6 +36,8 @@ def source_settings(data) -> dict:
            "resolution_buckets": [list(b) for b in data.resolution_buckets]}
     if data.name == "synthetic_video":
         src.update(num_clips=data.num_clips, gen_seed=data.gen_seed)
+        if data.num_images:  # only when set: caches written before images existed keep their fingerprint
+            src["num_images"] = data.num_images
     else:
         src["root"] = str(Path(data.root).expanduser().resolve())
     return src
@@ -68,8 +70,9 @@ def run_rank(rank: int, world: int, local_rank: int, args: argparse.Namespace, d
     try:
         out = Path(args.out).expanduser()
         device, dtype = pick_device(args.device, local_rank), lc.DTYPES[args.dtype]
-        vae = lc.VaeCodec(args.vae, device, dtype, tiling=args.vae_tiling)
-        text = lc.TextEncoder(args.text_encoder, args.tokenizer, args.max_text_len, device, dtype) if args.text_encoder else None
+        vae = lc.VaeCodec(args.vae, device, dtype, tiling=args.vae_tiling, allow_pickle=args.allow_pickle_weights)
+        text = lc.TextEncoder(args.text_encoder, args.tokenizer, args.max_text_len, device, dtype,
+                              allow_pickle=args.allow_pickle_weights) if args.text_encoder else None
         bad = [b for b in data.resolution_buckets if b[0] % vae.spatial or b[1] % vae.spatial]
         if bad:
             raise ValueError(f"data.resolution_buckets {bad} are not multiples of the VAE's spatial factor {vae.spatial}")
@@ -123,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="fp32", choices=sorted(["fp32", "bf16", "fp16"]), help="VAE / text encoder precision")
     ap.add_argument("--vae-tiling", action="store_true", help="tiled VAE encoding (large frames, less memory)")
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--allow-pickle-weights", action="store_true",
+                    help="also read .bin/.pt weights (a pickle can run code: only from a source you trust)")
     args = ap.parse_intermixed_args(argv)
     try:
         data = compose_data(args.overrides)

@@ -5,6 +5,12 @@
     python -m dit_train.tools.export_weights outputs/run --diffusers wan_finetuned/            # model=wan: a diffusers folder
     python -m dit_train.tools.export_weights outputs/run/weights.safetensors --diffusers wan_finetuned/
     python -m dit_train.tools.export_weights outputs/run --ema --diffusers wan_ema/          # the EMA weights
+    python -m dit_train.tools.export_weights outputs/lora_run                                # LoRA run: the adapters
+    python -m dit_train.tools.export_weights outputs/lora_run --merge-lora --diffusers wan_merged/
+
+A LoRA run (model.lora.rank > 0) exports its adapters in diffusers' LoRA format
+(<out>/pytorch_lora_weights.safetensors, default <checkpoint>/lora/), loadable with
+WanPipeline.load_lora_weights; --merge-lora writes the base with the adapters merged in instead.
 
 Key names are those of the plain model, the same as the run's own weights.safetensors,
 whatever layout wrote the checkpoint. With --diffusers (model.name=wan runs) the output is a
@@ -25,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="output .safetensors (default: <checkpoint>/weights.safetensors)")
     ap.add_argument("--diffusers", default=None, metavar="DIR",
                     help="write a diffusers model folder (model.name=wan) instead of one .safetensors")
+    ap.add_argument("--merge-lora", action="store_true",
+                    help="LoRA runs: full weights with the adapters merged (default: the adapters alone)")
     ap.add_argument("--ema", action="store_true",
                     help="the EMA weights (runs with train.ema_decay > 0; default output <checkpoint>/weights_ema.safetensors)")
     args = ap.parse_args(argv)
@@ -51,7 +59,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        if args.diffusers:
+        from dit_train.checkpoint.export import checkpoint_model
+
+        cfg = load_config(ckpt)
+        if cfg.model.lora.rank > 0 and not args.merge_lora:
+            from dit_train.models import model_spec
+            from dit_train.models.lora import save_lora
+
+            _, model = checkpoint_model(ckpt, args.ema)
+            out = save_lora(model, Path(args.out) if args.out else ckpt / ("lora_ema" if args.ema else "lora"),
+                            model_spec(cfg.model).name)
+        elif args.diffusers:
             out = export_diffusers(*checkpoint_weights(ckpt, args.ema), args.diffusers)
         else:
             out = Path(args.out) if args.out else ckpt / ("weights_ema.safetensors" if args.ema else "weights.safetensors")

@@ -53,7 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_data:
         work = workload_from_data(cfg)
     else:
-        mx = args.max_sample_tokens or cfg.train.micro_batch_tokens
+        from dit_train.config.schema import AUTO_MICRO_BATCH_TOKENS
+
+        mx = args.max_sample_tokens or cfg.train.micro_batch_tokens or AUTO_MICRO_BATCH_TOKENS
         work = Workload(cfg.train.global_batch, mx, args.mean_sample_tokens or mx)
     backend = args.backend or resolve_plan_backend(cfg, args.device)
     ac = {"both": (False, True), "on": (True,), "off": (False,)}[args.ac]
@@ -70,12 +72,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"calibration (one block, CPU, {calib['precision']}): measured {calib['measured_bytes_per_token_block']:.0f} "
               f"B/token, formula {calib['estimated_bytes_per_token_block']:.0f} B/token, error {calib['rel_error']:+.2%}")
     if args.smoke:
-        smoke(cfg, [c for c in cands if c.fits][: args.smoke], args.smoke_steps)
+        tried = [c for c in cands if c.fits][: args.smoke]
+        smoke(cfg, tried, args.smoke_steps)
+        # measured beats estimated: the smoked candidates go first, fastest (tokens/s) first
+        tried.sort(key=lambda c: -c.smoke["tokens_per_s"])
+        cands = tried + [c for c in cands if c not in tried]
     print(format_table([dict(rank=i + 1, **c.row()) for i, c in enumerate(cands[: args.top])]))
     n_fit = sum(c.fits for c in cands)
     print(f"{len(cands)} candidates, {n_fit} fit; {len(rejected)} layouts rejected")
     if cands and cands[0].fits:
-        print("best: " + " ".join(cands[0].layout.overrides()))
+        how = f" (fastest of the {args.smoke} measured)" if args.smoke else ""
+        print(f"best{how}: " + " ".join(cands[0].layout.overrides()))
     else:
         print("nothing fits: raise --gpu-mem-gib, the world size, or lower the longest sample")
     # one line per distinct (parallel degrees, reason): micro-batch and AC options repeat them

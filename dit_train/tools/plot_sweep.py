@@ -4,7 +4,10 @@
     python -m dit_train.tools.plot_sweep multirun/2026-11-22/10-00-00
 
 Writes <dir>/loss_curves.png and <dir>/summary.md (also printed): one row per job with its
-overrides, final loss, mean loss of the last 10% of steps, and steps run.
+overrides, final loss, mean loss of the last 10% of steps, and steps run. When the jobs logged
+quality figures (validation on the embedded world: eval/... in metrics.jsonl), also
+<dir>/quality.png: each --metrics figure over steps, one panel row per kind of sample (images,
+videos, or all when the data has one kind), a line per job, and their last values in the table.
 """
 from __future__ import annotations
 
@@ -53,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("sweep_dir", type=Path)
     ap.add_argument("--smooth", type=int, default=10, help="moving-average window of the plotted curves")
+    ap.add_argument("--metrics", default="color_ok,shape_ok,all_ok",
+                    help="quality figures to plot (eval/<kind>/<name> in metrics.jsonl)")
     args = ap.parse_args(argv)
     jobs = collect(args.sweep_dir)
     if not jobs:
@@ -81,10 +86,45 @@ def main(argv: list[str] | None = None) -> int:
     png = args.sweep_dir / "loss_curves.png"
     fig.savefig(png, dpi=120)
     table = "\n".join(rows)
-    (args.sweep_dir / "summary.md").write_text(f"# Sweep {args.sweep_dir}\n\n![loss curves](loss_curves.png)\n\n{table}\n")
-    print(table)
-    print(f"\nwrote {png} and {args.sweep_dir / 'summary.md'}")
+    quality = plot_quality(jobs, args.sweep_dir, args.metrics.split(","), plt)
+    body = f"# Sweep {args.sweep_dir}\n\n![loss curves](loss_curves.png)\n\n{table}\n"
+    if quality:
+        body += f"\n![quality](quality.png)\n\n{quality}\n"
+    (args.sweep_dir / "summary.md").write_text(body)
+    print(table + (f"\n\n{quality}" if quality else ""))
+    print(f"\nwrote {png}{' and quality.png' if quality else ''} and {args.sweep_dir / 'summary.md'}")
     return 0
+
+
+def plot_quality(jobs: list[tuple[str, list[dict]]], out_dir: Path, metrics: list[str], plt) -> str:
+    """quality.png (a panel per kind x metric) and a markdown table of the last values; '' when
+    no job logged quality figures."""
+    evals = [(label, [r for r in recs if any(k.startswith("eval/") for k in r)]) for label, recs in jobs]
+    if not any(rs for _, rs in evals):
+        return ""
+    keys = {k for _, rs in evals for r in rs for k in r}
+    kinds = [k for k in ("image", "video") if any(x.startswith(f"eval/{k}/") for x in keys)] or [""]
+    fig, axes = plt.subplots(len(kinds), len(metrics), figsize=(4 * len(metrics), 3.2 * len(kinds)), squeeze=False)
+    head = [f"{kind or 'all'} {m}" for kind in kinds for m in metrics]
+    rows = ["| job | " + " | ".join(head) + " |", "|---|" + "---:|" * len(head)]
+    for label, rs in evals:
+        last = []
+        for i, kind in enumerate(kinds):
+            for j, m in enumerate(metrics):
+                key = f"eval/{kind}/{m}" if kind else f"eval/{m}"
+                pts = [(r["step"] + 1, r[key]) for r in rs if r.get(key) is not None]
+                if pts:
+                    axes[i][j].plot(*zip(*pts), marker="o", markersize=3, label=label)
+                last.append(f"{pts[-1][1]:.2f}" if pts else "–")
+                axes[i][j].set_title(f"{kind or 'all'} samples: {m}", fontsize=9)
+                axes[i][j].set_xlabel("step")
+                axes[i][j].set_ylim(-0.02, 1.02)
+                axes[i][j].grid(alpha=0.3)
+        rows.append(f"| {label} | " + " | ".join(last) + " |")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_dir / "quality.png", dpi=110)
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":

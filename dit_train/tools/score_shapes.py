@@ -3,12 +3,13 @@ reference rows that validation's eval/ figures are read against.
 
     python -m dit_train.tools.score_shapes                                  # default set: 48 clips, seed 1234
     python -m dit_train.tools.score_shapes --num-clips 16 --cache-dir /tmp/c
-    python -m dit_train.tools.score_shapes --widths 32 64 --heights 32 48 --frames 4 12   # data.widths/heights/frames
+    python -m dit_train.tools.score_shapes --widths 32 --heights 24 32 40 --frames 4 8   # the quickstart set (conf/data/synthetic_video.yaml)
+    python -m dit_train.tools.score_shapes --num-images 48                  # with still images (eval/image/, eval/video/ too)
     python -m dit_train.tools.score_shapes --json ref.json                  # also write the rows as JSON
 
-Rows: the real clips decoded with decord (what a perfect generator reaches, H.264 included),
-then Gaussian noise ([3, F, H, W] ~ N(0, 1), clamped) and uniform noise in [-1, 1] of the same
-sizes and captions (what an untrained model reaches).
+Rows: the real clips decoded with decord and images with Pillow (what a perfect generator
+reaches, H.264 included), then Gaussian noise ([3, F, H, W] ~ N(0, 1), clamped) and uniform
+noise in [-1, 1] of the same sizes and captions (what an untrained model reaches).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--widths", type=int, nargs="+", default=None, help="data.widths (default: the generator's)")
     ap.add_argument("--heights", type=int, nargs="+", default=None, help="data.heights")
     ap.add_argument("--frames", type=int, nargs=2, default=None, help="data.frames: min max")
+    ap.add_argument("--num-images", type=int, default=0, help="data.num_images: still images next to the clips")
     ap.add_argument("--noise-seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write {row: figures} here")
     args = ap.parse_args(argv)
@@ -35,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     from data_pipelines.shapes_metric import FIGURES, reference_scores, score_clips
     from data_pipelines.synthetic_video import FRAMES, HEIGHTS, WIDTHS, ensure_synthetic_videos
 
-    root = ensure_synthetic_videos(args.cache_dir, args.num_clips, args.gen_seed, args.widths or WIDTHS,
+    root = ensure_synthetic_videos(args.cache_dir, args.num_clips, args.gen_seed, args.num_images, args.widths or WIDTHS,
                                    args.heights or HEIGHTS, args.frames or FRAMES)
     items = [json.loads(line) for line in (root / "manifest.jsonl").read_text().splitlines() if line.strip()]
     captions = [it["caption"] for it in items]

@@ -1,0 +1,136 @@
+"""The resume contract: what may change between a checkpoint's config and the resuming one.
+
+Every changed key is one of:
+
+- allowed: the length of the run, logging / sampling / checkpoint cadence, the parallel
+  layout and micro-batching (they cannot change the result), kernels and wrappers;
+- applied with a notice: optimizer hyperparameters and the LR schedule (the checkpoint's
+  values would otherwise come back with the optimizer state; the notice says how the new one
+  takes effect), clipping, EMA decay, evaluation settings;
+- refused: what would make the resumed run a different experiment or cannot load — the seed,
+  the model's shape and its LoRA adapters (model.lora.*), the optimizer type, the loss
+  reduction and objective, the data's identity and the global batch. One line per key names old and new value and the fix.
+
+Keys not listed are refused (a new key must choose its class here). Checked in the launching
+process before anything in the run folder is written.
+"""
+from __future__ import annotations
+
+import dataclasses
+from fnmatch import fnmatch
+from typing import Any
+
+ALLOWED = (
+    "run_dir", "train.steps", "train.log_every", "train.progress", "train.save_weights", "train.ckpt_every",
+    "train.keep_last", "train.resume", "train.overwrite", "train.max_skipped_steps", "train.sample_every",
+    "train.num_samples", "train.sample_steps", "train.guidance_scale", "train.compile", "train.grad_accum",
+    "train.micro_batch_tokens", "train.loggers", "train.wandb_project", "train.wandb_mode", "parallel.*",
+    "launcher.*", "model.attn_backend",
+    "model.activation_checkpointing", "data.num_workers", "data.decoded_cache_items", "data.cache_dir",
+    "data.max_dropped_fraction", "train.activation_offload", "model.pretrained", "model.allow_pickle_weights",
+)
+# Refused like any unlisted key, named here because the choice was made, not defaulted: the
+# loss keys define the objective. A shift or weighting changed mid-run would also change what
+# the logged loss and eval_loss measure from the resumed step on (cosmap scales it by up to 4/π,
+# sigma_sqrt by 1/t²), and the run's config.yaml would no longer describe its weights. A
+# staged schedule (e.g. a larger shift for a higher-resolution stage) is a new run folder.
+REFUSED = ("loss.reduction", "loss.timestep_sampling", "loss.logit_mean", "loss.logit_std", "loss.timestep_shift",
+           "loss.shift_reference_tokens", "loss.weighting")
+NOTICE = {
+    "optim.lr": "the new peak LR replaces the old one from the resumed step on (same schedule shape: "
+                "LR(step) = new optim.lr x schedule factor)",
+    "optim.weight_decay": "applied to every parameter group from the resumed step on",
+    "optim.betas": "applied from the resumed step on (the moment estimates keep their history)",
+    "optim.eps": "applied from the resumed step on",
+    "optim.momentum": "applied from the resumed step on (the momentum buffer keeps its history)",
+    "optim.max_grad_norm": "clipping uses the new threshold from the resumed step on",
+    "optim.schedule": "the LR follows the new schedule from the resumed step on",
+    "optim.warmup_steps": "the LR follows the new warm-up from the resumed step on",
+    "optim.min_lr_ratio": "the LR follows the new floor from the resumed step on",
+    "train.ema_decay": "the EMA continues with the new decay (its warm-up counter is kept)",
+    "train.eval_every": "held-out evaluation follows the new cadence",
+    "train.precision": "later steps compute in the new precision (results will differ slightly from an "
+                       "uninterrupted run)",
+}
+
+
+@dataclasses.dataclass
+class Change:
+    key: str
+    old: Any
+    new: Any
+    kind: str  # allowed | notice | refused
+
+    def line(self) -> str:
+        if self.kind == "notice":
+            return f"{self.key}: {self.old!r} -> {self.new!r}: {NOTICE[self.key]}"
+        return (f"{self.key}: the checkpoint was trained with {self.old!r}, this run asks for {self.new!r}; "
+                f"put back {self.key}={_cli(self.old)} to resume, or start a new run folder (hydra.run.dir=...)")
+
+
+def _cli(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_cli(v) for v in value) + "]"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    """Dotted keys of a (nested) config dataclass."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            out.update(flatten(value, key + "."))
+        else:
+            out[key] = value.value if hasattr(value, "value") and not isinstance(value, (int, float, str)) else value
+    return out
+
+
+def classify(key: str) -> str:
+    if key in REFUSED:
+        return "refused"
+    if any(fnmatch(key, pattern) for pattern in ALLOWED):
+        return "allowed"
+    if key in NOTICE:
+        return "notice"
+    return "refused"
+
+
+def config_changes(old: Any, new: Any) -> list[Change]:
+    """Every key whose value differs (a key only one side has counts as changed), classified."""
+    a, b = flatten(old), flatten(new)
+    out = []
+    for key in sorted(a.keys() | b.keys()):
+        va, vb = a.get(key, "<absent>"), b.get(key, "<absent>")
+        if _norm(va) != _norm(vb):
+            out.append(Change(key, va, vb, classify(key)))
+    return out
+
+
+def _norm(v: Any) -> Any:
+    return [_norm(x) for x in v] if isinstance(v, (list, tuple)) else (str(v) if hasattr(v, "value") else v)
+
+
+def refusal_message(ckpt: Any, refused: list[Change]) -> str:
+    return (f"cannot resume {ckpt} with a different experiment:\n  - "
+            + "\n  - ".join(c.line() for c in refused))
+
+
+def apply_optimizer_settings(optimizer: Any, scheduler: Any, optim_cfg: Any) -> None:
+    """After loading a checkpoint: the optimizer's param groups and the scheduler's base LRs come
+    back with the checkpoint's values; set the configured ones (see NOTICE for how they act)."""
+    for group in optimizer.param_groups:
+        for key in ("weight_decay", "eps", "momentum"):
+            if key in group and hasattr(optim_cfg, key):
+                group[key] = getattr(optim_cfg, key)
+        if "betas" in group:
+            group["betas"] = tuple(optim_cfg.betas)
+        group["initial_lr"] = optim_cfg.lr
+    scheduler.base_lrs = [optim_cfg.lr for _ in scheduler.base_lrs]
+    # the LambdaLR's factor functions are the new config's (a state dict holds no functions):
+    # the LR of the resumed step from the new peak and the new schedule
+    lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs

@@ -1,0 +1,177 @@
+"""A run folder you can trust: one run per folder, checked before anything is written.
+
+`open_run_folder` runs once per launch, in the process that starts the workers (or on rank 0
+under torchrun / SLURM), before any step:
+
+1. the folder and its checkpoint folder are writable, and the free space covers the
+   checkpoints the run will keep (estimated from the model's size);
+2. a lock (`.lock`, an OS file lock: a dead process holds none) says one run at a time;
+3. a folder holding another run's outputs is refused unless `train.resume` continues it or
+   `train.overwrite=true` moves the old outputs aside (`overwritten_<time>/`: nothing is lost);
+4. resuming: every config key that changed since the checkpoint is classified (resume.py);
+   a refused change stops here, before anything is written;
+5. the config is recorded: `config.yaml` for a new run, `resume_<step>.yaml` for each resumed
+   segment (never overwritten), and `run.json` holds the run's id (checkpoints carry it, and
+   pruning only removes this run's own).
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dit_train.engine.checks import ConfigError
+
+log = logging.getLogger(__name__)
+
+# what a finished or running training leaves in its folder (Hydra's own .hydra/ and logs don't count)
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tb", "wandb", "samples", "weights.safetensors",
+               "weights_ema.safetensors", "summary.json", "config.yaml", "run.json", "lora", "lora_ema")
+
+
+class RunFolderError(ConfigError):
+    """The run folder cannot be used as asked; the message says what to change."""
+
+
+@dataclass
+class RunFolder:
+    path: Path
+    run_id: str
+    resume_from: Path | None  # the checkpoint this launch continues from
+    lock: Any = None  # the open lock file (released when the process exits)
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.close()
+            self.lock = None
+
+
+def run_id_of(run_dir: str | Path) -> str | None:
+    p = Path(run_dir) / "run.json"
+    return json.loads(p.read_text()).get("run_id") if p.is_file() else None
+
+
+def _writable(path: Path, what: str) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write_probe_{os.getpid()}"
+        probe.write_bytes(b"0")
+        probe.unlink()
+    except OSError as err:
+        raise RunFolderError(f"{what} {path} is not writable ({err.strerror}); pick another hydra.run.dir "
+                             f"or fix its permissions") from None
+
+
+def _lock(path: Path) -> Any:
+    f = open(path / ".lock", "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = f.read().strip() or "another process"
+        f.close()
+        raise RunFolderError(f"run folder {path} is in use by {holder}; wait for it to finish or pick another "
+                             f"hydra.run.dir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    f.flush()
+    return f
+
+
+def previous_outputs(path: Path) -> list[str]:
+    """What an earlier run left here (empty folders, e.g. a checkpoint folder this check made, don't count)."""
+    def there(name: str) -> bool:
+        p = path / name
+        return p.is_file() or (p.is_dir() and any(p.iterdir()))
+
+    return [name for name in RUN_OUTPUTS if there(name)]
+
+
+def _move_aside(path: Path, names: list[str]) -> Path:
+    dest = path / f"overwritten_{time.strftime('%Y%m%d-%H%M%S')}"
+    dest.mkdir()
+    for name in names + [p.name for p in path.glob("resume_*.yaml")]:
+        os.replace(path / name, dest / name)
+    return dest
+
+
+def checkpoint_bytes(cfg: Any) -> float:
+    """Estimated size of one checkpoint: fp32 weights, optimizer state, EMA."""
+    from dit_train.perf.memory import model_shape, optimizer_bytes_per_param
+
+    params = model_shape(cfg.model).params
+    per_param = 4 + optimizer_bytes_per_param(cfg.optim.name, cfg.optim.momentum) + (4 if cfg.train.ema_decay > 0 else 0)
+    return params * per_param
+
+
+def _space(path: Path, cfg: Any) -> None:
+    if cfg.train.ckpt_every <= 0:
+        return
+    need = checkpoint_bytes(cfg) * (cfg.train.keep_last + 1) * 1.1  # keep_last + the one being written
+    free = shutil.disk_usage(path).free
+    if free < need:
+        raise RunFolderError(f"{path} has {free / 2**30:.2f} GiB free but keeping {cfg.train.keep_last} checkpoints "
+                             f"needs ~{need / 2**30:.2f} GiB; free space, lower train.keep_last or train.ckpt_every=0")
+
+
+def open_run_folder(cfg: Any, resume: str) -> RunFolder:
+    """Check and claim `cfg.run_dir` for this launch (see the module docstring)."""
+    from dit_train.checkpoint import checkpoint_root, resolve_checkpoint
+    from dit_train.config import load_config, to_yaml
+    from dit_train.engine.resume import config_changes, refusal_message
+
+    path = Path(cfg.run_dir)
+    _writable(path, "run folder")
+    if cfg.train.ckpt_every > 0:
+        _writable(checkpoint_root(path), "checkpoint folder")
+    lock = _lock(path)
+    try:
+        try:
+            ckpt = resolve_checkpoint(resume, path)
+        except FileNotFoundError as err:
+            raise RunFolderError(str(err)) from None
+        if resume == "auto" and ckpt is None:
+            log.warning("train.resume=auto: no checkpoint in %s, starting from step 0", checkpoint_root(path))
+        found = previous_outputs(path)
+        if ckpt is None and found:
+            if not cfg.train.overwrite:
+                raise RunFolderError(
+                    f"run folder {path} holds another run's outputs ({', '.join(found)}); continue it with "
+                    f"train.resume=auto, pick another hydra.run.dir, or set train.overwrite=true (moves them to "
+                    f"{path}/overwritten_<time>/)")
+            log.warning("train.overwrite=true: moved %s to %s", ", ".join(found), _move_aside(path, found))
+        if ckpt is not None:
+            changes = config_changes(load_config(ckpt), cfg)
+            refused = [c for c in changes if c.kind == "refused"]
+            if refused:
+                raise RunFolderError(refusal_message(ckpt, refused))
+            for c in changes:
+                if c.kind == "notice":
+                    log.warning("resume: %s", c.line())
+        _space(path, cfg)
+    except BaseException:
+        lock.close()
+        raise
+    from dit_train.checkpoint import read_checkpoint_info
+
+    same_folder = ckpt is not None and ckpt.parent.parent.resolve() == path.resolve()
+    run_id = (run_id_of(path) if same_folder else None) or (read_checkpoint_info(ckpt).get("run_id") if ckpt else None) \
+        or uuid.uuid4().hex[:12]
+    if ckpt is None:
+        (path / "config.yaml").write_text(to_yaml(cfg))
+    else:
+        step = read_checkpoint_info(ckpt)["step"] + 1
+        (path / f"resume_{step:08d}.yaml").write_text(to_yaml(cfg))
+        if not (path / "config.yaml").exists():
+            (path / "config.yaml").write_text(to_yaml(cfg))
+    (path / "run.json").write_text(json.dumps({"run_id": run_id, "resumed_from": str(ckpt) if ckpt else None}, indent=2))
+    return RunFolder(path, run_id, ckpt, lock)

@@ -1,0 +1,146 @@
+"""Generate videos from a trained run with your prompts.
+
+    python -m dit_train.tools.sample RUN_DIR --prompt "a red circle moving up and left on a navy background" \\
+        --frames 16 --height 32 --width 64 --steps 30 --guidance 3 --seed 0 --num 4
+    python -m dit_train.tools.sample RUN_DIR --prompt "..." --prompt "..." --no-ema --out my_samples/
+    python -m dit_train.tools.sample RUN_DIR --prompt "..." --layout cp_ulysses=2      # 2 local workers, context parallel
+    python -m dit_train.tools.sample RUN_DIR --prompt "..." --shift 3                   # another timestep shift
+
+Weights: the run's EMA weights (weights_ema.safetensors) when it has them, else
+weights.safetensors; `--no-ema` forces the training weights, `--ema` requires the EMA ones.
+The time grid is shifted like the run's training (loss.timestep_shift, and per clip size with
+loss.shift_reference_tokens); `--shift S` samples every clip with shift S instead.
+A run dir without exported weights uses its newest checkpoint. Prompts are encoded the way the
+run's data was (byte embeddings on pixel data; the cache's text encoder for latent-cache runs,
+whose samples are decoded with the cache's VAE). Output (default RUN_DIR/generated/<time>/):
+one mp4 per clip, grid.png with the prompts, samples.safetensors (pixels in [-1, 1]),
+captions.json and info.json — and, for runs on the embedded shapes world, the quality figures
+of the samples against their prompts.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def load_weights(run_dir: Path, ema: bool | None) -> tuple[dict, str]:
+    """(full state dict, description) of a run: exported files first, else its newest checkpoint.
+    ema: True = the EMA weights (error if none), False = training weights, None = EMA if present."""
+    from safetensors.torch import load_file
+
+    from dit_train.checkpoint import checkpoint_weights, resolve_checkpoint
+
+    files = {True: run_dir / "weights_ema.safetensors", False: run_dir / "weights.safetensors"}
+    want = [ema] if ema is not None else [True, False]
+    for choice in want:
+        if files[choice].is_file():
+            return load_file(str(files[choice])), f"{files[choice].name}"
+    ckpt = resolve_checkpoint("auto", run_dir)
+    if ckpt is None:
+        raise FileNotFoundError(f"{run_dir} has no {' or '.join(files[c].name for c in want)} and no checkpoint")
+    for choice in want:
+        try:
+            return checkpoint_weights(ckpt, ema=choice)[1], f"{ckpt} ({'EMA' if choice else 'training'} weights)"
+        except ValueError:
+            if ema is not None:
+                raise
+    raise FileNotFoundError(f"no usable weights in {ckpt}")
+
+
+def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, source: str) -> dict | None:
+    """One rank: build the (parallelized) model, load the weights, sample; rank 0 writes."""
+    from dit_train.data import source_for
+    from dit_train.engine.build import build_parallel_model
+    from dit_train.models.init import load_full_weights
+    from dit_train.parallel.mesh import init_parallel
+    from dit_train.precision import autocast
+    from dit_train.sampling import VideoSampler, scored_view, to_pixels, write_samples
+    from dit_train.sampling.prompts import prompt_requests, prompt_space
+
+    ctx = init_parallel(cfg.parallel)
+    model = build_parallel_model(cfg, ctx)
+    load_full_weights(model, state_dict)
+    space = prompt_space(cfg, ctx.device)
+    requests = prompt_requests(space, args.prompt, args.num, args.frames, args.height, args.width)
+    # the run's training shift (per clip size with loss.shift_reference_tokens) ...
+    shift, reference = cfg.loss.timestep_shift, cfg.loss.shift_reference_tokens
+    if args.shift is not None:  # ... unless --shift names one for every clip
+        shift, reference = args.shift, 0
+    sampler = VideoSampler(requests, tuple(cfg.model.patch_size), getattr(cfg.model, "text_dim", 0), space.null, ctx,
+                           args.steps, args.guidance, args.seed, shift, reference,
+                           prediction=getattr(cfg.model, "prediction", "velocity"), x0_min_t=getattr(cfg.model, "x0_min_t", 0.05))
+    clips = sampler.sample(model, lambda: autocast(cfg.train.precision, ctx.device, False))
+    if not ctx.is_main:
+        return None
+    pixels = to_pixels(clips, space.decode)
+    try:
+        data_source = source_for(cfg.data, cfg.model)
+        scores = data_source.score(scored_view(requests, pixels), [r.caption for r in requests]) or {}
+    except ValueError:
+        scores = {}
+    info = {"weights": source, "prompts": args.prompt, "num": args.num, "steps": args.steps,
+            "guidance_scale": args.guidance, "seed": args.seed, "shifts": sampler.shifts, "scores": scores}
+    write_samples(Path(out_dir), requests, pixels, info)
+    return scores
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dit_train.tools.sample", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run_dir", type=Path, help="a run dir (config.yaml + weights or checkpoints)")
+    ap.add_argument("--prompt", action="append", required=True, help="a caption (repeat for several)")
+    ap.add_argument("--num", type=int, default=1, help="clips per prompt (different noise)")
+    ap.add_argument("--frames", type=int, default=16, help="1 = a still image")
+    ap.add_argument("--height", type=int, default=32)
+    ap.add_argument("--width", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=30, help="Euler steps of the flow-matching sampler")
+    ap.add_argument("--guidance", type=float, default=3.0, help="classifier-free guidance scale (1 = off)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--shift", type=float, default=None,
+                    help="timestep shift of every clip (default: the run's loss.timestep_shift, per clip with "
+                         "loss.shift_reference_tokens)")
+    ema = ap.add_mutually_exclusive_group()
+    ema.add_argument("--ema", dest="ema", action="store_true", default=None, help="require the EMA weights")
+    ema.add_argument("--no-ema", dest="ema", action="store_false", help="use the training weights")
+    ap.add_argument("--layout", default="", help="parallel layout to sample on, e.g. cp_ulysses=2 (starts local workers)")
+    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    ap.add_argument("--out", type=Path, default=None, help="output folder (default RUN_DIR/generated/<time>)")
+    args = ap.parse_args(argv)
+
+    from dit_train.config import load_config
+    from dit_train.engine.launch import launch_local
+    from dit_train.engine.layout_equivalence import apply_layout, parse_layout, world_of
+
+    try:
+        cfg = load_config(args.run_dir)
+        if cfg.mode != "video":
+            raise ValueError(f"{args.run_dir} trained mode={cfg.mode}; for text use python -m dit_train.tools.generate")
+        if args.num < 1 or args.steps < 1 or args.guidance < 1:
+            raise ValueError("--num and --steps must be >= 1 and --guidance >= 1")
+        if args.shift is not None and not args.shift > 0:
+            raise ValueError(f"--shift={args.shift} must be > 0 (1 = no shift)")
+        cfg = apply_layout(cfg, parse_layout(args.layout))
+        cfg.parallel.device = args.device
+        if hasattr(cfg.model, "pretrained"):
+            cfg.model.pretrained = ""  # the run's weights are loaded below
+        cfg.model.lora.rank = 0  # a LoRA run's weights come merged (weights.safetensors, checkpoint_weights)
+        state_dict, source = load_weights(args.run_dir, args.ema)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    out = args.out or args.run_dir / "generated" / time.strftime("%Y%m%d-%H%M%S")
+    world = world_of(cfg)
+    call = (cfg, state_dict, args, str(out), source)
+    scores = _worker(*call) if world == 1 else launch_local(_worker, call, world, cfg.launcher)[0]
+    print(f"wrote {len(args.prompt) * args.num} clip(s) from {source} to {out}")
+    if scores:
+        print("quality against the prompts: " + " ".join(f"{k[5:]}={v:.2f}" for k, v in scores.items()
+                                                          if not k.startswith("eval/num")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""python -m dit_train.tools.sample: prompts -> videos from a trained run, any layout."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import TINY
+
+PROMPTS = ["a red circle moving up and left on a navy background", "a white square on a black background"]
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory, tiny_cfg):
+    from dit_train.engine.layout_equivalence import apply_layout
+    from dit_train.engine.worker import train
+
+    cfg = apply_layout(tiny_cfg, {})
+    cfg.train.ema_decay = 0.5
+    cfg.run_dir = str(tmp_path_factory.mktemp("run"))
+    train(cfg)
+    return cfg.run_dir
+
+
+def _sample(run_dir, out, *extra):
+    from dit_train.tools.sample import main
+
+    args = [str(run_dir), *(a for p in PROMPTS for a in ("--prompt", p)), "--num", "2", "--frames", "4",
+            "--height", "32", "--width", "64", "--steps", "3", "--guidance", "2", "--out", str(out), *extra]
+    assert main(args) == 0
+    return load_file(str(out / "samples.safetensors")), json.loads((out / "info.json").read_text())
+
+
+def test_prompts_become_clips_of_the_asked_size_with_scores(trained_run, tmp_path):
+    got, info = _sample(trained_run, tmp_path / "a")
+    assert sorted(got) == ["prompt_0_0", "prompt_0_1", "prompt_1_0", "prompt_1_1"]
+    assert all(x.shape == (3, 4, 32, 64) and float(x.abs().max()) <= 1 for x in got.values())
+    assert not torch.equal(got["prompt_0_0"], got["prompt_0_1"])  # --num: different noise
+    assert info["weights"] == "weights_ema.safetensors" and "eval/all_ok" in info["scores"]
+    captions = json.loads((tmp_path / "a" / "captions.json").read_text())
+    assert captions["prompt_1_1"] == PROMPTS[1] and (tmp_path / "a" / "prompt_1_1.mp4").exists()
+    no_ema, info = _sample(trained_run, tmp_path / "b", "--no-ema")
+    assert info["weights"] == "weights.safetensors"
+    assert not torch.equal(no_ema["prompt_0_0"], got["prompt_0_0"])
+
+
+def test_shift_comes_from_the_run_unless_given(trained_run, tmp_path):
+    base, info = _sample(trained_run, tmp_path / "a", "--steps", "2")
+    assert info["shifts"] == [1.0] * 4  # the run trained with loss.timestep_shift=1
+    shifted, info = _sample(trained_run, tmp_path / "b", "--steps", "2", "--shift", "3")
+    assert info["shifts"] == [3.0] * 4
+    assert not torch.equal(base["prompt_0_0"], shifted["prompt_0_0"])
+
+
+@pytest.mark.slow
+def test_sampling_on_two_workers_matches_one_process(trained_run, tmp_path):
+    one, _ = _sample(trained_run, tmp_path / "one")
+    two, _ = _sample(trained_run, tmp_path / "two", "--layout", "cp_ulysses=2")
+    for k in one:
+        torch.testing.assert_close(one[k], two[k], atol=1e-4, rtol=1e-4)
+
+
+def test_bad_requests_are_one_error_line(trained_run, tmp_path, capsys):
+    from dit_train.tools.sample import main
+
+    assert main([str(trained_run), "--prompt", "x", "--guidance", "0.5"]) == 2
+    assert main([str(tmp_path), "--prompt", "x"]) == 2
+    assert main([str(trained_run), "--prompt", "x", "--shift", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 3 and "guidance" in err and "config.yaml" in err and "--shift=0.0" in err
