@@ -15,13 +15,16 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
-# Widths are multiples of 32: decord 0.6 returns garbled frames for some other widths (see
-# data_pipelines/video_io.py); heights are free.
+# Default sizes and frame range (inclusive) of a clip; `data.widths`, `data.heights` and
+# `data.frames` choose others. Widths are multiples of 32: decord 0.6 returns garbled frames for
+# some other widths (see data_pipelines/video_io.py); heights are free.
 WIDTHS = (32, 64, 96)
 HEIGHTS = (32, 48, 64)
+FRAMES = (4, 24)
 FPS = 8
 COLORS = {
     "red": (230, 40, 40), "green": (40, 200, 60), "blue": (40, 80, 230), "yellow": (240, 220, 40),
@@ -32,10 +35,12 @@ SHAPES = ("circle", "square")
 IMAGE_STREAM = 0x1A6E  # seeds image k as [gen_seed, IMAGE_STREAM, k], apart from the clips' [gen_seed, k]
 
 
-def _render(rng: np.random.Generator) -> tuple[np.ndarray, str]:
-    """One clip as uint8 [F, H, W, 3] and its caption."""
-    W, H = int(rng.choice(WIDTHS)), int(rng.choice(HEIGHTS))
-    F = int(rng.integers(4, 25))
+def _render(rng: np.random.Generator, widths: Sequence[int] = WIDTHS, heights: Sequence[int] = HEIGHTS,
+            frames: Sequence[int] = FRAMES) -> tuple[np.ndarray, str]:
+    """One clip as uint8 [F, H, W, 3] and its caption; W, H drawn from `widths`, `heights`,
+    F from frames[0]..frames[1] (inclusive)."""
+    W, H = int(rng.choice(list(widths))), int(rng.choice(list(heights)))
+    F = int(rng.integers(frames[0], frames[1] + 1))
     bg_name = str(rng.choice(list(BACKGROUNDS)))
     color_name = str(rng.choice(list(COLORS)))
     shape = str(rng.choice(SHAPES))
@@ -73,10 +78,11 @@ def _draw(H: int, W: int, bg_name: str, color_name: str, shape: str, x: float, y
     return img
 
 
-def _render_image(rng: np.random.Generator) -> tuple[np.ndarray, str]:
+def _render_image(rng: np.random.Generator, widths: Sequence[int] = WIDTHS,
+                  heights: Sequence[int] = HEIGHTS) -> tuple[np.ndarray, str]:
     """One still image as uint8 [H, W, 3] and its caption: a clip's first frame drawn the same
     way (sizes, palette, shape sizes and placement), with no motion, so no direction words."""
-    W, H = int(rng.choice(WIDTHS)), int(rng.choice(HEIGHTS))
+    W, H = int(rng.choice(list(widths))), int(rng.choice(list(heights)))
     bg_name = str(rng.choice(list(BACKGROUNDS)))
     color_name = str(rng.choice(list(COLORS)))
     shape = str(rng.choice(SHAPES))
@@ -108,23 +114,44 @@ def write_mp4(path: Path, frames: np.ndarray, fps: int = FPS) -> None:
             container.mux(packet)
 
 
-def dataset_dir(cache_dir: str | os.PathLike, num_clips: int, gen_seed: int, num_images: int = 0) -> Path:
-    """Where a set lives. A set with images gets its own name (`_img<k>`): a set written without
-    them (same clips, older code) must never be taken for one that has them."""
-    images = f"_img{num_images}" if num_images else ""
+def _sizes(widths: Sequence[int], heights: Sequence[int], frames: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+    w, h, f = tuple(int(x) for x in widths), tuple(int(x) for x in heights), tuple(int(x) for x in frames)
+    if not w or not h or any(x % 32 or x <= 0 for x in w):
+        raise ValueError(f"synthetic video widths {list(w)} must be positive multiples of 32 (decord), heights {list(h)} non-empty")
+    if any(x < 8 for x in h):
+        raise ValueError(f"synthetic video heights {list(h)} must be >= 8")
+    if len(f) != 2 or not 1 <= f[0] <= f[1]:
+        raise ValueError(f"synthetic video frames {list(f)} must be [min, max] with 1 <= min <= max")
+    return w, h, f
+
+
+def dataset_dir(cache_dir: str | os.PathLike, num_clips: int, gen_seed: int, num_images: int = 0,
+                widths: Sequence[int] = WIDTHS, heights: Sequence[int] = HEIGHTS, frames: Sequence[int] = FRAMES) -> Path:
+    """Where a set lives. Sizes other than the defaults get their own name (`_w.._h.._f..`), and
+    so does a set with images (`_img<k>`): a set written without them (same clips, older code)
+    must never be taken for one that has them."""
+    w, h, f = _sizes(widths, heights, frames)
     # v2: captions state the starting direction (v1: the direction at the end of the clip)
-    return Path(cache_dir).expanduser() / f"synthetic_video_v2_n{num_clips}_seed{gen_seed}{images}"
+    name = f"synthetic_video_v2_n{num_clips}_seed{gen_seed}"
+    if (w, h, f) != (WIDTHS, HEIGHTS, FRAMES):
+        name += "_w" + "-".join(map(str, w)) + "_h" + "-".join(map(str, h)) + "_f" + "-".join(map(str, f))
+    if num_images:
+        name += f"_img{num_images}"
+    return Path(cache_dir).expanduser() / name
 
 
-def ensure_synthetic_videos(cache_dir: str | os.PathLike, num_clips: int, gen_seed: int, num_images: int = 0) -> Path:
+def ensure_synthetic_videos(cache_dir: str | os.PathLike, num_clips: int, gen_seed: int, num_images: int = 0,
+                            widths: Sequence[int] = WIDTHS, heights: Sequence[int] = HEIGHTS,
+                            frames: Sequence[int] = FRAMES) -> Path:
     """Write the set if it is not there yet; return its directory (holding manifest.jsonl).
 
     manifest.jsonl lists the clips (clip_XXXX.mp4) first, then the images (image_XXXX.png,
-    frames=1, no fps), so sample ids of clips do not depend on num_images.
+    frames=1, no fps), so sample ids of clips do not depend on num_images. Images take the
+    clips' sizes (`widths`, `heights`).
     """
     if num_images < 0 or num_clips < 0:
         raise ValueError(f"data.num_clips={num_clips} and data.num_images={num_images} must be >= 0")
-    out = dataset_dir(cache_dir, num_clips, gen_seed, num_images)
+    out = dataset_dir(cache_dir, num_clips, gen_seed, num_images, widths, heights, frames)
     if (out / "manifest.jsonl").exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -132,13 +159,13 @@ def ensure_synthetic_videos(cache_dir: str | os.PathLike, num_clips: int, gen_se
     try:
         lines = []
         for i in range(num_clips):
-            frames, caption = _render(np.random.default_rng([gen_seed, i]))
+            clip, caption = _render(np.random.default_rng([gen_seed, i]), widths, heights, frames)
             name = f"clip_{i:04d}.mp4"
-            write_mp4(tmp / name, frames)
-            lines.append(json.dumps({"path": name, "caption": caption, "frames": int(frames.shape[0]),
-                                     "height": int(frames.shape[1]), "width": int(frames.shape[2]), "fps": FPS}))
+            write_mp4(tmp / name, clip)
+            lines.append(json.dumps({"path": name, "caption": caption, "frames": int(clip.shape[0]),
+                                     "height": int(clip.shape[1]), "width": int(clip.shape[2]), "fps": FPS}))
         for i in range(num_images):
-            image, caption = _render_image(np.random.default_rng([gen_seed, IMAGE_STREAM, i]))
+            image, caption = _render_image(np.random.default_rng([gen_seed, IMAGE_STREAM, i]), widths, heights)
             name = f"image_{i:04d}.png"
             write_png(tmp / name, image)
             lines.append(json.dumps({"path": name, "caption": caption, "frames": 1,

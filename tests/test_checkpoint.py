@@ -272,7 +272,8 @@ def test_corrupt_and_truncated_videos_are_skipped_and_counted(tmp_path, tiny_cfg
     from data_pipelines.video_dataset import VideoClipDataset
     from dit_train.tasks.video import VideoTask
 
-    src = dataset_dir(tiny_cfg.data.cache_dir, tiny_cfg.data.num_clips, tiny_cfg.data.gen_seed)
+    c = tiny_cfg.data
+    src = dataset_dir(c.cache_dir, c.num_clips, c.gen_seed, c.num_images, c.widths, c.heights, c.frames)
     rows = [json.loads(x) for x in (src / "manifest.jsonl").read_text().splitlines()][:4]
     for r in rows:
         r["path"] = str(src / r["path"])

@@ -14,11 +14,17 @@ from data_pipelines.video_io import VideoInfo, frame_indices, probe, read_frames
 
 
 def test_generator_writes_clips_that_decord_reads_back(tiny_cfg):
-    d = dataset_dir(tiny_cfg.data.cache_dir, tiny_cfg.data.num_clips, tiny_cfg.data.gen_seed)
+    c = tiny_cfg.data
+    d = dataset_dir(c.cache_dir, c.num_clips, c.gen_seed, c.num_images, c.widths, c.heights, c.frames)
     rows = [json.loads(line) for line in (d / "manifest.jsonl").read_text().splitlines()]
-    assert len(rows) == tiny_cfg.data.num_clips
+    assert len(rows) == c.num_clips
     sizes = {(r["frames"], r["height"], r["width"]) for r in rows}
-    assert len({r["frames"] for r in rows}) > 3 and len({(r["height"], r["width"]) for r in rows}) > 3, sizes
+    # varied on purpose (the loss weighting only matters when samples differ): every configured
+    # size shows up, and several lengths
+    assert len({r["frames"] for r in rows}) > 3, sizes
+    hw = {(r["height"], r["width"]) for r in rows}
+    assert len(hw) > 3 and hw <= {(h, w) for h in c.heights for w in c.widths}, sizes
+    assert all(c.frames[0] <= r["frames"] <= c.frames[1] for r in rows), sizes
     for r in rows[:6]:
         info = probe(str(d / r["path"]))
         assert (info.frames, info.height, info.width) == (r["frames"], r["height"], r["width"])
@@ -120,3 +126,17 @@ def test_balanced_split_balances_tokens():
     groups = balanced_split(list(lengths), lengths, 4)
     loads = [sum(lengths[i] for i in g) for g in groups]
     assert max(loads) - min(loads) <= max(lengths.values())
+
+
+def test_generator_sizes_are_config_keys(tmp_path):
+    """data.widths / heights / frames choose the clip sizes; the default sizes keep the old cache dir."""
+    from data_pipelines.synthetic_video import FRAMES, HEIGHTS, WIDTHS
+
+    assert dataset_dir(tmp_path, 4, 3).name == "synthetic_video_v2_n4_seed3"
+    assert dataset_dir(tmp_path, 4, 3, 0, WIDTHS, HEIGHTS, FRAMES) == dataset_dir(tmp_path, 4, 3)
+    d = ensure_synthetic_videos(tmp_path, 4, 3, widths=[64], heights=[24, 40], frames=[3, 5])
+    assert d != dataset_dir(tmp_path, 4, 3)
+    rows = [json.loads(line) for line in (d / "manifest.jsonl").read_text().splitlines()]
+    assert all(r["width"] == 64 and r["height"] in (24, 40) and 3 <= r["frames"] <= 5 for r in rows), rows
+    with pytest.raises(ValueError, match="multiples of 32"):
+        dataset_dir(tmp_path, 4, 3, widths=[48], heights=[24], frames=[4, 8])

@@ -187,6 +187,7 @@ def test_weighting_gives_the_gradient_of_the_weighted_sum(tiny_cfg, reduction):
 
     cfg = apply_layout(tiny_cfg, {"micro_batch_tokens": 4096, "global_batch": 4}, reduction)
     cfg.loss = replace(cfg.loss, timestep_shift=3.0, shift_reference_tokens=128, weighting="cosmap")
+    cfg.model = replace(cfg.model, prediction="velocity")  # the by-hand loss below takes the output as v
     cfg.optim.max_grad_norm = 0.0
     run = build_run(cfg)
     tr, model = run.trainer, run.model

@@ -131,3 +131,33 @@ def test_validation_videos_are_written_and_layout_invariant(tmp_path, data_cache
         torch.testing.assert_close(a[k], b[k], atol=1e-4, rtol=1e-4)
         vr = decord.VideoReader(str(d1 / f"{k}.mp4"))
         assert len(vr) == a[k].shape[1]
+
+
+def test_caption_words_give_every_byte_of_a_word_the_same_word_vector():
+    plain, words = ByteCaptionEncoder(8, 64), ByteCaptionEncoder(8, 64, words=True)
+    cap = "a green circle on a gray background"
+    extra = words(cap) - plain(cap)
+    assert torch.equal(words(""), plain(""))  # the null caption is unchanged (dropout, CFG)
+    spans, start = [], 0
+    for w in cap.split(" "):
+        spans.append((start, start + len(w)))
+        start += len(w) + 1
+    for s, e in spans:
+        assert torch.allclose(extra[s:e], extra[s:s + 1].expand(e - s, -1))
+    assert extra[spans[1][0]].ne(extra[spans[5][0]]).any()  # "green" and "gray" differ
+    torch.testing.assert_close(extra[spans[0][0]], extra[spans[4][0]])  # both "a" (up to the rounding of out - plain)
+    assert extra[spans[0][1]].abs().max() == 0  # spaces carry no word
+    assert torch.equal(words(cap), ByteCaptionEncoder(8, 64, words=True)(cap))  # deterministic
+
+
+def test_x0_prediction_gives_the_velocity_target():
+    from dit_train.objectives.flow_matching import velocity_from_output
+
+    g = torch.Generator().manual_seed(0)
+    x0, eps = torch.randn(6, 12, generator=g), torch.randn(6, 12, generator=g)
+    t = torch.tensor([0.1, 0.3, 0.5, 0.7, 0.9, 1.0])
+    xt = (1 - t[:, None]) * x0 + t[:, None] * eps
+    torch.testing.assert_close(velocity_from_output(x0, xt, t, "x0", 0.05), eps - x0, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(velocity_from_output(eps - x0, xt, t, "velocity"), eps - x0)
+    v = velocity_from_output(x0[:1], xt[:1], 0.01, "x0", 0.05)  # t below the clamp: divided by 0.05
+    torch.testing.assert_close(v, (xt[:1] - x0[:1]) / 0.05)

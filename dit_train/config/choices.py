@@ -61,6 +61,11 @@ class TimestepSampling(Choice):
     uniform = "uniform"
 
 
+class Prediction(Choice):
+    velocity = "velocity"  # the model outputs v = ε − x0 (the target itself)
+    x0 = "x0"  # the model outputs the clean sample; v = (x_t − x̂0) / max(t, model.x0_min_t)
+
+
 class LossWeighting(Choice):
     """w(t) multiplying each token's flow-matching loss (diffusers' compute_loss_weighting_for_sd3)."""
 

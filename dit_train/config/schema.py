@@ -24,6 +24,7 @@ from dit_train.config.choices import (
     Mode,
     OptimName,
     Precision,
+    Prediction,
     Reduction,
     Schedule,
     TimestepSampling,
@@ -77,6 +78,16 @@ class VideoModelConfig(ModelConfig):
     # Width of caption embeddings for cross-attention; 0 = unconditional.
     text_dim: int = 0
     text_len: int = 16  # caption tokens kept per sample
+    # byte captions (pixel data without a text encoder): each byte also carries a vector of its
+    # whole word, so a word is one key for cross-attention (tasks/captions.py)
+    caption_words: bool = False
+    # What the model's output means (a property of the weights: pretrained Wan predicts velocity).
+    # velocity: v = ε − x0 itself. x0: the clean sample, turned into v = (x_t − x̂0) / max(t,
+    # x0_min_t) before the loss and in the sampler: the loss is still on v, but the network never
+    # has to carry the noise through its LayerNorm'ed stream (pixel-space DiTs with wide patches;
+    # JiT, Li & He 2025).
+    prediction: Prediction = Prediction.velocity
+    x0_min_t: float = 0.05
 
 
 @dataclass

@@ -2,8 +2,9 @@
 the same world (generated on first use)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import List
 
 from dit_train.data.source import register_source
 from dit_train.data.video import PixelVideoSource, VideoReadConfig
@@ -14,6 +15,11 @@ class SyntheticVideoConfig(VideoReadConfig):
     name: str = "synthetic_video"
     num_clips: int = 48
     gen_seed: int = 1234
+    # sizes of the generated clips: each clip draws a width (multiples of 32, for decord), a
+    # height and a frame count in [frames[0], frames[1]]; other values get their own cache dir
+    widths: List[int] = field(default_factory=lambda: [32, 64, 96])
+    heights: List[int] = field(default_factory=lambda: [32, 48, 64])
+    frames: List[int] = field(default_factory=lambda: [4, 24])
     # still PNG images of shapes trained next to the clips (one frame each; 0 = clips only)
     num_images: int = 0
 
@@ -26,12 +32,14 @@ class SyntheticVideoSource(PixelVideoSource):
     def directory(self) -> Path:
         from data_pipelines.synthetic_video import dataset_dir
 
-        return dataset_dir(self.cfg.cache_dir, self.cfg.num_clips, self.cfg.gen_seed, self.cfg.num_images)
+        c = self.cfg
+        return dataset_dir(c.cache_dir, c.num_clips, c.gen_seed, c.num_images, c.widths, c.heights, c.frames)
 
     def prepare(self) -> None:
         from data_pipelines.synthetic_video import ensure_synthetic_videos
 
-        ensure_synthetic_videos(self.cfg.cache_dir, self.cfg.num_clips, self.cfg.gen_seed, self.cfg.num_images)
+        c = self.cfg
+        ensure_synthetic_videos(c.cache_dir, c.num_clips, c.gen_seed, c.num_images, c.widths, c.heights, c.frames)
 
     def score(self, pixels: list, captions: list[str]) -> dict[str, float]:
         """The shapes world's exact metric (data_pipelines/shapes_metric.py)."""

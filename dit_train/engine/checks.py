@@ -105,6 +105,8 @@ def _model_and_data(cfg: Config, e: list[str]) -> None:
     if hasattr(m, "text_dim"):
         _check(m.text_dim >= 0 and m.text_len >= 1, f"model.text_dim={m.text_dim} must be >= 0 and model.text_len="
                f"{m.text_len} >= 1", e)
+    if hasattr(m, "x0_min_t"):
+        _check(0.0 < m.x0_min_t <= 1.0, f"model.x0_min_t={m.x0_min_t} must be in (0, 1]", e)
     if d.name not in SOURCES:
         e.append(f"data.name={d.name!r} is not a registered data source ({', '.join(SOURCES.names())})")
         return

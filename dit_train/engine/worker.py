@@ -63,7 +63,8 @@ class Validation:
         null = task.null_caption() if task.text_dim else None
         # the training shift: validation samples from the noise levels the model was trained on
         self.sampler = VideoSampler(requests, task.patch, task.text_dim, null, run.ctx, t.sample_steps,
-                                    t.guidance_scale, t.seed, cfg.loss.timestep_shift, cfg.loss.shift_reference_tokens)
+                                    t.guidance_scale, t.seed, cfg.loss.timestep_shift, cfg.loss.shift_reference_tokens,
+                                    prediction=task.prediction, x0_min_t=task.x0_min_t)
         self.decode = None
         if cfg.data.name == "latent_cache" and run.ctx.is_main:  # rank 0 alone decodes (it alone writes)
             from data_pipelines.latent_cache import load_decoder

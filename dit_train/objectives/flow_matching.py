@@ -74,6 +74,23 @@ def noisy_sample(x0: torch.Tensor, seed: int, sample_id: int, step: int, cfg: Lo
     return (1.0 - t) * x0 + t * eps, eps - x0, t
 
 
+def velocity_from_output(out: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor | float, prediction: str,
+                         min_t: float = 0.05) -> torch.Tensor:
+    """The velocity that a model output stands for ([L, D] tokens; t: per-token [L] or a float).
+
+    prediction "velocity": the output itself; "x0": the output is x̂0 and v = (x_t − x̂0) / t,
+    with t clamped below at `min_t` (x_t = (1 − t)·x0 + t·ε gives ε − x0 = (x_t − x0) / t)."""
+    if prediction == "velocity":
+        return out
+    if prediction != "x0":
+        raise ValueError(f"model.prediction={prediction!r} must be velocity or x0")
+    if isinstance(t, torch.Tensor):
+        t = t.to(out.device, torch.float32).clamp_min(min_t)[:, None]
+    else:
+        t = max(float(t), min_t)
+    return (x_t.to(out.dtype) - out) / t
+
+
 def per_token_mse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """[L, D], [L, D] -> [L] mean squared error of each token (fp32)."""
     return (pred.float() - target.float()).pow(2).mean(dim=-1)

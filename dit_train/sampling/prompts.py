@@ -68,7 +68,8 @@ def prompt_space(cfg, device: str | torch.device = "cpu") -> PromptSpace:
         return PromptSpace(encode, null, latent_shape, vae.decode, 16.0)
     from dit_train.tasks.captions import ByteCaptionEncoder
 
-    encoder = ByteCaptionEncoder(m.text_dim, m.text_len) if m.text_dim else None
+    # the training task's encoder (the same word vectors with model.caption_words)
+    encoder = ByteCaptionEncoder(m.text_dim, m.text_len, words=getattr(m, "caption_words", False)) if m.text_dim else None
 
     def pixel_shape(frames: int, height: int, width: int) -> tuple[int, int, int, int]:
         return (m.in_channels, _multiple(frames, pt, "--frames"), _multiple(height, ph, "--height"),

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from dit_train.batch import PackedBatch
-from dit_train.objectives.flow_matching import sample_shift
+from dit_train.objectives.flow_matching import sample_shift, velocity_from_output
 from dit_train.parallel.context_parallel import split_for_cp
 from dit_train.parallel.mesh import ParallelContext
 from dit_train.rng import sample_generator
@@ -86,7 +86,8 @@ def dataset_requests(task: Any, num: int, fps: Callable[[int], float] | None = N
 
 @torch.no_grad()
 def predict_velocity(model: torch.nn.Module, batch: PackedBatch, ctx: ParallelContext) -> torch.Tensor:
-    """The model's output for every token of a full pack: [L, patch_dim] on every rank.
+    """The model's output for every token of a full pack: [L, patch_dim] on every rank (the
+    velocity, or x̂0 for a model with model.prediction=x0: see `velocity_from_output`).
 
     Under CP each rank runs its share of the pack (the same split as training) and the shares
     are all-gathered over the CP group (`ctx.cp_group`) to rebuild the whole pack. This is
@@ -121,11 +122,13 @@ class VideoSampler:
 
     def __init__(self, requests: list[SampleRequest], patch: tuple[int, int, int], text_dim: int,
                  null_caption: torch.Tensor | None, ctx: ParallelContext, steps: int, guidance_scale: float,
-                 seed: int, shift: float = 1.0, shift_reference_tokens: int = 0):
+                 seed: int, shift: float = 1.0, shift_reference_tokens: int = 0, prediction: str = "velocity",
+                 x0_min_t: float = 0.05):
         from diffusers import FlowMatchEulerDiscreteScheduler
 
         self.requests, self.patch, self.text_dim, self.null_caption = requests, tuple(patch), text_dim, null_caption
         self.ctx, self.steps, self.guidance, self.seed, self.shift = ctx, steps, guidance_scale, seed, shift
+        self.prediction, self.x0_min_t = prediction, x0_min_t  # what the model outputs (model.prediction)
         self.shifts = [sample_shift(shift, shift_reference_tokens, num_patches(r.shape, self.patch)) for r in requests]
         self.scheduler_cls = FlowMatchEulerDiscreteScheduler
 
@@ -183,6 +186,8 @@ class VideoSampler:
             batch = self._pack(xs + xs if cfg else xs, ts + ts if cfg else ts, ctxs)
             with autocast():
                 v = predict_velocity(model, batch, self.ctx).cpu()
+            t_tok = batch.samples["t"][batch.seg.clamp_min(0)]  # [L] each token's clip noise level (no padding here)
+            v = velocity_from_output(v, batch.tokens["x"], t_tok, self.prediction, self.x0_min_t)
             for k in range(n):
                 vk = v[offsets[k]:offsets[k + 1]]
                 if cfg:

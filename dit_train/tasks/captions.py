@@ -11,6 +11,7 @@ Caption dropout replaces a sample's caption by the empty caption's embedding, de
 """
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
@@ -21,9 +22,16 @@ _EMPTY = 256  # table row of the empty caption (the "null" token used for dropou
 
 
 class ByteCaptionEncoder:
-    """UTF-8 bytes of a caption -> [min(len, max_len) or 1, text_dim] float32 (deterministic)."""
+    """UTF-8 bytes of a caption -> [min(len, max_len) or 1, text_dim] float32 (deterministic).
 
-    def __init__(self, text_dim: int, max_len: int, seed: int = 0):
+    words: every byte also carries a fixed vector of the whole (space-separated) word it is in,
+    seeded by the word's bytes. The context embedder works byte by byte, so without it a word
+    is only a pattern of bytes at positions, which cross-attention must learn to spell out
+    ("green" and "gray" share "gr"); with it each word is one key (`model.caption_words`)."""
+
+    def __init__(self, text_dim: int, max_len: int, seed: int = 0, words: bool = False):
+        self.text_dim, self.seed, self.words = text_dim, seed, words
+        self._word_vectors: dict[bytes, torch.Tensor] = {}
         gen = torch.Generator().manual_seed(seed)
         self.table = torch.randn(257, text_dim, generator=gen)
         self.max_len = max_len
@@ -34,9 +42,27 @@ class ByteCaptionEncoder:
         pos[:, :half], pos[:, half:2 * half] = torch.sin(angles), torch.cos(angles)
         self.pos = pos
 
+    def word_vector(self, word: bytes) -> torch.Tensor:
+        """[text_dim] N(0, 1) vector of a word, a pure function of (seed, word bytes)."""
+        vec = self._word_vectors.get(word)
+        if vec is None:
+            digest = hashlib.blake2b(word, digest_size=8, key=str(self.seed).encode()).digest()
+            gen = torch.Generator().manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
+            vec = self._word_vectors[word] = torch.randn(self.text_dim, generator=gen)
+        return vec
+
     def __call__(self, caption: str) -> torch.Tensor:
-        ids = list(caption.encode("utf-8"))[: self.max_len] or [_EMPTY]
-        return self.table[torch.tensor(ids)] + self.pos[: len(ids)]
+        raw = caption.encode("utf-8")
+        ids = list(raw)[: self.max_len] or [_EMPTY]
+        out = self.table[torch.tensor(ids)] + self.pos[: len(ids)]
+        if self.words and raw:
+            start = 0
+            for word in raw.split(b" "):  # word spans of the whole caption, cut at max_len
+                end = start + len(word)
+                if word and start < len(ids):
+                    out[start:min(end, len(ids))] += self.word_vector(word)
+                start = end + 1
+        return out
 
 
 def drop_caption(seed: int, sample_id: int, step: int, p: float) -> bool:

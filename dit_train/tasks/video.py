@@ -11,7 +11,7 @@ from torch import nn
 from data_pipelines.video_io import VideoReadError
 from dit_train.batch import PackedBatch
 from dit_train.config import LossConfig, ModelConfig
-from dit_train.objectives.flow_matching import loss_weight, noisy_sample, per_token_mse, sample_shift
+from dit_train.objectives.flow_matching import loss_weight, noisy_sample, per_token_mse, sample_shift, velocity_from_output
 from dit_train.tasks.captions import ByteCaptionEncoder, drop_caption, pad_contexts
 
 
@@ -89,10 +89,13 @@ class VideoTask:
         self.dataset = dataset
         self.text_dim, self.text_len = model_cfg.text_dim, model_cfg.text_len
         self.caption_dropout = caption_dropout
-        self._bytes = ByteCaptionEncoder(self.text_dim, self.text_len) if self.text_dim else None
+        self._bytes = (ByteCaptionEncoder(self.text_dim, self.text_len, words=getattr(model_cfg, "caption_words", False))
+                       if self.text_dim else None)
         self.patch = tuple(model_cfg.patch_size)
         self.patch_dim = model_cfg.in_channels * self.patch[0] * self.patch[1] * self.patch[2]
         self.loss_cfg = loss_cfg
+        self.prediction = getattr(model_cfg, "prediction", "velocity")  # what the model outputs
+        self.x0_min_t = getattr(model_cfg, "x0_min_t", 0.05)
         self.seed = seed
         self.failed: set[int] = set()  # samples whose file could not be decoded (skipped, counted)
         self.failure_reasons: dict[int, str] = {}  # ... and why (the first few name them in errors)
@@ -153,10 +156,15 @@ class VideoTask:
     def per_token_loss(self, model: nn.Module, batch: PackedBatch, attn_meta: Any) -> torch.Tensor:
         """[L_local] MSE of the predicted velocity of each local token, times w(t_b) of its sample
         (`loss.weighting`). The weight is a function of the sample's t alone, applied before the
-        reduction's weights, so the reduction and its exactness are unchanged."""
+        reduction's weights, so the reduction and its exactness are unchanged. A model with
+        model.prediction=x0 outputs x̂0, turned into the velocity it stands for first."""
         t = batch.samples["t"]
-        pred = model(batch.tokens["x"], batch.pos, batch.seg, t, attn_meta, **model_context(batch))
-        loss = per_token_mse(pred, batch.tokens["target"])
+        out = model(batch.tokens["x"], batch.pos, batch.seg, t, attn_meta, **model_context(batch))
+        if self.prediction != "velocity":
+            # per token; padding (seg -1, also a rank's empty pack) picks the appended 1
+            t_tok = torch.cat([t.float(), t.new_ones(1, dtype=torch.float32)]).to(batch.seg.device)[batch.seg]
+            out = velocity_from_output(out.float(), batch.tokens["x"], t_tok, self.prediction, self.x0_min_t)
+        loss = per_token_mse(out, batch.tokens["target"])
         if self.loss_cfg.weighting == "none":
             return loss
         # w[seg]: padding tokens (seg -1) pick the appended 1 (their reduction weight is 0 anyway)

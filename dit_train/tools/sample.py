@@ -70,7 +70,8 @@ def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, 
     if args.shift is not None:  # ... unless --shift names one for every clip
         shift, reference = args.shift, 0
     sampler = VideoSampler(requests, tuple(cfg.model.patch_size), getattr(cfg.model, "text_dim", 0), space.null, ctx,
-                           args.steps, args.guidance, args.seed, shift, reference)
+                           args.steps, args.guidance, args.seed, shift, reference,
+                           prediction=getattr(cfg.model, "prediction", "velocity"), x0_min_t=getattr(cfg.model, "x0_min_t", 0.05))
     clips = sampler.sample(model, lambda: autocast(cfg.train.precision, ctx.device, False))
     if not ctx.is_main:
         return None

@@ -3,6 +3,7 @@ reference rows that validation's eval/ figures are read against.
 
     python -m dit_train.tools.score_shapes                                  # default set: 48 clips, seed 1234
     python -m dit_train.tools.score_shapes --num-clips 16 --cache-dir /tmp/c
+    python -m dit_train.tools.score_shapes --widths 32 --heights 24 32 40 --frames 4 8   # the quickstart set (conf/data/synthetic_video.yaml)
     python -m dit_train.tools.score_shapes --num-images 48                  # with still images (eval/image/, eval/video/ too)
     python -m dit_train.tools.score_shapes --json ref.json                  # also write the rows as JSON
 
@@ -23,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache-dir", default="~/.cache/dit_train", help="data.cache_dir (the set is written if missing)")
     ap.add_argument("--num-clips", type=int, default=48)
     ap.add_argument("--gen-seed", type=int, default=1234)
+    ap.add_argument("--widths", type=int, nargs="+", default=None, help="data.widths (default: the generator's)")
+    ap.add_argument("--heights", type=int, nargs="+", default=None, help="data.heights")
+    ap.add_argument("--frames", type=int, nargs=2, default=None, help="data.frames: min max")
     ap.add_argument("--num-images", type=int, default=0, help="data.num_images: still images next to the clips")
     ap.add_argument("--noise-seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write {row: figures} here")
@@ -31,9 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from data_pipelines.shapes_metric import FIGURES, reference_scores, score_clips
-    from data_pipelines.synthetic_video import ensure_synthetic_videos
+    from data_pipelines.synthetic_video import FRAMES, HEIGHTS, WIDTHS, ensure_synthetic_videos
 
-    root = ensure_synthetic_videos(args.cache_dir, args.num_clips, args.gen_seed, args.num_images)
+    root = ensure_synthetic_videos(args.cache_dir, args.num_clips, args.gen_seed, args.num_images, args.widths or WIDTHS,
+                                   args.heights or HEIGHTS, args.frames or FRAMES)
     items = [json.loads(line) for line in (root / "manifest.jsonl").read_text().splitlines() if line.strip()]
     captions = [it["caption"] for it in items]
     shapes = [(3, it["frames"], it["height"], it["width"]) for it in items]
