@@ -131,3 +131,50 @@ def test_slurm_task_environment_becomes_torch_ranks(monkeypatch):
     assert adopt_slurm_env()
     assert (os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"]) == ("5", "1", "8")
     assert os.environ["MASTER_ADDR"] == "node07"
+
+
+def _documented_defaults(page: Path) -> list[tuple[str, str]]:
+    """(key, default cell) of every `| `a.b` | default | ... |` row of a docs table."""
+    import re
+
+    rows = []
+    for line in page.read_text().splitlines():
+        m = re.match(r"\| `([a-z_]+\.[a-z_.]+)` \| ([^|]+) \|", line)
+        if m:
+            rows.append((m.group(1), m.group(2).strip()))
+    return rows
+
+
+def _parse_cell(cell: str):
+    import re
+
+    import yaml
+
+    cell = re.sub(r"\s*\(.*\)$", "", cell).strip().strip("`")  # "3 (schema default 2)" -> 3
+    try:
+        return float(cell) if re.fullmatch(r"-?[0-9.]+e-?[0-9]+", cell) else yaml.safe_load(cell)
+    except yaml.YAMLError:
+        return None
+
+
+@pytest.mark.parametrize("page", ["docs/configuration.md", "README.md"])
+def test_documented_defaults_are_the_configs(page):
+    """The defaults tables say what `python -m dit_train` runs with: a default changed in conf/
+    without its row (or the reverse) fails here. Rows of keys the default config does not have
+    (Wan, LLM, per-source keys) and free-text cells are not checked."""
+    from dit_train.config import compose as compose_dit, to_dict
+
+    cfg, wrong, checked = to_dict(compose_dit([])), [], 0
+    for key, cell in _documented_defaults(CONF.parent / page):
+        node = cfg
+        for part in key.split("."):
+            node = node.get(part, KeyError) if isinstance(node, dict) else KeyError
+        want = _parse_cell(cell)
+        if node is KeyError or want is None or (isinstance(want, str) and not (isinstance(node, str) and cell.startswith("`"))):
+            continue  # not a key of the default config, or prose (string defaults are `quoted`)
+        checked += 1
+        same = float(want) == float(node) if isinstance(want, (int, float)) and isinstance(node, (int, float)) else want == node
+        if not same:
+            wrong.append(f"{key}: {page} says {cell}, the config has {node!r}")
+    assert checked > 10, f"parsed only {checked} rows of {page}"
+    assert not wrong, "\n".join(wrong)
