@@ -10,8 +10,8 @@ from torch import nn
 
 from dit_train.config.choices import Mode
 from dit_train.config.schema import VideoModelConfig
-from dit_train.models.fused import addcmul
-from dit_train.models.layers import Block, Conditioning, TextContext, TimestepEmbedder, modulation
+from dit_train.models.layers import Block, Conditioning, TextContext, TimestepEmbedder, modulate, modulation_tables
+from dit_train.models.recompute import recomputed_linear
 from dit_train.models.registry import ActivationModel, ModelSpec, register_model
 from dit_train.models.rope import RotaryEmbedding
 
@@ -24,7 +24,8 @@ class DiTConfig(VideoModelConfig):
 
 
 class FinalLayer(nn.Module):
-    """adaLN-modulated LayerNorm, then a projection back to patch values."""
+    """adaLN-modulated LayerNorm, then a projection back to patch values (the modulate is
+    recomputed in the projection's backward, not saved)."""
 
     def __init__(self, dim: int, out_dim: int):
         super().__init__()
@@ -33,8 +34,8 @@ class FinalLayer(nn.Module):
         self.linear = nn.Linear(dim, out_dim)
 
     def forward(self, x: torch.Tensor, cond: Conditioning) -> torch.Tensor:
-        shift, scale1p = modulation(self.adaLN_modulation(cond.per_sample), cond.index, 2, scale_at=(1,))
-        return self.linear(addcmul(shift, self.norm(x), scale1p))
+        shift, scale1p = modulation_tables(self.adaLN_modulation(cond.per_sample), 2, scale_at=(1,))
+        return recomputed_linear(self.linear, modulate(self.norm, shift, scale1p, cond.index), x)
 
 
 class VideoDiT(nn.Module):
