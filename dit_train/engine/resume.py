@@ -25,7 +25,7 @@ ALLOWED = (
     "train.keep_last", "train.resume", "train.overwrite", "train.max_skipped_steps", "train.sample_every",
     "train.num_samples", "train.sample_steps", "train.guidance_scale", "train.compile", "train.grad_accum",
     "train.micro_batch_tokens", "train.loggers", "parallel.*", "launcher.*", "model.attn_backend",
-    "model.activation_checkpointing", "data.num_workers", "data.decoded_cache_items", "data.cache_dir",
+    "model.activation_checkpointing", "model.ac_every", "data.num_workers", "data.decoded_cache_items", "data.cache_dir",
     "data.max_dropped_fraction", "train.activation_offload", "model.pretrained", "model.allow_pickle_weights",
 )
 NOTICE = {
