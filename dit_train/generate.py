@@ -26,6 +26,15 @@ def load_run(run_dir: str | Path, weights: str | Path | None = None, ema: bool =
     return cfg, model.eval()
 
 
+def _next_token(logits: torch.Tensor, top_k: int, temperature: float, gen: torch.Generator) -> torch.Tensor:
+    """[1] the next token from one position's logits [vocab]: greedy when top_k == 0, else
+    sampled among the top_k."""
+    if top_k > 0:
+        values, idx = torch.topk(logits / max(temperature, 1e-6), min(top_k, logits.numel()))
+        return idx[torch.multinomial(torch.softmax(values, -1), 1, generator=gen)]
+    return logits.argmax().view(1)
+
+
 @torch.no_grad()
 def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, top_k: int = 0, temperature: float = 1.0,
              seed: int = 0) -> list[int]:
@@ -43,10 +52,26 @@ def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, top_k: in
         pos = torch.arange(n)
         meta = VarlenLayout.build(torch.zeros(n, dtype=torch.long), pos, causal=True)
         logits = model(ids, pos[:, None], meta)[-1].float()
-        if top_k > 0:
-            values, idx = torch.topk(logits / max(temperature, 1e-6), min(top_k, logits.numel()))
-            nxt = idx[torch.multinomial(torch.softmax(values, -1), 1, generator=gen)]
-        else:
-            nxt = logits.argmax().view(1)
-        ids = torch.cat([ids, nxt.view(1)])
+        ids = torch.cat([ids, _next_token(logits, top_k, temperature, gen).view(1)])
     return ids.tolist()
+
+
+@torch.no_grad()
+def generate_batch(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, top_k: int = 0,
+                   temperature: float = 1.0, seed: int = 0) -> list[list[int]]:
+    """`generate` for several prompts at once: the sequences are packed (block-causal, one
+    sample each) so every new token costs one forward for all of them. Prompt i samples with
+    its own generator seeded seed + i. Returns each prompt followed by its continuation."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt must hold at least one token")
+    gens = [torch.Generator().manual_seed(seed + i) for i in range(len(prompts))]
+    seqs = [list(p) for p in prompts]
+    for _ in range(max_new_tokens):
+        lengths = torch.tensor([len(s) for s in seqs])
+        ids = torch.tensor([t for s in seqs for t in s], dtype=torch.long)
+        seg = torch.repeat_interleave(torch.arange(len(seqs)), lengths)
+        pos = torch.cat([torch.arange(n) for n in lengths.tolist()])
+        logits = model(ids, pos[:, None], VarlenLayout.build(seg, pos, causal=True))[lengths.cumsum(0) - 1].float()
+        for s, row, gen in zip(seqs, logits, gens):
+            s.append(int(_next_token(row, top_k, temperature, gen)))
+    return seqs

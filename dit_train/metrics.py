@@ -1,27 +1,34 @@
-"""Run outputs of rank 0: metrics.jsonl, TensorBoard events and the progress bar."""
+"""Run outputs of rank 0: metrics.jsonl, the progress bar, and the experiment trackers it feeds
+(TensorBoard, W&B, ...: dit_train/trackers)."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
+import numpy as np
 from tqdm.auto import tqdm
+
+from dit_train.trackers import Clip, Tracker, scalar_tags
+
+log = logging.getLogger(__name__)
 
 
 class MetricsLogger:
-    """Writes one JSON object per optimizer step and mirrors scalars to TensorBoard.
+    """Writes one JSON object per optimizer step and hands its scalars to every tracker.
 
     Only the main rank creates one (`enabled=False` elsewhere makes every call a no-op), so
-    ranks never race on a file.
+    ranks never race on a file. It owns the trackers it is given and closes them.
     """
 
     def __init__(self, run_dir: str | Path, total_steps: int, start_step: int = 0, enabled: bool = True,
-                 progress: bool = True, log_every: int = 10):
+                 progress: bool = True, log_every: int = 10, trackers: Sequence[Tracker] = ()):
         self.enabled = enabled
         self.log_every = max(1, log_every)
+        self.trackers = list(trackers) if enabled else []
         self._bar = None
-        self._tb = None
         self._file = None
         if not enabled:
             return
@@ -32,10 +39,6 @@ class MetricsLogger:
             drop_rows_from(path, start_step)  # steps replayed after a resume are logged once
         # append: a resumed run continues the same file
         self._file = path.open("a", buffering=1)
-        from torch.utils.tensorboard import SummaryWriter
-
-        # purge_step: TensorBoard hides the events of steps >= start written by the interrupted run
-        self._tb = SummaryWriter(log_dir=str(run_dir / "tb"), purge_step=start_step if start_step > 0 else None)
         if progress:
             self._bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
 
@@ -44,9 +47,9 @@ class MetricsLogger:
             return
         self._file.write(json.dumps(strict_json(record)) + "\n")
         step = record["step"]
-        for k, v in record.items():
-            if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
-                self._tb.add_scalar(k if "/" in k else f"train/{k}", v, step)  # eval/... keep their group
+        metrics = scalar_tags(record)
+        for tracker in self.trackers:
+            tracker.log_metrics(metrics, step)
         if self._bar is not None:
             self._bar.update(1)
             self._bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record.get('tokens_per_s', 0):.0f}",
@@ -55,14 +58,13 @@ class MetricsLogger:
             print(f"step {step}: loss {record['loss']:.4f}  grad_norm {record.get('grad_norm', float('nan')):.3f}  "
                   f"{record.get('tokens_per_s', 0):.0f} tok/s", flush=True)
 
-    @property
-    def tensorboard(self):
-        """The SummaryWriter (None on ranks other than the main one)."""
-        return self._tb
+    def log_images(self, images: dict[str, np.ndarray], step: int) -> None:
+        for tracker in self.trackers:
+            tracker.log_images(images, step)
 
-    def scalar(self, name: str, value: float, step: int) -> None:
-        if self.enabled:
-            self._tb.add_scalar(name, value, step)
+    def log_videos(self, clips: dict[str, Clip], step: int) -> None:
+        for tracker in self.trackers:
+            tracker.log_videos(clips, step)
 
     def write(self, message: str) -> None:
         if not self.enabled:
@@ -72,12 +74,17 @@ class MetricsLogger:
         else:
             print(message, flush=True)
 
-    def close(self) -> None:
+    def close(self, ok: bool = True) -> None:
+        """`ok=False`: the run failed (trackers that can mark a run failed do)."""
         if not self.enabled:
             return
         if self._bar is not None:
             self._bar.close()
-        self._tb.close()
+        for tracker in self.trackers:
+            try:
+                tracker.close(ok)
+            except Exception as err:  # the run's outcome stands; what could not be flushed is named
+                log.warning("%s could not be closed: %s: %s", type(tracker).__name__, type(err).__name__, err)
         self._file.close()
 
 

@@ -33,6 +33,33 @@ def compose_config(overrides: list[str] | None = None, cache_dir: str | None = N
     return cfg
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _worker_pools():
+    """Multi-process tests run their jobs on reusable gloo workers (tests/pool.py) instead of
+    spawning a new group each time; yields the real launcher for `real_launcher` tests."""
+    import dit_train.engine.launch as launch
+    from tests.pool import Pools
+
+    pools, real = Pools(), launch.launch_local
+    launch.launch_local = pools.launch_local
+    yield real
+    launch.launch_local = real
+    pools.close()
+
+
+@pytest.fixture(autouse=True)
+def _real_launcher_when_marked(request, _worker_pools):
+    """Tests of the launcher itself (failures, restarts) get torch elastic, not the pool."""
+    if request.node.get_closest_marker("real_launcher") is None:
+        yield
+        return
+    import dit_train.engine.launch as launch
+
+    pooled, launch.launch_local = launch.launch_local, _worker_pools
+    yield
+    launch.launch_local = pooled
+
+
 @pytest.fixture(scope="session")
 def data_cache(tmp_path_factory) -> str:
     """One cache dir for the whole session (clips are generated once)."""

@@ -60,4 +60,8 @@ def test_bench_collectives_quick(tmp_path):
 
     out = tmp_path / "c.json"
     assert main(["--quick", "--out", str(out)]) == 0
-    assert json.loads(out.read_text())["flat"]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["grad_accum"] for r in rows] == [1, 2] and rows[1]["micro_batches"] > rows[0]["micro_batches"]
+    # the gradient reductions of one step do not grow with the accumulation
+    assert rows[0]["reduce_scatter"] == rows[1]["reduce_scatter"] > 0
+    assert rows[0]["all_reduce"] == rows[1]["all_reduce"]

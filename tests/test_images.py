@@ -190,7 +190,7 @@ def test_mixed_manifest(folder, tmp_path):
 def test_embedded_set_images(tmp_path):
     plain = ensure_synthetic_videos(tmp_path, 3, 1234)
     mixed = ensure_synthetic_videos(tmp_path, 3, 1234, num_images=4)
-    assert plain.name == "synthetic_video_v1_n3_seed1234" and mixed.name == "synthetic_video_v1_n3_seed1234_img4"
+    assert plain.name == "synthetic_video_v2_n3_seed1234" and mixed.name == "synthetic_video_v2_n3_seed1234_img4"
     assert dataset_dir(tmp_path, 3, 1234, 4) == mixed
     rows = [json.loads(line) for line in (mixed / "manifest.jsonl").read_text().splitlines()]
     # the clips are the set without images, listed first (their sample ids do not move)

@@ -10,7 +10,7 @@ from dit_train.perf.flops import train_flops
 from dit_train.perf.memory import GIB, MemoryEstimate, calibrate_block, estimate_memory, model_shape
 from dit_train.perf.planner import Candidate, Layout, Workload, check_layout, factorizations, plan
 from dit_train.parallel.mesh import ParallelDims
-from tests.conftest import compose_config
+from tests.conftest import CONF, compose_config
 
 
 def layout(dp_replicate, dp_shard, cp_ulysses, cp_ring, mbt, ga, ac) -> Layout:
@@ -128,3 +128,25 @@ def test_plan_runs_as_module_from_any_directory(tmp_path):
                        cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "best: parallel." in r.stdout and "dim=32" in r.stdout
+
+
+def test_every_registered_model_plans_and_calibrates():
+    """Each model in the registry (its conf/model/*.yaml presets) goes through the planner, and
+    the memory model's activation coefficients of its small presets match autograd's saved
+    tensors (a new model must declare them right)."""
+    from dit_train.models import MODELS
+
+    presets = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
+    seen = set()
+    for preset in presets:
+        mode = ["mode=llm"] if preset.startswith("lm") else []
+        cfg = compose_config([*mode, f"model={preset}"])
+        seen.add(cfg.model.name)
+        work = Workload(8, 4096, 2048)
+        cands, _ = plan(cfg, 8, 80 * GIB, work, backend="flash")
+        assert cands, preset
+        if preset.endswith("tiny"):
+            for precision in ("fp32", "bf16"):
+                r = calibrate_block(cfg.model, tokens=192, precision=precision)
+                assert abs(r["rel_error"]) < 0.06, (preset, precision, r)
+    assert seen == set(MODELS.names())

@@ -46,6 +46,14 @@ def test_prompts_become_clips_of_the_asked_size_with_scores(trained_run, tmp_pat
     assert not torch.equal(no_ema["prompt_0_0"], got["prompt_0_0"])
 
 
+def test_shift_comes_from_the_run_unless_given(trained_run, tmp_path):
+    base, info = _sample(trained_run, tmp_path / "a", "--steps", "2")
+    assert info["shifts"] == [1.0] * 4  # the run trained with loss.timestep_shift=1
+    shifted, info = _sample(trained_run, tmp_path / "b", "--steps", "2", "--shift", "3")
+    assert info["shifts"] == [3.0] * 4
+    assert not torch.equal(base["prompt_0_0"], shifted["prompt_0_0"])
+
+
 @pytest.mark.slow
 def test_sampling_on_two_workers_matches_one_process(trained_run, tmp_path):
     one, _ = _sample(trained_run, tmp_path / "one")
@@ -59,5 +67,6 @@ def test_bad_requests_are_one_error_line(trained_run, tmp_path, capsys):
 
     assert main([str(trained_run), "--prompt", "x", "--guidance", "0.5"]) == 2
     assert main([str(tmp_path), "--prompt", "x"]) == 2
+    assert main([str(trained_run), "--prompt", "x", "--shift", "0"]) == 2
     err = capsys.readouterr().err
-    assert err.count("error:") == 2 and "guidance" in err and "config.yaml" in err
+    assert err.count("error:") == 3 and "guidance" in err and "config.yaml" in err and "--shift=0.0" in err

@@ -259,7 +259,10 @@ def _count_reads(cfg):
         return original(*a, **kw)
 
     wan_module.read_pretrained = counting
-    run = build_run(cfg)
+    try:
+        run = build_run(cfg)
+    finally:
+        wan_module.read_pretrained = original  # the worker may serve later jobs (tests/pool.py)
     return {"reads": reads["n"], "weights": full_state_dict(run.model)}
 
 

@@ -95,8 +95,13 @@ def to_yaml(cfg: Config) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
 
+def to_dict(cfg: Config) -> dict[str, Any]:
+    """The config as plain data (nested dicts, lists, strings for choices), e.g. for a tracker."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+
+
 __all__ = [
     "PARALLEL_DEGREES", "TRAIN_LAYOUT_KEYS", "Choice", "Config", "DataConfig", "LauncherConfig", "LoraConfig", "LossConfig", "Mode",
     "ModelConfig", "OptimConfig", "ParallelConfig", "TrainConfig", "VideoModelConfig", "compose", "config_dir",
-    "load_config", "parallel_layout_keys", "register_configs", "to_config", "to_yaml",
+    "load_config", "parallel_layout_keys", "register_configs", "to_config", "to_dict", "to_yaml",
 ]

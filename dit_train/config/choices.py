@@ -61,6 +61,14 @@ class TimestepSampling(Choice):
     uniform = "uniform"
 
 
+class LossWeighting(Choice):
+    """w(t) multiplying each token's flow-matching loss (diffusers' compute_loss_weighting_for_sd3)."""
+
+    none = "none"  # w = 1
+    sigma_sqrt = "sigma_sqrt"  # w = 1/t² (diffusers' name; large near t = 0)
+    cosmap = "cosmap"  # w = 2 / (π·(1 − 2t + 2t²)), SD3's CosMap
+
+
 class OptimName(Choice):
     adamw = "adamw"
     sgd = "sgd"
@@ -110,3 +118,10 @@ class ActivationCheckpointing(Choice):
         except ValueError:
             raise ValueError(f"model.activation_checkpointing={value!r} must be one of {', '.join(cls.values())} "
                              f"(or true = full, false = none)") from None
+
+
+class WandbMode(Choice):
+    auto = "auto"  # online when W&B credentials are configured and its server answers, else offline
+    online = "online"
+    offline = "offline"  # files under <run folder>/wandb/, uploaded later with `wandb sync`
+    disabled = "disabled"  # wandb's own no-op run

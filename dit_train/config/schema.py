@@ -21,12 +21,14 @@ from dit_train.config.choices import (
     Device,
     DPMode,
     InitScheme,
+    LossWeighting,
     Mode,
     OptimName,
     Precision,
     Reduction,
     Schedule,
     TimestepSampling,
+    WandbMode,
 )
 
 # The parallel degrees, outermost mesh dimension first; world size = their product. Ulysses
@@ -148,6 +150,12 @@ class LossConfig:
     timestep_sampling: TimestepSampling = TimestepSampling.logit_normal  # how the flow time t is drawn
     logit_mean: float = 0.0  # logit-normal t: mean of the logit
     logit_std: float = 1.0  # logit-normal t: std of the logit
+    # shift of the drawn t: t' = s·t/(1 + (s−1)·t) (SD3/Wan; > 1 = more time at high noise; 1 = off);
+    # validation and the sample tool sample with the same shift (diffusers' scheduler `shift`)
+    timestep_shift: float = 1.0
+    # resolution-dependent shift: a sample of T_b tokens uses timestep_shift·sqrt(T_b / this) (SD3); 0 = off
+    shift_reference_tokens: int = 0
+    weighting: LossWeighting = LossWeighting.none  # none | sigma_sqrt | cosmap: w(t) times each token's loss
 
 
 @dataclass
@@ -194,6 +202,10 @@ class TrainConfig:
     num_samples: int = 2  # clips per validation (the first readable clips: their sizes and captions)
     sample_steps: int = 20  # Euler steps of the flow-matching sampler
     guidance_scale: float = 1.0  # classifier-free guidance of validation videos (needs captions); 1 = off
+    # experiment trackers fed by rank 0 besides metrics.jsonl (dit_train/trackers): tensorboard | wandb
+    loggers: List[str] = field(default_factory=lambda: ["tensorboard"])
+    wandb_project: str = "dit_train"  # W&B project (train.loggers with wandb)
+    wandb_mode: WandbMode = WandbMode.auto  # auto | online | offline | disabled
 
 
 AUTO_MICRO_BATCH_TOKENS = 2048

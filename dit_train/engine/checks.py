@@ -88,9 +88,19 @@ def _train(cfg: Config, e: list[str]) -> None:
     _check(not (cfg.launcher.max_restarts > 0 and t.ckpt_every == 0),
            "launcher.max_restarts > 0 restarts from the latest checkpoint, but train.ckpt_every=0 writes none; "
            "set train.ckpt_every (e.g. 100)", e)
+    from dit_train.trackers import tracker_errors
+
+    e.extend(tracker_errors(list(t.loggers)))
     _check(o.lr > 0, f"optim.lr={o.lr} must be > 0", e)
     _check(o.max_grad_norm >= 0, f"optim.max_grad_norm={o.max_grad_norm} must be >= 0 (0 disables clipping)", e)
     _check(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), f"optim.betas={list(o.betas)} must be two values in [0, 1)", e)
+
+
+def _loss(cfg: Config, e: list[str]) -> None:
+    lc = cfg.loss
+    _check(lc.timestep_shift > 0, f"loss.timestep_shift={lc.timestep_shift} must be > 0 (1 = no shift)", e)
+    _check(lc.shift_reference_tokens >= 0, f"loss.shift_reference_tokens={lc.shift_reference_tokens} must be >= 0 "
+           f"(0 = the same shift for every sample)", e)
 
 
 def _model_and_data(cfg: Config, e: list[str]) -> None:
@@ -127,6 +137,10 @@ def warnings_for(cfg: Config) -> list[str]:
     if t.guidance_scale > 1 and t.sample_every > 0 and getattr(m, "text_dim", 0) and cfg.data.caption_dropout <= 0:
         w.append(f"train.guidance_scale={t.guidance_scale:g} with data.caption_dropout=0: the model never learns the "
                  f"empty caption that guidance contrasts with; set data.caption_dropout=0.1")
+    lc = cfg.loss
+    if cfg.mode != "video" and (lc.timestep_shift != 1 or lc.shift_reference_tokens or lc.weighting != "none"):
+        w.append(f"loss.timestep_shift, loss.shift_reference_tokens and loss.weighting shape the flow-matching loss "
+                 f"(mode=video); mode={cfg.mode} ignores them")
     return w
 
 
@@ -141,6 +155,7 @@ def check_config(cfg: Config, world_size: int | None = None) -> None:
     e = choice_errors(cfg, "")
     _parallel(cfg, world_size, e)
     _train(cfg, e)
+    _loss(cfg, e)
     _model_and_data(cfg, e)
     if e:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(e))

@@ -24,10 +24,18 @@ ALLOWED = (
     "run_dir", "train.steps", "train.log_every", "train.progress", "train.save_weights", "train.ckpt_every",
     "train.keep_last", "train.resume", "train.overwrite", "train.max_skipped_steps", "train.sample_every",
     "train.num_samples", "train.sample_steps", "train.guidance_scale", "train.compile", "train.grad_accum",
-    "train.micro_batch_tokens", "train.loggers", "parallel.*", "launcher.*", "model.attn_backend",
+    "train.micro_batch_tokens", "train.loggers", "train.wandb_project", "train.wandb_mode", "parallel.*",
+    "launcher.*", "model.attn_backend",
     "model.activation_checkpointing", "model.ac_every", "data.num_workers", "data.decoded_cache_items", "data.cache_dir",
     "data.max_dropped_fraction", "train.activation_offload", "model.pretrained", "model.allow_pickle_weights",
 )
+# Refused like any unlisted key, named here because the choice was made, not defaulted: the
+# loss keys define the objective. A shift or weighting changed mid-run would also change what
+# the logged loss and eval_loss measure from the resumed step on (cosmap scales it by up to 4/π,
+# sigma_sqrt by 1/t²), and the run's config.yaml would no longer describe its weights. A
+# staged schedule (e.g. a larger shift for a higher-resolution stage) is a new run folder.
+REFUSED = ("loss.reduction", "loss.timestep_sampling", "loss.logit_mean", "loss.logit_std", "loss.timestep_shift",
+           "loss.shift_reference_tokens", "loss.weighting")
 NOTICE = {
     "optim.lr": "the new peak LR replaces the old one from the resumed step on (same schedule shape: "
                 "LR(step) = new optim.lr x schedule factor)",
@@ -80,6 +88,8 @@ def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def classify(key: str) -> str:
+    if key in REFUSED:
+        return "refused"
     if any(fnmatch(key, pattern) for pattern in ALLOWED):
         return "allowed"
     if key in NOTICE:

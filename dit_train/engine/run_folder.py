@@ -33,8 +33,8 @@ from dit_train.engine.checks import ConfigError
 log = logging.getLogger(__name__)
 
 # what a finished or running training leaves in its folder (Hydra's own .hydra/ and logs don't count)
-RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tb", "samples", "weights.safetensors", "weights_ema.safetensors",
-               "summary.json", "config.yaml", "run.json", "lora", "lora_ema")
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tb", "wandb", "samples", "weights.safetensors",
+               "weights_ema.safetensors", "summary.json", "config.yaml", "run.json", "lora", "lora_ema")
 
 
 class RunFolderError(ConfigError):

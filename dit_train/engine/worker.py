@@ -10,12 +10,13 @@ from typing import Any
 
 from dit_train.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
 from dit_train.checkpoint.export import export_run_weights
-from dit_train.config import Config, to_yaml
+from dit_train.config import Config, to_dict, to_yaml
 from dit_train.engine.build import Run, build_run
 from dit_train.engine.resume import apply_optimizer_settings
 from dit_train.engine.run_folder import RunFolderError, open_run_folder, run_id_of
 from dit_train.metrics import MetricsLogger
 from dit_train.parallel.mesh import ParallelContext, init_parallel
+from dit_train.trackers import TrackedRun, open_trackers
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +61,9 @@ class Validation:
         requests = dataset_requests(task, t.num_samples, lambda i: self.source.fps(inner, i),
                                     lambda i: self.source.is_still(inner, i))
         null = task.null_caption() if task.text_dim else None
+        # the training shift: validation samples from the noise levels the model was trained on
         self.sampler = VideoSampler(requests, task.patch, task.text_dim, null, run.ctx, t.sample_steps,
-                                    t.guidance_scale, t.seed)
+                                    t.guidance_scale, t.seed, cfg.loss.timestep_shift, cfg.loss.shift_reference_tokens)
         self.decode = None
         if cfg.data.name == "latent_cache" and run.ctx.is_main:  # rank 0 alone decodes (it alone writes)
             from data_pipelines.latent_cache import load_decoder
@@ -74,8 +76,9 @@ class Validation:
             real = scored_view(requests, [task.dataset[r.noise_id].pixels for r in requests])
             self.reference = self.source.score(real, [r.caption for r in requests]) or {}
 
-    def __call__(self, run_dir: Path, step: int, tb: Any = None) -> tuple[Path | None, dict[str, float]]:
-        """Sample (from the EMA weights when EMA is on); rank 0 writes. Returns (folder, eval figures)."""
+    def __call__(self, run_dir: Path, step: int, trackers: Any = None) -> tuple[Path | None, dict[str, float]]:
+        """Sample (from the EMA weights when EMA is on); rank 0 writes and hands the grid and clips
+        to the trackers. Returns (folder, eval figures)."""
         import contextlib
 
         from dit_train.sampling import scored_view, to_pixels, write_samples
@@ -90,8 +93,10 @@ class Validation:
         requests = self.sampler.requests
         scores = self.source.score(scored_view(requests, pixels), [r.caption for r in requests]) or {}
         info = {"step": step + 1, "weights": "ema" if run.ema is not None else "training",
-                "sample_steps": self.steps, "guidance_scale": self.guidance, "scores": scores}
-        out = write_samples(run_dir / "samples" / f"step_{step + 1:06d}", self.sampler.requests, pixels, info, tb, step)
+                "sample_steps": self.steps, "guidance_scale": self.guidance, "shifts": self.sampler.shifts,
+                "scores": scores}
+        out = write_samples(run_dir / "samples" / f"step_{step + 1:06d}", self.sampler.requests, pixels, info, trackers,
+                            step)
         return out, scores
 
 
@@ -187,7 +192,9 @@ def train(cfg: Config, ctx: ParallelContext | None = None, claimed: bool = False
     if validation is not None and validation.reference:
         (run_dir / "samples").mkdir(parents=True, exist_ok=True)
         (run_dir / "samples" / "reference.json").write_text(json.dumps(validation.reference, indent=2))
-    logger = MetricsLogger(run_dir, t.steps, start, enabled=ctx.is_main, progress=t.progress, log_every=t.log_every)
+    trackers = open_trackers(t, TrackedRun(run_dir, run_id, start, to_dict(cfg))) if ctx.is_main else []
+    logger = MetricsLogger(run_dir, t.steps, start, enabled=ctx.is_main, progress=t.progress, log_every=t.log_every,
+                           trackers=trackers)
     logger.write(f"run folder: {run_dir}" + (f" (resumed from {ckpt} at step {start})" if ckpt is not None else ""))
     if validation is not None and validation.reference:
         logger.write(f"quality of the real validation clips (the reference): {format_scores(validation.reference)}")
@@ -213,7 +220,7 @@ def train(cfg: Config, ctx: ParallelContext | None = None, claimed: bool = False
             if run.heldout is not None and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
                 record.update(trainer.heldout_loss(run.heldout))
             if validation is not None and ((step + 1) % t.sample_every == 0 or step + 1 == t.steps):
-                out, scores = validation(run_dir, step, logger.tensorboard)
+                out, scores = validation(run_dir, step, logger)
                 record.update(scores)
                 if out is not None:
                     logger.write(f"validation videos ({'EMA' if run.ema else 'training'} weights): {out}"
@@ -242,5 +249,5 @@ def train(cfg: Config, ctx: ParallelContext | None = None, claimed: bool = False
         if ctx.is_main:
             (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         logger.write(f"{'finished' if error is None else 'FAILED'}: {run_dir}")
-        logger.close()
+        logger.close(ok=error is None)
     return summary

@@ -6,6 +6,10 @@ Two small integer all-reduces, whatever the number of samples or micro-batches:
      vector -> T_b (a sample split across CP ranks is counted in full, once);
   2. across DP only: [B_local, N_local·cp-summed] -> B_global, N_global (CP ranks of a group
      hold the same samples, so summing B over CP would count them cp times).
+
+Losses that need a statistic of a whole sequence (DPO's per-sequence log-prob sum) add one
+more small collective, the statistics sync (`sync_sequence_sums`): detached per-sequence sums
+over the world group, before the backward. Loss functions themselves never communicate.
 """
 from __future__ import annotations
 
@@ -43,3 +47,23 @@ def sync_counts(batches: list[PackedBatch], cp_group: dist.ProcessGroup | None, 
         local_tokens=[int(b.valid.sum()) for b in batches],
         world=world,
     )
+
+
+def sync_sequence_sums(partial: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The statistics sync: per-sequence (or per-token) values from the parts each rank holds.
+
+    A call's sequences are spread over the DP ranks and split over the CP ranks, so a statistic
+    of a whole sequence (DPO's Σ_t w·log p, a gathered log-prob) is a sum of parts held by
+    different ranks. partial: [S] float64, entry s = this rank's part of value s (0 where it
+    holds none of it). group: the world group (DP × CP; None for one process). Returns the same
+    tensor, summed in place over the group: the full values, identical on every rank.
+
+    Detached on purpose: a statistic enters the loss as a constant coefficient (see
+    dit_train/posttrain/losses.py), so no gradient ever crosses ranks through it. One
+    all-reduce, whatever the number of sequences.
+    """
+    if partial.requires_grad:
+        raise ValueError("sync_sequence_sums takes detached values (statistics enter losses as constants)")
+    if group is not None:
+        dist.all_reduce(partial, op=dist.ReduceOp.SUM, group=group)
+    return partial

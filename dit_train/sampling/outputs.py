@@ -6,11 +6,11 @@
     <out>/<key>.mp4             one video per clip at the data's frame rate
     <out>/grid.png              a row per clip (its caption above it), frames left to right
     <out>/info.json             which weights, step, sampler settings, and the quality figures
-TensorBoard (optional): the grid as an image and each clip as an animated GIF.
+Trackers (optional, dit_train/trackers): the grid as the image `samples/grid` and each clip
+(its mp4 when one was written) as the video `samples/<key>`.
 """
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 from typing import Any, Callable
@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from dit_train.sampling.sampler import SampleRequest
+from dit_train.trackers.base import Clip
 
 
 def to_pixels(clips: list[torch.Tensor], decode: Callable[[torch.Tensor], torch.Tensor] | None) -> list[torch.Tensor]:
@@ -68,29 +69,11 @@ def frame_grid(clips: list[np.ndarray], captions: list[str] | None = None, max_c
     return np.asarray(pil)
 
 
-def gif_bytes(frames: np.ndarray, fps: float) -> bytes:
-    """uint8 [F, H, W, 3] -> an animated GIF."""
-    from PIL import Image
-
-    images = [Image.fromarray(f) for f in frames]
-    buf = io.BytesIO()
-    images[0].save(buf, format="GIF", save_all=True, append_images=images[1:], duration=int(1000 / max(fps, 1)), loop=0)
-    return buf.getvalue()
-
-
-def add_gif(tb: Any, tag: str, frames: np.ndarray, fps: float, step: int) -> None:
-    """An animated clip in TensorBoard's image tab, without moviepy (what add_video needs)."""
-    from tensorboard.compat.proto.summary_pb2 import Summary
-
-    F, H, W, _ = frames.shape
-    image = Summary.Image(height=H, width=W, colorspace=3, encoded_image_string=gif_bytes(frames, fps))
-    tb._get_file_writer().add_summary(Summary(value=[Summary.Value(tag=tag, image=image)]), step)
-
-
 def write_samples(out_dir: Path, requests: list[SampleRequest], pixels: list[torch.Tensor], info: dict | None = None,
-                  tb: Any = None, step: int = 0, max_videos: int = 0) -> Path:
-    """Write every output listed in the module docstring; `max_videos` > 0 caps the mp4/GIF count
-    (the safetensors and the grid always hold every clip)."""
+                  trackers: Any = None, step: int = 0, max_videos: int = 0) -> Path:
+    """Write every output listed in the module docstring; `max_videos` > 0 caps the mp4 count and
+    the clips given to the trackers (the safetensors and the grid always hold every clip).
+    `trackers`: anything with `log_images` / `log_videos` (a MetricsLogger, a Tracker)."""
     from PIL import Image
     from safetensors.torch import save_file
 
@@ -101,14 +84,15 @@ def write_samples(out_dir: Path, requests: list[SampleRequest], pixels: list[tor
     (out_dir / "captions.json").write_text(json.dumps({r.key: r.caption for r in requests}, indent=2))
     (out_dir / "info.json").write_text(json.dumps(info or {}, indent=2))
     frames = [to_uint8_frames(p) for p in pixels]
+    clips = {}
     for k, (r, f) in enumerate(zip(requests, frames)):
         if max_videos and k >= max_videos:
             break
         write_mp4(out_dir / f"{r.key}.mp4", _even(f), fps=max(1, round(r.fps)))
-        if tb is not None:
-            add_gif(tb, f"samples/{r.key}", f, r.fps, step)
+        clips[f"samples/{r.key}"] = Clip(f, r.fps, r.caption, out_dir / f"{r.key}.mp4")
     grid = frame_grid(frames, [r.caption for r in requests])
     Image.fromarray(grid).save(out_dir / "grid.png")
-    if tb is not None:
-        tb.add_image("samples/grid", grid, step, dataformats="HWC")
+    if trackers is not None:
+        trackers.log_images({"samples/grid": grid}, step)
+        trackers.log_videos(clips, step)
     return out_dir

@@ -7,7 +7,9 @@ a clip shape, a caption (and its embedding) and a noise id. Validation takes the
 validations are comparable; `python -m dit_train.tools.sample` takes the user's prompts. The
 starting noise of a request comes from the "sampling" random stream of (seed, noise id): any
 layout produces the same videos. The time grid and the Euler update are diffusers'
-`FlowMatchEulerDiscreteScheduler` (sigma = our t, timestep = 1000·t, x ← x + (σ' − σ)·v).
+`FlowMatchEulerDiscreteScheduler` (sigma = our t, timestep = 1000·t, x ← x + (σ' − σ)·v),
+shifted like training (`loss.timestep_shift`, and with `loss.shift_reference_tokens` each
+clip by the shift of its own token count: see `schedulers`).
 With `guidance_scale` > 1 and captions, each clip is packed twice — with its caption and with
 the empty caption — and v = v_uncond + g·(v_cond − v_uncond) (classifier-free guidance).
 """
@@ -24,11 +26,12 @@ import torch
 import torch.distributed as dist
 
 from dit_train.batch import PackedBatch
+from dit_train.objectives.flow_matching import sample_shift
 from dit_train.parallel.context_parallel import split_for_cp
 from dit_train.parallel.mesh import ParallelContext
 from dit_train.rng import sample_generator
 from dit_train.tasks.captions import pad_contexts
-from dit_train.tasks.video import model_context, pack_clips, unpatchify
+from dit_train.tasks.video import model_context, num_patches, pack_clips, unpatchify
 from kernels import VarlenLayout
 
 log = logging.getLogger(__name__)
@@ -112,23 +115,46 @@ class VideoSampler:
 
     patch: the model's (pt, ph, pw); text_dim: caption width (0 = unconditional);
     null_caption: [Lt, text_dim] embedding of the empty caption (the CFG negative).
+    shift, shift_reference_tokens: the run's loss.timestep_shift and loss.shift_reference_tokens;
+    clip k samples with shifts[k] = sample_shift(shift, shift_reference_tokens, its tokens).
     """
 
     def __init__(self, requests: list[SampleRequest], patch: tuple[int, int, int], text_dim: int,
                  null_caption: torch.Tensor | None, ctx: ParallelContext, steps: int, guidance_scale: float,
-                 seed: int, shift: float = 1.0):
+                 seed: int, shift: float = 1.0, shift_reference_tokens: int = 0):
         from diffusers import FlowMatchEulerDiscreteScheduler
 
         self.requests, self.patch, self.text_dim, self.null_caption = requests, tuple(patch), text_dim, null_caption
         self.ctx, self.steps, self.guidance, self.seed, self.shift = ctx, steps, guidance_scale, seed, shift
+        self.shifts = [sample_shift(shift, shift_reference_tokens, num_patches(r.shape, self.patch)) for r in requests]
         self.scheduler_cls = FlowMatchEulerDiscreteScheduler
+
+    def schedulers(self) -> list[Any]:
+        """One diffusers scheduler per clip (each keeps its own step counter), set to `steps`.
+
+        Every clip starts from the same unshifted grid (diffusers' shift-1 grid: `steps` values
+        from 1 down to 1/1000) and its scheduler applies the clip's shift to it, so the sigmas are
+        exactly shift_timestep(grid, shifts[k]) — the training map. The grid is passed
+        explicitly because diffusers' default `set_timesteps(n)` with shift ≠ 1 starts from an
+        already shifted lower end (its sigma_min is shifted in __init__) and so shifts that end
+        twice. With shift 1 the sigmas are the default ones, bit for bit.
+        """
+        plain = self.scheduler_cls(num_train_timesteps=1000)
+        plain.set_timesteps(self.steps)
+        grid = plain.sigmas[:-1].tolist()  # decreasing from 1, without the final 0
+        out = []
+        for s in self.shifts:
+            sched = self.scheduler_cls(num_train_timesteps=1000, shift=s)
+            sched.set_timesteps(sigmas=grid)
+            out.append(sched)
+        return out
 
     def _grid(self, shape: torch.Size) -> tuple[int, int, int]:
         pt, ph, pw = self.patch
         return shape[1] // pt, shape[2] // ph, shape[3] // pw
 
-    def _pack(self, xs: list[torch.Tensor], t: float, ctxs: list[torch.Tensor] | None) -> PackedBatch:
-        samples = {"t": torch.full((len(xs),), t, dtype=torch.float32)}
+    def _pack(self, xs: list[torch.Tensor], ts: list[float], ctxs: list[torch.Tensor] | None) -> PackedBatch:
+        samples = {"t": torch.tensor(ts, dtype=torch.float32)}
         if ctxs is not None:
             samples["context"], samples["context_len"] = pad_contexts(ctxs, self.text_dim)
         patch_dim = xs[0].shape[0] * math.prod(self.patch)
@@ -145,18 +171,16 @@ class VideoSampler:
             ctxs = [r.context for r in self.requests]
             if cfg:
                 ctxs = ctxs + [self.null_caption] * len(ctxs)
-        # one scheduler per clip: diffusers' schedulers keep a step counter per trajectory
-        scheds = [self.scheduler_cls(num_train_timesteps=1000, shift=self.shift) for _ in xs]
-        for s in scheds:
-            s.set_timesteps(self.steps)
-        sigmas = scheds[0].sigmas.tolist()  # decreasing from 1 to 0, steps + 1 values
+        scheds = self.schedulers()
+        sigmas = [s.sigmas.tolist() for s in scheds]  # per clip: decreasing from 1 to 0, steps + 1 values
         was_training = model.training
         model.eval()
         n = len(xs)
         sizes = [math.prod(self._grid(x.shape)) for x in xs]
         offsets = np.cumsum([0] + (sizes + sizes if cfg else sizes)).tolist()
-        for i, timestep in enumerate(scheds[0].timesteps):
-            batch = self._pack(xs + xs if cfg else xs, sigmas[i], ctxs)
+        for i in range(self.steps):
+            ts = [sig[i] for sig in sigmas]  # each clip's own noise level (they differ with per-clip shifts)
+            batch = self._pack(xs + xs if cfg else xs, ts + ts if cfg else ts, ctxs)
             with autocast():
                 v = predict_velocity(model, batch, self.ctx).cpu()
             for k in range(n):
@@ -165,6 +189,6 @@ class VideoSampler:
                     vu = v[offsets[n + k]:offsets[n + k + 1]]
                     vk = vu + self.guidance * (vk - vu)
                 vel = unpatchify(vk, self._grid(xs[k].shape), self.patch, xs[k].shape[0])
-                xs[k] = scheds[k].step(vel, timestep, xs[k]).prev_sample  # x + (σ_next − σ)·v
+                xs[k] = scheds[k].step(vel, scheds[k].timesteps[i], xs[k]).prev_sample  # x + (σ_next − σ)·v
         model.train(was_training)
         return xs

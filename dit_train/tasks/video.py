@@ -11,7 +11,7 @@ from torch import nn
 from data_pipelines.video_io import VideoReadError
 from dit_train.batch import PackedBatch
 from dit_train.config import LossConfig, ModelConfig
-from dit_train.objectives.flow_matching import noisy_sample, per_token_mse
+from dit_train.objectives.flow_matching import loss_weight, noisy_sample, per_token_mse, sample_shift
 from dit_train.tasks.captions import ByteCaptionEncoder, drop_caption, pad_contexts
 
 
@@ -24,6 +24,13 @@ def patchify(x: torch.Tensor, patch: tuple[int, int, int]) -> tuple[torch.Tensor
     tokens = rearrange(x, "c (f pt) (h ph) (w pw) -> (f h w) (c pt ph pw)", pt=pt, ph=ph, pw=pw)
     grid = torch.stack(torch.meshgrid(torch.arange(f), torch.arange(h), torch.arange(w), indexing="ij"), dim=-1)
     return tokens, grid.reshape(-1, 3)
+
+
+def num_patches(shape: tuple[int, ...] | torch.Size, patch: tuple[int, int, int]) -> int:
+    """Tokens of a [C, F, H, W] clip once patchified (each side cut down to the patch)."""
+    _, F, H, W = shape
+    pt, ph, pw = patch
+    return (F // pt) * (H // ph) * (W // pw)
 
 
 def unpatchify(tokens: torch.Tensor, grid: tuple[int, int, int], patch: tuple[int, int, int], channels: int) -> torch.Tensor:
@@ -114,6 +121,7 @@ class VideoTask:
         """The full (un-split) pack of `sample_ids` at `step`, on the CPU."""
         xs, targets, ts, ctx = [], [], [], []
         kept = []
+        lc = self.loss_cfg
         for sid in sample_ids:
             try:
                 item = self.dataset[sid]
@@ -127,7 +135,9 @@ class VideoTask:
                 self.failed.add(sid)
                 continue
             kept.append(sid)
-            xt, v, t = noisy_sample(x0, self.seed, sid, step, self.loss_cfg)
+            # the shift of this sample follows from its own size (never the pack's): exact
+            shift = sample_shift(lc.timestep_shift, lc.shift_reference_tokens, num_patches(x0.shape, self.patch))
+            xt, v, t = noisy_sample(x0, self.seed, sid, step, lc, shift)
             xs.append(xt)
             targets.append(v)
             ts.append(t)
@@ -141,9 +151,17 @@ class VideoTask:
                           torch.tensor(kept, dtype=torch.long))
 
     def per_token_loss(self, model: nn.Module, batch: PackedBatch, attn_meta: Any) -> torch.Tensor:
-        """[L_local] MSE of the predicted velocity of each local token."""
-        pred = model(batch.tokens["x"], batch.pos, batch.seg, batch.samples["t"], attn_meta, **model_context(batch))
-        return per_token_mse(pred, batch.tokens["target"])
+        """[L_local] MSE of the predicted velocity of each local token, times w(t_b) of its sample
+        (`loss.weighting`). The weight is a function of the sample's t alone, applied before the
+        reduction's weights, so the reduction and its exactness are unchanged."""
+        t = batch.samples["t"]
+        pred = model(batch.tokens["x"], batch.pos, batch.seg, t, attn_meta, **model_context(batch))
+        loss = per_token_mse(pred, batch.tokens["target"])
+        if self.loss_cfg.weighting == "none":
+            return loss
+        # w[seg]: padding tokens (seg -1) pick the appended 1 (their reduction weight is 0 anyway)
+        w = torch.cat([loss_weight(t, self.loss_cfg.weighting).to(loss.device), loss.new_ones(1)])
+        return loss * w[batch.seg]
 
 
 def model_context(batch: PackedBatch) -> dict[str, torch.Tensor]:

@@ -4,9 +4,12 @@
         --frames 16 --height 32 --width 64 --steps 30 --guidance 3 --seed 0 --num 4
     python -m dit_train.tools.sample RUN_DIR --prompt "..." --prompt "..." --no-ema --out my_samples/
     python -m dit_train.tools.sample RUN_DIR --prompt "..." --layout cp_ulysses=2      # 2 local workers, context parallel
+    python -m dit_train.tools.sample RUN_DIR --prompt "..." --shift 3                   # another timestep shift
 
 Weights: the run's EMA weights (weights_ema.safetensors) when it has them, else
 weights.safetensors; `--no-ema` forces the training weights, `--ema` requires the EMA ones.
+The time grid is shifted like the run's training (loss.timestep_shift, and per clip size with
+loss.shift_reference_tokens); `--shift S` samples every clip with shift S instead.
 A run dir without exported weights uses its newest checkpoint. Prompts are encoded the way the
 run's data was (byte embeddings on pixel data; the cache's text encoder for latent-cache runs,
 whose samples are decoded with the cache's VAE). Output (default RUN_DIR/generated/<time>/):
@@ -62,19 +65,23 @@ def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, 
     load_full_weights(model, state_dict)
     space = prompt_space(cfg, ctx.device)
     requests = prompt_requests(space, args.prompt, args.num, args.frames, args.height, args.width)
+    # the run's training shift (per clip size with loss.shift_reference_tokens) ...
+    shift, reference = cfg.loss.timestep_shift, cfg.loss.shift_reference_tokens
+    if args.shift is not None:  # ... unless --shift names one for every clip
+        shift, reference = args.shift, 0
     sampler = VideoSampler(requests, tuple(cfg.model.patch_size), getattr(cfg.model, "text_dim", 0), space.null, ctx,
-                           args.steps, args.guidance, args.seed)
+                           args.steps, args.guidance, args.seed, shift, reference)
     clips = sampler.sample(model, lambda: autocast(cfg.train.precision, ctx.device, False))
     if not ctx.is_main:
         return None
     pixels = to_pixels(clips, space.decode)
     try:
-        source = source_for(cfg.data, cfg.model)
-        scores = source.score(scored_view(requests, pixels), [r.caption for r in requests]) or {}
+        data_source = source_for(cfg.data, cfg.model)
+        scores = data_source.score(scored_view(requests, pixels), [r.caption for r in requests]) or {}
     except ValueError:
         scores = {}
     info = {"weights": source, "prompts": args.prompt, "num": args.num, "steps": args.steps,
-            "guidance_scale": args.guidance, "seed": args.seed, "scores": scores}
+            "guidance_scale": args.guidance, "seed": args.seed, "shifts": sampler.shifts, "scores": scores}
     write_samples(Path(out_dir), requests, pixels, info)
     return scores
 
@@ -91,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=30, help="Euler steps of the flow-matching sampler")
     ap.add_argument("--guidance", type=float, default=3.0, help="classifier-free guidance scale (1 = off)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--shift", type=float, default=None,
+                    help="timestep shift of every clip (default: the run's loss.timestep_shift, per clip with "
+                         "loss.shift_reference_tokens)")
     ema = ap.add_mutually_exclusive_group()
     ema.add_argument("--ema", dest="ema", action="store_true", default=None, help="require the EMA weights")
     ema.add_argument("--no-ema", dest="ema", action="store_false", help="use the training weights")
@@ -109,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"{args.run_dir} trained mode={cfg.mode}; for text use python -m dit_train.tools.generate")
         if args.num < 1 or args.steps < 1 or args.guidance < 1:
             raise ValueError("--num and --steps must be >= 1 and --guidance >= 1")
+        if args.shift is not None and not args.shift > 0:
+            raise ValueError(f"--shift={args.shift} must be > 0 (1 = no shift)")
         cfg = apply_layout(cfg, parse_layout(args.layout))
         cfg.parallel.device = args.device
         if hasattr(cfg.model, "pretrained"):

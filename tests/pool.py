@@ -1,0 +1,117 @@
+"""Reusable local gloo workers for the test suite.
+
+Spawning workers (a Python per rank importing torch and dit_train) costs more than the tiny
+runs the multi-process tests do, and the suite launches dozens of them. `WorkerPool` keeps one
+group of `world` processes with an initialised gloo process group alive for the session and
+runs each job `fn(*args)` on all of them, exactly like `dit_train.engine.launch.launch_local`
+(same environment variables, same return value {rank: result}). Jobs make their own device
+meshes (new subgroups of the same world), so layouts of one world size run in the same pool.
+
+A job that raises on any rank fails the call with that rank's traceback, and the pool is
+replaced (a rank may be stuck in a collective its peers never entered; the short collective
+timeout frees it). Tests of the launcher itself (failures, restarts, hangs) use the real one:
+mark them `@pytest.mark.real_launcher`.
+"""
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from typing import Any, Callable
+
+JOB_TIMEOUT_S = 900
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(rank: int, world: int, port: int, jobs: Any, results: Any) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch.distributed as dist
+
+    # collectives of a job some rank left early time out instead of blocking the pool forever
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    while True:
+        job = jobs.get()
+        if job is None:
+            break
+        fn, args = job
+        try:
+            results.put((rank, True, fn(*args)))
+        except BaseException:  # noqa: BLE001 - reported to the test, which fails
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class WorkerFailed(RuntimeError):
+    """A job raised on some rank (the message holds its traceback)."""
+
+
+class WorkerPool:
+    def __init__(self, world: int):
+        ctx = mp.get_context("spawn")
+        self.world = world
+        self.jobs = [ctx.Queue() for _ in range(world)]
+        self.results = ctx.Queue()
+        port = _free_port()
+        self.procs = [ctx.Process(target=_serve, args=(r, world, port, self.jobs[r], self.results), daemon=True)
+                      for r in range(world)]
+        for p in self.procs:
+            p.start()
+        self.broken = False
+
+    def run(self, fn: Callable[..., Any], args: tuple) -> dict[int, Any]:
+        for q in self.jobs:
+            q.put((fn, args))
+        out: dict[int, Any] = {}
+        errors = []
+        for _ in range(self.world):
+            try:
+                rank, ok, value = self.results.get(timeout=JOB_TIMEOUT_S)
+            except queue.Empty:
+                self.broken = True
+                raise WorkerFailed(f"no result from every rank within {JOB_TIMEOUT_S} s") from None
+            if ok:
+                out[rank] = value
+            else:
+                errors.append((rank, value))
+        if errors:
+            self.broken = True
+            rank, tb = errors[0]
+            raise WorkerFailed(f"worker rank {rank} failed:\n{tb}")
+        return out
+
+    def close(self) -> None:
+        for q in self.jobs:
+            q.put(None)
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+
+
+class Pools:
+    """One pool per world size, started on first use, replaced after a failure."""
+
+    def __init__(self):
+        self.pools: dict[int, WorkerPool] = {}
+
+    def launch_local(self, fn: Callable[..., Any], args: tuple, nproc: int, cfg: Any = None) -> dict[int, Any]:
+        pool = self.pools.get(nproc)
+        if pool is None or pool.broken:
+            if pool is not None:
+                pool.close()
+            pool = self.pools[nproc] = WorkerPool(nproc)
+        return pool.run(fn, args)
+
+    def close(self) -> None:
+        for pool in self.pools.values():
+            pool.close()
+        self.pools.clear()
