@@ -150,6 +150,49 @@ def block_tables(s: dict, clip: tuple[int, int, int]) -> dict[str, list[dict]]:
     return out
 
 
+COST_VARIANTS = {  # name -> config overrides of the timed step
+    "none": [],
+    "selective": ["model.activation_checkpointing=selective"],
+    "selective every 2": ["model.activation_checkpointing=selective", "model.ac_every=2"],
+    "full": ["model.activation_checkpointing=full"],
+    "activation offload": ["train.activation_offload=true"],
+}
+
+
+def cost_rows(reps: int, quick: bool) -> list[dict]:
+    """Step cost of each AC policy and of activation offload: real optimizer steps (forward,
+    backward, AdamW) of one process on the embedded clips, every variant built once and timed
+    round-robin (perf/bench.interleaved_wall_and_cpu), CPU seconds of this process (far less
+    sensitive to other processes on a shared machine than wall time; one intra-op thread, since
+    spinning OpenMP threads on a busy machine bill CPU time they do not compute with). On a CPU run the offload
+    copy stays in host memory: the row is the price of the hooks and copies, not of PCIe."""
+    from dit_train.config import compose
+    from dit_train.data import prepare_data
+    from dit_train.engine.build import build_run
+    from dit_train.perf.bench import interleaved_wall_and_cpu, median
+
+    base = ["model.dim=256", "model.depth=4", "model.heads=2", "parallel.threads_per_worker=1", "optim=adamw", "train.steps=1000",
+            "train.global_batch=2", "train.micro_batch_tokens=0", "train.progress=false", "train.sample_every=0",
+            "data.num_clips=8", "data.max_frames=" + ("4" if quick else "8")]
+    runs, step = {}, {}
+    for name, extra in COST_VARIANTS.items():
+        cfg = compose(base + extra)
+        prepare_data(cfg.data, cfg.model)
+        runs[name] = build_run(cfg)
+        step[name] = 0
+
+    def one(name):
+        def run():
+            runs[name].trainer.step(step[name])
+            step[name] += 1
+        return run
+
+    wall, cpu = interleaved_wall_and_cpu({k: one(k) for k in runs}, reps=reps, warmup=1)
+    ref_c, ref_w = median(cpu["none"]), median(wall["none"])
+    return [{"variant": k, "cpu_s_per_step": median(cpu[k]), "cpu_vs_none": median(cpu[k]) / ref_c,
+             "wall_s_per_step": median(wall[k]), "wall_vs_none": median(wall[k]) / ref_w} for k in runs]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dit_train.tools.bench_activations", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -184,8 +227,6 @@ def main(argv: list[str] | None = None) -> int:
             print(format_table(t))
         payload["saved_tensors"] = tables
     if a.cost:
-        from dit_train.tools.bench_memory_cost import cost_rows
-
         cost = cost_rows(a.reps, a.quick)
         print("\nstep cost of activation checkpointing and offload (one interleaved run):")
         print(format_table(cost))
