@@ -103,12 +103,16 @@ def _checks(cfg: DiTConfig) -> list[str]:
 
 
 def _activations(cfg: DiTConfig) -> ActivationModel:
-    """Saved per token per block, read off the autograd graph of layers.Block (the list is in
-    perf/memory.py); caption cross-attention adds ~6.3·d (its LayerNorm output, q and normed q,
-    the attention output in SDPA layout and packed, its projection, and per-sample K/V spread
-    over the tokens), measured with saved_tensors_hooks at d = 64 and 128."""
-    extra = 6.3 if cfg.text_dim else 0
-    return ActivationModel(fp32_d=19 + extra, autocast_f32_d=0, autocast_lp_d=19 + extra, outside_d=6)
+    """Saved per token per block, read off the autograd graph of layers.Block with the
+    recomputed prologues (models/recompute.py): residual in, qkv (3), RoPE'd q/k (2), attention
+    out in SDPA layout and packed (2), proj out, the gated residual's MLP output, fc1 out (h;
+    GELU, norms, modulate recomputed) — 10·d + h, all in the compute dtype (the residual stream
+    is). Caption cross-attention adds ~5.4·d (q and normed q, attention out, projection, and
+    per-sample K/V spread over the tokens). Fitted with perf.memory.calibrate_block at d = 64,
+    128 and with the Wan-shaped presets of tools/bench_activations (h ≠ 4·d)."""
+    extra = 5.4 if cfg.text_dim else 0
+    return ActivationModel(fp32_d=10 + extra, autocast_f32_d=0, autocast_lp_d=10 + extra, h_elems=1, outside_d=6,
+                           selective_d=7 + 3.9 * bool(cfg.text_dim))
 
 
 register_model(ModelSpec(
