@@ -166,7 +166,8 @@ def activation_bytes(s: ModelShape, micro_batch_tokens: int, precision: str, che
         kept = selective_block_bytes_per_token(s, precision) * local + cp_extra
     else:
         kept = 0.0
-    recompute = per_block if n_ckpt else 0.0  # one block re-materialised at a time in backward
+    # backward re-materialises one checkpointed block at a time: what it did not keep
+    recompute = per_block - kept if n_ckpt else 0.0
     if offload:
         return (n_ckpt * kept if policy == "selective" else 0.0) + 2 * per_block + outside
     return n_plain * per_block + n_ckpt * kept + recompute + outside
