@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", type=int, default=0, help="run a few steps of the best K fitting candidates")
     ap.add_argument("--smoke-steps", type=int, default=4)
     ap.add_argument("--calibrate", action="store_true", help="measure one block's saved activations on CPU vs the formula")
+    ap.add_argument("--calibrate-tokens", type=int, default=1024,
+                    help="tokens of the calibration forward (few tokens on a wide model inflate per-parameter terms)")
     args = ap.parse_args(argv)
 
     cfg = compose(args.overrides)
@@ -85,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"step: {work.global_batch} samples x {work.mean_sample_tokens:.0f} tokens (longest {work.max_sample_tokens})")
     calib = None
     if args.calibrate:
-        calib = calibrate_block(cfg.model, tokens=256, precision="bf16" if cfg.train.precision != "fp32" else "fp32")
+        calib = calibrate_block(cfg.model, tokens=args.calibrate_tokens, precision="bf16" if cfg.train.precision != "fp32" else "fp32")
         print(f"calibration (one block, CPU, {calib['precision']}): measured {calib['measured_bytes_per_token_block']:.0f} "
               f"B/token, formula {calib['estimated_bytes_per_token_block']:.0f} B/token, error {calib['rel_error']:+.2%}")
     if args.smoke:
@@ -133,7 +135,7 @@ def clip_main(args, cfg, world: int, shape, backend: str) -> int:
     print(f"clip: {args.frames} frames x {args.height}x{args.width} px -> latents {latent_grid(args.frames, args.height, args.width, stride)} "
           f"(VAE stride {args.vae_stride}) -> {tokens} tokens (patch {list(cfg.model.patch_size)})")
     if args.calibrate:
-        calib = calibrate_block(cfg.model, tokens=256, precision="bf16" if cfg.train.precision != "fp32" else "fp32")
+        calib = calibrate_block(cfg.model, tokens=args.calibrate_tokens, precision="bf16" if cfg.train.precision != "fp32" else "fp32")
         print(f"calibration (one block, CPU, {calib['precision']}): error {calib['rel_error']:+.2%}")
     res = clip_options(cfg, world, args.gpu_mem_gib * GIB, args.frames, args.height, args.width, shape=shape,
                        reserve_bytes=args.reserve_gib * GIB, backend=backend, host_capacity=args.host_mem_gib * GIB,
