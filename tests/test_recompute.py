@@ -47,3 +47,16 @@ def test_recomputed_prologues_under_bf16_autocast():
     for name, g in grads.items():
         assert torch.equal(g, ref_grads[name]), name
     assert saved < ref_saved
+
+
+def test_bench_activations_ours_keep_less_than_wan_at_equal_shapes():
+    """The benchmark's accounting at a tiny equal shape: ours well below diffusers' Wan block
+    without checkpointing (the composite block is not), equal under full checkpointing."""
+    pytest.importorskip("diffusers")
+    from dit_train.tools.bench_activations import accounting_rows
+
+    shape = dict(name="tiny", dim=64, heads=2, ffn=160, text_dim=32, text_len=8, scale="-")
+    rows = accounting_rows([shape], (2, 8, 8), ["fp32"], ["none", "full"])
+    got = {(r["ac"], r["model"]): r["vs_wan"] for r in rows}
+    assert got[("none", "ours")] < 0.7 and got[("none", "ours (composite)")] > 0.9, got
+    assert got[("full", "ours")] == 1.0, got
