@@ -150,3 +150,43 @@ def test_every_registered_model_plans_and_calibrates():
                 r = calibrate_block(cfg.model, tokens=192, precision=precision)
                 assert abs(r["rel_error"]) < 0.06, (preset, precision, r)
     assert seen == set(MODELS.names())
+
+
+def test_frames_question_for_every_registered_video_model():
+    """plan --frames: every registered video model gets an answer per memory option; more
+    memory-saving options fit longer clips; the asked clip's tokens follow the VAE and patch."""
+    from dit_train.config import compose
+    from dit_train.models import MODELS
+    from dit_train.perf.clips import clip_options, clip_tokens
+
+    presets = {"dit": "dit_1b", "wan": "wan_14b"}
+    for name in MODELS.names():
+        spec = MODELS[name]
+        if spec.mode != "video":
+            continue
+        cfg = compose([f"model={presets[name]}", "train.precision=bf16"])
+        assert clip_tokens(cfg.model, 81, 480, 832) == 21 * 30 * 52
+        res = {r.name: r for r in clip_options(cfg, 8, 80 * GIB, 81, 480, 832, shape=model_shape(cfg.model),
+                                               reserve_bytes=2 * GIB, host_capacity=128 * GIB, max_frames=2001)}
+        assert len(res) == 12 and all(r.best is not None for r in res.values()), name
+        assert res["ac=full"].longest_frames > res["ac=selective"].longest_frames > res["ac=none"].longest_frames, name
+        assert res["ac=none+cpu_offload"].longest_frames >= res["ac=none"].longest_frames, name
+        longest = res["ac=none"]
+        assert longest.longest is not None and longest.longest.fits and longest.longest_frames < 2001
+        # one latent frame more does not fit with any layout
+        over = clip_options(cfg, 8, 80 * GIB, longest.longest_frames + 4, 480, 832, shape=model_shape(cfg.model),
+                            reserve_bytes=2 * GIB, host_capacity=128 * GIB, max_frames=1, options=[("none", False, False)])
+        assert over[0].best is None or not over[0].best.fits, name
+
+
+def test_offload_moves_state_and_activations_to_the_host():
+    s = model_shape(model_config("dit", dim=256, depth=4, heads=4, patch_size=[1, 2, 2], in_channels=16))
+    kw = dict(dp_replicate=1, dp_shard=2, cp_ulysses=1, cp_ring=1, micro_batch_tokens=8192, precision="bf16")
+    plain = estimate_memory(s, checkpointing="none", **kw)
+    cpu = estimate_memory(s, checkpointing="none", cpu_offload=True, **kw)
+    act = estimate_memory(s, checkpointing="none", activation_offload=True, **kw)
+    sel = estimate_memory(s, checkpointing="selective", **kw)
+    every2 = estimate_memory(s, checkpointing="selective", ac_every=2, **kw)
+    assert cpu.params == cpu.grads == cpu.optimizer == 0 and cpu.host == plain.params + plain.grads + plain.optimizer
+    assert act.activations < plain.activations and act.host == plain.activations
+    assert plain.activations > every2.activations > sel.activations

@@ -105,6 +105,26 @@ class InitScheme(Choice):
     normal = "normal"  # every weight N(0, 0.02): the exactness tests need every parameter to move
 
 
+class ActivationCheckpointing(Choice):
+    """model.activation_checkpointing (dit_train/parallel/checkpointing.py); true/false are
+    accepted as aliases of full/none."""
+
+    none = "none"  # every block keeps its activations
+    full = "full"  # keep each block's input, recompute the whole block in backward
+    selective = "selective"  # keep matmul / attention outputs, recompute the elementwise ops between them
+
+    @classmethod
+    def of(cls, value) -> str:
+        """The policy name of a config value: a policy name, or a bool alias (true = full)."""
+        if isinstance(value, bool):
+            return (cls.full if value else cls.none).value
+        try:
+            return cls(str(value)).value
+        except ValueError:
+            raise ValueError(f"model.activation_checkpointing={value!r} must be one of {', '.join(cls.values())} "
+                             f"(or true = full, false = none)") from None
+
+
 class WandbMode(Choice):
     auto = "auto"  # online when W&B credentials are configured and its server answers, else offline
     online = "online"

@@ -10,11 +10,12 @@ Code below the entry point receives the sub-config it needs (`cfg.model`, `cfg.p
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, List
+from typing import Any, List, Union
 
 from omegaconf import MISSING
 
 from dit_train.config.choices import (
+    ActivationCheckpointing,
     AttnBackend,
     CPFSDPMode,
     Device,
@@ -64,8 +65,16 @@ class ModelConfig:
     init: InitScheme = InitScheme.adaln_zero  # adaln_zero (DiT) | normal (every weight random: exactness tests)
     # Attention kernel (see kernels/attention.py); auto = flash > xformers > sdpa on CUDA, sdpa on CPU.
     attn_backend: AttnBackend = AttnBackend.auto
-    activation_checkpointing: bool = False  # recompute each block in backward (less memory, more compute)
+    # none | full (keep block inputs, recompute blocks) | selective (keep matmul/attention outputs,
+    # recompute the elementwise ops); true/false = full/none. Typed bool-or-str so that both spellings
+    # (and old runs' config.yaml) compose; __post_init__ turns it into the policy name.
+    activation_checkpointing: Union[bool, str] = ActivationCheckpointing.none.value
+    ac_every: int = 1  # apply activation_checkpointing to every k-th block only (2 = every second block)
     lora: LoraConfig = field(default_factory=LoraConfig)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.activation_checkpointing, bool):  # a bad name is reported by check_config
+            self.activation_checkpointing = ActivationCheckpointing.of(self.activation_checkpointing)
 
 
 @dataclass
@@ -125,6 +134,9 @@ class ParallelConfig:
     # FSDP2 explicit prefetch: all-gather the next N blocks' parameters (forward) / previous N
     # (backward) ahead of use; 0 = FSDP2's implicit one-block prefetch. More overlap, more memory.
     fsdp_prefetch: int = 0
+    # FSDP2 CPUOffloadPolicy: sharded parameters, gradients and optimizer state live in host memory
+    # (the optimizer steps on the CPU); blocks are copied to the GPU when gathered. FSDP2 only.
+    cpu_offload: bool = False
     threads_per_worker: int = 0  # torch intra-op threads per local worker; 0 = cores / local workers
     timeout_s: float = 600.0  # collective timeout of the process group (NCCL / gloo): a rank waiting longer fails
 
@@ -182,6 +194,9 @@ class TrainConfig:
     micro_batch_tokens: int = 0
     precision: Precision = Precision.fp32  # fp32 | bf16 | fp16 (autocast; FSDP2 mixed precision on CUDA)
     compile: bool = False  # torch.compile each block
+    # keep the tensors saved for backward in host memory (torch.autograd.graph.save_on_cpu around
+    # forward + backward): device memory for activations ~ one block's, at the price of the copies
+    activation_offload: bool = False
     log_every: int = 10  # console line every N steps (without the progress bar)
     progress: bool = True  # progress bar
     save_weights: bool = True  # write weights.safetensors (and weights_ema.safetensors) at the end

@@ -119,7 +119,7 @@ def build_parallel_model(cfg: Config, ctx: ParallelContext) -> nn.Module:
             apply_lora(model, lora, spec.name)  # before parallelize: FSDP2 shards base and adapters together
     if meta:
         model = parallelize(model, spec, ctx, cfg.parallel, cfg.model, cfg.train, backend)
-        model.to_empty(device=ctx.device)
+        model.to_empty(device="cpu" if cfg.parallel.cpu_offload else ctx.device)  # offloaded shards live on the host
     if pretrained:
         load_pretrained(model, cfg.model, ctx)
     else:

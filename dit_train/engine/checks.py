@@ -10,7 +10,7 @@ import typing
 from typing import Any
 
 from dit_train.config import PARALLEL_DEGREES, Config
-from dit_train.config.choices import Choice
+from dit_train.config.choices import ActivationCheckpointing, Choice
 
 
 class ConfigError(ValueError):
@@ -57,6 +57,19 @@ def _parallel(cfg: Config, world_size: int | None, e: list[str]) -> None:
            "parallel.meta_init=true needs FSDP2 (DDP needs full weights on every rank); set parallel.dp_mode=fsdp2 "
            "or parallel.meta_init=false", e)
     _check(not (p.dp_mode == "none" and p.meta_init), "parallel.meta_init=true needs parallel.dp_mode=fsdp2", e)
+    # FSDP2's CPUOffloadPolicy is the only parameter offload: DDP keeps full copies on the device,
+    # and a single process is not wrapped in FSDP2 at all
+    _check(not (p.cpu_offload and p.dp_mode != "fsdp2"),
+           f"parallel.cpu_offload=true needs FSDP2 (parallel.dp_mode={p.dp_mode} keeps parameters, gradients and "
+           f"optimizer state on the device); set parallel.dp_mode=fsdp2 or parallel.cpu_offload=false", e)
+    _check(not (p.cpu_offload and p.dp_mode == "fsdp2" and dims.world == 1),
+           "parallel.cpu_offload=true needs FSDP2 over >= 2 ranks (one process is not sharded); raise parallel.dp_shard "
+           "or set parallel.cpu_offload=false (train.activation_offload works on one GPU)", e)
+    try:
+        ActivationCheckpointing.of(m.activation_checkpointing)
+    except ValueError as err:
+        e.append(str(err))
+    _check(m.ac_every >= 1, f"model.ac_every={m.ac_every} must be >= 1 (1 = every block, 2 = every second block)", e)
 
 
 def _train(cfg: Config, e: list[str]) -> None:

@@ -26,7 +26,7 @@ ALLOWED = (
     "train.num_samples", "train.sample_steps", "train.guidance_scale", "train.compile", "train.grad_accum",
     "train.micro_batch_tokens", "train.loggers", "train.wandb_project", "train.wandb_mode", "parallel.*",
     "launcher.*", "model.attn_backend",
-    "model.activation_checkpointing", "data.num_workers", "data.decoded_cache_items", "data.cache_dir",
+    "model.activation_checkpointing", "model.ac_every", "data.num_workers", "data.decoded_cache_items", "data.cache_dir",
     "data.max_dropped_fraction", "train.activation_offload", "model.pretrained", "model.allow_pickle_weights",
 )
 # Refused like any unlisted key, named here because the choice was made, not defaulted: the

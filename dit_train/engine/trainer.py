@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from data_pipelines.packing import balanced_split, pack_ffd, plan_step
 from dit_train.batch import PackedBatch
 from dit_train.config import LossConfig, OptimConfig, ParallelConfig, TrainConfig
+from dit_train.engine.offload import activation_offload
 from dit_train.loss import StepCounts, sync_counts, token_weights, weighted_loss
 from dit_train.parallel.context_parallel import split_for_cp
 from dit_train.parallel.mesh import ParallelContext
@@ -56,6 +57,8 @@ def grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0, foreach=False)
     if isinstance(norm, DTensor):
+        if norm.device.type != norm.device_mesh.device_type:  # CPU-offloaded shards: reduce on the mesh's device
+            norm = norm.to(norm.device_mesh.device_type)
         norm = norm.full_tensor()
     if max_norm > 0 and math.isfinite(float(norm)):
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=False)
@@ -254,7 +257,8 @@ class Trainer:
                 # a non-finite loss on any rank is known before the gradient sync: the sync is
                 # skipped where the wrapper allows it, and the step is skipped everywhere
                 known_bad = self.any_rank(nonfinite)
-            with self.gradient_sync(last and not (known_bad and self.can_skip_sync)), self.autocast():
+            with self.gradient_sync(last and not (known_bad and self.can_skip_sync)), self.autocast(), \
+                    activation_offload(self.train_cfg.activation_offload, self.ctx.device):
                 per_token = self.per_token_loss(mb)
                 weights = token_weights(reduction, mb.batch.seg, mb.batch.valid, counts, k)
                 loss = weighted_loss(per_token, weights)

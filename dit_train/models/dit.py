@@ -10,8 +10,8 @@ from torch import nn
 
 from dit_train.config.choices import Mode
 from dit_train.config.schema import VideoModelConfig
-from dit_train.models.fused import addcmul
-from dit_train.models.layers import Block, Conditioning, TextContext, TimestepEmbedder, modulation
+from dit_train.models.layers import Block, Conditioning, TextContext, TimestepEmbedder, modulate, modulation_tables
+from dit_train.models.recompute import recomputed_linear
 from dit_train.models.registry import ActivationModel, ModelSpec, register_model
 from dit_train.models.rope import RotaryEmbedding
 
@@ -24,7 +24,8 @@ class DiTConfig(VideoModelConfig):
 
 
 class FinalLayer(nn.Module):
-    """adaLN-modulated LayerNorm, then a projection back to patch values."""
+    """adaLN-modulated LayerNorm, then a projection back to patch values (the modulate is
+    recomputed in the projection's backward, not saved)."""
 
     def __init__(self, dim: int, out_dim: int):
         super().__init__()
@@ -33,8 +34,8 @@ class FinalLayer(nn.Module):
         self.linear = nn.Linear(dim, out_dim)
 
     def forward(self, x: torch.Tensor, cond: Conditioning) -> torch.Tensor:
-        shift, scale1p = modulation(self.adaLN_modulation(cond.per_sample), cond.index, 2, scale_at=(1,))
-        return self.linear(addcmul(shift, self.norm(x), scale1p))
+        shift, scale1p = modulation_tables(self.adaLN_modulation(cond.per_sample), 2, scale_at=(1,))
+        return recomputed_linear(self.linear, modulate(self.norm, shift, scale1p, cond.index), x)
 
 
 class VideoDiT(nn.Module):
@@ -102,12 +103,16 @@ def _checks(cfg: DiTConfig) -> list[str]:
 
 
 def _activations(cfg: DiTConfig) -> ActivationModel:
-    """Saved per token per block, read off the autograd graph of layers.Block (the list is in
-    perf/memory.py); caption cross-attention adds ~6.3·d (its LayerNorm output, q and normed q,
-    the attention output in SDPA layout and packed, its projection, and per-sample K/V spread
-    over the tokens), measured with saved_tensors_hooks at d = 64 and 128."""
-    extra = 6.3 if cfg.text_dim else 0
-    return ActivationModel(fp32_d=19 + extra, autocast_f32_d=0, autocast_lp_d=19 + extra, outside_d=6)
+    """Saved per token per block, read off the autograd graph of layers.Block with the
+    recomputed prologues (models/recompute.py): residual in, qkv (3), RoPE'd q/k (2), attention
+    out in SDPA layout and packed (2), proj out, the gated residual's MLP output, fc1 out (h;
+    GELU, norms, modulate recomputed) — 10·d + h, all in the compute dtype (the residual stream
+    is). Caption cross-attention adds ~5.4·d (q and normed q, attention out, projection, and
+    per-sample K/V spread over the tokens). Fitted with perf.memory.calibrate_block at d = 64,
+    128 and with the Wan-shaped presets of tools/bench_activations (h ≠ 4·d)."""
+    extra = 5.4 if cfg.text_dim else 0
+    return ActivationModel(fp32_d=10 + extra, autocast_f32_d=0, autocast_lp_d=10 + extra, h_elems=1, outside_d=6,
+                           selective_d=7 + 3.9 * bool(cfg.text_dim))
 
 
 register_model(ModelSpec(

@@ -43,18 +43,23 @@ class _RMSNorm(torch.autograd.Function):
         return dx.to(x.dtype), None if dw is None else dw.to(weight.dtype), None
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, normalized_shape: tuple[int, ...],
+             eps: float | None) -> torch.Tensor:
+    """F.rms_norm with the hand-written backward wherever torch would run the composite form:
+    on the CPU, and on CUDA when x and the weight differ in dtype (bf16 autocast over fp32
+    parameters), where the composite also saves fp32 upcasts. Torch's fused CUDA kernel (same
+    dtypes) and the weight-less case stay stock."""
+    fused_kernel = x.device.type == "cuda" and weight is not None and x.dtype == weight.dtype
+    if fused_kernel or weight is None or len(normalized_shape) != 1:
+        return F.rms_norm(x, normalized_shape, weight, eps)
+    return _RMSNorm.apply(x, weight, eps if eps is not None else torch.finfo(x.dtype).eps)
+
+
 class RMSNorm(nn.RMSNorm):
-    """`nn.RMSNorm` (same parameter, same state-dict key) with the hand-written backward
-    wherever torch would run the composite form: on the CPU, and on CUDA when x and the weight
-    differ in dtype (bf16 autocast over fp32 parameters), where the composite also saves fp32
-    upcasts. Torch's fused CUDA kernel (same dtypes) and the weight-less case stay stock."""
+    """`nn.RMSNorm` (same parameter, same state-dict key) computed by `rms_norm`."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused_kernel = x.device.type == "cuda" and self.weight is not None and x.dtype == self.weight.dtype
-        if fused_kernel or self.weight is None or len(self.normalized_shape) != 1:
-            return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
-        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
-        return _RMSNorm.apply(x, self.weight, eps)
+        return rms_norm(x, self.weight, tuple(self.normalized_shape), self.eps)
 
 
 class _Addcmul(torch.autograd.Function):
@@ -81,3 +86,40 @@ def addcmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """a + b · c (broadcasting), one pass forward, two backward. Used for adaLN's modulate
     (shift + x · (1 + scale)) and gated residual (x + gate · out)."""
     return _Addcmul.apply(a, b, c)
+
+
+class _GatedResidual(torch.autograd.Function):
+    """x + gate[index] · y with the per-token gather inside: saves the per-sample table
+    [S+1, d], the index [L] and y, not the gathered [L, d] gate. Gradients as autograd gives
+    for `addcmul(x, gate.index_select(0, index), y)`: g, index_add of g·y into a zero table
+    (index_select's backward), g · gate[index]."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, gate: torch.Tensor, index: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, index, y)
+        ctx.x_shape = x.shape
+        return gated_residual_value(x, gate, index, y)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        gate, index, y = ctx.saved_tensors
+        gx = grad.sum_to_size(ctx.x_shape) if ctx.needs_input_grad[0] else None
+        gg = grad.new_zeros(gate.shape).index_add_(0, index, grad * y) if ctx.needs_input_grad[1] else None
+        gy = grad * gate.index_select(0, index) if ctx.needs_input_grad[3] else None
+        return gx, gg, None, gy
+
+
+def gated_residual_value(x: torch.Tensor, gate: torch.Tensor, index: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The value of `gated_residual` (no autograd of its own): what a consumer that rebuilds
+    the residual in backward instead of saving it recomputes, bit for bit."""
+    return torch.addcmul(x, gate.index_select(0, index), y)
+
+
+def gated_residual(x: torch.Tensor, gate: torch.Tensor, index: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """adaLN-zero's gated residual x + gate[index] · y. x, y: [L, d]; gate: [S+1, d] per
+    sample; index: [L] int64 row of each token."""
+    from dit_train.models.recompute import fused_enabled
+
+    if not fused_enabled():
+        return addcmul(x, gate.index_select(0, index), y)
+    return _GatedResidual.apply(x, gate, index, y)

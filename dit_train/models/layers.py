@@ -7,14 +7,17 @@ by default, swapped for a context-parallel one by `dit_train.parallel.paralleliz
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from dit_train.models.fused import RMSNorm, addcmul
+from dit_train.models.fused import RMSNorm, addcmul, gated_residual, gated_residual_value, rms_norm
+from dit_train.models.recompute import Prologue, recomputed_linear
 from dit_train.models.rope import apply_rope
 from kernels import LocalAttention, packed_cross_attention
 
@@ -37,25 +40,63 @@ class Conditioning:
         return Conditioning(rows, torch.where(seg < 0, torch.full_like(seg, S), seg))
 
 
+def modulation_tables(per_sample: torch.Tensor, chunks: int, scale_at: tuple[int, ...]) -> list[torch.Tensor]:
+    """Per-sample adaLN outputs [S+1, chunks·d] -> `chunks` per-sample tables [S+1, d], with
+    the `1 + scale` of the chunks in `scale_at` added per *sample* (one [L, d] pass fewer than
+    adding it per token). Tokens read their row through an index (`modulate`,
+    `fused.gated_residual`): the [L, d] gathers then exist only transiently, never saved."""
+    d = per_sample.shape[-1] // chunks
+    one = per_sample.new_zeros(chunks, d)
+    one[list(scale_at)] = 1.0
+    return list((per_sample + one.reshape(-1)).chunk(chunks, dim=-1))
+
+
 def modulation(per_sample: torch.Tensor, index: torch.Tensor, chunks: int, scale_at: tuple[int, ...]) -> list[torch.Tensor]:
-    """Per-sample adaLN outputs [S+1, chunks·d] -> `chunks` per-token tensors [L, d], with the
-    `1 + scale` of the chunks in `scale_at` added per *sample* before the gather: the same
-    values as adding per token, one [L, d] pass fewer each (pair with `fused.addcmul`).
+    """`modulation_tables` gathered per token: `chunks` tensors [L, d].
 
     Chunked per sample first, then each chunk gathered on its own: the backward of a gather
     is a scatter-add into the small [S+1, d] table, whereas gathering [L, chunks·d] and
     chunking that would make the backward concatenate `chunks` [L, d] gradients along the
     last axis (a large strided copy: ~15% of a CPU step on a 5M-parameter DiT)."""
-    d = per_sample.shape[-1] // chunks
-    one = per_sample.new_zeros(chunks, d)
-    one[list(scale_at)] = 1.0
-    return [c.index_select(0, index) for c in (per_sample + one.reshape(-1)).chunk(chunks, dim=-1)]
+    return [c.index_select(0, index) for c in modulation_tables(per_sample, chunks, scale_at)]
+
+
+def _modulate(norm: nn.Module, x: torch.Tensor, shift: torch.Tensor, scale1p: torch.Tensor,
+              index: torch.Tensor) -> torch.Tensor:
+    return addcmul(shift.index_select(0, index), norm(x), scale1p.index_select(0, index))
+
+
+def modulate(norm: nn.Module, shift: torch.Tensor, scale1p: torch.Tensor, index: torch.Tensor) -> Prologue:
+    """adaLN's modulate, shift[index] + norm(x) · scale1p[index], as the prologue of the next
+    linear layer (recomputed in backward, not saved). `norm` must hold no parameters (DiT's
+    LayerNorm without affine): parameters have to be prologue arguments."""
+    return Prologue(functools.partial(_modulate, norm), (shift, scale1p, index))
+
+
+def _layer_norm(shape: tuple[int, ...], eps: float, x: torch.Tensor, weight, bias) -> torch.Tensor:
+    return F.layer_norm(x, shape, weight, bias, eps)
+
+
+def _rms_norm(shape: tuple[int, ...], eps: float | None, x: torch.Tensor, weight) -> torch.Tensor:
+    return rms_norm(x, weight, shape, eps)
+
+
+def norm_prologue(norm: nn.Module) -> Prologue:
+    """A LayerNorm / RMSNorm module as the prologue of the next linear layer, its parameters
+    passed as arguments (they get their gradients through the fused op)."""
+    if isinstance(norm, nn.LayerNorm):
+        return Prologue(functools.partial(_layer_norm, tuple(norm.normalized_shape), norm.eps), (norm.weight, norm.bias))
+    if isinstance(norm, RMSNorm):
+        return Prologue(functools.partial(_rms_norm, tuple(norm.normalized_shape), norm.eps), (norm.weight,))
+    raise TypeError(f"no prologue for {type(norm).__name__}")
 
 
 class Attention(nn.Module):
     """Multi-head self-attention with optional QK-RMSNorm and RoPE.
 
     x: [L, dim] -> [L, dim]. `attention_fn(q, k, v, meta)` takes q/k/v [L, H, Dh].
+    `prologue` (the block's norm/modulate) is applied to x inside the qkv projection, which
+    then saves x instead of the normalised input (models/recompute.py).
     """
 
     def __init__(self, dim: int, heads: int, qk_norm: bool = True, backend: str = "sdpa"):
@@ -69,9 +110,10 @@ class Attention(nn.Module):
         self.proj = nn.Linear(dim, dim)
         self.attention_fn: Callable[..., torch.Tensor] = LocalAttention(backend)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: Any) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: Any,
+                prologue: Prologue | None = None) -> torch.Tensor:
         L = x.shape[0]
-        q, k, v = self.qkv(x).view(L, 3, self.heads, self.head_dim).unbind(1)
+        q, k, v = recomputed_linear(self.qkv, prologue, x).view(L, 3, self.heads, self.head_dim).unbind(1)
         q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         out = self.attention_fn(q, k, v, meta)
@@ -97,6 +139,8 @@ class CrossAttention(nn.Module):
     """Attention from video tokens to their own sample's caption tokens (PixArt-style).
 
     x: [L, dim], ctx: TextContext -> [L, dim]. No RoPE: captions and patches share no axis.
+    `prologue` (the pre-norm) is applied to x inside the q projection (see Attention);
+    `rebuild` says how backward can recompute x itself (models/recompute.py).
     """
 
     def __init__(self, dim: int, heads: int, qk_norm: bool = True):
@@ -108,24 +152,29 @@ class CrossAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, eps=1e-6) if qk_norm else nn.Identity()
         self.proj = nn.Linear(dim, dim)
 
-    def forward(self, x: torch.Tensor, ctx: TextContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: TextContext, prologue: Prologue | None = None,
+                rebuild: Prologue | None = None) -> torch.Tensor:
         L = x.shape[0]
         S, Lc, _ = ctx.tokens.shape
-        q = self.q_norm(self.q(x).view(L, self.heads, self.head_dim))
+        q = self.q_norm(recomputed_linear(self.q, prologue, x, rebuild).view(L, self.heads, self.head_dim))
         k, v = self.kv(ctx.tokens).view(S, Lc, 2, self.heads, self.head_dim).unbind(2)
         out = packed_cross_attention(q, self.k_norm(k), v, ctx.seg, ctx.length)
         return self.proj(out.reshape(L, -1))
 
 
 class MLP(nn.Module):
+    """fc2(GELU(fc1(prologue(x)))): [L, dim] -> [L, dim]. fc2 recomputes the GELU of fc1's
+    output in backward instead of saving it (an [L, hidden] activation less per block); fc1
+    likewise recomputes the block's norm/modulate `prologue` (and x itself with `rebuild`)."""
+
     def __init__(self, dim: int, hidden: int):
         super().__init__()
         self.fc1 = nn.Linear(dim, hidden)
         self.act = nn.GELU(approximate="tanh")
         self.fc2 = nn.Linear(hidden, dim)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
+    def forward(self, x: torch.Tensor, prologue: Prologue | None = None, rebuild: Prologue | None = None) -> torch.Tensor:
+        return recomputed_linear(self.fc2, Prologue(self.act), recomputed_linear(self.fc1, prologue, x, rebuild))
 
 
 class Block(nn.Module):
@@ -162,17 +211,22 @@ class Block(nn.Module):
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: Any, cond: Conditioning | None = None,
         text: TextContext | None = None,
     ) -> torch.Tensor:
+        # every norm (and adaLN modulate) runs inside the next linear layer as its prologue, so
+        # the block saves the residual stream x, not the normalised copies (models/recompute.py)
         if self.adaLN_modulation is None:
-            x = x + self.attn(self.norm1(x), rope, meta)
-            return x + self.mlp(self.norm2(x))
-        # modulation is computed once per sample ([S+1, 6·dim]) and gathered per token;
-        # addcmul(shift, x, 1 + scale) fuses DiT's x·(1 + scale) + shift (fewer [L, dim] passes)
-        shift1, scale1p, gate1, shift2, scale2p, gate2 = modulation(
-            self.adaLN_modulation(cond.per_sample), cond.index, 6, scale_at=(1, 4))
-        x = addcmul(x, gate1, self.attn(addcmul(shift1, self.norm1(x), scale1p), rope, meta))
+            x = x + self.attn(x, rope, meta, norm_prologue(self.norm1))
+            return x + self.mlp(x, norm_prologue(self.norm2))
+        # modulation is computed once per sample ([S+1, 6·dim]); tokens read their row by index
+        # inside modulate / gated_residual (no [L, dim] gathers kept for backward)
+        shift1, scale1p, gate1, shift2, scale2p, gate2 = modulation_tables(
+            self.adaLN_modulation(cond.per_sample), 6, scale_at=(1, 4))
+        y = self.attn(x, rope, meta, modulate(self.norm1, shift1, scale1p, cond.index))
+        # the next layer that reads the residual x + gate1·y rebuilds it from x, gate1 and y
+        # (saved anyway) in backward instead of saving it: one [L, dim] activation less
+        x, rebuild = gated_residual(x, gate1, cond.index, y), Prologue(gated_residual_value, (x, gate1, cond.index, y))
         if self.cross_attn is not None:
-            x = x + self.cross_attn(self.norm_cross(x), text)
-        return addcmul(x, gate2, self.mlp(addcmul(shift2, self.norm2(x), scale2p)))
+            x, rebuild = x + self.cross_attn(x, text, norm_prologue(self.norm_cross), rebuild), None
+        return gated_residual(x, gate2, cond.index, self.mlp(x, modulate(self.norm2, shift2, scale2p, cond.index), rebuild))
 
 
 class TimestepEmbedder(nn.Module):

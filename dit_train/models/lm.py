@@ -59,7 +59,7 @@ register_model(ModelSpec(
     name="lm", config=LMConfig, mode=Mode.llm, build=build,
     # pre-RMSNorm block: 11·d + 2·h in fp32; under autocast the residual stream stays fp32 (the
     # embedding's output is): 2·d fp32 + 9·d in the compute dtype
-    activations=lambda cfg: ActivationModel(fp32_d=11, autocast_f32_d=2, autocast_lp_d=9, outside_d=1),
+    activations=lambda cfg: ActivationModel(fp32_d=9, autocast_f32_d=2, autocast_lp_d=7, h_elems=1, outside_d=1),
     block_linears=lambda m: [m.blocks[0].attn.qkv, m.blocks[0].attn.proj, m.blocks[0].mlp.fc1, m.blocks[0].mlp.fc2],
     io_linears=lambda m: [m.output],  # the embedding is a lookup, not a matmul
     io_dim=lambda cfg: cfg.vocab_size, hidden=lambda cfg: int(cfg.dim * cfg.mlp_ratio),

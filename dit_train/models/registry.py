@@ -25,6 +25,7 @@ class ActivationModel:
 
         fp32 run:           (fp32_d·d + h_elems·h)·4
         bf16/fp16 autocast:  autocast_f32_d·d·4 + (autocast_lp_d·d + h_elems·h)·c
+        selective AC:        (selective_d·d + h_elems_selective·h)·c   (per checkpointed block)
 
     Outside the blocks, per token: outside_d·d·c + 2·io_dim·4 (+ head_dim·4 of RoPE tables).
     Each model's numbers are read off its autograd graph; tests/test_planner.py checks every
@@ -36,6 +37,10 @@ class ActivationModel:
     autocast_lp_d: float
     h_elems: float = 2.0
     outside_d: float = 6.0
+    # kept under model.activation_checkpointing=selective (matmul / attention outputs and the
+    # block input; all in the compute dtype): (selective_d·d + h_elems_selective·h)·c
+    selective_d: float = 7.0
+    h_elems_selective: float = 1.0
 
 
 def blocks_of(model: nn.Module) -> nn.ModuleList:

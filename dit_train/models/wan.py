@@ -311,7 +311,8 @@ register_model(ModelSpec(
     # measured with saved_tensors_hooks on diffusers' WanTransformerBlock run by PackedWan at
     # d = 64 and 128 (tests/test_planner.py re-measures every registered model): its FP32LayerNorms
     # and `.float()` residual/modulation keep ~16·d in fp32 under autocast
-    activations=lambda cfg: ActivationModel(fp32_d=32.4, autocast_f32_d=16, autocast_lp_d=20.5, outside_d=6),
+    activations=lambda cfg: ActivationModel(fp32_d=32.4, autocast_f32_d=16, autocast_lp_d=20.5, outside_d=6,
+                                            selective_d=10.5),
     block_linears=_block_linears,
     io_linears=lambda m: [m.patch_embedding, m.proj_out],
     io_dim=lambda cfg: cfg.in_channels * cfg.patch_size[0] * cfg.patch_size[1] * cfg.patch_size[2], hidden=_ffn,

@@ -11,10 +11,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from dit_train.config import ParallelConfig, TrainConfig
 from dit_train.models.registry import ModelSpec
+from dit_train.parallel.checkpointing import apply_activation_checkpointing
 from dit_train.parallel.context_parallel import ContextParallelAttention
 from dit_train.parallel.mesh import ParallelContext, fsdp_mesh
 
@@ -27,13 +28,6 @@ def apply_context_parallel(model: nn.Module, spec: ModelSpec, ctx: ParallelConte
     )
     for layer in spec.attention_layers(model):
         layer.attention_fn = cp_attn
-
-
-def apply_activation_checkpointing(blocks: nn.ModuleList) -> None:
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-    for i, block in enumerate(blocks):
-        blocks[i] = checkpoint_wrapper(block, preserve_rng_state=False)
 
 
 def apply_compile(blocks: nn.ModuleList) -> None:
@@ -63,12 +57,16 @@ def fsdp_mp_policies(param_dtype: torch.dtype | None) -> tuple[MixedPrecisionPol
 
 def apply_fsdp(model: nn.Module, blocks: nn.ModuleList, ctx: ParallelContext, cfg: ParallelConfig,
                param_dtype: torch.dtype | None) -> None:
-    """FSDP2 per block, then the root (the rest of the parameters), SUM gradient reduction."""
+    """FSDP2 per block, then the root (the rest of the parameters), SUM gradient reduction;
+    with parallel.cpu_offload the shards (parameters, gradients, hence optimizer state) live in
+    host memory (pinned on CUDA; pinning needs an accelerator, so plain memory on a CPU run)."""
     mesh = fsdp_mesh(ctx, cfg.cp_fsdp_mode)
     root_mp, block_mp = fsdp_mp_policies(param_dtype)
+    offload = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if cfg.cpu_offload else OffloadPolicy()
     for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=block_mp, reshard_after_forward=cfg.reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=root_mp, reshard_after_forward=False)
+        fully_shard(block, mesh=mesh, mp_policy=block_mp, reshard_after_forward=cfg.reshard_after_forward,
+                    offload_policy=offload)
+    fully_shard(model, mesh=mesh, mp_policy=root_mp, reshard_after_forward=False, offload_policy=offload)
     n = cfg.fsdp_prefetch
     if n > 0:
         blocks = list(blocks)
@@ -95,8 +93,7 @@ def parallelize(model: nn.Module, spec: ModelSpec, ctx: ParallelContext, cfg: Pa
     blocks = spec.blocks(model)
     if ctx.dims.cp > 1:
         apply_context_parallel(model, spec, ctx, attn_backend)
-    if model_cfg.activation_checkpointing:
-        apply_activation_checkpointing(blocks)
+    apply_activation_checkpointing(blocks, model_cfg.activation_checkpointing, model_cfg.ac_every)
     if train_cfg.compile:
         apply_compile(blocks)
     if not ctx.distributed or cfg.dp_mode == "none":

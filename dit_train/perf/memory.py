@@ -16,27 +16,29 @@ dp_replicate never shards):
 
 Activations saved for backward, per token per block, read off the autograd graph of
 `models/layers.Block` (checked against `saved_activation_bytes`, which hooks the real graph):
-    fp32 run:    (19·d + 2·h)·4  +  (3·H + 4)·4       (LSE, norm statistics)
-      19·d = residual in, LN out, modulated input (3); qkv (3), which QK-RMSNorm's hand-written
-             backward reuses (it saves only x and rstd); RoPE'd q/k (2) (RoPE's backward saves
-             only cos/sin); attention out in SDPA layout and its packed copy (2); proj out (1);
-             adaLN scale and gate gathered per token (4: the shifts are only added, and the
-             hand-written addcmul saves just its two factors); residual after attention (1);
-             LN2 out, modulated MLP input, fc2 out (3); 2·h = fc1 out + GELU out.
+    fp32 run:    (10·d + h)·4  +  (3·H + 4)·4       (LSE, norm statistics)
+      10·d = residual in; qkv (3), which QK-RMSNorm's hand-written backward reuses; RoPE'd
+             q/k (2); attention out in SDPA layout and its packed copy (2); proj out (1); the
+             residual after attention (1); fc2 out (1); h = fc1 out. The norms, adaLN modulate,
+             GELU and gated residual are recomputed inside the next linear's backward
+             (models/recompute.py), the per-token adaLN gathers never saved. Captions add ~5.4·d.
     bf16/fp16 autocast: the residual stream is in the compute dtype (the patch embedding's
-      output is), and so is everything above: 0·d fp32 + (19·d + 2·h)·c. Calibrated on CPU
-      autocast; CUDA autocast keeps LayerNorm outputs in fp32 (2·d·2 more bytes, ~5% of a block).
-    LLM block (pre-RMSNorm, no modulation): 11·d + 2·h in fp32 (residual in, norm1 out, qkv 3,
-      RoPE'd q/k 2, attention out 2, residual after attention, norm2 out); under autocast the
-      residual stream stays fp32 (the embedding's output is): 2·d fp32 + (9·d + 2·h)·c.
+      output is), and so is everything above: (10·d + h)·c. Calibrated on CPU autocast.
+    LLM block (pre-RMSNorm, no modulation): 9·d + h in fp32; under autocast the residual
+      stream stays fp32 (the embedding's output is): 2·d fp32 + (7·d + h)·c.
     Ulysses (cp_ulysses > 1): + 4·d·c for the all-to-all'd q, k, v and output.
     Ring (cp_ring > 1): the ring kernel materialises fp32 scores and probabilities for every
       KV block some query may see: at most + cp_ring · (L_r)² · (8·H/u + 1) bytes per block,
       L_r = micro_batch_tokens/cp_ring (fully masked blocks are skipped; the bound assumes none).
 Outside the blocks (embedding, final layer, loss, RoPE tables): (6·d)·c + 2·p·4 + Dh·4 per
 token for the DiT; 2·V·4 logits (+ d·c) for the LLM.
-Activation checkpointing keeps only each block's input (d·4 per token per block) and
-recomputes one block at a time in backward: depth·4·d + one block's full activations.
+Activation checkpointing (model.activation_checkpointing on every model.ac_every-th block):
+full keeps only a checkpointed block's input (d·4 per token) and recomputes one block at a
+time in backward (+ one block's full activations); selective keeps the matmul / attention
+outputs ((selective_d·d + h)·c, registry.ActivationModel) and recomputes the elementwise ops.
+Activation offload (train.activation_offload): ~2 blocks' activations stay on the device, the
+rest is in host memory (`MemoryEstimate.host`); parallel.cpu_offload moves params, grads and
+optimizer state there too.
 
 Attention workspace (transient, one call): sdpa loop: a packed output copy L·d·c; flash /
 xformers: LSE H·L·4; flex: LSE + block mask ≈ 8·(L/128)²; sdpa_dense: the [L, L] boolean
@@ -131,16 +133,50 @@ def cp_block_bytes(s: ModelShape, micro_batch_tokens: int, cp_ulysses: int, cp_r
     return extra
 
 
-def activation_bytes(s: ModelShape, micro_batch_tokens: int, precision: str, checkpointing: bool,
-                     cp_ulysses: int = 1, cp_ring: int = 1) -> float:
-    """Activation bytes held at the peak of backward on one rank for one micro-batch."""
+def selective_block_bytes_per_token(s: ModelShape, precision: str) -> float:
+    """Bytes one block keeps per local token under selective checkpointing (matmul and
+    attention outputs, in the compute dtype, plus the attention statistics)."""
+    a = s.activations
+    return (a.selective_d * s.dim + a.h_elems_selective * s.hidden) * DTYPE_BYTES[precision] + (s.heads + 1) * 4
+
+
+def ac_split(depth: int, every: int) -> tuple[int, int]:
+    """(checkpointed blocks, plain blocks) for model.ac_every = every."""
+    n = depth // max(1, every)
+    return n, depth - n
+
+
+def activation_bytes(s: ModelShape, micro_batch_tokens: int, precision: str, checkpointing: bool | str,
+                     cp_ulysses: int = 1, cp_ring: int = 1, every: int = 1, offload: bool = False) -> float:
+    """Activation bytes held on the device at the peak of backward on one rank for one
+    micro-batch. checkpointing: none | full | selective (bools: full / none) on every
+    `every`-th block. offload (train.activation_offload): what forward saves goes to host
+    memory as it is saved and comes back one block at a time: the device holds about two
+    blocks' activations (the one in use, the next one in flight), plus, under selective, the
+    cached matmul outputs (the checkpoint keeps them on the device)."""
+    policy = {True: "full", False: "none"}.get(checkpointing, checkpointing)
     local = math.ceil(micro_batch_tokens / (cp_ulysses * cp_ring))
-    per_block = block_activation_bytes_per_token(s, precision) * local + cp_block_bytes(
-        s, micro_batch_tokens, cp_ulysses, cp_ring, precision)
+    cp_extra = cp_block_bytes(s, micro_batch_tokens, cp_ulysses, cp_ring, precision)
+    per_block = block_activation_bytes_per_token(s, precision) * local + cp_extra
     outside = outside_activation_bytes_per_token(s, precision) * local
-    if checkpointing:
-        return s.depth * 4 * s.dim * local + per_block + outside
-    return s.depth * per_block + outside
+    n_ckpt, n_plain = ac_split(s.depth, every) if policy != "none" else (0, s.depth)
+    if policy == "full":
+        kept = 4 * s.dim * local  # the block's input
+    elif policy == "selective":
+        kept = selective_block_bytes_per_token(s, precision) * local + cp_extra
+    else:
+        kept = 0.0
+    # backward re-materialises one checkpointed block at a time: what it did not keep
+    recompute = per_block - kept if n_ckpt else 0.0
+    if offload:
+        return (n_ckpt * kept if policy == "selective" else 0.0) + 2 * per_block + outside
+    return n_plain * per_block + n_ckpt * kept + recompute + outside
+
+
+def offloaded_activation_bytes(s: ModelShape, micro_batch_tokens: int, precision: str, checkpointing: bool | str,
+                               cp_ulysses: int = 1, cp_ring: int = 1, every: int = 1) -> float:
+    """Host bytes train.activation_offload needs on one rank: what the device would keep without it."""
+    return activation_bytes(s, micro_batch_tokens, precision, checkpointing, cp_ulysses, cp_ring, every)
 
 
 def attention_workspace_bytes(s: ModelShape, backend: str, micro_batch_tokens: int, precision: str,
@@ -175,6 +211,7 @@ class MemoryEstimate:
     attention_workspace: float
     reserve: float
     extra: dict[str, float] = field(default_factory=dict)
+    host: float = 0.0  # host memory the offload options need on this rank (not in `total`)
 
     @property
     def total(self) -> float:
@@ -182,9 +219,10 @@ class MemoryEstimate:
                 + self.attention_workspace + self.reserve + sum(self.extra.values()))
 
     def as_gib(self) -> dict[str, float]:
-        d = {k: v / GIB for k, v in asdict(self).items() if k != "extra"}
+        d = {k: v / GIB for k, v in asdict(self).items() if k not in ("extra", "host")}
         d.update({k: v / GIB for k, v in self.extra.items()})
         d["total"] = self.total / GIB
+        d["host"] = self.host / GIB
         return d
 
 
@@ -197,10 +235,13 @@ def optimizer_bytes_per_param(optimizer: str, momentum: float = 0.0) -> int:
 
 
 def estimate_memory(s: ModelShape, *, dp_replicate: int, dp_shard: int, cp_ulysses: int, cp_ring: int,
-                    micro_batch_tokens: int, checkpointing: bool, precision: str = "fp32", optimizer: str = "adamw",
+                    micro_batch_tokens: int, checkpointing: bool | str, precision: str = "fp32", optimizer: str = "adamw",
                     momentum: float = 0.0, backend: str = "flash", dp_mode: str = "fsdp2", cp_fsdp_mode: str = "all",
-                    reshard_after_forward: bool = True, reserve_bytes: float = 0.0) -> MemoryEstimate:
-    """Peak bytes of one rank for one layout (see the module docstring for every term)."""
+                    reshard_after_forward: bool = True, reserve_bytes: float = 0.0, ac_every: int = 1,
+                    activation_offload: bool = False, cpu_offload: bool = False) -> MemoryEstimate:
+    """Peak bytes of one rank for one layout (see the module docstring for every term).
+    cpu_offload (FSDP2 CPUOffloadPolicy): the sharded parameters, gradients and optimizer state
+    move to `host`; the device keeps the FSDP buffers (gathered blocks, one block's gradient)."""
     cp = cp_ulysses * cp_ring
     world = dp_replicate * dp_shard * cp
     c = DTYPE_BYTES[precision]
@@ -221,10 +262,16 @@ def estimate_memory(s: ModelShape, *, dp_replicate: int, dp_shard: int, cp_ulyss
         fsdp = 4.0 * s.params if dp_mode == "ddp" and world > 1 else 0.0  # DDP's bucket copy
         if precision != "fp32":
             extra["autocast_weight_cache"] = c * s.params
-    acts = activation_bytes(s, micro_batch_tokens, precision, checkpointing, cp_ulysses, cp_ring)
+    acts = activation_bytes(s, micro_batch_tokens, precision, checkpointing, cp_ulysses, cp_ring, ac_every,
+                            activation_offload)
+    host = offloaded_activation_bytes(s, micro_batch_tokens, precision, checkpointing, cp_ulysses, cp_ring,
+                                      ac_every) if activation_offload else 0.0
+    if cpu_offload:
+        host += params + grads + optim_b
+        params = grads = optim_b = 0.0
     ws = attention_workspace_bytes(s, backend, micro_batch_tokens, precision, cp_ulysses, cp_ring)
     return MemoryEstimate(params=params, grads=grads, optimizer=optim_b, fsdp_buffers=fsdp, activations=acts,
-                          attention_workspace=ws, reserve=reserve_bytes, extra=extra)
+                          attention_workspace=ws, reserve=reserve_bytes, extra=extra, host=host)
 
 
 # --------------------------------------------------------------------------- measurement
@@ -284,6 +331,7 @@ def calibrate_block(cfg, tokens: int = 256, precision: str = "fp32", seed: int =
     from dataclasses import replace
 
     from dit_train.models import build_model, init_weights
+    from dit_train.perf.saved import retained_bytes
 
     measured = []
     for depth in (1, 2):
@@ -293,13 +341,12 @@ def calibrate_block(cfg, tokens: int = 256, precision: str = "fp32", seed: int =
         args = example_inputs(c, tokens, seed)
         ctx = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else torch.autocast("cpu", enabled=False)
         with ctx:
-            b, _ = saved_activation_bytes(lambda: model(*args), exclude=list(model.parameters()))
-        measured.append(b)
+            got, _ = retained_bytes(lambda: model(*args), list(model.parameters()))
+        # autocast's bf16 weight copies are per parameter, not per-token activations (the
+        # planner counts them once, as `autocast_weight_cache`): retained_bytes reports them apart
+        measured.append(got["activations"])
     shape = model_shape(cfg)
-    # autocast's bf16 copies of the block's weights are saved too; they are not per-token
-    # activations (the planner counts them once, as `autocast_weight_cache`)
-    copies = 2 * shape.params_block if precision == "bf16" else 0
-    per_token = (measured[1] - measured[0] - copies) / tokens
+    per_token = (measured[1] - measured[0]) / tokens
     est = block_activation_bytes_per_token(shape, precision)
     return {"measured_bytes_per_token_block": per_token, "estimated_bytes_per_token_block": est,
             "rel_error": (est - per_token) / per_token, "tokens": tokens, "precision": precision}

@@ -27,6 +27,10 @@ from dit_train.parallel.mesh import ParallelDims
 from dit_train.perf.memory import GIB, MemoryEstimate, ModelShape, estimate_memory, model_shape
 
 
+# rank order of the AC policies at equal micro-batch: less recompute first
+AC_COST = {"none": 0, "selective": 1, "full": 2}
+
+
 @dataclass(frozen=True)
 class Layout:
     """A candidate: parallel degrees plus how each rank's share is cut into micro-batches."""
@@ -34,7 +38,18 @@ class Layout:
     dims: ParallelDims
     micro_batch_tokens: int
     grad_accum: int
-    activation_checkpointing: bool
+    activation_checkpointing: bool | str  # none | selective | full (bools: full / none)
+    activation_offload: bool = False  # train.activation_offload
+    cpu_offload: bool = False  # parallel.cpu_offload (FSDP2 CPUOffloadPolicy)
+
+    @property
+    def ac(self) -> str:
+        return {True: "full", False: "none"}.get(self.activation_checkpointing, self.activation_checkpointing)
+
+    @property
+    def option(self) -> str:
+        """The memory option in words: AC policy and offloads."""
+        return "+".join([f"ac={self.ac}"] + ["act_offload"] * self.activation_offload + ["cpu_offload"] * self.cpu_offload)
 
     def __getattr__(self, name: str):  # layout.dp_shard, layout.cp_ring, ... (PARALLEL_DEGREES)
         if name in PARALLEL_DEGREES:
@@ -57,11 +72,13 @@ class Layout:
         """The command-line overrides that select this layout."""
         return [f"parallel.{k}={getattr(self.dims, k)}" for k in PARALLEL_DEGREES] + [
             f"train.micro_batch_tokens={self.micro_batch_tokens}", f"train.grad_accum={self.grad_accum}",
-            f"model.activation_checkpointing={str(self.activation_checkpointing).lower()}"]
+            f"model.activation_checkpointing={self.ac}"] + ["train.activation_offload=true"] * self.activation_offload + [
+            "parallel.cpu_offload=true"] * self.cpu_offload
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self.dims), "micro_batch_tokens": self.micro_batch_tokens, "grad_accum": self.grad_accum,
-                "activation_checkpointing": self.activation_checkpointing}
+                "activation_checkpointing": self.ac, "activation_offload": self.activation_offload,
+                "cpu_offload": self.cpu_offload}
 
 
 @dataclass(frozen=True)
@@ -98,12 +115,14 @@ class Candidate:
         each kernel gets), then checkpointing off, then fewer accumulation steps, then less
         context parallelism (it only adds communication at equal work), then more headroom."""
         L = self.layout
-        return (not self.fits, -L.micro_batch_tokens / L.cp, L.activation_checkpointing, L.grad_accum, L.cp, -self.headroom)
+        return (not self.fits, -L.micro_batch_tokens / L.cp, AC_COST[L.ac], L.activation_offload, L.cpu_offload,
+                L.grad_accum, L.cp, -self.headroom)
 
     def row(self) -> dict[str, Any]:
         L = self.layout
         r = {"dp_rep": L.dp_replicate, "dp_shard": L.dp_shard, "cp_uly": L.cp_ulysses, "cp_ring": L.cp_ring,
-             "micro_tokens": L.micro_batch_tokens, "accum": L.grad_accum, "ac": "on" if L.activation_checkpointing else "off",
+             "micro_tokens": L.micro_batch_tokens, "accum": L.grad_accum, "ac": L.ac,
+             "offload": "+".join(["act"] * L.activation_offload + ["cpu"] * L.cpu_offload) or "-",
              "state_GiB": (self.memory.params + self.memory.grads + self.memory.optimizer + self.memory.fsdp_buffers
                            + sum(self.memory.extra.values())) / GIB,
              "act_GiB": (self.memory.activations + self.memory.attention_workspace) / GIB,
@@ -135,7 +154,9 @@ def apply_layout(cfg: Config, layout: Layout) -> Config:
         setattr(c.parallel, k, getattr(layout.dims, k))
     c.train.micro_batch_tokens = layout.micro_batch_tokens
     c.train.grad_accum = layout.grad_accum
-    c.model.activation_checkpointing = layout.activation_checkpointing
+    c.model.activation_checkpointing = layout.ac
+    c.train.activation_offload = layout.activation_offload
+    c.parallel.cpu_offload = layout.cpu_offload
     return c
 
 
@@ -183,16 +204,16 @@ def resolve_plan_backend(cfg: Config, device: str) -> str:
 
 
 def plan(cfg: Config, world: int, capacity_bytes: float, work: Workload, *, reserve_bytes: float = 0.0,
-         backend: str = "flash", ac_options: tuple[bool, ...] = (False, True), max_micro_tokens: int = 1 << 17,
-         shape: ModelShape | None = None) -> tuple[list[Candidate], list[tuple[Layout, list[str]]]]:
+         backend: str = "flash", ac_options: tuple[bool | str, ...] = (False, True), max_micro_tokens: int = 1 << 17,
+         shape: ModelShape | None = None, offload_options: tuple[tuple[bool, bool], ...] = ((False, False),)) -> tuple[list[Candidate], list[tuple[Layout, list[str]]]]:
     """All candidates for `world` ranks, best first, and the rejected layouts with reasons."""
     shape = shape or model_shape(cfg.model)
     p, t = cfg.parallel, cfg.train
     cands, rejected = [], []
     for dims in factorizations(world):
         for mbt, ga in micro_batch_options(work, dims.dp, max_micro_tokens):
-            for ac in ac_options:
-                layout = Layout(dims, mbt, ga, ac)
+            for ac, (act_off, cpu_off) in ((a, o) for a in ac_options for o in offload_options):
+                layout = Layout(dims, mbt, ga, ac, act_off, cpu_off)
                 reasons = check_layout(cfg, layout, work)
                 if reasons:
                     rejected.append((layout, reasons))
@@ -202,7 +223,8 @@ def plan(cfg: Config, world: int, capacity_bytes: float, work: Workload, *, rese
                     cp_ring=dims.cp_ring, micro_batch_tokens=mbt,
                     checkpointing=ac, precision=t.precision, optimizer=cfg.optim.name, momentum=cfg.optim.momentum,
                     backend=backend, dp_mode=p.dp_mode, cp_fsdp_mode=p.cp_fsdp_mode,
-                    reshard_after_forward=p.reshard_after_forward, reserve_bytes=reserve_bytes)
+                    reshard_after_forward=p.reshard_after_forward, reserve_bytes=reserve_bytes,
+                    activation_offload=act_off, cpu_offload=cpu_off)
                 cands.append(Candidate(layout, mem, capacity_bytes))
     cands.sort(key=Candidate.rank_key)
     return cands, rejected

@@ -6,6 +6,9 @@ activation checkpointing fit a GPU, best first.
         --max-sample-tokens 32760 --mean-sample-tokens 16000 --json plan.json
     python -m dit_train.tools.plan --from-data --world 2 --device cpu --gpu-mem-gib 4 --smoke 2   # run the top 2
     python -m dit_train.tools.plan model=dit_1b --calibrate                  # activation formula vs autograd, on CPU
+    python -m dit_train.tools.plan model=wan_14b train.precision=bf16 --world 8 --frames 81 --height 720 --width 1280
+        # "how many frames fit": per AC policy x offload option, the best layout for the clip and the
+        # longest clip of that size that fits (dit_train/perf/clips.py); add --smoke 1 on GPUs to measure
 
 Positional arguments are Hydra overrides of the training config (composed like
 `python -m dit_train`); the layout keys they set are the starting point of the search only.
@@ -39,12 +42,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mean-sample-tokens", type=float, default=0, help="mean sample length (default: the longest)")
     ap.add_argument("--from-data", action="store_true", help="read sample lengths from the configured dataset")
     ap.add_argument("--max-micro-tokens", type=int, default=1 << 17)
-    ap.add_argument("--ac", choices=("both", "on", "off"), default="both", help="activation checkpointing options")
+    ap.add_argument("--ac", choices=("both", "on", "off", "all", "none", "selective", "full"), default="both",
+                    help="activation checkpointing options (both = none and full; all = none, selective, full)")
+    ap.add_argument("--offload", choices=("none", "all"), default="none",
+                    help="also plan train.activation_offload and parallel.cpu_offload (all)")
+    ap.add_argument("--frames", type=int, default=0, help="pixel frames of one clip: answer which options fit it")
+    ap.add_argument("--height", type=int, default=480, help="pixel height of the clip (with --frames)")
+    ap.add_argument("--width", type=int, default=832, help="pixel width of the clip (with --frames)")
+    ap.add_argument("--vae-stride", default="4,8,8", help="VAE compression t,h,w (Wan-VAE: 4,8,8)")
+    ap.add_argument("--host-mem-gib", type=float, default=128.0, help="host memory per rank for the offload options")
+    ap.add_argument("--max-frames", type=int, default=4001, help="upper end of the longest-clip search")
     ap.add_argument("--top", type=int, default=12, help="rows to print")
     ap.add_argument("--json", default="", help="write every candidate and the rejected layouts here")
     ap.add_argument("--smoke", type=int, default=0, help="run a few steps of the best K fitting candidates")
     ap.add_argument("--smoke-steps", type=int, default=4)
     ap.add_argument("--calibrate", action="store_true", help="measure one block's saved activations on CPU vs the formula")
+    ap.add_argument("--calibrate-tokens", type=int, default=1024,
+                    help="tokens of the calibration forward (few tokens on a wide model inflate per-parameter terms)")
     args = ap.parse_args(argv)
 
     cfg = compose(args.overrides)
@@ -58,9 +72,14 @@ def main(argv: list[str] | None = None) -> int:
         mx = args.max_sample_tokens or cfg.train.micro_batch_tokens or AUTO_MICRO_BATCH_TOKENS
         work = Workload(cfg.train.global_batch, mx, args.mean_sample_tokens or mx)
     backend = args.backend or resolve_plan_backend(cfg, args.device)
-    ac = {"both": (False, True), "on": (True,), "off": (False,)}[args.ac]
+    if args.frames:
+        return clip_main(args, cfg, world, shape, backend)
+    ac = {"both": (False, True), "on": (True,), "off": (False,), "all": ("none", "selective", "full"),
+          "none": ("none",), "selective": ("selective",), "full": ("full",)}[args.ac]
+    offload = ((False, False),) if args.offload == "none" else ((False, False), (True, False), (False, True), (True, True))
     cands, rejected = plan(cfg, world, args.gpu_mem_gib * GIB, work, reserve_bytes=args.reserve_gib * GIB,
-                           backend=backend, ac_options=ac, max_micro_tokens=args.max_micro_tokens, shape=shape)
+                           backend=backend, ac_options=ac, max_micro_tokens=args.max_micro_tokens, shape=shape,
+                           offload_options=offload)
 
     print(f"model: {cfg.model.name} dim={shape.dim} depth={shape.depth} heads={shape.heads} "
           f"params={shape.params / 1e6:.1f}M | world={world} | {args.gpu_mem_gib:g} GiB/rank "
@@ -68,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"step: {work.global_batch} samples x {work.mean_sample_tokens:.0f} tokens (longest {work.max_sample_tokens})")
     calib = None
     if args.calibrate:
-        calib = calibrate_block(cfg.model, tokens=256, precision="bf16" if cfg.train.precision != "fp32" else "fp32")
+        calib = calibrate_block(cfg.model, tokens=args.calibrate_tokens, precision="bf16" if cfg.train.precision != "fp32" else "fp32")
         print(f"calibration (one block, CPU, {calib['precision']}): measured {calib['measured_bytes_per_token_block']:.0f} "
               f"B/token, formula {calib['estimated_bytes_per_token_block']:.0f} B/token, error {calib['rel_error']:+.2%}")
     if args.smoke:
@@ -99,6 +118,48 @@ def main(argv: list[str] | None = None) -> int:
             "rejected": [{"layout": lay.to_json(), "reasons": r} for lay, r in rejected]}, indent=2))
         print(f"wrote {args.json}")
     return 0 if cands and cands[0].fits else 1
+
+
+def clip_main(args, cfg, world: int, shape, backend: str) -> int:
+    """--frames: for every AC x offload option, the best layout for the clip and the longest
+    clip of the same height and width that fits; --smoke K measures the fitting ones."""
+    from dit_train.perf.clips import clip_options, clip_tokens, latent_grid
+
+    if cfg.mode != "video":
+        raise SystemExit(f"--frames needs a video model (model.name={cfg.model.name} is {cfg.mode})")
+    stride = tuple(int(x) for x in args.vae_stride.split(","))
+    tokens = clip_tokens(cfg.model, args.frames, args.height, args.width, stride)
+    print(f"model: {cfg.model.name} dim={shape.dim} depth={shape.depth} heads={shape.heads} "
+          f"params={shape.params / 1e9:.2f}B | world={world} x {args.gpu_mem_gib:g} GiB (reserve {args.reserve_gib:g}), "
+          f"host {args.host_mem_gib:g} GiB/rank | precision={cfg.train.precision} optim={cfg.optim.name} attn={backend}")
+    print(f"clip: {args.frames} frames x {args.height}x{args.width} px -> latents {latent_grid(args.frames, args.height, args.width, stride)} "
+          f"(VAE stride {args.vae_stride}) -> {tokens} tokens (patch {list(cfg.model.patch_size)})")
+    if args.calibrate:
+        calib = calibrate_block(cfg.model, tokens=args.calibrate_tokens, precision="bf16" if cfg.train.precision != "fp32" else "fp32")
+        print(f"calibration (one block, CPU, {calib['precision']}): error {calib['rel_error']:+.2%}")
+    res = clip_options(cfg, world, args.gpu_mem_gib * GIB, args.frames, args.height, args.width, shape=shape,
+                       reserve_bytes=args.reserve_gib * GIB, backend=backend, host_capacity=args.host_mem_gib * GIB,
+                       vae_stride=stride, max_frames=args.max_frames)
+    print(format_table([r.row(args.frames) for r in res]))
+    fitting = [r for r in res if r.best is not None and r.best.fits]
+    if fitting:
+        print("cheapest option that fits: " + " ".join(fitting[0].best.layout.overrides()))
+    else:
+        print(f"no option fits {args.frames} frames at {args.height}x{args.width}: raise --world or --gpu-mem-gib")
+    if args.smoke:
+        # measured peak (torch.cuda.max_memory_allocated) next to the estimate: the data must
+        # hold clips of this size (e.g. a latent cache of such clips)
+        tried = [r.best for r in fitting][: args.smoke]
+        smoke(cfg, tried, args.smoke_steps)
+        print(format_table([dict(option=r.name, **r.best.row()) for r in fitting[: args.smoke]]))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({
+            "world": world, "gpu_mem_gib": args.gpu_mem_gib, "host_mem_gib": args.host_mem_gib, "backend": backend,
+            "clip": {"frames": args.frames, "height": args.height, "width": args.width, "tokens": tokens},
+            "model": dataclasses.asdict(shape), "options": [r.to_json() for r in res]}, indent=2))
+        print(f"wrote {args.json}")
+    return 0 if fitting else 1
 
 
 if __name__ == "__main__":
