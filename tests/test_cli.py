@@ -83,7 +83,8 @@ def test_plot_sweep_draws_quality_per_kind_of_sample(tmp_path):
     for job, (img, vid) in enumerate([(0.2, 0.6), (0.5, 0.4)]):
         d = tmp_path / str(job)
         (d / ".hydra").mkdir(parents=True)
-        (d / ".hydra" / "overrides.yaml").write_text(f"- loss.reduction={'sample_mean' if job else 'token_mean'}\n")
+        (d / ".hydra" / "overrides.yaml").write_text(
+            f"- +experiment=joint_ablation\n- loss.reduction={'sample_mean' if job else 'token_mean'}\n- train.progress=false\n")
         rows = [{"step": s, "loss": 1.0 / (s + 1)} for s in range(10)]
         for r in rows[4::5]:
             r.update({"eval/image/color_ok": img, "eval/video/color_ok": vid, "eval/image/all_ok": img / 2,
@@ -93,4 +94,5 @@ def test_plot_sweep_draws_quality_per_kind_of_sample(tmp_path):
     assert (tmp_path / "quality.png").stat().st_size > 10_000
     summary = (tmp_path / "summary.md").read_text()
     assert "| job | image color_ok | image all_ok | video color_ok | video all_ok |" in summary
-    assert "| loss.reduction=sample_mean | 0.50 | 0.25 | 0.40 | 0.20 |" in summary
+    # labels keep what differs between the jobs, not the overrides every job shares
+    assert "| loss.reduction=sample_mean | 0.50 | 0.25 | 0.40 | 0.20 |" in summary and "experiment" not in summary

@@ -17,14 +17,21 @@ from pathlib import Path
 
 
 
-def job_label(job_dir: Path) -> str:
+def job_overrides(job_dir: Path) -> list[str]:
     overrides = job_dir / ".hydra" / "overrides.yaml"
     if overrides.exists():
         import yaml
 
-        items = yaml.safe_load(overrides.read_text()) or []
-        return " ".join(str(i) for i in items) or job_dir.name
-    return job_dir.name
+        return [str(i) for i in yaml.safe_load(overrides.read_text()) or []]
+    return []
+
+
+def job_labels(job_dirs: list[Path]) -> list[str]:
+    """Each job's overrides without those every job shares (the sweep's axes are what differs:
+    `loss.reduction=token_mean`, not the experiment and flags given to the whole sweep)."""
+    items = [job_overrides(d) for d in job_dirs]
+    common = set.intersection(*map(set, items)) if len(items) > 1 else set()
+    return [" ".join(i for i in its if i not in common) or d.name for its, d in zip(items, job_dirs)]
 
 
 def collect(sweep_dir: Path) -> list[tuple[str, list[dict]]]:
@@ -38,8 +45,8 @@ def collect(sweep_dir: Path) -> list[tuple[str, list[dict]]]:
     for metrics in sorted(sweep_dir.glob("*/metrics.jsonl"), key=job_number):
         records = read_metrics(metrics)
         if records:
-            jobs.append((job_label(metrics.parent), records))
-    return jobs
+            jobs.append((metrics.parent, records))
+    return list(zip(job_labels([d for d, _ in jobs]), [r for _, r in jobs]))
 
 
 def smooth(values: list[float], k: int) -> list[float]:
@@ -121,8 +128,9 @@ def plot_quality(jobs: list[tuple[str, list[dict]]], out_dir: Path, metrics: lis
                 axes[i][j].set_ylim(-0.02, 1.02)
                 axes[i][j].grid(alpha=0.3)
         rows.append(f"| {label} | " + " | ".join(last) + " |")
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 3), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.04 + 0.03 * ((len(labels) - 1) // 3), 1, 1))  # room for the legend below
     fig.savefig(out_dir / "quality.png", dpi=110)
     return "\n".join(rows)
 
