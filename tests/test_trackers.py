@@ -13,19 +13,30 @@ import pytest
 from tests.conftest import TINY, compose_config
 
 VALIDATION = ["train.steps=3", "train.sample_every=3", "train.num_samples=2", "train.sample_steps=2"]
-# W&B keeps a per-process service and singleton state: each launch gets fresh worker processes,
-# as a user's launches do, not the suite's reusable ones
+# W&B keeps a per-process service and singleton state: each launch gets fresh processes, as a
+# user's launches do (not the suite's reusable workers, and W&B runs not in the pytest process,
+# where after hundreds of tests a run's offline file once lacked its run record)
 pytestmark = pytest.mark.real_launcher
 
 WANDB = ["train.loggers=[tensorboard,wandb]", "train.wandb_mode=offline"]
 
 
 def _run(overrides: list[str], run_dir: Path, data_cache: str) -> dict:
+    """Train in this process (errors raise here); W&B runs go through `_run_fresh`."""
     from dit_train.__main__ import run_from_config
 
     cfg = compose_config([*TINY, *overrides, f"data.cache_dir={data_cache}"])
     cfg.run_dir = str(run_dir)
     return run_from_config(cfg)
+
+
+def _run_fresh(overrides: list[str], run_dir: Path, data_cache: str) -> None:
+    """`python -m dit_train ...` in a new process, as a user launches it."""
+    from tests.conftest import run_cli
+
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    r = run_cli([*TINY, *overrides, f"data.cache_dir={data_cache}", f"hydra.run.dir={run_dir}"], cwd=run_dir.parent)
+    assert r.returncode == 0, r.stderr[-3000:]
 
 
 def _rows(run_dir: Path) -> dict[int, dict]:
@@ -109,7 +120,8 @@ def _scalars(events, tag: str) -> list[tuple[int, float]]:
 def tracked_run(tmp_path_factory, data_cache) -> Path:
     pytest.importorskip("wandb")
     run = tmp_path_factory.mktemp("tracked") / "run"
-    assert _run([*VALIDATION, *WANDB], run, data_cache)["status"] == "completed"
+    _run_fresh([*VALIDATION, *WANDB], run, data_cache)
+    assert (run / "weights.safetensors").exists()  # the run finished
     return run
 
 
@@ -158,10 +170,10 @@ def test_a_resumed_run_continues_the_same_wandb_run(tmp_path, data_cache):
     pytest.importorskip("wandb")
     run = tmp_path / "run"
     base = [*WANDB, "train.ckpt_every=2", "train.keep_last=3"]
-    _run([*base, "train.steps=3"], run, data_cache)
+    _run_fresh([*base, "train.steps=3"], run, data_cache)
     run_id = _run_id(run)
     # from the checkpoint of step 1: step 2 is trained (and logged) a second time
-    _run([*base, "train.steps=5", f"train.resume={run / 'checkpoints' / 'step_00000001'}"], run, data_cache)
+    _run_fresh([*base, "train.steps=5", f"train.resume={run / 'checkpoints' / 'step_00000001'}"], run, data_cache)
     assert _run_id(run) == run_id
     first, second = (_wandb_run(f) for f in _offline_runs(run))
     assert first[0].run_id == second[0].run_id == run_id  # one W&B run, a file per launch
@@ -236,7 +248,7 @@ def test_wandb_that_cannot_start_names_the_way_out(tmp_path, monkeypatch):
 def test_only_rank_0_feeds_the_trackers(tmp_path, data_cache):
     pytest.importorskip("wandb")
     run = tmp_path / "run"
-    _run([*WANDB, "train.steps=2", "parallel.dp_shard=2"], run, data_cache)
+    _run_fresh([*WANDB, "train.steps=2", "parallel.dp_shard=2"], run, data_cache)
     files = _offline_runs(run)
     assert len(files) == 1 and len(list((run / "tb").glob("events.out.tfevents.*"))) == 1, files
     assert sorted(_wandb_run(files[0])[1]) == [0, 1]
