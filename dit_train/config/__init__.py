@@ -16,6 +16,7 @@ from dit_train.config.schema import (
     DataConfig,
     LauncherConfig,
     LoraConfig,
+    MoEConfig,
     LossConfig,
     ModelConfig,
     OptimConfig,
@@ -101,7 +102,7 @@ def to_dict(cfg: Config) -> dict[str, Any]:
 
 
 __all__ = [
-    "PARALLEL_DEGREES", "TRAIN_LAYOUT_KEYS", "Choice", "Config", "DataConfig", "LauncherConfig", "LoraConfig", "LossConfig", "Mode",
+    "PARALLEL_DEGREES", "TRAIN_LAYOUT_KEYS", "Choice", "Config", "DataConfig", "LauncherConfig", "LoraConfig", "LossConfig", "MoEConfig", "Mode",
     "ModelConfig", "OptimConfig", "ParallelConfig", "TrainConfig", "VideoModelConfig", "compose", "config_dir",
     "load_config", "parallel_layout_keys", "register_configs", "to_config", "to_dict", "to_yaml",
 ]

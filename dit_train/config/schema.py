@@ -51,6 +51,20 @@ class LoraConfig:
 
 
 @dataclass
+class MoEConfig:
+    """Mixture-of-experts feed-forward (dit_train/models/moe.py): token-choice top-k, dropless
+    (no capacity: no token is ever dropped). num_experts = 0 keeps dense MLPs."""
+
+    num_experts: int = 0  # experts per MoE layer (each as wide as the dense MLP); 0 = dense
+    top_k: int = 2  # experts per token; outputs mixed by router probabilities renormalised over the k
+    every: int = 1  # MoE in every k-th block (blocks k-1, 2k-1, ...); 1 = every block
+    # load-balancing loss E·Σ_i f_i·P_i of each sample (its own tokens' statistics), weighted like
+    # the main loss by the reduction's global counts, averaged over MoE layers (dit_train/loss/moe.py)
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.0  # router z-loss: logsumexp(router logits)² per token, same weights
+
+
+@dataclass
 class ModelConfig:
     """Keys every model has. `name` picks the model from the registry (dit_train/models);
     each model's node adds its own keys (e.g. `DiTConfig`, `WanConfig`, `LMConfig`)."""
@@ -71,6 +85,7 @@ class ModelConfig:
     activation_checkpointing: Union[bool, str] = ActivationCheckpointing.none.value
     ac_every: int = 1  # apply activation_checkpointing to every k-th block only (2 = every second block)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
 
     def __post_init__(self) -> None:
         if isinstance(self.activation_checkpointing, bool):  # a bad name is reported by check_config

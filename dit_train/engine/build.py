@@ -150,7 +150,7 @@ def build_run(cfg: Config, ctx: ParallelContext | None = None, *, task: Any = No
     model = build_parallel_model(cfg, ctx)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, max(1, cfg.train.steps))
-    trainer = Trainer(model, task, optimizer, scheduler, ctx, cfg.train, cfg.optim, cfg.loss, cfg.parallel)
+    trainer = Trainer(model, task, optimizer, scheduler, ctx, cfg.train, cfg.optim, cfg.loss, cfg.parallel, cfg.model.moe)
     if cfg.train.ema_decay > 0:
         trainer.ema = EMA(model, cfg.train.ema_decay)
     return Run(cfg, ctx, task, model, optimizer, scheduler, trainer, held, trainer.ema)

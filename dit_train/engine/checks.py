@@ -115,6 +115,7 @@ def _model_and_data(cfg: Config, e: list[str]) -> None:
     _check(spec.mode == cfg.mode, f"mode={cfg.mode} cannot train model={m.name} (a mode={spec.mode} model); "
            f"pick one of: {', '.join(n for n in MODELS.names() if MODELS[n].mode == cfg.mode)}", e)
     e.extend(spec.checks(m))
+    _moe(m, spec, e)
     if hasattr(m, "text_dim"):
         _check(m.text_dim >= 0 and m.text_len >= 1, f"model.text_dim={m.text_dim} must be >= 0 and model.text_len="
                f"{m.text_len} >= 1", e)
@@ -130,6 +131,25 @@ def _model_and_data(cfg: Config, e: list[str]) -> None:
     _check(not (cfg.train.eval_every > 0 and d.heldout_fraction <= 0),
            f"train.eval_every={cfg.train.eval_every} scores held-out samples, but data.heldout_fraction=0 holds none "
            f"out; set data.heldout_fraction (e.g. 0.1) or train.eval_every=0", e)
+
+
+def _moe(m: Any, spec: Any, e: list[str]) -> None:
+    moe = m.moe
+    if moe.num_experts == 0:
+        return
+    if not spec.moe:
+        e.append(f"model={m.name} has no mixture-of-experts variant; set model.moe.num_experts=0 "
+                 f"(MoE: model=dit_tiny/dit_small/dit_1b or mode=llm)")
+        return
+    _check(moe.num_experts >= 2, f"model.moe.num_experts={moe.num_experts} must be 0 (dense) or >= 2", e)
+    _check(1 <= moe.top_k <= max(1, moe.num_experts),
+           f"model.moe.top_k={moe.top_k} must be between 1 and model.moe.num_experts={moe.num_experts}", e)
+    _check(1 <= moe.every <= m.depth, f"model.moe.every={moe.every} must be between 1 (every block) and "
+           f"model.depth={m.depth} (otherwise no block has experts)", e)
+    _check(moe.aux_loss_coef >= 0 and moe.z_loss_coef >= 0, f"model.moe.aux_loss_coef={moe.aux_loss_coef} and "
+           f"model.moe.z_loss_coef={moe.z_loss_coef} must be >= 0", e)
+    _check(m.lora.rank == 0, f"model.lora.rank={m.lora.rank} with model.moe.num_experts={moe.num_experts}: LoRA "
+           f"adapters on stacked expert weights are not supported; train the MoE model fully (model.lora.rank=0)", e)
 
 
 def warnings_for(cfg: Config) -> list[str]:

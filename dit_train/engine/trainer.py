@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,9 +21,11 @@ from torch.distributed.tensor import DTensor
 
 from data_pipelines.packing import balanced_split, pack_ffd, plan_step
 from dit_train.batch import PackedBatch
-from dit_train.config import LossConfig, OptimConfig, ParallelConfig, TrainConfig
+from dit_train.config import LossConfig, MoEConfig, OptimConfig, ParallelConfig, TrainConfig
 from dit_train.engine.offload import activation_offload
-from dit_train.loss import StepCounts, sync_counts, token_weights, weighted_loss
+from dit_train.loss import StepCounts, sync_counts, sync_expert_counts, token_weights, weighted_loss
+from dit_train.loss.moe import expert_load, local_expert_counts, router_token_losses
+from dit_train.models.moe import moe_layers
 from dit_train.parallel.context_parallel import split_for_cp
 from dit_train.parallel.mesh import ParallelContext
 from dit_train.parallel.parallelize import grad_sync_groups, sync_unsharded_grads
@@ -49,6 +51,7 @@ class StepResult:
     micro_batches: int
     skipped: bool
     dropped: int = 0  # samples of this step whose data could not be read (skipped and counted)
+    extras: dict[str, float] = field(default_factory=dict)  # e.g. moe/aux_loss, moe/load_max
 
 
 def grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
@@ -84,9 +87,12 @@ class Trainer:
 
     def __init__(self, model: nn.Module, task: Any, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler, ctx: ParallelContext,
-                 train: TrainConfig, optim: OptimConfig, loss: LossConfig, parallel: ParallelConfig):
+                 train: TrainConfig, optim: OptimConfig, loss: LossConfig, parallel: ParallelConfig,
+                 moe: MoEConfig | None = None):
         self.model, self.task, self.optimizer, self.scheduler, self.ctx = model, task, optimizer, scheduler, ctx
         self.train_cfg, self.optim_cfg, self.loss_cfg, self.parallel_cfg = train, optim, loss, parallel
+        self.moe_cfg = moe or MoEConfig()
+        self.moe_layers = moe_layers(model)  # their router outputs feed the balance and z-losses
         self.lengths = dict(enumerate(task.lengths()))
         self._manual_sync = grad_sync_groups(ctx, parallel)
         self.skipped_in_a_row = 0
@@ -152,6 +158,24 @@ class Trainer:
     def per_token_loss(self, mb: MicroBatch, task: Any = None) -> torch.Tensor:
         """[L_local] loss of each local token (padding included; weights zero it)."""
         return (task or self.task).per_token_loss(self.model, mb.batch, mb.attn)
+
+    def router_losses(self, mb: MicroBatch, counts: StepCounts, micro: int):
+        """After a forward of a model with MoE layers: (a [L], z [L], load [M, E]) — the per-token
+        balance term and z-loss of the local tokens (weighted like the main loss by the caller)
+        and this rank's routed slots per layer and expert (for the load metrics). None without
+        MoE layers. Reads and clears each layer's `routing`. One integer all-reduce within the
+        CP group (the expert counts of whole samples, see loss/counts.py)."""
+        routings = [layer.routing for layer in self.moe_layers]
+        for layer in self.moe_layers:
+            layer.routing = None
+        if not routings or any(r is None for r in routings):
+            return None
+        b = mb.batch
+        first = self.moe_layers[0]
+        local = local_expert_counts(routings, b.seg, b.valid, b.num_samples, first.num_experts)
+        whole = sync_expert_counts(local.clone(), self.ctx.cp_group)
+        aux, z = router_token_losses(routings, whole, counts.sample_tokens[micro], b.seg, first.top_k)
+        return aux, z, local.sum(dim=1)
 
     @torch.no_grad()
     def heldout_loss(self, task: Any) -> dict[str, float]:
@@ -247,6 +271,9 @@ class Trainer:
         counts = self.sync_counts(micro)
         reduction = self.loss_cfg.reduction
         loss_sum = torch.zeros((), device=self.ctx.device)
+        # MoE only: Σ w·a (balance), Σ w·z (z-loss), then this rank's routed slots per layer and expert
+        moe_size = 2 + sum(layer.num_experts for layer in self.moe_layers) if self.moe_layers else 0
+        moe_sums = torch.zeros(moe_size, dtype=torch.float64, device=self.ctx.device)
         nonfinite = torch.zeros((), dtype=torch.bool, device=self.ctx.device)
         scale = self.loss_scale.scale if self.loss_scale is not None else 1.0
         known_bad = False
@@ -262,7 +289,16 @@ class Trainer:
                 per_token = self.per_token_loss(mb)
                 weights = token_weights(reduction, mb.batch.seg, mb.batch.valid, counts, k)
                 loss = weighted_loss(per_token, weights)
-                (loss * scale if scale != 1.0 else loss).backward()
+                total = loss
+                router = self.router_losses(mb, counts, k)
+                if router is not None:
+                    # the router terms take the main loss's token weights: the coefficients mean
+                    # the same for every layout (dit_train/loss/moe.py)
+                    aux, z = weighted_loss(router[0], weights), weighted_loss(router[1], weights)
+                    total = loss + self.moe_cfg.aux_loss_coef * aux + self.moe_cfg.z_loss_coef * z
+                    moe_sums += torch.cat([torch.stack([aux.detach(), z.detach()]).double(),
+                                           router[2].reshape(-1).double()])
+                (total * scale if scale != 1.0 else total).backward()
             nonfinite |= ~torch.isfinite(loss.detach())
             loss_sum += loss.detach()
         if not known_bad:
@@ -271,11 +307,22 @@ class Trainer:
         # the logged loss is the true global Σ w·l: one detached all-reduce per step (with the
         # count of unreadable samples, taken once per CP group)
         dropped = float(self.dropped if self.ctx.cp_rank == 0 else 0)
-        stats = torch.stack([loss_sum.double(), torch.tensor(dropped, dtype=torch.float64, device=loss_sum.device)])
+        stats = torch.cat([torch.stack([loss_sum.double(), torch.tensor(dropped, dtype=torch.float64,
+                                                                        device=loss_sum.device)]), moe_sums])
         if self.ctx.world_group is not None:
             dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=self.ctx.world_group)
         return StepResult(loss=float(stats[0]), grad_norm=float(norm), tokens=counts.num_tokens,
-                          samples=counts.num_samples, micro_batches=n, skipped=skipped, dropped=int(stats[1]))
+                          samples=counts.num_samples, micro_batches=n, skipped=skipped, dropped=int(stats[1]),
+                          extras=self.moe_metrics(stats[2:]))
+
+    def moe_metrics(self, sums: torch.Tensor) -> dict[str, float]:
+        """moe/aux_loss, moe/z_loss (the weighted global terms, before their coefficients) and
+        moe/load_min, moe/load_max (smallest / largest share of routed slots an expert got, over
+        layers) from the step's all-reduced sums; {} without MoE layers."""
+        if not self.moe_layers:
+            return {}
+        low, high = expert_load(sums[2:].view(len(self.moe_layers), -1))
+        return {"moe/aux_loss": float(sums[0]), "moe/z_loss": float(sums[1]), "moe/load_min": low, "moe/load_max": high}
 
     def autocast(self):
         fsdp_casts = isinstance(self.model, FSDPModule) and self.ctx.device.type == "cuda"

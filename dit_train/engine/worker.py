@@ -215,6 +215,7 @@ def train(cfg: Config, ctx: ParallelContext | None = None, claimed: bool = False
             }
             if res.dropped:
                 record["samples_dropped"] = res.dropped
+            record.update(res.extras)
             if trainer.loss_scale is not None:
                 record["loss_scale"] = trainer.loss_scale.scale
             health.check(step, res.samples, res.dropped, final=step + 1 == t.steps)

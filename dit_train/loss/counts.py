@@ -9,7 +9,10 @@ Two small integer all-reduces, whatever the number of samples or micro-batches:
 
 Losses that need a statistic of a whole sequence (DPO's per-sequence log-prob sum) add one
 more small collective, the statistics sync (`sync_sequence_sums`): detached per-sequence sums
-over the world group, before the backward. Loss functions themselves never communicate.
+over the world group, before the backward. Models with mixture-of-experts layers add one
+integer all-reduce per micro-batch within the CP group after the forward (`sync_expert_counts`:
+the routed slots of whole samples, for the per-sample balance loss). Loss functions themselves
+never communicate.
 """
 from __future__ import annotations
 
@@ -67,3 +70,18 @@ def sync_sequence_sums(partial: torch.Tensor, group: dist.ProcessGroup | None) -
     if group is not None:
         dist.all_reduce(partial, op=dist.ReduceOp.SUM, group=group)
     return partial
+
+
+def sync_expert_counts(local: torch.Tensor, cp_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Expert counts of whole samples from the parts the CP ranks hold.
+
+    local: [M, S, E] int64, this rank's routed slots per (MoE layer, sample of the micro-batch,
+    expert) (`loss.moe.local_expert_counts`). cp_group: this rank's CP group (None if cp = 1).
+    Summed in place within the CP group — like T_b, a sample split across CP ranks is counted
+    in full, and the CP ranks of a group hold the same samples. One all-reduce per micro-batch
+    of a model with MoE layers; detached (the balance loss's gradient needs the counts only as
+    constants, see dit_train/loss/moe.py).
+    """
+    if cp_group is not None:
+        dist.all_reduce(local, op=dist.ReduceOp.SUM, group=cp_group)
+    return local

@@ -10,7 +10,8 @@ from torch import nn
 
 from dit_train.config.choices import Mode
 from dit_train.config.schema import VideoModelConfig
-from dit_train.models.layers import Block, Conditioning, TextContext, TimestepEmbedder, modulate, modulation_tables
+from dit_train.models.layers import (Block, feed_forward_linears, Conditioning, TextContext, TimestepEmbedder, block_moe, modulate,
+                                     modulation_tables)
 from dit_train.models.recompute import recomputed_linear
 from dit_train.models.registry import ActivationModel, ModelSpec, register_model
 from dit_train.models.rope import RotaryEmbedding
@@ -57,7 +58,8 @@ class VideoDiT(nn.Module):
     zero_init = ("adaLN_modulation", "final.linear", "cross_attn.proj")
 
     def __init__(self, patch_dim: int, dim: int, depth: int, heads: int, mlp_ratio: float,
-                 qk_norm: bool = True, rope_theta: float = 10000.0, backend: str = "sdpa", text_dim: int = 0):
+                 qk_norm: bool = True, rope_theta: float = 10000.0, backend: str = "sdpa", text_dim: int = 0,
+                 moe_blocks: list | None = None):
         super().__init__()
         self.patch_dim = patch_dim
         self.text_dim = text_dim
@@ -67,8 +69,9 @@ class VideoDiT(nn.Module):
         self.context_embedder = nn.Sequential(nn.Linear(text_dim, dim), nn.GELU(approximate="tanh"),
                                               nn.Linear(dim, dim)) if text_dim else None
         self.rope = RotaryEmbedding(dim // heads, axes=3, theta=rope_theta)
-        self.blocks = nn.ModuleList(Block(dim, heads, mlp_ratio, dim, qk_norm, backend, cross_attention=bool(text_dim))
-                                    for _ in range(depth))
+        moe_blocks = moe_blocks or [None] * depth  # per block: (num_experts, top_k) or None (dense MLP)
+        self.blocks = nn.ModuleList(Block(dim, heads, mlp_ratio, dim, qk_norm, backend, cross_attention=bool(text_dim),
+                                          moe=moe_blocks[i]) for i in range(depth))
         self.final = FinalLayer(dim, patch_dim)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, seg: torch.Tensor, t: torch.Tensor, meta: Any,
@@ -93,7 +96,8 @@ def patch_dim(cfg: VideoModelConfig) -> int:
 
 def build(cfg: DiTConfig, attn_backend: str = "sdpa") -> VideoDiT:
     return VideoDiT(patch_dim=patch_dim(cfg), dim=cfg.dim, depth=cfg.depth, heads=cfg.heads, mlp_ratio=cfg.mlp_ratio,
-                    qk_norm=cfg.qk_norm, rope_theta=cfg.rope_theta, backend=attn_backend, text_dim=cfg.text_dim)
+                    qk_norm=cfg.qk_norm, rope_theta=cfg.rope_theta, backend=attn_backend, text_dim=cfg.text_dim,
+                    moe_blocks=[block_moe(i, cfg.moe) for i in range(cfg.depth)])
 
 
 def _checks(cfg: DiTConfig) -> list[str]:
@@ -116,10 +120,10 @@ def _activations(cfg: DiTConfig) -> ActivationModel:
 
 
 register_model(ModelSpec(
-    name="dit", config=DiTConfig, mode=Mode.video, build=build, checks=_checks,
+    name="dit", config=DiTConfig, mode=Mode.video, build=build, checks=_checks, moe=True,
     # read off the autograd graph of layers.Block (adaLN DiT block; see perf/memory.py for the list)
     activations=_activations,
-    block_linears=lambda m: [m.blocks[0].attn.qkv, m.blocks[0].attn.proj, m.blocks[0].mlp.fc1, m.blocks[0].mlp.fc2],
+    block_linears=lambda b: [b.attn.qkv, b.attn.proj, *feed_forward_linears(b.mlp)],
     io_linears=lambda m: [m.x_embedder, m.final.linear],
     io_dim=patch_dim, hidden=lambda cfg: int(cfg.dim * cfg.mlp_ratio),
 ))

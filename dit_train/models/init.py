@@ -31,6 +31,8 @@ def named_seed(seed: int, name: str) -> int:
 
 
 def _fill(module: nn.Module, pname: str, full: torch.Tensor, gen: torch.Generator, zero: bool, scheme: str, std: float):
+    if hasattr(module, "init_parameter"):  # stacked weights that know their own fan-in (MoE experts)
+        return module.init_parameter(pname, full, gen, scheme, std)
     if zero or pname == "bias":
         if scheme == "normal" and not isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
             return full.normal_(0.0, std, generator=gen)

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dit_train.models.fused import RMSNorm, addcmul, gated_residual, gated_residual_value, rms_norm
+from dit_train.models.moe import MoEFeedForward
 from dit_train.models.recompute import Prologue, recomputed_linear
 from dit_train.models.rope import apply_rope
 from kernels import LocalAttention, packed_cross_attention
@@ -184,11 +185,12 @@ class Block(nn.Module):
     adaLN-zero (shift, scale, gate for attention and MLP). Without, a plain pre-RMSNorm block
     (the causal LM). Same attention and MLP either way. With `cross_attention`, a caption
     cross-attention sits between them (pre-LayerNorm, residual, no gate: as in PixArt-α).
+    With `moe`, the MLP is a mixture of experts (models/moe.py).
     """
 
     def __init__(
         self, dim: int, heads: int, mlp_ratio: float, cond_dim: int | None, qk_norm: bool = True, backend: str = "sdpa",
-        cross_attention: bool = False,
+        cross_attention: bool = False, moe: tuple[int, int] | None = None,
     ):
         super().__init__()
         self.attn = Attention(dim, heads, qk_norm, backend)
@@ -197,7 +199,8 @@ class Block(nn.Module):
             self.cross_attn = CrossAttention(dim, heads, qk_norm)
         else:
             self.cross_attn = None
-        self.mlp = MLP(dim, int(dim * mlp_ratio))
+        # moe = (num_experts, top_k): a mixture of experts as wide as the MLP instead of the MLP
+        self.mlp = MLP(dim, int(dim * mlp_ratio)) if moe is None else MoEFeedForward(dim, int(dim * mlp_ratio), *moe)
         if cond_dim:
             self.norm1 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
             self.norm2 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
@@ -243,3 +246,17 @@ class TimestepEmbedder(nn.Module):
         args = (t.float() * 1000.0)[:, None] * freqs[None]
         emb = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
         return self.mlp(emb.to(self.mlp[0].weight.dtype))
+
+
+def feed_forward_linears(ff: nn.Module) -> list:
+    """The per-token matmul weights of a block's feed-forward (for FLOPs): fc1 and fc2 of an MLP;
+    a mixture of experts' router and the weights of top_k experts (`MoEFeedForward.token_linears`)."""
+    return ff.token_linears() if isinstance(ff, MoEFeedForward) else [ff.fc1, ff.fc2]
+
+
+def block_moe(index: int, moe) -> tuple[int, int] | None:
+    """(num_experts, top_k) if block `index` has a mixture of experts under `moe` (a MoEConfig:
+    every `moe.every`-th block, counting from 1), else None."""
+    if moe.num_experts <= 0 or (index + 1) % max(1, moe.every):
+        return None
+    return moe.num_experts, moe.top_k

@@ -10,7 +10,7 @@ from torch import nn
 from dit_train.config.choices import Mode
 from dit_train.config.schema import ModelConfig
 from dit_train.models.fused import RMSNorm
-from dit_train.models.layers import Block
+from dit_train.models.layers import Block, block_moe, feed_forward_linears
 from dit_train.models.registry import ActivationModel, ModelSpec, register_model
 from dit_train.models.rope import RotaryEmbedding
 
@@ -34,11 +34,13 @@ class CausalLM(nn.Module):
     zero_init = ()
 
     def __init__(self, vocab_size: int, dim: int, depth: int, heads: int, mlp_ratio: float,
-                 qk_norm: bool = True, rope_theta: float = 10000.0, backend: str = "sdpa"):
+                 qk_norm: bool = True, rope_theta: float = 10000.0, backend: str = "sdpa", moe_blocks: list | None = None):
         super().__init__()
         self.tok_embeddings = nn.Embedding(vocab_size, dim)
         self.rope = RotaryEmbedding(dim // heads, axes=1, theta=rope_theta)
-        self.blocks = nn.ModuleList(Block(dim, heads, mlp_ratio, None, qk_norm, backend) for _ in range(depth))
+        moe_blocks = moe_blocks or [None] * depth  # per block: (num_experts, top_k) or None (dense MLP)
+        self.blocks = nn.ModuleList(Block(dim, heads, mlp_ratio, None, qk_norm, backend, moe=moe_blocks[i])
+                                    for i in range(depth))
         self.norm = RMSNorm(dim, eps=1e-6)
         self.output = nn.Linear(dim, vocab_size, bias=False)
 
@@ -52,15 +54,16 @@ class CausalLM(nn.Module):
 
 def build(cfg: LMConfig, attn_backend: str = "sdpa") -> CausalLM:
     return CausalLM(vocab_size=cfg.vocab_size, dim=cfg.dim, depth=cfg.depth, heads=cfg.heads, mlp_ratio=cfg.mlp_ratio,
-                    qk_norm=cfg.qk_norm, rope_theta=cfg.rope_theta, backend=attn_backend)
+                    qk_norm=cfg.qk_norm, rope_theta=cfg.rope_theta, backend=attn_backend,
+                    moe_blocks=[block_moe(i, cfg.moe) for i in range(cfg.depth)])
 
 
 register_model(ModelSpec(
-    name="lm", config=LMConfig, mode=Mode.llm, build=build,
+    name="lm", config=LMConfig, mode=Mode.llm, build=build, moe=True,
     # pre-RMSNorm block: 11·d + 2·h in fp32; under autocast the residual stream stays fp32 (the
     # embedding's output is): 2·d fp32 + 9·d in the compute dtype
     activations=lambda cfg: ActivationModel(fp32_d=9, autocast_f32_d=2, autocast_lp_d=7, h_elems=1, outside_d=1),
-    block_linears=lambda m: [m.blocks[0].attn.qkv, m.blocks[0].attn.proj, m.blocks[0].mlp.fc1, m.blocks[0].mlp.fc2],
+    block_linears=lambda b: [b.attn.qkv, b.attn.proj, *feed_forward_linears(b.mlp)],
     io_linears=lambda m: [m.output],  # the embedding is a lookup, not a matmul
     io_dim=lambda cfg: cfg.vocab_size, hidden=lambda cfg: int(cfg.dim * cfg.mlp_ratio),
 ))

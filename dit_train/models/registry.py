@@ -65,7 +65,8 @@ class ModelSpec:
     mode: Mode  # the task it serves: video (velocity of patch tokens) or llm (next-token logits)
     build: Callable[[Any, str], nn.Module]  # (model config, attention backend) -> plain, uninitialised model
     activations: Callable[[Any], ActivationModel]  # of a config (e.g. caption cross-attention adds terms)
-    # per-token matmul weights, for FLOPs (6·N per token): of one block, and outside the blocks
+    # per-token matmul weights, for FLOPs (6·N per token): of a block (given the block; a
+    # mixture of experts counts its router and top_k experts, models/moe.py), outside the blocks
     block_linears: Callable[[nn.Module], list[nn.Module]]
     io_linears: Callable[[nn.Module], list[nn.Module]]
     io_dim: Callable[[Any], int]  # patch values per token (video) or vocabulary size (llm)
@@ -78,6 +79,7 @@ class ModelSpec:
     pretrained: Callable[[Any], dict] | None = None
     # a diffusers model holding a full state dict (for `export_weights --diffusers`); None = not supported
     to_diffusers: Callable[[dict, Any], Any] | None = None
+    moe: bool = False  # builds mixture-of-experts blocks from `model.moe` (models/moe.py)
     notes: dict = field(default_factory=dict)
 
 

@@ -298,9 +298,8 @@ def _ffn(cfg: WanConfig) -> int:
     return cfg.ffn_dim or int(cfg.dim * cfg.mlp_ratio)
 
 
-def _block_linears(m: PackedWan) -> list[nn.Module]:
-    """Matmuls applied to every video token (attn2's to_k/to_v act on caption tokens only)."""
-    b = m.blocks[0]
+def _block_linears(b: nn.Module) -> list[nn.Module]:
+    """Matmuls a block applies to every video token (attn2's to_k/to_v act on caption tokens only)."""
     return [b.attn1.to_q, b.attn1.to_k, b.attn1.to_v, b.attn1.to_out[0], b.attn2.to_q, b.attn2.to_out[0],
             b.ffn.net[0].proj, b.ffn.net[2]]
 

@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from dit_train.config import ParallelConfig, TrainConfig
+from dit_train.models.moe import moe_layers
 from dit_train.models.registry import ModelSpec
 from dit_train.parallel.checkpointing import apply_activation_checkpointing
 from dit_train.parallel.context_parallel import ContextParallelAttention
@@ -55,6 +56,12 @@ def fsdp_mp_policies(param_dtype: torch.dtype | None) -> tuple[MixedPrecisionPol
     return root, block
 
 
+def router_mp_policy() -> MixedPrecisionPolicy:
+    """FSDP2 policy of a MoE router's own unit: fp32 parameters and gradients whatever the
+    model's compute dtype (the router casts its input to fp32 itself)."""
+    return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
+
+
 def apply_fsdp(model: nn.Module, blocks: nn.ModuleList, ctx: ParallelContext, cfg: ParallelConfig,
                param_dtype: torch.dtype | None) -> None:
     """FSDP2 per block, then the root (the rest of the parameters), SUM gradient reduction;
@@ -63,6 +70,11 @@ def apply_fsdp(model: nn.Module, blocks: nn.ModuleList, ctx: ParallelContext, cf
     mesh = fsdp_mesh(ctx, cfg.cp_fsdp_mode)
     root_mp, block_mp = fsdp_mp_policies(param_dtype)
     offload = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if cfg.cpu_offload else OffloadPolicy()
+    # MoE routers: their own FSDP unit that keeps fp32 parameters under a bf16 policy (routing is a
+    # discrete choice on small logit differences; models/moe.py computes it in fp32 as well)
+    for layer in moe_layers(model):
+        fully_shard(layer.router, mesh=mesh, mp_policy=router_mp_policy(), reshard_after_forward=cfg.reshard_after_forward,
+                    offload_policy=offload)
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=block_mp, reshard_after_forward=cfg.reshard_after_forward,
                     offload_policy=offload)

@@ -53,6 +53,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from dit_train.models.moe import moe_layers
 from dit_train.models.registry import ActivationModel, model_spec
 
 GIB = 1024 ** 3
@@ -74,10 +75,14 @@ class ModelShape:
     # parameters applied to every token by a matmul (what 6·N·T counts): blocks + embed/head
     params_per_token: int
     activations: ActivationModel
+    params_blocks: int = 0  # all blocks together (params_block is the largest one's); 0 = depth·params_block
+    moe_blocks: int = 0  # blocks whose MLP is a mixture of experts (models/moe.py)
+    experts: int = 0  # experts per MoE block
+    top_k: int = 0  # experts each token runs through
 
     @property
     def params_other(self) -> int:
-        return self.params - self.depth * self.params_block
+        return self.params - (self.params_blocks or self.depth * self.params_block)
 
     @property
     def head_dim(self) -> int:
@@ -94,12 +99,15 @@ def model_shape(cfg) -> ModelShape:
         model = build_model(cfg)
     params = sum(p.numel() for p in model.parameters())
     blocks = spec.blocks(model)
-    p_blk = sum(p.numel() for p in blocks[0].parameters())
-    per_tok_blk = sum(m.weight.numel() for m in spec.block_linears(model))
+    block_params = [sum(p.numel() for p in b.parameters()) for b in blocks]
+    per_tok_blocks = sum(m.weight.numel() for b in blocks for m in spec.block_linears(b))
     per_tok_other = sum(m.weight.numel() for m in spec.io_linears(model))
+    moe = moe_layers(model)
     return ModelShape(name=cfg.name, dim=cfg.dim, depth=len(blocks), heads=cfg.heads, hidden=spec.hidden(cfg),
-                      io_dim=spec.io_dim(cfg), params=params, params_block=p_blk,
-                      params_per_token=len(blocks) * per_tok_blk + per_tok_other, activations=spec.activations(cfg))
+                      io_dim=spec.io_dim(cfg), params=params, params_block=max(block_params),
+                      params_per_token=per_tok_blocks + per_tok_other, activations=spec.activations(cfg),
+                      params_blocks=sum(block_params), moe_blocks=len(moe),
+                      experts=moe[0].num_experts if moe else 0, top_k=moe[0].top_k if moe else 0)
 
 
 # --------------------------------------------------------------------------- activations

@@ -1,0 +1,223 @@
+"""Mixture of experts: the layer, its fp32 router, the per-sample balance loss and the promise
+(weights after k steps equal one process) with MoE on, for video and LLM layouts."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dit_train.engine.layout_equivalence import apply_layout, parse_layout, relative_difference, train_on_workers
+from dit_train.loss.moe import local_expert_counts, router_token_losses
+from dit_train.models.moe import MoEFeedForward
+
+MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.aux_loss_coef=1.0", "model.moe.z_loss_coef=0.1"]
+
+
+def _layer(seed: int = 0) -> MoEFeedForward:
+    from dit_train.models.init import init_weights
+
+    layer = MoEFeedForward(dim=8, hidden=16, num_experts=4, top_k=2)
+    init_weights(layer, seed, "normal", std=0.3)
+    return layer
+
+
+def test_moe_layer_matches_a_token_by_token_loop():
+    """Sorting (token, expert) rows by expert and running each expert once gives what each
+    token computes on its own: Σ over its top-k experts of renormalised gate · expert(x)."""
+    layer = _layer()
+    x = torch.randn(23, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    out = layer(x)
+    ex = layer.experts
+    rows = []
+    for t in range(x.shape[0]):
+        p = F.softmax(layer.router(x[t]), dim=-1)
+        top = p.topk(2).indices
+        g = p[top] / p[top].sum()
+        rows.append(sum(g[j] * F.linear(F.gelu(F.linear(x[t], ex.w1[e], ex.b1[e]), approximate="tanh"), ex.w2[e], ex.b2[e])
+                        for j, e in enumerate(top.tolist())))
+    ref = torch.stack(rows)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    grads = torch.autograd.grad(out.square().sum(), [x, *layer.parameters()])
+    ref_grads = torch.autograd.grad(ref.square().sum(), [x, *layer.parameters()])
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
+    assert layer.routing.experts.shape == (23, 2)
+
+
+def test_router_is_fp32_under_autocast():
+    layer = _layer()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = layer(torch.randn(10, 8))
+    assert layer.routing.logits.dtype == torch.float32 and layer.routing.probs.dtype == torch.float32
+    assert out.dtype == torch.bfloat16  # the experts themselves run in the compute dtype
+
+
+def test_router_keeps_fp32_parameters_under_fsdp_bf16(tmp_path):
+    """FSDP2 with bf16 parameters (the CUDA bf16 path, on a 1-rank gloo mesh): the router is its
+    own unit with an fp32 policy, the experts compute in bf16."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dit_train.config import MoEConfig
+    from dit_train.models import build_model, init_weights, model_config
+    from dit_train.models.moe import moe_layers
+    from dit_train.parallel.parallelize import fsdp_mp_policies, router_mp_policy
+    from tests.test_kernels_perf import _tiny_pack
+
+    cfg = model_config("dit", dim=32, depth=2, heads=2, patch_size=[1, 2, 2], in_channels=4, init="normal",
+                       moe=MoEConfig(num_experts=4, top_k=2))
+    model = build_model(cfg)
+    init_weights(model, seed=0, scheme="normal")
+    seen = []
+    for layer in moe_layers(model):
+        layer.router.register_forward_pre_hook(lambda mod, args: seen.append(mod.weight.dtype))
+        layer.experts.register_forward_pre_hook(lambda mod, args: seen.append(mod.w1.dtype))
+    pos, seg, meta = _tiny_pack([8, 12])
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        root_mp, block_mp = fsdp_mp_policies(torch.bfloat16)
+        for layer in moe_layers(model):
+            fully_shard(layer.router, mesh=mesh, mp_policy=router_mp_policy())
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=block_mp)
+        fully_shard(model, mesh=mesh, mp_policy=root_mp)
+        out = model(torch.randn(seg.numel(), 16), pos, seg, torch.tensor([0.3, 0.7]), meta)
+        out.float().square().mean().backward()
+        logits = [layer.routing.logits.dtype for layer in moe_layers(model)]
+    finally:
+        dist.destroy_process_group()
+    assert seen == [torch.float32, torch.bfloat16] * 2, seen
+    assert logits == [torch.float32] * 2
+    assert all(p.grad is not None and torch.isfinite(p.grad.full_tensor()).all() for p in model.parameters())
+
+
+def _routing_pack(seed: int = 0):
+    """Three samples of 5, 9 and 2 tokens plus 2 padding tokens, one MoE layer's routing."""
+    layer = _layer(seed)
+    seg = torch.tensor([0] * 5 + [1] * 9 + [2] * 2 + [-1] * 2)
+    x = torch.randn(seg.numel(), 8, generator=torch.Generator().manual_seed(seed))
+    layer(x)
+    return layer.routing, seg
+
+
+def test_balance_loss_is_the_per_sample_switch_loss_under_any_split():
+    """Σ_t w_t·a_t with sample_mean weights equals the mean over samples of E·Σ_i f_i·P_i computed
+    from each whole sample — also when the tokens are split over two "CP ranks" whose counts are
+    summed (the sync), and with the same gradient with respect to the router probabilities."""
+    routing, seg = _routing_pack()
+    valid = seg >= 0
+    T = torch.bincount(seg[valid], minlength=3)
+    E, k = 4, 2
+    # direct definition, per whole sample
+    direct = 0.0
+    for b in range(3):
+        mask = seg == b
+        f = torch.bincount(routing.experts[mask].reshape(-1), minlength=E).float() / (k * T[b])
+        P = routing.probs[mask].mean(dim=0)
+        direct = direct + E * (f * P).sum() / 3
+    # per token, the sample's counts summed from two halves of the pack (as CP ranks would)
+    halves = [torch.arange(0, 7), torch.arange(7, seg.numel())]
+    whole = sum(local_expert_counts([_select(routing, h)], seg[h], valid[h], 3, E) for h in halves)
+    assert torch.equal(whole, local_expert_counts([routing], seg, valid, 3, E))
+    w = torch.where(valid, 1.0 / (3 * T[seg.clamp(min=0)].float()), 0.0)  # sample_mean: 1/(B·T_b)
+    per_rank = [(router_token_losses([_select(routing, h)], whole, T, seg[h], k)[0] * w[h]).sum() for h in halves]
+    total = sum(per_rank)
+    torch.testing.assert_close(total, direct)
+    g_direct = torch.autograd.grad(direct, routing.probs, retain_graph=True)[0]
+    g_split = torch.autograd.grad(total, routing.probs)[0]
+    torch.testing.assert_close(g_split, g_direct)
+    # a perfectly balanced router scores 1
+    even = type(routing)(routing.logits, torch.full_like(routing.probs, 0.25), routing.experts)
+    a, _ = router_token_losses([even], whole, T, seg, k)
+    assert abs(float((a * w).sum()) - 1.0) < 1e-6
+
+
+def _select(routing, index):
+    return type(routing)(routing.logits[index], routing.probs[index], routing.experts[index])
+
+
+def test_moe_run_logs_router_metrics(tmp_path, tiny_cfg):
+    from dit_train.config import compose
+    from dit_train.engine.worker import train
+
+    cfg = apply_layout(tiny_cfg, {})
+    cfg.model.moe = compose([*MOE]).model.moe
+    cfg.train.steps, cfg.run_dir, cfg.train.save_weights = 2, str(tmp_path), False
+    train(cfg)
+    recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for r in recs:
+        assert 0.5 < r["moe/aux_loss"] < 4.0 and r["moe/z_loss"] > 0
+        assert 0 < r["moe/load_min"] <= 0.25 <= r["moe/load_max"] < 1
+
+
+# --- the promise with MoE on -------------------------------------------------------------------
+
+MOE_LAYOUTS = [
+    "dp_shard=2,cp_ulysses=2,grad_accum=2",   # FSDP2 × Ulysses × accumulation: counts summed within CP
+    "cp_ring=2,micro_batch_tokens=300",       # ring attention; samples split across ranks
+    "dp_replicate=2,dp_shard=2",              # HSDP
+    "dp_shard=2,dp_mode=ddp,grad_accum=3",    # DDP, three micro-batches per rank
+]
+REDUCTIONS = ["sample_mean", "token_mean"]
+
+
+@pytest.fixture(scope="module")
+def moe_cfg(tiny_cfg):
+    from dit_train.config import compose
+
+    cfg = apply_layout(tiny_cfg, {})
+    cfg.model.moe = compose([*MOE]).model.moe
+    cfg.model.moe.every = 2  # block 1 of 2 has experts, block 0 stays dense
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def moe_layouts(moe_cfg):
+    jobs = [(spec, r) for spec in ["1", *MOE_LAYOUTS] for r in REDUCTIONS]
+    results = train_on_workers([apply_layout(moe_cfg, parse_layout(spec), r) for spec, r in jobs])
+    out: dict = {}
+    for (spec, r), res in zip(jobs, results):
+        out.setdefault(spec, {})[r] = res
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", MOE_LAYOUTS)
+def test_moe_layout_matches_one_process(spec, moe_layouts):
+    for reduction, other in moe_layouts[spec].items():
+        ref = moe_layouts["1"][reduction]
+        assert any(".experts.w1" in k for k in ref), "no MoE layer in the model"
+        rel = relative_difference(ref, other)
+        assert rel <= 1e-4, f"{spec} {reduction}: weights differ by {rel:.2e} of the update"
+
+
+@pytest.mark.slow
+def test_balance_loss_moves_the_router(moe_cfg, moe_layouts):
+    """The oracle's router weights depend on aux_loss_coef (else the layout test above could not
+    notice a wrongly weighted balance term)."""
+    cfg = apply_layout(moe_cfg, {}, "sample_mean")
+    cfg.model.moe.aux_loss_coef = cfg.model.moe.z_loss_coef = 0.0
+    (without,) = train_on_workers([cfg])
+    ref = moe_layouts["1"]["sample_mean"]
+    name = next(k for k in ref if k.endswith("mlp.router.weight") and not k.startswith("__"))
+    moved = (ref[name] - without[name]).abs().max() / (ref[name] - ref[f"__init__/{name}"]).abs().max()
+    assert moved > 1e-2, f"the router barely feels the balance loss ({float(moved):.2e})"
+
+
+@pytest.mark.slow
+def test_llm_moe_layout_matches_one_process():
+    """Causal LM with experts, zigzag CP over a ring (documents split across ranks) and FSDP."""
+    from tests.test_llm import LLM_TINY
+
+    from dit_train.config import compose
+
+    cfg = compose([*LLM_TINY, *MOE, "model.moe.every=1"])
+    specs = ["1", "dp_shard=2,cp_ring=2,grad_accum=2"]
+    ref, other = train_on_workers([apply_layout(cfg, parse_layout(s), "token_mean") for s in specs])
+    assert any(".experts.w1" in k for k in ref)
+    rel = relative_difference(ref, other)
+    assert rel <= 1e-4, f"LLM MoE: {rel:.2e}"
