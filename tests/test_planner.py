@@ -152,6 +152,26 @@ def test_every_registered_model_plans_and_calibrates():
     assert seen == set(MODELS.names())
 
 
+def test_moe_models_plan_and_calibrate():
+    """Mixture-of-experts blocks: the planner runs, each token counts k experts' matmuls, and the
+    MoE activation term matches autograd's saved tensors (DiT and LM, fp32 and bf16)."""
+    from dit_train.perf.memory import model_shape
+
+    for mode, preset in (([], "dit_tiny"), (["mode=llm"], "lm_tiny")):
+        moe = ["model.moe.num_experts=4", "model.moe.top_k=2"]
+        cfg, dense = compose_config([*mode, f"model={preset}", *moe]), compose_config([*mode, f"model={preset}"])
+        cands, _ = plan(cfg, 8, 80 * GIB, Workload(8, 4096, 2048), backend="flash")
+        assert cands, preset
+        s, d = model_shape(cfg.model), model_shape(dense.model)
+        mlp = 2 * d.dim * d.hidden  # fc1 + fc2 weights of one dense block
+        router = d.dim * 4
+        assert s.params_per_token - d.params_per_token == d.depth * (mlp + router), preset  # 2 experts = 2 MLPs
+        assert s.params - d.params > 3 * d.depth * mlp  # 4 experts' weights held
+        for precision in ("fp32", "bf16"):
+            r = calibrate_block(cfg.model, tokens=192, precision=precision)
+            assert abs(r["rel_error"]) < 0.06, (preset, precision, r)
+
+
 def test_frames_question_for_every_registered_video_model():
     """plan --frames: every registered video model gets an answer per memory option; more
     memory-saving options fit longer clips; the asked clip's tokens follow the VAE and patch."""

@@ -62,7 +62,8 @@ register_model(ModelSpec(
     name="lm", config=LMConfig, mode=Mode.llm, build=build, moe=True,
     # pre-RMSNorm block: 11·d + 2·h in fp32; under autocast the residual stream stays fp32 (the
     # embedding's output is): 2·d fp32 + 9·d in the compute dtype
-    activations=lambda cfg: ActivationModel(fp32_d=9, autocast_f32_d=2, autocast_lp_d=7, h_elems=1, outside_d=1),
+    activations=lambda cfg: ActivationModel(fp32_d=9, autocast_f32_d=2, autocast_lp_d=7, h_elems=1, outside_d=1,
+                                            moe_dense_d=3),
     block_linears=lambda b: [b.attn.qkv, b.attn.proj, *feed_forward_linears(b.mlp)],
     io_linears=lambda m: [m.output],  # the embedding is a lookup, not a matmul
     io_dim=lambda cfg: cfg.vocab_size, hidden=lambda cfg: int(cfg.dim * cfg.mlp_ratio),
