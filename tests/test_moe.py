@@ -221,3 +221,20 @@ def test_llm_moe_layout_matches_one_process():
     assert any(".experts.w1" in k for k in ref)
     rel = relative_difference(ref, other)
     assert rel <= 1e-4, f"LLM MoE: {rel:.2e}"
+
+
+def test_aux_coefficient_means_the_same_on_every_layout(tiny_cfg, capsys):
+    """tools.bench_moe_aux: our balance-loss gradient is the same for one process, grad_accum,
+    DP and a smaller micro-batch budget; the per-micro-batch recipe's is not."""
+    from dit_train.tools.bench_moe_aux import main
+
+    from tests.conftest import TINY
+
+    assert main(["--layouts", "1;grad_accum=3;dp=2,grad_accum=2;micro_batch_tokens=300", *TINY, *MOE,
+                 f"data.cache_dir={tiny_cfg.data.cache_dir}"]) == 0
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines() if line.startswith("| ")][1:]
+    assert len(rows) == 4
+    for cells in rows[1:]:
+        ours_ratio, ours_diff, micro_ratio, micro_diff = (float(c) for c in cells[1:5])
+        assert abs(ours_ratio - 1) < 1e-5 and ours_diff < 1e-5, cells
+        assert micro_diff > 1e-2, cells  # the usual recipe's pull on the router changes with the layout

@@ -8,7 +8,8 @@ PASS/FAIL (tolerance 1e-4 of the update).
     python -m dit_train.tools.verify_layouts --layouts "dp_shard=2;cp_ulysses=2,cp_ring=2" \
         --reductions sample_mean,token_mean -- model=dit_tiny train.global_batch=8
 
-Everything after `--` is a Hydra override of the training config.
+Everything after `--` (or any bare key=value) is a Hydra override of the training config, e.g.
+`python -m dit_train.tools.verify_layouts model.moe.num_experts=4` for a mixture-of-experts run.
 
 By default the comparison runs with plain SGD (your learning rate and clipping kept): the
 check is about gradients, and Adam's update g/(sqrt(v)+eps) turns fp32 reduction-order noise on
@@ -41,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--optimizer", choices=["sgd", "config"], default="sgd",
                     help="sgd (default): compare gradients through plain SGD; config: your optimizer")
     ap.add_argument("--json", default="", help="also write the results here")
+    ap.add_argument("overrides", nargs="*", help="Hydra overrides (key=value), also accepted after `--`")
     args = ap.parse_args(argv)
+    overrides = [*args.overrides, *overrides]
 
     from dit_train.config import compose
     from dit_train.data import check_data, prepare_data
