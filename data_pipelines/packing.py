@@ -13,6 +13,7 @@ micro-batches: FSDP's collectives must match across ranks).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,18 +35,73 @@ def steps_per_epoch(num_samples: int, global_batch: int) -> int:
     return num_samples // global_batch
 
 
-def step_samples(step: int, num_samples: int, global_batch: int, seed: int) -> list[int]:
-    """The global batch of `step`: a slice of a seeded permutation of the dataset.
+def batch_size_at(step: int, global_batch: int, warmup_steps: int = 0, warmup_start: int = 0) -> int:
+    """Samples in the global batch of `step` (train.batch_warmup_steps / batch_warmup_start).
 
-    Each epoch is a fresh permutation; the last num_samples % global_batch samples of an epoch
-    are dropped so a step never holds the same sample twice (noise is keyed by sample id).
+    Linear ramp from `warmup_start` (0 = max(1, global_batch // 8)) at step 0 to global_batch at
+    step warmup_steps, rounded down; global_batch from then on. A function of the step only, so
+    every layout trains on the same samples.
+    """
+    if step >= warmup_steps:
+        return global_batch
+    start = warmup_start or max(1, global_batch // 8)
+    return start + (global_batch - start) * step // warmup_steps
+
+
+@functools.lru_cache(maxsize=16)
+def _warmup_positions(num_samples: int, global_batch: int, warmup_steps: int, warmup_start: int) -> tuple:
+    """(epoch, offset) where each warm-up step's slice starts, and where step warmup_steps would
+    start before its epoch check: O(warmup_steps) once, so planning any step is O(1) after."""
+    epoch, offset, out = 0, 0, []
+    for s in range(warmup_steps):
+        b = batch_size_at(s, global_batch, warmup_steps, warmup_start)
+        if offset + b > num_samples:  # a step never straddles two epochs (no sample twice)
+            epoch, offset = epoch + 1, 0
+        out.append((epoch, offset))
+        offset += b
+    out.append((epoch, offset))
+    return tuple(out)
+
+
+def step_position(step: int, num_samples: int, global_batch: int, warmup_steps: int = 0,
+                  warmup_start: int = 0) -> tuple[int, int, int]:
+    """(epoch, offset, size): step `step` takes perm_epoch[offset:offset + size].
+
+    Samples are consumed as a stream of epochs (each a fresh seeded permutation); a step whose
+    slice would cross the end of its epoch starts the next one instead (the rest of the epoch is
+    dropped). Without warm-up this is step // spe, (step % spe)·global_batch: the same samples as
+    ever for a given seed.
     """
     spe = steps_per_epoch(num_samples, global_batch)
     if spe == 0:
         raise ValueError(f"train.global_batch={global_batch} is larger than the dataset ({num_samples} samples)")
-    epoch, k = divmod(step, spe)
+    positions = _warmup_positions(num_samples, global_batch, warmup_steps, warmup_start)
+    if step < warmup_steps:
+        epoch, offset = positions[step]
+        return epoch, offset, batch_size_at(step, global_batch, warmup_steps, warmup_start)
+    epoch, offset = positions[warmup_steps]
+    if offset + global_batch > num_samples:
+        epoch, offset = epoch + 1, 0
+    left = (num_samples - offset) // global_batch  # full steps left in the current epoch
+    j = step - warmup_steps
+    if j < left:
+        return epoch, offset + j * global_batch, global_batch
+    e, k = divmod(j - left, spe)
+    return epoch + 1 + e, k * global_batch, global_batch
+
+
+def step_samples(step: int, num_samples: int, global_batch: int, seed: int, warmup_steps: int = 0,
+                 warmup_start: int = 0) -> list[int]:
+    """The global batch of `step`: a slice of a seeded permutation of the dataset.
+
+    Each epoch is a fresh permutation; the samples left at an epoch's end that do not fill a
+    step are dropped so a step never holds the same sample twice (noise is keyed by sample id).
+    With a batch-size warm-up the first `warmup_steps` steps take fewer samples
+    (`batch_size_at`).
+    """
+    epoch, offset, size = step_position(step, num_samples, global_batch, warmup_steps, warmup_start)
     perm = np.random.default_rng([seed, epoch, 0x5A17]).permutation(num_samples)
-    return [int(i) for i in perm[k * global_batch:(k + 1) * global_batch]]
+    return [int(i) for i in perm[offset:offset + size]]
 
 
 def balanced_split(ids: list[int], lengths: dict[int, int], parts: int) -> list[list[int]]:
@@ -84,10 +140,11 @@ def pack_ffd(ids: list[int], lengths: dict[int, int], budget: int) -> list[list[
 
 
 def plan_step(step: int, lengths: list[int] | dict[int, int], global_batch: int, dp: int, grad_accum: int,
-              budget: int, seed: int) -> StepPlan:
-    """The full plan of one optimizer step for a data-parallel degree `dp`."""
+              budget: int, seed: int, warmup_steps: int = 0, warmup_start: int = 0) -> StepPlan:
+    """The full plan of one optimizer step for a data-parallel degree `dp` (with a batch-size
+    warm-up, a small step may leave ranks or accumulation groups empty: they run empty packs)."""
     lengths = dict(enumerate(lengths)) if isinstance(lengths, list) else lengths
-    ids = step_samples(step, len(lengths), global_batch, seed)
+    ids = step_samples(step, len(lengths), global_batch, seed, warmup_steps, warmup_start)
     per_rank = []
     for rank_ids in balanced_split(ids, lengths, dp):
         micro = []

@@ -204,6 +204,11 @@ class TrainConfig:
     seed: int = 0  # weights, sample order, noise and timesteps all derive from it
     global_batch: int = 8  # samples per optimizer step, whatever the layout
     grad_accum: int = 1  # accumulation groups per data-parallel rank
+    # batch-size warm-up: the global batch ramps linearly from batch_warmup_start (0 = global_batch // 8,
+    # at least 1) to global_batch over the first batch_warmup_steps steps (0 = off); a function of the
+    # step only. The LR schedule still counts optimizer steps (the ramp does not rescale it)
+    batch_warmup_steps: int = 0
+    batch_warmup_start: int = 0
     # packing budget of one micro-batch (before the CP split); 0 = auto: the longest sample, at
     # least AUTO_MICRO_BATCH_TOKENS (set from the data before the run starts)
     micro_batch_tokens: int = 0

@@ -96,6 +96,12 @@ def _train(cfg: Config, e: list[str]) -> None:
     _check(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), f"optim.betas={list(o.betas)} must be two values in [0, 1)", e)
 
 
+def _batch_warmup(t: Any, e: list[str]) -> None:
+    _check(t.batch_warmup_steps >= 0, f"train.batch_warmup_steps={t.batch_warmup_steps} must be >= 0 (0 = off)", e)
+    _check(0 <= t.batch_warmup_start <= t.global_batch, f"train.batch_warmup_start={t.batch_warmup_start} must be "
+           f"between 1 and train.global_batch={t.global_batch} (0 = global_batch // 8)", e)
+
+
 def _loss(cfg: Config, e: list[str]) -> None:
     lc = cfg.loss
     _check(lc.timestep_shift > 0, f"loss.timestep_shift={lc.timestep_shift} must be > 0 (1 = no shift)", e)
@@ -177,6 +183,7 @@ def check_config(cfg: Config, world_size: int | None = None) -> None:
     e = choice_errors(cfg, "")
     _parallel(cfg, world_size, e)
     _train(cfg, e)
+    _batch_warmup(cfg.train, e)
     _loss(cfg, e)
     _model_and_data(cfg, e)
     if e:

@@ -107,13 +107,15 @@ class Trainer:
         """This rank's packs (sample ids per micro-batch) of `step`; starts background decoding
         of them and of the next step's when the task can prefetch."""
         t = self.train_cfg
-        plan = plan_step(step, self.lengths, t.global_batch, self.ctx.dims.dp, t.grad_accum, t.micro_batch_tokens, t.seed)
+        warmup = (t.batch_warmup_steps, t.batch_warmup_start)
+        plan = plan_step(step, self.lengths, t.global_batch, self.ctx.dims.dp, t.grad_accum, t.micro_batch_tokens,
+                         t.seed, *warmup)
         packs = plan.micro_batches[self.ctx.dp_rank]
         if hasattr(self.task, "prefetch"):
             ids = [i for p in packs for i in p]
             if step + 1 < t.steps:
                 nxt = plan_step(step + 1, self.lengths, t.global_batch, self.ctx.dims.dp, t.grad_accum,
-                                t.micro_batch_tokens, t.seed)
+                                t.micro_batch_tokens, t.seed, *warmup)
                 ids += [i for p in nxt.micro_batches[self.ctx.dp_rank] for i in p]
             self.task.prefetch(ids)  # changes no result, only how long `build` waits
         return packs
