@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
 from dit_train.engine.layout_equivalence import apply_layout, parse_layout, relative_difference, train_on_workers
 from dit_train.loss.moe import local_expert_counts, router_token_losses
@@ -238,3 +239,57 @@ def test_aux_coefficient_means_the_same_on_every_layout(tiny_cfg, capsys):
         ours_ratio, ours_diff, micro_ratio, micro_diff = (float(c) for c in cells[1:5])
         assert abs(ours_ratio - 1) < 1e-5 and ours_diff < 1e-5, cells
         assert micro_diff > 1e-2, cells  # the usual recipe's pull on the router changes with the layout
+
+
+# --- expert parallelism ----------------------------------------------------------------------
+
+EP_LAYOUTS = [
+    "ep=2,dp_shard=4",                                   # 2 EP groups: expert grads summed over replicas
+    "ep=4,dp_shard=2,cp_ulysses=2,grad_accum=2",         # experts over FSDP × Ulysses ranks
+    "ep=2,dp_replicate=2,dp_shard=2,cp_fsdp_mode=none",  # HSDP, CP-less; expert sum apart from FSDP
+    "ep=2,dp_shard=2,cp_ring=2,meta_init=true",          # meta-device build, ring CP
+    "ep=4,dp_shard=4,dp_mode=ddp,grad_accum=2",          # DDP ignores the experts
+    "ep=2,dp_shard=4,dp_mode=none",                      # no wrapper: manual sums
+]
+
+
+@pytest.fixture(scope="module")
+def ep_results(moe_cfg):
+    from dataclasses import replace
+
+    cfg = apply_layout(moe_cfg, {}, "sample_mean")
+    cfg.model.moe = replace(cfg.model.moe, every=1)  # both blocks have experts
+    full_ac = apply_layout(cfg, parse_layout("ep=2,dp_shard=4"))
+    full_ac.model.activation_checkpointing = "full"  # dispatch collectives re-run in the recompute
+    jobs = [cfg, *(apply_layout(cfg, parse_layout(s)) for s in EP_LAYOUTS), full_ac]
+    return dict(zip(["1", *EP_LAYOUTS, "ep=2,dp_shard=4 + full AC"], train_on_workers(jobs)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", [*EP_LAYOUTS, "ep=2,dp_shard=4 + full AC"])
+def test_expert_parallel_layout_matches_one_process(spec, ep_results):
+    ref, other = ep_results["1"], ep_results[spec]
+    rel = relative_difference(ref, other)
+    assert rel <= 1e-4, f"{spec}: weights differ by {rel:.2e} of the update"
+    norms_ref, norms = ref["__grad_norms__"], other["__grad_norms__"]
+    assert (norms - norms_ref).abs().max() <= 1e-5 * norms_ref.abs().max(), (spec, norms, norms_ref)
+
+
+@pytest.mark.slow
+def test_expert_parallel_checkpoint_resumes_on_another_ep(tmp_path, data_cache):
+    """Saved with ep=2 over 4 ranks, resumed with ep=4 and on one process: the weights (all
+    experts, gathered into weights.safetensors) equal an uninterrupted one-process run."""
+    from tests.test_checkpoint import _max_diff, train_in_process
+    from tests.conftest import TINY
+
+    base = [*TINY, *MOE, "train.steps=4", f"data.cache_dir={data_cache}"]
+    ref, a = tmp_path / "ref", tmp_path / "a"
+    train_in_process(base, ref)
+    train_in_process([*base, "parallel.dp_shard=4", "parallel.ep=2", "train.ckpt_every=2"], a)
+    ck = a / "checkpoints" / "step_00000001"
+    w_ref = load_file(ref / "weights.safetensors")
+    assert w_ref["blocks.0.mlp.experts.w1"].shape[0] == 4
+    for name, layout in (("ep4", ["parallel.dp_shard=4", "parallel.ep=4"]), ("one", [])):
+        train_in_process([*base, *layout, f"train.resume={ck}"], tmp_path / name)
+        w = load_file(tmp_path / name / "weights.safetensors")
+        assert _max_diff(w_ref, w) < 1e-6, (layout, _max_diff(w_ref, w))

@@ -141,6 +141,9 @@ class ParallelConfig:
     dp_shard: int = 1  # FSDP2 shards (DDP ranks with dp_mode=ddp)
     cp_ulysses: int = 1  # Ulysses context parallelism (all-to-all heads <-> tokens; divides model.heads)
     cp_ring: int = 1  # ring context parallelism (K/V passed around, exact online softmax)
+    # expert parallelism: the experts of each MoE layer split over ep consecutive ranks of the world
+    # (tokens sent to their experts by all-to-all); divides the world size and model.moe.num_experts
+    ep: int = 1
     dp_mode: DPMode = DPMode.fsdp2  # fsdp2 | ddp | none (plain model, gradients summed by hand)
     cp_fsdp_mode: CPFSDPMode = CPFSDPMode.all  # all: CP ranks join the FSDP shard group; none: separate CP sum
     device: Device = Device.auto  # auto | cpu | cuda

@@ -70,6 +70,14 @@ def _parallel(cfg: Config, world_size: int | None, e: list[str]) -> None:
     except ValueError as err:
         e.append(str(err))
     _check(m.ac_every >= 1, f"model.ac_every={m.ac_every} must be >= 1 (1 = every block, 2 = every second block)", e)
+    experts = m.moe.num_experts
+    _check(p.ep >= 1 and dims.world % max(1, p.ep) == 0,
+           f"parallel.ep={p.ep} must divide the world size {dims.world} (experts are split over ep ranks of it)", e)
+    _check(p.ep == 1 or (experts > 0 and experts % p.ep == 0),
+           f"parallel.ep={p.ep} splits the experts of MoE layers: set model.moe.num_experts to a multiple of it "
+           f"(now {experts}) or parallel.ep=1", e)
+    _check(not (p.ep > 1 and p.cpu_offload), "parallel.ep > 1 with parallel.cpu_offload=true is not supported; "
+           "set one of them back", e)
 
 
 def _train(cfg: Config, e: list[str]) -> None:

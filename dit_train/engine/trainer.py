@@ -54,15 +54,26 @@ class StepResult:
     extras: dict[str, float] = field(default_factory=dict)  # e.g. moe/aux_loss, moe/load_max
 
 
-def grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """Global L2 norm of all gradients (across FSDP shards: DTensor reductions give the same
-    value as one process); clip in place when max_norm > 0."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0, foreach=False)
+def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of gradients that live on one mesh (or none), as a plain tensor."""
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=False)
     if isinstance(norm, DTensor):
         if norm.device.type != norm.device_mesh.device_type:  # CPU-offloaded shards: reduce on the mesh's device
             norm = norm.to(norm.device_mesh.device_type)
         norm = norm.full_tensor()
+    return norm
+
+
+def grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Global L2 norm of all gradients (across FSDP shards: DTensor reductions give the same
+    value as one process); clip in place when max_norm > 0. Gradients on different meshes (FSDP
+    shards, expert-parallel experts) are normed per mesh, then combined."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    by_mesh: dict[Any, list[torch.Tensor]] = {}
+    for p in params:
+        by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
+    norms = [_total_norm(grads) for grads in by_mesh.values()] or [torch.zeros(())]
+    norm = norms[0] if len(norms) == 1 else torch.stack([n.to(norms[0].device) for n in norms]).norm()
     if max_norm > 0 and math.isfinite(float(norm)):
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=False)
     return norm
@@ -239,7 +250,7 @@ class Trainer:
             (mb,) = self.prepare([[]], step)
             with self.gradient_sync(True):
                 (self.per_token_loss(mb).sum() * 0.0).backward()
-        sync_unsharded_grads(self.model, self._manual_sync)
+        sync_unsharded_grads(self.model, self._manual_sync, self.ctx)
 
     # -- the update ----------------------------------------------------------------------------
 
@@ -304,7 +315,7 @@ class Trainer:
             nonfinite |= ~torch.isfinite(loss.detach())
             loss_sum += loss.detach()
         if not known_bad:
-            sync_unsharded_grads(self.model, self._manual_sync)
+            sync_unsharded_grads(self.model, self._manual_sync, self.ctx)
         norm, skipped = self.apply_gradients(grad_scale=1.0 / scale, known_bad=known_bad)
         # the logged loss is the true global Σ w·l: one detached all-reduce per step (with the
         # count of unreadable samples, taken once per CP group)

@@ -56,17 +56,7 @@ class Experts(nn.Module):
         self.b2 = nn.Parameter(torch.empty(num_experts, dim))
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        outs = []
-        for e, chunk in enumerate(torch.split(x, counts)):
-            if chunk.shape[0] == 0:
-                continue
-            h = F.gelu(F.linear(chunk, self.w1[e], self.b1[e]), approximate="tanh")
-            outs.append(F.linear(h, self.w2[e], self.b2[e]))
-        if not outs:
-            # no token here: still give every weight a (zero) gradient, so that all ranks
-            # reduce the same set of gradients (FSDP2 / DDP collectives must match)
-            return x.new_zeros(0, self.w2.shape[1]) + 0.0 * sum(p.sum() for p in self.parameters())
-        return torch.cat(outs)
+        return run_experts((self.w1, self.b1, self.w2, self.b2), x, counts)
 
     @torch.no_grad()
     def init_parameter(self, name: str, full: torch.Tensor, gen: torch.Generator, scheme: str, std: float) -> torch.Tensor:
@@ -79,6 +69,23 @@ class Experts(nn.Module):
         fan_out, fan_in = full.shape[1:]
         bound = (6.0 / (fan_in + fan_out)) ** 0.5
         return full.uniform_(-bound, bound, generator=gen)
+
+
+def run_experts(weights: tuple[torch.Tensor, ...], x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """The expert MLPs on rows sorted by expert: weights (w1 [e, h, d], b1 [e, h], w2 [e, d, h],
+    b2 [e, d]) of e experts, x [N, d], counts[j] rows of expert j -> [N, d]."""
+    w1, b1, w2, b2 = weights
+    outs = []
+    for e, chunk in enumerate(torch.split(x, counts)):
+        if chunk.shape[0] == 0:
+            continue
+        h = F.gelu(F.linear(chunk, w1[e], b1[e]), approximate="tanh")
+        outs.append(F.linear(h, w2[e], b2[e]))
+    if not outs:
+        # no row here: still give every weight a (zero) gradient, so that all ranks reduce the
+        # same set of gradients (FSDP2 / DDP / the expert-replica sum must match)
+        return x.new_zeros(0, w2.shape[1]) + 0.0 * sum(w.sum() for w in weights)
+    return torch.cat(outs)
 
 
 def local_dispatch(experts: Experts, x: torch.Tensor, choice: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -70,6 +70,12 @@ class ParallelContext:
     ring_group: dist.ProcessGroup | None = None
     ulysses_group: dist.ProcessGroup | None = None
     world_group: dist.ProcessGroup | None = None
+    # expert parallelism (parallel.ep): ep consecutive ranks share the experts of a MoE layer;
+    # the replica group joins the ranks holding the same experts (dit_train/parallel/expert_parallel.py)
+    ep: int = 1
+    ep_rank: int = 0
+    ep_group: dist.ProcessGroup | None = None
+    ep_replica_group: dist.ProcessGroup | None = None
 
     @property
     def is_main(self) -> bool:
@@ -143,7 +149,16 @@ def init_parallel(cfg: ParallelConfig) -> ParallelContext:
     def group(name: str, size: int) -> dist.ProcessGroup | None:
         return views[name].get_group() if size > 1 else None
 
+    ep = cfg.ep
+    if dims.world % ep:
+        raise ValueError(f"parallel.ep={ep} must divide the world size {dims.describe()}")
+    if ep > 1:  # world ranks in order, regrouped as (replicas, ep): EP groups are consecutive ranks
+        ep_mesh = views["dp_cp"]._unflatten(0, (dims.world // ep, ep), ("ep_replica", "ep"))
+        views["ep"], views["ep_replica"] = ep_mesh["ep"], ep_mesh["ep_replica"]
+
     return ParallelContext(
+        ep=ep, ep_rank=views["ep"].get_local_rank() if ep > 1 else 0,
+        ep_group=group("ep", ep), ep_replica_group=group("ep_replica", dims.world // ep) if ep > 1 else None,
         dims=dims, device=device, rank=dist.get_rank(), local_rank=local_rank, mesh=mesh, views=views,
         dp_rank=views["dp"].get_local_rank(), cp_rank=views["cp"].get_local_rank(),
         ring_rank=views["cp_ring"].get_local_rank(), ulysses_rank=views["cp_ulysses"].get_local_rank(),

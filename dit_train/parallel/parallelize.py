@@ -15,6 +15,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from dit_train.config import ParallelConfig, TrainConfig
 from dit_train.models.moe import moe_layers
+from dit_train.parallel.expert_parallel import apply_expert_parallel, expert_parameters, sync_expert_grads
 from dit_train.models.registry import ModelSpec
 from dit_train.parallel.checkpointing import apply_activation_checkpointing
 from dit_train.parallel.context_parallel import ContextParallelAttention
@@ -72,13 +73,17 @@ def apply_fsdp(model: nn.Module, blocks: nn.ModuleList, ctx: ParallelContext, cf
     offload = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if cfg.cpu_offload else OffloadPolicy()
     # MoE routers: their own FSDP unit that keeps fp32 parameters under a bf16 policy (routing is a
     # discrete choice on small logit differences; models/moe.py computes it in fp32 as well)
+    # experts split by expert parallelism are not FSDP's: their gradients are summed over the
+    # replica group instead (parallel/expert_parallel.py)
+    ignored = set(expert_parameters(model)) if ctx.ep > 1 else None
     for layer in moe_layers(model):
         fully_shard(layer.router, mesh=mesh, mp_policy=router_mp_policy(), reshard_after_forward=cfg.reshard_after_forward,
                     offload_policy=offload)
     for block in blocks:
         fully_shard(block, mesh=mesh, mp_policy=block_mp, reshard_after_forward=cfg.reshard_after_forward,
-                    offload_policy=offload)
-    fully_shard(model, mesh=mesh, mp_policy=root_mp, reshard_after_forward=False, offload_policy=offload)
+                    offload_policy=offload, ignored_params=ignored)
+    fully_shard(model, mesh=mesh, mp_policy=root_mp, reshard_after_forward=False, offload_policy=offload,
+                ignored_params=ignored)
     n = cfg.fsdp_prefetch
     if n > 0:
         blocks = list(blocks)
@@ -105,6 +110,8 @@ def parallelize(model: nn.Module, spec: ModelSpec, ctx: ParallelContext, cfg: Pa
     blocks = spec.blocks(model)
     if ctx.dims.cp > 1:
         apply_context_parallel(model, spec, ctx, attn_backend)
+    if ctx.ep > 1:
+        apply_expert_parallel(model, ctx)
     apply_activation_checkpointing(blocks, model_cfg.activation_checkpointing, model_cfg.ac_every)
     if train_cfg.compile:
         apply_compile(blocks)
@@ -118,6 +125,10 @@ def parallelize(model: nn.Module, spec: ModelSpec, ctx: ParallelContext, cfg: Pa
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         group = ctx.world_group if cfg.cp_fsdp_mode == "all" else ctx.views["dp"].get_group()
+        if ctx.ep > 1:  # expert-parallel weights: summed over their replica group, not by DDP
+            names = {id(p) for p in expert_parameters(model)}
+            DDP._set_params_and_buffers_to_ignore_for_model(
+                model, [n for n, p in model.named_parameters() if id(p) in names])
         ddp = DDP(model.to(ctx.device), process_group=group,
                   device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
         ddp.register_comm_hook(group, _sum_allreduce_hook)
@@ -140,14 +151,19 @@ def grad_sync_groups(ctx: ParallelContext, cfg: ParallelConfig) -> list[dist.Pro
 
 
 @torch.no_grad()
-def sync_unsharded_grads(model: nn.Module, groups: list[dist.ProcessGroup]) -> None:
+def sync_unsharded_grads(model: nn.Module, groups: list[dist.ProcessGroup], ctx: ParallelContext | None = None) -> None:
     """All-reduce SUM every gradient over `groups` (local shards for FSDP DTensors: the CP
-    ranks of one dp_shard position hold the same shard layout)."""
+    ranks of one dp_shard position hold the same shard layout); expert-parallel weights are
+    summed over their replica group instead (`ctx`, when parallel.ep > 1)."""
+    skip: set[int] = set()
+    if ctx is not None and ctx.ep > 1:
+        sync_expert_grads(model, ctx)
+        skip = {id(p) for p in expert_parameters(model)}
     if not groups:
         return
     from torch.distributed.tensor import DTensor
 
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    grads = [p.grad for p in model.parameters() if p.grad is not None and id(p) not in skip]
     locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
     if not locals_:
         return
