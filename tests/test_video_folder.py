@@ -146,7 +146,10 @@ def test_trainer_announces_this_and_next_step():
             self.announced.append(list(ids))
 
     lengths = {i: 10 + 7 * (i % 5) for i in range(20)}
-    t = SimpleNamespace(global_batch=6, grad_accum=1, micro_batch_tokens=60, seed=3, steps=4)
+    from dit_train.config import TrainConfig
+
+    # The real config class, so a new planning key cannot leave this test behind.
+    t = TrainConfig(global_batch=6, grad_accum=1, micro_batch_tokens=60, seed=3, steps=4)
     tr = Trainer.__new__(Trainer)
     tr.task, tr.train_cfg, tr.lengths = Task(), t, lengths
     tr.ctx = SimpleNamespace(dims=SimpleNamespace(dp=2), dp_rank=1)
