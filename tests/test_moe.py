@@ -293,3 +293,67 @@ def test_expert_parallel_checkpoint_resumes_on_another_ep(tmp_path, data_cache):
         train_in_process([*base, *layout, f"train.resume={ck}"], tmp_path / name)
         w = load_file(tmp_path / name / "weights.safetensors")
         assert _max_diff(w_ref, w) < 1e-6, (layout, _max_diff(w_ref, w))
+
+
+@pytest.mark.slow
+def test_expert_parallel_collectives_per_step(moe_cfg):
+    """Gradient collectives stay once per step with EP on (the expert replica sum included);
+    the dispatch's all-to-alls run per micro-batch and MoE layer: counts, rows out and back,
+    and the two in backward."""
+    from dit_train.engine.launch import launch_local
+    from dit_train.tools.bench_collectives import count_step_collectives
+
+    cfg = apply_layout(moe_cfg, parse_layout("ep=2,dp_shard=4"))
+    counts = launch_local(count_step_collectives, (cfg, [1, 3]), 4, cfg.launcher)[0]
+    one, three = counts[1], counts[3]
+    assert three["micro_batches"] > one["micro_batches"]
+    for name in ("reduce_scatter_tensor", "all_reduce"):
+        assert one[name] == three[name], (name, counts)
+    for c in (one, three):
+        layers = 1  # moe_cfg: experts in every second block of 2
+        assert c["all_to_all_single"] == layers * c["micro_batches"], c
+        assert c["ep_all_to_all"] == 4 * layers * c["micro_batches"], c
+
+
+def _dispatch_against_local(idle: bool) -> float:
+    """On 2 ranks with ep=2: expert outputs, input and expert-weight gradients through the
+    all-to-all dispatch vs the same rows through all 4 experts in-process. idle: every row
+    chooses expert 0 or 1, so rank 1 receives no row and must still join both backward
+    all-to-alls. Returns the largest difference."""
+    import torch.distributed as dist
+
+    from dit_train.config import ParallelConfig
+    from dit_train.parallel.expert_parallel import apply_expert_parallel
+    from dit_train.parallel.mesh import init_parallel
+
+    # a short collective timeout: a rank left out of the backward fails here instead of hanging
+    ctx = init_parallel(ParallelConfig(dp_shard=2, ep=2, dp_mode="none", device="cpu", timeout_s=60))
+    gen = torch.Generator().manual_seed(7 + ctx.rank)
+    rows = 3 + 4 * ctx.rank  # uneven on purpose
+    choice = torch.randint(0, 2 if idle else 4, (rows,), generator=gen)
+    x, w = torch.randn(rows, 8, generator=gen), torch.randn(rows, 8, generator=gen)
+    results = []
+    for ep in (False, True):
+        layer = _layer()
+        if ep:
+            apply_expert_parallel(torch.nn.ModuleDict({"mlp": layer}), ctx)
+        xi = x.clone().requires_grad_()
+        y = layer.dispatch(layer.experts, xi, choice, 4)
+        params = list(layer.experts.parameters())
+        g = torch.autograd.grad((y * w).sum(), [xi, *params])
+        expert_grads = [t.to_local() if hasattr(t, "to_local") else t for t in g[1:]]
+        if not ep:  # all ranks' tokens, this rank's two experts
+            for t in expert_grads:
+                dist.all_reduce(t)
+            expert_grads = [t[2 * ctx.rank:2 * ctx.rank + 2] for t in expert_grads]
+        results.append([y.detach(), g[0], *expert_grads])
+    return max(float((a - b).abs().max()) for a, b in zip(*results))
+
+
+@pytest.mark.parametrize("idle", [False, True], ids=["busy", "one_rank_idle"])
+def test_expert_parallel_dispatch_matches_local_experts(idle):
+    from dit_train.config import LauncherConfig
+    from dit_train.engine.launch import launch_local
+
+    for rank, diff in launch_local(_dispatch_against_local, (idle,), 2, LauncherConfig()).items():
+        assert diff < 1e-6, (rank, diff)

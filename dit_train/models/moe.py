@@ -83,8 +83,10 @@ def run_experts(weights: tuple[torch.Tensor, ...], x: torch.Tensor, counts: list
         outs.append(F.linear(h, w2[e], b2[e]))
     if not outs:
         # no row here: still give every weight a (zero) gradient, so that all ranks reduce the
-        # same set of gradients (FSDP2 / DDP / the expert-replica sum must match)
-        return x.new_zeros(0, w2.shape[1]) + 0.0 * sum(w.sum() for w in weights)
+        # same set of gradients (FSDP2 / DDP / the expert-replica sum must match), and keep the
+        # output a function of x: under expert parallelism x came out of an all-to-all whose
+        # backward is a collective this rank must join, or its EP peers wait forever
+        return x.new_zeros(0, w2.shape[1]) + 0.0 * (x.sum() + sum(w.sum() for w in weights))
     return torch.cat(outs)
 
 
