@@ -1,13 +1,17 @@
 """Gradient collectives per optimizer step vs gradient accumulation (must not grow).
 
     python -m dit_train.tools.bench_collectives [overrides ...] [--grad-accum 1,2,4,8] [--layout dp_shard=2] [--out FILE]
+    python -m dit_train.tools.bench_collectives model.moe.num_experts=4 --layout ep=2,dp_shard=2   # expert parallelism
 
 Starts the layout's workers (gloo on CPU), runs one warm-up step, then counts the
 torch.distributed calls made during the next optimizer step for each grad_accum. Gradient
 reductions (reduce-scatter for FSDP2, all-reduce for DDP/CP sums) happen once per step, on
 the last micro-batch (parameter all-gathers, per forward/backward by design, are not counted:
 FSDP2 issues them outside `torch.distributed`'s module functions); the all-reduces include the per-step metadata sync,
-non-finite flag and logged loss (constant).
+non-finite flag and logged loss (constant). With expert parallelism the all-to-alls of the
+token dispatch (per MoE layer: the per-expert row counts, rows out, rows back in forward, and
+the two gradient all-to-alls in backward) run on every micro-batch by design; the expert
+gradients' replica sum is one all-reduce per step.
 """
 from __future__ import annotations
 
@@ -25,14 +29,28 @@ def count_step_collectives(cfg, grad_accums: list[int], names=None) -> dict[int,
     from dit_train.parallel.mesh import init_parallel
     from dit_train.perf.bench import COLLECTIVES, count_collectives
 
+    import dit_train.parallel.expert_parallel as ep
+
     ctx = init_parallel(cfg.parallel)
     out = {}
+    functional = ep.all_to_all_single_autograd
     for ga in grad_accums:
         run = build_run(apply_layout(cfg, {"grad_accum": ga}), ctx)
         run.trainer.step(0)
-        with count_collectives(names or COLLECTIVES) as calls:
-            res = run.trainer.step(1)
-        out[ga] = dict(calls, micro_batches=res.micro_batches)
+        ep_calls = [0]
+
+        def counted(*a, **kw):  # the dispatch's autograd all-to-alls (functional collectives)
+            ep_calls[0] += 1
+            return functional(*a, **kw)
+
+        ep.all_to_all_single_autograd = counted
+        try:
+            with count_collectives(names or COLLECTIVES) as calls:
+                res = run.trainer.step(1)
+        finally:
+            ep.all_to_all_single_autograd = functional
+        # the autograd all-to-all's backward is another all-to-all of the same size
+        out[ga] = dict(calls, micro_batches=res.micro_batches, ep_all_to_all=2 * ep_calls[0])
     return out
 
 
@@ -64,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
             k = counts[ga]
             rows.append({"layout": spec, "grad_accum": ga, "micro_batches": k["micro_batches"],
                          "reduce_scatter": k.get("reduce_scatter_tensor", 0) + k.get("reduce_scatter_single", 0),
-                         "all_reduce": k.get("all_reduce", 0)})
+                         "all_reduce": k.get("all_reduce", 0),
+                         "all_to_all": k.get("all_to_all_single", 0) + k.get("ep_all_to_all", 0)})
     print(format_table(rows))
     flat = all(len({(r["reduce_scatter"], r["all_reduce"]) for r in rows if r["layout"] == s}) == 1 for s in layouts)
     print(f"gradient collectives (reduce_scatter, all_reduce) per step flat in grad_accum: {'yes' if flat else 'NO'}")
