@@ -347,6 +347,11 @@ def _dispatch_against_local(idle: bool) -> float:
                 dist.all_reduce(t)
             expert_grads = [t[2 * ctx.rank:2 * ctx.rank + 2] for t in expert_grads]
         results.append([y.detach(), g[0], *expert_grads])
+    # rows in bf16 with fp32 experts, as under FSDP2's bf16 policy (experts are not FSDP's)
+    layer = _layer()
+    apply_expert_parallel(torch.nn.ModuleDict({"mlp": layer}), ctx)
+    y16 = layer.dispatch(layer.experts, x.bfloat16(), choice, 4)
+    assert y16.dtype == torch.bfloat16 and float((y16.float() - results[0][0]).abs().max()) < 0.1
     return max(float((a - b).abs().max()) for a, b in zip(*results))
 
 

@@ -55,7 +55,9 @@ class ExpertParallelDispatch:
         # received rows are grouped by source, then expert: regroup by expert for the MLPs
         key = torch.arange(local, device=x.device).repeat(ep).repeat_interleave(got.reshape(-1))
         by_expert = torch.argsort(key, stable=True)
-        weights = tuple(w.to_local() if isinstance(w, DTensor) else w
+        # FSDP2's mixed-precision policy casts every parameter but these (they are ignored by
+        # FSDP): run the experts in the dtype the rows arrive in, gradients flow back in fp32
+        weights = tuple((w.to_local() if isinstance(w, DTensor) else w).to(x.dtype)
                         for w in (experts.w1, experts.b1, experts.w2, experts.b2))
         y = run_experts(weights, rows.index_select(0, by_expert), got.sum(dim=0).tolist())
         y = torch.empty_like(y).index_copy_(0, by_expert, y)  # back to source-major order
