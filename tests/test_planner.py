@@ -172,6 +172,36 @@ def test_moe_models_plan_and_calibrate():
             assert abs(r["rel_error"]) < 0.06, (preset, precision, r)
 
 
+def test_planner_ranks_expert_parallel_degrees():
+    """parallel.ep: the experts' state is split over ep ranks outside FSDP, every degree dividing
+    the world and the experts is tried, and the expert traffic decides between them: big experts
+    and few tokens per rank go expert-parallel, small experts and many tokens stay on FSDP."""
+    from dataclasses import replace
+
+    cfg = compose_config(["model=dit_1b", "model.moe.num_experts=16", "model.moe.top_k=2", "train.precision=bf16",
+                          "train.global_batch=16"])
+    s = model_shape(cfg.model)
+    assert s.params_experts == s.moe_blocks * 16 * (2 * s.dim * s.hidden + s.hidden + s.dim)
+    kw = dict(dp_replicate=1, dp_shard=8, cp_ulysses=1, cp_ring=1, micro_batch_tokens=8192, checkpointing="none",
+              precision="bf16")
+    fsdp, ep4 = estimate_memory(s, **kw), estimate_memory(s, ep=4, **kw)
+    dense = s.params - s.params_experts
+    assert ep4.params == pytest.approx(4 * dense / 8 + 4 * s.params_experts / 4)
+    assert ep4.optimizer == pytest.approx(8 * dense / 8 + 8 * s.params_experts / 4)
+    assert ep4.fsdp_buffers < fsdp.fsdp_buffers  # the gathered blocks lose their experts
+    assert ep4.extra["moe_dispatch"] > fsdp.extra["moe_dispatch"]
+
+    def best(shape, tokens):
+        cands, _ = plan(cfg, 8, 80 * GIB, Workload(16, tokens, tokens), backend="flash", shape=shape)
+        assert {c.layout.ep for c in cands} == {1, 2, 4, 8}
+        return cands[0].layout
+
+    few_tokens = best(s, 2048)
+    assert few_tokens.ep > 1 and f"parallel.ep={few_tokens.ep}" in few_tokens.overrides()
+    small_experts = replace(s, params_experts=s.params_experts // 1000)  # same routing, tiny weights
+    assert best(small_experts, 2048).ep == 1
+
+
 def test_frames_question_for_every_registered_video_model():
     """plan --frames: every registered video model gets an answer per memory option; more
     memory-saving options fit longer clips; the asked clip's tokens follow the VAE and patch."""

@@ -34,6 +34,10 @@ Mixture-of-experts blocks (model.moe): each expert's weights count as parameters
 FSDP like the rest); a token runs k experts, so the FLOPs count k MLPs plus the router; saved
 per token k·(3·d + 2·h)·c + 8·E + 16·k more than a dense block (`moe_block_extra_bytes_per_token`),
 and one layer's dispatch holds 3·k·L·d·c transiently (`moe_dispatch`).
+Expert parallelism (parallel.ep > 1): the X expert parameters leave FSDP; each rank keeps X/ep
+of them whole (4 + 4 + optimizer bytes each), the gathered blocks lose their experts, the bf16
+copies of the local experts are saved for backward (c·X/ep, `expert_casts`), and the dispatch
+holds up to 7·k·L·d·c (the rows sent, received, regrouped, computed and returned).
 Outside the blocks (embedding, final layer, loss, RoPE tables): (6·d)·c + 2·p·4 + Dh·4 per
 token for the DiT; 2·V·4 logits (+ d·c) for the LLM.
 Activation checkpointing (model.activation_checkpointing on every model.ac_every-th block):
@@ -83,6 +87,7 @@ class ModelShape:
     moe_blocks: int = 0  # blocks whose MLP is a mixture of experts (models/moe.py)
     experts: int = 0  # experts per MoE block
     top_k: int = 0  # experts each token runs through
+    params_experts: int = 0  # the stacked expert weights of all MoE blocks (what parallel.ep splits)
 
     @property
     def params_other(self) -> int:
@@ -111,7 +116,8 @@ def model_shape(cfg) -> ModelShape:
                       io_dim=spec.io_dim(cfg), params=params, params_block=max(block_params),
                       params_per_token=per_tok_blocks + per_tok_other, activations=spec.activations(cfg),
                       params_blocks=sum(block_params), moe_blocks=len(moe),
-                      experts=moe[0].num_experts if moe else 0, top_k=moe[0].top_k if moe else 0)
+                      experts=moe[0].num_experts if moe else 0, top_k=moe[0].top_k if moe else 0,
+                      params_experts=sum(p.numel() for m in moe for p in m.experts.parameters()))
 
 
 # --------------------------------------------------------------------------- activations
@@ -140,12 +146,13 @@ def moe_block_extra_bytes_per_token(s: ModelShape, precision: str) -> float:
     return k * (3 * s.dim + 2 * s.hidden) * c + 8 * s.experts + 16 * k - s.activations.moe_dense_d * s.dim * c
 
 
-def moe_dispatch_bytes(s: ModelShape, micro_batch_tokens: int, precision: str, cp: int = 1) -> float:
+def moe_dispatch_bytes(s: ModelShape, micro_batch_tokens: int, precision: str, cp: int = 1, ep: int = 1) -> float:
     """Transient bytes of one MoE layer's dispatch on one rank: the token rows repeated k times,
-    their expert-sorted copy and the expert outputs ([L·k, d] each, compute dtype)."""
+    their expert-sorted copy and the expert outputs ([L·k, d] each, compute dtype); with ep > 1
+    also the rows received, regrouped by expert, sent back and returned (balanced routing)."""
     if not s.moe_blocks:
         return 0.0
-    return 3 * s.top_k * math.ceil(micro_batch_tokens / cp) * s.dim * DTYPE_BYTES[precision]
+    return (7 if ep > 1 else 3) * s.top_k * math.ceil(micro_batch_tokens / cp) * s.dim * DTYPE_BYTES[precision]
 
 
 def outside_activation_bytes_per_token(s: ModelShape, precision: str) -> float:
@@ -271,30 +278,39 @@ def estimate_memory(s: ModelShape, *, dp_replicate: int, dp_shard: int, cp_ulyss
                     micro_batch_tokens: int, checkpointing: bool | str, precision: str = "fp32", optimizer: str = "adamw",
                     momentum: float = 0.0, backend: str = "flash", dp_mode: str = "fsdp2", cp_fsdp_mode: str = "all",
                     reshard_after_forward: bool = True, reserve_bytes: float = 0.0, ac_every: int = 1,
-                    activation_offload: bool = False, cpu_offload: bool = False) -> MemoryEstimate:
+                    activation_offload: bool = False, cpu_offload: bool = False, ep: int = 1) -> MemoryEstimate:
     """Peak bytes of one rank for one layout (see the module docstring for every term).
     cpu_offload (FSDP2 CPUOffloadPolicy): the sharded parameters, gradients and optimizer state
-    move to `host`; the device keeps the FSDP buffers (gathered blocks, one block's gradient)."""
+    move to `host`; the device keeps the FSDP buffers (gathered blocks, one block's gradient).
+    ep (parallel.ep): the expert weights are split over ep ranks instead of FSDP / DDP."""
     cp = cp_ulysses * cp_ring
     world = dp_replicate * dp_shard * cp
     c = DTYPE_BYTES[precision]
     opt = optimizer_bytes_per_param(optimizer, momentum)
     extra: dict[str, float] = {}
+    # with EP the experts are not FSDP's or DDP's: the dense rest is, the experts come after
+    experts = s.params_experts if ep > 1 else 0
+    dense = s.params - experts
+    block = s.params_block - (experts // max(1, s.moe_blocks))
     if dp_mode == "fsdp2" and world > 1:
         shard = dp_shard * (cp if cp_fsdp_mode == "all" else 1)
-        params, grads, optim_b = 4 * s.params / shard, 4 * s.params / shard, opt * s.params / shard
+        params, grads, optim_b = 4 * dense / shard, 4 * dense / shard, opt * dense / shard
         if shard > 1:
-            gathered = (s.depth if not reshard_after_forward else 2) * c * s.params_block
-            fsdp = gathered + (c + 4) * s.params_block + c * s.params_other
+            gathered = (s.depth if not reshard_after_forward else 2) * c * block
+            fsdp = gathered + (c + 4) * block + c * s.params_other
         else:
             fsdp = 0.0
         if precision != "fp32" and shard == 1:
-            extra["autocast_weight_cache"] = c * s.params
+            extra["autocast_weight_cache"] = c * dense
     else:
-        params, grads, optim_b = 4.0 * s.params, 4.0 * s.params, float(opt * s.params)
-        fsdp = 4.0 * s.params if dp_mode == "ddp" and world > 1 else 0.0  # DDP's bucket copy
+        params, grads, optim_b = 4.0 * dense, 4.0 * dense, float(opt * dense)
+        fsdp = 4.0 * dense if dp_mode == "ddp" and world > 1 else 0.0  # DDP's bucket copy
         if precision != "fp32":
-            extra["autocast_weight_cache"] = c * s.params
+            extra["autocast_weight_cache"] = c * dense
+    if experts:
+        params, grads, optim_b = params + 4 * experts / ep, grads + 4 * experts / ep, optim_b + opt * experts / ep
+        if precision != "fp32":
+            extra["expert_casts"] = c * experts / ep
     acts = activation_bytes(s, micro_batch_tokens, precision, checkpointing, cp_ulysses, cp_ring, ac_every,
                             activation_offload)
     host = offloaded_activation_bytes(s, micro_batch_tokens, precision, checkpointing, cp_ulysses, cp_ring,
@@ -304,7 +320,7 @@ def estimate_memory(s: ModelShape, *, dp_replicate: int, dp_shard: int, cp_ulyss
         params = grads = optim_b = 0.0
     ws = attention_workspace_bytes(s, backend, micro_batch_tokens, precision, cp_ulysses, cp_ring)
     if s.moe_blocks:
-        extra["moe_dispatch"] = moe_dispatch_bytes(s, micro_batch_tokens, precision, cp)
+        extra["moe_dispatch"] = moe_dispatch_bytes(s, micro_batch_tokens, precision, cp, ep)
     return MemoryEstimate(params=params, grads=grads, optimizer=optim_b, fsdp_buffers=fsdp, activations=acts,
                           attention_workspace=ws, reserve=reserve_bytes, extra=extra, host=host)
 

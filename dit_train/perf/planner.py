@@ -1,4 +1,4 @@
-"""Micro-batch planner: which (dp_shard, dp_replicate, cp_ulysses, cp_ring, micro_batch_tokens,
+"""Micro-batch planner: which (dp_shard, dp_replicate, cp_ulysses, cp_ring, ep, micro_batch_tokens,
 grad_accum, activation_checkpointing) to run for a world size, a global batch and a GPU size.
 
 Every candidate layout of `world` ranks is checked with the same validator as training
@@ -6,7 +6,13 @@ Every candidate layout of `world` ranks is checked with the same validator as tr
 longest sample), costed with the per-rank memory model of `dit_train.perf.memory`, and ranked:
 
     fits in memory first, then larger micro-batch (tokens per rank), then checkpointing off,
-    then fewer accumulation steps, then less CP, then more headroom.
+    then fewer accumulation steps, then less CP, then less expert parallelism, then more headroom.
+
+Mixture-of-experts models also try every expert-parallel degree `ep` that divides both the world
+and the number of experts. Memory barely tells them apart (FSDP shards the experts as finely as
+EP splits them), so at equal everything above, the one moving fewer expert bytes per step wins
+(`expert_comm_bytes`: FSDP's gathers and reduce-scatter of the experts against EP's all-to-alls
+of the routed tokens and the replica sum) — EP for large experts and few tokens per rank.
 
 `smoke()` runs a few real steps of the best candidates (any device; gloo on CPU) and reports
 the steady-state median step time (step 0, with its lazy initialisation, is skipped) and, on
@@ -24,7 +30,7 @@ from typing import Any
 
 from dit_train.config import PARALLEL_DEGREES, Config
 from dit_train.parallel.mesh import ParallelDims
-from dit_train.perf.memory import GIB, MemoryEstimate, ModelShape, estimate_memory, model_shape
+from dit_train.perf.memory import DTYPE_BYTES, GIB, MemoryEstimate, ModelShape, estimate_memory, model_shape
 
 
 # rank order of the AC policies at equal micro-batch: less recompute first
@@ -41,6 +47,7 @@ class Layout:
     activation_checkpointing: bool | str  # none | selective | full (bools: full / none)
     activation_offload: bool = False  # train.activation_offload
     cpu_offload: bool = False  # parallel.cpu_offload (FSDP2 CPUOffloadPolicy)
+    ep: int = 1  # parallel.ep: expert-parallel degree (mixture-of-experts models)
 
     @property
     def ac(self) -> str:
@@ -73,12 +80,12 @@ class Layout:
         return [f"parallel.{k}={getattr(self.dims, k)}" for k in PARALLEL_DEGREES] + [
             f"train.micro_batch_tokens={self.micro_batch_tokens}", f"train.grad_accum={self.grad_accum}",
             f"model.activation_checkpointing={self.ac}"] + ["train.activation_offload=true"] * self.activation_offload + [
-            "parallel.cpu_offload=true"] * self.cpu_offload
+            "parallel.cpu_offload=true"] * self.cpu_offload + [f"parallel.ep={self.ep}"] * (self.ep > 1)
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self.dims), "micro_batch_tokens": self.micro_batch_tokens, "grad_accum": self.grad_accum,
                 "activation_checkpointing": self.ac, "activation_offload": self.activation_offload,
-                "cpu_offload": self.cpu_offload}
+                "cpu_offload": self.cpu_offload, "ep": self.ep}
 
 
 @dataclass(frozen=True)
@@ -101,6 +108,7 @@ class Candidate:
     memory: MemoryEstimate
     capacity: float  # bytes per rank
     smoke: dict[str, Any] = field(default_factory=dict)
+    expert_comm: float = 0.0  # bytes of expert weights / routed tokens one rank moves per step
 
     @property
     def headroom(self) -> float:
@@ -113,20 +121,22 @@ class Candidate:
     def rank_key(self) -> tuple:
         """Fits first; then the larger micro-batch *per rank* (micro_batch_tokens / cp, the work
         each kernel gets), then checkpointing off, then fewer accumulation steps, then less
-        context parallelism (it only adds communication at equal work), then more headroom."""
+        context parallelism (it only adds communication at equal work), then fewer expert bytes
+        moved (`expert_comm_bytes`; 0 for dense models), then less EP, then more headroom."""
         L = self.layout
         return (not self.fits, -L.micro_batch_tokens / L.cp, AC_COST[L.ac], L.activation_offload, L.cpu_offload,
-                L.grad_accum, L.cp, -self.headroom)
+                L.grad_accum, L.cp, self.expert_comm, L.ep, -self.headroom)
 
     def row(self) -> dict[str, Any]:
         L = self.layout
-        r = {"dp_rep": L.dp_replicate, "dp_shard": L.dp_shard, "cp_uly": L.cp_ulysses, "cp_ring": L.cp_ring,
+        r = {"dp_rep": L.dp_replicate, "dp_shard": L.dp_shard, "cp_uly": L.cp_ulysses, "cp_ring": L.cp_ring, "ep": L.ep,
              "micro_tokens": L.micro_batch_tokens, "accum": L.grad_accum, "ac": L.ac,
              "offload": "+".join(["act"] * L.activation_offload + ["cpu"] * L.cpu_offload) or "-",
              "state_GiB": (self.memory.params + self.memory.grads + self.memory.optimizer + self.memory.fsdp_buffers
                            + sum(self.memory.extra.values())) / GIB,
              "act_GiB": (self.memory.activations + self.memory.attention_workspace) / GIB,
-             "total_GiB": self.memory.total / GIB, "headroom_GiB": self.headroom / GIB, "fits": "yes" if self.fits else "no"}
+             "total_GiB": self.memory.total / GIB, "headroom_GiB": self.headroom / GIB, "fits": "yes" if self.fits else "no",
+             "expert_comm_GiB": self.expert_comm / GIB}
         if self.smoke:
             r["step_s"] = self.smoke.get("median_step_s", float("nan"))
             if "peak_GiB" in self.smoke:
@@ -157,6 +167,7 @@ def apply_layout(cfg: Config, layout: Layout) -> Config:
     c.model.activation_checkpointing = layout.ac
     c.train.activation_offload = layout.activation_offload
     c.parallel.cpu_offload = layout.cpu_offload
+    c.parallel.ep = layout.ep
     return c
 
 
@@ -196,6 +207,45 @@ def micro_batch_options(work: Workload, dp: int, max_micro_tokens: int) -> list[
     return out
 
 
+def ep_options(shape: ModelShape, world: int) -> list[int]:
+    """Expert-parallel degrees to try: 1, and for MoE models every divisor of the world size
+    that also divides the number of experts."""
+    if not shape.moe_blocks:
+        return [1]
+    return [e for e in range(1, world + 1) if world % e == 0 and shape.experts % e == 0]
+
+
+def expert_comm_bytes(s: ModelShape, layout: Layout, precision: str, *, dp_mode: str = "fsdp2",
+                      cp_fsdp_mode: str = "all", reshard_after_forward: bool = True) -> float:
+    """Bytes one rank sends per optimizer step for the expert layers (X expert parameters, c
+    the compute dtype's size, ring-collective volumes):
+
+    ep = 1, FSDP over S ranks: per micro-batch the experts are all-gathered in forward and again
+    in backward (c·X·(S-1)/S each), once per step reduce-scattered in fp32 (4·X·(S-1)/S) and,
+    over R replicas (HSDP), all-reduced (8·X/S·(R-1)/R). DDP: one all-reduce 8·X·(W-1)/W.
+    ep > 1: per micro-batch and MoE layer 4 all-to-alls (2 forward, 2 backward; 6 with full
+    checkpointing) of the k·L routed rows, d wide, (ep-1)/ep of them leaving the rank; once per
+    step the replica sum 8·X/ep·(R-1)/R over R = world/ep ranks.
+    """
+    if not s.moe_blocks:
+        return 0.0
+    c, X, ga, W = DTYPE_BYTES[precision], s.params_experts, layout.grad_accum, layout.world
+    if layout.ep > 1:
+        rows = s.top_k * math.ceil(layout.micro_batch_tokens / layout.cp) * s.dim * c
+        passes = 6 if layout.ac == "full" else 4
+        R = W // layout.ep
+        return (ga * s.moe_blocks * passes * rows * (layout.ep - 1) / layout.ep
+                + 8 * X / layout.ep * (R - 1) / R)
+    if W == 1:
+        return 0.0
+    if dp_mode != "fsdp2":
+        return 8 * X * (W - 1) / W
+    S = layout.dp_shard * (layout.cp if cp_fsdp_mode == "all" else 1)
+    R = W // S
+    gathers = 2 if reshard_after_forward else 1
+    return ga * gathers * c * X * (S - 1) / S + 4 * X * (S - 1) / S + 8 * X / S * (R - 1) / R
+
+
 def resolve_plan_backend(cfg: Config, device: str) -> str:
     b = cfg.model.attn_backend
     if b != "auto":
@@ -212,8 +262,9 @@ def plan(cfg: Config, world: int, capacity_bytes: float, work: Workload, *, rese
     cands, rejected = [], []
     for dims in factorizations(world):
         for mbt, ga in micro_batch_options(work, dims.dp, max_micro_tokens):
-            for ac, (act_off, cpu_off) in ((a, o) for a in ac_options for o in offload_options):
-                layout = Layout(dims, mbt, ga, ac, act_off, cpu_off)
+            for ac, (act_off, cpu_off), ep in ((a, o, e) for a in ac_options for o in offload_options
+                                               for e in ep_options(shape, world)):
+                layout = Layout(dims, mbt, ga, ac, act_off, cpu_off, ep)
                 reasons = check_layout(cfg, layout, work)
                 if reasons:
                     rejected.append((layout, reasons))
@@ -224,8 +275,10 @@ def plan(cfg: Config, world: int, capacity_bytes: float, work: Workload, *, rese
                     checkpointing=ac, precision=t.precision, optimizer=cfg.optim.name, momentum=cfg.optim.momentum,
                     backend=backend, dp_mode=p.dp_mode, cp_fsdp_mode=p.cp_fsdp_mode,
                     reshard_after_forward=p.reshard_after_forward, reserve_bytes=reserve_bytes,
-                    activation_offload=act_off, cpu_offload=cpu_off)
-                cands.append(Candidate(layout, mem, capacity_bytes))
+                    activation_offload=act_off, cpu_offload=cpu_off, ep=ep)
+                comm = expert_comm_bytes(shape, layout, t.precision, dp_mode=p.dp_mode,
+                                         cp_fsdp_mode=p.cp_fsdp_mode, reshard_after_forward=p.reshard_after_forward)
+                cands.append(Candidate(layout, mem, capacity_bytes, expert_comm=comm))
     cands.sort(key=Candidate.rank_key)
     return cands, rejected
 

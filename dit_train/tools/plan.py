@@ -96,7 +96,10 @@ def main(argv: list[str] | None = None) -> int:
         # measured beats estimated: the smoked candidates go first, fastest (tokens/s) first
         tried.sort(key=lambda c: -c.smoke["tokens_per_s"])
         cands = tried + [c for c in cands if c not in tried]
-    print(format_table([dict(rank=i + 1, **c.row()) for i, c in enumerate(cands[: args.top])]))
+    rows = [dict(rank=i + 1, **c.row()) for i, c in enumerate(cands[: args.top])]
+    if not shape.moe_blocks:  # the ep column only means something with experts
+        rows = [{k: v for k, v in r.items() if k not in ("ep", "expert_comm_GiB")} for r in rows]
+    print(format_table(rows))
     n_fit = sum(c.fits for c in cands)
     print(f"{len(cands)} candidates, {n_fit} fit; {len(rejected)} layouts rejected")
     if cands and cands[0].fits:
