@@ -11,7 +11,9 @@ FSDP2 issues them outside `torch.distributed`'s module functions); the all-reduc
 non-finite flag and logged loss (constant). With expert parallelism the all-to-alls of the
 token dispatch (per MoE layer: the per-expert row counts, rows out, rows back in forward, and
 the two gradient all-to-alls in backward) run on every micro-batch by design; the expert
-gradients' replica sum is one all-reduce per step.
+gradients' replica sum is one all-reduce per step. With MoE and CP, each micro-batch's expert
+counts are summed within the CP group (one small all-reduce per micro-batch, like the tokens of
+a sample): column `moe_count_sync`, kept out of `all_reduce`.
 """
 from __future__ import annotations
 
@@ -29,28 +31,33 @@ def count_step_collectives(cfg, grad_accums: list[int], names=None) -> dict[int,
     from dit_train.parallel.mesh import init_parallel
     from dit_train.perf.bench import COLLECTIVES, count_collectives
 
+    import dit_train.engine.trainer as trainer_mod
     import dit_train.parallel.expert_parallel as ep
 
     ctx = init_parallel(cfg.parallel)
     out = {}
-    functional = ep.all_to_all_single_autograd
+    functional, count_sync = ep.all_to_all_single_autograd, trainer_mod.sync_expert_counts
     for ga in grad_accums:
         run = build_run(apply_layout(cfg, {"grad_accum": ga}), ctx)
         run.trainer.step(0)
-        ep_calls = [0]
+        ep_calls, syncs = [0], [0]
 
         def counted(*a, **kw):  # the dispatch's autograd all-to-alls (functional collectives)
             ep_calls[0] += 1
             return functional(*a, **kw)
 
-        ep.all_to_all_single_autograd = counted
+        def counted_sync(local, group):  # MoE: a sample's expert counts summed within CP
+            syncs[0] += group is not None
+            return count_sync(local, group)
+
+        ep.all_to_all_single_autograd, trainer_mod.sync_expert_counts = counted, counted_sync
         try:
             with count_collectives(names or COLLECTIVES) as calls:
                 res = run.trainer.step(1)
         finally:
-            ep.all_to_all_single_autograd = functional
+            ep.all_to_all_single_autograd, trainer_mod.sync_expert_counts = functional, count_sync
         # the autograd all-to-all's backward is another all-to-all of the same size
-        out[ga] = dict(calls, micro_batches=res.micro_batches, ep_all_to_all=2 * ep_calls[0])
+        out[ga] = dict(calls, micro_batches=res.micro_batches, ep_all_to_all=2 * ep_calls[0], moe_count_sync=syncs[0])
     return out
 
 
@@ -82,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
             k = counts[ga]
             rows.append({"layout": spec, "grad_accum": ga, "micro_batches": k["micro_batches"],
                          "reduce_scatter": k.get("reduce_scatter_tensor", 0) + k.get("reduce_scatter_single", 0),
-                         "all_reduce": k.get("all_reduce", 0),
+                         "all_reduce": k.get("all_reduce", 0) - k["moe_count_sync"],
+                         "moe_count_sync": k["moe_count_sync"],
                          "all_to_all": k.get("all_to_all_single", 0) + k.get("ep_all_to_all", 0)})
     print(format_table(rows))
     flat = all(len({(r["reduce_scatter"], r["all_reduce"]) for r in rows if r["layout"] == s}) == 1 for s in layouts)

@@ -26,6 +26,8 @@ from pathlib import Path
 
 DEFAULT_LAYOUTS = ("dp_shard=2;dp_replicate=2,dp_shard=2;dp_shard=2,dp_mode=ddp;cp_ulysses=2;cp_ring=2;"
                    "cp_ulysses=2,cp_ring=2;dp_shard=2,cp_ulysses=2,grad_accum=2")
+# added to the defaults when the model has an even number of experts (model.moe.num_experts)
+EP_LAYOUTS = "ep=2,dp_shard=2;ep=2,dp_shard=2,cp_ulysses=2,grad_accum=2"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
         i = argv.index("--")
         argv, overrides = argv[:i], argv[i + 1:]
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--layouts", default=DEFAULT_LAYOUTS, help="';'-separated layouts, each 'key=value,...'")
+    ap.add_argument("--layouts", default="", help="';'-separated layouts, each 'key=value,...' (default: "
+                    "FSDP2, HSDP, DDP, Ulysses, ring, both CP, with accumulation; expert parallelism with MoE)")
     ap.add_argument("--reductions", default="sample_mean,token_mean,naive_mean")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--tol", type=float, default=1e-4)
@@ -53,7 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     cfg = compose([f"train.steps={args.steps}", "train.progress=false", *overrides])
     if args.optimizer == "sgd":
         cfg.optim.name, cfg.optim.momentum, cfg.optim.weight_decay = "sgd", 0.0, 0.0
-    layouts = [s.strip() for s in args.layouts.split(";") if s.strip()]
+    chosen = args.layouts or DEFAULT_LAYOUTS
+    if not args.layouts and cfg.model.moe.num_experts and cfg.model.moe.num_experts % 2 == 0:
+        chosen += ";" + EP_LAYOUTS
+    layouts = [s.strip() for s in chosen.split(";") if s.strip()]
     for spec in layouts:
         parse_layout(spec)  # fail on a typo before anything runs
     prepare_data(cfg.data, cfg.model)
