@@ -7,6 +7,9 @@ uneven sequence lengths and uneven calls; forward() log-probs; the checks of the
 save / load resuming exactly, also onto another layout."""
 from __future__ import annotations
 
+import copy
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -333,6 +336,24 @@ def test_raw_sum_false_with_a_normalizing_step_is_refused(cfg, batches):
     sess.optim_step("num_sequences")
     for k, v in sess.state_dict().items():
         torch.testing.assert_close(v, after_pre[k], atol=1e-6, rtol=1e-5)
+
+
+def test_moe_router_losses_are_refused_not_dropped(cfg, batches):
+    """The session takes its loss from the caller: an MoE config asking for router losses is
+    refused before anything is built; with both coefficients 0 the experts post-train."""
+    from dataclasses import replace
+
+    from dit_train.engine.checks import ConfigError
+    from dit_train.posttrain import TrainingSession
+
+    c = copy.deepcopy(cfg)
+    c.model.moe = replace(c.model.moe, num_experts=4, top_k=2, aux_loss_coef=0.01)
+    with pytest.raises(ConfigError, match="aux_loss_coef=0.01"):
+        TrainingSession(c)
+    c.model.moe = replace(c.model.moe, aux_loss_coef=0.0, z_loss_coef=0.0)
+    sess = TrainingSession(c)
+    sess.forward_backward(batches["grpo"], grpo_loss())
+    assert math.isfinite(sess.optim_step()["grad_norm"])
 
 
 def test_bad_datums_are_refused_naming_the_datum_and_field(cfg, batches):

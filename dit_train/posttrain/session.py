@@ -76,10 +76,16 @@ class TrainingSession:
     """
 
     def __init__(self, cfg: Config, task: Any | None = None, ctx: ParallelContext | None = None):
-        from dit_train.engine.checks import check_config
+        from dit_train.engine.checks import ConfigError, check_config
         from dit_train.engine.launch import external_world_size
 
         check_config(cfg, external_world_size())
+        moe = cfg.model.moe
+        if moe.num_experts and (moe.aux_loss_coef or moe.z_loss_coef):
+            # the session's losses come from the caller; the router terms would silently vanish
+            raise ConfigError(f"the post-training session does not add the mixture-of-experts router losses "
+                              f"(model.moe.aux_loss_coef={moe.aux_loss_coef}, z_loss_coef={moe.z_loss_coef}): "
+                              f"set both to 0 to post-train the experts without them, or train with python -m dit_train")
         self.cfg = cfg
         run = build_run(cfg, ctx, task=task)
         self.run, self.ctx, self.task, self.model = run, run.ctx, run.task, run.model
