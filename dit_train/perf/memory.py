@@ -266,6 +266,12 @@ class MemoryEstimate:
         return d
 
 
+def fsdp_shard_degree(dp_shard: int, cp: int, cp_fsdp_mode: str) -> int:
+    """Ranks FSDP2 shards each parameter over: the CP ranks join the shard group with
+    parallel.cp_fsdp_mode=all (parallel/mesh.py), else only dp_shard."""
+    return dp_shard * (cp if cp_fsdp_mode == "all" else 1)
+
+
 def optimizer_bytes_per_param(optimizer: str, momentum: float = 0.0) -> int:
     if optimizer == "adamw":
         return 8
@@ -293,7 +299,7 @@ def estimate_memory(s: ModelShape, *, dp_replicate: int, dp_shard: int, cp_ulyss
     dense = s.params - experts
     block = s.params_block - (experts // max(1, s.moe_blocks))
     if dp_mode == "fsdp2" and world > 1:
-        shard = dp_shard * (cp if cp_fsdp_mode == "all" else 1)
+        shard = fsdp_shard_degree(dp_shard, cp, cp_fsdp_mode)
         params, grads, optim_b = 4 * dense / shard, 4 * dense / shard, opt * dense / shard
         if shard > 1:
             gathered = (s.depth if not reshard_after_forward else 2) * c * block

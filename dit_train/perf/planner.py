@@ -6,7 +6,8 @@ Every candidate layout of `world` ranks is checked with the same validator as tr
 longest sample), costed with the per-rank memory model of `dit_train.perf.memory`, and ranked:
 
     fits in memory first, then larger micro-batch (tokens per rank), then checkpointing off,
-    then fewer accumulation steps, then less CP, then less expert parallelism, then more headroom.
+    then fewer accumulation steps, then less CP, then fewer expert bytes moved per step, then
+    less expert parallelism, then more headroom.
 
 Mixture-of-experts models also try every expert-parallel degree `ep` that divides both the world
 and the number of experts. Memory barely tells them apart (FSDP shards the experts as finely as
@@ -30,7 +31,8 @@ from typing import Any
 
 from dit_train.config import PARALLEL_DEGREES, Config
 from dit_train.parallel.mesh import ParallelDims
-from dit_train.perf.memory import DTYPE_BYTES, GIB, MemoryEstimate, ModelShape, estimate_memory, model_shape
+from dit_train.perf.memory import (DTYPE_BYTES, GIB, MemoryEstimate, ModelShape, estimate_memory, fsdp_shard_degree,
+                                   model_shape)
 
 
 # rank order of the AC policies at equal micro-batch: less recompute first
@@ -240,7 +242,7 @@ def expert_comm_bytes(s: ModelShape, layout: Layout, precision: str, *, dp_mode:
         return 0.0
     if dp_mode != "fsdp2":
         return 8 * X * (W - 1) / W
-    S = layout.dp_shard * (layout.cp if cp_fsdp_mode == "all" else 1)
+    S = fsdp_shard_degree(layout.dp_shard, layout.cp, cp_fsdp_mode)
     R = W // S
     gathers = 2 if reshard_after_forward else 1
     return ga * gathers * c * X * (S - 1) / S + 4 * X * (S - 1) / S + 8 * X / S * (R - 1) / R
