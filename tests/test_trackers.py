@@ -116,11 +116,16 @@ def _scalars(events, tag: str) -> list[tuple[int, float]]:
 # -- the runs ------------------------------------------------------------------------------------
 
 
+# One tracked launch on 2 workers serves the content tests, the rank-0 test and (copied) the
+# resume test: each fresh W&B launch costs more than everything these tests check.
+TRACKED = [*VALIDATION, *WANDB, "parallel.dp_shard=2", "train.ckpt_every=2", "train.keep_last=3"]
+
+
 @pytest.fixture(scope="module")
 def tracked_run(tmp_path_factory, data_cache) -> Path:
     pytest.importorskip("wandb")
     run = tmp_path_factory.mktemp("tracked") / "run"
-    _run_fresh([*VALIDATION, *WANDB], run, data_cache)
+    _run_fresh(TRACKED, run, data_cache)
     assert (run / "weights.safetensors").exists()  # the run finished
     return run
 
@@ -166,14 +171,14 @@ def test_tensorboard_still_gets_scalars_grid_and_gif_clips(tracked_run):
         assert clip.step == 2 and clip.encoded_image_string[:6] == b"GIF89a"
 
 
-def test_a_resumed_run_continues_the_same_wandb_run(tmp_path, data_cache):
-    pytest.importorskip("wandb")
+def test_a_resumed_run_continues_the_same_wandb_run(tracked_run, tmp_path, data_cache):
+    import shutil
+
     run = tmp_path / "run"
-    base = [*WANDB, "train.ckpt_every=2", "train.keep_last=3"]
-    _run_fresh([*base, "train.steps=3"], run, data_cache)
+    shutil.copytree(tracked_run, run)  # the 3-step launch, resumed in a copy (the other tests read the original)
     run_id = _run_id(run)
     # from the checkpoint of step 1: step 2 is trained (and logged) a second time
-    _run_fresh([*base, "train.steps=5", f"train.resume={run / 'checkpoints' / 'step_00000001'}"], run, data_cache)
+    _run_fresh([*TRACKED, "train.steps=5", f"train.resume={run / 'checkpoints' / 'step_00000001'}"], run, data_cache)
     assert _run_id(run) == run_id
     first, second = (_wandb_run(f) for f in _offline_runs(run))
     assert first[0].run_id == second[0].run_id == run_id  # one W&B run, a file per launch
@@ -245,10 +250,7 @@ def test_wandb_that_cannot_start_names_the_way_out(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_only_rank_0_feeds_the_trackers(tmp_path, data_cache):
-    pytest.importorskip("wandb")
-    run = tmp_path / "run"
-    _run_fresh([*WANDB, "train.steps=2", "parallel.dp_shard=2"], run, data_cache)
-    files = _offline_runs(run)
-    assert len(files) == 1 and len(list((run / "tb").glob("events.out.tfevents.*"))) == 1, files
-    assert sorted(_wandb_run(files[0])[1]) == [0, 1]
+def test_only_rank_0_feeds_the_trackers(tracked_run):
+    files = _offline_runs(tracked_run)  # the tracked run trains on 2 workers
+    assert len(files) == 1 and len(list((tracked_run / "tb").glob("events.out.tfevents.*"))) == 1, files
+    assert sorted(_wandb_run(files[0])[1]) == [0, 1, 2]
