@@ -16,7 +16,7 @@ from data_pipelines.synthetic_video import ensure_synthetic_videos
 from data_pipelines.video_dataset import VideoSample
 from data_pipelines.video_folder import index_clips, index_path, index_video_folder, list_clips
 from data_pipelines.video_io import VideoReadError
-from tests.conftest import TINY, TINY_MODEL, compose_config
+from tests.conftest import TINY_MODEL, compose_config
 
 
 def make_video_folder(root: Path, src_cache: Path, n: int = 6) -> Path:
