@@ -52,14 +52,16 @@ def test_bad_override_fails_before_running(tmp_path):
 
 
 @pytest.mark.slow
-def test_loss_decreases_over_50_steps(tmp_path, data_cache):
+def test_loss_decreases_over_30_steps(tmp_path, data_cache):
     out = tmp_path / "run"
-    r = run_cli(["train.steps=50", "optim.lr=3e-3", "train.progress=false", f"data.cache_dir={data_cache}",
-                 f"hydra.run.dir={out}"], cwd=tmp_path)
+    # no validation videos: test_text_sampling covers them, here they cost as much as the training
+    r = run_cli(["train.steps=30", "optim.lr=3e-3", "train.progress=false", "train.sample_every=0",
+                 f"data.cache_dir={data_cache}", f"hydra.run.dir={out}"], cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     losses = [x["loss"] for x in _records(out)]
     first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
     # per-step losses scatter by ~±0.1 (random timesteps); a 15% drop of 10-step means is learning
+    # (measured: 0.85 -> 0.40)
     assert last < 0.85 * first, (first, last)
 
 
