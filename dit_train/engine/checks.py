@@ -6,6 +6,7 @@ enum), numeric ranges and combinations here, model-specific rules by the model's
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from typing import Any
 
@@ -22,13 +23,19 @@ def _check(ok: bool, message: str, errors: list[str]) -> None:
         errors.append(message)
 
 
+@functools.lru_cache(maxsize=None)
+def _type_hints(cls: type) -> dict[str, Any]:
+    # resolving string annotations is most of a check's cost; the planner checks thousands of layouts
+    return typing.get_type_hints(cls)
+
+
 def choice_errors(node: Any, prefix: str) -> list[str]:
     """Values of `Choice`-typed fields (recursively) that are not among the allowed ones.
 
     Composition already enforces this for configs made by Hydra; configs built in Python
     (dataclass constructors, `dataclasses.replace`) are checked here."""
     errors = []
-    hints = typing.get_type_hints(type(node))
+    hints = _type_hints(type(node))
     for f in dataclasses.fields(node):
         value, kind = getattr(node, f.name), hints.get(f.name)
         key = f"{prefix}{f.name}"
