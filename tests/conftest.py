@@ -79,6 +79,16 @@ def tiny_cfg(data_cache) -> Config:
     return cfg
 
 
+def train_in_process(overrides: list[str], run_dir: Path, cache_dir: str | None = None) -> dict:
+    """The CLI's path (check, prepare data, launch local workers if the layout needs them)
+    without starting a new Python for rank 0; errors raise here. Returns rank 0's result."""
+    from dit_train.__main__ import run_from_config
+
+    cfg = compose_config(overrides, cache_dir=cache_dir)
+    cfg.run_dir = str(run_dir)
+    return run_from_config(cfg)
+
+
 def run_cli(args: list[str], cwd: Path, timeout: int = 600):
     """`python -m dit_train <args>` in a subprocess; returns CompletedProcess (text)."""
     import subprocess

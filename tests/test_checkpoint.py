@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from dit_train.engine.layout_equivalence import apply_layout
-from tests.conftest import REPO, TINY, compose_config, run_cli
+from tests.conftest import REPO, TINY, run_cli, train_in_process
 
 ADAM_TINY = [o for o in TINY if not o.startswith("optim")] + ["optim.lr=3e-3", "optim.warmup_steps=2",
                                                               "optim.schedule=cosine", "train.ema_decay=0.9"]
@@ -70,16 +70,6 @@ def test_keep_last_and_incomplete_saves_are_ignored(tmp_path):
     assert resolve_checkpoint("", tmp_path) is None
     with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
         resolve_checkpoint(str(tmp_path / "nowhere"), tmp_path)
-
-
-def train_in_process(overrides: list[str], run_dir: Path) -> dict:
-    """The CLI's path (check, prepare data, launch local workers if the layout needs them)
-    without starting a new Python for rank 0."""
-    from dit_train.__main__ import run_from_config
-
-    cfg = compose_config(overrides)
-    cfg.run_dir = str(run_dir)
-    return run_from_config(cfg)
 
 
 @pytest.mark.slow

@@ -16,17 +16,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import TINY, compose_config
+from tests.conftest import TINY, compose_config, train_in_process
 
 BASE = [*TINY, "train.steps=4", "train.ckpt_every=2", "train.keep_last=5"]
 
 
 def _run(overrides: list[str], run_dir: Path, data_cache: str) -> dict:
-    from dit_train.__main__ import run_from_config
-
-    cfg = compose_config([*overrides, f"data.cache_dir={data_cache}"])
-    cfg.run_dir = str(run_dir)
-    return run_from_config(cfg)
+    return train_in_process(overrides, run_dir, cache_dir=data_cache)
 
 
 def _steps(run_dir: Path) -> list[int]:

@@ -323,7 +323,7 @@ def test_lora_resume_onto_another_layout_is_exact(data_cache, tmp_path):
     resumed on cp_ulysses=2: the same merged weights and adapters as an uninterrupted run."""
     from safetensors.torch import load_file
 
-    from tests.test_checkpoint import train_in_process
+    from tests.conftest import train_in_process
 
     from tests.conftest import TINY
 

@@ -279,7 +279,8 @@ def test_expert_parallel_layout_matches_one_process(spec, ep_results):
 def test_expert_parallel_checkpoint_resumes_on_another_ep(tmp_path, data_cache):
     """Saved with ep=2 over 4 ranks, resumed with ep=4 and on one process: the weights (all
     experts, gathered into weights.safetensors) equal an uninterrupted one-process run."""
-    from tests.test_checkpoint import _max_diff, train_in_process
+    from tests.conftest import train_in_process
+    from tests.test_checkpoint import _max_diff
     from tests.conftest import TINY
 
     base = [*TINY, *MOE, "train.steps=4", f"data.cache_dir={data_cache}"]

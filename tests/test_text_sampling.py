@@ -15,7 +15,7 @@ from dit_train.models import build_model, init_weights
 from dit_train.tasks.captions import ByteCaptionEncoder, drop_caption, pad_contexts
 from dit_train.tasks.video import VideoTask, patchify
 from kernels import VarlenLayout
-from tests.conftest import TINY, compose_config
+from tests.conftest import TINY, train_in_process
 
 
 def _text_dit():
@@ -110,17 +110,13 @@ def test_sampler_integrates_the_flow_from_noise_to_data(tiny_cfg):
 def test_validation_videos_are_written_and_layout_invariant(tmp_path, data_cache):
     import decord
 
-    from dit_train.__main__ import run_from_config
-
     # in this process and on the suite's workers: the CLI's own path to run_from_config is
     # covered by test_cli; a fresh `python -m dit_train` per layout cost most of this test
     one, two = tmp_path / "one", tmp_path / "two"
     base = [*TINY, "train.steps=2", "train.sample_every=2", "train.sample_steps=3", "train.num_samples=2",
             "train.guidance_scale=3.0"]
     for run_dir, layout in ((one, []), (two, ["parallel.cp_ulysses=2"])):
-        cfg = compose_config([*base, *layout], cache_dir=data_cache)
-        cfg.run_dir = str(run_dir)
-        run_from_config(cfg)
+        train_in_process([*base, *layout], run_dir, cache_dir=data_cache)
     d1, d2 = one / "samples" / "step_000002", two / "samples" / "step_000002"
     assert (d1 / "grid.png").exists() and len(list(d1.glob("*.mp4"))) == 2
     a, b = load_file(d1 / "samples.safetensors"), load_file(d2 / "samples.safetensors")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY, compose_config
+from tests.conftest import TINY, train_in_process
 
 VALIDATION = ["train.steps=3", "train.sample_every=3", "train.num_samples=2", "train.sample_steps=2"]
 # W&B keeps a per-process service and singleton state: each launch gets fresh processes, as a
@@ -23,11 +23,7 @@ WANDB = ["train.loggers=[tensorboard,wandb]", "train.wandb_mode=offline"]
 
 def _run(overrides: list[str], run_dir: Path, data_cache: str) -> dict:
     """Train in this process (errors raise here); W&B runs go through `_run_fresh`."""
-    from dit_train.__main__ import run_from_config
-
-    cfg = compose_config([*TINY, *overrides, f"data.cache_dir={data_cache}"])
-    cfg.run_dir = str(run_dir)
-    return run_from_config(cfg)
+    return train_in_process([*TINY, *overrides], run_dir, cache_dir=data_cache)
 
 
 def _run_fresh(overrides: list[str], run_dir: Path, data_cache: str) -> None:

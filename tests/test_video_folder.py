@@ -16,7 +16,7 @@ from data_pipelines.synthetic_video import ensure_synthetic_videos
 from data_pipelines.video_dataset import VideoSample
 from data_pipelines.video_folder import index_clips, index_path, index_video_folder, list_clips
 from data_pipelines.video_io import VideoReadError
-from tests.conftest import TINY_MODEL, compose_config
+from tests.conftest import TINY_MODEL, compose_config, train_in_process
 
 
 def make_video_folder(root: Path, src_cache: Path, n: int = 6) -> Path:
@@ -191,15 +191,11 @@ def test_a_run_trains_on_a_video_folder(folder, tmp_path, caplog):
     """A run with `data=video_folder`: 3 steps with 2 decode workers, the corrupt file skipped and
     reported (pack equality across worker counts: test above). In this process: the command
     line's path to run_from_config is test_cli's, and a fresh process cost most of this test."""
-    from dit_train.__main__ import run_from_config
-
     run_dir = tmp_path / "run"
-    cfg = compose_config(TINY_MODEL + ["data.max_frames=8", "data=video_folder", f"data.root={folder}",
-                                       "data.num_workers=2", "train.steps=3", "train.global_batch=3"],
-                         cache_dir=str(tmp_path / "cache"))
-    cfg.run_dir = str(run_dir)
     with caplog.at_level("WARNING"):
-        run_from_config(cfg)
+        train_in_process(TINY_MODEL + ["data.max_frames=8", "data=video_folder", f"data.root={folder}",
+                                       "data.num_workers=2", "train.steps=3", "train.global_batch=3"],
+                         run_dir, cache_dir=str(tmp_path / "cache"))
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2] and all(r["samples"] == 3 and r["tokens"] > 0 for r in rows)
     assert "skipped 1 unreadable video" in caplog.text
