@@ -248,3 +248,30 @@ def test_score_clips_means_splits_and_skips():
     assert s["eval/all_ok"] == 7 / 8 and s["eval/image/all_ok"] == 1.0
     with pytest.raises(ValueError):
         score_clip(videos[0][0], "a red circle")
+
+
+def _components_by_search(mask: np.ndarray) -> np.ndarray:
+    """The reference: breadth-first search from each unlabelled pixel, in flat-index order, so
+    each component gets its smallest flat index (what `components` promises)."""
+    F, H, W = mask.shape
+    out = np.full(mask.shape, -1, np.int64)
+    for f, y, x in zip(*np.nonzero(mask)):
+        if out[f, y, x] >= 0:
+            continue
+        label, todo = np.ravel_multi_index((f, y, x), mask.shape), [(y, x)]
+        out[f, y, x] = label
+        while todo:
+            cy, cx = todo.pop()
+            for ny in range(max(cy - 1, 0), min(cy + 2, H)):
+                for nx in range(max(cx - 1, 0), min(cx + 2, W)):
+                    if mask[f, ny, nx] and out[f, ny, nx] < 0:
+                        out[f, ny, nx] = label
+                        todo.append((ny, nx))
+    return out
+
+
+def test_components_match_a_breadth_first_search():
+    rng = np.random.default_rng(0)
+    for _ in range(60):  # densities from specks to noise's long chains to nearly full frames
+        mask = rng.random((int(rng.integers(1, 4)), int(rng.integers(1, 24)), int(rng.integers(1, 24)))) < rng.random()
+        assert np.array_equal(components(mask), _components_by_search(mask))
