@@ -26,31 +26,28 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def test_resume_from_step_k_gives_the_same_weights(tmp_path, data_cache):
+def test_resume_from_step_k_gives_the_same_weights(tmp_path, data_cache, capsys):
     """AdamW + cosine schedule + EMA: optimizer moments, step counters, the LR schedule and the
     EMA weights (and its update count, which sets its warm-up decay) must all come back exactly."""
+    from dit_train.tools import export_weights
+
     base = [*ADAM_TINY, "train.steps=6", f"data.cache_dir={data_cache}"]
     full, part = tmp_path / "full", tmp_path / "part"
-    r = run_cli([*base, "train.ckpt_every=3", "train.keep_last=5", f"hydra.run.dir={full}"], cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
+    train_in_process([*base, "train.ckpt_every=3", "train.keep_last=5"], full)
     ckpts = sorted(p.name for p in (full / "checkpoints").iterdir())
     assert ckpts == ["step_00000002", "step_00000005"], ckpts
-    r = run_cli([*base, f"train.resume={full / 'checkpoints' / 'step_00000002'}", f"hydra.run.dir={part}"], cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "resumed from" in r.stdout + r.stderr
+    capsys.readouterr()
+    train_in_process([*base, f"train.resume={full / 'checkpoints' / 'step_00000002'}"], part)
+    assert "resumed from" in capsys.readouterr().out
     assert [json.loads(x)["step"] for x in (part / "metrics.jsonl").read_text().splitlines()] == [3, 4, 5]
     # CPU kernels with 2 threads are not bitwise deterministic run to run (~3e-8 here), so 1e-6
     assert _max_diff(load_file(full / "weights.safetensors"), load_file(part / "weights.safetensors")) < 1e-6
     assert _max_diff(load_file(full / "weights_ema.safetensors"), load_file(part / "weights_ema.safetensors")) < 1e-6
     # export from the checkpoint = the run's own final weights
-    p = subprocess.run([sys.executable, "-m", "dit_train.tools.export_weights", str(full), "--out",
-                        str(tmp_path / "exported.safetensors")], capture_output=True, text=True)
-    assert p.returncode == 0, p.stderr
-    assert _max_diff(load_file(full / "weights.safetensors"), load_file(tmp_path / "exported.safetensors")) == 0.0
-    p = subprocess.run([sys.executable, "-m", "dit_train.tools.export_weights", str(full), "--ema", "--out",
-                        str(tmp_path / "exported_ema.safetensors")], capture_output=True, text=True)
-    assert p.returncode == 0, p.stderr
-    assert _max_diff(load_file(full / "weights_ema.safetensors"), load_file(tmp_path / "exported_ema.safetensors")) == 0.0
+    for flag, name in (([], "weights"), (["--ema"], "weights_ema")):
+        out = tmp_path / f"exported_{name}.safetensors"
+        assert export_weights.main([str(full), *flag, "--out", str(out)]) == 0
+        assert _max_diff(load_file(full / f"{name}.safetensors"), load_file(out)) == 0.0
 
 
 def test_keep_last_and_incomplete_saves_are_ignored(tmp_path):
@@ -141,8 +138,7 @@ def test_killed_worker_stops_the_run_with_an_error(tmp_path, data_cache):
 def test_killed_worker_restarts_from_checkpoint_and_finishes_exactly(tmp_path, data_cache):
     args = [*TINY, "train.steps=24", "parallel.dp_shard=2", "train.ckpt_every=4", f"data.cache_dir={data_cache}"]
     ref = tmp_path / "ref"
-    r = run_cli([*args, f"hydra.run.dir={ref}"], cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
+    train_in_process(args, ref)  # the uninterrupted run, on the suite's workers (same code per rank)
     rc, out, victims = _start_and_kill([*args, "launcher.max_restarts=1"], tmp_path / "run", tmp_path, kill_at_step=10)
     assert victims and rc == 0, out[-3000:]
     assert "resumed from" in out
