@@ -122,11 +122,12 @@ def components(mask: np.ndarray) -> np.ndarray:
             return np.where(mask, parent.reshape(mask.shape), -1)
         a, b, ra, rb = a[apart], b[apart], ra[apart], rb[apart]
         np.minimum.at(parent, np.maximum(ra, rb), np.minimum(ra, rb))
+        cur = parent[on]
         while True:  # path compression: every pixel points at its root
-            up = parent[parent[on]]
-            if np.array_equal(up, parent[on]):
+            up = parent[cur]
+            if np.array_equal(up, cur):
                 break
-            parent[on] = up
+            parent[on] = cur = up
 
 
 def _dilate(mask: np.ndarray) -> np.ndarray:

@@ -67,7 +67,7 @@ def test_components_are_8_connected_per_frame():
     lab = components(m)
     assert lab[0, 0, 0] == lab[0, 1, 1] != lab[0, 4, 5] and lab[1, 0, 0] not in (lab[0, 0, 0], -1)
     assert len(np.unique(lab[lab >= 0])) == 3 and (lab[~m] == -1).all()
-    snake = np.zeros((1, 9, 9), bool)  # a long thin path converges too (many propagation steps)
+    snake = np.zeros((1, 9, 9), bool)  # a long thin winding path is one component
     snake[0, ::2, :] = True
     snake[0, 1::4, -1] = snake[0, 3::4, 0] = True
     assert len(np.unique(components(snake)[snake])) == 1
