@@ -78,30 +78,42 @@ def test_gpu_only_backends_refuse_cpu_with_a_clear_message():
         resolve_backend("xformers", "cpu")
 
 
-def _tiny_dit(init="normal"):
-    cfg = model_config("dit", dim=32, depth=2, heads=4, patch_size=[1, 4, 4], init=init)
+def _tiny_dit(init="normal", std=0.02, **keys):
+    cfg = model_config("dit", dim=32, depth=2, heads=4, patch_size=[1, 4, 4], init=init, **keys)
     model = build_model(cfg)
-    init_weights(model, seed=0, scheme=init)
+    init_weights(model, seed=0, scheme=init, std=std)
     return model, cfg
 
 
-def test_dit_samples_in_a_pack_are_independent():
+@pytest.mark.parametrize("captions", [False, True])
+def test_dit_samples_in_a_pack_are_independent(captions):
     """A sample's prediction is the same alone or packed with others (attention, RoPE and
-    adaLN conditioning all stay per sample)."""
-    model, cfg = _tiny_dit()
+    adaLN conditioning all stay per sample). With captions of different lengths, the pack pads
+    them to the longest: cross-attention and the pooled caption (model.pooled_text) must read
+    only each sample's own valid caption tokens."""
+    # std 0.2: with the default 0.02 the caption's effect on the output is below the tolerance
+    model, cfg = _tiny_dit(**({"text_dim": 8, "pooled_text": True, "std": 0.2} if captions else {}))
     Dp = 3 * 16
     g = torch.Generator().manual_seed(0)
     grids = [(2, 2, 3), (1, 3, 3), (3, 2, 2)]
     xs = [torch.randn(f * h * w, Dp, generator=g) for f, h, w in grids]
     poss = [torch.stack(torch.meshgrid(*(torch.arange(n) for n in gr), indexing="ij"), -1).reshape(-1, 3) for gr in grids]
     ts = torch.tensor([0.2, 0.5, 0.9])
+    caption_lens = [7, 3, 5]
+    caps = [torch.randn(n, 8, generator=g) for n in caption_lens]
 
     def run(idx):
         x = torch.cat([xs[i] for i in idx])
         pos = torch.cat([poss[i] for i in idx])
         seg = torch.cat([torch.full((xs[i].shape[0],), k) for k, i in enumerate(idx)])
         order = torch.cat([torch.arange(xs[i].shape[0]) for i in idx])
-        return model(x, pos, seg, ts[idx], VarlenLayout.build(seg, order, False))
+        text = {}
+        if captions:
+            context = torch.zeros(len(idx), max(caption_lens[i] for i in idx), 8)
+            for k, i in enumerate(idx):
+                context[k, :caption_lens[i]] = caps[i]
+            text = {"context": context, "context_len": torch.tensor([caption_lens[i] for i in idx])}
+        return model(x, pos, seg, ts[idx], VarlenLayout.build(seg, order, False), **text)
 
     packed = run([0, 1, 2])
     alone = run([1])

@@ -40,6 +40,7 @@ def clipped_cfg(tiny_cfg):
     cfg = apply_layout(tiny_cfg, {})
     cfg.optim.max_grad_norm = 0.05  # always clips: the global norm across shards must be exact
     cfg.train.ema_decay = 0.9  # the EMA must be exact too (each rank keeps its shard's EMA)
+    cfg.model.pooled_text = True  # the pooled caption must not depend on how captions were padded into packs
     return cfg
 
 

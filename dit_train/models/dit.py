@@ -22,6 +22,10 @@ class DiTConfig(VideoModelConfig):
     """The packed video DiT (`model.name=dit`): the keys of every video model, nothing more."""
 
     name: str = "dit"
+    # the mean of the caption's embedded tokens is also added to the timestep embedding, so
+    # every adaLN modulation sees the whole caption (SD3's pooled text vector); cross-attention
+    # alone leaves clip-wide choices such as the shape's kind to each token (docs/quality.md)
+    pooled_text: bool = False
 
 
 class FinalLayer(nn.Module):
@@ -55,11 +59,11 @@ class VideoDiT(nn.Module):
 
     # parameters that start at zero ("adaLN-zero" of DiT, zero cross-attention output of
     # PixArt-α: a new block starts as the identity); see models/init.py
-    zero_init = ("adaLN_modulation", "final.linear", "cross_attn.proj")
+    zero_init = ("adaLN_modulation", "final.linear", "cross_attn.proj", "text_pool")
 
     def __init__(self, patch_dim: int, dim: int, depth: int, heads: int, mlp_ratio: float,
                  qk_norm: bool = True, rope_theta: float = 10000.0, backend: str = "sdpa", text_dim: int = 0,
-                 moe_blocks: list | None = None):
+                 moe_blocks: list | None = None, pooled_text: bool = False):
         super().__init__()
         self.patch_dim = patch_dim
         self.text_dim = text_dim
@@ -68,6 +72,8 @@ class VideoDiT(nn.Module):
         # caption embeddings (any encoder width) -> model width, as PixArt's caption projection
         self.context_embedder = nn.Sequential(nn.Linear(text_dim, dim), nn.GELU(approximate="tanh"),
                                               nn.Linear(dim, dim)) if text_dim else None
+        # pooled caption -> conditioning vector (starts at zero: the model starts as without it)
+        self.text_pool = nn.Linear(dim, dim) if text_dim and pooled_text else None
         self.rope = RotaryEmbedding(dim // heads, axes=3, theta=rope_theta)
         moe_blocks = moe_blocks or [None] * depth  # per block: (num_experts, top_k) or None (dense MLP)
         self.blocks = nn.ModuleList(Block(dim, heads, mlp_ratio, dim, qk_norm, backend, cross_attention=bool(text_dim),
@@ -78,16 +84,27 @@ class VideoDiT(nn.Module):
                 context: torch.Tensor | None = None, context_len: torch.Tensor | None = None) -> torch.Tensor:
         # inputs arrive in fp32 (FSDP2's root does not cast them, see parallel.fsdp_mp_policies)
         h = self.x_embedder(x.to(self.x_embedder.weight.dtype))
-        cond = Conditioning.from_samples(self.t_embedder(t), seg)
+        c = self.t_embedder(t)
         rope = self.rope(pos)
         text = None
         if self.context_embedder is not None:
             if context is None:
                 raise ValueError("this model has text cross-attention (model.text_dim > 0) but the batch has no captions")
             text = TextContext(self.context_embedder(context.to(h.dtype)), context_len, seg)
+            if self.text_pool is not None:
+                c = c + self.text_pool(pooled(text))
+        cond = Conditioning.from_samples(c, seg)
         for block in self.blocks:
             h = block(h, rope, meta, cond, text)
         return self.final(h, cond)
+
+
+def pooled(text: TextContext) -> torch.Tensor:
+    """Mean of each sample's valid caption tokens: [S, Lc, dim] -> [S, dim] (per sample, so the
+    same on every CP rank)."""
+    valid = torch.arange(text.tokens.shape[1], device=text.tokens.device)[None] < text.length[:, None]
+    valid = valid.to(text.tokens.dtype)
+    return (text.tokens * valid[..., None]).sum(1) / valid.sum(1, keepdim=True).clamp(min=1)
 
 
 def patch_dim(cfg: VideoModelConfig) -> int:
@@ -97,12 +114,14 @@ def patch_dim(cfg: VideoModelConfig) -> int:
 def build(cfg: DiTConfig, attn_backend: str = "sdpa") -> VideoDiT:
     return VideoDiT(patch_dim=patch_dim(cfg), dim=cfg.dim, depth=cfg.depth, heads=cfg.heads, mlp_ratio=cfg.mlp_ratio,
                     qk_norm=cfg.qk_norm, rope_theta=cfg.rope_theta, backend=attn_backend, text_dim=cfg.text_dim,
-                    moe_blocks=[block_moe(i, cfg.moe) for i in range(cfg.depth)])
+                    moe_blocks=[block_moe(i, cfg.moe) for i in range(cfg.depth)], pooled_text=cfg.pooled_text)
 
 
 def _checks(cfg: DiTConfig) -> list[str]:
     if len(cfg.patch_size) != 3 or any(x < 1 for x in cfg.patch_size):
         return [f"model.patch_size={list(cfg.patch_size)} must be three positive ints [t, h, w]"]
+    if cfg.pooled_text and cfg.text_dim <= 0:
+        return ["model.pooled_text=true pools the caption: set model.text_dim > 0 (captions) or model.pooled_text=false"]
     return []
 
 
