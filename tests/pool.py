@@ -39,6 +39,7 @@ def _serve(rank: int, world: int, port: int, jobs: Any, results: Any) -> None:
 
     # collectives of a job some rank left early time out instead of blocking the pool forever
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    _reuse_device_meshes()
     while True:
         job = jobs.get()
         if job is None:
@@ -56,6 +57,31 @@ def _serve(rank: int, world: int, port: int, jobs: Any, results: Any) -> None:
         except BaseException:  # noqa: BLE001 - reported to the test, which fails
             results.put((rank, False, traceback.format_exc()))
     dist.destroy_process_group()
+
+
+def _reuse_device_meshes() -> None:
+    """Jobs of the same layout get the same DeviceMesh (and so the same process groups).
+
+    Each job builds its meshes anew, and every gloo group keeps a `gloo_tcp_loop` thread that
+    wakes ~100 times a second even when idle. Without reuse they piled up in the workers: after
+    a few hundred jobs ~350 such threads made ~35k context switches a second and the suite spent
+    a third of its CPU time in the kernel. Destroying a job's groups instead is not safe: DTensor
+    caches plans keyed by meshes that compare equal by layout, and would hand a later job an
+    earlier job's destroyed group. A reused mesh keeps its flattened views (root `_flatten`
+    mapping), so init_parallel's groups are made once per layout per pool."""
+    import torch.distributed.device_mesh as device_mesh
+
+    import dit_train.parallel.mesh as mesh_module
+
+    make, meshes = device_mesh.init_device_mesh, {}
+
+    def init_device_mesh(device_type, mesh_shape, *, mesh_dim_names=None, **kwargs):
+        key = (device_type, tuple(mesh_shape), tuple(mesh_dim_names or ()), tuple(sorted(kwargs.items())))
+        if key not in meshes:
+            meshes[key] = make(device_type, mesh_shape, mesh_dim_names=mesh_dim_names, **kwargs)
+        return meshes[key]
+
+    device_mesh.init_device_mesh = mesh_module.init_device_mesh = init_device_mesh
 
 
 class WorkerFailed(RuntimeError):
