@@ -289,7 +289,7 @@ def test_a_frozen_worker_is_named_and_every_worker_stopped(tmp_path, data_cache)
     from tests.test_checkpoint import _workers
 
     run = tmp_path / "run"
-    args = [*TINY, "train.steps=500", "parallel.dp_shard=2", "launcher.heartbeat_timeout_s=8",
+    args = [*TINY, "train.steps=500", "parallel.dp_shard=2", "launcher.heartbeat_timeout_s=5",
             f"data.cache_dir={data_cache}", f"hydra.run.dir={run}"]
     proc = subprocess.Popen([sys.executable, "-m", "dit_train", *args], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
@@ -304,6 +304,6 @@ def test_a_frozen_worker_is_named_and_every_worker_stopped(tmp_path, data_cache)
     stopped_at = time.time()
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode != 0 and time.time() - stopped_at < 120
-    assert "stopped making progress" in out and "launcher.heartbeat_timeout_s=8" in out, out[-2000:]
+    assert "stopped making progress" in out and "launcher.heartbeat_timeout_s=5" in out, out[-2000:]
     time.sleep(1)
     assert not [v for v in victims if Path(f"/proc/{v}").exists()], "orphaned worker processes"
