@@ -5,7 +5,8 @@ runs the multi-process tests do, and the suite launches dozens of them. `WorkerP
 group of `world` processes with an initialised gloo process group alive for the session and
 runs each job `fn(*args)` on all of them, exactly like `dit_train.engine.launch.launch_local`
 (same environment variables, same return value {rank: result}). Jobs make their own device
-meshes (new subgroups of the same world), so layouts of one world size run in the same pool.
+meshes (subgroups of the same world; a worker hands jobs of the same layout the same mesh), so
+layouts of one world size run in the same pool.
 
 A job that raises on any rank fails the call with that rank's traceback, and the pool is
 replaced (a rank may be stuck in a collective its peers never entered; the short collective
@@ -67,8 +68,9 @@ def _reuse_device_meshes() -> None:
     a few hundred jobs ~350 such threads made ~35k context switches a second and the suite spent
     a third of its CPU time in the kernel. Destroying a job's groups instead is not safe: DTensor
     caches plans keyed by meshes that compare equal by layout, and would hand a later job an
-    earlier job's destroyed group. A reused mesh keeps its flattened views (root `_flatten`
-    mapping), so init_parallel's groups are made once per layout per pool."""
+    earlier job's destroyed group. Flattened views come from the root mesh's own `_flatten`
+    cache; `_unflatten` (HSDP's and EP's meshes) has none, so it is memoized here as well, per
+    (mesh, arguments), holding the mesh so that its id is not reused."""
     import torch.distributed.device_mesh as device_mesh
 
     import dit_train.parallel.mesh as mesh_module
@@ -82,6 +84,16 @@ def _reuse_device_meshes() -> None:
         return meshes[key]
 
     device_mesh.init_device_mesh = mesh_module.init_device_mesh = init_device_mesh
+
+    unflatten, unflattened = device_mesh.DeviceMesh._unflatten, {}
+
+    def _unflatten(self, dim, mesh_sizes, mesh_dim_names, *args, **kwargs):
+        key = (id(self), dim, tuple(mesh_sizes), tuple(mesh_dim_names), args, tuple(sorted(kwargs.items())))
+        if key not in unflattened:
+            unflattened[key] = (self, unflatten(self, dim, mesh_sizes, mesh_dim_names, *args, **kwargs))
+        return unflattened[key][1]
+
+    device_mesh.DeviceMesh._unflatten = _unflatten
 
 
 class WorkerFailed(RuntimeError):

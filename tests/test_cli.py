@@ -1,4 +1,5 @@
-"""`python -m dit_train` end to end: outputs, learning, sweeps, local multi-process launch."""
+"""`python -m dit_train` end to end (outputs, bad overrides, sweeps, a local multi-process launch)
+in fresh Pythons; learning and the one-process reference run through the same path in this process."""
 from __future__ import annotations
 
 import json

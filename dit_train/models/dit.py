@@ -19,7 +19,7 @@ from dit_train.models.rope import RotaryEmbedding
 
 @dataclass
 class DiTConfig(VideoModelConfig):
-    """The packed video DiT (`model.name=dit`): the keys of every video model, nothing more."""
+    """The packed video DiT (`model.name=dit`): the keys of every video model, plus the pooled caption."""
 
     name: str = "dit"
     # the mean of the caption's embedded tokens is also added to the timestep embedding, so
