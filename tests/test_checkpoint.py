@@ -136,16 +136,16 @@ def test_killed_worker_stops_the_run_with_an_error(tmp_path, data_cache):
 
 @pytest.mark.slow
 def test_killed_worker_restarts_from_checkpoint_and_finishes_exactly(tmp_path, data_cache):
-    args = [*TINY, "train.steps=24", "parallel.dp_shard=2", "train.ckpt_every=4", f"data.cache_dir={data_cache}"]
+    args = [*TINY, "train.steps=12", "parallel.dp_shard=2", "train.ckpt_every=4", f"data.cache_dir={data_cache}"]
     ref = tmp_path / "ref"
     train_in_process(args, ref)  # the uninterrupted run, on the suite's workers (same code per rank)
-    rc, out, victims = _start_and_kill([*args, "launcher.max_restarts=1"], tmp_path / "run", tmp_path, kill_at_step=10)
+    rc, out, victims = _start_and_kill([*args, "launcher.max_restarts=1"], tmp_path / "run", tmp_path, kill_at_step=6)
     assert victims and rc == 0, out[-3000:]
     assert "resumed from" in out
     from dit_train.metrics import read_metrics
 
     recs = read_metrics(tmp_path / "run" / "metrics.jsonl")
-    assert [x["step"] for x in recs] == list(range(24))
+    assert [x["step"] for x in recs] == list(range(12))
     assert _max_diff(load_file(ref / "weights.safetensors"), load_file(tmp_path / "run" / "weights.safetensors")) < 1e-6
 
 
