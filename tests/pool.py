@@ -69,31 +69,16 @@ def _reuse_device_meshes() -> None:
     a third of its CPU time in the kernel. Destroying a job's groups instead is not safe: DTensor
     caches plans keyed by meshes that compare equal by layout, and would hand a later job an
     earlier job's destroyed group. Flattened views come from the root mesh's own `_flatten`
-    cache; `_unflatten` (HSDP's and EP's meshes) has none, so it is memoized here as well, per
-    (mesh, arguments), holding the mesh so that its id is not reused."""
+    cache; `_unflatten` (HSDP's and EP's meshes) has none, so it is cached here as well. Both are
+    called with hashable arguments (tuples, names, a mesh); a list would fail the job loudly."""
+    import functools
+
     import torch.distributed.device_mesh as device_mesh
 
     import dit_train.parallel.mesh as mesh_module
 
-    make, meshes = device_mesh.init_device_mesh, {}
-
-    def init_device_mesh(device_type, mesh_shape, *, mesh_dim_names=None, **kwargs):
-        key = (device_type, tuple(mesh_shape), tuple(mesh_dim_names or ()), tuple(sorted(kwargs.items())))
-        if key not in meshes:
-            meshes[key] = make(device_type, mesh_shape, mesh_dim_names=mesh_dim_names, **kwargs)
-        return meshes[key]
-
-    device_mesh.init_device_mesh = mesh_module.init_device_mesh = init_device_mesh
-
-    unflatten, unflattened = device_mesh.DeviceMesh._unflatten, {}
-
-    def _unflatten(self, dim, mesh_sizes, mesh_dim_names, *args, **kwargs):
-        key = (id(self), dim, tuple(mesh_sizes), tuple(mesh_dim_names), args, tuple(sorted(kwargs.items())))
-        if key not in unflattened:
-            unflattened[key] = (self, unflatten(self, dim, mesh_sizes, mesh_dim_names, *args, **kwargs))
-        return unflattened[key][1]
-
-    device_mesh.DeviceMesh._unflatten = _unflatten
+    device_mesh.init_device_mesh = mesh_module.init_device_mesh = functools.cache(device_mesh.init_device_mesh)
+    device_mesh.DeviceMesh._unflatten = functools.cache(device_mesh.DeviceMesh._unflatten)
 
 
 class WorkerFailed(RuntimeError):
