@@ -150,19 +150,49 @@ def test_sampler_sigmas_are_the_training_shift_of_the_plain_grid(shift, referenc
 
 
 
-def test_sampler_with_per_clip_shifts_integrates_each_clip_to_its_data():
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_sampler_with_per_clip_shifts_integrates_each_clip_to_its_data(stochastic):
     """A perfect velocity lands each clip on its data only if every clip gets its own t (the
-    per-clip shifts differ here) and its own scheduler's steps."""
+    per-clip shifts differ here) and its own scheduler's steps — also when every step re-noises
+    (the stochastic step's x̂0 = x − σ·v is then the data itself)."""
     from dit_train.config import ParallelConfig
     from dit_train.parallel.mesh import init_parallel
     from dit_train.tasks.video import patchify
 
     sampler = _sampler(3.0, 16, steps=5, ctx=init_parallel(ParallelConfig(device="cpu")))
+    sampler.stochastic = stochastic
     assert len(set(sampler.shifts)) == 3
     data = [torch.rand(shape, generator=torch.Generator().manual_seed(k)) * 2 - 1 for k, shape in enumerate(SHAPES)]
     out = sampler.sample(_OracleVelocity(torch.cat([patchify(x, PATCH)[0] for x in data])))
     for got, want in zip(out, data):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_stochastic_sampler_draws_fresh_noise_from_the_clips_own_stream():
+    """With an imperfect model the stochastic step differs from the deterministic one; it is a
+    function of (seed, noise id) alone: the same twice, and a clip's result does not depend on
+    which other clips are sampled with it (what keeps it equal across layouts and packs)."""
+    from dit_train.config import ParallelConfig
+    from dit_train.parallel.mesh import init_parallel
+    from dit_train.sampling import SampleRequest, VideoSampler
+
+    ctx = init_parallel(ParallelConfig(device="cpu"))
+
+    class Wrong(torch.nn.Module):  # a velocity that is wrong everywhere
+        def forward(self, x, *args, **kw):
+            return 0.5 * x
+
+    model = Wrong()
+
+    def run(shapes, stochastic):
+        requests = [SampleRequest(f"c{k}", shape, "", None, k) for k, shape in enumerate(shapes)]
+        return VideoSampler(requests, PATCH, 0, None, ctx, 6, 1.0, 0, stochastic=stochastic).sample(model)
+
+    det, sto = run(SHAPES, False), run(SHAPES, True)
+    assert all((a - b).abs().max() > 1e-2 for a, b in zip(det, sto))
+    again, first_alone = run(SHAPES, True), run(SHAPES[:1], True)
+    assert all(torch.equal(a, b) for a, b in zip(sto, again))
+    assert torch.equal(first_alone[0], sto[0])
 
 
 # -- the weighting's gradient ----------------------------------------------------------------------

@@ -114,7 +114,7 @@ def test_validation_videos_are_written_and_layout_invariant(tmp_path, data_cache
     # covered by test_cli; a fresh `python -m dit_train` per layout cost most of this test
     one, two = tmp_path / "one", tmp_path / "two"
     base = [*TINY, "train.steps=2", "train.sample_every=2", "train.sample_steps=3", "train.num_samples=2",
-            "train.guidance_scale=3.0"]
+            "train.guidance_scale=3.0", "train.stochastic_sampling=true"]
     for run_dir, layout in ((one, []), (two, ["parallel.cp_ulysses=2"])):
         train_in_process([*base, *layout], run_dir, cache_dir=data_cache)
     d1, d2 = one / "samples" / "step_000002", two / "samples" / "step_000002"
@@ -162,3 +162,4 @@ def test_x0_prediction_gives_the_velocity_target():
     torch.testing.assert_close(velocity_from_output(eps - x0, xt, t, "velocity"), eps - x0)
     v = velocity_from_output(x0[:1], xt[:1], 0.01, "x0", 0.05)  # t below the clamp: divided by 0.05
     torch.testing.assert_close(v, (xt[:1] - x0[:1]) / 0.05)
+

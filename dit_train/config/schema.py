@@ -236,6 +236,9 @@ class TrainConfig:
     num_samples: int = 2  # clips per validation (the first readable clips: their sizes and captions)
     sample_steps: int = 20  # Euler steps of the flow-matching sampler
     guidance_scale: float = 1.0  # classifier-free guidance of validation videos (needs captions); 1 = off
+    # validation sampler: re-noise x̂0 to the next noise level with fresh noise at every step
+    # (diffusers' stochastic_sampling) instead of the deterministic Euler step (docs/quality.md)
+    stochastic_sampling: bool = False
     # experiment trackers fed by rank 0 besides metrics.jsonl (dit_train/trackers): tensorboard | wandb
     loggers: List[str] = field(default_factory=lambda: ["tensorboard"])
     wandb_project: str = "dit_train"  # W&B project (train.loggers with wandb)

@@ -64,7 +64,8 @@ class Validation:
         # the training shift: validation samples from the noise levels the model was trained on
         self.sampler = VideoSampler(requests, task.patch, task.text_dim, null, run.ctx, t.sample_steps,
                                     t.guidance_scale, t.seed, cfg.loss.timestep_shift, cfg.loss.shift_reference_tokens,
-                                    prediction=task.prediction, x0_min_t=task.x0_min_t)
+                                    prediction=task.prediction, x0_min_t=task.x0_min_t,
+                                    stochastic=t.stochastic_sampling)
         self.decode = None
         if cfg.data.name == "latent_cache" and run.ctx.is_main:  # rank 0 alone decodes (it alone writes)
             from data_pipelines.latent_cache import load_decoder
@@ -94,7 +95,8 @@ class Validation:
         requests = self.sampler.requests
         scores = self.source.score(scored_view(requests, pixels), [r.caption for r in requests]) or {}
         info = {"step": step + 1, "weights": "ema" if run.ema is not None else "training",
-                "sample_steps": self.steps, "guidance_scale": self.guidance, "shifts": self.sampler.shifts,
+                "sample_steps": self.steps, "guidance_scale": self.guidance,
+                "stochastic_sampling": self.sampler.stochastic, "shifts": self.sampler.shifts,
                 "scores": scores}
         out = write_samples(run_dir / "samples" / f"step_{step + 1:06d}", self.sampler.requests, pixels, info, trackers,
                             step)

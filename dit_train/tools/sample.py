@@ -10,6 +10,8 @@ Weights: the run's EMA weights (weights_ema.safetensors) when it has them, else
 weights.safetensors; `--no-ema` forces the training weights, `--ema` requires the EMA ones.
 The time grid is shifted like the run's training (loss.timestep_shift, and per clip size with
 loss.shift_reference_tokens); `--shift S` samples every clip with shift S instead.
+`--stochastic` / `--no-stochastic` picks diffusers' stochastic Euler step or the deterministic
+one (default: the run's train.stochastic_sampling).
 A run dir without exported weights uses its newest checkpoint. Prompts are encoded the way the
 run's data was (byte embeddings on pixel data; the cache's text encoder for latent-cache runs,
 whose samples are decoded with the cache's VAE). Output (default RUN_DIR/generated/<time>/):
@@ -71,7 +73,8 @@ def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, 
         shift, reference = args.shift, 0
     sampler = VideoSampler(requests, tuple(cfg.model.patch_size), getattr(cfg.model, "text_dim", 0), space.null, ctx,
                            args.steps, args.guidance, args.seed, shift, reference,
-                           prediction=getattr(cfg.model, "prediction", "velocity"), x0_min_t=getattr(cfg.model, "x0_min_t", 0.05))
+                           prediction=getattr(cfg.model, "prediction", "velocity"), x0_min_t=getattr(cfg.model, "x0_min_t", 0.05),
+                           stochastic=cfg.train.stochastic_sampling if args.stochastic is None else args.stochastic)
     clips = sampler.sample(model, lambda: autocast(cfg.train.precision, ctx.device, False))
     if not ctx.is_main:
         return None
@@ -82,7 +85,8 @@ def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, 
     except ValueError:
         scores = {}
     info = {"weights": source, "prompts": args.prompt, "num": args.num, "steps": args.steps,
-            "guidance_scale": args.guidance, "seed": args.seed, "shifts": sampler.shifts, "scores": scores}
+            "guidance_scale": args.guidance, "seed": args.seed, "shifts": sampler.shifts,
+            "stochastic_sampling": sampler.stochastic, "scores": scores}
     write_samples(Path(out_dir), requests, pixels, info)
     return scores
 
@@ -102,6 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shift", type=float, default=None,
                     help="timestep shift of every clip (default: the run's loss.timestep_shift, per clip with "
                          "loss.shift_reference_tokens)")
+    ap.add_argument("--stochastic", action=argparse.BooleanOptionalAction, default=None,
+                    help="re-noise with fresh noise at every step (diffusers' stochastic_sampling; default: the "
+                         "run's train.stochastic_sampling)")
     ema = ap.add_mutually_exclusive_group()
     ema.add_argument("--ema", dest="ema", action="store_true", default=None, help="require the EMA weights")
     ema.add_argument("--no-ema", dest="ema", action="store_false", help="use the training weights")
