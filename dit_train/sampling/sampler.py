@@ -10,8 +10,9 @@ layout produces the same videos. The time grid and the Euler update are diffuser
 `FlowMatchEulerDiscreteScheduler` (sigma = our t, timestep = 1000·t, x ← x + (σ' − σ)·v),
 or with `stochastic` its stochastic step (x̂0 = x − σ·v re-noised to σ' with fresh noise:
 x ← (1 − σ')·x̂0 + σ'·ε, the noise drawn from the "sampling" stream of (seed, noise id, step),
-so it too is the same on every layout), shifted like training (`loss.timestep_shift`, and with `loss.shift_reference_tokens` each
-clip by the shift of its own token count: see `schedulers`).
+so it too is the same on every layout), shifted like training (`loss.timestep_shift`, and
+with `loss.shift_reference_tokens` each clip by the shift of its own token count: see
+`schedulers`).
 With `guidance_scale` > 1 and captions, each clip is packed twice — with its caption and with
 the empty caption — and v = v_uncond + g·(v_cond − v_uncond) (classifier-free guidance).
 """
@@ -122,8 +123,8 @@ class VideoSampler:
     clip k samples with shifts[k] = sample_shift(shift, shift_reference_tokens, its tokens).
     stochastic: diffusers' `stochastic_sampling` step (module docstring). Fresh noise at every
     step lets later steps correct what the deterministic path fixes at high noise (a square
-    drawn with round corners stays round along an ODE path): shape kind on the embedded world
-    rises by 0.02-0.12 on every run we re-scored (docs/quality.md).
+    drawn with round corners stays round along an ODE path); it needs a well-trained model
+    (docs/quality.md has the measurements).
     """
 
     def __init__(self, requests: list[SampleRequest], patch: tuple[int, int, int], text_dim: int,
