@@ -19,6 +19,8 @@ def trained_run(tmp_path_factory, tiny_cfg):
 
     cfg = apply_layout(tiny_cfg, {})
     cfg.train.ema_decay = 0.5
+    # validation at the end (3 clips, 3 steps): what --data-captions must reproduce
+    cfg.train.sample_every, cfg.train.num_samples, cfg.train.sample_steps = cfg.train.steps, 3, 3
     cfg.run_dir = str(tmp_path_factory.mktemp("run"))
     train(cfg)
     return cfg.run_dir
@@ -62,11 +64,29 @@ def test_sampling_on_two_workers_matches_one_process(trained_run, tmp_path):
         torch.testing.assert_close(one[k], two[k], atol=1e-4, rtol=1e-4)
 
 
+def test_data_captions_reproduce_the_runs_validation(trained_run, tmp_path):
+    """--data-captions N with the run's seed, steps and guidance is the run's validation with
+    train.num_samples=N: the same clips, sizes, captions and noise."""
+    from dit_train.tools.sample import main
+
+    out = tmp_path / "again"
+    assert main([str(trained_run), "--data-captions", "3", "--steps", "3", "--guidance", "1", "--seed", "0",
+                 "--out", str(out)]) == 0
+    validation = trained_run + "/samples/step_000002"
+    want = load_file(validation + "/samples.safetensors")
+    got = load_file(str(out / "samples.safetensors"))
+    assert sorted(got) == sorted(want) and len(want) == 3
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=1e-6, rtol=0)
+    assert json.loads((out / "captions.json").read_text()) == json.loads(open(validation + "/captions.json").read())
+
+
 def test_bad_requests_are_one_error_line(trained_run, tmp_path, capsys):
     from dit_train.tools.sample import main
 
     assert main([str(trained_run), "--prompt", "x", "--guidance", "0.5"]) == 2
     assert main([str(tmp_path), "--prompt", "x"]) == 2
     assert main([str(trained_run), "--prompt", "x", "--shift", "0"]) == 2
+    assert main([str(trained_run), "--prompt", "x", "--data-captions", "2"]) == 2
     err = capsys.readouterr().err
-    assert err.count("error:") == 3 and "guidance" in err and "config.yaml" in err and "--shift=0.0" in err
+    assert err.count("error:") == 4 and "--data-captions" in err and "guidance" in err and "config.yaml" in err and "--shift=0.0" in err

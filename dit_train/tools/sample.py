@@ -5,6 +5,7 @@
     python -m dit_train.tools.sample RUN_DIR --prompt "..." --prompt "..." --no-ema --out my_samples/
     python -m dit_train.tools.sample RUN_DIR --prompt "..." --layout cp_ulysses=2      # 2 local workers, context parallel
     python -m dit_train.tools.sample RUN_DIR --prompt "..." --shift 3                   # another timestep shift
+    python -m dit_train.tools.sample RUN_DIR --data-captions 48 --steps 20 --guidance 1  # re-score like validation
 
 Weights: the run's EMA weights (weights_ema.safetensors) when it has them, else
 weights.safetensors; `--no-ema` forces the training weights, `--ema` requires the EMA ones.
@@ -18,6 +19,9 @@ whose samples are decoded with the cache's VAE). Output (default RUN_DIR/generat
 one mp4 per clip, grid.png with the prompts, samples.safetensors (pixels in [-1, 1]),
 captions.json and info.json — and, for runs on the embedded shapes world, the quality figures
 of the samples against their prompts.
+`--data-captions N` samples the captions and sizes of the run's first N training samples instead
+of prompts — the run's validation with train.num_samples=N (the same clips and, with the run's
+train.seed as --seed, the same noise): a larger re-score of a finished run.
 """
 from __future__ import annotations
 
@@ -52,6 +56,17 @@ def load_weights(run_dir: Path, ema: bool | None) -> tuple[dict, str]:
     raise FileNotFoundError(f"no usable weights in {ckpt}")
 
 
+def data_requests(cfg: Any, num: int) -> list:
+    """The first `num` training samples' captions and sizes, as validation picks them."""
+    from dit_train.data import build_task, source_for
+    from dit_train.sampling import dataset_requests
+
+    task = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed)
+    source = source_for(cfg.data, cfg.model)
+    inner = getattr(task.dataset, "dataset", task.dataset)  # through the background prefetcher
+    return dataset_requests(task, num, lambda i: source.fps(inner, i), lambda i: source.is_still(inner, i))
+
+
 def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, source: str) -> dict | None:
     """One rank: build the (parallelized) model, load the weights, sample; rank 0 writes."""
     from dit_train.data import source_for
@@ -66,7 +81,10 @@ def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, 
     model = build_parallel_model(cfg, ctx)
     load_full_weights(model, state_dict)
     space = prompt_space(cfg, ctx.device)
-    requests = prompt_requests(space, args.prompt, args.num, args.frames, args.height, args.width)
+    if args.data_captions:
+        requests = data_requests(cfg, args.data_captions)
+    else:
+        requests = prompt_requests(space, args.prompt, args.num, args.frames, args.height, args.width)
     # the run's training shift (per clip size with loss.shift_reference_tokens) ...
     shift, reference = cfg.loss.timestep_shift, cfg.loss.shift_reference_tokens
     if args.shift is not None:  # ... unless --shift names one for every clip
@@ -84,7 +102,8 @@ def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, 
         scores = data_source.score(scored_view(requests, pixels), [r.caption for r in requests]) or {}
     except ValueError:
         scores = {}
-    info = {"weights": source, "prompts": args.prompt, "num": args.num, "steps": args.steps,
+    info = {"weights": source, "prompts": [r.caption for r in requests] if args.data_captions else args.prompt,
+            "data_captions": args.data_captions, "num": args.num, "steps": args.steps,
             "guidance_scale": args.guidance, "seed": args.seed, "shifts": sampler.shifts,
             "stochastic_sampling": sampler.stochastic, "scores": scores}
     write_samples(Path(out_dir), requests, pixels, info)
@@ -95,8 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dit_train.tools.sample", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir", type=Path, help="a run dir (config.yaml + weights or checkpoints)")
-    ap.add_argument("--prompt", action="append", required=True, help="a caption (repeat for several)")
-    ap.add_argument("--num", type=int, default=1, help="clips per prompt (different noise)")
+    ap.add_argument("--prompt", action="append", default=[], help="a caption (repeat for several)")
+    ap.add_argument("--data-captions", type=int, default=0, metavar="N",
+                    help="instead of prompts: the captions and sizes of the run's first N training samples")
+    ap.add_argument("--num", type=int, default=1, help="clips per prompt (different noise; prompts only)")
     ap.add_argument("--frames", type=int, default=16, help="1 = a still image")
     ap.add_argument("--height", type=int, default=32)
     ap.add_argument("--width", type=int, default=64)
@@ -125,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.run_dir)
         if cfg.mode != "video":
             raise ValueError(f"{args.run_dir} trained mode={cfg.mode}; for text use python -m dit_train.tools.generate")
+        if bool(args.prompt) == bool(args.data_captions):
+            raise ValueError("give --prompt (one or more) or --data-captions N, not both")
+        if args.data_captions < 0:
+            raise ValueError(f"--data-captions={args.data_captions} must be >= 1")
         if args.num < 1 or args.steps < 1 or args.guidance < 1:
             raise ValueError("--num and --steps must be >= 1 and --guidance >= 1")
         if args.shift is not None and not args.shift > 0:
@@ -142,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     world = world_of(cfg)
     call = (cfg, state_dict, args, str(out), source)
     scores = _worker(*call) if world == 1 else launch_local(_worker, call, world, cfg.launcher)[0]
-    print(f"wrote {len(args.prompt) * args.num} clip(s) from {source} to {out}")
+    print(f"wrote {args.data_captions or len(args.prompt) * args.num} clip(s) from {source} to {out}")
     if scores:
         print("quality against the prompts: " + " ".join(f"{k[5:]}={v:.2f}" for k, v in scores.items()
                                                           if not k.startswith("eval/num")))
