@@ -131,6 +131,11 @@ def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.
 # --------------------------------------------------------------------------- backends
 
 
+# Not traced by torch.compile (train.compile): the loop's run sizes come from .tolist(), so a
+# compiled block breaks its graph here anyway, and with dynamic=True inductor (torch 2.13, CPU)
+# failed on the sizes it gets (LoweringException in SDPA's backward, then a NameError for an
+# unbound size symbol). Eager, the loop is one SDPA kernel per run; the rest of the block compiles.
+@torch.compiler.disable
 def _sdpa_loop(q, k, v, meta: VarlenLayout) -> torch.Tensor:
     """One SDPA call per run of consecutive samples of equal length (a contiguous run of n
     samples of T tokens is a free [n, T, H, D] view: one batched call instead of n).

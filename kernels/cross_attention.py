@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from kernels.runs import group_neighbours, run_starts
 
 
+@torch.compiler.disable  # like the self-attention `sdpa` loop (kernels/attention.py): sizes from .tolist()
 def packed_cross_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_seg: torch.Tensor,
                            kv_len: torch.Tensor) -> torch.Tensor:
     """See the module docstring. Tokens of a sample are contiguous (in packs and in contiguous

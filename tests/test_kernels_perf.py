@@ -92,8 +92,10 @@ def test_packed_cross_attention_matches_masked_reference(case):
 
 def test_compiled_blocks_match_eager_forward_and_backward():
     """`train.compile` (torch.compile per block, dynamic shapes) traces the whole block —
-    custom autograd functions (RoPE) and the per-run attention loops included — and gives
-    the eager outputs and gradients. Guards against ops inductor cannot trace (e.g. `out=`)."""
+    custom autograd functions (RoPE) included; the per-run attention loops stay eager — and
+    gives the eager outputs and gradients on packs of different run structures (each a new
+    graph: inductor once failed on the second one's sizes). Guards against ops inductor cannot
+    trace (e.g. `out=`)."""
     from dit_train.models import model_config
     from dit_train.models import build_model, init_weights
     from dit_train.parallel.parallelize import apply_compile
@@ -102,22 +104,25 @@ def test_compiled_blocks_match_eager_forward_and_backward():
     model = build_model(cfg)
     init_weights(model, seed=0, scheme="normal")
     g = torch.Generator().manual_seed(0)
-    pos, seg, meta = _tiny_pack([8, 8, 12])
-    args = (torch.randn(seg.numel(), 16, generator=g), pos, seg, torch.rand(3, generator=g), meta,
-            torch.randn(3, 5, 8, generator=g), torch.tensor([5, 3, 0]))
+    packs = []
+    for lens, text in (([8, 8, 12], [5, 3, 0]), ([12, 4, 4, 8], [2, 5, 5, 4])):
+        pos, seg, meta = _tiny_pack(lens)
+        packs.append((torch.randn(seg.numel(), 16, generator=g), pos, seg, torch.rand(len(lens), generator=g), meta,
+                      torch.randn(len(lens), 5, 8, generator=g), torch.tensor(text)))
 
-    def run():
+    def run(args):
         model.zero_grad(set_to_none=True)
         out = model(*args)
         (out ** 2).mean().backward()
         return out.detach(), [p.grad.clone() for p in model.parameters()]
 
-    eager = run()
+    eager = [run(args) for args in packs]
     apply_compile(model.blocks)
-    compiled = run()
-    torch.testing.assert_close(compiled[0], eager[0], atol=1e-5, rtol=1e-5)
-    for a, b in zip(compiled[1], eager[1]):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    for args, want in zip(packs, eager):
+        got = run(args)
+        torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+        for a, b in zip(got[1], want[1]):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["dit", "wan"])
