@@ -118,6 +118,17 @@ def test_plan_cli_smoke_runs_top_candidate(tiny_cfg, tmp_path, capsys):
     assert "best (fastest of the 1 measured): parallel.dp_replicate=1" in capsys.readouterr().out
 
 
+def test_a_config_every_layout_rejects_is_one_error(capsys):
+    """A wrong config (here a text model under mode=video) is not a layout problem: one error
+    line and exit code 2, not a table of every layout rejected for the same reason."""
+    from dit_train.tools.plan import main
+
+    assert main(["model=lm_tiny", "--world", "2", "--device", "cpu"]) == 2
+    out = capsys.readouterr()
+    assert out.err.startswith("error: mode=video cannot train model=lm") and "rejected" not in out.out
+    assert main(["mode=llm", "model=lm_tiny", "--world", "2", "--device", "cpu"]) == 0
+
+
 def test_plan_runs_as_module_from_any_directory(tmp_path):
     """`python -m dit_train.tools.plan` (the documented spelling) finds conf/ from anywhere."""
     import subprocess

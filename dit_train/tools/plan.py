@@ -80,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     cands, rejected = plan(cfg, world, args.gpu_mem_gib * GIB, work, reserve_bytes=args.reserve_gib * GIB,
                            backend=backend, ac_options=ac, max_micro_tokens=args.max_micro_tokens, shape=shape,
                            offload_options=offload)
+    shared = set.intersection(*(set(reasons) for _, reasons in rejected)) if rejected and not cands else set()
+    if shared:  # every layout fails for the same reason: the config itself is wrong, not a layout
+        print("error: " + "; ".join(sorted(shared)), file=sys.stderr)
+        return 2
 
     print(f"model: {cfg.model.name} dim={shape.dim} depth={shape.depth} heads={shape.heads} "
           f"params={shape.params / 1e6:.1f}M | world={world} | {args.gpu_mem_gib:g} GiB/rank "
