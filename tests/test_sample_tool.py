@@ -65,12 +65,12 @@ def test_sampling_on_two_workers_matches_one_process(trained_run, tmp_path):
 
 
 def test_data_captions_reproduce_the_runs_validation(trained_run, tmp_path):
-    """--data-captions N with the run's seed, steps and guidance is the run's validation with
+    """--data-captions N with the run's seed, steps and guidance (the default 2) is the run's validation with
     train.num_samples=N: the same clips, sizes, captions and noise."""
     from dit_train.tools.sample import main
 
     out = tmp_path / "again"
-    assert main([str(trained_run), "--data-captions", "3", "--steps", "3", "--guidance", "1", "--seed", "0",
+    assert main([str(trained_run), "--data-captions", "3", "--steps", "3", "--guidance", "2", "--seed", "0",
                  "--out", str(out)]) == 0
     validation = trained_run + "/samples/step_000002"
     want = load_file(validation + "/samples.safetensors")

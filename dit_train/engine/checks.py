@@ -179,7 +179,7 @@ def warnings_for(cfg: Config) -> list[str]:
     t, m = cfg.train, cfg.model
     if t.guidance_scale > 1 and t.sample_every > 0 and getattr(m, "text_dim", 0) and cfg.data.caption_dropout <= 0:
         w.append(f"train.guidance_scale={t.guidance_scale:g} with data.caption_dropout=0: the model never learns the "
-                 f"empty caption that guidance contrasts with; set data.caption_dropout=0.1")
+                 f"empty caption that guidance contrasts with; set data.caption_dropout=0.1 (or train.guidance_scale=1)")
     lc = cfg.loss
     if cfg.mode != "video" and (lc.timestep_shift != 1 or lc.shift_reference_tokens or lc.weighting != "none"):
         w.append(f"loss.timestep_shift, loss.shift_reference_tokens and loss.weighting shape the flow-matching loss "
