@@ -186,6 +186,7 @@ def _flex(q, k, v, meta: VarlenLayout) -> torch.Tensor:
     return o.squeeze(0).transpose(0, 1)
 
 
+@torch.compiler.disable  # sizes from .tolist(), like _sdpa_loop
 def _xformers(q, k, v, meta: VarlenLayout) -> torch.Tensor:
     from xformers.ops import fmha
 

@@ -274,6 +274,21 @@ def test_bad_shift_is_a_config_error_and_loss_changes_refuse_resume(tiny_cfg):
                        "loss.weighting": "refused"}
 
 
+def test_sampler_changes_resume_with_a_notice(tiny_cfg):
+    """Guidance and the stochastic step change what validation scores, not the weights: a resume
+    takes them and says the eval/ curve changes there; the sampler's step count is plain allowed."""
+    from dit_train.engine.layout_equivalence import apply_layout
+    from dit_train.engine.resume import config_changes
+
+    new = apply_layout(tiny_cfg, {})
+    new.train.guidance_scale, new.train.stochastic_sampling = 3.0, True
+    new.train.sample_steps = 7
+    changes = {c.key: c for c in config_changes(tiny_cfg, new)}
+    assert {k: c.kind for k, c in changes.items()} == {
+        "train.guidance_scale": "notice", "train.stochastic_sampling": "notice", "train.sample_steps": "allowed"}
+    assert "not comparable" in changes["train.guidance_scale"].line()
+
+
 # -- exactness ---------------------------------------------------------------------------------------
 
 

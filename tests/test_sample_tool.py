@@ -65,13 +65,12 @@ def test_sampling_on_two_workers_matches_one_process(trained_run, tmp_path):
 
 
 def test_data_captions_reproduce_the_runs_validation(trained_run, tmp_path):
-    """--data-captions N with the run's seed, steps and guidance (the default 2) is the run's validation with
-    train.num_samples=N: the same clips, sizes, captions and noise."""
+    """--data-captions N (steps, guidance and seed default to the run's) is the run's validation
+    with train.num_samples=N: the same clips, sizes, captions and noise."""
     from dit_train.tools.sample import main
 
     out = tmp_path / "again"
-    assert main([str(trained_run), "--data-captions", "3", "--steps", "3", "--guidance", "2", "--seed", "0",
-                 "--out", str(out)]) == 0
+    assert main([str(trained_run), "--data-captions", "3", "--out", str(out)]) == 0
     validation = trained_run + "/samples/step_000002"
     want = load_file(validation + "/samples.safetensors")
     got = load_file(str(out / "samples.safetensors"))
@@ -88,5 +87,6 @@ def test_bad_requests_are_one_error_line(trained_run, tmp_path, capsys):
     assert main([str(tmp_path), "--prompt", "x"]) == 2
     assert main([str(trained_run), "--prompt", "x", "--shift", "0"]) == 2
     assert main([str(trained_run), "--prompt", "x", "--data-captions", "2"]) == 2
+    assert main([str(trained_run)]) == 2
     err = capsys.readouterr().err
-    assert err.count("error:") == 4 and "--data-captions" in err and "guidance" in err and "config.yaml" in err and "--shift=0.0" in err
+    assert err.count("error:") == 5 and "not both" in err and "nothing to sample" in err and "guidance" in err and "config.yaml" in err and "--shift=0.0" in err

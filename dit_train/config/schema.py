@@ -235,7 +235,7 @@ class TrainConfig:
     sample_every: int = 0  # validation videos every N steps (and at the end); 0 = never
     num_samples: int = 2  # clips per validation (the first readable clips: their sizes and captions)
     sample_steps: int = 20  # Euler steps of the flow-matching sampler
-    guidance_scale: float = 2.0  # classifier-free guidance of validation videos (needs captions); 1 = off
+    guidance_scale: float = 1.0  # classifier-free guidance of validation videos (needs captions); 1 = off (conf/: 2)
     # validation sampler: re-noise x̂0 to the next noise level with fresh noise at every step
     # (diffusers' stochastic_sampling) instead of the deterministic Euler step (docs/quality.md)
     stochastic_sampling: bool = False

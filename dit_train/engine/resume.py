@@ -23,7 +23,7 @@ from typing import Any
 ALLOWED = (
     "run_dir", "train.steps", "train.log_every", "train.progress", "train.save_weights", "train.ckpt_every",
     "train.keep_last", "train.resume", "train.overwrite", "train.max_skipped_steps", "train.sample_every",
-    "train.num_samples", "train.sample_steps", "train.guidance_scale", "train.compile", "train.grad_accum",
+    "train.num_samples", "train.sample_steps", "train.compile", "train.grad_accum",
     "train.micro_batch_tokens", "train.loggers", "train.wandb_project", "train.wandb_mode", "parallel.*",
     "launcher.*", "model.attn_backend",
     "model.activation_checkpointing", "model.ac_every", "data.num_workers", "data.decoded_cache_items", "data.cache_dir",
@@ -49,6 +49,11 @@ NOTICE = {
     "optim.min_lr_ratio": "the LR follows the new floor from the resumed step on",
     "train.ema_decay": "the EMA continues with the new decay (its warm-up counter is kept)",
     "train.eval_every": "held-out evaluation follows the new cadence",
+    # the weights do not care, but the eval/ curve does: the same weights score differently
+    "train.guidance_scale": "validation samples with the new guidance from the resumed step on (eval/ figures "
+                            "before and after are not comparable)",
+    "train.stochastic_sampling": "validation samples with the new sampler from the resumed step on (eval/ figures "
+                                 "before and after are not comparable)",
     "train.precision": "later steps compute in the new precision (results will differ slightly from an "
                        "uninterrupted run)",
 }

@@ -5,7 +5,7 @@
     python -m dit_train.tools.sample RUN_DIR --prompt "..." --prompt "..." --no-ema --out my_samples/
     python -m dit_train.tools.sample RUN_DIR --prompt "..." --layout cp_ulysses=2      # 2 local workers, context parallel
     python -m dit_train.tools.sample RUN_DIR --prompt "..." --shift 3                   # another timestep shift
-    python -m dit_train.tools.sample RUN_DIR --data-captions 48 --steps 20 --guidance 1  # re-score like validation
+    python -m dit_train.tools.sample RUN_DIR --data-captions 48          # the run's validation, on 48 clips
 
 Weights: the run's EMA weights (weights_ema.safetensors) when it has them, else
 weights.safetensors; `--no-ema` forces the training weights, `--ema` requires the EMA ones.
@@ -20,8 +20,8 @@ one mp4 per clip, grid.png with the prompts, samples.safetensors (pixels in [-1,
 captions.json and info.json — and, for runs on the embedded shapes world, the quality figures
 of the samples against their prompts.
 `--data-captions N` samples the captions and sizes of the run's first N training samples instead
-of prompts — the run's validation with train.num_samples=N (the same clips and, with the run's
-train.seed as --seed, the same noise): a larger re-score of a finished run.
+of prompts, with the run's sampler steps, guidance and seed unless given: the run's validation
+with train.num_samples=N (the same clips and noise), a larger re-score of a finished run.
 """
 from __future__ import annotations
 
@@ -56,15 +56,32 @@ def load_weights(run_dir: Path, ema: bool | None) -> tuple[dict, str]:
     raise FileNotFoundError(f"no usable weights in {ckpt}")
 
 
-def data_requests(cfg: Any, num: int) -> list:
-    """The first `num` training samples' captions and sizes, as validation picks them."""
+def data_requests(cfg: Any, num: int, device: Any) -> tuple[list, Any, Any]:
+    """(requests, empty caption, decoder) for the first `num` training samples, as validation
+    picks them: their captions and sizes, the task's own empty caption, and for latent-cache
+    runs the cache's VAE decoder (no text encoder needed: captions come encoded)."""
     from dit_train.data import build_task, source_for
     from dit_train.sampling import dataset_requests
 
     task = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed)
     source = source_for(cfg.data, cfg.model)
     inner = getattr(task.dataset, "dataset", task.dataset)  # through the background prefetcher
-    return dataset_requests(task, num, lambda i: source.fps(inner, i), lambda i: source.is_still(inner, i))
+    requests = dataset_requests(task, num, lambda i: source.fps(inner, i), lambda i: source.is_still(inner, i))
+    decode = None
+    if cfg.data.name == "latent_cache":
+        from data_pipelines.latent_cache import load_decoder
+
+        decode = load_decoder(cfg.data.root, device)
+    return requests, task.null_caption() if task.text_dim else None, decode
+
+
+def run_defaults(args: argparse.Namespace, train: Any) -> None:
+    """Fill --steps/--guidance/--seed left unset: the run's validation settings with
+    --data-captions (so it reproduces the run's validation), else 30 / 3 / 0."""
+    data = bool(args.data_captions)
+    for name, key, fallback in (("steps", "sample_steps", 30), ("guidance", "guidance_scale", 3.0), ("seed", "seed", 0)):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(train, key) if data else fallback)
 
 
 def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, source: str) -> dict | None:
@@ -80,23 +97,24 @@ def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, 
     ctx = init_parallel(cfg.parallel)
     model = build_parallel_model(cfg, ctx)
     load_full_weights(model, state_dict)
-    space = prompt_space(cfg, ctx.device)
     if args.data_captions:
-        requests = data_requests(cfg, args.data_captions)
+        requests, null, decode = data_requests(cfg, args.data_captions, ctx.device)
     else:
+        space = prompt_space(cfg, ctx.device)
         requests = prompt_requests(space, args.prompt, args.num, args.frames, args.height, args.width)
+        null, decode = space.null, space.decode
     # the run's training shift (per clip size with loss.shift_reference_tokens) ...
     shift, reference = cfg.loss.timestep_shift, cfg.loss.shift_reference_tokens
     if args.shift is not None:  # ... unless --shift names one for every clip
         shift, reference = args.shift, 0
-    sampler = VideoSampler(requests, tuple(cfg.model.patch_size), getattr(cfg.model, "text_dim", 0), space.null, ctx,
+    sampler = VideoSampler(requests, tuple(cfg.model.patch_size), getattr(cfg.model, "text_dim", 0), null, ctx,
                            args.steps, args.guidance, args.seed, shift, reference,
                            prediction=getattr(cfg.model, "prediction", "velocity"), x0_min_t=getattr(cfg.model, "x0_min_t", 0.05),
                            stochastic=cfg.train.stochastic_sampling if args.stochastic is None else args.stochastic)
     clips = sampler.sample(model, lambda: autocast(cfg.train.precision, ctx.device, False))
     if not ctx.is_main:
         return None
-    pixels = to_pixels(clips, space.decode)
+    pixels = to_pixels(clips, decode)
     try:
         data_source = source_for(cfg.data, cfg.model)
         scores = data_source.score(scored_view(requests, pixels), [r.caption for r in requests]) or {}
@@ -121,9 +139,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--frames", type=int, default=16, help="1 = a still image")
     ap.add_argument("--height", type=int, default=32)
     ap.add_argument("--width", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=30, help="Euler steps of the flow-matching sampler")
-    ap.add_argument("--guidance", type=float, default=3.0, help="classifier-free guidance scale (1 = off)")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=None,
+                    help="Euler steps of the flow-matching sampler (default 30; with --data-captions the run's "
+                         "train.sample_steps)")
+    ap.add_argument("--guidance", type=float, default=None,
+                    help="classifier-free guidance scale, 1 = off (default 3; with --data-captions the run's "
+                         "train.guidance_scale)")
+    ap.add_argument("--seed", type=int, default=None,
+                    help="noise seed (default 0; with --data-captions the run's train.seed)")
     ap.add_argument("--shift", type=float, default=None,
                     help="timestep shift of every clip (default: the run's loss.timestep_shift, per clip with "
                          "loss.shift_reference_tokens)")
@@ -146,10 +169,13 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.run_dir)
         if cfg.mode != "video":
             raise ValueError(f"{args.run_dir} trained mode={cfg.mode}; for text use python -m dit_train.tools.generate")
-        if bool(args.prompt) == bool(args.data_captions):
+        if args.prompt and args.data_captions:
             raise ValueError("give --prompt (one or more) or --data-captions N, not both")
+        if not args.prompt and not args.data_captions:
+            raise ValueError("nothing to sample: give --prompt \"a caption\" (repeat for several) or --data-captions N")
         if args.data_captions < 0:
             raise ValueError(f"--data-captions={args.data_captions} must be >= 1")
+        run_defaults(args, cfg.train)
         if args.num < 1 or args.steps < 1 or args.guidance < 1:
             raise ValueError("--num and --steps must be >= 1 and --guidance >= 1")
         if args.shift is not None and not args.shift > 0:
