@@ -162,4 +162,3 @@ def test_x0_prediction_gives_the_velocity_target():
     torch.testing.assert_close(velocity_from_output(eps - x0, xt, t, "velocity"), eps - x0)
     v = velocity_from_output(x0[:1], xt[:1], 0.01, "x0", 0.05)  # t below the clamp: divided by 0.05
     torch.testing.assert_close(v, (xt[:1] - x0[:1]) / 0.05)
-

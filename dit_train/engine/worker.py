@@ -53,13 +53,11 @@ class Validation:
 
     def __init__(self, cfg: Config, run: Run):
         from dit_train.data import source_for
-        from dit_train.sampling import VideoSampler, dataset_requests, scored_view
+        from dit_train.sampling import VideoSampler, scored_view, source_requests
 
         t, task = cfg.train, run.task
         self.source = source_for(cfg.data, cfg.model)
-        inner = getattr(task.dataset, "dataset", task.dataset)  # through the background prefetcher
-        requests = dataset_requests(task, t.num_samples, lambda i: self.source.fps(inner, i),
-                                    lambda i: self.source.is_still(inner, i))
+        requests = source_requests(task, self.source, t.num_samples)
         null = task.null_caption() if task.text_dim else None
         # the training shift: validation samples from the noise levels the model was trained on
         self.sampler = VideoSampler(requests, task.patch, task.text_dim, null, run.ctx, t.sample_steps,

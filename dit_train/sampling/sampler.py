@@ -87,6 +87,13 @@ def dataset_requests(task: Any, num: int, fps: Callable[[int], float] | None = N
     return out
 
 
+def source_requests(task: Any, source: Any, num: int) -> list[SampleRequest]:
+    """`dataset_requests` with the data source's frame rate and still-image flag per sample:
+    the clips validation samples (and `tools.sample --data-captions`)."""
+    inner = getattr(task.dataset, "dataset", task.dataset)  # through the background prefetcher
+    return dataset_requests(task, num, lambda i: source.fps(inner, i), lambda i: source.is_still(inner, i))
+
+
 @torch.no_grad()
 def predict_velocity(model: torch.nn.Module, batch: PackedBatch, ctx: ParallelContext) -> torch.Tensor:
     """The model's output for every token of a full pack: [L, patch_dim] on every rank (the

@@ -56,19 +56,18 @@ def load_weights(run_dir: Path, ema: bool | None) -> tuple[dict, str]:
     raise FileNotFoundError(f"no usable weights in {ckpt}")
 
 
-def data_requests(cfg: Any, num: int, device: Any) -> tuple[list, Any, Any]:
+def data_requests(cfg: Any, num: int, device: Any, decoder: bool) -> tuple[list, Any, Any]:
     """(requests, empty caption, decoder) for the first `num` training samples, as validation
     picks them: their captions and sizes, the task's own empty caption, and for latent-cache
-    runs the cache's VAE decoder (no text encoder needed: captions come encoded)."""
+    runs (`decoder`: on the rank that writes) the cache's VAE decoder (no text encoder needed:
+    captions come encoded)."""
     from dit_train.data import build_task, source_for
-    from dit_train.sampling import dataset_requests
+    from dit_train.sampling import source_requests
 
     task = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed)
-    source = source_for(cfg.data, cfg.model)
-    inner = getattr(task.dataset, "dataset", task.dataset)  # through the background prefetcher
-    requests = dataset_requests(task, num, lambda i: source.fps(inner, i), lambda i: source.is_still(inner, i))
+    requests = source_requests(task, source_for(cfg.data, cfg.model), num)
     decode = None
-    if cfg.data.name == "latent_cache":
+    if cfg.data.name == "latent_cache" and decoder:
         from data_pipelines.latent_cache import load_decoder
 
         decode = load_decoder(cfg.data.root, device)
@@ -98,7 +97,7 @@ def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, 
     model = build_parallel_model(cfg, ctx)
     load_full_weights(model, state_dict)
     if args.data_captions:
-        requests, null, decode = data_requests(cfg, args.data_captions, ctx.device)
+        requests, null, decode = data_requests(cfg, args.data_captions, ctx.device, decoder=ctx.is_main)
     else:
         space = prompt_space(cfg, ctx.device)
         requests = prompt_requests(space, args.prompt, args.num, args.frames, args.height, args.width)
