@@ -51,14 +51,15 @@ def test_resume_from_step_k_gives_the_same_weights(tmp_path, data_cache, capsys)
 
 
 def test_keep_last_and_incomplete_saves_are_ignored(tmp_path):
-    from dit_train.checkpoint import list_checkpoints, resolve_checkpoint
+    from dit_train.checkpoint import JSONState, list_checkpoints, resolve_checkpoint, save_checkpoint
+
+    class Counter:
+        def state_dict(self):
+            return {"n": 1}
 
     root = tmp_path / "checkpoints"
-    for step in (3, 7):
-        d = root / f"step_{step:08d}"
-        d.mkdir(parents=True)
-        (d / "trainer.json").write_text("{}")
-        (d / ".metadata").write_text("")
+    for step in (3, 7):  # real (tiny) checkpoints: resolve verifies what it returns
+        save_checkpoint(tmp_path, step, {"counter": JSONState(Counter())}, "", keep_last=5)
     (root / ".step_00000009.tmp").mkdir()  # a crash mid-save
     half = root / "step_00000011"  # renamed dirs always hold trainer.json; this one is not ours
     half.mkdir()

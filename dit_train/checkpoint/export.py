@@ -68,8 +68,7 @@ def checkpoint_model(path: str | Path, ema: bool = False) -> tuple[Any, nn.Modul
     checkpoint's adapters injected. ema: the EMA weights instead (train.ema_decay > 0)."""
     import warnings
 
-    import torch.distributed.checkpoint as dcp
-
+    from dit_train.checkpoint import safe_load
     from dit_train.checkpoint.store import read_checkpoint_info
     from dit_train.config import load_config
     from dit_train.engine.build import lora_settings
@@ -90,7 +89,7 @@ def checkpoint_model(path: str | Path, ema: bool = False) -> tuple[Any, nn.Modul
     state = {"ema": {"shadow": sd}} if ema else {"model": sd}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*")
-        dcp.load(state, checkpoint_id=str(path))
+        safe_load.load(state, path)
     model.load_state_dict(sd, strict=lora is None)
     return cfg, model
 

@@ -12,12 +12,17 @@ A save writes everything into the temporary directory, all ranks meet at a barri
 0 renames it into place: a crash mid-save never touches the latest good checkpoint, and only
 renamed directories count. Tensors are stored by parameter name with their global shapes,
 so a checkpoint loads into any layout (another FSDP degree, CP folded in or not, 1 process).
-`train.resume=auto` takes the newest checkpoint whose files still match their integrity record
-and says which ones it skipped. A save that fails (disk full, permissions) stops the run with
-one message naming the folder; the previous checkpoints are untouched.
+`train.resume=auto` takes the newest intact checkpoint (integrity.py: its integrity record,
+else its DCP index) and says which ones it skipped and why. A save that fails (disk full,
+permissions) stops the run with one message naming the folder; the previous checkpoints are
+untouched.
 
-Safe to share: exported `*.safetensors` (tensors only). A checkpoint folder is for trusted
-sources only: DCP's `.metadata` is a pickle (loading it can run code).
+Loading never runs code from the folder's files (safe_load.py): DCP's `.metadata` (a pickle)
+is read by an unpickler that builds only checkpoint metadata, non-tensor values by
+`torch.load(weights_only=True)`, the RNG state is safetensors and small state JSON. A forged
+folder (a pickle payload, its integrity record rewritten to match) is refused with one line
+naming the file, on every path that opens a checkpoint: resume, tools.export_weights,
+tools.sample and TrainingSession.load.
 """
 from __future__ import annotations
 
@@ -27,7 +32,6 @@ import os
 import re
 import shutil
 import warnings
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -35,17 +39,17 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from dit_train.checkpoint import safe_load
+from dit_train.checkpoint.integrity import INTEGRITY, integrity_record, verify_checkpoint
 from dit_train.checkpoint.parts import Part
+from dit_train.checkpoint.safe_load import METADATA, CheckpointError, describe
 
 log = logging.getLogger(__name__)
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 FORMAT = 2  # trainer.json layout; 1 (no "format" key): {"step", "world_size", "scheduler", "trainer"}
-INTEGRITY = "integrity.json"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written or read; the message names the folder and the fix."""
+__all__ = ["CheckpointError", "INTEGRITY", "checkpoint_root", "find_checkpoint", "integrity_record", "list_checkpoints",
+           "load_checkpoint", "read_checkpoint_info", "resolve_checkpoint", "save_checkpoint", "verify_checkpoint"]
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:
@@ -53,50 +57,21 @@ def checkpoint_root(run_dir: str | Path) -> Path:
 
 
 def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints under `root`, oldest first."""
+    """Checkpoint folders under `root` (renamed into place, so holding trainer.json or a DCP
+    index; whether they are intact is verify_checkpoint's call), oldest first."""
     root = Path(root)
     if not root.is_dir():
         return []
     out = []
     for p in root.iterdir():
         m = _STEP_DIR.match(p.name)
-        if m and (p / "trainer.json").exists() and (p / ".metadata").exists():
+        if m and ((p / "trainer.json").exists() or (p / METADATA).exists()):
             out.append((int(m.group(1)), p))
     return sorted(out)
 
 
-def _crc(path: Path) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-def integrity_record(folder: Path) -> dict[str, list[int]]:
-    """{file: [size, CRC-32]} of every file in a checkpoint folder but the record itself."""
-    return {p.name: [p.stat().st_size, _crc(p)] for p in sorted(folder.iterdir()) if p.is_file() and p.name != INTEGRITY}
-
-
-def verify_checkpoint(path: Path) -> str:
-    """'' if every file matches the integrity record (checkpoints written before records existed
-    pass), else what is wrong."""
-    rec = path / INTEGRITY
-    if not rec.is_file():
-        return ""
-    try:
-        want = json.loads(rec.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        return f"unreadable {INTEGRITY}: {err}"
-    for name, (size, crc) in want.items():
-        f = path / name
-        if not f.is_file():
-            return f"{name} is missing"
-        if f.stat().st_size != size:
-            return f"{name} has {f.stat().st_size} bytes, {size} were written"
-        if _crc(f) != crc:
-            return f"{name} does not match its checksum (damaged)"
-    return ""
+def _holds_checkpoint(p: Path) -> bool:
+    return (p / "trainer.json").exists() or (p / METADATA).exists()
 
 
 def _newest_intact(found: list[tuple[int, Path]], what: str) -> Path | None:
@@ -110,6 +85,28 @@ def _newest_intact(found: list[tuple[int, Path]], what: str) -> Path | None:
     return None
 
 
+def _intact(p: Path, what: str, fix: str) -> Path:
+    why = verify_checkpoint(p)
+    if why:
+        raise FileNotFoundError(f"{what}: the checkpoint is damaged ({why}); {fix}")
+    return p
+
+
+def find_checkpoint(path: str | Path, what: str = "") -> Path | None:
+    """`path` itself if it is a checkpoint folder (it must be intact), else the newest intact
+    checkpoint in `path` or `path`/checkpoints; None if neither holds one. Messages start with
+    `what` (default: the path). Raises FileNotFoundError for damaged ones, UnsafeCheckpoint for
+    forged ones."""
+    p = Path(path).expanduser()
+    what = what or str(p)
+    if _holds_checkpoint(p):
+        return _intact(p, what, "use an earlier checkpoint")
+    for root in (p, checkpoint_root(p)):
+        if found := list_checkpoints(root):
+            return _newest_intact(found, what)
+    return None
+
+
 def resolve_checkpoint(spec: str, run_dir: str | Path) -> Path | None:
     """train.resume -> a checkpoint dir. '' -> None; 'auto' -> the newest intact one in this run
     dir (None if there is none); a path -> that checkpoint (which must be intact), or the newest
@@ -119,18 +116,13 @@ def resolve_checkpoint(spec: str, run_dir: str | Path) -> Path | None:
     if spec == "auto":
         return _newest_intact(list_checkpoints(checkpoint_root(run_dir)), f"train.resume=auto in {run_dir}")
     p = Path(spec).expanduser()
-    if (p / "trainer.json").exists():
-        why = verify_checkpoint(p)
-        if why:
-            raise FileNotFoundError(f"train.resume={spec}: the checkpoint is damaged ({why}); resume from an "
-                                    f"earlier one (or train.resume=auto)")
-        return p
-    for root in (p, checkpoint_root(p)):
-        found = list_checkpoints(root)
-        if found:
-            return _newest_intact(found, f"train.resume={spec}")
-    raise FileNotFoundError(f"train.resume={spec}: no complete checkpoint there "
-                            f"(expected a checkpoints/step_XXXXXXXX dir or a run dir holding one)")
+    if _holds_checkpoint(p):
+        return _intact(p, f"train.resume={spec}", "resume from an earlier one (or train.resume=auto)")
+    found = find_checkpoint(p, f"train.resume={spec}")
+    if found is None:
+        raise FileNotFoundError(f"train.resume={spec}: no complete checkpoint there "
+                                f"(expected a checkpoints/step_XXXXXXXX dir or a run dir holding one)")
+    return found
 
 
 def _barrier() -> None:
@@ -203,12 +195,13 @@ def _all_ok(error: str) -> str:
     return next((e for e in errors if e), "")
 
 
-def _describe(err: BaseException) -> str:
-    if isinstance(err, OSError) and err.strerror:
-        where = f" at {err.filename}" if err.filename else ""
-        return f"{err.strerror}{where}"
-    cause = err.__cause__ or err.__context__
-    return _describe(cause) if isinstance(cause, OSError) else f"{type(err).__name__}: {err}"
+def _owner(ckpt: Path) -> str | None:
+    """The run id a checkpoint was saved by ('' for checkpoints older than run ids; None if its
+    trainer.json cannot be read: such a folder is not pruned)."""
+    try:
+        return read_checkpoint_info(ckpt).get("run_id", "")
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def save_checkpoint(run_dir: str | Path, step: int, parts: dict[str, Part], config_yaml: str, keep_last: int,
@@ -225,7 +218,7 @@ def save_checkpoint(run_dir: str | Path, step: int, parts: dict[str, Part], conf
             root.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed save of the same step
     except OSError as err:
-        error = _describe(err)
+        error = describe(err)
     if not (error := _all_ok(error)):
         sharded = {name: p.state_dict() for name, p in parts.items() if p.sharded}
         q = _quiet()
@@ -233,7 +226,7 @@ def save_checkpoint(run_dir: str | Path, step: int, parts: dict[str, Part], conf
             dcp.save(sharded, checkpoint_id=str(tmp))
             _save_rng(tmp / f"rng_rank{_rank()}.safetensors")
         except Exception as err:  # noqa: BLE001 - any write failure becomes one clear message
-            error = _describe(err)
+            error = describe(err)
         finally:
             q.__exit__(None, None, None)
         error = _all_ok(error)
@@ -248,11 +241,11 @@ def save_checkpoint(run_dir: str | Path, step: int, parts: dict[str, Part], conf
             if final.exists():  # re-saving a step (after a restart): replace the old copy
                 shutil.rmtree(final)
             os.replace(tmp, final)
-            mine = [(s, p) for s, p in list_checkpoints(root) if read_checkpoint_info(p).get("run_id", "") in ("", run_id)]
+            mine = [(s, p) for s, p in list_checkpoints(root) if _owner(p) in ("", run_id)]
             for _, old in mine[:-keep_last] if keep_last > 0 else []:
                 shutil.rmtree(old, ignore_errors=True)
         except OSError as err:
-            error = _describe(err)
+            error = describe(err)
     if error := _all_ok(error):
         if _rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -296,7 +289,7 @@ def load_checkpoint(path: str | Path, parts: dict[str, Part]) -> int:
     sharded = {n: p.state_dict() for n, p in parts.items() if p.sharded and n in stored}
     q = _quiet()
     try:
-        dcp.load(sharded, checkpoint_id=str(path))
+        safe_load.load(sharded, path)
     finally:
         q.__exit__(None, None, None)
     for n, state in sharded.items():

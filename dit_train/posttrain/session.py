@@ -388,10 +388,12 @@ class TrainingSession:
         """Resume a saved session (every rank): `path` is a checkpoint dir or a dir holding
         checkpoints/ (the newest is taken). overrides change the stored config, e.g. the layout:
         `TrainingSession.load(path, ["parallel.dp_shard=2"])`. ctx: as in the constructor."""
-        from dit_train.checkpoint import load_checkpoint, resolve_checkpoint
+        from dit_train.checkpoint import find_checkpoint, load_checkpoint
         from dit_train.config import load_config
 
-        ckpt = resolve_checkpoint(str(path), path)
+        ckpt = find_checkpoint(path)  # verified; a forged one is refused (UnsafeCheckpoint) before anything loads
+        if ckpt is None:
+            raise FileNotFoundError(f"{path}: no checkpoint there (a checkpoints/step_XXXXXXXX dir, or a dir holding one)")
         session = cls(apply_overrides(load_config(ckpt), overrides), ctx=ctx)
         session.step_count = load_checkpoint(ckpt, session.run.checkpoint_parts())
         return session

@@ -37,14 +37,14 @@ def load_weights(run_dir: Path, ema: bool | None) -> tuple[dict, str]:
     ema: True = the EMA weights (error if none), False = training weights, None = EMA if present."""
     from safetensors.torch import load_file
 
-    from dit_train.checkpoint import checkpoint_weights, resolve_checkpoint
+    from dit_train.checkpoint import checkpoint_weights, find_checkpoint
 
     files = {True: run_dir / "weights_ema.safetensors", False: run_dir / "weights.safetensors"}
     want = [ema] if ema is not None else [True, False]
     for choice in want:
         if files[choice].is_file():
             return load_file(str(files[choice])), f"{files[choice].name}"
-    ckpt = resolve_checkpoint("auto", run_dir)
+    ckpt = find_checkpoint(run_dir)
     if ckpt is None:
         raise FileNotFoundError(f"{run_dir} has no {' or '.join(files[c].name for c in want)} and no checkpoint")
     for choice in want:
@@ -160,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="output folder (default RUN_DIR/generated/<time>)")
     args = ap.parse_args(argv)
 
+    from dit_train.checkpoint import CheckpointError
     from dit_train.config import load_config
     from dit_train.engine.launch import launch_local
     from dit_train.engine.layout_equivalence import apply_layout, parse_layout, world_of
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg.model.pretrained = ""  # the run's weights are loaded below
         cfg.model.lora.rank = 0  # a LoRA run's weights come merged (weights.safetensors, checkpoint_weights)
         state_dict, source = load_weights(args.run_dir, args.ema)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     out = args.out or args.run_dir / "generated" / time.strftime("%Y%m%d-%H%M%S")

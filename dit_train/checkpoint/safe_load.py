@@ -1,0 +1,181 @@
+"""Reading torch.distributed.checkpoint (DCP) folders without running code from their files.
+
+DCP keeps a checkpoint's index (`.metadata`) as a Python pickle and the non-tensor values of a
+state dict (the optimizer's hyper-parameters: lr, betas, ...) as `torch.save` pickles, and torch
+2.13 reads both with the full unpickler: a forged folder (a pickle payload in `.metadata`, its
+`integrity.json` rewritten to match) would run code on load. Here instead:
+
+- `.metadata` goes through `MetadataUnpickler`, which builds only what DCP writes there (read
+  off torch 2.13's checkpoint/metadata.py and filesystem.py, and off real checkpoints of every
+  kind this project writes: full, FSDP2-sharded, LoRA, EMA, SGD/AdamW state with step counts):
+  the metadata dataclasses, `_StorageInfo`, `torch.Size`, torch dtypes and layouts and a
+  `pathlib.PosixPath`. Any other global (a function to call, another class) is refused before
+  it is looked up, so nothing in the file runs; the storage index may only name files inside
+  the folder;
+- values stored as bytes are read with `torch.load(weights_only=True)` (`SafePlanner`);
+- tensors are read with `weights_only=True` by torch's own FileSystemReader already.
+
+`load(state, folder)` is how this project reads a DCP folder; `read_metadata(folder)` is what
+integrity checks use. A refused file raises `UnsafeCheckpoint`, naming it.
+"""
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+METADATA = ".metadata"
+
+_DCP = "torch.distributed.checkpoint"
+# (module, name) of every global a DCP `.metadata` written by torch 2.13 refers to
+_ALLOWED = {
+    *((f"{_DCP}.metadata", name) for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                              "ChunkStorageMetadata", "TensorProperties", "StorageMeta",
+                                              "MetadataIndex", "_MEM_FORMAT_ENCODING")),
+    (f"{_DCP}.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # torch.layout pickles as _get_layout("torch.strided")
+    ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id when the writer was given a Path
+}
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message names the folder and the fix."""
+
+
+class UnsafeCheckpoint(CheckpointError):
+    """A checkpoint file holds objects a checkpoint never holds (forged, or not from this
+    project): refused without being loaded."""
+
+
+class _Refused(pickle.UnpicklingError):
+    pass
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a DCP `.metadata`: only the globals in _ALLOWED (and torch dtypes)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise _Refused(f"{module}.{name}")
+
+
+def unsafe_message(path: Path, what: str) -> str:
+    return (f"{path} holds {what}, which no checkpoint holds (forged, or not written by dit_train); it was refused "
+            f"without being loaded (loading it could run code): delete that checkpoint folder, and use checkpoints "
+            f"from sources you trust")
+
+
+def read_metadata(folder: str | Path) -> Metadata:
+    """The DCP index of a checkpoint folder, through MetadataUnpickler. Raises UnsafeCheckpoint
+    for a refused object, CheckpointError if the file is missing or is not a DCP index
+    (damaged), naming the file."""
+    path = Path(folder) / METADATA
+    try:
+        with open(path, "rb") as f:
+            md = MetadataUnpickler(f).load()
+    except _Refused as err:
+        raise UnsafeCheckpoint(unsafe_message(path, f"a pickled reference to {err}")) from None
+    except OSError as err:
+        raise CheckpointError(f"{path} cannot be read: {err.strerror}") from None
+    except Exception as err:  # noqa: BLE001 - any parse failure of a damaged file (EOFError, KeyError, ...)
+        raise CheckpointError(f"{path} is not a readable checkpoint index (damaged: {type(err).__name__}: {err})") from None
+    if not isinstance(md, Metadata) or not isinstance(md.storage_data, dict):
+        raise CheckpointError(f"{path} is not a checkpoint index (it holds a {type(md).__name__})")
+    for info in md.storage_data.values():
+        if not isinstance(info, _StorageInfo) or Path(str(info.relative_path)).name != info.relative_path \
+                or info.relative_path in ("", ".", ".."):
+            raise UnsafeCheckpoint(unsafe_message(path, f"a storage entry outside its folder ({info!r})"))
+    return md
+
+
+def stored_files(md: Metadata) -> dict[str, int]:
+    """{file name: bytes DCP's index says it holds at least} (offset + length of its last item)."""
+    need: dict[str, int] = {}
+    for info in md.storage_data.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), int(info.offset) + int(info.length))
+    return need
+
+
+class SafeReader(FileSystemReader):
+    """torch's FileSystemReader with the index read through MetadataUnpickler."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        md = read_metadata(Path(self._get_metadata_path(kwargs.get("rank"))).parent)
+        if md.storage_meta is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+
+class SafePlanner(DefaultLoadPlanner):
+    """torch's DefaultLoadPlanner with non-tensor values read by torch.load(weights_only=True)
+    (plain data and tensors only) instead of the full unpickler."""
+
+    def __init__(self, folder: Path):
+        super().__init__()
+        self.folder = folder
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as err:
+            name = self.metadata.storage_data[read_item.storage_index].relative_path if self.metadata else "?"
+            raise UnsafeCheckpoint(unsafe_message(self.folder / name, f"an object that is not plain data as the value "
+                                                  f"of {fqn} ({str(err).splitlines()[0]})")) from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
+def first_failure(err: CheckpointException) -> BaseException:
+    """The exception of the lowest failing rank in DCP's per-rank report."""
+    return err.failures[min(err.failures)][0] if err.failures else err
+
+
+def describe(err: BaseException) -> str:
+    """One line for a failure: an OSError's reason and file, else `Type: message` (DCP's
+    CheckpointException, which carries every rank's traceback, as the exception it wraps)."""
+    if isinstance(err, CheckpointException):
+        return describe(first_failure(err))
+    if isinstance(err, OSError) and err.strerror:
+        where = f" at {err.filename}" if err.filename else ""
+        return f"{err.strerror}{where}"
+    cause = err.__cause__ or err.__context__
+    if isinstance(cause, OSError):
+        return describe(cause)
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+
+
+def reraise_interrupt(err: CheckpointException) -> None:
+    """DCP wraps whatever a rank raised, Ctrl-C included: let an interrupt stay an interrupt."""
+    inner = first_failure(err)
+    if isinstance(inner, (KeyboardInterrupt, SystemExit)):
+        raise inner
+
+
+def load(state: dict[str, Any], folder: str | Path) -> None:
+    """dcp.load(state) from `folder` in place, through SafeReader and SafePlanner (every rank
+    calls it; DCP plans over the default process group). A failure on any rank raises a
+    one-line CheckpointError on every rank (UnsafeCheckpoint for a refused object)."""
+    folder = Path(folder)
+    try:
+        dcp.load(state, storage_reader=SafeReader(folder), planner=SafePlanner(folder))
+    except CheckpointException as err:
+        reraise_interrupt(err)
+        inner = first_failure(err)
+        if isinstance(inner, CheckpointError):
+            raise type(inner)(str(inner)) from None
+        raise CheckpointError(f"could not read checkpoint {folder}: {describe(inner)}") from None

@@ -1,0 +1,156 @@
+"""The fault suite, checkpoints and storage: forged checkpoints (loading never runs code from a
+file), checkpoints without their integrity record (docs/checkpoints.md, "Faults and bad inputs
+tried"). Runs go through the CLI's own entry (`run_from_config`) in this process."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_faults import BASE, _run
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, data_cache) -> Path:
+    """A finished run with checkpoints at steps 1 and 3."""
+    run = tmp_path_factory.mktemp("finished") / "run"
+    _run(BASE, run, data_cache)
+    return run
+
+
+# -- forged checkpoints ----------------------------------------------------------------------------
+
+
+
+
+class _Marker:
+    """Unpickling this object creates a file: the proof that loading ran code from a file."""
+
+    def __init__(self, path: Path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _forge(ckpt: Path, marker: Path) -> None:
+    """A pickle payload as DCP's `.metadata`, and an integrity record rewritten to match it."""
+    import pickle
+
+    from dit_train.checkpoint.integrity import INTEGRITY, integrity_record
+
+    (ckpt / ".metadata").write_bytes(pickle.dumps(_Marker(marker)))
+    (ckpt / INTEGRITY).write_text(json.dumps(integrity_record(ckpt)))
+
+
+def _open_resume(run: Path, data_cache: str) -> int:
+    _run([*BASE, "train.steps=6", "train.resume=auto"], run, data_cache)
+    return 0
+
+
+def _open_export(run: Path, data_cache: str) -> int:
+    from dit_train.tools import export_weights
+
+    return export_weights.main([str(run)])
+
+
+def _open_sample(run: Path, data_cache: str) -> int:
+    from dit_train.tools import sample
+
+    for name in ("weights.safetensors", "weights_ema.safetensors"):
+        (run / name).unlink(missing_ok=True)  # a run without exported weights samples its newest checkpoint
+    return sample.main([str(run), "--prompt", "a red circle", "--steps", "1"])
+
+
+def _open_session(run: Path, data_cache: str) -> int:
+    from dit_train.posttrain.session import TrainingSession
+
+    TrainingSession.load(run)
+    return 0
+
+
+@pytest.mark.parametrize("open_it", [_open_resume, _open_export, _open_sample, _open_session],
+                         ids=["resume", "export_weights", "sample", "session_load"])
+def test_a_forged_checkpoint_is_refused_and_runs_no_code(tmp_path, data_cache, finished_run, open_it, capsys):
+    from dit_train.checkpoint import CheckpointError
+
+    run, marker = tmp_path / "run", tmp_path / "pwned"
+    shutil.copytree(finished_run, run)
+    _forge(run / "checkpoints" / "step_00000003", marker)
+    capsys.readouterr()
+    try:
+        code = open_it(run, data_cache)
+        err = capsys.readouterr().err.strip()  # the tools print their one line and return 2
+    except CheckpointError as e:  # python -m dit_train prints it as one `error:` line; the session API raises it
+        code, err = 1, f"error: {e}"
+    assert not marker.exists(), "loading the checkpoint ran code from its .metadata"
+    assert code != 0
+    assert err.startswith("error: ") and "\n" not in err, err
+    assert "step_00000003/.metadata holds a pickled reference to" in err and "refused" in err, err
+
+
+def test_non_tensor_values_and_storage_paths_of_a_checkpoint_are_read_safely(tmp_path):
+    """The other pickles DCP reads: non-tensor values (torch.save'd bytes, loaded by torch with
+    weights_only=False) and the storage index's file names."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    from dit_train.checkpoint import UnsafeCheckpoint
+    from dit_train.checkpoint.safe_load import load, read_metadata
+
+    marker = tmp_path / "pwned"
+    dcp.save({"w": torch.ones(3), "lr": _Marker(marker)}, checkpoint_id=str(tmp_path / "a"))
+    state = {"w": torch.zeros(3), "lr": 0.0}
+    with pytest.raises(UnsafeCheckpoint, match=r"a/__0_0.distcp holds an object that is not plain data as the value of lr"):
+        load(state, tmp_path / "a")
+    assert not marker.exists()
+    dcp.save({"w": torch.ones(3), "lr": 0.5, "betas": (0.9, 0.99)}, checkpoint_id=str(tmp_path / "b"))
+    state = {"w": torch.zeros(3), "lr": 0.0, "betas": (0.0, 0.0)}
+    load(state, tmp_path / "b")  # what optimizers store (numbers, tuples) loads
+    assert torch.equal(state["w"], torch.ones(3)) and state["lr"] == 0.5 and state["betas"] == (0.9, 0.99)
+
+    md = read_metadata(tmp_path / "b")
+    for info in md.storage_data.values():
+        info.relative_path = "../../etc/passwd"
+    (tmp_path / "b" / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(UnsafeCheckpoint, match="a storage entry outside its folder"):
+        read_metadata(tmp_path / "b")
+
+
+# -- checkpoints without their integrity record -------------------------------------------------------
+
+
+def test_a_checkpoint_without_its_integrity_record_is_checked_by_its_index(tmp_path, data_cache, finished_run, caplog):
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    for ckpt in (run / "checkpoints").iterdir():
+        (ckpt / "integrity.json").unlink()
+    index = run / "checkpoints" / "step_00000003" / ".metadata"
+    index.write_bytes(index.read_bytes()[:100])  # damaged (before: EOFError in the middle of the resume)
+    _run([*BASE, "train.resume=auto"], run, data_cache)
+    assert "skipping damaged checkpoint" in caplog.text and "step_00000003/.metadata is not a readable" in caplog.text
+    assert "step_00000001 has no integrity.json: checked that the files its .metadata lists" in caplog.text
+    assert json.loads((run / "run.json").read_text())["resumed_from"].endswith("step_00000001")
+
+
+@pytest.mark.parametrize("damage", ["metadata", "truncated_shard"])
+def test_a_damaged_checkpoint_without_record_or_index_falls_back_saying_why(tmp_path, finished_run, caplog, damage):
+    from dit_train.checkpoint import resolve_checkpoint
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    latest = run / "checkpoints" / "step_00000003"
+    if damage == "metadata":  # before: silently skipped
+        (latest / ".metadata").unlink()
+        why = "(.metadata is missing)"
+    else:
+        (latest / "integrity.json").unlink()
+        shard = next(latest.glob("*.distcp"))
+        shard.write_bytes(shard.read_bytes()[:-10])
+        why = f"({shard.name} has "
+    assert resolve_checkpoint("auto", run) == run / "checkpoints" / "step_00000001"
+    assert f"skipping damaged checkpoint {latest} {why}" in caplog.text
