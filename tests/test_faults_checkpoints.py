@@ -1,8 +1,10 @@
 """The fault suite, checkpoints and storage: forged checkpoints (loading never runs code from a
-file), checkpoints without their integrity record (docs/checkpoints.md, "Faults and bad inputs
+file), saves failing inside torch's writer, interrupted saves, checkpoints without their
+integrity record, summary.json on a full disk (docs/checkpoints.md, "Faults and bad inputs
 tried"). Runs go through the CLI's own entry (`run_from_config`) in this process."""
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 from pathlib import Path
@@ -10,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import compose_config
 from tests.test_faults import BASE, _run
 
 
@@ -121,6 +124,76 @@ def test_non_tensor_values_and_storage_paths_of_a_checkpoint_are_read_safely(tmp
         read_metadata(tmp_path / "b")
 
 
+# -- failed and interrupted saves ----------------------------------------------------------------------
+
+
+def _failing_writer(monkeypatch, error: BaseException, when) -> None:
+    """torch's DCP writer raising `error` while `when()` holds. The tests may run as root, where
+    chmod does not stop writes, so an unwritable folder is simulated at the writer; DCP wraps
+    whatever its writer raises into CheckpointException, a BaseException, as on a real full disk."""
+    import torch.distributed.checkpoint.filesystem as fs
+
+    orig = fs._write_item
+
+    def write_item(*args, **kwargs):
+        if when():
+            raise error
+        return orig(*args, **kwargs)
+
+    monkeypatch.setattr(fs, "_write_item", write_item)
+
+
+def test_a_save_failing_in_the_writer_ends_the_run_cleanly_and_resume_works_after(tmp_path, data_cache, monkeypatch):
+    from dit_train.checkpoint import CheckpointError
+
+    run, steps = tmp_path / "run", [*BASE, "train.steps=2", "train.ckpt_every=1"]
+    first = run / "checkpoints" / "step_00000000"
+    _failing_writer(monkeypatch, OSError(errno.ENOSPC, "No space left on device"), first.exists)
+    with pytest.raises(CheckpointError) as err:
+        _run(steps, run, data_cache)
+    msg = str(err.value)
+    assert "\n" not in msg and f"step 1 to {run / 'checkpoints'}: No space left on device" in msg, msg
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [first.name]  # no .tmp left
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"] == f"CheckpointError: {msg}"
+    monkeypatch.undo()  # the cause is fixed
+    _run([*steps, "train.resume=auto"], run, data_cache)
+    assert json.loads((run / "run.json").read_text())["resumed_from"] == str(first)
+    assert json.loads((run / "summary.json").read_text())["status"] == "completed"
+
+
+@pytest.mark.parametrize("error", [PermissionError(errno.EACCES, "Permission denied"), KeyboardInterrupt()],
+                         ids=["unwritable", "ctrl_c"])
+def test_a_save_failing_in_the_writer_is_one_line_but_ctrl_c_stays_an_interrupt(tmp_path, monkeypatch, error):
+    from dit_train.checkpoint import CheckpointError, ModelState, save_checkpoint
+
+    _failing_writer(monkeypatch, error, lambda: True)
+    parts = {"model": ModelState(torch.nn.Linear(2, 2))}
+    expected = KeyboardInterrupt if isinstance(error, KeyboardInterrupt) else CheckpointError
+    with pytest.raises(expected) as err:
+        save_checkpoint(tmp_path, 0, parts, "", keep_last=2)
+    if expected is CheckpointError:
+        assert str(err.value) == (f"could not write the checkpoint of step 0 to {tmp_path / 'checkpoints'}: "
+                                  f"Permission denied; free space or fix permissions there")
+        assert not list((tmp_path / "checkpoints").iterdir())  # the partial .tmp is gone
+
+
+def test_an_interrupted_save_does_not_count_against_the_free_space(tmp_path, data_cache, finished_run, monkeypatch):
+    from dit_train.engine.run_folder import checkpoint_bytes, open_run_folder
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    cfg = compose_config([*BASE, "train.steps=6", f"data.cache_dir={data_cache}"])
+    cfg.run_dir = str(run)
+    leftover = run / "checkpoints" / ".step_00000005.tmp"  # a save killed midway, as big as all kept checkpoints
+    leftover.mkdir()
+    with open(leftover / "__0_0.distcp", "wb") as f:
+        f.truncate(int(checkpoint_bytes(cfg) * (cfg.train.keep_last + 1) * 1.1))  # sparse: costs no disk
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10 ** 9, 10 ** 9 - 1000, 1000))
+    open_run_folder(cfg, "auto").release()
+    assert not leftover.exists()
+
+
 # -- checkpoints without their integrity record -------------------------------------------------------
 
 
@@ -154,3 +227,28 @@ def test_a_damaged_checkpoint_without_record_or_index_falls_back_saying_why(tmp_
         why = f"({shard.name} has "
     assert resolve_checkpoint("auto", run) == run / "checkpoints" / "step_00000001"
     assert f"skipping damaged checkpoint {latest} {why}" in caplog.text
+
+
+# -- summary.json on a full disk ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("room", ["for_one_copy", "for_none"])
+def test_summary_on_a_full_disk_is_whole_or_absent_never_empty_or_stale(tmp_path, monkeypatch, room):
+    from dit_train.engine.worker import write_summary
+
+    (tmp_path / "summary.json").write_text('{"status": "completed"}')  # an earlier segment's
+    real_write = Path.write_text
+
+    def write_text(self, text, *args, **kwargs):
+        if self.name == "summary.json.tmp" or room == "for_none":  # no room for a second copy
+            real_write(self, text[:3], *args, **kwargs)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+    write_summary(tmp_path, json.dumps({"status": "failed"}))
+    assert not (tmp_path / "summary.json.tmp").exists()
+    if room == "for_one_copy":
+        assert json.loads((tmp_path / "summary.json").read_text()) == {"status": "failed"}
+    else:
+        assert not (tmp_path / "summary.json").exists()

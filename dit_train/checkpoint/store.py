@@ -13,9 +13,10 @@ A save writes everything into the temporary directory, all ranks meet at a barri
 renamed directories count. Tensors are stored by parameter name with their global shapes,
 so a checkpoint loads into any layout (another FSDP degree, CP folded in or not, 1 process).
 `train.resume=auto` takes the newest intact checkpoint (integrity.py: its integrity record,
-else its DCP index) and says which ones it skipped and why. A save that fails (disk full,
-permissions) stops the run with one message naming the folder; the previous checkpoints are
-untouched.
+else its DCP index) and says which ones it skipped and why. A save that fails on any rank (disk
+full, permissions; torch's writer raises a BaseException, CheckpointException) stops the run
+with one message naming the folder and the cause, removes the partial `.tmp`, and leaves the
+previous checkpoints untouched.
 
 Loading never runs code from the folder's files (safe_load.py): DCP's `.metadata` (a pickle)
 is read by an unpickler that builds only checkpoint metadata, non-tensor values by
@@ -38,11 +39,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from dit_train.checkpoint import safe_load
 from dit_train.checkpoint.integrity import INTEGRITY, integrity_record, verify_checkpoint
 from dit_train.checkpoint.parts import Part
-from dit_train.checkpoint.safe_load import METADATA, CheckpointError, describe
+from dit_train.checkpoint.safe_load import METADATA, CheckpointError, describe, reraise_interrupt
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +210,8 @@ def save_checkpoint(run_dir: str | Path, step: int, parts: dict[str, Part], conf
                     run_id: str = "") -> Path:
     """Save after optimizer step `step` (every rank calls this). Returns the final directory.
     Pruning keeps the newest `keep_last` of this run's checkpoints (`run_id`) and never touches
-    another run's. A failure on any rank raises CheckpointError on every rank."""
+    another run's. A failure on any rank raises CheckpointError on every rank (one line: the
+    folder and the cause) once rank 0 removed the partial `.tmp`; Ctrl-C stays an interrupt."""
     root = checkpoint_root(run_dir)
     final = root / f"step_{step:08d}"
     tmp = root / f".step_{step:08d}.tmp"
@@ -225,7 +228,10 @@ def save_checkpoint(run_dir: str | Path, step: int, parts: dict[str, Part], conf
         try:  # DCP gathers every rank's write result: it fails on all ranks alike
             dcp.save(sharded, checkpoint_id=str(tmp))
             _save_rng(tmp / f"rng_rank{_rank()}.safetensors")
-        except Exception as err:  # noqa: BLE001 - any write failure becomes one clear message
+        except (Exception, CheckpointException) as err:  # noqa: BLE001 - any write failure becomes one clear
+            # message; DCP reports its writer's failures (every rank's) as CheckpointException, a BaseException
+            if isinstance(err, CheckpointException):
+                reraise_interrupt(err)
             error = describe(err)
         finally:
             q.__exit__(None, None, None)

@@ -4,7 +4,8 @@
 under torchrun / SLURM), before any step:
 
 1. the folder and its checkpoint folder are writable, and the free space covers the
-   checkpoints the run will keep (estimated from the model's size);
+   checkpoints the run will keep (estimated from the model's size; the `.step_*.tmp` folders
+   of interrupted saves count as free, and are removed once the run is accepted);
 2. a lock (`.lock`, an OS file lock: a dead process holds none) says one run at a time;
 3. a folder holding another run's outputs is refused unless `train.resume` continues it or
    `train.overwrite=true` moves the old outputs aside (`overwritten_<time>/`: nothing is lost);
@@ -113,11 +114,24 @@ def checkpoint_bytes(cfg: Any) -> float:
     return params * per_param
 
 
-def _space(path: Path, cfg: Any) -> None:
+def interrupted_saves(path: Path) -> list[Path]:
+    """`checkpoints/.step_*.tmp` of saves a crash or a failure interrupted: never a save in
+    progress, since the caller holds the folder's lock."""
+    root = path / "checkpoints"
+    return sorted(root.glob(".step_*.tmp")) if root.is_dir() else []
+
+
+def _bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def _space(path: Path, cfg: Any, leftovers: list[Path]) -> None:
+    """Free space for the checkpoints the run keeps; interrupted saves count as free (they are
+    removed before the run starts)."""
     if cfg.train.ckpt_every <= 0:
         return
     need = checkpoint_bytes(cfg) * (cfg.train.keep_last + 1) * 1.1  # keep_last + the one being written
-    free = shutil.disk_usage(path).free
+    free = shutil.disk_usage(path).free + sum(_bytes(t) for t in leftovers)
     if free < need:
         raise RunFolderError(f"{path} has {free / 2**30:.2f} GiB free but keeping {cfg.train.keep_last} checkpoints "
                              f"needs ~{need / 2**30:.2f} GiB; free space, lower train.keep_last or train.ckpt_every=0")
@@ -157,10 +171,14 @@ def open_run_folder(cfg: Any, resume: str) -> RunFolder:
             for c in changes:
                 if c.kind == "notice":
                     log.warning("resume: %s", c.line())
-        _space(path, cfg)
+        leftovers = interrupted_saves(path)
+        _space(path, cfg, leftovers)
     except BaseException:
         lock.close()
         raise
+    for tmp in leftovers:
+        log.warning("removing %s: a checkpoint save that was interrupted (it never became a checkpoint)", tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
     from dit_train.checkpoint import read_checkpoint_info
 
     same_folder = ckpt is not None and ckpt.parent.parent.resolve() == path.resolve()

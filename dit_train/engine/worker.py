@@ -1,6 +1,7 @@
 """The worker: what every rank runs, whoever started it (our launcher, torchrun or SLURM)."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -169,6 +170,26 @@ class DataHealth:
                               f"fix or remove those files, or raise data.max_dropped_fraction")
 
 
+def write_summary(run_dir: Path, text: str) -> None:
+    """summary.json, whole or not at all: a full disk must not leave it empty, truncated, or
+    stale (an earlier segment's "completed"). A failure is logged, not raised: the error that
+    ends the run stays the one reported."""
+    path, tmp = run_dir / "summary.json", run_dir / "summary.json.tmp"
+    try:
+        tmp.write_text(text)
+        tmp.replace(path)
+        return
+    except OSError:
+        tmp.unlink(missing_ok=True)
+    try:  # no room for a second copy: drop the old one (its space too) and write in place
+        path.unlink(missing_ok=True)
+        path.write_text(text)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
+        log.error("could not write %s: %s", path, err.strerror or err)
+
+
 def train(cfg: Config, ctx: ParallelContext | None = None, claimed: bool = False) -> dict[str, Any]:
     """Train for cfg.train.steps; returns a summary. Creates the process group if needed.
 
@@ -249,7 +270,7 @@ def train(cfg: Config, ctx: ParallelContext | None = None, claimed: bool = False
         if error is not None:
             summary["error"] = f"{type(error).__name__}: {error}"
         if ctx.is_main:
-            (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            write_summary(run_dir, json.dumps(summary, indent=2))
         logger.write(f"{'finished' if error is None else 'FAILED'}: {run_dir}")
         logger.close(ok=error is None)
     return summary
