@@ -12,6 +12,8 @@
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -32,6 +34,7 @@ from dit_train.models.lora import (
     save_lora,
     trainable_names,
 )
+from dit_train.models.lora import WEIGHT_NAME as WEIGHT
 from dit_train.models.wan import to_diffusers
 from dit_train.tasks.video import unpatchify
 from tests.test_wan import PATCH, SHAPES, pack, random_model, tiny_wan_cfg
@@ -338,3 +341,107 @@ def test_lora_resume_onto_another_layout_is_exact(data_cache, tmp_path):
     for name in ("weights.safetensors", "weights_ema.safetensors", "lora/pytorch_lora_weights.safetensors"):
         w_ref, w = load_file(ref / name), load_file(b / name)
         assert max(float((w_ref[k] - w[k]).abs().max()) for k in w_ref) < 1e-6, name
+
+
+# --------------------------------------------------------------------------- export of a Wan LoRA run
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "wan.md"
+
+
+@pytest.fixture(scope="module")
+def wan_lora_run(data_cache, tmp_path_factory) -> Path:
+    """The README's `+experiment=wan_lora` (random tiny base, EMA), 2 steps, with a checkpoint."""
+    from tests.conftest import TINY, train_in_process
+
+    run = tmp_path_factory.mktemp("wan_lora") / "run"
+    train_in_process(["+experiment=wan_lora", *(o for o in TINY if not o.startswith("optim")), "model.text_len=16",
+                      "train.steps=2", "train.sample_every=0", "train.ema_decay=0.9", "train.ckpt_every=2",
+                      "optim.lr=0.05"], run,  # adapters that move: a lost one changes the outputs
+                     cache_dir=data_cache)
+    return run
+
+
+def _without_checkpoints(run: Path, dest: Path) -> Path:
+    """The run as the README's command leaves it (train.ckpt_every=0): lora/, weights*.safetensors."""
+    import shutil
+
+    shutil.copytree(run, dest, ignore=shutil.ignore_patterns("checkpoints"))
+    return dest
+
+
+def _doc_blocks(lang: str) -> list[str]:
+    import re
+
+    return re.findall(rf"^( *)```{lang}\n(.*?)^\1```", DOCS.read_text(), flags=re.S | re.M)
+
+
+def test_wan_lora_docs_snippet_runs_as_written(wan_lora_run, tmp_path, monkeypatch):
+    """docs/wan.md's export commands and Python block, as written, in a folder holding the run
+    as `outputs/wan_lora`: the base (--base) + the adapters in diffusers give the outputs of the
+    run's merged weights (a wrong base or a lost adapter would not)."""
+    import shlex
+    import textwrap
+
+    from diffusers import WanTransformer3DModel
+
+    from dit_train.tools import export_weights
+
+    _without_checkpoints(wan_lora_run, tmp_path / "outputs" / "wan_lora")
+    monkeypatch.chdir(tmp_path)
+    commands = [line.strip() for indent, block in _doc_blocks("bash") for line in block.splitlines()
+                if line.strip().startswith("python -m dit_train.tools.export_weights outputs/wan_lora ")]
+    assert commands, "docs/wan.md lost its base export command"
+    for line in commands:
+        assert export_weights.main(shlex.split(line)[3:]) == 0, line
+    (snippet,) = [textwrap.dedent(block) for indent, block in _doc_blocks("python")
+                  if "load_lora_adapter" in block]
+    scope: dict = {}
+    exec(compile(snippet, str(DOCS), "exec"), scope)  # noqa: S102 - the documented snippet itself
+
+    assert export_weights.main(["outputs/wan_lora", "--merge-lora", "--diffusers", "merged"]) == 0
+    merged = WanTransformer3DModel.from_pretrained("merged")
+    g = torch.Generator().manual_seed(5)
+    clip, ctx = torch.randn(1, 3, 2, 16, 24, generator=g), torch.randn(1, 16, 32, generator=g)
+    with torch.no_grad():
+        want = merged(clip, torch.tensor([400.0]), ctx).sample
+        base = WanTransformer3DModel.from_pretrained("outputs/wan_lora_base")
+        assert _rel(base(clip, torch.tensor([400.0]), ctx).sample, want) > 100 * RTOL  # the adapters matter
+        for adapted in (scope["transformer"], scope["pipe"].transformer):
+            assert _rel(adapted(clip, torch.tensor([400.0]), ctx).sample, want) <= RTOL
+
+
+def test_lora_export_of_a_run_without_checkpoints_and_its_errors(wan_lora_run, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from dit_train.tools import export_weights
+
+    run = _without_checkpoints(wan_lora_run, tmp_path / "run")
+    for flags, src in (([], "lora"), (["--ema"], "lora_ema")):
+        assert export_weights.main([str(run), *flags, "--diffusers", str(tmp_path / src)]) == 0
+        assert (tmp_path / src / WEIGHT).read_bytes() == (run / src / WEIGHT).read_bytes()
+    assert export_weights.main([str(run), "--merge-lora", "--out", str(tmp_path / "m.safetensors")]) == 0
+    a, b = load_file(tmp_path / "m.safetensors"), load_file(run / "weights.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    capsys.readouterr()
+    (tmp_path / "empty").mkdir()
+    (run / "lora_ema" / WEIGHT).unlink()
+    for args, says in (([str(tmp_path / "empty")], "pass a checkpoint dir, a run dir, or a run's weights.safetensors "
+                                                   "with --diffusers DIR"),
+                       ([str(run), "--ema", "--diffusers", str(tmp_path / "x")], "(the run has no EMA weights): drop --ema"),
+                       ([str(run), "--out", "a", "--diffusers", "b"], "give --out or --diffusers DIR, not both")):
+        assert export_weights.main(args) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and says in err and "train." not in err, err
+
+
+def test_lora_export_from_a_checkpoint_writes_into_the_diffusers_dir(wan_lora_run, tmp_path):
+    from safetensors.torch import load_file
+
+    from dit_train.tools import export_weights
+
+    ckpt = wan_lora_run / "checkpoints" / "step_00000001"
+    assert export_weights.main([str(wan_lora_run), "--diffusers", str(tmp_path / "adapters")]) == 0
+    assert not (ckpt / "lora").exists()  # not somewhere else
+    a, b = load_file(tmp_path / "adapters" / WEIGHT), load_file(wan_lora_run / "lora" / WEIGHT)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # the last checkpoint = the run's end

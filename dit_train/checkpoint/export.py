@@ -62,6 +62,18 @@ def export_run_weights(model: nn.Module, ema: Any, model_cfg: Any, run_dir: str 
     return out
 
 
+def initial_weights(cfg: Any) -> dict[str, torch.Tensor]:
+    """The full fp32 weights a run started from, in one process: `model.pretrained`'s when set,
+    else the initialisation from `train.seed` (the same bits on every layout). For a LoRA run
+    this is the frozen base its adapters apply to."""
+    from dit_train.models import build_model
+    from dit_train.models.init import initialize
+
+    model = build_model(cfg.model)  # without adapters: model.lora is applied by the run's builder
+    initialize(model, cfg.model, cfg.train.seed)
+    return {k: v.float().contiguous() for k, v in model.state_dict().items()}
+
+
 def checkpoint_model(path: str | Path, ema: bool = False) -> tuple[Any, nn.Module]:
     """(Config, the plain model as trained) of a checkpoint, in one process (no GPU, no process
     group). LoRA runs: the base from its own initialisation (pretrained folder or seed) with the

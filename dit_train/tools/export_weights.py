@@ -1,4 +1,4 @@
-"""Full model weights (safetensors) from any checkpoint, on one process.
+"""Full model weights (safetensors), LoRA adapters or diffusers folders out of a run, on one process.
 
     python -m dit_train.tools.export_weights outputs/run/checkpoints/step_00000100            # -> <ckpt>/weights.safetensors
     python -m dit_train.tools.export_weights outputs/run --out weights_latest.safetensors      # newest checkpoint of a run
@@ -6,78 +6,170 @@
     python -m dit_train.tools.export_weights outputs/run/weights.safetensors --diffusers wan_finetuned/
     python -m dit_train.tools.export_weights outputs/run --ema --diffusers wan_ema/          # the EMA weights
     python -m dit_train.tools.export_weights outputs/lora_run                                # LoRA run: the adapters
+    python -m dit_train.tools.export_weights outputs/lora_run --diffusers my_adapters/        # the adapters, into DIR
     python -m dit_train.tools.export_weights outputs/lora_run --merge-lora --diffusers wan_merged/
+    python -m dit_train.tools.export_weights outputs/wan_lora --base --diffusers wan_base/   # the base it trained on
+
+Source: a run dir's newest intact checkpoint, or a given checkpoint dir; a run dir without
+checkpoints (train.ckpt_every=0, the default) exports from the files the run wrote at its end
+(weights.safetensors, lora/; weights_ema.safetensors, lora_ema/ with --ema).
 
 A LoRA run (model.lora.rank > 0) exports its adapters in diffusers' LoRA format
-(<out>/pytorch_lora_weights.safetensors, default <checkpoint>/lora/), loadable with
-WanPipeline.load_lora_weights; --merge-lora writes the base with the adapters merged in instead.
+(pytorch_lora_weights.safetensors, loadable with WanPipeline.load_lora_weights) into --diffusers
+DIR or --out DIR (default <checkpoint>/lora/); --merge-lora exports the base with the adapters
+merged in instead. --base exports the model the run started from, with no adapters: its
+model.pretrained weights, or the initialisation from its train.seed (for the CPU example
+`+experiment=wan_lora`, the tiny random base its adapters load onto).
 
 Key names are those of the plain model, the same as the run's own weights.safetensors,
-whatever layout wrote the checkpoint. With --diffusers (model.name=wan runs) the output is a
-WanTransformer3DModel folder (save_pretrained) that diffusers' from_pretrained and
+whatever layout wrote the checkpoint. With --diffusers (model.name=wan runs) full weights go
+into a WanTransformer3DModel folder (save_pretrained) that diffusers' from_pretrained and
 WanPipeline load, and that model.pretrained accepts.
 """
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 from pathlib import Path
+from typing import Any
+
+
+def _lora(cfg: Any, args: argparse.Namespace) -> bool:
+    """The adapters are wanted (a LoRA run without --merge-lora)."""
+    return cfg.model.lora.rank > 0 and not args.merge_lora
+
+
+def _full_weights(cfg: Any, sd: dict, args: argparse.Namespace, default: Path) -> Path:
+    from dit_train.checkpoint import export_diffusers, save_safetensors
+
+    if args.diffusers:
+        return export_diffusers(cfg, sd, args.diffusers)
+    out = Path(args.out) if args.out else default
+    save_safetensors(sd, out)
+    return out
+
+
+def _from_weights_file(src: Path, args: argparse.Namespace) -> Path:
+    """A run's weights.safetensors (full weights; merged for LoRA runs) -> --diffusers DIR."""
+    from safetensors.torch import load_file
+
+    from dit_train.checkpoint import export_diffusers
+    from dit_train.config import load_config
+
+    if not args.diffusers:
+        raise ValueError("a .safetensors input only makes sense with --diffusers DIR")
+    if args.ema:
+        raise ValueError("--ema picks weights_ema.safetensors of a run dir; with a .safetensors input pass that file")
+    if not (src.parent / "config.yaml").exists():
+        raise FileNotFoundError(f"{src.parent} has no config.yaml (pass a weights.safetensors inside its run dir)")
+    return export_diffusers(load_config(src.parent), load_file(str(src)), args.diffusers)
+
+
+def _base(src: Path, args: argparse.Namespace) -> Path:
+    """--base: the weights the run started from (no adapters)."""
+    from dit_train.checkpoint.export import initial_weights
+    from dit_train.config import load_config
+
+    cfg = load_config(src)
+    return _full_weights(cfg, initial_weights(cfg), args, src / "weights_base.safetensors")
+
+
+def _from_checkpoint(ckpt: Path, args: argparse.Namespace) -> Path:
+    from dit_train.checkpoint import checkpoint_weights
+    from dit_train.checkpoint.export import checkpoint_model
+    from dit_train.config import load_config
+    from dit_train.models import model_spec
+    from dit_train.models.lora import save_lora
+
+    cfg = load_config(ckpt)
+    suffix = "_ema" if args.ema else ""
+    if _lora(cfg, args):
+        _, model = checkpoint_model(ckpt, args.ema)
+        out = Path(args.diffusers or args.out or ckpt / f"lora{suffix}")
+        return save_lora(model, out, model_spec(cfg.model).name)
+    return _full_weights(cfg, checkpoint_weights(ckpt, args.ema)[1], args, ckpt / f"weights{suffix}.safetensors")
+
+
+def _from_run_files(run: Path, args: argparse.Namespace) -> Path | None:
+    """A run dir without checkpoints: what it wrote at its end. None when the wanted file is
+    already where no --out/--diffusers was asked for (nothing to write)."""
+    from safetensors.torch import load_file
+
+    from dit_train.config import load_config
+    from dit_train.models.lora import WEIGHT_NAME
+
+    if not (run / "config.yaml").is_file() or not (run / "weights.safetensors").is_file():
+        raise FileNotFoundError(f"{run} holds no checkpoint (checkpoints/step_XXXXXXXX) and no finished run's "
+                                f"weights (config.yaml + weights.safetensors): pass a checkpoint dir, a run dir, or a "
+                                f"run's weights.safetensors with --diffusers DIR")
+    cfg = load_config(run)
+    suffix = "_ema" if args.ema else ""
+    src = run / (f"lora{suffix}/{WEIGHT_NAME}" if _lora(cfg, args) else f"weights{suffix}.safetensors")
+    if not src.is_file():
+        raise FileNotFoundError(f"{src} is missing" + (" (the run has no EMA weights): drop --ema" if args.ema else ""))
+    dest = args.diffusers or args.out
+    if dest is None:
+        print(f"{run} has no checkpoint; its export is already at {src} (give --out or --diffusers to write it "
+              f"elsewhere)")
+        return None
+    if _lora(cfg, args):  # the file is already in diffusers' LoRA format: DIR/pytorch_lora_weights.safetensors
+        Path(dest).mkdir(parents=True, exist_ok=True)
+        return Path(shutil.copyfile(src, Path(dest) / WEIGHT_NAME))
+    return _full_weights(cfg, load_file(str(src)), args, run / src.name)
+
+
+def export(args: argparse.Namespace) -> tuple[Path | None, Path]:
+    """(what was written or None, the source it came from); raises with a one-line message."""
+    from dit_train.checkpoint import find_checkpoint
+
+    src = Path(args.checkpoint)
+    if not src.exists():
+        raise FileNotFoundError(f"{src} does not exist (pass a checkpoint dir, a run dir or a run's weights.safetensors)")
+    if args.out and args.diffusers:
+        raise ValueError("give --out or --diffusers DIR, not both")
+    if args.base and (args.merge_lora or args.ema):
+        raise ValueError("--base exports the weights the run started from: without --merge-lora or --ema")
+    if src.suffix == ".safetensors":
+        if args.base:
+            raise ValueError("--base takes a run dir (its config.yaml), not a .safetensors file")
+        return _from_weights_file(src, args), src
+    if args.base:
+        return _base(src, args), src
+    ckpt = find_checkpoint(src)
+    if ckpt is not None:
+        return _from_checkpoint(ckpt, args), ckpt
+    return _from_run_files(src, args), src
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("checkpoint", help="a checkpoints/step_XXXXXXXX dir, a run dir (its newest checkpoint), "
-                                       "or (with --diffusers) a run's weights.safetensors")
-    ap.add_argument("--out", default=None, help="output .safetensors (default: <checkpoint>/weights.safetensors)")
+    ap = argparse.ArgumentParser(prog="python -m dit_train.tools.export_weights", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("checkpoint", help="a checkpoints/step_XXXXXXXX dir, a run dir (its newest checkpoint, else the "
+                                       "weights it wrote), or (with --diffusers) a run's weights.safetensors")
+    ap.add_argument("--out", default=None, help="output .safetensors (LoRA adapters: a folder; default: "
+                                                "<checkpoint>/weights.safetensors or <checkpoint>/lora/)")
     ap.add_argument("--diffusers", default=None, metavar="DIR",
-                    help="write a diffusers model folder (model.name=wan) instead of one .safetensors")
+                    help="write into DIR for diffusers: a model folder of the full weights (model.name=wan), or for "
+                         "a LoRA run without --merge-lora the adapters (DIR/pytorch_lora_weights.safetensors)")
     ap.add_argument("--merge-lora", action="store_true",
                     help="LoRA runs: full weights with the adapters merged (default: the adapters alone)")
     ap.add_argument("--ema", action="store_true",
                     help="the EMA weights (runs with train.ema_decay > 0; default output <checkpoint>/weights_ema.safetensors)")
+    ap.add_argument("--base", action="store_true",
+                    help="the weights the run started from, without adapters: model.pretrained's, or the "
+                         "initialisation from train.seed (default output <run>/weights_base.safetensors)")
     args = ap.parse_args(argv)
 
-    from dit_train.checkpoint import checkpoint_weights, export_checkpoint, export_diffusers, resolve_checkpoint
-    from dit_train.config import load_config
+    from dit_train.checkpoint import CheckpointError
 
-    src = Path(args.checkpoint)
-    if src.suffix == ".safetensors":
-        if not args.diffusers:
-            print("error: a .safetensors input only makes sense with --diffusers", file=sys.stderr)
-            return 2
-        if not (src.parent / "config.yaml").exists():
-            print(f"error: {src.parent} has no config.yaml (pass a weights.safetensors inside its run dir)", file=sys.stderr)
-            return 2
-        from safetensors.torch import load_file
-
-        out = export_diffusers(load_config(src.parent), load_file(str(src)), args.diffusers)
-        print(f"wrote {out} (from {src})")
-        return 0
     try:
-        ckpt = resolve_checkpoint(args.checkpoint, args.checkpoint)
-    except FileNotFoundError as e:
+        out, source = export(args)
+    except (ValueError, FileNotFoundError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    try:
-        from dit_train.checkpoint.export import checkpoint_model
-
-        cfg = load_config(ckpt)
-        if cfg.model.lora.rank > 0 and not args.merge_lora:
-            from dit_train.models import model_spec
-            from dit_train.models.lora import save_lora
-
-            _, model = checkpoint_model(ckpt, args.ema)
-            out = save_lora(model, Path(args.out) if args.out else ckpt / ("lora_ema" if args.ema else "lora"),
-                            model_spec(cfg.model).name)
-        elif args.diffusers:
-            out = export_diffusers(*checkpoint_weights(ckpt, args.ema), args.diffusers)
-        else:
-            out = Path(args.out) if args.out else ckpt / ("weights_ema.safetensors" if args.ema else "weights.safetensors")
-            export_checkpoint(ckpt, out, args.ema)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote {out} (from {ckpt})")
+    if out is not None:
+        print(f"wrote {out} (from {source})")
     return 0
 
 
