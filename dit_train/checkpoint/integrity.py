@@ -73,7 +73,7 @@ def verify_checkpoint(path: Path) -> str:
     has_record = (path / INTEGRITY).is_file()
     if has_record and (why := _against_record(path)):
         return why
-    for name in ("trainer.json", METADATA):
+    for name in ("trainer.json", "config.yaml", METADATA):  # what every save writes besides the shards
         if not (path / name).is_file():
             return f"{name} is missing"
     try:
