@@ -180,7 +180,8 @@ def write_summary(run_dir: Path, text: str) -> None:
         tmp.replace(path)
         return
     except OSError:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
     try:  # no room for a second copy: drop the old one (its space too) and write in place
         path.unlink(missing_ok=True)
         path.write_text(text)
