@@ -38,6 +38,7 @@ class SyntheticVideoSource(PixelVideoSource):
     def prepare(self) -> None:
         from data_pipelines.synthetic_video import ensure_synthetic_videos
 
+        super().prepare()
         c = self.cfg
         ensure_synthetic_videos(c.cache_dir, c.num_clips, c.gen_seed, c.num_images, c.widths, c.heights, c.frames)
 

@@ -23,6 +23,7 @@ class VideoFolderSource(PixelVideoSource):
         """Probe every file once (workers then read the index instead of probing)."""
         from data_pipelines.video_folder import index_video_folder
 
+        super().prepare()
         index_video_folder(self.cfg.root, self.cfg.cache_dir, self.cfg.num_workers)
 
     def entries(self) -> tuple[list, list]:
