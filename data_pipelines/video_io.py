@@ -39,7 +39,7 @@ def use_decoder(choice: str) -> str:
     returns the one-line note saying which reader that is and why. Raises ValueError naming
     data.decoder when the chosen reader cannot be imported here."""
     global _decoder
-    from data_pipelines.video_readers import resolve
+    from dit_train.data_pipelines.video_readers import resolve
 
     name, note = resolve(choice)
     _decoder = name
@@ -47,7 +47,7 @@ def use_decoder(choice: str) -> str:
 
 
 def _video_reader():
-    from data_pipelines.video_readers import reader, resolve
+    from dit_train.data_pipelines.video_readers import reader, resolve
 
     return reader(resolve(_decoder)[0])
 

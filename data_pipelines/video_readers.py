@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from data_pipelines.video_io import VideoInfo, VideoReadError
+from dit_train.data_pipelines.video_io import VideoInfo, VideoReadError
 
 DECODERS = ("auto", "decord", "pyav", "torchcodec")
 

@@ -10,8 +10,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from data_pipelines import latent_cache as lc  # noqa: E402
-from data_pipelines.video_io import VideoReadError  # noqa: E402
+from dit_train.data_pipelines import latent_cache as lc  # noqa: E402
+from dit_train.data_pipelines.video_io import VideoReadError  # noqa: E402
 from tests.conftest import TINY_MODEL, compose_config  # noqa: E402
 from tests.test_video_folder import make_video_folder  # noqa: E402
 
@@ -62,7 +62,7 @@ def test_cache_layout_shapes_and_report(cache, source, models):
     assert len(rows) == 5
     report = json.loads((cache / lc.REPORT).read_text())
     assert report["encoded"] == 5 and [Path(p).name for p, _ in report["skipped_by_source"]] == ["broken.mp4"]
-    from data_pipelines.video_io import probe
+    from dit_train.data_pipelines.video_io import probe
 
     for r in rows:
         info = probe(r["source"])
@@ -188,7 +188,7 @@ def test_training_on_latents(cache, tmp_path):
     cross-attention to the cached caption embeddings and validation videos decoded by the VAE."""
     from safetensors.torch import load_file
 
-    from data_pipelines.video_io import probe
+    from dit_train.data_pipelines.video_io import probe
     from dit_train.__main__ import run_from_config
 
     run_dir = tmp_path / "run"
@@ -225,7 +225,7 @@ def test_shards_split_clips_by_rank_and_count_unreadable(tmp_path):
     """Clip i goes to rank i % world; a clip that fails to decode is listed, not fatal."""
     from types import SimpleNamespace
 
-    from data_pipelines.video_dataset import VideoSample
+    from dit_train.data_pipelines.video_dataset import VideoSample
 
     class Clips:
         entries = [SimpleNamespace(path=f"/videos/{i}.mp4", caption=f"clip {i}") for i in range(5)]

@@ -14,7 +14,7 @@ from dit_train.models import model_config
 from dit_train.models import build_model, init_weights
 from dit_train.tasks.captions import ByteCaptionEncoder, drop_caption, pad_contexts
 from dit_train.tasks.video import VideoTask, patchify
-from kernels import VarlenLayout
+from dit_train.kernels import VarlenLayout
 from tests.conftest import TINY, train_in_process
 
 
@@ -108,7 +108,7 @@ def test_sampler_integrates_the_flow_from_noise_to_data(tiny_cfg):
 
 @pytest.mark.slow
 def test_validation_videos_are_written_and_layout_invariant(tmp_path, data_cache):
-    from data_pipelines.video_io import probe
+    from dit_train.data_pipelines.video_io import probe
 
     # in this process and on the suite's workers: the CLI's own path to run_from_config is
     # covered by test_cli; a fresh `python -m dit_train` per layout cost most of this test

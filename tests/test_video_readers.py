@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-import data_pipelines.video_io as video_io
-import data_pipelines.video_readers as readers
-from data_pipelines.synthetic_video import write_mp4
-from data_pipelines.video_io import VideoReadError, frame_indices
+import dit_train.data_pipelines.video_io as video_io
+import dit_train.data_pipelines.video_readers as readers
+from dit_train.data_pipelines.synthetic_video import write_mp4
+from dit_train.data_pipelines.video_io import VideoReadError, frame_indices
 from tests.conftest import TINY, compose_config
 
 FPS = 8
@@ -95,7 +95,7 @@ def test_pyav_reads_decords_frames_to_the_last_pixel(tmp_path, name, codec, pix_
 
 
 def test_the_embedded_clips_read_the_same(tiny_cfg):
-    from data_pipelines.synthetic_video import dataset_dir
+    from dit_train.data_pipelines.synthetic_video import dataset_dir
 
     c = tiny_cfg.data
     clips = sorted(dataset_dir(c.cache_dir, c.num_clips, c.gen_seed, c.num_images, c.widths, c.heights, c.frames).glob("*.mp4"))

@@ -38,7 +38,7 @@ class PixelVideoSource(DataSource):
     def prepare(self) -> None:
         """Pick the video reader (data.decoder) and say which, once, before any file is probed;
         a reader that cannot be imported here is refused (ValueError naming data.decoder)."""
-        from data_pipelines.video_io import use_decoder
+        from dit_train.data_pipelines.video_io import use_decoder
 
         log.info(use_decoder(self.cfg.decoder))
 
@@ -51,9 +51,9 @@ class PixelVideoSource(DataSource):
         to multiples of patch[1:] (or buckets). Clips that cannot be read or are too small are
         left out and listed in `.skipped`. split: "" = every clip, "train" / "heldout" = one side
         of the data.heldout_fraction split (by each file's name)."""
-        from data_pipelines.records import in_heldout
-        from data_pipelines.video_dataset import VideoClipDataset
-        from data_pipelines.video_io import use_decoder
+        from dit_train.data_pipelines.records import in_heldout
+        from dit_train.data_pipelines.video_dataset import VideoClipDataset
+        from dit_train.data_pipelines.video_io import use_decoder
 
         c = self.cfg
         use_decoder(c.decoder)  # this process's reader (workers run open(), not prepare())
@@ -70,7 +70,7 @@ class PixelVideoSource(DataSource):
         return ds
 
     def is_still(self, dataset: Any, i: int) -> bool:
-        from data_pipelines.video_io import is_image
+        from dit_train.data_pipelines.video_io import is_image
 
         return hasattr(dataset, "entries") and is_image(dataset.entries[i].path)
 
