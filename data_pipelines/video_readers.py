@@ -46,11 +46,23 @@ def import_problem(name: str) -> str:
     """'' if reader `name` can be imported here, else why not (one line). torchcodec's import
     loads native libraries and fails with OSError/RuntimeError, not only ImportError."""
     try:
+        if name == "decord":
+            _import_av_first()
         importlib.import_module(_MODULE[name])
     except Exception as e:  # ImportError, OSError (a missing libavcodec / libtorch_cuda), RuntimeError
         first = (str(e).strip().splitlines() or [""])[0]
         return f"{type(e).__name__}: {first}"[:300]
     return ""
+
+
+def _import_av_first() -> None:
+    """decord loads its bundled FFmpeg 4 libraries (libvpx, libx264...) into the process's global
+    symbol scope; PyAV imported after it binds some unversioned symbols to them (its VP9 encoder
+    then fails to open). Imported first, PyAV keeps its own. av is a core dependency."""
+    try:
+        import av  # noqa: F401
+    except ImportError:
+        pass
 
 
 def resolve(choice: str) -> tuple[str, str]:
@@ -92,6 +104,7 @@ class DecordReader:
     name = "decord"
 
     def _open(self, path: str, **kw):
+        _import_av_first()
         import decord
 
         try:

@@ -230,3 +230,19 @@ def test_torchcodec_reads_decords_frames_where_it_loads(tmp_path):
     assert info == d.probe(path)
     pick = [19, 3, 3, 0, 11]
     assert torch.equal(t.read(path, pick, info), d.read(path, pick, info))
+
+
+def test_decord_loads_after_pyav_so_pyav_keeps_its_own_codecs(tmp_path):
+    """decord puts its bundled FFmpeg 4 libraries (libvpx...) in the global symbol scope; had it
+    loaded first, PyAV's VP9 encoder would bind to them and fail to open. A fresh process, as a
+    worker starts: pick decord, then encode VP9 with PyAV."""
+    import subprocess
+
+    code = ("import sys; from pathlib import Path\n"
+            "from dit_train.data_pipelines.video_readers import resolve\n"
+            "assert resolve('decord')[0] == 'decord'\n"
+            "from tests.test_video_readers import _content, _encode\n"
+            "_encode(Path(sys.argv[1]), _content(4, 32, 64), 'libvpx-vp9', 'yuv420p', {})\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "v.webm")], cwd=Path(__file__).parents[1],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-1500:]
