@@ -32,13 +32,15 @@ from dit_train.data_pipelines.video_io import VideoInfo, VideoReadError
 
 DECODERS = ("auto", "decord", "pyav", "torchcodec")
 
-# why a reader may be missing, for the one-line notice and the refusal
-_INSTALL = {
-    "decord": "decord has wheels for x86_64 Linux and Windows only; elsewhere use data.decoder=pyav (or auto)",
-    "pyav": "pip install av",
-    "torchcodec": "pip install torchcodec (it also needs FFmpeg's shared libraries and the torch it was built for)",
+# the fix, when a chosen reader cannot be imported
+_FIX = {
+    "decord": "decord has wheels for x86_64 Linux and Windows only: set data.decoder=pyav (or auto)",
+    "pyav": "pip install av, or set data.decoder=auto",
+    "torchcodec": "pip install torchcodec (it also needs FFmpeg's shared libraries and the torch it was built "
+                  "for), or set data.decoder=auto",
 }
 _MODULE = {"decord": "decord", "pyav": "av", "torchcodec": "torchcodec.decoders"}
+_SHOWN = {"decord": "decord", "pyav": "PyAV", "torchcodec": "torchcodec"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,17 +78,17 @@ def resolve(choice: str) -> tuple[str, str]:
     if choice != "auto":
         why = import_problem(choice)
         if why:
-            raise ValueError(f"data.decoder={choice} cannot be used here ({why}); {_INSTALL[choice]}, "
-                             f"or set data.decoder=auto")
-        return choice, f"videos are read with {choice} (data.decoder={choice})"
-    if not import_problem("decord"):
+            raise ValueError(f"data.decoder={choice} cannot be used here ({why}); {_FIX[choice]}")
+        return choice, f"videos are read with {_SHOWN[choice]} (data.decoder={choice})"
+    no_decord = import_problem("decord")
+    if not no_decord:
         return "decord", "videos are read with decord (data.decoder=auto)"
     why = import_problem("pyav")
     if why:
-        raise ValueError(f"no video reader can be imported: decord ({import_problem('decord')}), PyAV ({why}); "
-                         f"pip install av")
-    return "pyav", ("videos are read with PyAV (data.decoder=auto; decord is not installed: it has wheels for "
-                    "x86_64 Linux and Windows only)")
+        raise ValueError(f"data.decoder=auto finds no video reader: decord ({no_decord}), PyAV ({why}); pip install av")
+    missing = "is not installed" if no_decord.startswith("ModuleNotFoundError") else f"cannot be imported ({no_decord})"
+    return "pyav", (f"videos are read with PyAV (data.decoder=auto; decord {missing}: it has wheels for x86_64 Linux "
+                    f"and Windows only)")
 
 
 @functools.lru_cache(maxsize=None)
