@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 ARGS ?=
 
-.PHONY: run test setup clean-venv
+.PHONY: run test test-install setup clean-venv
 
 setup: $(VENV)/.installed
 
@@ -23,6 +23,11 @@ run: setup
 
 test: setup
 	$(PY) -m pytest -q tests $(ARGS)
+
+# the wheel installed beside Hugging Face's `kernels`, and its dependencies resolved for Linux
+# x86_64 / aarch64 and macOS arm64 (fetches from the package index, ~1 min; CI runs it)
+test-install: setup
+	$(PY) -m pytest -q tests/test_install.py --run-install $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

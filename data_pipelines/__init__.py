@@ -1,1 +1,1 @@
-"""Data: synthetic/real video reading (decord), packing, text corpora."""
+"""Data: synthetic/real video reading (decord or PyAV), packing, text corpora."""

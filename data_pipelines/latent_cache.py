@@ -30,9 +30,9 @@ from typing import Any, Callable
 
 import torch
 
-from data_pipelines.records import in_heldout
-from data_pipelines.video_dataset import VideoSample
-from data_pipelines.video_io import VideoReadError
+from dit_train.data_pipelines.records import in_heldout
+from dit_train.data_pipelines.video_dataset import VideoSample
+from dit_train.data_pipelines.video_io import VideoReadError
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from data_pipelines.records import (Skip, decode_utf8, describe, in_heldout, json_kind, line_column,
+from dit_train.data_pipelines.records import (Skip, decode_utf8, describe, in_heldout, json_kind, line_column,
                                     normalize_newlines, unencodable, warn_once)
 
 log = logging.getLogger(__name__)

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from data_pipelines.records import Skip, decode_utf8, describe, json_kind, normalize_newlines, unencodable, warn_once
-from data_pipelines.video_io import (VideoInfo, VideoReadError, frame_indices, is_image, probe, read_frames, still_indices,
+from dit_train.data_pipelines.records import Skip, decode_utf8, describe, json_kind, normalize_newlines, unencodable, warn_once
+from dit_train.data_pipelines.video_io import (VideoInfo, VideoReadError, frame_indices, is_image, probe, read_frames, still_indices,
                                      to_model_range)
 
 log = logging.getLogger(__name__)

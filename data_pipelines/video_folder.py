@@ -21,9 +21,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from data_pipelines.records import decode_utf8, normalize_newlines, warn_once
-from data_pipelines.video_dataset import MANIFEST_SUFFIXES, ClipEntry, scan_manifest
-from data_pipelines.video_io import IMAGE_EXTENSIONS, VideoInfo, VideoReadError, probe
+from dit_train.data_pipelines.records import decode_utf8, normalize_newlines, warn_once
+from dit_train.data_pipelines.video_dataset import MANIFEST_SUFFIXES, ClipEntry, scan_manifest
+from dit_train.data_pipelines.video_io import IMAGE_EXTENSIONS, VideoInfo, VideoReadError, probe
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,10 @@
-"""Reading clips: videos with decord, still images with Pillow (decord reads no images).
+"""Reading clips: videos with decord or PyAV (video_readers.py, chosen by data.decoder), still
+images with Pillow.
 
 Probing, frame sampling by fps/stride, decoding. A still image is a clip of one frame
 (`VideoInfo.frames == 1`, `fps == 0`); which reader a file gets is decided by its extension
-(`is_image`), everywhere through `probe` and `read_frames`.
+(`is_image`), everywhere through `probe` and `read_frames`. The video reader is one per process
+(`use_decoder`, called by the data source with data.decoder before it probes or reads).
 """
 from __future__ import annotations
 
@@ -29,13 +31,25 @@ class VideoInfo:
     fps: float
 
 
-def _reader(path: str, **kw):
-    import decord
+_decoder = "auto"  # data.decoder of this process (use_decoder); "auto" until a source sets it
 
-    try:
-        return decord.VideoReader(path, ctx=decord.cpu(0), num_threads=1, **kw)
-    except Exception as e:  # decord raises its own DECORDError / RuntimeError types
-        raise VideoReadError(f"cannot open video {path}: {e}") from e
+
+def use_decoder(choice: str) -> str:
+    """Read this process's videos with `choice` (data.decoder: auto | decord | pyav | torchcodec);
+    returns the one-line note saying which reader that is and why. Raises ValueError naming
+    data.decoder when the chosen reader cannot be imported here."""
+    global _decoder
+    from dit_train.data_pipelines.video_readers import resolve
+
+    name, note = resolve(choice)
+    _decoder = name
+    return note
+
+
+def _video_reader():
+    from dit_train.data_pipelines.video_readers import reader, resolve
+
+    return reader(resolve(_decoder)[0])
 
 
 def is_image(path: str | os.PathLike) -> bool:
@@ -48,20 +62,7 @@ def probe(path: str) -> VideoInfo:
     the size from the header)."""
     if is_image(path):
         return probe_image(path)
-    vr = _reader(path)
-    n = len(vr)
-    if n == 0:
-        raise VideoReadError(f"video {path} has no frames")
-    h, w = _native_size(vr, path)
-    return VideoInfo(frames=n, height=h, width=w, fps=float(vr.get_avg_fps() or 0.0))
-
-
-def _native_size(vr, path: str) -> tuple[int, int]:
-    try:
-        shape = vr[0].shape  # decodes one frame
-    except Exception as e:
-        raise VideoReadError(f"cannot decode the first frame of {path}: {e}") from e
-    return int(shape[0]), int(shape[1])
+    return _video_reader().probe(path)
 
 
 def still_indices(multiple: int) -> list[int]:
@@ -94,31 +95,11 @@ def frame_indices(total: int, native_fps: float, target_fps: float, stride: int,
 
 def read_frames(path: str, indices: list[int], info: VideoInfo) -> torch.Tensor:
     """Decode `indices` of `path` as uint8 [F, H, W, 3] (an image: its one frame, repeated
-    len(indices) times; see still_indices).
-
-    decord 0.6 returns garbled frames (4 or 6 "channels") for some widths (e.g. 48, 72): the
-    row stride of its output buffer is wrong. We then decode at the next width that is a
-    multiple of 32, which it handles, and resize back to the native width.
-    """
+    len(indices) times; see still_indices); videos with this process's reader (use_decoder)."""
     if is_image(path):
         frame = read_image(path, info)
         return frame.expand(len(indices), -1, -1, -1).contiguous()
-    vr = _reader(path)
-    try:
-        arr = vr.get_batch(indices).asnumpy()
-    except Exception:
-        arr = None
-    if arr is None or arr.shape[1:] != (info.height, info.width, 3):
-        safe_w = int(math.ceil(info.width / 32) * 32)
-        vr = _reader(path, width=safe_w, height=info.height)
-        try:
-            arr = vr.get_batch(indices).asnumpy()
-        except Exception as e:
-            raise VideoReadError(f"cannot decode frames of {path}: {e}") from e
-        x = torch.from_numpy(np.ascontiguousarray(arr)).permute(0, 3, 1, 2).float()
-        x = F.interpolate(x, size=(info.height, info.width), mode="bilinear", antialias=True, align_corners=False)
-        return x.round().clamp(0, 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous()
-    return torch.from_numpy(np.ascontiguousarray(arr))
+    return _video_reader().read(path, indices, info)
 
 
 def to_model_range(frames: torch.Tensor) -> torch.Tensor:

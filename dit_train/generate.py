@@ -8,7 +8,7 @@ from torch import nn
 
 from dit_train.config import Config, load_config
 from dit_train.models import build_model
-from kernels import VarlenLayout
+from dit_train.kernels import VarlenLayout
 
 
 def load_run(run_dir: str | Path, weights: str | Path | None = None, ema: bool = False) -> tuple[Config, nn.Module]:

@@ -1,6 +1,6 @@
 """Single-device attention kernels behind one varlen interface (see attention.py)."""
-from kernels.cross_attention import packed_cross_attention
-from kernels.attention import (
+from dit_train.kernels.cross_attention import packed_cross_attention
+from dit_train.kernels.attention import (
     BACKENDS,
     LocalAttention,
     VarlenLayout,

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.runs import group_neighbours, run_starts
+from dit_train.kernels.runs import group_neighbours, run_starts
 
 BACKENDS = ("auto", "sdpa", "sdpa_dense", "flex", "xformers", "flash")
 

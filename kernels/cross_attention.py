@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.runs import group_neighbours, run_starts
+from dit_train.kernels.runs import group_neighbours, run_starts
 
 
 @torch.compiler.disable  # like the self-attention `sdpa` loop (kernels/attention.py): sizes from .tolist()

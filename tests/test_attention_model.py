@@ -7,7 +7,7 @@ import torch
 from dit_train.batch import PackedBatch
 from dit_train.models import model_config
 from dit_train.models import build_model, init_weights
-from kernels import VarlenLayout, attention_mask, attention_with_lse, merge_partials, varlen_attention
+from dit_train.kernels import VarlenLayout, attention_mask, attention_with_lse, merge_partials, varlen_attention
 
 
 def _pack(lens, H=2, D=8, seed=0, causal=False):
@@ -71,7 +71,7 @@ def test_lse_merge_over_key_blocks_is_exact():
 
 
 def test_gpu_only_backends_refuse_cpu_with_a_clear_message():
-    from kernels import resolve_backend
+    from dit_train.kernels import resolve_backend
 
     assert resolve_backend("auto", "cpu") == "sdpa"
     with pytest.raises(ValueError, match="needs CUDA"):

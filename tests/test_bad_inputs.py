@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from data_pipelines.synthetic_video import ensure_synthetic_videos
-from data_pipelines.text import load_text_datasets, read_corpus, scan_corpus
-from data_pipelines.video_dataset import VideoClipDataset, scan_manifest
-from data_pipelines.video_folder import index_video_folder, list_clips, scan_clips
+from dit_train.data_pipelines.synthetic_video import ensure_synthetic_videos
+from dit_train.data_pipelines.text import load_text_datasets, read_corpus, scan_corpus
+from dit_train.data_pipelines.video_dataset import VideoClipDataset, scan_manifest
+from dit_train.data_pipelines.video_folder import index_video_folder, list_clips, scan_clips
 
 GOOD = [{"text": f"document number {i} is long enough to train on"} for i in range(20)]
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file
 
-from data_pipelines.packing import batch_size_at, plan_step, step_samples
+from dit_train.data_pipelines.packing import batch_size_at, plan_step, step_samples
 from dit_train.engine.layout_equivalence import apply_layout, parse_layout, relative_difference, train_on_workers
 
 WARMUP = {"batch_warmup_steps": 3, "batch_warmup_start": 1}  # global batch 6: steps take 1, 2, 4, then 6

@@ -255,8 +255,8 @@ def test_fp16_lane_runs_and_skips_overflowing_steps(tmp_path, tiny_cfg, monkeypa
 def test_corrupt_and_truncated_videos_are_skipped_and_counted(tmp_path, tiny_cfg):
     """A garbage file is rejected when the dataset is built; a file that opens but cannot be
     decoded later is dropped from its step (same on every layout) and counted."""
-    from data_pipelines.synthetic_video import dataset_dir
-    from data_pipelines.video_dataset import VideoClipDataset
+    from dit_train.data_pipelines.synthetic_video import dataset_dir
+    from dit_train.data_pipelines.video_dataset import VideoClipDataset
     from dit_train.tasks.video import VideoTask
 
     c = tiny_cfg.data
@@ -280,7 +280,7 @@ def test_corrupt_and_truncated_videos_are_skipped_and_counted(tmp_path, tiny_cfg
 
 
 def test_unreadable_or_empty_text_corpora_are_clear_errors(tmp_path):
-    from data_pipelines.text import load_text_datasets
+    from dit_train.data_pipelines.text import load_text_datasets
 
     with pytest.raises(FileNotFoundError, match="no such file"):
         load_text_datasets(str(tmp_path / "missing.txt"), "byte", 64, 0.0)

@@ -7,7 +7,7 @@ import torch
 
 from dit_train.batch import cp_token_index
 from dit_train.config import LauncherConfig, ParallelConfig
-from kernels import VarlenLayout, varlen_attention
+from dit_train.kernels import VarlenLayout, varlen_attention
 
 
 def make_pack(seed: int, L: int, H: int = 4, D: int = 8):

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from data_pipelines.packing import balanced_split, pack_ffd, plan_step, step_samples
-from data_pipelines.synthetic_video import dataset_dir, ensure_synthetic_videos, write_mp4
-from data_pipelines.video_dataset import VideoClipDataset
-from data_pipelines.video_io import VideoInfo, frame_indices, probe, read_frames
+from dit_train.data_pipelines.packing import balanced_split, pack_ffd, plan_step, step_samples
+from dit_train.data_pipelines.synthetic_video import dataset_dir, ensure_synthetic_videos, write_mp4
+from dit_train.data_pipelines.video_dataset import VideoClipDataset
+from dit_train.data_pipelines.video_io import VideoInfo, frame_indices, probe, read_frames
 
 
 def test_generator_writes_clips_that_decord_reads_back(tiny_cfg):
@@ -79,8 +79,8 @@ def test_dataset_token_counts_match_decoded_samples(tiny_cfg):
 
 def test_unusable_clips_are_skipped_and_counted(tmp_path):
     entries = [
-        __import__("data_pipelines.video_dataset", fromlist=["ClipEntry"]).ClipEntry("ok.mp4", "", VideoInfo(8, 32, 32, 8)),
-        __import__("data_pipelines.video_dataset", fromlist=["ClipEntry"]).ClipEntry("short.mp4", "", VideoInfo(1, 32, 32, 8)),
+        __import__("dit_train.data_pipelines.video_dataset", fromlist=["ClipEntry"]).ClipEntry("ok.mp4", "", VideoInfo(8, 32, 32, 8)),
+        __import__("dit_train.data_pipelines.video_dataset", fromlist=["ClipEntry"]).ClipEntry("short.mp4", "", VideoInfo(1, 32, 32, 8)),
     ]
     ds = VideoClipDataset(entries, patch=(2, 8, 8))
     assert len(ds) == 1 and ds.skipped[0][0] == "short.mp4"
@@ -130,7 +130,7 @@ def test_balanced_split_balances_tokens():
 
 def test_generator_sizes_are_config_keys(tmp_path):
     """data.widths / heights / frames choose the clip sizes; the default sizes keep the old cache dir."""
-    from data_pipelines.synthetic_video import FRAMES, HEIGHTS, WIDTHS
+    from dit_train.data_pipelines.synthetic_video import FRAMES, HEIGHTS, WIDTHS
 
     assert dataset_dir(tmp_path, 4, 3).name == "synthetic_video_v2_n4_seed3"
     assert dataset_dir(tmp_path, 4, 3, 0, WIDTHS, HEIGHTS, FRAMES) == dataset_dir(tmp_path, 4, 3)

@@ -26,7 +26,7 @@ def _meta_worker(cfg):
 def test_metadata_sync_equals_single_process_counts(tiny_cfg):
     """T_b summed within CP (a sample split over CP ranks is counted whole), B over DP only,
     N over DP×CP: compared with the counts of one process holding everything."""
-    from data_pipelines.packing import step_samples
+    from dit_train.data_pipelines.packing import step_samples
     from dit_train.data import build_task
     from dit_train.engine.launch import launch_local
 

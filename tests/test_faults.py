@@ -125,8 +125,8 @@ def test_pruning_only_removes_this_runs_checkpoints(tmp_path, tiny_cfg):
 
 
 def _undecodable(monkeypatch, fail) -> None:
-    import data_pipelines.video_dataset as vd
-    from data_pipelines.video_io import VideoReadError
+    import dit_train.data_pipelines.video_dataset as vd
+    from dit_train.data_pipelines.video_io import VideoReadError
 
     orig = vd.read_frames
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 from PIL import Image
 
-from data_pipelines.shapes_metric import parse_caption, score_clip
-from data_pipelines.synthetic_video import _render_image, dataset_dir, ensure_synthetic_videos
-from data_pipelines.video_folder import index_path, index_video_folder
-from data_pipelines.video_io import VideoInfo, VideoReadError, probe, probe_image, read_frames
+from dit_train.data_pipelines.shapes_metric import parse_caption, score_clip
+from dit_train.data_pipelines.synthetic_video import _render_image, dataset_dir, ensure_synthetic_videos
+from dit_train.data_pipelines.video_folder import index_path, index_video_folder
+from dit_train.data_pipelines.video_io import VideoInfo, VideoReadError, probe, probe_image, read_frames
 from dit_train.tasks.video import patchify
 from tests.conftest import TINY, TINY_MODEL, compose_config
 
@@ -66,7 +66,7 @@ def names(entries) -> list[str]:
 
 
 def test_folder_indexes_images_next_to_videos(folder, tmp_path, monkeypatch):
-    import data_pipelines.video_folder as vf
+    import dit_train.data_pipelines.video_folder as vf
 
     index = index_video_folder(folder, tmp_path, progress=False)
     assert names(index.entries) == ["grey.JPG", "rgba.webp", "still.png", "video_0.mp4", "video_1.mp4"]
@@ -102,7 +102,7 @@ def test_image_probe_reads_no_pixels(folder, monkeypatch):
 
 
 def test_images_are_pt_frames_and_token_counts_are_exact(folder, tmp_path, monkeypatch):
-    import data_pipelines.video_dataset as vd
+    import dit_train.data_pipelines.video_dataset as vd
 
     # frame rules that would cut a video, and must not touch an image
     ds = pixel_dataset(folder, tmp_path, "data.max_frames=4", "data.frame_stride=2", "data.fps=4.0")
@@ -162,7 +162,7 @@ def test_mixed_manifest(folder, tmp_path):
     set's reader) an image's `frames` is ignored (it has one) and its declared size wins, as for
     videos; rows without them are probed. Through data=video_folder (.jsonl, .csv) every file is
     probed. The corrupt image is skipped and named."""
-    from data_pipelines.video_dataset import VideoClipDataset, manifest_entries
+    from dit_train.data_pipelines.video_dataset import VideoClipDataset, manifest_entries
 
     rows = [{"path": "video_1.mp4", "caption": "v"},
             {"path": str(folder / "still.png"), "caption": "s", "frames": 7, "height": 32, "width": 48},
@@ -265,7 +265,7 @@ def test_latent_cache_encodes_an_image(folder, tmp_path):
     alone, so 1 frame -> 1 latent frame; trained with temporal patch 1."""
     from diffusers import AutoencoderKLWan
 
-    from data_pipelines import latent_cache as lc
+    from dit_train.data_pipelines import latent_cache as lc
     from dit_train.tools.cache_latents import main
 
     torch.manual_seed(0)
@@ -292,7 +292,7 @@ def test_latent_cache_encodes_an_image(folder, tmp_path):
 @pytest.mark.slow
 def test_images_next_to_videos_under_cp(data_cache):
     """Images and clips in one pack, trained on 1 process and on 2 Ulysses CP ranks: same weights."""
-    from data_pipelines.packing import plan_step
+    from dit_train.data_pipelines.packing import plan_step
     from dit_train.data import build_task, prepare_data
     from dit_train.engine.layout_equivalence import relative_difference, run_layouts
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import VarlenLayout, varlen_attention
+from dit_train.kernels import VarlenLayout, varlen_attention
 
 
 
@@ -57,7 +57,7 @@ def test_packed_cross_attention_matches_masked_reference(case):
     """Batched per-run cross-attention (split/cat) = one dense masked attention over all
     captions, outputs and gradients, in fp64: padding tokens (-1) and a caption-less sample
     get zero rows, equal-shape neighbours share a call without seeing each other's captions."""
-    from kernels import packed_cross_attention
+    from dit_train.kernels import packed_cross_attention
 
     g = torch.Generator().manual_seed(7)
     seg = {"mixed": [0] * 4 + [1] * 4 + [2] * 4 + [3] * 6 + [-1] * 3 + [4] * 4,

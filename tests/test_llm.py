@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from data_pipelines.text import IGNORE, ByteTokenizer, TextDataset, load_text_datasets
+from dit_train.data_pipelines.text import IGNORE, ByteTokenizer, TextDataset, load_text_datasets
 from dit_train.tasks.llm import LMTask
 from dit_train.engine.layout_equivalence import apply_layout, relative_difference, run_layouts
 from tests.conftest import compose_config, train_in_process
@@ -63,7 +63,7 @@ def test_packs_without_valid_tokens_give_finite_zero_loss(llm_cfg):
     from dit_train.data import build_task
     from dit_train.loss import sync_counts, token_weights
     from dit_train.models import build_model, init_weights
-    from kernels import VarlenLayout
+    from dit_train.kernels import VarlenLayout
 
     task = build_task(llm_cfg.mode, llm_cfg.data, llm_cfg.model, llm_cfg.loss, 0)
     prompt_only = [i for i in range(len(task.dataset)) if task.dataset[i].prompt_len >= task.dataset.num_tokens(i)]

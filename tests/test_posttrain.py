@@ -46,7 +46,7 @@ def plain_model(cfg):
 
 def oracle_logprobs(model, tokens: torch.Tensor) -> torch.Tensor:
     """[T-1] log p(tokens[t] | tokens[:t]) for t >= 1, one sequence alone (no packing)."""
-    from kernels import VarlenLayout
+    from dit_train.kernels import VarlenLayout
 
     n = tokens.numel() - 1
     pos = torch.arange(n)

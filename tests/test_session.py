@@ -12,7 +12,7 @@ SPLITS = [1, 3]  # uneven call boundaries inside each global batch: [:1], [1:3],
 
 
 def _session_weights(cfg, loss_name, normalization, calls):
-    from data_pipelines.packing import step_samples
+    from dit_train.data_pipelines.packing import step_samples
     from dit_train import session as S
 
     sess = S.TrainingSession(cfg)
@@ -116,7 +116,7 @@ def _comm_worker(cfg):
     """Gradient reductions issued by 3 forward_backward calls + optim_step."""
     import torch.distributed as dist
 
-    from data_pipelines.packing import step_samples
+    from dit_train.data_pipelines.packing import step_samples
     from dit_train.session import TrainingSession, token_sum_loss
 
     sess = TrainingSession(cfg)
@@ -157,7 +157,7 @@ def test_gradients_are_reduced_once_per_optim_step(session_cfg):
 
 
 def test_double_normalization_is_refused_and_none_leaves_gradients_alone(session_cfg):
-    from data_pipelines.packing import step_samples
+    from dit_train.data_pipelines.packing import step_samples
     from dit_train.session import DoubleNormalizationError, TrainingSession, token_mean_loss, token_sum_loss
 
     sess = TrainingSession(session_cfg)

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from data_pipelines.shapes_metric import (FIGURES, ShapeCaption, components, parse_caption, reference_scores,
+from dit_train.data_pipelines.shapes_metric import (FIGURES, ShapeCaption, components, parse_caption, reference_scores,
                                           score_clip, score_clips)
-from data_pipelines.synthetic_video import BACKGROUNDS, COLORS, _render, ensure_synthetic_videos, write_mp4
-from data_pipelines.video_io import probe, read_frames, to_model_range
+from dit_train.data_pipelines.synthetic_video import BACKGROUNDS, COLORS, _render, ensure_synthetic_videos, write_mp4
+from dit_train.data_pipelines.video_io import probe, read_frames, to_model_range
 
 SEED = 1234  # the default set's gen_seed: the first clips below are the clips training sees
 FLIP = {"up": "down", "down": "up", "left": "right", "right": "left"}

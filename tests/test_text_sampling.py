@@ -14,7 +14,7 @@ from dit_train.models import model_config
 from dit_train.models import build_model, init_weights
 from dit_train.tasks.captions import ByteCaptionEncoder, drop_caption, pad_contexts
 from dit_train.tasks.video import VideoTask, patchify
-from kernels import VarlenLayout
+from dit_train.kernels import VarlenLayout
 from tests.conftest import TINY, train_in_process
 
 
@@ -108,7 +108,7 @@ def test_sampler_integrates_the_flow_from_noise_to_data(tiny_cfg):
 
 @pytest.mark.slow
 def test_validation_videos_are_written_and_layout_invariant(tmp_path, data_cache):
-    import decord
+    from dit_train.data_pipelines.video_io import probe
 
     # in this process and on the suite's workers: the CLI's own path to run_from_config is
     # covered by test_cli; a fresh `python -m dit_train` per layout cost most of this test
@@ -130,8 +130,7 @@ def test_validation_videos_are_written_and_layout_invariant(tmp_path, data_cache
     assert ref["eval/all_ok"] == 1.0 and ref["eval/palette_share"] > 0.9
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-4, rtol=1e-4)
-        vr = decord.VideoReader(str(d1 / f"{k}.mp4"))
-        assert len(vr) == a[k].shape[1]
+        assert probe(str(d1 / f"{k}.mp4")).frames == a[k].shape[1]  # decord, or PyAV where decord has no wheel
 
 
 def test_caption_words_give_every_byte_of_a_word_the_same_word_vector():

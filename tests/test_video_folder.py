@@ -10,12 +10,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from data_pipelines.packing import plan_step
-from data_pipelines.prefetch import Prefetcher
-from data_pipelines.synthetic_video import ensure_synthetic_videos
-from data_pipelines.video_dataset import VideoSample
-from data_pipelines.video_folder import index_clips, index_path, index_video_folder, list_clips
-from data_pipelines.video_io import VideoReadError
+from dit_train.data_pipelines.packing import plan_step
+from dit_train.data_pipelines.prefetch import Prefetcher
+from dit_train.data_pipelines.synthetic_video import ensure_synthetic_videos
+from dit_train.data_pipelines.video_dataset import VideoSample
+from dit_train.data_pipelines.video_folder import index_clips, index_path, index_video_folder, list_clips
+from dit_train.data_pipelines.video_io import VideoReadError
 from tests.conftest import TINY_MODEL, compose_config, train_in_process
 
 
@@ -57,7 +57,7 @@ def test_folder_listing_captions_and_corrupt_file_skipped(folder, tmp_path):
 
 
 def test_probe_index_is_reused_and_refreshed(folder, tmp_path, monkeypatch):
-    import data_pipelines.video_folder as vf
+    import dit_train.data_pipelines.video_folder as vf
 
     first = index_video_folder(folder, tmp_path, progress=False)
     calls = []

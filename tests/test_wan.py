@@ -20,7 +20,7 @@ from dit_train.models import build_model, init_weights
 from dit_train.models.wan import read_pretrained, to_diffusers
 from dit_train.tasks.video import patchify, unpatchify
 from dit_train.engine.layout_equivalence import relative_difference, run_layouts
-from kernels import VarlenLayout
+from dit_train.kernels import VarlenLayout
 from tests.conftest import REPO, TINY, compose_config
 
 PATCH = (1, 2, 2)

@@ -42,6 +42,13 @@ class CPFSDPMode(Choice):
     none = "none"  # CP gradients summed by a separate all-reduce
 
 
+class VideoDecoder(Choice):
+    auto = "auto"  # decord where it is installed (x86_64 Linux, Windows), else PyAV
+    decord = "decord"
+    pyav = "pyav"
+    torchcodec = "torchcodec"  # optional: pip install torchcodec (needs FFmpeg's shared libraries)
+
+
 class Device(Choice):
     auto = "auto"
     cpu = "cpu"

@@ -22,7 +22,7 @@ def open_dataset(data_cfg: Any, model_cfg: Any, split: str = "train") -> Any:
     when data.num_workers > 0."""
     ds = source_for(data_cfg, model_cfg).open(split)
     if ds is not None and data_cfg.num_workers > 0 and split == "train":
-        from data_pipelines.prefetch import Prefetcher
+        from dit_train.data_pipelines.prefetch import Prefetcher
 
         ds = Prefetcher(ds, data_cfg.num_workers)
     return ds

@@ -22,7 +22,7 @@ class LatentCacheSource(DataSource):
     mode = Mode.video
 
     def open(self, split: str = "train") -> Any:
-        from data_pipelines.latent_cache import LatentCacheDataset, read_cache_info
+        from dit_train.data_pipelines.latent_cache import LatentCacheDataset, read_cache_info
 
         if split != "train" and self.cfg.heldout_fraction <= 0:
             return None

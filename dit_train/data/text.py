@@ -25,7 +25,7 @@ class TextSource(DataSource):
     mode = Mode.llm
 
     def open(self, split: str = "train") -> Any:
-        from data_pipelines.text import load_text_datasets
+        from dit_train.data_pipelines.text import load_text_datasets
 
         c = self.cfg
         train, heldout = load_text_datasets(c.text_path, c.tokenizer, c.max_doc_tokens, c.heldout_fraction)

@@ -1,14 +1,16 @@
 """Pixel video sources (the embedded clips, your folders): decoding settings they share."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List
 
-from dit_train.config.choices import Mode
+from dit_train.config.choices import Mode, VideoDecoder
 from dit_train.config.schema import DataConfig
 from dit_train.data.source import DataSource
 
+log = logging.getLogger(__name__)
 
 @dataclass
 class VideoReadConfig(DataConfig):
@@ -16,19 +18,29 @@ class VideoReadConfig(DataConfig):
     most `max_frames` (cut to a multiple of the temporal patch); a still image is its one frame
     repeated to fill one temporal patch (fps / stride / max_frames do not apply); sizes, of
     images and videos alike, go to the closest `resolution_buckets` entry ([[h, w], ...]) or,
-    without buckets, stay native (cropped to the patch)."""
+    without buckets, stay native (cropped to the patch). `decoder` reads the videos (auto:
+    decord where it is installed, else PyAV; all return the same frames, see
+    data_pipelines/video_readers.py)."""
 
     max_frames: int = 16
     frame_stride: int = 1
     fps: float = 0.0
     resolution_buckets: List[List[int]] = field(default_factory=list)
     decoded_cache_items: int = 256  # decoded clips kept in memory (the embedded set fits)
+    decoder: VideoDecoder = VideoDecoder.auto  # auto | decord | pyav | torchcodec
 
 
 class PixelVideoSource(DataSource):
     """A source of RGB clips (and stills) in [-1, 1]; subclasses say where the clip entries come from."""
 
     mode = Mode.video
+
+    def prepare(self) -> None:
+        """Pick the video reader (data.decoder) and say which, once, before any file is probed;
+        a reader that cannot be imported here is refused (ValueError naming data.decoder)."""
+        from dit_train.data_pipelines.video_io import use_decoder
+
+        log.info(use_decoder(self.cfg.decoder))
 
     def entries(self) -> tuple[list, list]:
         """(ClipEntry list, skipped (path, why) list) of the source."""
@@ -39,10 +51,12 @@ class PixelVideoSource(DataSource):
         to multiples of patch[1:] (or buckets). Clips that cannot be read or are too small are
         left out and listed in `.skipped`. split: "" = every clip, "train" / "heldout" = one side
         of the data.heldout_fraction split (by each file's name)."""
-        from data_pipelines.records import in_heldout
-        from data_pipelines.video_dataset import VideoClipDataset
+        from dit_train.data_pipelines.records import in_heldout
+        from dit_train.data_pipelines.video_dataset import VideoClipDataset
+        from dit_train.data_pipelines.video_io import use_decoder
 
         c = self.cfg
+        use_decoder(c.decoder)  # this process's reader (workers run open(), not prepare())
         entries, skipped = self.entries()
         if split:
             entries = [e for e in entries if in_heldout(Path(e.path).name, c.heldout_fraction) == (split == "heldout")]
@@ -56,7 +70,7 @@ class PixelVideoSource(DataSource):
         return ds
 
     def is_still(self, dataset: Any, i: int) -> bool:
-        from data_pipelines.video_io import is_image
+        from dit_train.data_pipelines.video_io import is_image
 
         return hasattr(dataset, "entries") and is_image(dataset.entries[i].path)
 

@@ -21,12 +21,13 @@ class VideoFolderSource(PixelVideoSource):
 
     def prepare(self) -> None:
         """Probe every file once (workers then read the index instead of probing)."""
-        from data_pipelines.video_folder import index_video_folder
+        from dit_train.data_pipelines.video_folder import index_video_folder
 
+        super().prepare()
         index_video_folder(self.cfg.root, self.cfg.cache_dir, self.cfg.num_workers)
 
     def entries(self) -> tuple[list, list]:
-        from data_pipelines.video_folder import index_video_folder
+        from dit_train.data_pipelines.video_folder import index_video_folder
 
         root = self.cfg.root  # "" is refused by the data layer with the key to set
         index = index_video_folder(root, self.cfg.cache_dir, self.cfg.num_workers)

@@ -24,7 +24,7 @@ from dit_train.models import build_model, model_spec
 from dit_train.optim import build_optimizer, build_scheduler
 from dit_train.parallel.mesh import ParallelContext, init_parallel
 from dit_train.parallel.parallelize import parallelize
-from kernels import resolve_backend
+from dit_train.kernels import resolve_backend
 
 
 @dataclass

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from data_pipelines.packing import balanced_split, pack_ffd, plan_step
+from dit_train.data_pipelines.packing import balanced_split, pack_ffd, plan_step
 from dit_train.batch import PackedBatch
 from dit_train.config import LossConfig, MoEConfig, OptimConfig, ParallelConfig, TrainConfig
 from dit_train.engine.offload import activation_offload
@@ -30,7 +30,7 @@ from dit_train.parallel.context_parallel import split_for_cp
 from dit_train.parallel.mesh import ParallelContext
 from dit_train.parallel.parallelize import grad_sync_groups, sync_unsharded_grads
 from dit_train.precision import DynamicLossScale, autocast
-from kernels import VarlenLayout
+from dit_train.kernels import VarlenLayout
 
 
 @dataclass

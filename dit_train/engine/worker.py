@@ -67,7 +67,7 @@ class Validation:
                                     stochastic=t.stochastic_sampling)
         self.decode = None
         if cfg.data.name == "latent_cache" and run.ctx.is_main:  # rank 0 alone decodes (it alone writes)
-            from data_pipelines.latent_cache import load_decoder
+            from dit_train.data_pipelines.latent_cache import load_decoder
 
             self.decode = load_decoder(cfg.data.root, run.ctx.device)
         self.run, self.guidance, self.steps = run, t.guidance_scale, t.sample_steps

@@ -20,7 +20,7 @@ from dit_train.models.fused import RMSNorm, addcmul, gated_residual, gated_resid
 from dit_train.models.moe import MoEFeedForward
 from dit_train.models.recompute import Prologue, recomputed_linear
 from dit_train.models.rope import apply_rope
-from kernels import LocalAttention, packed_cross_attention
+from dit_train.kernels import LocalAttention, packed_cross_attention
 
 
 @dataclass

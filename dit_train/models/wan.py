@@ -18,7 +18,7 @@ dit_train (FSDP2 over `.blocks`, Ulysses/ring CP through `attention_fn`) applies
 - attention: the blocks' WanAttention modules get `PackedWanAttnProcessor` (diffusers'
   processor extension point): self-attention calls `attn1.attention_fn` (varlen inside each
   clip; swapped for CP by parallelize), cross-attention attends each token to its own clip's
-  caption with `kernels.packed_cross_attention`;
+  caption with `dit_train.kernels.packed_cross_attention`;
 - output: proj_out's features are (pt, ph, pw, c) in diffusers; reordered to our (c, pt, ph, pw).
 
 No parallelism here (no torch.distributed).
@@ -35,7 +35,7 @@ from torch import nn
 from dit_train.config.choices import Mode
 from dit_train.config.schema import VideoModelConfig
 from dit_train.models.registry import ActivationModel, ModelSpec, register_model
-from kernels import LocalAttention, packed_cross_attention
+from dit_train.kernels import LocalAttention, packed_cross_attention
 
 
 @dataclass

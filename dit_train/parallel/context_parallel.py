@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from dit_train.batch import PackedBatch, cp_token_index
-from kernels import VarlenLayout, attention_mask, attention_with_lse, merge_partials, varlen_attention
+from dit_train.kernels import VarlenLayout, attention_mask, attention_with_lse, merge_partials, varlen_attention
 
 
 @dataclass
@@ -72,7 +72,7 @@ def _ring_shift(x: torch.Tensor, group: dist.ProcessGroup, rank: int, n: int) ->
 
 
 class ContextParallelAttention:
-    """Drop-in replacement for `kernels.LocalAttention` under CP.
+    """Drop-in replacement for `dit_train.kernels.LocalAttention` under CP.
 
     __call__(q, k, v, meta: CPAttnLayout) with q, k, v [L/cp, H, D] (this rank's tokens, all
     heads) returns [L/cp, H, D].

@@ -361,7 +361,7 @@ def example_inputs(cfg, tokens: int, seed: int = 0) -> tuple:
     """Forward arguments of a model of `cfg` for one pack of two samples of `tokens` tokens in all
     (video: patches, (t, h, w) positions, times and, with captions, 8-token contexts; llm: ids)."""
     from dit_train.models import model_spec
-    from kernels import VarlenLayout
+    from dit_train.kernels import VarlenLayout
 
     spec = model_spec(cfg)
     gen = torch.Generator().manual_seed(seed)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from data_pipelines.text import IGNORE
+from dit_train.data_pipelines.text import IGNORE
 from dit_train.batch import PackedBatch
 from dit_train.tasks.llm import LMTask
 from dit_train.tasks.video import VideoTask

@@ -77,7 +77,7 @@ def write_samples(out_dir: Path, requests: list[SampleRequest], pixels: list[tor
     from PIL import Image
     from safetensors.torch import save_file
 
-    from data_pipelines.synthetic_video import write_mp4
+    from dit_train.data_pipelines.synthetic_video import write_mp4
 
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file({r.key: p.contiguous() for r, p in zip(requests, pixels)}, str(out_dir / "samples.safetensors"))

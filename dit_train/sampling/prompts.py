@@ -49,7 +49,7 @@ def prompt_space(cfg, device: str | torch.device = "cpu") -> PromptSpace:
     m, d = cfg.model, cfg.data
     pt, ph, pw = m.patch_size
     if d.name == "latent_cache":
-        from data_pipelines.latent_cache import TextEncoder, VaeCodec, read_cache_info
+        from dit_train.data_pipelines.latent_cache import TextEncoder, VaeCodec, read_cache_info
 
         info = read_cache_info(d.root)
         vae = VaeCodec(info["vae"], device)

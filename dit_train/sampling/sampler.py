@@ -35,7 +35,7 @@ from dit_train.parallel.mesh import ParallelContext
 from dit_train.rng import sample_generator
 from dit_train.tasks.captions import pad_contexts
 from dit_train.tasks.video import model_context, num_patches, pack_clips, unpatchify
-from kernels import VarlenLayout
+from dit_train.kernels import VarlenLayout
 
 log = logging.getLogger(__name__)
 

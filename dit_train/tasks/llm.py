@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from data_pipelines.text import IGNORE
+from dit_train.data_pipelines.text import IGNORE
 from dit_train.batch import PackedBatch
 
 

@@ -8,7 +8,7 @@ import torch
 from einops import rearrange
 from torch import nn
 
-from data_pipelines.video_io import VideoReadError
+from dit_train.data_pipelines.video_io import VideoReadError
 from dit_train.batch import PackedBatch
 from dit_train.config import LossConfig, ModelConfig
 from dit_train.objectives.flow_matching import loss_weight, noisy_sample, per_token_mse, sample_shift, velocity_from_output

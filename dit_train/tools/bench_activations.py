@@ -78,7 +78,7 @@ def wan_model(s: dict, depth: int):
 def inputs(s: dict, clip: tuple[int, int, int], seed: int = 0) -> dict:
     """One latent clip [C, F, H, W] and its caption, in both models' formats."""
     from dit_train.tasks.video import patchify
-    from kernels import VarlenLayout
+    from dit_train.kernels import VarlenLayout
 
     g = torch.Generator().manual_seed(seed)
     lat = torch.randn(C, *clip, generator=g)

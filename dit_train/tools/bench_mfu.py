@@ -61,7 +61,7 @@ def make_pack(cfg, tokens: int, sample_tokens: int, device, seed: int = 0):
 def run_single(cfg, tokens, sample_tokens, ac, compile_, backend, precision, device, steps, peak):
     from dit_train.models import build_model, init_weights, model_spec
     from dit_train.parallel.parallelize import apply_activation_checkpointing, apply_compile
-    from kernels import VarlenLayout, resolve_backend
+    from dit_train.kernels import VarlenLayout, resolve_backend
 
     backend = resolve_backend(backend, device)
     model = build_model(cfg, backend)
@@ -126,7 +126,7 @@ def _cp_worker(cfg, tokens, sample_tokens, precision, backend):
         local, meta = split_for_cp(full, cp, ctx.cp_rank, "contiguous")
         meta = meta.to(ctx.device)
     else:
-        from kernels import VarlenLayout
+        from dit_train.kernels import VarlenLayout
 
         local, meta = full, VarlenLayout.build(full.seg, full.order, False)
     local = local.to(ctx.device)

@@ -40,10 +40,10 @@ def parse(spec: str) -> dict[str, int]:
 
 def router_gradients(run, layout: dict[str, int], step: int) -> dict[str, torch.Tensor]:
     """{recipe: flat gradient of the balance term w.r.t. every router weight} for one step."""
-    from data_pipelines.packing import plan_step
+    from dit_train.data_pipelines.packing import plan_step
     from dit_train.loss.moe import local_expert_counts, router_token_losses
     from dit_train.models.moe import moe_layers
-    from kernels import VarlenLayout
+    from dit_train.kernels import VarlenLayout
 
     t = run.cfg.train
     budget = layout["micro_batch_tokens"] or t.micro_batch_tokens

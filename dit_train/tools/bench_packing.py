@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 
-from data_pipelines.packing import pack_ffd, plan_step
+from dit_train.data_pipelines.packing import pack_ffd, plan_step
 from dit_train.perf.bench import format_table, write_json
 
 

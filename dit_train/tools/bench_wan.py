@@ -78,7 +78,7 @@ def clips(kind: str, quick: bool) -> list[tuple[int, int, int]]:
 
 def ours_inputs(shapes, text_dim: int = 0, seed=0):
     from dit_train.tasks.video import patchify
-    from kernels import VarlenLayout
+    from dit_train.kernels import VarlenLayout
 
     g = torch.Generator().manual_seed(seed)
     xs, pos, seg = [], [], []

@@ -59,7 +59,7 @@ def run_rank(rank: int, world: int, local_rank: int, args: argparse.Namespace, d
     import torch
     import torch.distributed as dist
 
-    from data_pipelines import latent_cache as lc
+    from dit_train.data_pipelines import latent_cache as lc
     from dit_train.data import prepare_data, source_for
 
     if world > 1:

@@ -22,7 +22,7 @@ import functools
 import random
 import sys
 
-from data_pipelines.text import ByteTokenizer, embedded_corpus
+from dit_train.data_pipelines.text import ByteTokenizer, embedded_corpus
 
 TOK = ByteTokenizer()
 

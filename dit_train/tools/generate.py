@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
-    from data_pipelines.text import build_tokenizer
+    from dit_train.data_pipelines.text import build_tokenizer
     from dit_train.generate import generate, load_run
 
     cfg, model = load_run(args.run_dir, args.weights, args.ema)

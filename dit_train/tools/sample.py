@@ -68,7 +68,7 @@ def data_requests(cfg: Any, num: int, device: Any, decoder: bool) -> tuple[list,
     requests = source_requests(task, source_for(cfg.data, cfg.model), num)
     decode = None
     if cfg.data.name == "latent_cache" and decoder:
-        from data_pipelines.latent_cache import load_decoder
+        from dit_train.data_pipelines.latent_cache import load_decoder
 
         decode = load_decoder(cfg.data.root, device)
     return requests, task.null_caption() if task.text_dim else None, decode

@@ -34,8 +34,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from data_pipelines.shapes_metric import FIGURES, reference_scores, score_clips
-    from data_pipelines.synthetic_video import FRAMES, HEIGHTS, WIDTHS, ensure_synthetic_videos
+    from dit_train.data_pipelines.shapes_metric import FIGURES, reference_scores, score_clips
+    from dit_train.data_pipelines.synthetic_video import FRAMES, HEIGHTS, WIDTHS, ensure_synthetic_videos
 
     root = ensure_synthetic_videos(args.cache_dir, args.num_clips, args.gen_seed, args.num_images, args.widths or WIDTHS,
                                    args.heights or HEIGHTS, args.frames or FRAMES)
