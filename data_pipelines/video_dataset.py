@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from dit_train.data_pipelines.records import Skip, decode_utf8, describe, json_kind, normalize_newlines, unencodable, warn_once
+from dit_train.data_pipelines.sizes import resize_crop, slab_tokens, target_size
 from dit_train.data_pipelines.video_io import (VideoInfo, VideoReadError, frame_indices, is_image, probe, read_frames, still_indices,
                                      to_model_range)
 
@@ -179,21 +179,15 @@ def manifest_entries(manifest: Path) -> tuple[list[ClipEntry], list[tuple[str, s
     return entries, bad
 
 
-def _target_size(h: int, w: int, patch_hw: tuple[int, int], buckets: list[tuple[int, int]]) -> tuple[int, int]:
-    if buckets:
-        # closest aspect ratio, ties to the larger area
-        return min(buckets, key=lambda b: (abs(b[0] / b[1] - h / w), -b[0] * b[1]))
-    return h - h % patch_hw[0], w - w % patch_hw[1]
-
-
 class VideoClipDataset:
     """Clips -> VideoSample; `num_tokens(i)` without decoding.
 
-    patch: (pt, ph, pw). Frames: resampled to `fps` (0 = native), every `frame_stride`-th,
-    at most `max_frames`, a multiple of pt. A still image (video_io.is_image) is its one frame
+    patch: (pt, ph, pw). Frames: resampled to `fps` (0 = native; a clip slower than `fps` keeps
+    its own rate), every `frame_stride`-th, at most `max_frames`, a multiple of pt. A still image (video_io.is_image) is its one frame
     repeated pt times (video_io.still_indices: one temporal slab of tokens; fps, stride and
-    max_frames do not apply). Size, images and videos alike: resized to the nearest resolution
-    bucket, or centre-cropped to a multiple of (ph, pw) when there are no buckets.
+    max_frames do not apply). Size, images and videos alike: resized to cover the resolution
+    bucket of the closest aspect ratio and centre-cropped, or cropped to a multiple of (ph, pw)
+    when there are no buckets (data_pipelines/sizes.py).
     """
 
     def __init__(self, entries: list[ClipEntry], patch: tuple[int, int, int], max_frames: int = 16,
@@ -215,6 +209,7 @@ class VideoClipDataset:
                 self.entries.append(e)
         if self.skipped:
             log.warning("skipped %d unusable clip(s), e.g. %s: %s", len(self.skipped), *self.skipped[0])
+        self._warn_slow_clips()
         if not self.entries:
             raise ValueError("the video dataset has no usable clip" +
                              (f" ({len(self.skipped)} skipped, e.g. {self.skipped[0][0]}: {self.skipped[0][1]})" if self.skipped else ""))
@@ -232,24 +227,40 @@ class VideoClipDataset:
     def _indices(self, e: ClipEntry) -> list[int]:
         if is_image(e.path):
             return still_indices(self.patch[0])
-        return frame_indices(e.info.frames, e.info.fps, self.fps, self.frame_stride, self.max_frames, self.patch[0])
+        # a clip slower than `fps` is read at its own rate: resampling up would repeat frames
+        # (a stutter the model would learn), so no frame is ever taken twice
+        target = 0.0 if self.fps > e.info.fps > 0 else self.fps
+        return frame_indices(e.info.frames, e.info.fps, target, self.frame_stride, self.max_frames, self.patch[0])
 
     def _unusable(self, e: ClipEntry) -> str:
         if not self._indices(e):
-            return f"fewer frames ({e.info.frames}) than one temporal patch ({self.patch[0]}) after striding"
-        h, w = _target_size(e.info.height, e.info.width, self.patch[1:], self.buckets)
+            return f"fewer frames ({e.info.frames}) than one temporal patch ({self.patch[0]}) after resampling and striding"
+        h, w = target_size(e.info.height, e.info.width, self.patch[1:], self.buckets)
         if h < self.patch[1] or w < self.patch[2]:
             return f"smaller ({e.info.height}x{e.info.width}) than one patch {self.patch[1:]}"
         return ""
 
+    def _warn_slow_clips(self) -> None:
+        slow = [e for e in self.entries if not is_image(e.path) and self.fps > e.info.fps > 0]
+        if slow:
+            warn_once(log, f"{len(slow)} clip(s) have fewer frames per second than data.fps={self.fps:g}, e.g. "
+                           f"{slow[0].path} at {slow[0].info.fps:g} fps: they are read at their own rate (no frame "
+                           f"is repeated)")
+
     def __len__(self) -> int:
         return len(self.entries)
 
-    def num_tokens(self, i: int) -> int:
+    def size(self, i: int) -> tuple[int, int]:
+        """(height, width) sample i is trained at."""
         e = self.entries[i]
-        h, w = _target_size(e.info.height, e.info.width, self.patch[1:], self.buckets)
-        pt, ph, pw = self.patch
-        return len(self._indices(e)) // pt * (h // ph) * (w // pw)
+        return target_size(e.info.height, e.info.width, self.patch[1:], self.buckets)
+
+    def frames(self, i: int) -> int:
+        """Frames sample i is trained with (a multiple of the temporal patch)."""
+        return len(self._indices(self.entries[i]))
+
+    def num_tokens(self, i: int) -> int:
+        return self.frames(i) // self.patch[0] * slab_tokens(self.size(i), self.patch[1:])
 
     def lengths(self) -> list[int]:
         return [self.num_tokens(i) for i in range(len(self))]
@@ -264,8 +275,7 @@ class VideoClipDataset:
         e = self.entries[i]
         frames = read_frames(e.path, self._indices(e), e.info)  # uint8 [F, H, W, 3]
         x = to_model_range(frames)  # [3, F, H, W]
-        h, w = _target_size(e.info.height, e.info.width, self.patch[1:], self.buckets)
-        x = _resize_crop(x, h, w, resize=bool(self.buckets))
+        x = resize_crop(x, *self.size(i), resize=bool(self.buckets))
         sample = VideoSample(x, e.caption)
         if self.cache_items > 0:
             with self._lock:
@@ -273,17 +283,3 @@ class VideoClipDataset:
                 if len(self._cache) > self.cache_items:
                     self._cache.popitem(last=False)
         return sample
-
-
-def _resize_crop(x: torch.Tensor, h: int, w: int, resize: bool) -> torch.Tensor:
-    """[C, F, H, W] -> [C, F, h, w]: optionally scale so the frame just covers (h, w), then
-    centre-crop. Without `resize` (no buckets) the crop only trims the patch remainder."""
-    _, _, H, W = x.shape
-    if resize and (H, W) != (h, w):
-        scale = max(h / H, w / W)
-        nh, nw = max(h, round(H * scale)), max(w, round(W * scale))
-        x = F.interpolate(x.transpose(0, 1), size=(nh, nw), mode="bilinear", antialias=True,
-                          align_corners=False).transpose(0, 1)
-        H, W = nh, nw
-    top, left = (H - h) // 2, (W - w) // 2
-    return x[:, :, top:top + h, left:left + w].contiguous()

@@ -105,7 +105,8 @@ def test_images_are_pt_frames_and_token_counts_are_exact(folder, tmp_path, monke
     import dit_train.data_pipelines.video_dataset as vd
 
     # frame rules that would cut a video, and must not touch an image
-    ds = pixel_dataset(folder, tmp_path, "data.max_frames=4", "data.frame_stride=2", "data.fps=4.0")
+    ds = pixel_dataset(folder, tmp_path, "data.max_frames=4", "data.frame_stride=2", "data.fps=4.0",
+                       "data.resolution_buckets=null")  # native sizes: the crop to the patch is what is checked
     monkeypatch.setattr(vd, "read_frames", lambda *a: pytest.fail("lengths() decoded a file"))
     lengths = ds.lengths()  # from the probe index only
     monkeypatch.undo()
@@ -278,7 +279,8 @@ def test_latent_cache_encodes_an_image(folder, tmp_path):
     shutil.copy(folder / "video_0.mp4", src / "video_0.mp4")  # a clip beside it: the same tool run
     out = tmp_path / "latents"
     assert main(["--vae", str(tmp_path / "vae"), "--out", str(out), "--no-progress", "data=video_folder",
-                 f"data.root={src}", f"data.cache_dir={tmp_path / 'probe'}", "data.max_frames=5"]) == 0
+                 f"data.root={src}", f"data.cache_dir={tmp_path / 'probe'}", "data.max_frames=5",
+                 "data.resolution_buckets=null"]) == 0  # native sizes (the default is Wan's 480p)
     rows = {Path(r["source"]).name: r for r in map(json.loads, (out / lc.MANIFEST).read_text().splitlines())}
     h, w = Image.open(src / "still.png").size[::-1]
     assert rows["still.png"]["latent_shape"] == [4, 1, h // 8, w // 8]

@@ -41,7 +41,8 @@ def source(tmp_path_factory) -> Path:
 
 def cache_args(models: Path, source: Path, out: Path, cache: Path, *extra: str) -> list[str]:
     return ["--vae", str(models / "vae"), "--text-encoder", str(models / "text"), "--out", str(out), "--no-progress",
-            "data=video_folder", f"data.root={source}", f"data.cache_dir={cache}", "data.max_frames=5", *extra]
+            "data=video_folder", f"data.root={source}", f"data.cache_dir={cache}", "data.max_frames=5",
+            "data.resolution_buckets=null", *extra]  # native sizes (the default is Wan's 480p): tiny latents
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +84,7 @@ def test_latents_are_normalized_vae_modes(cache, models):
     from dit_train.data import source_for
 
     cfg = compose_config(["data=video_folder", f"data.root={lc.read_cache_info(cache)['settings']['source']['root']}",
-                          "data.max_frames=5"], cache_dir=str(cache.parent / "probe_cache"))
+                          "data.max_frames=5", "data.resolution_buckets=null"], cache_dir=str(cache.parent / "probe_cache"))
     pixels = source_for(cfg.data, cfg.model).pixel_dataset((1, 8, 8), cache_items=0)
     entry_ids = {e.path: i for i, e in enumerate(pixels.entries)}
     row = json.loads((cache / lc.MANIFEST).read_text().splitlines()[0])

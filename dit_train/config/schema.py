@@ -64,6 +64,11 @@ class MoEConfig:
     z_loss_coef: float = 0.0  # router z-loss: logsumexp(router logits)² per token, same weights
 
 
+# the tiny CPU presets' default pixel sizes (height, width): 16:9-ish both ways and a square; at the
+# tiny DiT's 2x4x4 patch a 16-frame clip is at most 2048 tokens
+SMALL_BUCKETS = ((48, 80), (64, 64), (80, 48))
+
+
 @dataclass
 class ModelConfig:
     """Keys every model has. `name` picks the model from the registry (dit_train/models);
@@ -112,6 +117,10 @@ class VideoModelConfig(ModelConfig):
     # JiT, Li & He 2025).
     prediction: Prediction = Prediction.velocity
     x0_min_t: float = 0.05
+    # (height, width) pixel sizes your videos are resized to by default (cover, then centre-crop):
+    # `data=video_folder`'s data.resolution_buckets follows this, so a preset brings sizes that suit
+    # it (the tiny CPU models: these small ones; Wan and the latent presets: Wan 2.1's 480p)
+    default_buckets: List[List[int]] = field(default_factory=lambda: [list(b) for b in SMALL_BUCKETS])
 
 
 @dataclass
@@ -213,7 +222,8 @@ class TrainConfig:
     batch_warmup_steps: int = 0
     batch_warmup_start: int = 0
     # packing budget of one micro-batch (before the CP split); 0 = auto: the longest sample, at
-    # least AUTO_MICRO_BATCH_TOKENS (set from the data before the run starts)
+    # least AUTO_MICRO_BATCH_TOKENS (set from the data before the run starts, so the budget follows
+    # the data unless a value is given)
     micro_batch_tokens: int = 0
     precision: Precision = Precision.fp32  # fp32 | bf16 | fp16 (autocast; FSDP2 mixed precision on CUDA)
     compile: bool = False  # torch.compile each block
@@ -245,7 +255,9 @@ class TrainConfig:
     wandb_mode: WandbMode = WandbMode.auto  # auto | online | offline | disabled
 
 
-AUTO_MICRO_BATCH_TOKENS = 2048
+# the floor of train.micro_batch_tokens=0 (auto): one micro-batch holds a whole step of the embedded
+# set (8 clips of <= 320 tokens), and short samples still pack several to a micro-batch
+AUTO_MICRO_BATCH_TOKENS = 4096
 
 # Layout keys outside `parallel`: how a rank's share of a step is cut into micro-batches.
 # Changing them (like the parallel degrees) must not change the result.

@@ -6,10 +6,14 @@ by the mode (video: `VideoTask`, llm: `LMTask`).
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+from dit_train.config.schema import AUTO_MICRO_BATCH_TOKENS
 from dit_train.data import latent_cache, synthetic_video, text, video_folder  # noqa: F401  (register)
 from dit_train.data.source import SOURCES, DataSource, Dataset, register_source, source_for
+
+log = logging.getLogger(__name__)
 
 
 def prepare_data(data_cfg: Any, model_cfg: Any = None) -> None:
@@ -50,31 +54,38 @@ def build_task(mode: str, data: Any, model: Any, loss: Any, seed: int, split: st
 
 def auto_micro_batch_tokens(lengths: list[int]) -> int:
     """train.micro_batch_tokens=0: the longest sample, at least AUTO_MICRO_BATCH_TOKENS."""
-    from dit_train.config.schema import AUTO_MICRO_BATCH_TOKENS
-
     return max(max(lengths, default=0), AUTO_MICRO_BATCH_TOKENS)
 
 
 def check_data(cfg: Any) -> None:
-    """Fail before training if the data cannot fill a step or a sample cannot fit a micro-batch;
-    resolve train.micro_batch_tokens=0 (auto) to the longest sample (at least the default budget)."""
+    """Fail before training if the data cannot fill a step or a sample cannot fit a micro-batch
+    (each error names the keys and values that would work); resolve train.micro_batch_tokens=0
+    (auto) to the longest sample (at least the default budget)."""
     from dit_train.engine.checks import ConfigError
 
     try:
-        lengths = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed).lengths()
+        task = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed)
     except ValueError as err:
         raise ConfigError(str(err)) from err
+    lengths = task.lengths()
     if len(lengths) < cfg.train.global_batch:
         raise ConfigError(f"train.global_batch={cfg.train.global_batch} is larger than the dataset "
-                          f"({len(lengths)} samples); lower it or add data")
+                          f"({len(lengths)} samples); set train.global_batch={len(lengths)} (the largest that "
+                          f"fits) or add data")
     longest = max(lengths)
     if cfg.train.micro_batch_tokens == 0:
         cfg.train.micro_batch_tokens = auto_micro_batch_tokens(lengths)
-    if longest > cfg.train.micro_batch_tokens:
-        shorter = "data.max_doc_tokens" if cfg.mode == "llm" else "data.max_frames / the resolution"
-        raise ConfigError(f"the longest sample has {longest} tokens but train.micro_batch_tokens="
-                          f"{cfg.train.micro_batch_tokens}; raise train.micro_batch_tokens to at least {longest} "
-                          f"(or 0 = auto), or lower {shorter}")
+        if longest > AUTO_MICRO_BATCH_TOKENS:  # the budget followed the data: say so (memory grows with it)
+            log.info("train.micro_batch_tokens=0 (auto): %d tokens, the longest sample", longest)
+    budget = cfg.train.micro_batch_tokens
+    if longest > budget:
+        source = source_for(cfg.data, cfg.model)
+        which = source.describe(task.dataset, lengths.index(longest))
+        fits = source.fitting_keys(task.dataset, budget)
+        raise ConfigError(f"the longest sample has {longest} tokens{f' ({which})' if which else ''} but "
+                          f"train.micro_batch_tokens={budget}; raise train.micro_batch_tokens to at least {longest} "
+                          f"(or 0 = auto: the longest sample)"
+                          + (f", or make every sample fit {budget} tokens: {' or '.join(fits)}" if fits else ""))
 
 
 __all__ = ["SOURCES", "auto_micro_batch_tokens", "DataSource", "Dataset", "build_task", "check_data", "open_dataset", "prepare_data",

@@ -69,6 +69,15 @@ class DataSource:
         """Frame rate of sample i as the model sees it (for writing generated videos)."""
         return 8.0
 
+    def describe(self, dataset: Any, i: int) -> str:
+        """Sample i in a few words for an error message (its file, its size); "" if nothing to say."""
+        return ""
+
+    def fitting_keys(self, dataset: Any, budget: int) -> list[str]:
+        """Overrides of this source's keys (`data.max_frames=8`) with which every sample of
+        `dataset` has at most `budget` tokens (what the "sample too long" error suggests)."""
+        return []
+
 
 SOURCES: Registry[type[DataSource]] = Registry("data source")
 

@@ -33,3 +33,6 @@ class TextSource(DataSource):
             raise ValueError(f"the {c.tokenizer} tokenizer has {train.tokenizer.vocab_size} ids but "
                              f"model.vocab_size={self.model_cfg.vocab_size}; raise model.vocab_size")
         return train if split == "train" else heldout
+
+    def fitting_keys(self, dataset: Any, budget: int) -> list[str]:
+        return [f"data.max_doc_tokens={budget}"]  # a piece predicts at most max_doc_tokens tokens

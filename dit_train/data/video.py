@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List
+from typing import Any, List, Optional
 
 from dit_train.config.choices import Mode, VideoDecoder
 from dit_train.config.schema import DataConfig
@@ -17,15 +17,16 @@ class VideoReadConfig(DataConfig):
     """How clips are read: frames resampled to `fps` (0 = native), every `frame_stride`-th, at
     most `max_frames` (cut to a multiple of the temporal patch); a still image is its one frame
     repeated to fill one temporal patch (fps / stride / max_frames do not apply); sizes, of
-    images and videos alike, go to the closest `resolution_buckets` entry ([[h, w], ...]) or,
-    without buckets, stay native (cropped to the patch). `decoder` reads the videos (auto:
-    decord where it is installed, else PyAV; all return the same frames, see
-    data_pipelines/video_readers.py)."""
+    images and videos alike, go to the closest `resolution_buckets` entry ([[h, w], ...]: resized
+    to cover it, centre-cropped) or, with null / [] (the embedded set), stay native (cropped to
+    the patch). `data=video_folder` defaults to the model preset's `model.default_buckets`.
+    `decoder` reads the videos (auto: decord where it is installed, else PyAV; all return the
+    same frames, see data_pipelines/video_readers.py)."""
 
     max_frames: int = 16
     frame_stride: int = 1
     fps: float = 0.0
-    resolution_buckets: List[List[int]] = field(default_factory=list)
+    resolution_buckets: Optional[List[List[int]]] = field(default_factory=list)
     decoded_cache_items: int = 256  # decoded clips kept in memory (the embedded set fits)
     decoder: VideoDecoder = VideoDecoder.auto  # auto | decord | pyav | torchcodec
 
@@ -64,7 +65,7 @@ class PixelVideoSource(DataSource):
                 raise ValueError(f"data.heldout_fraction={c.heldout_fraction} leaves no {split} clip; "
                                  f"{'lower' if split == 'train' else 'raise'} it")
         ds = VideoClipDataset(entries, patch=tuple(patch), max_frames=c.max_frames, frame_stride=c.frame_stride,
-                              fps=c.fps, buckets=[tuple(b) for b in c.resolution_buckets],
+                              fps=c.fps, buckets=[tuple(b) for b in c.resolution_buckets or []],
                               cache_items=c.decoded_cache_items if cache_items is None else cache_items)
         ds.skipped = skipped + ds.skipped
         return ds
@@ -75,10 +76,41 @@ class PixelVideoSource(DataSource):
         return hasattr(dataset, "entries") and is_image(dataset.entries[i].path)
 
     def fps(self, dataset: Any, i: int) -> float:
-        """The resampling rate (data.fps) or the clip's native rate, divided by the stride."""
+        """The resampling rate (data.fps; a slower clip keeps its own) or the clip's native rate,
+        divided by the stride."""
         entry = dataset.entries[i] if hasattr(dataset, "entries") else None
         native = entry.info.fps if entry is not None and entry.info.fps > 0 else 8.0
-        return (self.cfg.fps or native) / max(1, self.cfg.frame_stride)
+        rate = min(self.cfg.fps, native) if self.cfg.fps > 0 else native
+        return rate / max(1, self.cfg.frame_stride)
+
+    def describe(self, dataset: Any, i: int) -> str:
+        """`<file>: <frames> frames at <h>x<w> (native <h>x<w>)`."""
+        ds = getattr(dataset, "dataset", dataset)  # through the background prefetcher
+        e = ds.entries[i]
+        (h, w), native = ds.size(i), (e.info.height, e.info.width)
+        size = f"{h}x{w}" + (f" (native {native[0]}x{native[1]})" if (h, w) != native else "")
+        return f"{e.path}: {ds.frames(i)} frames at {size}"
+
+    def fitting_keys(self, dataset: Any, budget: int) -> list[str]:
+        """A data.max_frames (sizes kept) and a data.resolution_buckets (frames kept) with which
+        every clip fits `budget`; the buckets are the current ones scaled down, or, for native
+        sizes, the model preset's model.default_buckets (scaled down if need be)."""
+        from dit_train.data_pipelines.sizes import fitting_buckets, fitting_max_frames, slab_tokens
+
+        ds = getattr(dataset, "dataset", dataset)
+        pt, ph, pw = ds.patch
+        slabs = [ds.frames(i) // pt for i in range(len(ds))]
+        per = [slab_tokens(ds.size(i), (ph, pw)) for i in range(len(ds))]
+        keys = []
+        start = ds.buckets or [tuple(b) for b in getattr(self.model_cfg, "default_buckets", None) or []]
+        natives = [(e.info.height, e.info.width) for e in ds.entries]
+        buckets = fitting_buckets(natives, slabs, (ph, pw), budget, start) if start else None
+        if buckets:
+            keys.append("'data.resolution_buckets=[" + ",".join(f"[{h},{w}]" for h, w in buckets) + "]'")
+        frames = fitting_max_frames(slabs, per, pt, budget)
+        if frames:
+            keys.append(f"data.max_frames={frames}")
+        return keys
 
     def open(self, split: str = "train") -> Any:
         """The clips of `split`: "heldout" = those whose file name hashes under

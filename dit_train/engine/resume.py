@@ -28,6 +28,8 @@ ALLOWED = (
     "launcher.*", "model.attn_backend",
     "model.activation_checkpointing", "model.ac_every", "data.num_workers", "data.decoded_cache_items", "data.cache_dir",
     "data.max_dropped_fraction", "train.activation_offload", "model.pretrained", "model.allow_pickle_weights",
+    # only a default for data.resolution_buckets, which is compared on its own
+    "model.default_buckets",
 )
 # Refused like any unlisted key, named here because the choice was made, not defaulted: the
 # loss keys define the objective. A shift or weighting changed mid-run would also change what

@@ -65,7 +65,7 @@ class Validation:
                                     t.guidance_scale, t.seed, cfg.loss.timestep_shift, cfg.loss.shift_reference_tokens,
                                     prediction=task.prediction, x0_min_t=task.x0_min_t,
                                     stochastic=t.stochastic_sampling)
-        self.decode = None
+        self.decode, self.latent = None, cfg.data.name == "latent_cache"
         if cfg.data.name == "latent_cache" and run.ctx.is_main:  # rank 0 alone decodes (it alone writes)
             from dit_train.data_pipelines.latent_cache import load_decoder
 
@@ -76,6 +76,17 @@ class Validation:
             # the same figures on the real clips: what a perfect generator would score
             real = scored_view(requests, [task.dataset[r.noise_id].pixels for r in requests])
             self.reference = self.source.score(real, [r.caption for r in requests]) or {}
+
+    def describe(self) -> str:
+        """One line: how many training clips validation samples, at which sizes (the sizes they
+        train at: data.resolution_buckets, or native; latent caches: the latent grid)."""
+        from collections import Counter
+
+        unit = "latent frames x height x width" if self.latent else "frames x height x width"
+        sizes = Counter("x".join(str(n) for n in r.shape[1:]) for r in self.sampler.requests)
+        listed = ", ".join(size + (f" ({k} clips)" if k > 1 else "") for size, k in sizes.most_common())
+        return (f"validation samples {len(self.sampler.requests)} training clip(s) with their captions, at the "
+                f"sizes they train at ({unit}): {listed}")
 
     def __call__(self, run_dir: Path, step: int, trackers: Any = None) -> tuple[Path | None, dict[str, float]]:
         """Sample (from the EMA weights when EMA is on); rank 0 writes and hands the grid and clips
@@ -219,6 +230,8 @@ def train(cfg: Config, ctx: ParallelContext | None = None, claimed: bool = False
     logger = MetricsLogger(run_dir, t.steps, start, enabled=ctx.is_main, progress=t.progress, log_every=t.log_every,
                            trackers=trackers)
     logger.write(f"run folder: {run_dir}" + (f" (resumed from {ckpt} at step {start})" if ckpt is not None else ""))
+    if validation is not None:
+        logger.write(validation.describe())
     if validation is not None and validation.reference:
         logger.write(f"quality of the real validation clips (the reference): {format_scores(validation.reference)}")
     health = DataHealth(cfg.data.max_dropped_fraction, run.task)

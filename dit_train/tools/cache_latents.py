@@ -7,11 +7,14 @@
 
 The source is chosen with the same data overrides as `python -m dit_train` (`data=video_folder
 data.root=...`, or the embedded `data=synthetic_video`), with its frame rate / stride / length
-and resolution buckets. `--vae` / `--text-encoder` take a model folder or a whole diffusers
-pipeline folder (its vae/, text_encoder/, tokenizer/ are used). Without `--text-encoder` only
-latents are cached. Clip i goes to rank i % world; each clip's file is written atomically, so an
-interrupted run is resumed by running the same command again (done clips are skipped).
-Unreadable videos are skipped and listed in <out>/report.json.
+and resolution buckets. Clips of `data=video_folder` are resized to the model preset's sizes
+(`model.default_buckets`): Wan 2.1's 480p unless the command names another `model=...`;
+`data.resolution_buckets=...` sets others, `data.resolution_buckets=null` keeps native sizes.
+`--vae` / `--text-encoder` take a model folder or a whole diffusers pipeline folder (its vae/,
+text_encoder/, tokenizer/ are used). Without `--text-encoder` only latents are cached. Clip i
+goes to rank i % world; each clip's file is written atomically, so an interrupted run is resumed
+by running the same command again (done clips are skipped). Unreadable videos are skipped and
+listed in <out>/report.json.
 """
 from __future__ import annotations
 
@@ -24,16 +27,24 @@ import sys
 from pathlib import Path
 
 
+# the model whose preset sizes (model.default_buckets) data=video_folder's clips are resized to
+# when the command names none: a latent cache is for a latent model, and Wan 2.1's 480p sizes
+# are what its VAE and transformer were trained at (the default model=dit_tiny is a pixel model)
+CACHE_MODEL = "wan_1_3b"
+
+
 def compose_data(overrides: list[str]):
-    """cfg.data from conf/ with `overrides` (the same groups and keys as training)."""
+    """cfg.data from conf/ with `overrides` (the same groups and keys as training); without a
+    `model=` override, with model=CACHE_MODEL (its default resolution buckets)."""
     from dit_train.config import compose
 
-    return compose(overrides).data
+    named = any(o.lstrip("+~").split("=")[0] == "model" for o in overrides)
+    return compose(list(overrides) if named else [f"model={CACHE_MODEL}", *overrides]).data
 
 
 def source_settings(data) -> dict:
     src = {"name": data.name, "max_frames": data.max_frames, "frame_stride": data.frame_stride, "fps": data.fps,
-           "resolution_buckets": [list(b) for b in data.resolution_buckets]}
+           "resolution_buckets": [list(b) for b in data.resolution_buckets or []]}
     if data.name == "synthetic_video":
         src.update(num_clips=data.num_clips, gen_seed=data.gen_seed)
         if data.num_images:  # only when set: caches written before images existed keep their fingerprint
@@ -73,7 +84,7 @@ def run_rank(rank: int, world: int, local_rank: int, args: argparse.Namespace, d
         vae = lc.VaeCodec(args.vae, device, dtype, tiling=args.vae_tiling, allow_pickle=args.allow_pickle_weights)
         text = lc.TextEncoder(args.text_encoder, args.tokenizer, args.max_text_len, device, dtype,
                               allow_pickle=args.allow_pickle_weights) if args.text_encoder else None
-        bad = [b for b in data.resolution_buckets if b[0] % vae.spatial or b[1] % vae.spatial]
+        bad = [b for b in data.resolution_buckets or [] if b[0] % vae.spatial or b[1] % vae.spatial]
         if bad:
             raise ValueError(f"data.resolution_buckets {bad} are not multiples of the VAE's spatial factor {vae.spatial}")
         settings = lc.CacheSettings(vae=vae.path, text_encoder=text.path if text else "",
