@@ -307,3 +307,111 @@ def test_a_frozen_worker_is_named_and_every_worker_stopped(tmp_path, data_cache)
     assert "stopped making progress" in out and "launcher.heartbeat_timeout_s=5" in out, out[-2000:]
     time.sleep(1)
     assert not [v for v in victims if Path(f"/proc/{v}").exists()], "orphaned worker processes"
+
+
+# -- trust, second pass (issue 28): run-level faults ----------------------------------------------
+
+
+# (overrides, what the one error line says): the issue's values first, then their siblings
+OUT_OF_RANGE = [
+    (["launcher.heartbeat_timeout_s=-5"], "launcher.heartbeat_timeout_s=-5.0 must be >= 0 (0 = off)"),
+    (["data.max_dropped_fraction=-0.1"], "data.max_dropped_fraction=-0.1 must be in [0, 1]"),
+    (["model.lora.rank=-2"], "model.lora.rank=-2 must be >= 0 (0 = no adapters)"),
+    (["optim.lr=inf"], "optim.lr=inf must be finite and > 0"),
+    (["optim.lr=nan"], "optim.lr=nan must be finite and > 0"),
+    (["optim.lr=0"], "optim.lr=0.0 must be > 0"),
+    (["optim.eps=0"], "optim.eps=0.0 must be > 0"),
+    (["optim.momentum=1"], "optim.momentum=1.0 must be in [0, 1)"),
+    (["optim.weight_decay=-0.1"], "optim.weight_decay=-0.1 must be >= 0"),
+    (["optim.warmup_steps=-1"], "optim.warmup_steps=-1 must be >= 0"),
+    (["optim.min_lr_ratio=2"], "optim.min_lr_ratio=2.0 must be in [0, 1]"),
+    (["train.ema_decay=1"], "train.ema_decay=1.0 must be in [0, 1) (0 = off)"),
+    (["train.log_every=0"], "train.log_every=0 must be >= 1"),
+    (["parallel.timeout_s=0"], "parallel.timeout_s=0.0 must be > 0"),
+    (["parallel.threads_per_worker=-1"], "parallel.threads_per_worker=-1 must be >= 0"),
+    (["launcher.master_port=70000"], "launcher.master_port=70000 must be in [0, 65535]"),
+    (["launcher.monitor_interval=0"], "launcher.monitor_interval=0.0 must be > 0"),
+    (["loss.logit_std=0"], "loss.logit_std=0.0 must be > 0"),
+    (["loss.logit_mean=nan"], "loss.logit_mean=nan must be a finite number"),
+    (["model.mlp_ratio=0"], "model.mlp_ratio=0.0 must be > 0"),
+    (["model.lora.dropout=1"], "model.lora.dropout=1.0 must be in [0, 1)"),
+    (["model.lora.alpha=-1"], "model.lora.alpha=-1.0 must be >= 0"),
+    (["data.num_workers=-1"], "data.num_workers=-1 must be >= 0"),
+    (["data.max_frames=0"], "data.max_frames=0 must be >= 1"),
+    (["data.fps=-1"], "data.fps=-1.0 must be >= 0"),
+    (["mode=llm", "data.max_doc_tokens=0"], "data.max_doc_tokens=0 must be >= 1"),
+    (["model.lora.rank=4", "model.lora.init=pissa"], "model.lora.init='pissa' must be default or gaussian"),
+    (["model.lora.rank=4", "model.lora.targets=[attn.qkv,atn.proj]"],
+     "model.lora.targets: 'atn.proj' matches no linear layer of model=dit (its layers end in"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", OUT_OF_RANGE, ids=[" ".join(o) for o, _ in OUT_OF_RANGE])
+def test_a_value_out_of_range_is_one_line_naming_the_key_and_its_range(overrides, message):
+    from dit_train.engine.checks import ConfigError, check_config
+
+    base = [] if "mode=llm" in overrides else TINY  # TINY's keys are the video model's and data's
+    with pytest.raises(ConfigError) as err:
+        check_config(compose_config([*base, *overrides]))
+    assert str(err.value).startswith(f"invalid configuration: {message}") and "\n" not in str(err.value), str(err.value)
+
+
+def test_every_numeric_key_has_a_range_check():
+    """Each int/float key of every model and source (MoE on, so its keys are checked), set to NaN
+    or -10^9, is refused naming it: a new numeric key without a rule fails here."""
+    import copy
+
+    from dit_train.engine.checks import ConfigError, check_config
+    from dit_train.engine.resume import flatten
+
+    any_int = {"train.seed", "data.gen_seed"}  # every integer is a seed
+    bases = [["model.moe.num_experts=4"], ["mode=llm"], ["model=wan_tiny"], ["data=video_folder", "data.root=x"],
+             ["data=latent_cache", "data.root=x"]]
+    unchecked, seen = [], set(any_int)
+    for base in bases:
+        cfg = compose_config(base)
+        for key, value in flatten(cfg).items():
+            if key in seen or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            seen.add(key)
+            bad, node = copy.deepcopy(cfg), None
+            *path, leaf = key.split(".")
+            node = bad
+            for part in path:
+                node = getattr(node, part)
+            setattr(node, leaf, float("nan") if isinstance(value, float) else -10 ** 9)
+            try:
+                check_config(bad)
+                unchecked.append(key)
+            except ConfigError as err:
+                if f"{key}=" not in str(err):
+                    unchecked.append(key)
+    assert len(seen) > 60 and not unchecked, unchecked
+
+
+TOOL_FLAGS = [  # (tool, arguments, what the one error line says)
+    ("plan", ["--world", "0"], "argument --world: 0 must be >= 1"),
+    ("plan", ["--gpu-mem-gib", "-1"], "argument --gpu-mem-gib: -1 must be > 0"),
+    ("plan", ["--smoke-steps", "0"], "argument --smoke-steps: 0 must be >= 1"),
+    ("sample", ["RUN", "--prompt", "x", "--frames", "0"], "argument --frames: 0 must be >= 1 (1 = a still image)"),
+    ("sample", ["RUN", "--prompt", "x", "--height", "-8"], "argument --height: -8 must be >= 1"),
+    ("sample", ["RUN", "--prompt", "x", "--num", "0"], "argument --num: 0 must be >= 1"),
+    ("sample", ["RUN", "--prompt", "x", "--steps", "0"], "argument --steps: 0 must be >= 1"),
+    ("generate", ["RUN", "--temperature", "0"], "argument --temperature: 0 must be > 0"),
+    ("generate", ["RUN", "--top-k", "-1"], "argument --top-k: -1 must be >= 0 (0 = greedy)"),
+    ("generate", ["RUN", "--max-new", "x"], "argument --max-new: 'x' is not an integer"),
+    ("cache_latents", ["--out", "o", "--vae", "v", "--workers", "0"], "argument --workers: 0 must be >= 1"),
+    ("verify_layouts", ["--steps", "0"], "argument --steps: 0 must be >= 1"),
+    ("score_shapes", ["--num-clips", "0"], "argument --num-clips: 0 must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("tool,args,message", TOOL_FLAGS, ids=[f"{t} {' '.join(a)}" for t, a, _ in TOOL_FLAGS])
+def test_a_tool_flag_out_of_range_is_one_line(tool, args, message, capsys):
+    import importlib
+
+    main = importlib.import_module(f"dit_train.tools.{tool}").main
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith(f"error: {message}") and err.count("\n") == 1, err

@@ -23,9 +23,11 @@ import argparse
 import sys
 from pathlib import Path
 
+from dit_train.tools.args import ToolParser
+
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ToolParser(prog="python -m dit_train.tools.export_weights", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", help="a checkpoints/step_XXXXXXXX dir, a run dir (its newest checkpoint), "
                                        "or (with --diffusers) a run's weights.safetensors")
     ap.add_argument("--out", default=None, help="output .safetensors (default: <checkpoint>/weights.safetensors)")
