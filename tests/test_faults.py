@@ -147,6 +147,7 @@ def test_every_clip_undecodable_fails_the_run_naming_files(tmp_path, data_cache,
         _run([*BASE, "data.decoded_cache_items=0"], run, data_cache)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "failed" and "DataFailure" in summary["error"] and summary["steps_done"] == 0
+    assert summary["final_loss"] is None  # no step was done (it said 0.0)
     assert not (run / "weights.safetensors").exists()
 
 
@@ -415,3 +416,76 @@ def test_a_tool_flag_out_of_range_is_one_line(tool, args, message, capsys):
         main(args)
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.startswith(f"error: {message}") and err.count("\n") == 1, err
+
+
+def _strict_json(text: str):
+    """json.loads that refuses NaN / Infinity (what JSON itself does not allow)."""
+    def refuse(constant):
+        raise ValueError(f"not strict JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_weights_turned_non_finite_fail_the_run_at_once_in_strict_json(tmp_path, data_cache, monkeypatch):
+    """What optim.lr=1e30 does: an update leaves NaN in the weights, every later step is skipped.
+    The run stops at the first skipped step (not with status completed and NaN weights)."""
+    from dit_train.engine.worker import NonFiniteTraining
+
+    orig = torch.optim.SGD.step
+
+    def step(self, *args, **kwargs):
+        out = orig(self, *args, **kwargs)
+        with torch.no_grad():
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.fill_(float("nan"))
+        return out
+
+    monkeypatch.setattr(torch.optim.SGD, "step", step)
+    run = tmp_path / "run"
+    with pytest.raises(NonFiniteTraining, match=r"step 1: the weights are no longer finite .*lower optim.lr \(now 0.5\)"):
+        _run([*TINY, "train.steps=4"], run, data_cache)
+    summary = _strict_json((run / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["steps_done"] == 1 and summary["final_loss"] > 0
+    rows = [_strict_json(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows[1]["loss"] is None and rows[1]["nonfinite"] and rows[1]["skipped"] == 1
+    assert not (run / "weights.safetensors").exists()
+
+
+def test_a_non_finite_final_loss_fails_the_run(tmp_path, data_cache, monkeypatch):
+    from dit_train.engine.trainer import Trainer
+    from dit_train.engine.worker import NonFiniteTraining
+
+    orig = Trainer.step
+
+    def step(self, s):
+        res = orig(self, s)
+        if s == 1:
+            res.loss = float("nan")
+        return res
+
+    monkeypatch.setattr(Trainer, "step", step)
+    run = tmp_path / "run"
+    with pytest.raises(NonFiniteTraining, match="the last step's loss is nan"):
+        _run([*TINY, "train.steps=2"], run, data_cache)
+    summary = _strict_json((run / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["final_loss"] is None and summary["steps_done"] == 2
+
+
+def test_lora_that_cannot_learn_is_refused_and_a_zero_gradient_is_named(tmp_path, data_cache, monkeypatch, caplog):
+    from dit_train.engine.checks import ConfigError
+
+    lora = [*TINY, "model.init=adaln_zero", "model.lora.rank=4", "train.steps=1"]
+    with pytest.raises(ConfigError, match=r"output head \(final.linear\) is all zero .*set model.init=normal"):
+        _run(lora, tmp_path / "zero_head", data_cache)
+    assert not (tmp_path / "zero_head" / "metrics.jsonl").exists()
+    # adapters on the head itself do learn (through them, the rest does)
+    _run([*lora, "model.lora.targets=[final.linear,attn.qkv]"], tmp_path / "head_adapted", data_cache)
+    assert json.loads((tmp_path / "head_adapted" / "metrics.jsonl").read_text().splitlines()[0])["grad_norm"] > 0
+    # any run whose first step has an exactly zero gradient says so
+    from dit_train.tasks.video import VideoTask
+
+    orig = VideoTask.per_token_loss
+    monkeypatch.setattr(VideoTask, "per_token_loss", lambda self, *a: orig(self, *a) * 0.0)
+    _run([*TINY, "train.steps=1"], tmp_path / "zero_loss", data_cache)
+    assert "step 0: every trainable parameter got an exactly zero gradient" in caplog.text
