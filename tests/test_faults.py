@@ -489,3 +489,59 @@ def test_lora_that_cannot_learn_is_refused_and_a_zero_gradient_is_named(tmp_path
     monkeypatch.setattr(VideoTask, "per_token_loss", lambda self, *a: orig(self, *a) * 0.0)
     _run([*TINY, "train.steps=1"], tmp_path / "zero_loss", data_cache)
     assert "step 0: every trainable parameter got an exactly zero gradient" in caplog.text
+
+
+@pytest.mark.parametrize("text_path,message", [("missing.txt", r"missing\.txt: no such file"),
+                                               ("/dev/zero", r"/dev/zero is a character device, not a file"),
+                                               (".", r"is a folder, not a file")])
+def test_an_unusable_corpus_is_one_line_before_anything_runs(tmp_path, text_path, message):
+    """A missing corpus was a 27-line FileNotFoundError; /dev/zero was read whole (OOM-killed)."""
+    from dit_train.engine.checks import ConfigError
+
+    path = text_path if text_path.startswith("/") else str(tmp_path / text_path)
+    with pytest.raises(ConfigError, match=message):
+        train_in_process(["mode=llm", f"data.text_path={path}", "train.steps=1"], tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def _run_dir_with_weights(path: Path, overrides: list[str], weights: bytes) -> Path:
+    """A run folder's config.yaml and a weights.safetensors holding `weights`, without training."""
+    from dit_train.config import to_yaml
+
+    path.mkdir(parents=True)
+    (path / "config.yaml").write_text(to_yaml(compose_config(overrides)))
+    (path / "weights.safetensors").write_bytes(weights)
+    return path
+
+
+@pytest.mark.parametrize("tool,overrides,args", [("sample", TINY, ["--prompt", "x"]), ("generate", ["mode=llm"], [])])
+def test_malformed_weights_are_one_line_naming_the_file(tmp_path, capsys, tool, overrides, args):
+    import importlib
+
+    run = _run_dir_with_weights(tmp_path / "run", overrides, b"\x08\x00\x00\x00\x00\x00\x00\x00{\"a\":1}")
+    assert importlib.import_module(f"dit_train.tools.{tool}").main([str(run), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {run / 'weights.safetensors'} is not a readable .safetensors file") \
+        and err.count("\n") == 1, err
+
+
+def test_cache_latents_names_a_missing_model_folder(tmp_path, capsys):
+    from dit_train.tools.cache_latents import main
+
+    assert main(["--out", str(tmp_path / "out"), "--vae", str(tmp_path / "missing")]) == 1
+    err = capsys.readouterr().err
+    assert err == f"error: --vae {tmp_path / 'missing'}: no such folder (a local diffusers / transformers folder, or a " \
+                  f"pipeline folder; hub ids are not downloaded)\n"
+
+
+def test_session_refuses_an_out_of_vocabulary_prompt_and_an_empty_datum():
+    from dit_train.posttrain import Datum, TrainingSession
+
+    sess = TrainingSession(compose_config(["mode=llm", "model.dim=32", "model.depth=1", "model.heads=2",
+                                           "train.micro_batch_tokens=96", "data.max_doc_tokens=64"]))
+    with pytest.raises(ValueError, match=r"prompt 1 holds id 300, outside \[0, model.vocab_size=256\)"):
+        sess.generate([[72, 105], [300, 5]], max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"prompt 0 must be a non-empty list of token ids"):
+        sess.generate([[]], max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"datum 0: tokens is empty; expected \[T\] integer token ids with T >= 2"):
+        sess.forward_backward([Datum(tokens=[])])

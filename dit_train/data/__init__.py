@@ -55,14 +55,15 @@ def auto_micro_batch_tokens(lengths: list[int]) -> int:
     return max(max(lengths, default=0), AUTO_MICRO_BATCH_TOKENS)
 
 
-def check_data(cfg: Any) -> None:
+def check_data(cfg: Any) -> list[int]:
     """Fail before training if the data cannot fill a step or a sample cannot fit a micro-batch;
-    resolve train.micro_batch_tokens=0 (auto) to the longest sample (at least the default budget)."""
+    resolve train.micro_batch_tokens=0 (auto) to the longest sample (at least the default budget).
+    Returns the samples' lengths (what the step plan is made from)."""
     from dit_train.engine.checks import ConfigError
 
     try:
         lengths = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed).lengths()
-    except ValueError as err:
+    except (ValueError, OSError) as err:  # data that cannot be read (a missing corpus, a bad file): one line
         raise ConfigError(str(err)) from err
     if len(lengths) < cfg.train.global_batch:
         raise ConfigError(f"train.global_batch={cfg.train.global_batch} is larger than the dataset "
@@ -75,6 +76,7 @@ def check_data(cfg: Any) -> None:
         raise ConfigError(f"the longest sample has {longest} tokens but train.micro_batch_tokens="
                           f"{cfg.train.micro_batch_tokens}; raise train.micro_batch_tokens to at least {longest} "
                           f"(or 0 = auto), or lower {shorter}")
+    return lengths
 
 
 __all__ = ["SOURCES", "auto_micro_batch_tokens", "DataSource", "Dataset", "build_task", "check_data", "open_dataset", "prepare_data",
