@@ -16,7 +16,12 @@ from dit_train.config.choices import ActivationCheckpointing, Choice
 
 
 class ConfigError(ValueError):
-    """A configuration that cannot run; the message names the keys to change."""
+    """A configuration that cannot run; the message names the keys to change. `problems`: one
+    line per problem (check_config finds them all at once)."""
+
+    def __init__(self, message: str, problems: list[str] | None = None):
+        super().__init__(message)
+        self.problems = list(problems) if problems is not None else [message]
 
 
 def _check(ok: bool, message: str, errors: list[str]) -> None:
@@ -313,4 +318,5 @@ def check_config(cfg: Config, world_size: int | None = None) -> None:
     _model_and_data(cfg, e)
     if e:
         # one problem: one line; several: one line each under the heading
-        raise ConfigError(f"invalid configuration: {e[0]}" if len(e) == 1 else "invalid configuration:\n  - " + "\n  - ".join(e))
+        text = f"invalid configuration: {e[0]}" if len(e) == 1 else "invalid configuration:\n  - " + "\n  - ".join(e)
+        raise ConfigError(text, e)
