@@ -545,3 +545,103 @@ def test_session_refuses_an_out_of_vocabulary_prompt_and_an_empty_datum():
         sess.generate([[]], max_new_tokens=2)
     with pytest.raises(ValueError, match=r"datum 0: tokens is empty; expected \[T\] integer token ids with T >= 2"):
         sess.forward_backward([Datum(tokens=[])])
+
+
+def _snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
+    """Every file under `folder` (its lock aside): content and modification time."""
+    return {str(p.relative_to(folder)): (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*")) if p.is_file() and p.name != ".lock"}
+
+
+def test_a_refused_run_writes_nothing_and_an_unusable_run_dir_is_one_line(tmp_path, data_cache):
+    """Hydra wrote .hydra/*.yaml (and opened its log) before our code ran, so a run refused on
+    another run's folder overwrote that run's .hydra/ files. They are written once the folder
+    is claimed; what was logged before the claim is kept for the log."""
+    from tests.conftest import run_cli
+
+    run = tmp_path / "run"
+    args = [*TINY, "train.steps=1", f"data.cache_dir={data_cache}"]
+    first = run_cli([*args, "train.resume=auto", f"hydra.run.dir={run}"], tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "- train.steps=1" in (run / ".hydra" / "overrides.yaml").read_text()
+    assert (run / ".hydra" / "config.yaml").is_file() and "output_subdir: null" in (run / ".hydra" / "hydra.yaml").read_text()
+    assert "train.resume=auto: no checkpoint in" in (run / "__main__.log").read_text()  # logged before the claim
+    before = _snapshot(run)
+    refused = run_cli([*args, "train.seed=3", f"hydra.run.dir={run}"], tmp_path)
+    assert refused.returncode == 1 and refused.stderr.count("\n") == 1 and "holds another run's outputs" in refused.stderr
+    assert _snapshot(run) == before
+    (tmp_path / "a_file").write_text("x")
+    bad = run_cli([*args, f"hydra.run.dir={tmp_path / 'a_file' / 'run'}"], tmp_path)
+    assert bad.returncode == 1 and bad.stderr == (f"error: run folder {tmp_path / 'a_file' / 'run'} cannot be created: "
+                                                  f"{tmp_path / 'a_file'} is a file, not a folder; pick another "
+                                                  f"hydra.run.dir or fix its permissions\n"), bad.stderr
+
+
+def test_resume_refuses_data_that_changed_unless_told(tmp_path, data_cache, caplog):
+    """Clips removed from data.root change the step plan of the resumed steps: refused before
+    anything is written, naming data.root and the counts; train.resume_data_changed=true goes on."""
+    from dit_train.engine.run_folder import RunFolderError
+    from tests.conftest import TINY_MODEL
+    from tests.test_video_folder import make_video_folder
+
+    videos = make_video_folder(tmp_path / "videos", Path(data_cache), n=8)
+    base = [*TINY_MODEL, "data=video_folder", f"data.root={videos}", "data.max_frames=8", "data.num_workers=0",
+            "train.global_batch=3", "train.ckpt_every=2"]
+    run = tmp_path / "run"
+    _run([*base, "train.steps=2"], run, data_cache)
+    (videos / "video_0.mp4").unlink()
+    before = _snapshot(run)
+    with pytest.raises(RunFolderError, match=rf"data.root={videos} changed since .*step_00000001: it had 8 samples, now 7"
+                                             rf".*train.resume_data_changed=true"):
+        _run([*base, "train.steps=3", "train.resume=auto"], run, data_cache)
+    assert _snapshot(run) == before
+    _run([*base, "train.steps=3", "train.resume=auto", "train.resume_data_changed=true"], run, data_cache)
+    assert f"train.resume_data_changed=true: data.root={videos} changed" in caplog.text and _steps(run) == [0, 1, 2]
+
+
+def _start(args: list[str], run: Path, cwd: Path, steps_seen: int = 1) -> subprocess.Popen:
+    """`python -m dit_train` started, returned once `steps_seen` steps are in its metrics."""
+    proc = subprocess.Popen([sys.executable, "-m", "dit_train", *args, f"hydra.run.dir={run}"], cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        m = run / "metrics.jsonl"
+        if m.exists() and len(m.read_text().splitlines()) >= steps_seen:
+            return proc
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError(f"the run never reached step {steps_seen}: {proc.communicate()[1][-3000:]}")
+
+
+def _ended_like_ctrl_c(proc: subprocess.Popen, run: Path, signum: int) -> None:
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 128 + signum, (proc.returncode, err[-3000:])
+    assert err.count("\n") == 1 and err.startswith(f"error: the run was stopped by {signal.Signals(signum).name}"), err
+    summary = _strict_json((run / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["error"] == f"Interrupted: stopped by {signal.Signals(signum).name}"
+    assert summary["steps_done"] >= 1 and summary["final_loss"] is not None
+
+
+def test_sigterm_ends_a_run_like_ctrl_c(tmp_path, data_cache):
+    """It killed the process: no summary.json, no line saying what happened."""
+    run = tmp_path / "run"
+    proc = _start([*TINY, "train.steps=100000", f"data.cache_dir={data_cache}"], run, tmp_path, steps_seen=2)
+    proc.send_signal(signal.SIGTERM)
+    _ended_like_ctrl_c(proc, run, signal.SIGTERM)
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_of_local_workers_ends_like_ctrl_c(tmp_path, data_cache):
+    """torch elastic turned it into a Hydra traceback and the workers died without summary.json."""
+    from tests.test_checkpoint import _workers
+
+    run = tmp_path / "run"
+    proc = _start([*TINY, "train.steps=100000", "parallel.dp_shard=2", f"data.cache_dir={data_cache}"], run, tmp_path,
+                  steps_seen=2)
+    victims = _workers(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    _ended_like_ctrl_c(proc, run, signal.SIGTERM)
+    time.sleep(1)
+    assert victims and not [v for v in victims if Path(f"/proc/{v}").exists()], "orphaned worker processes"
+

@@ -117,17 +117,18 @@ def resume_spec(cfg: Config) -> str:
     return cfg.train.resume
 
 
-def claim_run_folder(cfg: Config, ctx: ParallelContext, claimed: bool) -> str:
+def claim_run_folder(cfg: Config, ctx: ParallelContext, claimed: bool, hydra_record: Any = None,
+                     data: Any = None) -> str:
     """The checkpoint to resume from ("" = none). When no launching process claimed the run
-    folder (direct calls, torchrun, SLURM), rank 0 claims it here (run_folder.py) and every rank
-    learns the outcome: the same resume point, or the same error."""
+    folder (direct calls, torchrun, SLURM), rank 0 claims it here (run_folder.py; `hydra_record`
+    and `data` as there) and every rank learns the outcome: the same resume point, or the same error."""
     restarting = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     if claimed or restarting:
         return resume_spec(cfg)
     outcome: list[Any] = [None]
     if ctx.is_main:
         try:
-            folder = open_run_folder(cfg, cfg.train.resume)
+            folder = open_run_folder(cfg, cfg.train.resume, hydra_record, data)
             _HELD.append(folder)  # its lock is held as long as this process runs
             outcome = [("ok", str(folder.resume_from or ""))]
         except RunFolderError as err:
@@ -172,15 +173,17 @@ class DataHealth:
                               f"fix or remove those files, or raise data.max_dropped_fraction")
 
 
-def train(cfg: Config, ctx: ParallelContext | None = None, claimed: bool = False) -> dict[str, Any]:
+def train(cfg: Config, ctx: ParallelContext | None = None, claimed: bool = False, hydra_record: Any = None,
+          data: Any = None) -> dict[str, Any]:
     """Train for cfg.train.steps; returns a summary. Creates the process group if needed.
 
     claimed: the launching process already claimed the run folder (`open_run_folder`) and
-    resolved `cfg.train.resume`; otherwise rank 0 does it here."""
+    resolved `cfg.train.resume`; otherwise rank 0 does it here (with `hydra_record` and `data`,
+    see `open_run_folder`)."""
     ctx = ctx or init_parallel(cfg.parallel)
     run_dir = Path(shared_run_dir(cfg.run_dir, ctx))
     cfg.run_dir = str(run_dir)
-    resume = claim_run_folder(cfg, ctx, claimed)
+    resume = claim_run_folder(cfg, ctx, claimed, hydra_record, data)
     config_yaml = to_yaml(cfg)
     run = build_run(cfg, ctx, heldout=cfg.train.eval_every > 0)
     trainer, t = run.trainer, cfg.train
@@ -204,6 +207,9 @@ def train(cfg: Config, ctx: ParallelContext | None = None, claimed: bool = False
     trackers = open_trackers(t, TrackedRun(run_dir, run_id, start, to_dict(cfg))) if ctx.is_main else []
     logger = MetricsLogger(run_dir, t.steps, start, enabled=ctx.is_main, progress=t.progress, log_every=t.log_every,
                            trackers=trackers)
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restarts:
+        logger.write(f"restart {restarts} of launcher.max_restarts={cfg.launcher.max_restarts} after a worker failure")
     logger.write(f"run folder: {run_dir}" + (f" (resumed from {ckpt} at step {start})" if ckpt is not None else ""))
     if validation is not None and validation.reference:
         logger.write(f"quality of the real validation clips (the reference): {format_scores(validation.reference)}")
