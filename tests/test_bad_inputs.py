@@ -190,6 +190,18 @@ def test_manifest_bad_rows_are_skipped_with_line_numbers(clips, tmp_path, caplog
     assert skipped == [(f"{csv}:3", "not UTF-8 (byte 0xe9)"), (f"{csv}:4", '"path" is empty')]
 
 
+def test_unusable_clips_are_warned_about_once(tmp_path, caplog):
+    """The data check and the training task each build the dataset: one warning, not two."""
+    from data_pipelines.video_dataset import ClipEntry
+    from data_pipelines.video_io import VideoInfo
+
+    entries = [ClipEntry(str(tmp_path / f"clip_{i}.mp4"), "", VideoInfo(8, 32, 32, 8.0)) for i in range(2)]
+    entries.append(ClipEntry(str(tmp_path / "tiny.mp4"), "", VideoInfo(8, 4, 4, 8.0)))  # smaller than a patch
+    with caplog.at_level(logging.WARNING):
+        datasets = [VideoClipDataset(entries, patch=(1, 8, 8)) for _ in range(2)]
+    assert [len(ds) for ds in datasets] == [2, 2] and caplog.text.count("skipped 1 unusable clip(s)") == 1, caplog.text
+
+
 def test_manifest_without_a_usable_row_is_an_error_naming_it(tmp_path):
     m = write_jsonl(tmp_path / "m.jsonl", [{"file": "a.mp4"}, {"path": None}])
     with pytest.raises(ValueError, match=r'manifest .*m\.jsonl has no usable row: .*line 1: no "path"'):

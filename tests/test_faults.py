@@ -645,3 +645,26 @@ def test_sigterm_to_the_launcher_of_local_workers_ends_like_ctrl_c(tmp_path, dat
     time.sleep(1)
     assert victims and not [v for v in victims if Path(f"/proc/{v}").exists()], "orphaned worker processes"
 
+
+def test_advice_says_only_what_applies(tmp_path, caplog):
+    """The hint to enable clipping when it is on; 'quality against the prompts:' with nothing
+    after it; 'put back data.root=<absent>'; a long prompt cut to model.text_len in silence."""
+    from dit_train.engine.resume import config_changes
+    from dit_train.engine.sanity import nonfinite_hint
+    from dit_train.sampling.prompts import prompt_space
+    from dit_train.tools.sample import quality_line
+
+    clipped, unclipped = compose_config(["optim.max_grad_norm=1"]), compose_config(["optim.max_grad_norm=0"])
+    assert "clipping" not in nonfinite_hint(clipped.optim, clipped.train)
+    assert "enable clipping (optim.max_grad_norm=1)" in nonfinite_hint(unclipped.optim, unclipped.train)
+    assert quality_line({"eval/num_clips": 0.0, "eval/num_skipped": 1.0}).startswith(
+        "quality against the prompts: not scored (no prompt is a caption of the shapes world")
+    assert quality_line({"eval/all_ok": 0.5, "eval/num_clips": 2.0}) == "quality against the prompts: all_ok=0.50"
+    assert quality_line({}) == ""
+    lines = [c.line() for c in config_changes(compose_config([]), compose_config(["data=video_folder", "data.root=v"]))]
+    assert not [x for x in lines if "<absent>" in x] and any(x.startswith("data.root: the checkpoint's data has no such "
+                                                                          "key") for x in lines), lines
+    assert any("put back data.name=synthetic_video" in x for x in lines)
+    space = prompt_space(compose_config(["model.text_dim=8", "model.text_len=64"]))
+    assert space.encode("x" * 10_000).shape[0] == 64
+    assert "is 10000 bytes long; the model reads the first 64 (model.text_len=64)" in caplog.text
