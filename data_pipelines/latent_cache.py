@@ -41,8 +41,13 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def component_path(path: str, sub: str) -> str:
-    """`path`, or `path/sub` when `path` is a whole diffusers pipeline folder (vae/, text_encoder/, ...)."""
+    """`path`, or `path/sub` when `path` is a whole diffusers pipeline folder (vae/, text_encoder/, ...).
+    A path that is not a local folder is a ValueError naming it (diffusers and transformers would
+    take it for a hub id and fail on the network)."""
     p = Path(path).expanduser()
+    if not p.is_dir():
+        raise ValueError(f"{path}: no such folder (the {sub} must be a local diffusers / transformers folder or a "
+                         f"pipeline folder holding {sub}/; hub ids are not downloaded)")
     return str(p / sub) if (p / sub / "config.json").is_file() or (p / sub / "tokenizer_config.json").is_file() else str(p)
 
 

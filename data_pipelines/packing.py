@@ -14,6 +14,7 @@ micro-batches: FSDP's collectives must match across ranks).
 from __future__ import annotations
 
 import functools
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -155,6 +156,14 @@ def plan_step(step: int, lengths: list[int] | dict[int, int], global_batch: int,
     for r in per_rank:
         r.extend([] for _ in range(m - len(r)))
     return StepPlan(step, ids, per_rank)
+
+
+def plan_fingerprint(lengths: list[int]) -> dict[str, object]:
+    """What the step plan depends on besides (seed, step, batch settings): the number of samples
+    and their lengths, as {"samples": n, "lengths_sha256": hex digest}. Stored in checkpoints:
+    a resume on data whose fingerprint differs would draw other samples than the run it continues."""
+    digest = hashlib.sha256(np.asarray(lengths, dtype=np.int64).tobytes()).hexdigest()
+    return {"samples": len(lengths), "lengths_sha256": digest}
 
 
 def padding_efficiency(lengths: list[int], micro_batches: list[list[int]], padded_len: int) -> float:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,6 +77,7 @@ class CorpusReport:
         return describe(self.skipped, self.unit, first)
 
 
+FIX = "point data.text_path at a UTF-8 .txt or .jsonl corpus"
 JSONL_HINT = 'each line must be a JSON object with a string "text", or a string "prompt" (and "completion")'
 
 
@@ -94,30 +96,60 @@ def scan_corpus(path: str, max_bad_fraction: float = 0.1) -> tuple[list[tuple[st
     """
     if not 0.0 <= max_bad_fraction <= 1.0:
         raise ValueError(f"max_bad_fraction={max_bad_fraction} must be in [0, 1]")
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise FileNotFoundError(f"data.text_path={path}: no such file")
-    try:
-        data = normalize_newlines(p.read_bytes())
-    except OSError as e:
-        raise ValueError(f"data.text_path={path} cannot be read: {e}") from e
-    fix = "point data.text_path at a UTF-8 .txt or .jsonl corpus"
-    if b"\x00" in data:
-        line = line_column(data, data.index(b"\x00"))[0] + 1
-        raise ValueError(f"data.text_path={path} looks binary: it holds NUL bytes (first on line {line}); {fix} "
-                         f"(UTF-16 text must be converted to UTF-8 first)")
-    docs, report = (_read_jsonl if p.suffix.lower() == ".jsonl" else _read_paragraphs)(path, data)
+    data = read_corpus_bytes(path)
+    jsonl = Path(path).suffix.lower() == ".jsonl"
+    docs, report = (_read_jsonl if jsonl else _read_paragraphs)(path, data)
     bad = len(report.undecodable)
     if report.records and bad > max_bad_fraction * report.records:
         first = report.undecodable[0]
         raise ValueError(f"data.text_path={path} looks binary or is not UTF-8: {bad / report.records:.0%} of its "
-                         f"{report.unit}s are not UTF-8 (first: line {first.line}: {first.why}); {fix} "
+                         f"{report.unit}s are not UTF-8 (first: line {first.line}: {first.why}); {FIX} "
                          f"(convert other encodings to UTF-8 first)")
     if not docs and report.skipped:
         raise ValueError(f"data.text_path={path} has no usable {report.unit}: {report.message()}"
                          + (f"; {JSONL_HINT}" if report.unit == "line" else ""))
     warn_once(log, report.message())
     return docs, report
+
+
+CHUNK = 1 << 20  # corpus bytes read at a time: a binary file is refused at its first NUL byte, not after reading it all
+
+
+def _file_kind(mode: int) -> str:
+    for test, kind in ((stat.S_ISDIR, "a folder"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
+def read_corpus_bytes(path: str) -> bytes:
+    """A corpus file's bytes, newlines normalized (records.normalize_newlines).
+
+    Read in chunks of CHUNK bytes, each checked for NUL bytes as it arrives: a binary file (or
+    UTF-16 text) is refused at its first chunk holding one, not after reading all of it. Only
+    regular files are read: a device (/dev/zero, /dev/urandom), a named pipe or a folder is
+    refused by name (a device never ends). ValueError naming data.text_path; FileNotFoundError
+    when there is nothing at `path`."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"data.text_path={path}: no such file")
+    mode = p.stat().st_mode
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"data.text_path={path} is {_file_kind(mode)}, not a file; {FIX}")
+    chunks: list[bytes] = []
+    try:
+        with p.open("rb") as f:
+            while chunk := f.read(CHUNK):
+                if b"\x00" in chunk:
+                    before = normalize_newlines(b"".join(chunks) + chunk[:chunk.index(b"\x00")])
+                    line = before.count(b"\n") + 1
+                    raise ValueError(f"data.text_path={path} looks binary: it holds NUL bytes (first on line {line}); "
+                                     f"{FIX} (UTF-16 text must be converted to UTF-8 first)")
+                chunks.append(chunk)
+    except OSError as e:
+        raise ValueError(f"data.text_path={path} cannot be read: {e}") from e
+    return normalize_newlines(b"".join(chunks))
 
 
 def read_corpus(path: str, max_bad_fraction: float = 0.1) -> list[tuple[str, str]]:

@@ -207,8 +207,8 @@ class VideoClipDataset:
                 self.skipped.append((e.path, why))
             else:
                 self.entries.append(e)
-        if self.skipped:
-            log.warning("skipped %d unusable clip(s), e.g. %s: %s", len(self.skipped), *self.skipped[0])
+        if self.skipped:  # once per process: the data check, the train and held-out splits each build one
+            warn_once(log, "skipped %d unusable clip(s), e.g. %s: %s" % (len(self.skipped), *self.skipped[0]))
         self._warn_slow_clips()
         if not self.entries:
             raise ValueError("the video dataset has no usable clip" +

@@ -6,6 +6,7 @@ one process or starts the workers the layout needs. See README.md.
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -14,49 +15,81 @@ from omegaconf import DictConfig
 from dit_train.config import Config, config_dir, register_configs, to_config
 
 
-def run_from_config(cfg: Config) -> dict:
+def run_from_config(cfg: Config, hydra_record: Any = None) -> dict:
     """Check the config, prepare and check the data, claim the run folder, then train (in this
-    process or in local workers). Everything that can refuse the run happens before step 0."""
+    process or in local workers). Everything that can refuse the run happens before step 0.
+    hydra_record: the CLI's `HydraRecord`, written into the run folder once it is claimed."""
     import functools
+
+    from dit_train.data_pipelines.packing import plan_fingerprint
 
     from dit_train.data import check_data, prepare_data
     from dit_train.engine.checks import ConfigError, check_config
-    from dit_train.engine.launch import external_world_size, launch
+    from dit_train.engine.launch import WorkerFailure, external_world_size, interruption, launch
     from dit_train.engine.run_folder import open_run_folder
+    from dit_train.engine.summary import amend_summary
     from dit_train.engine.worker import train
 
     check_config(cfg, external_world_size())
     try:
         prepare_data(cfg.data, cfg.model)
-    except ValueError as err:
+    except (ValueError, OSError) as err:
         raise ConfigError(str(err)) from err
-    check_data(cfg)
+    data = plan_fingerprint(check_data(cfg))
     if external_world_size() is not None:  # torchrun / SLURM: rank 0 claims the folder in the worker
-        return launch(cfg, train)
-    folder = open_run_folder(cfg, cfg.train.resume)
+        return launch(cfg, functools.partial(train, hydra_record=hydra_record, data=data))
+    folder = open_run_folder(cfg, cfg.train.resume, hydra_record, data)
     try:
         cfg.train.resume = str(folder.resume_from or "")  # every worker resumes from the same checkpoint
         return launch(cfg, functools.partial(train, claimed=True))
+    except WorkerFailure as err:  # rank 0 may only have seen its collective fail: name the real cause
+        amend_summary(folder.path, "failed", f"WorkerFailure: {err}")
+        raise
+    except KeyboardInterrupt as err:  # a signal to this process (the workers got it from the agent)
+        amend_summary(folder.path, "interrupted", f"Interrupted: {interruption(err)[0]}")
+        raise
     finally:
         folder.release()
 
 
 @hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")
 def main(dcfg: DictConfig) -> float | None:
-    cfg = to_config(dcfg)
-    cfg.run_dir = HydraConfig.get().runtime.output_dir
     from dit_train.checkpoint import CheckpointError
     from dit_train.engine.checks import ConfigError
-    from dit_train.engine.launch import WorkerFailure
+    from dit_train.engine.hydra_outputs import HydraRecord
+    from dit_train.engine.launch import WorkerFailure, interrupt_on_signals, interruption
     from dit_train.engine.worker import RunFailed
 
+    interrupt_on_signals()  # a scheduler's SIGTERM ends the run like Ctrl-C
+    record = HydraRecord.capture(dcfg)  # Hydra's .hydra/ files and job log, written once the folder is ours
+    cfg = to_config(dcfg)
+    cfg.run_dir = HydraConfig.get().runtime.output_dir
     try:
-        summary = run_from_config(cfg)
+        summary = run_from_config(cfg, record)
     except (ConfigError, WorkerFailure, RunFailed, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt as err:
+        print(f"error: {interrupted_line(err, cfg)}", file=sys.stderr)
+        sys.exit(interruption(err)[1])
     # returned to Hydra (sweepers such as Optuna minimise it)
     return summary.get("final_loss") if summary else None
+
+
+def interrupted_line(err: KeyboardInterrupt, cfg: Config) -> str:
+    """What a stopped run tells its user: which signal, where its summary is, how to go on."""
+    from pathlib import Path
+
+    from dit_train.checkpoint import checkpoint_root, list_checkpoints
+    from dit_train.engine.launch import interruption
+
+    run = Path(cfg.run_dir)
+    how = interruption(err)[0]
+    saved = list_checkpoints(checkpoint_root(run)) if (run / "summary.json").exists() else []
+    then = (f"continue with train.resume=auto (newest checkpoint: {saved[-1][1].name})" if saved
+            else "no checkpoint to continue from (train.ckpt_every=0 or none written yet)")
+    where = f"status in {run / 'summary.json'}" if (run / "summary.json").exists() else f"run folder {run}"
+    return f"the run was {how} ({where}); {then}"
 
 
 def cli() -> None:

@@ -14,7 +14,7 @@ from dit_train.kernels import VarlenLayout
 def load_run(run_dir: str | Path, weights: str | Path | None = None, ema: bool = False) -> tuple[Config, nn.Module]:
     """The config and trained model of a run dir (config.yaml + weights.safetensors, or
     weights_ema.safetensors with `ema`)."""
-    from safetensors.torch import load_file
+    from dit_train.checkpoint.export import load_safetensors
 
     run_dir = Path(run_dir)
     cfg = load_config(run_dir)
@@ -22,7 +22,16 @@ def load_run(run_dir: str | Path, weights: str | Path | None = None, ema: bool =
     if not path.exists():
         raise FileNotFoundError(f"no weights at {path} (export them from a checkpoint first)")
     model = build_model(cfg.model)
-    model.load_state_dict(load_file(str(path)))
+    sd, want = load_safetensors(path), model.state_dict()
+    missing, unexpected = sorted(want.keys() - sd.keys()), sorted(sd.keys() - want.keys())
+    if missing or unexpected:
+        raise ValueError(f"{path} does not hold the weights of the model in {run_dir / 'config.yaml'}: missing "
+                         f"{missing[:3]}, unexpected {unexpected[:3]}")
+    try:
+        model.load_state_dict(sd)
+    except RuntimeError as err:  # a tensor of another shape
+        raise ValueError(f"{path} does not fit the model in {run_dir / 'config.yaml'}: "
+                         f"{' '.join(str(err).split())[:300]}") from None
     return cfg, model.eval()
 
 

@@ -42,6 +42,31 @@ def test_binary_file_is_refused_naming_the_file(tmp_path):
         load_text_datasets(str(tmp_path / "data.gz"), "byte", 64, 0.0)
 
 
+def test_a_binary_corpus_is_refused_at_its_first_chunk_not_read_whole(tmp_path, monkeypatch):
+    """The NUL check runs on each chunk as it is read: a 20 MB binary file costs one chunk of
+    memory (it used to be read whole first: /dev/zero was OOM-killed), and the line is right
+    across chunk boundaries; devices, pipes and folders are refused without reading."""
+    import os
+    import tracemalloc
+
+    import dit_train.data_pipelines.text as text
+
+    monkeypatch.setattr(text, "CHUNK", 16)
+    p = tmp_path / "model.bin"
+    p.write_bytes(b"first line\r\nsecond line\n\x00" + b"x" * 20_000_000)
+    tracemalloc.start()
+    with pytest.raises(ValueError, match=r"model\.bin looks binary: it holds NUL bytes \(first on line 3\)"):
+        load_text_datasets(str(p), "byte", 64, 0.0)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 1_000_000, peak
+    os.mkfifo(tmp_path / "pipe.txt")
+    for path, kind in (("/dev/zero", "a character device"), (str(tmp_path / "pipe.txt"), "a named pipe"),
+                       (str(tmp_path), "a folder")):
+        with pytest.raises(ValueError, match=f"data.text_path={path} is {kind}, not a file"):
+            load_text_datasets(path, "byte", 64, 0.0)
+
+
 def test_null_text_is_skipped_and_counted_not_trained_as_None(tmp_path):
     p = write_jsonl(tmp_path / "corpus.jsonl", GOOD[:3] + [{"text": None}] + GOOD[3:])
     train, _ = load_text_datasets(str(p), "byte", 256, 0.0)
@@ -163,6 +188,18 @@ def test_manifest_bad_rows_are_skipped_with_line_numbers(clips, tmp_path, caplog
     rows, skipped = scan_manifest(csv)
     assert rows == [{"path": str(clips[0][0]), "caption": "ok"}]
     assert skipped == [(f"{csv}:3", "not UTF-8 (byte 0xe9)"), (f"{csv}:4", '"path" is empty')]
+
+
+def test_unusable_clips_are_warned_about_once(tmp_path, caplog):
+    """The data check and the training task each build the dataset: one warning, not two."""
+    from dit_train.data_pipelines.video_dataset import ClipEntry
+    from dit_train.data_pipelines.video_io import VideoInfo
+
+    entries = [ClipEntry(str(tmp_path / f"clip_{i}.mp4"), "", VideoInfo(8, 32, 32, 8.0)) for i in range(2)]
+    entries.append(ClipEntry(str(tmp_path / "tiny.mp4"), "", VideoInfo(8, 4, 4, 8.0)))  # smaller than a patch
+    with caplog.at_level(logging.WARNING):
+        datasets = [VideoClipDataset(entries, patch=(1, 8, 8)) for _ in range(2)]
+    assert [len(ds) for ds in datasets] == [2, 2] and caplog.text.count("skipped 1 unusable clip(s)") == 1, caplog.text
 
 
 def test_manifest_without_a_usable_row_is_an_error_naming_it(tmp_path):

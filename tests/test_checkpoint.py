@@ -133,6 +133,9 @@ def test_killed_worker_stops_the_run_with_an_error(tmp_path, data_cache):
     assert not [v for v in victims if Path(f"/proc/{v}").exists()], "orphaned worker processes"
     steps = len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
     assert steps < 200
+    # summary.json names the killed rank (rank 0 itself only saw its collective fail: kept aside)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"].startswith("WorkerFailure: worker rank 1 failed"), summary
 
 
 @pytest.mark.slow
@@ -143,6 +146,9 @@ def test_killed_worker_restarts_from_checkpoint_and_finishes_exactly(tmp_path, d
     rc, out, victims = _start_and_kill([*args, "launcher.max_restarts=1"], tmp_path / "run", tmp_path, kill_at_step=6)
     assert victims and rc == 0, out[-3000:]
     assert "resumed from" in out
+    # the log says the workers restart (it said FAILED and trained on)
+    assert "restarting every worker from the newest checkpoint (restart 1 of launcher.max_restarts=1)" in out
+    assert "restart 1 of launcher.max_restarts=1 after a worker failure" in out and "FAILED" not in out, out[-3000:]
     from dit_train.metrics import read_metrics
 
     recs = read_metrics(tmp_path / "run" / "metrics.jsonl")

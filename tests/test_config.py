@@ -158,6 +158,19 @@ def _parse_cell(cell: str):
         return None
 
 
+def test_every_key_has_a_row_in_a_docs_table():
+    """Each key of the default config (and of the LLM's) is a row of a table in the README or
+    docs/ (launcher.heartbeat_timeout_s had none)."""
+    from dit_train.config import compose as compose_dit
+    from dit_train.engine.resume import flatten
+
+    pages = [CONF.parent / "README.md", *sorted((CONF.parent / "docs").glob("*.md"))]
+    rows = "".join(p.read_text() for p in pages)
+    keys = {**flatten(compose_dit([])), **flatten(compose_dit(["mode=llm"]))}
+    missing = [k for k in keys if f"| `{k}` |" not in rows]
+    assert len(keys) > 100 and not missing, missing
+
+
 @pytest.mark.parametrize("page", ["docs/configuration.md", "README.md"])
 def test_documented_defaults_are_the_configs(page):
     """The defaults tables say what `python -m dit_train` runs with: a default changed in conf/

@@ -147,6 +147,7 @@ def test_every_clip_undecodable_fails_the_run_naming_files(tmp_path, data_cache,
         _run([*BASE, "data.decoded_cache_items=0"], run, data_cache)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["status"] == "failed" and "DataFailure" in summary["error"] and summary["steps_done"] == 0
+    assert summary["final_loss"] is None  # no step was done (it said 0.0)
     assert not (run / "weights.safetensors").exists()
 
 
@@ -307,3 +308,4 @@ def test_a_frozen_worker_is_named_and_every_worker_stopped(tmp_path, data_cache)
     assert "stopped making progress" in out and "launcher.heartbeat_timeout_s=5" in out, out[-2000:]
     time.sleep(1)
     assert not [v for v in victims if Path(f"/proc/{v}").exists()], "orphaned worker processes"
+

@@ -234,7 +234,7 @@ def test_a_damaged_checkpoint_without_record_or_index_falls_back_saying_why(tmp_
 
 @pytest.mark.parametrize("room", ["for_one_copy", "for_none"])
 def test_summary_on_a_full_disk_is_whole_or_absent_never_empty_or_stale(tmp_path, monkeypatch, room):
-    from dit_train.engine.worker import write_summary
+    from dit_train.engine.summary import write_summary
 
     (tmp_path / "summary.json").write_text('{"status": "completed"}')  # an earlier segment's
     real_write = Path.write_text
@@ -246,7 +246,7 @@ def test_summary_on_a_full_disk_is_whole_or_absent_never_empty_or_stale(tmp_path
         return real_write(self, text, *args, **kwargs)
 
     monkeypatch.setattr(Path, "write_text", write_text)
-    write_summary(tmp_path, json.dumps({"status": "failed"}))
+    write_summary(tmp_path, {"status": "failed"})
     assert not (tmp_path / "summary.json.tmp").exists()
     if room == "for_one_copy":
         assert json.loads((tmp_path / "summary.json").read_text()) == {"status": "failed"}

@@ -28,6 +28,19 @@ def save_safetensors(sd: dict[str, torch.Tensor], path: str | Path) -> None:
     tmp.replace(path)  # atomic: a reader never sees half a file
 
 
+def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of a .safetensors file; a file that is not one (cut short, another format)
+    is a ValueError naming it, not the reader's own error."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"{path} is not a readable .safetensors file ({err}); export the weights again "
+                         f"(python -m dit_train.tools.export_weights) or point at another file") from None
+
+
 def export_weights(model: nn.Module, path: str | Path, is_main: bool) -> None:
     sd = full_state_dict(model)
     if is_main:

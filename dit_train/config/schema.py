@@ -237,6 +237,9 @@ class TrainConfig:
     keep_last: int = 2  # checkpoints kept (this run's newest)
     resume: str = ""  # "" | auto | path to a checkpoint dir
     overwrite: bool = False  # start a new run in a folder holding another run (its outputs move to overwritten_<time>/)
+    # resume although the data's samples changed since the checkpoint (clips added or removed:
+    # the steps from the resumed one on draw from the new data); false = such a resume is refused
+    resume_data_changed: bool = False
     max_skipped_steps: int = 5  # stop after more non-finite steps in a row
     # EMA of the trainable weights (0 = off): shadow <- d·shadow + (1-d)·w after every step taken,
     # d = min(ema_decay, (1 + n)/(10 + n)) for the n-th update (dit_train/engine/ema.py)

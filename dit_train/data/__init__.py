@@ -57,17 +57,18 @@ def auto_micro_batch_tokens(lengths: list[int]) -> int:
     return max(max(lengths, default=0), AUTO_MICRO_BATCH_TOKENS)
 
 
-def check_data(cfg: Any) -> None:
+def check_data(cfg: Any) -> list[int]:
     """Fail before training if the data cannot fill a step or a sample cannot fit a micro-batch
     (each error names the keys and values that would work); resolve train.micro_batch_tokens=0
-    (auto) to the longest sample (at least the default budget)."""
+    (auto) to the longest sample (at least the default budget). Returns the samples' lengths
+    (what the step plan is made from)."""
     from dit_train.engine.checks import ConfigError
 
     try:
         task = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed)
-    except ValueError as err:
+        lengths = task.lengths()
+    except (ValueError, OSError) as err:  # data that cannot be read (a missing corpus, a bad file): one line
         raise ConfigError(str(err)) from err
-    lengths = task.lengths()
     if len(lengths) < cfg.train.global_batch:
         raise ConfigError(f"train.global_batch={cfg.train.global_batch} is larger than the dataset "
                           f"({len(lengths)} samples); set train.global_batch={len(lengths)} (the largest that "
@@ -86,6 +87,7 @@ def check_data(cfg: Any) -> None:
                           f"train.micro_batch_tokens={budget}; raise train.micro_batch_tokens to at least {longest} "
                           f"(or 0 = auto: the longest sample)"
                           + (f", or make every sample fit {budget} tokens: {' or '.join(fits)}" if fits else ""))
+    return lengths
 
 
 __all__ = ["SOURCES", "auto_micro_batch_tokens", "DataSource", "Dataset", "build_task", "check_data", "open_dataset", "prepare_data",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import typing
 from typing import Any
 
@@ -15,7 +16,12 @@ from dit_train.config.choices import ActivationCheckpointing, Choice
 
 
 class ConfigError(ValueError):
-    """A configuration that cannot run; the message names the keys to change."""
+    """A configuration that cannot run; the message names the keys to change. `problems`: one
+    line per problem (check_config finds them all at once)."""
+
+    def __init__(self, message: str, problems: list[str] | None = None):
+        super().__init__(message)
+        self.problems = list(problems) if problems is not None else [message]
 
 
 def _check(ok: bool, message: str, errors: list[str]) -> None:
@@ -106,9 +112,82 @@ def _train(cfg: Config, e: list[str]) -> None:
     from dit_train.trackers import tracker_errors
 
     e.extend(tracker_errors(list(t.loggers)))
-    _check(o.lr > 0, f"optim.lr={o.lr} must be > 0", e)
     _check(o.max_grad_norm >= 0, f"optim.max_grad_norm={o.max_grad_norm} must be >= 0 (0 disables clipping)", e)
     _check(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), f"optim.betas={list(o.betas)} must be two values in [0, 1)", e)
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """Where a numeric key's value must lie: finite, and within [low, high] (either end open,
+    or absent). `note` says what the edge values mean."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    note: str = ""
+
+    def holds(self, v: float) -> bool:
+        if not math.isfinite(v):
+            return False
+        if self.low is not None and (v <= self.low if self.low_open else v < self.low):
+            return False
+        return self.high is None or (v < self.high if self.high_open else v <= self.high)
+
+    def describe(self) -> str:
+        if self.low is None and self.high is None:
+            return "a finite number"
+        if self.high is None:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+
+
+# Numeric keys without a rule elsewhere in this file (a key a node does not have, such as a
+# model- or source-specific one, is skipped). A value outside its range, or not finite, is refused.
+RANGES: dict[str, Range] = {
+    "model.dim": Range(1), "model.depth": Range(1), "model.heads": Range(1),
+    "model.mlp_ratio": Range(0, low_open=True), "model.rope_theta": Range(0, low_open=True),
+    "model.in_channels": Range(1), "model.vocab_size": Range(1),
+    "model.ffn_dim": Range(0, note="0 = model.dim x model.mlp_ratio"), "model.freq_dim": Range(1),
+    "model.norm_eps": Range(0, low_open=True),
+    "model.lora.rank": Range(0, note="0 = no adapters"), "model.lora.alpha": Range(0, note="0 = the rank"),
+    "model.lora.dropout": Range(0, 1, high_open=True),
+    "data.num_workers": Range(0, note="0 = decode in the training thread"),
+    "data.max_dropped_fraction": Range(0, 1, note="the share of unreadable samples a run tolerates"),
+    "data.num_clips": Range(1), "data.num_images": Range(0), "data.max_frames": Range(1), "data.frame_stride": Range(1),
+    "data.fps": Range(0, note="0 = the clip's own rate"), "data.decoded_cache_items": Range(0),
+    "data.max_doc_tokens": Range(1),
+    "parallel.threads_per_worker": Range(0, note="0 = cores / local workers"),
+    "parallel.timeout_s": Range(0, low_open=True),
+    "launcher.master_port": Range(0, 65535, note="0 = a free port"),
+    "launcher.monitor_interval": Range(0, low_open=True),
+    "launcher.heartbeat_timeout_s": Range(0, note="0 = off"),
+    "loss.logit_mean": Range(), "loss.logit_std": Range(0, low_open=True),
+    "optim.lr": Range(0, low_open=True), "optim.weight_decay": Range(0),
+    "optim.eps": Range(0, low_open=True), "optim.momentum": Range(0, 1, high_open=True),
+    "optim.warmup_steps": Range(0), "optim.min_lr_ratio": Range(0, 1),
+    "train.log_every": Range(1), "train.ema_decay": Range(0, 1, high_open=True, note="0 = off"),
+}
+
+
+def _value(cfg: Any, key: str) -> tuple[bool, Any]:
+    node = cfg
+    for part in key.split("."):
+        if not hasattr(node, part):
+            return False, None
+        node = getattr(node, part)
+    return True, node
+
+
+def range_errors(cfg: Config) -> list[str]:
+    """One line per key of RANGES whose value is outside its range (or not finite)."""
+    errors = []
+    for key, rule in RANGES.items():
+        present, v = _value(cfg, key)
+        if present and isinstance(v, (int, float)) and not rule.holds(v):
+            finite = "" if math.isfinite(v) or (rule.low is None and rule.high is None) else "finite and "
+            errors.append(f"{key}={v} must be {finite}{rule.describe()}" + (f" ({rule.note})" if rule.note else ""))
+    return errors
 
 
 def _batch_warmup(t: Any, e: list[str]) -> None:
@@ -137,6 +216,8 @@ def _model_and_data(cfg: Config, e: list[str]) -> None:
            f"pick one of: {', '.join(n for n in MODELS.names() if MODELS[n].mode == cfg.mode)}", e)
     e.extend(spec.checks(m))
     _moe(m, spec, e)
+    if m.lora.rank > 0:
+        e.extend(lora_errors(m))
     if hasattr(m, "text_dim"):
         _check(m.text_dim >= 0 and m.text_len >= 1, f"model.text_dim={m.text_dim} must be >= 0 and model.text_len="
                f"{m.text_len} >= 1", e)
@@ -173,6 +254,39 @@ def _moe(m: Any, spec: Any, e: list[str]) -> None:
            f"adapters on stacked expert weights are not supported; train the MoE model fully (model.lora.rank=0)", e)
 
 
+def lora_errors(m: Any) -> list[str]:
+    """model.lora.init and model.lora.targets against the model (built on the meta device: no
+    memory, no weights). peft matches a target to a layer whose name is it or ends in ".target";
+    a target that matches no linear layer is a typo (peft would ignore it, or fail with its own
+    error when none matches)."""
+    from torch import nn
+
+    from dit_train.models import build_model, model_spec
+    from dit_train.models.lora import DEFAULT_TARGETS
+
+    lo, e = m.lora, []
+    _check(lo.init in ("default", "gaussian"), f"model.lora.init={lo.init!r} must be default or gaussian", e)
+    if not lo.targets:
+        return e
+    import torch
+
+    try:
+        with torch.device("meta"):
+            model = build_model(m)
+    except Exception:  # the model's own checks report what is wrong with its shape
+        return e
+    spec = model_spec(m)
+    linears = [n for n, mod in model.named_modules() if isinstance(mod, nn.Linear)]
+    unmatched = [t for t in lo.targets if not any(n == t or n.endswith("." + t) for n in linears)]
+    if unmatched:
+        kinds = sorted({".".join(n.split(".")[-2:]) for n in linears})
+        default = DEFAULT_TARGETS.get(spec.name, ())
+        e.append(f"model.lora.targets: {', '.join(map(repr, unmatched))} {'matches' if len(unmatched) == 1 else 'match'} no linear layer of model={m.name} "
+                 f"(its layers end in {', '.join(kinds[:12])}{', ...' if len(kinds) > 12 else ''}); "
+                 f"[] = the default set [{','.join(default)}]")
+    return e
+
+
 def warnings_for(cfg: Config) -> list[str]:
     """Settings that run but probably do not do what the user wants."""
     w = []
@@ -196,10 +310,13 @@ def check_config(cfg: Config, world_size: int | None = None) -> None:
     for message in warnings_for(cfg):
         logging.getLogger(__name__).warning(message)
     e = choice_errors(cfg, "")
+    e += range_errors(cfg)
     _parallel(cfg, world_size, e)
     _train(cfg, e)
     _batch_warmup(cfg.train, e)
     _loss(cfg, e)
     _model_and_data(cfg, e)
     if e:
-        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(e))
+        # one problem: one line; several: one line each under the heading
+        text = f"invalid configuration: {e[0]}" if len(e) == 1 else "invalid configuration:\n  - " + "\n  - ".join(e)
+        raise ConfigError(text, e)

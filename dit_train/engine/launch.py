@@ -33,6 +33,36 @@ class WorkerFailure(RuntimeError):
     """A local worker exited with an error; the message names the rank and the cause."""
 
 
+class Interrupted(KeyboardInterrupt):
+    """A signal stopped the run (SIGTERM from a scheduler or `kill`, SIGINT from Ctrl-C, also
+    when it reached the launcher of local workers): it ends like Ctrl-C, through the same
+    `KeyboardInterrupt` paths (summary.json with status interrupted, one line, exit 128 + signal)."""
+
+    def __init__(self, signum: int):
+        self.signum = int(signum)
+        super().__init__(f"stopped by {signal.Signals(self.signum).name}")
+
+
+def _raise_interrupted(signum: int, frame: Any) -> None:
+    raise Interrupted(signum)
+
+
+def interrupt_on_signals() -> None:
+    """SIGTERM and SIGINT raise `Interrupted` in this process's main thread (SIGTERM would
+    otherwise kill it before summary.json is written). Call it from the main thread of a process
+    that trains or launches workers."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, _raise_interrupted)
+
+
+def interruption(err: KeyboardInterrupt) -> tuple[str, int]:
+    """("stopped by SIGTERM", exit code 128 + the signal's number, as a shell reports a process
+    the signal stopped: 143, or 130 for Ctrl-C)."""
+    signum = err.signum if isinstance(err, Interrupted) else int(signal.SIGINT)
+    return f"stopped by {signal.Signals(signum).name}", 128 + signum
+
+
 def under_external_launcher() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
@@ -122,9 +152,13 @@ class Watchdog(threading.Thread):
 
 
 def _worker(fn: Callable[..., Any], args: tuple, beat_dir: str | None = None) -> Any:
+    interrupt_on_signals()  # the agent stops workers with SIGTERM: rank 0 still writes summary.json
     if beat_dir:
         Heartbeat(beat_dir).start()
-    return fn(*args)
+    try:
+        return fn(*args)
+    except KeyboardInterrupt as err:  # stopped on purpose: an exit code, not a traceback per worker
+        raise SystemExit(interruption(err)[1]) from None
 
 
 def launch_local(fn: Callable[..., Any], args: tuple, nproc: int, cfg: LauncherConfig) -> dict[int, Any]:
@@ -134,11 +168,15 @@ def launch_local(fn: Callable[..., Any], args: tuple, nproc: int, cfg: LauncherC
     signs of life for launcher.heartbeat_timeout_s (after launcher.max_restarts restarts of the
     whole group); no worker outlives this call. Rendezvous listens on loopback only.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    # elastic's warnings (a death signal received, workers being closed) repeat what our one line
+    # says; each of its modules sets its own logger's level, so set each one's (its errors stay)
+    for name in list(logging.Logger.manager.loggerDict):
+        if name.startswith(("torch.distributed.elastic", "torch.distributed.launcher")):
+            logging.getLogger(name).setLevel(logging.ERROR)
     port = cfg.master_port or free_port()
     lc = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc,
@@ -150,8 +188,12 @@ def launch_local(fn: Callable[..., Any], args: tuple, nproc: int, cfg: LauncherC
     watchdog = Watchdog(beat_dir, cfg.heartbeat_timeout_s) if beat_dir else None
     if watchdog is not None:
         watchdog.start()
+    main_thread = threading.current_thread() is threading.main_thread()
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)} if main_thread else {}
     try:
         return elastic_launch(lc, _worker)(fn, args, beat_dir)
+    except SignalException as err:  # the agent caught SIGTERM / SIGINT and stopped the workers
+        raise Interrupted(err.sigval) from None
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
         if watchdog is not None and watchdog.stuck:
@@ -163,6 +205,8 @@ def launch_local(fn: Callable[..., Any], args: tuple, nproc: int, cfg: LauncherC
         raise WorkerFailure(f"worker rank {rank} failed (exit code {failure.exitcode}): "
                             f"{msg or 'see the traceback above'}") from None
     finally:
+        for sig, handler in handlers.items():  # the agent replaced them with its own
+            signal.signal(sig, handler)
         if watchdog is not None:
             watchdog.stop()
             shutil.rmtree(beat_dir, ignore_errors=True)

@@ -22,7 +22,8 @@ from typing import Any
 
 ALLOWED = (
     "run_dir", "train.steps", "train.log_every", "train.progress", "train.save_weights", "train.ckpt_every",
-    "train.keep_last", "train.resume", "train.overwrite", "train.max_skipped_steps", "train.sample_every",
+    "train.keep_last", "train.resume", "train.overwrite", "train.resume_data_changed", "train.max_skipped_steps",
+    "train.sample_every",
     "train.num_samples", "train.sample_steps", "train.compile", "train.grad_accum",
     "train.micro_batch_tokens", "train.loggers", "train.wandb_project", "train.wandb_mode", "parallel.*",
     "launcher.*", "model.attn_backend",
@@ -61,6 +62,9 @@ NOTICE = {
 }
 
 
+ABSENT = "<absent>"  # the value of a key one config's node type does not have
+
+
 @dataclasses.dataclass
 class Change:
     key: str
@@ -71,8 +75,16 @@ class Change:
     def line(self) -> str:
         if self.kind == "notice":
             return f"{self.key}: {self.old!r} -> {self.new!r}: {NOTICE[self.key]}"
+        fix = "or start a new run folder (hydra.run.dir=...)"
+        group = self.key.split(".")[0]
+        if self.old == ABSENT:  # a key of another model / data source: nothing to put back
+            return (f"{self.key}: the checkpoint's {group} has no such key, this run sets {self.new!r} (another "
+                    f"{group}=...); resume with the checkpoint's {group} choice, {fix}")
+        if self.new == ABSENT:
+            return (f"{self.key}: the checkpoint was trained with {self.old!r}, this run's {group} has no such key "
+                    f"(another {group}=...); resume with the checkpoint's {group} choice, {fix}")
         return (f"{self.key}: the checkpoint was trained with {self.old!r}, this run asks for {self.new!r}; "
-                f"put back {self.key}={_cli(self.old)} to resume, or start a new run folder (hydra.run.dir=...)")
+                f"put back {self.key}={_cli(self.old)} to resume, {fix}")
 
 
 def _cli(value: Any) -> str:
@@ -109,7 +121,7 @@ def config_changes(old: Any, new: Any) -> list[Change]:
     a, b = flatten(old), flatten(new)
     out = []
     for key in sorted(a.keys() | b.keys()):
-        va, vb = a.get(key, "<absent>"), b.get(key, "<absent>")
+        va, vb = a.get(key, ABSENT), b.get(key, ABSENT)
         if _norm(va) != _norm(vb):
             out.append(Change(key, va, vb, classify(key)))
     return out

@@ -9,11 +9,14 @@ under torchrun / SLURM), before any step:
 2. a lock (`.lock`, an OS file lock: a dead process holds none) says one run at a time;
 3. a folder holding another run's outputs is refused unless `train.resume` continues it or
    `train.overwrite=true` moves the old outputs aside (`overwritten_<time>/`: nothing is lost);
-4. resuming: every config key that changed since the checkpoint is classified (resume.py);
-   a refused change stops here, before anything is written;
+4. resuming: every config key that changed since the checkpoint is classified (resume.py),
+   and the data must still hold the samples the checkpoint's step plan was made from (its
+   count and lengths) unless `train.resume_data_changed=true`; a refusal stops here, before
+   anything is written;
 5. the config is recorded: `config.yaml` for a new run, `resume_<step>.yaml` for each resumed
-   segment (never overwritten), and `run.json` holds the run's id (checkpoints carry it, and
-   pruning only removes this run's own).
+   segment (never overwritten), `run.json` holds the run's id (checkpoints carry it, and
+   pruning only removes this run's own), and Hydra's `.hydra/` files and job log
+   (hydra_outputs.py) are written now, not before the folder was ours.
 """
 from __future__ import annotations
 
@@ -100,7 +103,9 @@ def previous_outputs(path: Path) -> list[str]:
 def _move_aside(path: Path, names: list[str]) -> Path:
     dest = path / f"overwritten_{time.strftime('%Y%m%d-%H%M%S')}"
     dest.mkdir()
-    for name in names + [p.name for p in path.glob("resume_*.yaml")]:
+    # with the old run's Hydra record and job log (hydra_outputs.py), which the new run writes anew
+    extra = [p.name for p in [*path.glob("resume_*.yaml"), *path.glob("*.log"), path / ".hydra"] if p.exists()]
+    for name in names + extra:
         os.replace(path / name, dest / name)
     return dest
 
@@ -137,8 +142,40 @@ def _space(path: Path, cfg: Any, leftovers: list[Path]) -> None:
                              f"needs ~{need / 2**30:.2f} GiB; free space, lower train.keep_last or train.ckpt_every=0")
 
 
-def open_run_folder(cfg: Any, resume: str) -> RunFolder:
-    """Check and claim `cfg.run_dir` for this launch (see the module docstring)."""
+def data_key(data_cfg: Any) -> str:
+    """The key naming where a source's samples come from, with its value (for messages)."""
+    for key in ("root", "text_path"):
+        if getattr(data_cfg, key, ""):
+            return f"data.{key}={getattr(data_cfg, key)}"
+    return f"data={data_cfg.name}"
+
+
+def check_same_data(ckpt: Path, data: dict[str, Any] | None, cfg: Any) -> None:
+    """Refuse to resume `ckpt` on data whose plan fingerprint (packing.plan_fingerprint: sample
+    count and lengths) differs from the one it was trained on, unless train.resume_data_changed.
+    Checkpoints without a fingerprint (older ones) and callers without data pass."""
+    from dit_train.checkpoint import read_checkpoint_info
+
+    saved = read_checkpoint_info(ckpt)["parts"].get("trainer", {}).get("data")
+    if data is None or not saved or saved == data:
+        return
+    n0, n1 = saved.get("samples"), data["samples"]
+    what = f"{n0} samples, now {n1}" if n0 != n1 else f"{n0} samples, now {n1} of other lengths"
+    if cfg.train.resume_data_changed:
+        log.warning("train.resume_data_changed=true: %s changed since %s (%s); the steps from the resumed one on "
+                    "draw from the new data", data_key(cfg.data), ckpt.name, what)
+        return
+    raise RunFolderError(f"{data_key(cfg.data)} changed since {ckpt}: it had {what}, so the resumed steps would draw "
+                         f"other samples than the run did; put the data back, start a new run folder "
+                         f"(hydra.run.dir=...), or continue on the new data with train.resume_data_changed=true")
+
+
+def open_run_folder(cfg: Any, resume: str, hydra_record: Any = None, data: dict[str, Any] | None = None) -> RunFolder:
+    """Check and claim `cfg.run_dir` for this launch (see the module docstring).
+
+    hydra_record: a `HydraRecord` to write once the folder is claimed (None outside the CLI).
+    data: the plan fingerprint of the configured data (packing.plan_fingerprint) to compare
+    with a resumed checkpoint's; None = not checked."""
     from dit_train.checkpoint import checkpoint_root, resolve_checkpoint
     from dit_train.config import load_config, to_yaml
     from dit_train.engine.resume import config_changes, refusal_message
@@ -171,6 +208,7 @@ def open_run_folder(cfg: Any, resume: str) -> RunFolder:
             for c in changes:
                 if c.kind == "notice":
                     log.warning("resume: %s", c.line())
+            check_same_data(ckpt, data, cfg)
         leftovers = interrupted_saves(path)
         _space(path, cfg, leftovers)
     except BaseException:
@@ -192,4 +230,6 @@ def open_run_folder(cfg: Any, resume: str) -> RunFolder:
         if not (path / "config.yaml").exists():
             (path / "config.yaml").write_text(to_yaml(cfg))
     (path / "run.json").write_text(json.dumps({"run_id": run_id, "resumed_from": str(ckpt) if ckpt else None}, indent=2))
+    if hydra_record is not None:
+        hydra_record.write(path)
     return RunFolder(path, run_id, ckpt, lock)

@@ -1,9 +1,9 @@
 """The worker: what every rank runs, whoever started it (our launcher, torchrun or SLURM)."""
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -15,6 +15,8 @@ from dit_train.config import Config, to_dict, to_yaml
 from dit_train.engine.build import Run, build_run
 from dit_train.engine.resume import apply_optimizer_settings
 from dit_train.engine.run_folder import RunFolderError, open_run_folder, run_id_of
+from dit_train.engine.sanity import nonfinite_hint, nonfinite_weights, zero_gradient_warning, zero_head_error
+from dit_train.engine.summary import write_summary
 from dit_train.metrics import MetricsLogger
 from dit_train.parallel.mesh import ParallelContext, init_parallel
 from dit_train.trackers import TrackedRun, open_trackers
@@ -126,17 +128,18 @@ def resume_spec(cfg: Config) -> str:
     return cfg.train.resume
 
 
-def claim_run_folder(cfg: Config, ctx: ParallelContext, claimed: bool) -> str:
+def claim_run_folder(cfg: Config, ctx: ParallelContext, claimed: bool, hydra_record: Any = None,
+                     data: Any = None) -> str:
     """The checkpoint to resume from ("" = none). When no launching process claimed the run
-    folder (direct calls, torchrun, SLURM), rank 0 claims it here (run_folder.py) and every rank
-    learns the outcome: the same resume point, or the same error."""
+    folder (direct calls, torchrun, SLURM), rank 0 claims it here (run_folder.py; `hydra_record`
+    and `data` as there) and every rank learns the outcome: the same resume point, or the same error."""
     restarting = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     if claimed or restarting:
         return resume_spec(cfg)
     outcome: list[Any] = [None]
     if ctx.is_main:
         try:
-            folder = open_run_folder(cfg, cfg.train.resume)
+            folder = open_run_folder(cfg, cfg.train.resume, hydra_record, data)
             _HELD.append(folder)  # its lock is held as long as this process runs
             outcome = [("ok", str(folder.resume_from or ""))]
         except RunFolderError as err:
@@ -181,36 +184,17 @@ class DataHealth:
                               f"fix or remove those files, or raise data.max_dropped_fraction")
 
 
-def write_summary(run_dir: Path, text: str) -> None:
-    """summary.json, whole or not at all: a full disk must not leave it empty, truncated, or
-    stale (an earlier segment's "completed"). A failure is logged, not raised: the error that
-    ends the run stays the one reported."""
-    path, tmp = run_dir / "summary.json", run_dir / "summary.json.tmp"
-    try:
-        tmp.write_text(text)
-        tmp.replace(path)
-        return
-    except OSError:
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-    try:  # no room for a second copy: drop the old one (its space too) and write in place
-        path.unlink(missing_ok=True)
-        path.write_text(text)
-    except OSError as err:
-        with contextlib.suppress(OSError):
-            path.unlink(missing_ok=True)
-        log.error("could not write %s: %s", path, err.strerror or err)
-
-
-def train(cfg: Config, ctx: ParallelContext | None = None, claimed: bool = False) -> dict[str, Any]:
+def train(cfg: Config, ctx: ParallelContext | None = None, claimed: bool = False, hydra_record: Any = None,
+          data: Any = None) -> dict[str, Any]:
     """Train for cfg.train.steps; returns a summary. Creates the process group if needed.
 
     claimed: the launching process already claimed the run folder (`open_run_folder`) and
-    resolved `cfg.train.resume`; otherwise rank 0 does it here."""
+    resolved `cfg.train.resume`; otherwise rank 0 does it here (with `hydra_record` and `data`,
+    see `open_run_folder`)."""
     ctx = ctx or init_parallel(cfg.parallel)
     run_dir = Path(shared_run_dir(cfg.run_dir, ctx))
     cfg.run_dir = str(run_dir)
-    resume = claim_run_folder(cfg, ctx, claimed)
+    resume = claim_run_folder(cfg, ctx, claimed, hydra_record, data)
     config_yaml = to_yaml(cfg)
     run = build_run(cfg, ctx, heldout=cfg.train.eval_every > 0)
     trainer, t = run.trainer, cfg.train
@@ -220,6 +204,11 @@ def train(cfg: Config, ctx: ParallelContext | None = None, claimed: bool = False
     if ckpt is not None:
         start = load_checkpoint(ckpt, parts) + 1
         apply_optimizer_settings(run.optimizer, run.scheduler, cfg.optim)
+    cannot_learn = zero_head_error(run.model, cfg.model.lora.rank, ctx.device, ctx.world_group)
+    if cannot_learn:
+        from dit_train.engine.checks import ConfigError
+
+        raise ConfigError(cannot_learn)
     run_id = run_id_of(run_dir) or ""
 
     validation = Validation(cfg, run) if t.sample_every > 0 else None
@@ -229,6 +218,9 @@ def train(cfg: Config, ctx: ParallelContext | None = None, claimed: bool = False
     trackers = open_trackers(t, TrackedRun(run_dir, run_id, start, to_dict(cfg))) if ctx.is_main else []
     logger = MetricsLogger(run_dir, t.steps, start, enabled=ctx.is_main, progress=t.progress, log_every=t.log_every,
                            trackers=trackers)
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restarts:
+        logger.write(f"restart {restarts} of launcher.max_restarts={cfg.launcher.max_restarts} after a worker failure")
     logger.write(f"run folder: {run_dir}" + (f" (resumed from {ckpt} at step {start})" if ckpt is not None else ""))
     if validation is not None:
         logger.write(validation.describe())
@@ -241,7 +233,8 @@ def train(cfg: Config, ctx: ParallelContext | None = None, claimed: bool = False
             t0 = time.perf_counter()
             res = trainer.step(step)
             dt = time.perf_counter() - t0
-            last = res
+            if step == 0 and (warning := zero_gradient_warning(res.grad_norm, res.skipped, cfg.model.lora.rank)):
+                log.warning(warning)
             record = {
                 "step": step, "loss": res.loss, "grad_norm": res.grad_norm,
                 "lr": run.scheduler.get_last_lr()[0], "tokens": res.tokens, "samples": res.samples,
@@ -266,25 +259,52 @@ def train(cfg: Config, ctx: ParallelContext | None = None, claimed: bool = False
             if trainer.skipped_in_a_row > t.max_skipped_steps:
                 raise NonFiniteTraining(
                     f"{trainer.skipped_in_a_row} steps in a row had non-finite gradients or losses "
-                    f"(train.max_skipped_steps={t.max_skipped_steps}); lower optim.lr, enable clipping "
-                    f"(optim.max_grad_norm), use train.precision=bf16 instead of fp16, or check the data")
+                    f"(train.max_skipped_steps={t.max_skipped_steps}); {nonfinite_hint(cfg.optim, t)}")
+            # a skipped step with non-finite weights can never recover: every later step is skipped
+            if res.skipped and nonfinite_weights(run.model, ctx.device, ctx.world_group):
+                raise NonFiniteTraining(f"step {step}: the weights are no longer finite (an earlier update made them "
+                                        f"NaN or inf); {nonfinite_hint(cfg.optim, t)}")
             if t.ckpt_every > 0 and ((step + 1) % t.ckpt_every == 0 or step + 1 == t.steps):
                 path = save_checkpoint(run_dir, step, parts, config_yaml, t.keep_last, run_id)
                 logger.write(f"checkpoint of step {step}: {path}")
-            done = step + 1
+            last, done = res, step + 1
+        if last is not None and not math.isfinite(last.loss):
+            raise NonFiniteTraining(f"the last step's loss is {last.loss} (not finite); {nonfinite_hint(cfg.optim, t)}")
+        if done > start and nonfinite_weights(run.model, ctx.device, ctx.world_group):
+            raise NonFiniteTraining(f"the weights after step {done - 1} are not finite; {nonfinite_hint(cfg.optim, t)}")
         if t.save_weights:
             export_run_weights(run.model, run.ema, cfg.model, run_dir, ctx.is_main)
     except BaseException as err:
         error = err
         raise
     finally:
-        summary = {"status": "completed" if error is None else "failed", "steps": t.steps, "steps_done": done,
+        # final_loss: the loss of the last step done (null when this launch did none)
+        summary = {"status": run_status(error), "steps": t.steps, "steps_done": done,
                    "final_loss": last.loss if last else None, "skipped_steps": trainer.skipped_total,
                    "samples_dropped": health.dropped, "resumed_from": str(ckpt) if ckpt else None}
         if error is not None:
             summary["error"] = f"{type(error).__name__}: {error}"
         if ctx.is_main:
-            write_summary(run_dir, json.dumps(summary, indent=2))
-        logger.write(f"{'finished' if error is None else 'FAILED'}: {run_dir}")
+            write_summary(run_dir, summary)
+        logger.write(ending_line(error, run_dir, done))
         logger.close(ok=error is None)
     return summary
+
+
+def run_status(error: BaseException | None) -> str:
+    if error is None:
+        return "completed"
+    return "interrupted" if isinstance(error, KeyboardInterrupt) else "failed"
+
+
+def ending_line(error: BaseException | None, run_dir: Path, done: int) -> str:
+    """The run's last console line. A worker whose group the elastic agent will restart
+    (launcher.max_restarts) says so instead of FAILED: training goes on."""
+    if error is None:
+        return f"finished: {run_dir}"
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    most = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if restarts < most and not isinstance(error, KeyboardInterrupt):
+        return (f"stopped after step {done - 1} ({type(error).__name__}): restarting every worker from the newest "
+                f"checkpoint (restart {restarts + 1} of launcher.max_restarts={most})")
+    return f"{run_status(error).upper()}: {run_dir}"

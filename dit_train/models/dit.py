@@ -60,6 +60,7 @@ class VideoDiT(nn.Module):
     # parameters that start at zero ("adaLN-zero" of DiT, zero cross-attention output of
     # PixArt-α: a new block starts as the identity); see models/init.py
     zero_init = ("adaLN_modulation", "final.linear", "cross_attn.proj", "text_pool")
+    output_head = "final.linear"  # LoRA on a base where it is all zero cannot learn (engine/sanity.py)
 
     def __init__(self, patch_dim: int, dim: int, depth: int, heads: int, mlp_ratio: float,
                  qk_norm: bool = True, rope_theta: float = 10000.0, backend: str = "sdpa", text_dim: int = 0,

@@ -174,6 +174,7 @@ class PackedWan(nn.Module):
 
     # Wan zero-initialises its output head when trained from scratch.
     zero_init = ("proj_out",)
+    output_head = "proj_out"  # LoRA on a base where it is all zero cannot learn (engine/sanity.py)
 
     def __init__(self, cfg: WanConfig, backend: str = "sdpa"):
         super().__init__()

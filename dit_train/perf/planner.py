@@ -182,7 +182,7 @@ def check_layout(cfg: Config, layout: Layout, work: Workload) -> list[str]:
     try:
         check_config(apply_layout(cfg, layout), layout.world)
     except ConfigError as err:
-        reasons += [line.strip()[2:] for line in str(err).splitlines()[1:]]
+        reasons += err.problems
     if layout.dp > work.global_batch:
         reasons.append(f"dp_replicate·dp_shard={layout.dp} > train.global_batch={work.global_batch}: "
                        f"some data-parallel ranks would get no sample")

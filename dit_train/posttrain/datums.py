@@ -89,6 +89,23 @@ def _float_vector(i: int, name: str, value: Any, T: int, scalar_ok: bool = False
     return t
 
 
+def check_prompts(prompts: Any, vocab_size: int) -> None:
+    """`session.generate`'s prompts: a list of non-empty lists of token ids in [0, vocab_size).
+    Raises ValueError naming the prompt (an id outside the vocabulary would fail deep in the
+    embedding, on rank 0 only)."""
+    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__") or len(prompts) == 0:
+        raise ValueError("prompts must be a non-empty list of token id lists (e.g. [[72, 105]])")
+    for i, p in enumerate(prompts):
+        t = torch.as_tensor(p) if not isinstance(p, (str, bytes)) else None
+        if t is None or t.dim() != 1 or t.numel() == 0:
+            raise ValueError(f"prompt {i} must be a non-empty list of token ids, got {p!r:.60}")
+        if t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
+            raise ValueError(f"prompt {i} has dtype {t.dtype}; expected integer token ids")
+        lo, hi = int(t.min()), int(t.max())
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(f"prompt {i} holds id {lo if lo < 0 else hi}, outside [0, model.vocab_size={vocab_size})")
+
+
 def check_datum(i: int, d: Any, vocab_size: int, max_tokens: int) -> Datum:
     """A checked copy of the caller's datum `i`: tensors on the CPU, weights filled in.
     Raises ValueError naming the datum and the field."""
@@ -96,6 +113,8 @@ def check_datum(i: int, d: Any, vocab_size: int, max_tokens: int) -> Datum:
         raise TypeError(f"datum {i} is a {type(d).__name__}; pass dit_train.posttrain.Datum(tokens=..., ...) "
                         f"(mode=llm) or a list of dataset sample ids")
     tokens = torch.as_tensor(d.tokens)
+    if tokens.numel() == 0:  # checked first: an empty list becomes a float tensor
+        raise _fail(i, "tokens", "is empty; expected [T] integer token ids with T >= 2 (one is predicted from the rest)")
     if tokens.dtype.is_floating_point or tokens.dtype == torch.bool or tokens.is_complex():
         raise _fail(i, "tokens", f"has dtype {tokens.dtype}; expected integer token ids")
     if tokens.dim() != 1 or tokens.numel() < 2:

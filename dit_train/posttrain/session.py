@@ -32,7 +32,8 @@ from dit_train.config import Config
 from dit_train.engine.build import build_run
 from dit_train.loss import sync_sequence_sums
 from dit_train.parallel.mesh import ParallelContext
-from dit_train.posttrain.datums import (TOKEN_FIELDS, Datum, DatumLMTask, VideoDatum, check_datums, video_task)
+from dit_train.posttrain.datums import (TOKEN_FIELDS, Datum, DatumLMTask, VideoDatum, check_datums, check_prompts,
+                                        video_task)
 from dit_train.posttrain.losses import LossFn, TokenInputs, sft_loss
 
 NORMALIZATIONS = ("num_loss_tokens", "num_sequences", "none")
@@ -330,6 +331,7 @@ class TrainingSession:
 
         if self.cfg.mode != "llm":
             raise ValueError("generate samples text: mode=llm only")
+        check_prompts(prompts, self.cfg.model.vocab_size)  # on every rank, before the collective
         sd = full_state_dict(self.model)  # a collective under FSDP: every rank
         box: list[Any] = [None]
         if self.ctx.is_main:

@@ -44,6 +44,14 @@ def _multiple(x: int, m: int, what: str) -> int:
     return y
 
 
+def _notice_cut(caption: str, length: int, keep: int, unit: str) -> None:
+    """Say so when a prompt is longer than the model reads (model.text_len): the rest is ignored."""
+    if length > keep:
+        shown = caption if len(caption) <= 40 else caption[:40] + "..."
+        log.warning("the prompt %r is %d %s long; the model reads the first %d (model.text_len=%d), the rest is "
+                    "ignored", shown, length, unit, keep, keep)
+
+
 def prompt_space(cfg, device: str | torch.device = "cpu") -> PromptSpace:
     """The PromptSpace of a run's config (data and model nodes)."""
     m, d = cfg.model, cfg.data
@@ -58,8 +66,13 @@ def prompt_space(cfg, device: str | torch.device = "cpu") -> PromptSpace:
             if not info.get("text_encoder"):
                 raise ValueError(f"the latent cache {d.root} was made without a text encoder: prompts cannot be encoded")
             text = TextEncoder(info["text_encoder"], info.get("tokenizer", ""), int(info.get("max_text_len") or 512), device)
-            encode = lambda caption: text.encode(caption)[: m.text_len]  # noqa: E731
-            null = encode("")
+
+            def encode_tokens(caption: str) -> torch.Tensor:
+                emb = text.encode(caption)
+                _notice_cut(caption, emb.shape[0], m.text_len, "tokens")
+                return emb[: m.text_len]
+
+            encode, null = encode_tokens, encode_tokens("")
 
         def latent_shape(frames: int, height: int, width: int) -> tuple[int, int, int, int]:
             c, f, h, w = vae.latent_shape(frames, height, width)
@@ -71,12 +84,16 @@ def prompt_space(cfg, device: str | torch.device = "cpu") -> PromptSpace:
     # the training task's encoder (the same word vectors with model.caption_words)
     encoder = ByteCaptionEncoder(m.text_dim, m.text_len, words=getattr(m, "caption_words", False)) if m.text_dim else None
 
+    def encode_bytes(caption: str) -> torch.Tensor:
+        _notice_cut(caption, len(caption.encode("utf-8")), m.text_len, "bytes")
+        return encoder(caption)
+
     def pixel_shape(frames: int, height: int, width: int) -> tuple[int, int, int, int]:
         return (m.in_channels, _multiple(frames, pt, "--frames"), _multiple(height, ph, "--height"),
                 _multiple(width, pw, "--width"))
 
     fps = getattr(d, "fps", 0.0) or 8.0
-    return PromptSpace(encoder, encoder("") if encoder else None, pixel_shape, None, fps)
+    return PromptSpace(encode_bytes if encoder else None, encoder("") if encoder else None, pixel_shape, None, fps)
 
 
 def prompt_requests(space: PromptSpace, prompts: list[str], num: int, frames: int, height: int,

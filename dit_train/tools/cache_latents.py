@@ -26,6 +26,8 @@ import socket
 import sys
 from pathlib import Path
 
+from dit_train.tools.args import POSITIVE_INT, ToolParser
+
 
 # the model whose preset sizes (model.default_buckets) data=video_folder's clips are resized to
 # when the command names none: a latent cache is for a latent model, and Wan 2.1's 480p sizes
@@ -125,14 +127,14 @@ def _free_port() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ToolParser(prog="python -m dit_train.tools.cache_latents", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("overrides", nargs="*", help="config overrides choosing the source, e.g. data=video_folder data.root=videos/")
     ap.add_argument("--out", required=True, help="cache folder (then train with data=latent_cache data.root=<out>)")
     ap.add_argument("--vae", required=True, help="local diffusers VAE folder (e.g. AutoencoderKLWan), or a pipeline folder")
     ap.add_argument("--text-encoder", default="", help="local transformers encoder folder (T5/UMT5/...), or a pipeline folder")
     ap.add_argument("--tokenizer", default="", help="tokenizer folder (default: the text encoder's)")
-    ap.add_argument("--max-text-len", type=int, default=512, help="captions are truncated to this many tokens")
-    ap.add_argument("--workers", type=int, default=1, help="local processes to start (ignored under torchrun)")
+    ap.add_argument("--max-text-len", type=POSITIVE_INT, default=512, help="captions are truncated to this many tokens")
+    ap.add_argument("--workers", type=POSITIVE_INT, default=1, help="local processes to start (ignored under torchrun)")
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda")
     ap.add_argument("--dtype", default="fp32", choices=sorted(["fp32", "bf16", "fp16"]), help="VAE / text encoder precision")
     ap.add_argument("--vae-tiling", action="store_true", help="tiled VAE encoding (large frames, less memory)")
@@ -141,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="also read .bin/.pt weights (a pickle can run code: only from a source you trust)")
     args = ap.parse_intermixed_args(argv)
     try:
+        for flag, path in (("--vae", args.vae), ("--text-encoder", args.text_encoder), ("--tokenizer", args.tokenizer)):
+            if path and not Path(path).expanduser().is_dir():  # before any worker starts: one line, not one per rank
+                raise ValueError(f"{flag} {path}: no such folder (a local diffusers / transformers folder, or a "
+                                 f"pipeline folder; hub ids are not downloaded)")
         data = compose_data(args.overrides)
         if data.name not in ("synthetic_video", "video_folder"):
             raise ValueError(f"data={data.name} is not a video source; use data=video_folder data.root=... (or data=synthetic_video)")

@@ -34,6 +34,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dit_train.tools.args import ToolParser
+
 
 def _lora(cfg: Any, args: argparse.Namespace) -> bool:
     """The adapters are wanted (a LoRA run without --merge-lora)."""
@@ -52,9 +54,8 @@ def _full_weights(cfg: Any, sd: dict, args: argparse.Namespace, default: Path) -
 
 def _from_weights_file(src: Path, args: argparse.Namespace) -> Path:
     """A run's weights.safetensors (full weights; merged for LoRA runs) -> --diffusers DIR."""
-    from safetensors.torch import load_file
-
     from dit_train.checkpoint import export_diffusers
+    from dit_train.checkpoint.export import load_safetensors
     from dit_train.config import load_config
 
     if not args.diffusers:
@@ -63,7 +64,7 @@ def _from_weights_file(src: Path, args: argparse.Namespace) -> Path:
         raise ValueError("--ema picks weights_ema.safetensors of a run dir; with a .safetensors input pass that file")
     if not (src.parent / "config.yaml").exists():
         raise FileNotFoundError(f"{src.parent} has no config.yaml (pass a weights.safetensors inside its run dir)")
-    return export_diffusers(load_config(src.parent), load_file(str(src)), args.diffusers)
+    return export_diffusers(load_config(src.parent), load_safetensors(src), args.diffusers)
 
 
 def _base(src: Path, args: argparse.Namespace) -> Path:
@@ -94,8 +95,7 @@ def _from_checkpoint(ckpt: Path, args: argparse.Namespace) -> Path:
 def _from_run_files(run: Path, args: argparse.Namespace) -> Path | None:
     """A run dir without checkpoints: what it wrote at its end. None when the wanted file is
     already where no --out/--diffusers was asked for (nothing to write)."""
-    from safetensors.torch import load_file
-
+    from dit_train.checkpoint.export import load_safetensors
     from dit_train.config import load_config
     from dit_train.models.lora import WEIGHT_NAME
 
@@ -116,7 +116,7 @@ def _from_run_files(run: Path, args: argparse.Namespace) -> Path | None:
     if _lora(cfg, args):  # the file is already in diffusers' LoRA format: DIR/pytorch_lora_weights.safetensors
         Path(dest).mkdir(parents=True, exist_ok=True)
         return Path(shutil.copyfile(src, Path(dest) / WEIGHT_NAME))
-    return _full_weights(cfg, load_file(str(src)), args, run / src.name)
+    return _full_weights(cfg, load_safetensors(src), args, run / src.name)
 
 
 def export(args: argparse.Namespace) -> tuple[Path | None, Path]:
@@ -143,7 +143,7 @@ def export(args: argparse.Namespace) -> tuple[Path | None, Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dit_train.tools.export_weights", description=__doc__,
+    ap = ToolParser(prog="python -m dit_train.tools.export_weights", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("checkpoint", help="a checkpoints/step_XXXXXXXX dir, a run dir (its newest checkpoint, else the "
                                        "weights it wrote), or (with --diffusers) a run's weights.safetensors")

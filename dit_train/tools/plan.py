@@ -23,41 +23,43 @@ import sys
 from pathlib import Path
 
 from dit_train.config import compose
+from dit_train.engine.checks import Range
 from dit_train.parallel.mesh import ParallelDims
 from dit_train.perf.bench import format_table
 from dit_train.perf.memory import GIB, calibrate_block, model_shape
 from dit_train.perf.planner import Workload, plan, resolve_plan_backend, smoke, workload_from_data
+from dit_train.tools.args import POSITIVE_FLOAT, POSITIVE_INT, ToolParser, ranged
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dit_train.tools.plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ToolParser(prog="python -m dit_train.tools.plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +experiment=video_cp8 model=dit_1b")
-    ap.add_argument("--world", type=int, default=0, help="ranks (default: the config's layout)")
-    ap.add_argument("--gpu-mem-gib", type=float, default=80.0, help="memory per rank (default 80, an H100)")
-    ap.add_argument("--reserve-gib", type=float, default=2.0,
+    ap.add_argument("--world", type=POSITIVE_INT, default=0, help="ranks (default: the config's layout)")
+    ap.add_argument("--gpu-mem-gib", type=POSITIVE_FLOAT, default=80.0, help="memory per rank (default 80, an H100)")
+    ap.add_argument("--reserve-gib", type=ranged(float, Range(0)), default=2.0,
                     help="kept free for the CUDA context, NCCL buffers and allocator fragmentation")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="target device (picks the attention backend)")
     ap.add_argument("--backend", default="", help="attention backend to cost (default: model.attn_backend, auto -> flash on cuda)")
-    ap.add_argument("--max-sample-tokens", type=int, default=0, help="longest sample (default: train.micro_batch_tokens)")
-    ap.add_argument("--mean-sample-tokens", type=float, default=0, help="mean sample length (default: the longest)")
+    ap.add_argument("--max-sample-tokens", type=ranged(int, Range(0, note="0 = train.micro_batch_tokens")), default=0, help="longest sample (default: train.micro_batch_tokens)")
+    ap.add_argument("--mean-sample-tokens", type=ranged(float, Range(0, note="0 = the longest")), default=0, help="mean sample length (default: the longest)")
     ap.add_argument("--from-data", action="store_true", help="read sample lengths from the configured dataset")
-    ap.add_argument("--max-micro-tokens", type=int, default=1 << 17)
+    ap.add_argument("--max-micro-tokens", type=POSITIVE_INT, default=1 << 17)
     ap.add_argument("--ac", choices=("both", "on", "off", "all", "none", "selective", "full"), default="both",
                     help="activation checkpointing options (both = none and full; all = none, selective, full)")
     ap.add_argument("--offload", choices=("none", "all"), default="none",
                     help="also plan train.activation_offload and parallel.cpu_offload (all)")
-    ap.add_argument("--frames", type=int, default=0, help="pixel frames of one clip: answer which options fit it")
-    ap.add_argument("--height", type=int, default=480, help="pixel height of the clip (with --frames)")
-    ap.add_argument("--width", type=int, default=832, help="pixel width of the clip (with --frames)")
+    ap.add_argument("--frames", type=ranged(int, Range(0, note="0 = no clip question")), default=0, help="pixel frames of one clip: answer which options fit it")
+    ap.add_argument("--height", type=POSITIVE_INT, default=480, help="pixel height of the clip (with --frames)")
+    ap.add_argument("--width", type=POSITIVE_INT, default=832, help="pixel width of the clip (with --frames)")
     ap.add_argument("--vae-stride", default="4,8,8", help="VAE compression t,h,w (Wan-VAE: 4,8,8)")
-    ap.add_argument("--host-mem-gib", type=float, default=128.0, help="host memory per rank for the offload options")
-    ap.add_argument("--max-frames", type=int, default=4001, help="upper end of the longest-clip search")
-    ap.add_argument("--top", type=int, default=12, help="rows to print")
+    ap.add_argument("--host-mem-gib", type=POSITIVE_FLOAT, default=128.0, help="host memory per rank for the offload options")
+    ap.add_argument("--max-frames", type=POSITIVE_INT, default=4001, help="upper end of the longest-clip search")
+    ap.add_argument("--top", type=POSITIVE_INT, default=12, help="rows to print")
     ap.add_argument("--json", default="", help="write every candidate and the rejected layouts here")
-    ap.add_argument("--smoke", type=int, default=0, help="run a few steps of the best K fitting candidates")
-    ap.add_argument("--smoke-steps", type=int, default=4)
+    ap.add_argument("--smoke", type=ranged(int, Range(0, note="0 = none")), default=0, help="run a few steps of the best K fitting candidates")
+    ap.add_argument("--smoke-steps", type=POSITIVE_INT, default=4)
     ap.add_argument("--calibrate", action="store_true", help="measure one block's saved activations on CPU vs the formula")
-    ap.add_argument("--calibrate-tokens", type=int, default=1024,
+    ap.add_argument("--calibrate-tokens", type=POSITIVE_INT, default=1024,
                     help="tokens of the calibration forward (few tokens on a wide model inflate per-parameter terms)")
     args = ap.parse_args(argv)
 

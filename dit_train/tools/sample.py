@@ -31,19 +31,21 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dit_train.engine.checks import Range
+from dit_train.tools.args import POSITIVE_INT, ToolParser, ranged
+
 
 def load_weights(run_dir: Path, ema: bool | None) -> tuple[dict, str]:
     """(full state dict, description) of a run: exported files first, else its newest checkpoint.
     ema: True = the EMA weights (error if none), False = training weights, None = EMA if present."""
-    from safetensors.torch import load_file
-
     from dit_train.checkpoint import checkpoint_weights, find_checkpoint
+    from dit_train.checkpoint.export import load_safetensors
 
     files = {True: run_dir / "weights_ema.safetensors", False: run_dir / "weights.safetensors"}
     want = [ema] if ema is not None else [True, False]
     for choice in want:
         if files[choice].is_file():
-            return load_file(str(files[choice])), f"{files[choice].name}"
+            return load_safetensors(files[choice]), f"{files[choice].name}"
     ckpt = find_checkpoint(run_dir)
     if ckpt is None:
         raise FileNotFoundError(f"{run_dir} has no {' or '.join(files[c].name for c in want)} and no checkpoint")
@@ -128,17 +130,17 @@ def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m dit_train.tools.sample", description=__doc__,
+    ap = ToolParser(prog="python -m dit_train.tools.sample", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir", type=Path, help="a run dir (config.yaml + weights or checkpoints)")
     ap.add_argument("--prompt", action="append", default=[], help="a caption (repeat for several)")
     ap.add_argument("--data-captions", type=int, default=0, metavar="N",
                     help="instead of prompts: the captions and sizes of the run's first N training samples")
-    ap.add_argument("--num", type=int, default=1, help="clips per prompt (different noise; prompts only)")
-    ap.add_argument("--frames", type=int, default=16, help="1 = a still image")
-    ap.add_argument("--height", type=int, default=32)
-    ap.add_argument("--width", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=None,
+    ap.add_argument("--num", type=POSITIVE_INT, default=1, help="clips per prompt (different noise; prompts only)")
+    ap.add_argument("--frames", type=ranged(int, Range(1, note="1 = a still image")), default=16, help="1 = a still image")
+    ap.add_argument("--height", type=POSITIVE_INT, default=32)
+    ap.add_argument("--width", type=POSITIVE_INT, default=64)
+    ap.add_argument("--steps", type=POSITIVE_INT, default=None,
                     help="Euler steps of the flow-matching sampler (default 30; with --data-captions the run's "
                          "train.sample_steps)")
     ap.add_argument("--guidance", type=float, default=None,
@@ -194,10 +196,21 @@ def main(argv: list[str] | None = None) -> int:
     call = (cfg, state_dict, args, str(out), source)
     scores = _worker(*call) if world == 1 else launch_local(_worker, call, world, cfg.launcher)[0]
     print(f"wrote {args.data_captions or len(args.prompt) * args.num} clip(s) from {source} to {out}")
-    if scores:
-        print("quality against the prompts: " + " ".join(f"{k[5:]}={v:.2f}" for k, v in scores.items()
-                                                          if not k.startswith("eval/num")))
+    if line := quality_line(scores):
+        print(line)
     return 0
+
+
+def quality_line(scores: dict[str, float] | None) -> str:
+    """The line reporting the samples' quality figures ("" when the run's data has no metric)."""
+    if not scores:
+        return ""
+    figures = " ".join(f"{k[5:]}={v:.2f}" for k, v in scores.items() if not k.startswith("eval/num"))
+    if figures:
+        return f"quality against the prompts: {figures}"
+    # a shapes-world run, but no prompt reads as one of its captions: say so, not an empty list
+    return ("quality against the prompts: not scored (no prompt is a caption of the shapes world, e.g. "
+            "\"a red circle moving up and left on a navy background\")")
 
 
 if __name__ == "__main__":

@@ -18,16 +18,18 @@ import json
 import sys
 from pathlib import Path
 
+from dit_train.tools.args import NON_NEGATIVE_INT, POSITIVE_INT, ToolParser
+
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ToolParser(prog="python -m dit_train.tools.score_shapes", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cache-dir", default="~/.cache/dit_train", help="data.cache_dir (the set is written if missing)")
-    ap.add_argument("--num-clips", type=int, default=48)
+    ap.add_argument("--num-clips", type=POSITIVE_INT, default=48)
     ap.add_argument("--gen-seed", type=int, default=1234)
     ap.add_argument("--widths", type=int, nargs="+", default=None, help="data.widths (default: the generator's)")
     ap.add_argument("--heights", type=int, nargs="+", default=None, help="data.heights")
     ap.add_argument("--frames", type=int, nargs=2, default=None, help="data.frames: min max")
-    ap.add_argument("--num-images", type=int, default=0, help="data.num_images: still images next to the clips")
+    ap.add_argument("--num-images", type=NON_NEGATIVE_INT, default=0, help="data.num_images: still images next to the clips")
     ap.add_argument("--noise-seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write {row: figures} here")
     args = ap.parse_args(argv)

@@ -23,6 +23,9 @@ import json
 import sys
 from pathlib import Path
 
+from dit_train.engine.checks import Range
+from dit_train.tools.args import POSITIVE_INT, ToolParser, ranged
+
 
 DEFAULT_LAYOUTS = ("dp_shard=2;dp_replicate=2,dp_shard=2;dp_shard=2,dp_mode=ddp;cp_ulysses=2;cp_ring=2;"
                    "cp_ulysses=2,cp_ring=2;dp_shard=2,cp_ulysses=2,grad_accum=2")
@@ -36,12 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         i = argv.index("--")
         argv, overrides = argv[:i], argv[i + 1:]
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = ToolParser(prog="python -m dit_train.tools.verify_layouts", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layouts", default="", help="';'-separated layouts, each 'key=value,...' (default: "
                     "FSDP2, HSDP, DDP, Ulysses, ring, both CP, with accumulation; expert parallelism with MoE)")
     ap.add_argument("--reductions", default="sample_mean,token_mean,naive_mean")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--tol", type=float, default=1e-4)
+    ap.add_argument("--steps", type=POSITIVE_INT, default=3)
+    ap.add_argument("--tol", type=ranged(float, Range(0)), default=1e-4)
     ap.add_argument("--optimizer", choices=["sgd", "config"], default="sgd",
                     help="sgd (default): compare gradients through plain SGD; config: your optimizer")
     ap.add_argument("--json", default="", help="also write the results here")
