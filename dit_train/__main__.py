@@ -23,7 +23,7 @@ def run_from_config(cfg: Config, hydra_record: Any = None) -> dict:
 
     from dit_train.data_pipelines.packing import plan_fingerprint
 
-    from dit_train.data import check_data, prepare_data
+    from dit_train.data_pipelines import check_data, prepare_data
     from dit_train.engine.checks import ConfigError, check_config
     from dit_train.engine.launch import WorkerFailure, external_world_size, interruption, launch
     from dit_train.engine.run_folder import open_run_folder

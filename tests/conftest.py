@@ -72,7 +72,7 @@ def data_cache(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_cfg(data_cache) -> Config:
-    from dit_train.data import prepare_data
+    from dit_train.data_pipelines import prepare_data
 
     cfg = compose_config(TINY, cache_dir=data_cache)
     prepare_data(cfg.data, cfg.model)

@@ -36,7 +36,7 @@ def videos(tmp_path_factory) -> Path:
 
 def checked(overrides: list[str], cache: Path):
     """The config after the data check (which resolves train.micro_batch_tokens=0)."""
-    from dit_train.data import check_data, prepare_data
+    from dit_train.data_pipelines import check_data, prepare_data
 
     cfg = compose_config(overrides, cache_dir=str(cache))
     prepare_data(cfg.data, cfg.model)
@@ -97,7 +97,7 @@ def test_errors_name_keys_and_values_that_fit(videos, tmp_path):
 def test_frames_are_sampled_without_repeats():
     """Mixed rates resample to data.fps; a clip slower than data.fps keeps its own rate (no
     frame twice, its written fps is its own); a short clip is a short sample. No decoding."""
-    from dit_train.data.video import PixelVideoSource
+    from dit_train.data_pipelines.video_source import PixelVideoSource
 
     entries = [ClipEntry("a30.mp4", "", VideoInfo(90, 144, 176, 30.0)), ClipEntry("b25.mp4", "", VideoInfo(50, 272, 640, 25.0)),
                ClipEntry("c25.mp4", "", VideoInfo(6, 720, 1280, 25.0))]

@@ -39,7 +39,7 @@ def register_configs() -> None:
     typed node and an unknown key or a wrong type is an error."""
     from hydra.core.config_store import ConfigStore
 
-    from dit_train.data import SOURCES
+    from dit_train.data_pipelines import SOURCES
     from dit_train.models import MODELS
 
     cs = ConfigStore.instance()
@@ -68,7 +68,7 @@ def to_config(d: DictConfig) -> Config:
 
 def typed_node(kind: str, node: Any) -> Any:
     """The schema object of a model / data node given as plain YAML (its `name` picks it)."""
-    from dit_train.data import SOURCES
+    from dit_train.data_pipelines import SOURCES
     from dit_train.models import MODELS
 
     registry = MODELS if kind == "model" else SOURCES

@@ -58,7 +58,7 @@ def _rows(prefix: str, cls: type, values: Any = None, skip: set[str] = frozenset
 def help_text() -> str:
     from dit_train.config import config_dir
     from dit_train.config.schema import LauncherConfig, LossConfig, OptimConfig, ParallelConfig, TrainConfig
-    from dit_train.data import SOURCES
+    from dit_train.data_pipelines import SOURCES
     from dit_train.models import MODELS
 
     conf = config_dir()

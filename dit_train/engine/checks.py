@@ -204,7 +204,7 @@ def _loss(cfg: Config, e: list[str]) -> None:
 
 
 def _model_and_data(cfg: Config, e: list[str]) -> None:
-    from dit_train.data import SOURCES
+    from dit_train.data_pipelines import SOURCES
     from dit_train.models import MODELS
 
     m, d = cfg.model, cfg.data

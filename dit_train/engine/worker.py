@@ -55,7 +55,7 @@ class Validation:
     (all ranks sample; rank 0 decodes, scores and writes samples/step_XXXXXX/)."""
 
     def __init__(self, cfg: Config, run: Run):
-        from dit_train.data import source_for
+        from dit_train.data_pipelines import source_for
         from dit_train.sampling import VideoSampler, scored_view, source_requests
 
         t, task = cfg.train, run.task

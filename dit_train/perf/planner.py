@@ -287,7 +287,7 @@ def plan(cfg: Config, world: int, capacity_bytes: float, work: Workload, *, rese
 
 def workload_from_data(cfg: Config) -> Workload:
     """Sample lengths of the configured dataset (prepares the embedded set if needed)."""
-    from dit_train.data import build_task, prepare_data
+    from dit_train.data_pipelines import build_task, prepare_data
 
     prepare_data(cfg.data, cfg.model)
     lengths = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed).lengths()
@@ -326,7 +326,7 @@ def _smoke_worker(cfg: Config, steps: int) -> dict[str, Any]:
 def smoke(cfg: Config, candidates: list[Candidate], steps: int = 4) -> None:
     """Run `steps` steps of each candidate's layout (started like training: local workers, gloo
     on CPU) and store the steady-state median step time in `candidate.smoke`."""
-    from dit_train.data import prepare_data
+    from dit_train.data_pipelines import prepare_data
     from dit_train.engine.checks import check_config
     from dit_train.engine.launch import launch_local
 

@@ -100,7 +100,7 @@ class TrainingSession:
         """A session from command-line style overrides (no Hydra app needed):
         `TrainingSession.from_overrides(["mode=llm", "model.dim=64", "optim.lr=1e-4"])`."""
         from dit_train.config import compose
-        from dit_train.data import prepare_data
+        from dit_train.data_pipelines import prepare_data
 
         cfg = compose(list(overrides))
         prepare_data(cfg.data, cfg.model)  # idempotent, safe to race (the embedded video set)

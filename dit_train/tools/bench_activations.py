@@ -167,7 +167,7 @@ def cost_rows(reps: int, quick: bool) -> list[dict]:
     spinning OpenMP threads on a busy machine bill CPU time they do not compute with). On a CPU run the offload
     copy stays in host memory: the row is the price of the hooks and copies, not of PCIe."""
     from dit_train.config import compose
-    from dit_train.data import prepare_data
+    from dit_train.data_pipelines import prepare_data
     from dit_train.engine.build import build_run
     from dit_train.perf.bench import interleaved_wall_and_cpu, median
 

@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from dit_train.config import compose
-    from dit_train.data import prepare_data
+    from dit_train.data_pipelines import prepare_data
     from dit_train.engine.build import build_run
 
     cfg = compose(["model.moe.num_experts=4", *args.overrides])

@@ -73,7 +73,7 @@ def run_rank(rank: int, world: int, local_rank: int, args: argparse.Namespace, d
     import torch.distributed as dist
 
     from dit_train.data_pipelines import latent_cache as lc
-    from dit_train.data import prepare_data, source_for
+    from dit_train.data_pipelines import prepare_data, source_for
 
     if world > 1:
         if args.workers > 1:

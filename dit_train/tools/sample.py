@@ -63,7 +63,7 @@ def data_requests(cfg: Any, num: int, device: Any, decoder: bool) -> tuple[list,
     picks them: their captions and sizes, the task's own empty caption, and for latent-cache
     runs (`decoder`: on the rank that writes) the cache's VAE decoder (no text encoder needed:
     captions come encoded)."""
-    from dit_train.data import build_task, source_for
+    from dit_train.data_pipelines import build_task, source_for
     from dit_train.sampling import source_requests
 
     task = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed)
@@ -87,7 +87,7 @@ def run_defaults(args: argparse.Namespace, train: Any) -> None:
 
 def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, source: str) -> dict | None:
     """One rank: build the (parallelized) model, load the weights, sample; rank 0 writes."""
-    from dit_train.data import source_for
+    from dit_train.data_pipelines import source_for
     from dit_train.engine.build import build_parallel_model
     from dit_train.models.init import load_full_weights
     from dit_train.parallel.mesh import init_parallel

@@ -6,7 +6,7 @@ from typing import Any
 
 from dit_train.config.choices import Mode
 from dit_train.config.schema import DataConfig
-from dit_train.data.source import DataSource, register_source
+from dit_train.data_pipelines.source import DataSource, register_source
 
 
 @dataclass

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dit_train.data.source import register_source
-from dit_train.data.video import PixelVideoSource, VideoReadConfig
+from dit_train.data_pipelines.source import register_source
+from dit_train.data_pipelines.video_source import PixelVideoSource, VideoReadConfig
 
 
 @dataclass

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List
 
-from dit_train.data.source import register_source
-from dit_train.data.video import PixelVideoSource, VideoReadConfig
+from dit_train.data_pipelines.source import register_source
+from dit_train.data_pipelines.video_source import PixelVideoSource, VideoReadConfig
 
 
 @dataclass

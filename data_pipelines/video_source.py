@@ -8,7 +8,7 @@ from typing import Any, List, Optional
 
 from dit_train.config.choices import Mode, VideoDecoder
 from dit_train.config.schema import DataConfig
-from dit_train.data.source import DataSource
+from dit_train.data_pipelines.source import DataSource
 
 log = logging.getLogger(__name__)
 
