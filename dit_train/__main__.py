@@ -94,7 +94,7 @@ def interrupted_line(err: KeyboardInterrupt, cfg: Config) -> str:
 
 def cli() -> None:
     if any(a in ("--help", "-h") for a in sys.argv[1:]):
-        from dit_train.config.help import help_text
+        from dit_train.help import help_text
 
         print(help_text())
         return
