@@ -12,11 +12,12 @@ from typing import Any
 from dit_train.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
 from dit_train.checkpoint.export import export_run_weights
 from dit_train.config import Config, to_dict, to_yaml
-from dit_train.engine.build import Run, build_run
+from dit_train.engine.build import build_run
 from dit_train.engine.resume import apply_optimizer_settings
 from dit_train.engine.run_folder import RunFolderError, open_run_folder, run_id_of
 from dit_train.engine.sanity import nonfinite_hint, nonfinite_weights, zero_gradient_warning, zero_head_error
 from dit_train.engine.summary import write_summary
+from dit_train.engine.validation import Validation, format_scores
 from dit_train.metrics import MetricsLogger
 from dit_train.parallel.mesh import ParallelContext, init_parallel
 from dit_train.trackers import TrackedRun, open_trackers
@@ -48,76 +49,6 @@ def shared_run_dir(run_dir: str, ctx: ParallelContext) -> str:
     if box[0] != run_dir:
         log.warning("rank %d: using rank 0's run dir %s (pass hydra.run.dir=... under torchrun)", ctx.rank, box[0])
     return box[0]
-
-
-class Validation:
-    """Validation videos of a video run: the same `train.num_samples` dataset clips every time
-    (all ranks sample; rank 0 decodes, scores and writes samples/step_XXXXXX/)."""
-
-    def __init__(self, cfg: Config, run: Run):
-        from dit_train.data_pipelines import source_for
-        from dit_train.sampling import VideoSampler, scored_view, source_requests
-
-        t, task = cfg.train, run.task
-        self.source = source_for(cfg.data, cfg.model)
-        requests = source_requests(task, self.source, t.num_samples)
-        null = task.null_caption() if task.text_dim else None
-        # the training shift: validation samples from the noise levels the model was trained on
-        self.sampler = VideoSampler(requests, task.patch, task.text_dim, null, run.ctx, t.sample_steps,
-                                    t.guidance_scale, t.seed, cfg.loss.timestep_shift, cfg.loss.shift_reference_tokens,
-                                    prediction=task.prediction, x0_min_t=task.x0_min_t,
-                                    stochastic=t.stochastic_sampling)
-        self.decode, self.latent = None, cfg.data.name == "latent_cache"
-        if cfg.data.name == "latent_cache" and run.ctx.is_main:  # rank 0 alone decodes (it alone writes)
-            from dit_train.data_pipelines.latent_cache import load_decoder
-
-            self.decode = load_decoder(cfg.data.root, run.ctx.device)
-        self.run, self.guidance, self.steps = run, t.guidance_scale, t.sample_steps
-        self.reference: dict[str, float] = {}
-        if run.ctx.is_main and cfg.data.name != "latent_cache":
-            # the same figures on the real clips: what a perfect generator would score
-            real = scored_view(requests, [task.dataset[r.noise_id].pixels for r in requests])
-            self.reference = self.source.score(real, [r.caption for r in requests]) or {}
-
-    def describe(self) -> str:
-        """One line: how many training clips validation samples, at which sizes (the sizes they
-        train at: data.resolution_buckets, or native; latent caches: the latent grid)."""
-        from collections import Counter
-
-        unit = "latent frames x height x width" if self.latent else "frames x height x width"
-        sizes = Counter("x".join(str(n) for n in r.shape[1:]) for r in self.sampler.requests)
-        listed = ", ".join(size + (f" ({k} clips)" if k > 1 else "") for size, k in sizes.most_common())
-        return (f"validation samples {len(self.sampler.requests)} training clip(s) with their captions, at the "
-                f"sizes they train at ({unit}): {listed}")
-
-    def __call__(self, run_dir: Path, step: int, trackers: Any = None) -> tuple[Path | None, dict[str, float]]:
-        """Sample (from the EMA weights when EMA is on); rank 0 writes and hands the grid and clips
-        to the trackers. Returns (folder, eval figures)."""
-        import contextlib
-
-        from dit_train.sampling import scored_view, to_pixels, write_samples
-
-        run = self.run
-        swap = run.ema.swapped_in() if run.ema is not None else contextlib.nullcontext()
-        with swap:
-            clips = self.sampler.sample(run.model, run.trainer.autocast)
-        if not run.ctx.is_main:
-            return None, {}
-        pixels = to_pixels(clips, self.decode)
-        requests = self.sampler.requests
-        scores = self.source.score(scored_view(requests, pixels), [r.caption for r in requests]) or {}
-        info = {"step": step + 1, "weights": "ema" if run.ema is not None else "training",
-                "sample_steps": self.steps, "guidance_scale": self.guidance,
-                "stochastic_sampling": self.sampler.stochastic, "shifts": self.sampler.shifts,
-                "scores": scores}
-        out = write_samples(run_dir / "samples" / f"step_{step + 1:06d}", self.sampler.requests, pixels, info, trackers,
-                            step)
-        return out, scores
-
-
-def format_scores(scores: dict[str, float]) -> str:
-    keys = ("palette_share", "background_ok", "color_ok", "shape_ok", "motion_ok", "all_ok")
-    return " ".join(f"{k}={scores[f'eval/{k}']:.2f}" for k in keys if f"eval/{k}" in scores)
 
 
 def resume_spec(cfg: Config) -> str:
