@@ -62,7 +62,7 @@ def check_data(cfg: Any) -> list[int]:
     (each error names the keys and values that would work); resolve train.micro_batch_tokens=0
     (auto) to the longest sample (at least the default budget). Returns the samples' lengths
     (what the step plan is made from)."""
-    from dit_train.engine.checks import ConfigError
+    from dit_train.config.errors import ConfigError
 
     try:
         task = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed)

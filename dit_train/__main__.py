@@ -24,8 +24,9 @@ def run_from_config(cfg: Config, hydra_record: Any = None) -> dict:
     from dit_train.data_pipelines.packing import plan_fingerprint
 
     from dit_train.data_pipelines import check_data, prepare_data
-    from dit_train.engine.checks import ConfigError, check_config
-    from dit_train.engine.launch import WorkerFailure, external_world_size, interruption, launch
+    from dit_train.config.errors import ConfigError, WorkerFailure
+    from dit_train.engine.checks import check_config
+    from dit_train.engine.launch import external_world_size, interruption, launch
     from dit_train.engine.run_folder import open_run_folder
     from dit_train.engine.summary import amend_summary
     from dit_train.engine.worker import train
@@ -54,11 +55,9 @@ def run_from_config(cfg: Config, hydra_record: Any = None) -> dict:
 
 @hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")
 def main(dcfg: DictConfig) -> float | None:
-    from dit_train.checkpoint import CheckpointError
-    from dit_train.engine.checks import ConfigError
+    from dit_train.config.errors import CheckpointError, ConfigError, WorkerFailure, RunFailed
     from dit_train.engine.hydra_outputs import HydraRecord
-    from dit_train.engine.launch import WorkerFailure, interrupt_on_signals, interruption
-    from dit_train.engine.worker import RunFailed
+    from dit_train.engine.launch import interrupt_on_signals, interruption
 
     interrupt_on_signals()  # a scheduler's SIGTERM ends the run like Ctrl-C
     record = HydraRecord.capture(dcfg)  # Hydra's .hydra/ files and job log, written once the folder is ours

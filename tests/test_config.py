@@ -9,7 +9,8 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from dit_train.config import Config
-from dit_train.engine.checks import ConfigError, check_config as validate
+from dit_train.config.errors import ConfigError
+from dit_train.engine.checks import check_config as validate
 from tests.conftest import CONF, compose_config
 
 GROUPS = ["model", "data", "parallel", "launcher", "loss", "optim", "train", "mode", "experiment"]

@@ -80,7 +80,8 @@ def _failing_worker(fail_rank, marker):
 @pytest.mark.real_launcher
 def test_one_failing_worker_stops_the_others_and_reports(tmp_path):
     from dit_train.config import LauncherConfig
-    from dit_train.engine.launch import WorkerFailure, launch_local
+    from dit_train.config.errors import WorkerFailure
+    from dit_train.engine.launch import launch_local
 
     marker = tmp_path / "survivor_finished"
     with pytest.raises(WorkerFailure, match="rank 1 failed.*injected failure"):

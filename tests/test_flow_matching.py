@@ -259,7 +259,8 @@ def test_weighting_gives_the_gradient_of_the_weighted_sum(tiny_cfg, reduction):
 
 
 def test_bad_shift_is_a_config_error_and_loss_changes_refuse_resume(tiny_cfg):
-    from dit_train.engine.checks import ConfigError, check_config
+    from dit_train.config.errors import ConfigError
+    from dit_train.engine.checks import check_config
     from dit_train.engine.layout_equivalence import apply_layout
     from dit_train.engine.resume import config_changes
 

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from dit_train.engine.checks import ConfigError, check_config
+from dit_train.config.errors import ConfigError
+from dit_train.engine.checks import check_config
 from dit_train.engine.layout_equivalence import apply_layout
 
 

@@ -166,7 +166,7 @@ def test_two_workers_write_the_same_cache(cache, models, source, tmp_path):
 
 def test_in_channels_must_match_the_cache(cache):
     from dit_train.data_pipelines import check_data
-    from dit_train.engine.checks import ConfigError
+    from dit_train.config.errors import ConfigError
 
     cfg = compose_config(TINY_MODEL + ["data=latent_cache", f"data.root={cache}", "model.patch_size=[1,2,2]", "train.global_batch=3"])
     with pytest.raises(ConfigError, match=f"set model.in_channels={Z_DIM}"):

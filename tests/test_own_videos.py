@@ -75,7 +75,7 @@ def test_native_sizes_only_when_asked(videos, tmp_path):
 
 def test_errors_name_keys_and_values_that_fit(videos, tmp_path):
     """Each refusal names a value; with that value the same data passes the check."""
-    from dit_train.engine.checks import ConfigError
+    from dit_train.config.errors import ConfigError
 
     base = README + [f"data.root={videos}"]
     with pytest.raises(ConfigError, match=r"set train.global_batch=3 \(the largest that fits\)"):

@@ -179,7 +179,7 @@ def test_num_workers_do_not_change_packs(folder, tmp_path):
 
 def test_pixel_source_refuses_latent_channels(folder, tmp_path):
     from dit_train.data_pipelines import check_data
-    from dit_train.engine.checks import ConfigError
+    from dit_train.config.errors import ConfigError
 
     cfg = compose_config(TINY_MODEL + ["data.max_frames=8", "data=video_folder", f"data.root={folder}", "model.in_channels=16"], cache_dir=str(tmp_path))
     with pytest.raises(ConfigError, match="model.in_channels=3"):

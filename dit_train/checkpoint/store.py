@@ -44,7 +44,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from dit_train.checkpoint import safe_load
 from dit_train.checkpoint.integrity import INTEGRITY, integrity_record, verify_checkpoint
 from dit_train.checkpoint.parts import Part
-from dit_train.checkpoint.safe_load import METADATA, CheckpointError, describe, reraise_interrupt
+from dit_train.checkpoint.safe_load import METADATA, describe, reraise_interrupt
+from dit_train.config.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 

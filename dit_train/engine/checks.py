@@ -13,15 +13,7 @@ from typing import Any
 
 from dit_train.config import PARALLEL_DEGREES, Config
 from dit_train.config.choices import ActivationCheckpointing, Choice
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message names the keys to change. `problems`: one
-    line per problem (check_config finds them all at once)."""
-
-    def __init__(self, message: str, problems: list[str] | None = None):
-        super().__init__(message)
-        self.problems = list(problems) if problems is not None else [message]
+from dit_train.config.errors import ConfigError
 
 
 def _check(ok: bool, message: str, errors: list[str]) -> None:

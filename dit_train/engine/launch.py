@@ -24,13 +24,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dit_train.config import Config, LauncherConfig
+from dit_train.config.errors import WorkerFailure
 from dit_train.parallel.mesh import ParallelDims
 
 log = logging.getLogger(__name__)
-
-
-class WorkerFailure(RuntimeError):
-    """A local worker exited with an error; the message names the rank and the cause."""
 
 
 class Interrupted(KeyboardInterrupt):

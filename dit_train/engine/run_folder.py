@@ -32,17 +32,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dit_train.engine.checks import ConfigError
+from dit_train.config.errors import RunFolderError
 
 log = logging.getLogger(__name__)
 
 # what a finished or running training leaves in its folder (Hydra's own .hydra/ and logs don't count)
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tb", "wandb", "samples", "weights.safetensors",
                "weights_ema.safetensors", "summary.json", "config.yaml", "run.json", "lora", "lora_ema")
-
-
-class RunFolderError(ConfigError):
-    """The run folder cannot be used as asked; the message says what to change."""
 
 
 @dataclass

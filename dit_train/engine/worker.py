@@ -12,9 +12,10 @@ from typing import Any
 from dit_train.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
 from dit_train.checkpoint.export import export_run_weights
 from dit_train.config import Config, to_dict, to_yaml
+from dit_train.config.errors import DataFailure, NonFiniteTraining, RunFolderError
 from dit_train.engine.build import build_run
 from dit_train.engine.resume import apply_optimizer_settings
-from dit_train.engine.run_folder import RunFolderError, open_run_folder, run_id_of
+from dit_train.engine.run_folder import open_run_folder, run_id_of
 from dit_train.engine.sanity import nonfinite_hint, nonfinite_weights, zero_gradient_warning, zero_head_error
 from dit_train.engine.summary import write_summary
 from dit_train.engine.validation import Validation, format_scores
@@ -23,18 +24,6 @@ from dit_train.parallel.mesh import ParallelContext, init_parallel
 from dit_train.trackers import TrackedRun, open_trackers
 
 log = logging.getLogger(__name__)
-
-
-class RunFailed(RuntimeError):
-    """The run stopped before its last step; the message says why and what to change."""
-
-
-class NonFiniteTraining(RunFailed):
-    """Too many consecutive steps with non-finite gradients."""
-
-
-class DataFailure(RunFailed):
-    """Too much of the data could not be read (or none of a step's)."""
 
 
 def shared_run_dir(run_dir: str, ctx: ParallelContext) -> str:
@@ -137,7 +126,7 @@ def train(cfg: Config, ctx: ParallelContext | None = None, claimed: bool = False
         apply_optimizer_settings(run.optimizer, run.scheduler, cfg.optim)
     cannot_learn = zero_head_error(run.model, cfg.model.lora.rank, ctx.device, ctx.world_group)
     if cannot_learn:
-        from dit_train.engine.checks import ConfigError
+        from dit_train.config.errors import ConfigError
 
         raise ConfigError(cannot_learn)
     run_id = run_id_of(run_dir) or ""

@@ -176,7 +176,8 @@ def apply_layout(cfg: Config, layout: Layout) -> Config:
 def check_layout(cfg: Config, layout: Layout, work: Workload) -> list[str]:
     """Why `layout` cannot run (empty if it can): the training validator's errors plus the
     planner's own rules."""
-    from dit_train.engine.checks import ConfigError, check_config
+    from dit_train.config.errors import ConfigError
+    from dit_train.engine.checks import check_config
 
     reasons = []
     try:

@@ -77,7 +77,8 @@ class TrainingSession:
     """
 
     def __init__(self, cfg: Config, task: Any | None = None, ctx: ParallelContext | None = None):
-        from dit_train.engine.checks import ConfigError, check_config
+        from dit_train.config.errors import ConfigError
+        from dit_train.engine.checks import check_config
         from dit_train.engine.launch import external_world_size
 
         check_config(cfg, external_world_size())

@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                          "initialisation from train.seed (default output <run>/weights_base.safetensors)")
     args = ap.parse_args(argv)
 
-    from dit_train.checkpoint import CheckpointError
+    from dit_train.config.errors import CheckpointError
 
     try:
         out, source = export(args)
