@@ -12,7 +12,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from dit_train.config import Config, config_dir, register_configs, to_config
+from dit_train.config import Config, config_dir, to_config
+from dit_train.compose import register_configs
 
 
 def run_from_config(cfg: Config, hydra_record: Any = None) -> dict:

@@ -6,7 +6,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dit_train.config import Config, load_config
+from dit_train.config import Config
+from dit_train.compose import load_config
 from dit_train.models import build_model
 from dit_train.kernels import VarlenLayout
 

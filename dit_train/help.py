@@ -68,7 +68,7 @@ def help_text() -> str:
     lines = ["usage: python -m dit_train [group=option ...] [key=value ...]   (dit-train after pip install)",
              "       python -m dit_train -m key=a,b ...                      (a sweep: one run per combination)",
              "", "Config groups (conf/<group>/<option>.yaml):", *groups, f"  +experiment={experiments}", ""]
-    from dit_train.config import compose
+    from dit_train.compose import compose
 
     default = compose([])
     lines.append("Keys, with the value of the default run (python -m dit_train without overrides):")

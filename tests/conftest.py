@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from dit_train.config import Config, compose
+from dit_train.config import Config
+from dit_train.compose import compose
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"

@@ -216,7 +216,7 @@ def test_planner_ranks_expert_parallel_degrees():
 def test_frames_question_for_every_registered_video_model():
     """plan --frames: every registered video model gets an answer per memory option; more
     memory-saving options fit longer clips; the asked clip's tokens follow the VAE and patch."""
-    from dit_train.config import compose
+    from dit_train.compose import compose
     from dit_train.models import MODELS
     from dit_train.perf.clips import clip_options, clip_tokens
 

@@ -173,7 +173,8 @@ def open_run_folder(cfg: Any, resume: str, hydra_record: Any = None, data: dict[
     data: the plan fingerprint of the configured data (packing.plan_fingerprint) to compare
     with a resumed checkpoint's; None = not checked."""
     from dit_train.checkpoint import checkpoint_root, resolve_checkpoint
-    from dit_train.config import load_config, to_yaml
+    from dit_train.compose import load_config
+    from dit_train.config import to_yaml
     from dit_train.engine.resume import config_changes, refusal_message
 
     path = Path(cfg.run_dir)

@@ -68,7 +68,7 @@ def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Conf
 class TrainingSession:
     """A model, its optimizer and a parallel layout, driven call by call (see the module doc).
 
-    cfg: a typed Config (`dit_train.config.compose`, or `from_overrides`). The process group is
+    cfg: a typed Config (`dit_train.compose.compose`, or `from_overrides`). The process group is
     created from the launcher's variables when the layout needs several processes: run the
     session inside `dit_train.engine.launch.launch(cfg, fn)` or under torchrun.
     task: the configured data's task instead of the one cfg.data builds (dataset-id calls).
@@ -100,7 +100,7 @@ class TrainingSession:
     def from_overrides(cls, overrides: list[str] | tuple[str, ...] = ()) -> "TrainingSession":
         """A session from command-line style overrides (no Hydra app needed):
         `TrainingSession.from_overrides(["mode=llm", "model.dim=64", "optim.lr=1e-4"])`."""
-        from dit_train.config import compose
+        from dit_train.compose import compose
         from dit_train.data_pipelines import prepare_data
 
         cfg = compose(list(overrides))
@@ -392,7 +392,7 @@ class TrainingSession:
         checkpoints/ (the newest is taken). overrides change the stored config, e.g. the layout:
         `TrainingSession.load(path, ["parallel.dp_shard=2"])`. ctx: as in the constructor."""
         from dit_train.checkpoint import find_checkpoint, load_checkpoint
-        from dit_train.config import load_config
+        from dit_train.compose import load_config
 
         ckpt = find_checkpoint(path)  # verified; a forged one is refused (UnsafeCheckpoint) before anything loads
         if ckpt is None:

@@ -166,7 +166,7 @@ def cost_rows(reps: int, quick: bool) -> list[dict]:
     sensitive to other processes on a shared machine than wall time; one intra-op thread, since
     spinning OpenMP threads on a busy machine bill CPU time they do not compute with). On a CPU run the offload
     copy stays in host memory: the row is the price of the hooks and copies, not of PCIe."""
-    from dit_train.config import compose
+    from dit_train.compose import compose
     from dit_train.data_pipelines import prepare_data
     from dit_train.engine.build import build_run
     from dit_train.perf.bench import interleaved_wall_and_cpu, median

@@ -62,7 +62,7 @@ def count_step_collectives(cfg, grad_accums: list[int], names=None) -> dict[int,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dit_train.config import compose
+    from dit_train.compose import compose
     from dit_train.data_pipelines import prepare_data
     from dit_train.engine.launch import launch_local
     from dit_train.engine.layout_equivalence import apply_layout, parse_layout

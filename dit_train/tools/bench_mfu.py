@@ -33,7 +33,7 @@ from dit_train.tasks.video import model_context
 
 def model_cfg(name: str):
     """The model node of conf/model/<name>.yaml."""
-    from dit_train.config import compose
+    from dit_train.compose import compose
 
     return compose([f"model={name}"]).model
 
@@ -147,7 +147,7 @@ def _cp_worker(cfg, tokens, sample_tokens, precision, backend):
 
 
 def cp_memory(model_name, degrees, tokens, sample_tokens, precision, device, backend):
-    from dit_train.config import compose
+    from dit_train.compose import compose
     from dit_train.engine.launch import launch_local
 
     rows = []

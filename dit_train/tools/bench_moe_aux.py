@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of the training config")
     args = ap.parse_args(argv)
 
-    from dit_train.config import compose
+    from dit_train.compose import compose
     from dit_train.data_pipelines import prepare_data
     from dit_train.engine.build import build_run
 

@@ -27,7 +27,7 @@ REDUCTIONS = ("naive_mean", "sample_mean", "token_mean")
 
 
 def build_trainer(overrides: list[str]):
-    from dit_train.config import compose
+    from dit_train.compose import compose
     from dit_train.data_pipelines import prepare_data
     from dit_train.engine.build import build_run
 

@@ -38,7 +38,7 @@ CACHE_MODEL = "wan_1_3b"
 def compose_data(overrides: list[str]):
     """cfg.data from conf/ with `overrides` (the same groups and keys as training); without a
     `model=` override, with model=CACHE_MODEL (its default resolution buckets)."""
-    from dit_train.config import compose
+    from dit_train.compose import compose
 
     named = any(o.lstrip("+~").split("=")[0] == "model" for o in overrides)
     return compose(list(overrides) if named else [f"model={CACHE_MODEL}", *overrides]).data

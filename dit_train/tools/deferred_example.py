@@ -134,7 +134,7 @@ def train(cfg, recipe: str = "sft", steps: int = 8, kl_coef: float = 0.05, out: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dit_train.config import compose
+    from dit_train.compose import compose
     from dit_train.engine.launch import launch
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

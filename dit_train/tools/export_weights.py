@@ -56,7 +56,7 @@ def _from_weights_file(src: Path, args: argparse.Namespace) -> Path:
     """A run's weights.safetensors (full weights; merged for LoRA runs) -> --diffusers DIR."""
     from dit_train.checkpoint import export_diffusers
     from dit_train.checkpoint.export import load_safetensors
-    from dit_train.config import load_config
+    from dit_train.compose import load_config
 
     if not args.diffusers:
         raise ValueError("a .safetensors input only makes sense with --diffusers DIR")
@@ -70,7 +70,7 @@ def _from_weights_file(src: Path, args: argparse.Namespace) -> Path:
 def _base(src: Path, args: argparse.Namespace) -> Path:
     """--base: the weights the run started from (no adapters)."""
     from dit_train.checkpoint.export import initial_weights
-    from dit_train.config import load_config
+    from dit_train.compose import load_config
 
     cfg = load_config(src)
     return _full_weights(cfg, initial_weights(cfg), args, src / "weights_base.safetensors")
@@ -79,7 +79,7 @@ def _base(src: Path, args: argparse.Namespace) -> Path:
 def _from_checkpoint(ckpt: Path, args: argparse.Namespace) -> Path:
     from dit_train.checkpoint import checkpoint_weights
     from dit_train.checkpoint.export import checkpoint_model
-    from dit_train.config import load_config
+    from dit_train.compose import load_config
     from dit_train.models import model_spec
     from dit_train.models.lora import save_lora
 
@@ -96,7 +96,7 @@ def _from_run_files(run: Path, args: argparse.Namespace) -> Path | None:
     """A run dir without checkpoints: what it wrote at its end. None when the wanted file is
     already where no --out/--diffusers was asked for (nothing to write)."""
     from dit_train.checkpoint.export import load_safetensors
-    from dit_train.config import load_config
+    from dit_train.compose import load_config
     from dit_train.models.lora import WEIGHT_NAME
 
     if not (run / "config.yaml").is_file() or not (run / "weights.safetensors").is_file():

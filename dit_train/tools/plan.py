@@ -22,7 +22,7 @@ import json
 import sys
 from pathlib import Path
 
-from dit_train.config import compose
+from dit_train.compose import compose
 from dit_train.engine.checks import Range
 from dit_train.parallel.mesh import ParallelDims
 from dit_train.perf.bench import format_table

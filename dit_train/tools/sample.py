@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from dit_train.config.errors import CheckpointError
-    from dit_train.config import load_config
+    from dit_train.compose import load_config
     from dit_train.engine.launch import launch_local
     from dit_train.engine.layout_equivalence import apply_layout, parse_layout, world_of
 

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     overrides = [*args.overrides, *overrides]
 
-    from dit_train.config import compose
+    from dit_train.compose import compose
     from dit_train.data_pipelines import check_data, prepare_data
     from dit_train.engine.layout_equivalence import format_table, parse_layout, verify_layouts
 
