@@ -96,10 +96,9 @@ def checkpoint_model(path: str | Path, ema: bool = False) -> tuple[Any, nn.Modul
     from dit_train.checkpoint import safe_load
     from dit_train.checkpoint.store import read_checkpoint_info
     from dit_train.compose import load_config
-    from dit_train.engine.build import lora_settings
+    from dit_train.models.lora import lora_settings, apply_lora
     from dit_train.models import build_model, model_spec
     from dit_train.models.init import initialize
-    from dit_train.models.lora import apply_lora
 
     path = Path(path)
     cfg = load_config(path)

@@ -21,6 +21,7 @@ from dit_train.config import Config
 from dit_train.engine.ema import EMA
 from dit_train.engine.trainer import Trainer
 from dit_train.models import build_model, model_spec
+from dit_train.models.lora import lora_settings
 from dit_train.optim import build_optimizer, build_scheduler
 from dit_train.parallel.mesh import ParallelContext, init_parallel
 from dit_train.parallel.parallelize import parallelize
@@ -58,14 +59,6 @@ def set_threads(threads_per_worker: int, local_world: int) -> None:
         torch.set_num_threads(threads_per_worker)
     elif local_world > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-
-
-def lora_settings(model_cfg: Any):
-    """LoraSettings of `model.lora`, or None when model.lora.rank = 0 (full training)."""
-    from dit_train.models.lora import settings_from
-
-    lo = model_cfg.lora
-    return settings_from(lo.rank, lo.alpha, lo.dropout, lo.targets, lo.init) if lo.rank > 0 else None
 
 
 def load_pretrained(model: nn.Module, model_cfg: Any, ctx: ParallelContext) -> None:

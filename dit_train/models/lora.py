@@ -38,12 +38,12 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
-from dit_train.models.init import _copy_full, named_seed, plain_name
+from dit_train.models.params import copy_full, named_seed, plain_name
 
 ADAPTER = "default"  # peft's adapter name: the `default` in X.lora_A.default.weight
 PREFIX = "transformer"  # component prefix of diffusers' LoRA files (WanPipeline.transformer)
@@ -194,7 +194,7 @@ def init_lora_weights_from_seed(model: nn.Module, seed: int) -> None:
                 nn.init.normal_(full, std=1.0 / p.shape[0], generator=gen)
             else:
                 raise ValueError(f"cannot seed init_lora_weights={init!r}")
-        _copy_full(p, full)
+        copy_full(p, full)
 
 
 # --------------------------------------------------------------------------- export / import
@@ -300,7 +300,7 @@ def load_lora(model: nn.Module, path: str | Path) -> None:
         value = sd[key]
         if ".lora_B." in key:
             value = value * (file_scale / scales[key.split(".lora_B.")[0]])
-        _copy_full(p, value)
+        copy_full(p, value)
 
 
 # --------------------------------------------------------------------------- merge
@@ -349,3 +349,9 @@ def merged_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> 
 def settings_from(rank: int, alpha: float, dropout: float, targets: Sequence[str], init: str) -> LoraSettings:
     """LoraSettings from the config's keys (alpha 0 = rank; targets [] = the model's default set)."""
     return LoraSettings(rank=rank, alpha=alpha or None, dropout=dropout, targets=list(targets) or None, init=init)
+
+
+def lora_settings(model_cfg: Any) -> LoraSettings | None:
+    """LoraSettings of `model.lora`, or None when model.lora.rank = 0 (full training)."""
+    lo = model_cfg.lora
+    return settings_from(lo.rank, lo.alpha, lo.dropout, lo.targets, lo.init) if lo.rank > 0 else None
