@@ -24,7 +24,8 @@ def run_from_config(cfg: Config, hydra_record: Any = None) -> dict:
 
     from dit_train.data_pipelines.packing import plan_fingerprint
 
-    from dit_train.data_pipelines import check_data, prepare_data
+    from dit_train.tasks import check_data
+    from dit_train.data_pipelines import prepare_data
     from dit_train.config.errors import ConfigError, WorkerFailure
     from dit_train.engine.checks import check_config
     from dit_train.engine.launch import external_world_size, interruption, launch

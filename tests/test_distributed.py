@@ -9,7 +9,7 @@ from dit_train.engine.layout_equivalence import apply_layout
 
 def _meta_worker(cfg):
     """Sync metadata on a dp×cp layout; return what this rank sees plus its sample ids."""
-    from dit_train.data_pipelines import build_task
+    from dit_train.tasks import build_task
     from dit_train.parallel.mesh import init_parallel
     from dit_train.engine.trainer import Trainer
 
@@ -27,7 +27,7 @@ def test_metadata_sync_equals_single_process_counts(tiny_cfg):
     """T_b summed within CP (a sample split over CP ranks is counted whole), B over DP only,
     N over DP×CP: compared with the counts of one process holding everything."""
     from dit_train.data_pipelines.packing import step_samples
-    from dit_train.data_pipelines import build_task
+    from dit_train.tasks import build_task
     from dit_train.engine.launch import launch_local
 
     cfg = apply_layout(tiny_cfg, {"dp_shard": 2, "cp_ring": 2, "micro_batch_tokens": 400})

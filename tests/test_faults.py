@@ -251,7 +251,7 @@ def test_a_pickled_object_in_a_checkpoint_is_refused_not_executed(tmp_path):
 
 
 def test_micro_batch_budget_defaults_to_the_longest_sample(tmp_path, data_cache):
-    from dit_train.data_pipelines import check_data
+    from dit_train.tasks import check_data
 
     cfg = compose_config([f"data.cache_dir={data_cache}", "data.num_clips=16", "model.patch_size=[1,4,4]",
                           "train.micro_batch_tokens=0", "data.widths=[32,64,96]", "data.heights=[32,48,64]",
@@ -261,7 +261,7 @@ def test_micro_batch_budget_defaults_to_the_longest_sample(tmp_path, data_cache)
 
     prepare_data(cfg.data, cfg.model)  # the set is written on first use (not by an earlier test)
     check_data(cfg)
-    from dit_train.data_pipelines import build_task
+    from dit_train.tasks import build_task
 
     longest = max(build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, 0).lengths())
     assert longest > 2048 and cfg.train.micro_batch_tokens == longest

@@ -25,7 +25,7 @@ def _heldout(cfg):
 
 
 def test_heldout_clips_are_left_out_of_training_and_scored_the_same_each_time(eval_cfg, tiny_cfg):
-    from dit_train.data_pipelines import build_task
+    from dit_train.tasks import build_task
 
     got = _heldout(eval_cfg)
     everything = len(build_task("video", tiny_cfg.data, tiny_cfg.model, tiny_cfg.loss, 0).lengths())

@@ -36,7 +36,8 @@ def videos(tmp_path_factory) -> Path:
 
 def checked(overrides: list[str], cache: Path):
     """The config after the data check (which resolves train.micro_batch_tokens=0)."""
-    from dit_train.data_pipelines import check_data, prepare_data
+    from dit_train.tasks import check_data
+    from dit_train.data_pipelines import prepare_data
 
     cfg = compose_config(overrides, cache_dir=str(cache))
     prepare_data(cfg.data, cfg.model)

@@ -91,7 +91,7 @@ class _OracleVelocity(torch.nn.Module):
 def test_sampler_integrates_the_flow_from_noise_to_data(tiny_cfg):
     """With a perfect velocity the Euler sampler lands on the data: checks the time direction,
     the scheduler's sigmas and the pack/unpack bookkeeping."""
-    from dit_train.data_pipelines import build_task
+    from dit_train.tasks import build_task
     from dit_train.parallel.mesh import init_parallel
     from dit_train.sampling import VideoSampler, dataset_requests
 

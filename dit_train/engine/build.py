@@ -130,11 +130,11 @@ def build_run(cfg: Config, ctx: ParallelContext | None = None, *, task: Any = No
     task: use this task instead of the configured data's (e.g. the session's caller data).
     heldout: also build the held-out task (None when the source has none).
     """
-    from dit_train.data_pipelines import build_task
+    from dit_train.tasks import build_task
 
     ctx = ctx or init_parallel(cfg.parallel)
     set_threads(cfg.parallel.threads_per_worker, int(os.environ.get("LOCAL_WORLD_SIZE", ctx.dims.world)))
-    from dit_train.data_pipelines import auto_micro_batch_tokens
+    from dit_train.tasks import auto_micro_batch_tokens
 
     task = task or build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed)
     if cfg.train.micro_batch_tokens == 0:  # auto (normally resolved by check_data before the launch)

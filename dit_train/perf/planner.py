@@ -288,7 +288,8 @@ def plan(cfg: Config, world: int, capacity_bytes: float, work: Workload, *, rese
 
 def workload_from_data(cfg: Config) -> Workload:
     """Sample lengths of the configured dataset (prepares the embedded set if needed)."""
-    from dit_train.data_pipelines import build_task, prepare_data
+    from dit_train.tasks import build_task
+    from dit_train.data_pipelines import prepare_data
 
     prepare_data(cfg.data, cfg.model)
     lengths = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed).lengths()

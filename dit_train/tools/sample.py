@@ -63,7 +63,8 @@ def data_requests(cfg: Any, num: int, device: Any, decoder: bool) -> tuple[list,
     picks them: their captions and sizes, the task's own empty caption, and for latent-cache
     runs (`decoder`: on the rank that writes) the cache's VAE decoder (no text encoder needed:
     captions come encoded)."""
-    from dit_train.data_pipelines import build_task, source_for
+    from dit_train.tasks import build_task
+    from dit_train.data_pipelines import source_for
     from dit_train.sampling import source_requests
 
     task = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed)

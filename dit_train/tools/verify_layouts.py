@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     overrides = [*args.overrides, *overrides]
 
     from dit_train.compose import compose
-    from dit_train.data_pipelines import check_data, prepare_data
+    from dit_train.tasks import check_data
+    from dit_train.data_pipelines import prepare_data
     from dit_train.engine.layout_equivalence import format_table, parse_layout, verify_layouts
 
     cfg = compose([f"train.steps={args.steps}", "train.progress=false", *overrides])
