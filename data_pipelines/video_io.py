@@ -10,25 +10,15 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+# VideoInfo and VideoReadError are defined by the back ends (video_readers.py); the data code takes them from here
+from dit_train.data_pipelines.video_readers import VideoInfo, VideoReadError, reader, resolve
+
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")
-
-
-class VideoReadError(RuntimeError):
-    """A file that cannot be opened or decoded (corrupt, truncated, not a video or image)."""
-
-
-@dataclass(frozen=True)
-class VideoInfo:
-    frames: int
-    height: int
-    width: int
-    fps: float
 
 
 _decoder = "auto"  # data.decoder of this process (use_decoder); "auto" until a source sets it
@@ -39,16 +29,12 @@ def use_decoder(choice: str) -> str:
     returns the one-line note saying which reader that is and why. Raises ValueError naming
     data.decoder when the chosen reader cannot be imported here."""
     global _decoder
-    from dit_train.data_pipelines.video_readers import resolve
-
     name, note = resolve(choice)
     _decoder = name
     return note
 
 
 def _video_reader():
-    from dit_train.data_pipelines.video_readers import reader, resolve
-
     return reader(resolve(_decoder)[0])
 
 

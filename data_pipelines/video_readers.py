@@ -23,14 +23,26 @@ from __future__ import annotations
 import functools
 import importlib
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dit_train.data_pipelines.video_io import VideoInfo, VideoReadError
-
 DECODERS = ("auto", "decord", "pyav", "torchcodec")
+
+
+class VideoReadError(RuntimeError):
+    """A file that cannot be opened or decoded (corrupt, truncated, not a video or image)."""
+
+
+@dataclass(frozen=True)
+class VideoInfo:
+    frames: int
+    height: int
+    width: int
+    fps: float
+
 
 # the fix, when a chosen reader cannot be imported
 _FIX = {
