@@ -20,6 +20,7 @@ import torch
 from dit_train.checkpoint import full_state_dict
 from dit_train.config import TRAIN_LAYOUT_KEYS, Config, ParallelConfig, TrainConfig, parallel_layout_keys
 from dit_train.engine.build import build_run
+from dit_train.engine import launch  # launch.launch_local at call time: the tests route it to their worker pool
 from dit_train.parallel.mesh import ParallelDims, init_parallel
 
 EMA_PREFIX = "__ema__/"  # EMA weights in train_weights' results
@@ -120,13 +121,11 @@ def world_of(cfg: Config) -> int:
 def train_on_workers(cfgs: list[Config]) -> list[dict[str, torch.Tensor]]:
     """`train_weights(cfgs)` with one local launch per world size (spawning workers costs more
     than a tiny run: layouts of the same size share their workers). Results in cfgs' order."""
-    from dit_train.engine.launch import launch_local
-
     out: list[dict[str, torch.Tensor]] = [{} for _ in cfgs]
     for world in sorted({world_of(c) for c in cfgs}):
         idx = [i for i, c in enumerate(cfgs) if world_of(c) == world]
         group = [cfgs[i] for i in idx]
-        res = train_weights(group) if world == 1 else launch_local(train_weights, (group,), world, group[0].launcher)[0]
+        res = train_weights(group) if world == 1 else launch.launch_local(train_weights, (group,), world, group[0].launcher)[0]
         for i, r in zip(idx, res):
             out[i] = r
     return out

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dit_train.config import PARALLEL_DEGREES, Config
+from dit_train.engine import launch  # launch.launch_local at call time: the tests route it to their worker pool
 from dit_train.parallel.mesh import ParallelDims
 from dit_train.perf.memory import (DTYPE_BYTES, GIB, MemoryEstimate, ModelShape, estimate_memory, fsdp_shard_degree,
                                    model_shape)
@@ -330,8 +331,6 @@ def smoke(cfg: Config, candidates: list[Candidate], steps: int = 4) -> None:
     on CPU) and store the steady-state median step time in `candidate.smoke`."""
     from dit_train.data_pipelines import prepare_data
     from dit_train.engine.checks import check_config
-    from dit_train.engine.launch import launch_local
-
     if steps < 2:
         raise ValueError("--smoke-steps must be >= 2 (step 0 is warm-up and not timed)")
     prepare_data(cfg.data, cfg.model)
@@ -342,7 +341,7 @@ def smoke(cfg: Config, candidates: list[Candidate], steps: int = 4) -> None:
         if cand.layout.world == 1:
             res = {0: _smoke_worker(c, steps)}
         else:
-            res = launch_local(_smoke_worker, (c, steps), cand.layout.world, c.launcher)
+            res = launch.launch_local(_smoke_worker, (c, steps), cand.layout.world, c.launcher)
         # a step ends when the slowest rank ends: take the max over ranks, then the median over steps
         per_step = [max(r["step_times_s"][i] for r in res.values()) for i in range(steps)]
         steady = per_step[1:]

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from dit_train.engine import launch  # launch.launch_local at call time: the tests route it to their worker pool
 from dit_train.perf.bench import format_table, write_json
 
 
@@ -64,7 +65,6 @@ def count_step_collectives(cfg, grad_accums: list[int], names=None) -> dict[int,
 def main(argv: list[str] | None = None) -> int:
     from dit_train.compose import compose
     from dit_train.data_pipelines import prepare_data
-    from dit_train.engine.launch import launch_local
     from dit_train.engine.layout_equivalence import apply_layout, parse_layout
     from dit_train.parallel.mesh import ParallelDims
 
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     for spec in layouts:
         c = apply_layout(cfg, parse_layout(spec))
         world = ParallelDims.from_config(c.parallel).world
-        counts = launch_local(count_step_collectives, (c, gas), world, c.launcher)[0]
+        counts = launch.launch_local(count_step_collectives, (c, gas), world, c.launcher)[0]
         for ga in gas:
             k = counts[ga]
             rows.append({"layout": spec, "grad_accum": ga, "micro_batches": k["micro_batches"],

@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from dit_train.engine import launch  # launch.launch_local at call time: the tests route it to their worker pool
 from dit_train.perf.bench import format_table, write_json
 from dit_train.perf.flops import mfu, train_flops
 from dit_train.perf.memory import GIB, estimate_memory, model_shape
@@ -148,13 +149,11 @@ def _cp_worker(cfg, tokens, sample_tokens, precision, backend):
 
 def cp_memory(model_name, degrees, tokens, sample_tokens, precision, device, backend):
     from dit_train.compose import compose
-    from dit_train.engine.launch import launch_local
-
     rows = []
     for k in degrees:
         cfg = compose([f"model={model_name}", f"model.attn_backend={backend}", f"parallel.cp_ulysses={k}",
                        "parallel.dp_mode=none", f"parallel.device={device}", f"train.precision={precision}"])
-        res = launch_local(_cp_worker, (cfg, tokens, sample_tokens, precision, backend), k, cfg.launcher) if k > 1 \
+        res = launch.launch_local(_cp_worker, (cfg, tokens, sample_tokens, precision, backend), k, cfg.launcher) if k > 1 \
             else {0: _cp_worker(cfg, tokens, sample_tokens, precision, backend)}
         shape = model_shape(cfg.model)
         est = estimate_memory(shape, dp_replicate=1, dp_shard=1, cp_ulysses=k, cp_ring=1, micro_batch_tokens=tokens,

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from dit_train.engine.checks import Range
+from dit_train.engine import launch  # launch.launch_local at call time: the tests route it to their worker pool
 from dit_train.tools.args import POSITIVE_INT, ToolParser, ranged
 
 
@@ -165,7 +166,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from dit_train.config.errors import CheckpointError
     from dit_train.compose import load_config
-    from dit_train.engine.launch import launch_local
     from dit_train.engine.layout_equivalence import apply_layout, parse_layout, world_of
 
     try:
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or args.run_dir / "generated" / time.strftime("%Y%m%d-%H%M%S")
     world = world_of(cfg)
     call = (cfg, state_dict, args, str(out), source)
-    scores = _worker(*call) if world == 1 else launch_local(_worker, call, world, cfg.launcher)[0]
+    scores = _worker(*call) if world == 1 else launch.launch_local(_worker, call, world, cfg.launcher)[0]
     print(f"wrote {args.data_captions or len(args.prompt) * args.num} clip(s) from {source} to {out}")
     if line := quality_line(scores):
         print(line)
