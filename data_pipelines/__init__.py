@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from dit_train.data_pipelines import latent_cache_source, synthetic_video_source, text_source, video_folder_source  # noqa: F401  (register)
+from dit_train.data_pipelines.prefetch import Prefetcher
 from dit_train.data_pipelines.source import SOURCES, DataSource, Dataset, register_source, source_for
 
 
@@ -27,8 +28,6 @@ def open_dataset(data_cfg: Any, model_cfg: Any, split: str = "train") -> Any:
     when data.num_workers > 0."""
     ds = source_for(data_cfg, model_cfg).open(split)
     if ds is not None and data_cfg.num_workers > 0 and split == "train":
-        from dit_train.data_pipelines.prefetch import Prefetcher
-
         ds = Prefetcher(ds, data_cfg.num_workers)
     return ds
 

@@ -6,6 +6,7 @@ from typing import Any
 
 from dit_train.config.choices import Mode
 from dit_train.config.schema import DataConfig
+from dit_train.data_pipelines.latent_cache import LatentCacheDataset, read_cache_info
 from dit_train.data_pipelines.source import DataSource, register_source
 
 
@@ -22,8 +23,6 @@ class LatentCacheSource(DataSource):
     mode = Mode.video
 
     def open(self, split: str = "train") -> Any:
-        from dit_train.data_pipelines.latent_cache import LatentCacheDataset, read_cache_info
-
         if split != "train" and self.cfg.heldout_fraction <= 0:
             return None
         root, m = self.cfg.root, self.model_cfg

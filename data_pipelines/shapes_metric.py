@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from dit_train.data_pipelines.synthetic_video import BACKGROUNDS, COLORS, SHAPES
+from dit_train.data_pipelines.video_io import probe, read_frames
 
 PALETTE_NAMES: tuple[str, ...] = (*COLORS, *BACKGROUNDS)
 PALETTE = np.array([*COLORS.values(), *BACKGROUNDS.values()], np.float32)  # [12, 3]
@@ -311,8 +312,6 @@ def reference_scores(manifest_dir: str | Path) -> dict[str, float]:
     """score_clips over the real clips of a set (its manifest.jsonl; videos decoded with decord,
     still images with Pillow, see video_io.read_frames): the figures a perfect generator would
     reach, H.264 artefacts included."""
-    from dit_train.data_pipelines.video_io import probe, read_frames
-
     root = Path(manifest_dir)
     clips, captions = [], []
     for line in (root / "manifest.jsonl").read_text().splitlines():

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dit_train.data_pipelines.source import register_source
+from dit_train.data_pipelines.video_folder import index_video_folder
 from dit_train.data_pipelines.video_source import PixelVideoSource, VideoReadConfig
 
 
@@ -21,14 +22,10 @@ class VideoFolderSource(PixelVideoSource):
 
     def prepare(self) -> None:
         """Probe every file once (workers then read the index instead of probing)."""
-        from dit_train.data_pipelines.video_folder import index_video_folder
-
         super().prepare()
         index_video_folder(self.cfg.root, self.cfg.cache_dir, self.cfg.num_workers)
 
     def entries(self) -> tuple[list, list]:
-        from dit_train.data_pipelines.video_folder import index_video_folder
-
         root = self.cfg.root  # "" is refused by the data layer with the key to set
         index = index_video_folder(root, self.cfg.cache_dir, self.cfg.num_workers)
         if not index.entries:

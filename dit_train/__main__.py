@@ -12,8 +12,20 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from dit_train.checkpoint import checkpoint_root, list_checkpoints
 from dit_train.config import Config, config_dir, to_config
 from dit_train.compose import register_configs
+from dit_train.config.errors import CheckpointError, ConfigError, RunFailed, WorkerFailure
+from dit_train.data_pipelines import prepare_data
+from dit_train.data_pipelines.packing import plan_fingerprint
+from dit_train.engine.checks import check_config
+from dit_train.engine.hydra_outputs import HydraRecord
+from dit_train.engine.launch import external_world_size, interrupt_on_signals, interruption, launch
+from dit_train.engine.run_folder import open_run_folder
+from dit_train.engine.summary import amend_summary
+from dit_train.engine.worker import train
+from dit_train.help import help_text
+from dit_train.tasks import check_data
 
 
 def run_from_config(cfg: Config, hydra_record: Any = None) -> dict:
@@ -21,17 +33,6 @@ def run_from_config(cfg: Config, hydra_record: Any = None) -> dict:
     process or in local workers). Everything that can refuse the run happens before step 0.
     hydra_record: the CLI's `HydraRecord`, written into the run folder once it is claimed."""
     import functools
-
-    from dit_train.data_pipelines.packing import plan_fingerprint
-
-    from dit_train.tasks import check_data
-    from dit_train.data_pipelines import prepare_data
-    from dit_train.config.errors import ConfigError, WorkerFailure
-    from dit_train.engine.checks import check_config
-    from dit_train.engine.launch import external_world_size, interruption, launch
-    from dit_train.engine.run_folder import open_run_folder
-    from dit_train.engine.summary import amend_summary
-    from dit_train.engine.worker import train
 
     check_config(cfg, external_world_size())
     try:
@@ -57,10 +58,6 @@ def run_from_config(cfg: Config, hydra_record: Any = None) -> dict:
 
 @hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")
 def main(dcfg: DictConfig) -> float | None:
-    from dit_train.config.errors import CheckpointError, ConfigError, WorkerFailure, RunFailed
-    from dit_train.engine.hydra_outputs import HydraRecord
-    from dit_train.engine.launch import interrupt_on_signals, interruption
-
     interrupt_on_signals()  # a scheduler's SIGTERM ends the run like Ctrl-C
     record = HydraRecord.capture(dcfg)  # Hydra's .hydra/ files and job log, written once the folder is ours
     cfg = to_config(dcfg)
@@ -81,9 +78,6 @@ def interrupted_line(err: KeyboardInterrupt, cfg: Config) -> str:
     """What a stopped run tells its user: which signal, where its summary is, how to go on."""
     from pathlib import Path
 
-    from dit_train.checkpoint import checkpoint_root, list_checkpoints
-    from dit_train.engine.launch import interruption
-
     run = Path(cfg.run_dir)
     how = interruption(err)[0]
     saved = list_checkpoints(checkpoint_root(run)) if (run / "summary.json").exists() else []
@@ -95,8 +89,6 @@ def interrupted_line(err: KeyboardInterrupt, cfg: Config) -> str:
 
 def cli() -> None:
     if any(a in ("--help", "-h") for a in sys.argv[1:]):
-        from dit_train.help import help_text
-
         print(help_text())
         return
     register_configs()

@@ -17,15 +17,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from dit_train.checkpoint import training_parts
 from dit_train.config import Config
 from dit_train.engine.ema import EMA
 from dit_train.engine.trainer import Trainer
 from dit_train.models import build_model, model_spec
-from dit_train.models.lora import lora_settings
+from dit_train.models.init import init_adapters, init_weights, load_full_weights
+from dit_train.models.lora import apply_lora, base_parameters, is_lora_name, lora_settings, plain_lora_name
 from dit_train.optim import build_optimizer, build_scheduler
 from dit_train.parallel.mesh import ParallelContext, init_parallel
 from dit_train.parallel.parallelize import parallelize
 from dit_train.kernels import resolve_backend
+from dit_train.tasks import auto_micro_batch_tokens, build_task
 
 
 @dataclass
@@ -44,8 +47,6 @@ class Run:
 
     def checkpoint_parts(self) -> dict[str, Any]:
         """The stateful parts a checkpoint of this run holds (dit_train/checkpoint/parts.py)."""
-        from dit_train.checkpoint import training_parts
-
         lora = self.cfg.model.lora.rank > 0
         parts = training_parts(self.model, self.optimizer, self.scheduler, self.trainer, trainable_only=lora)
         if self.ema is not None:
@@ -67,9 +68,6 @@ def load_pretrained(model: nn.Module, model_cfg: Any, ctx: ParallelContext) -> N
     broadcast_from_rank0, over the default process group). Host memory: one full copy on rank 0
     (none elsewhere with a meta-device build)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    from dit_train.models.init import load_full_weights
-    from dit_train.models.lora import base_parameters, is_lora_name, plain_lora_name
 
     spec = model_spec(model_cfg)
     if not ctx.distributed:
@@ -98,9 +96,6 @@ def build_parallel_model(cfg: Config, ctx: ParallelContext) -> nn.Module:
 
     Built on the meta device (no memory until sharded) with parallel.meta_init, and whenever
     pretrained weights will fill it under FSDP2 across ranks (no rank needs a random copy)."""
-    from dit_train.models.init import init_adapters, init_weights
-    from dit_train.models.lora import apply_lora
-
     spec = model_spec(cfg.model)
     backend = resolve_backend(cfg.model.attn_backend, ctx.device)
     pretrained = spec.pretrained is not None and bool(getattr(cfg.model, "pretrained", ""))
@@ -130,11 +125,8 @@ def build_run(cfg: Config, ctx: ParallelContext | None = None, *, task: Any = No
     task: use this task instead of the configured data's (e.g. the session's caller data).
     heldout: also build the held-out task (None when the source has none).
     """
-    from dit_train.tasks import build_task
-
     ctx = ctx or init_parallel(cfg.parallel)
     set_threads(cfg.parallel.threads_per_worker, int(os.environ.get("LOCAL_WORLD_SIZE", ctx.dims.world)))
-    from dit_train.tasks import auto_micro_batch_tokens
 
     task = task or build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed)
     if cfg.train.micro_batch_tokens == 0:  # auto (normally resolved by check_data before the launch)

@@ -14,6 +14,11 @@ from typing import Any
 from dit_train.config import PARALLEL_DEGREES, Config
 from dit_train.config.choices import ActivationCheckpointing, Choice
 from dit_train.config.errors import ConfigError
+from dit_train.data_pipelines import SOURCES
+from dit_train.models import build_model, model_spec, MODELS
+from dit_train.models.lora import DEFAULT_TARGETS
+from dit_train.parallel.mesh import ParallelDims
+from dit_train.trackers import tracker_errors
 
 
 def _check(ok: bool, message: str, errors: list[str]) -> None:
@@ -45,8 +50,6 @@ def choice_errors(node: Any, prefix: str) -> list[str]:
 
 
 def _parallel(cfg: Config, world_size: int | None, e: list[str]) -> None:
-    from dit_train.parallel.mesh import ParallelDims
-
     p, m = cfg.parallel, cfg.model
     for key in PARALLEL_DEGREES:
         _check(getattr(p, key) >= 1, f"parallel.{key}={getattr(p, key)} must be >= 1", e)
@@ -101,7 +104,6 @@ def _train(cfg: Config, e: list[str]) -> None:
     _check(not (cfg.launcher.max_restarts > 0 and t.ckpt_every == 0),
            "launcher.max_restarts > 0 restarts from the latest checkpoint, but train.ckpt_every=0 writes none; "
            "set train.ckpt_every (e.g. 100)", e)
-    from dit_train.trackers import tracker_errors
 
     e.extend(tracker_errors(list(t.loggers)))
     _check(o.max_grad_norm >= 0, f"optim.max_grad_norm={o.max_grad_norm} must be >= 0 (0 disables clipping)", e)
@@ -196,9 +198,6 @@ def _loss(cfg: Config, e: list[str]) -> None:
 
 
 def _model_and_data(cfg: Config, e: list[str]) -> None:
-    from dit_train.data_pipelines import SOURCES
-    from dit_train.models import MODELS
-
     m, d = cfg.model, cfg.data
     if m.name not in MODELS:
         e.append(f"model.name={m.name!r} is not a registered model ({', '.join(MODELS.names())})")
@@ -252,9 +251,6 @@ def lora_errors(m: Any) -> list[str]:
     a target that matches no linear layer is a typo (peft would ignore it, or fail with its own
     error when none matches)."""
     from torch import nn
-
-    from dit_train.models import build_model, model_spec
-    from dit_train.models.lora import DEFAULT_TARGETS
 
     lo, e = m.lora, []
     _check(lo.init in ("default", "gaussian"), f"model.lora.init={lo.init!r} must be default or gaussian", e)

@@ -5,7 +5,10 @@ from pathlib import Path
 from typing import Any
 
 from dit_train.config import Config
+from dit_train.data_pipelines import source_for
+from dit_train.data_pipelines.latent_cache import load_decoder
 from dit_train.engine.build import Run
+from dit_train.sampling import scored_view, source_requests, to_pixels, VideoSampler, write_samples
 
 
 class Validation:
@@ -13,9 +16,6 @@ class Validation:
     (all ranks sample; rank 0 decodes, scores and writes samples/step_XXXXXX/)."""
 
     def __init__(self, cfg: Config, run: Run):
-        from dit_train.data_pipelines import source_for
-        from dit_train.sampling import VideoSampler, scored_view, source_requests
-
         t, task = cfg.train, run.task
         self.source = source_for(cfg.data, cfg.model)
         requests = source_requests(task, self.source, t.num_samples)
@@ -27,7 +27,6 @@ class Validation:
                                     stochastic=t.stochastic_sampling)
         self.decode, self.latent = None, cfg.data.name == "latent_cache"
         if cfg.data.name == "latent_cache" and run.ctx.is_main:  # rank 0 alone decodes (it alone writes)
-            from dit_train.data_pipelines.latent_cache import load_decoder
 
             self.decode = load_decoder(cfg.data.root, run.ctx.device)
         self.run, self.guidance, self.steps = run, t.guidance_scale, t.sample_steps
@@ -52,8 +51,6 @@ class Validation:
         """Sample (from the EMA weights when EMA is on); rank 0 writes and hands the grid and clips
         to the trackers. Returns (folder, eval figures)."""
         import contextlib
-
-        from dit_train.sampling import scored_view, to_pixels, write_samples
 
         run = self.run
         swap = run.ema.swapped_in() if run.ema is not None else contextlib.nullcontext()

@@ -12,7 +12,7 @@ from typing import Any
 from dit_train.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
 from dit_train.checkpoint.export import export_run_weights
 from dit_train.config import Config, to_dict, to_yaml
-from dit_train.config.errors import DataFailure, NonFiniteTraining, RunFolderError
+from dit_train.config.errors import ConfigError, DataFailure, NonFiniteTraining, RunFolderError
 from dit_train.engine.build import build_run
 from dit_train.engine.resume import apply_optimizer_settings
 from dit_train.engine.run_folder import open_run_folder, run_id_of
@@ -126,8 +126,6 @@ def train(cfg: Config, ctx: ParallelContext | None = None, claimed: bool = False
         apply_optimizer_settings(run.optimizer, run.scheduler, cfg.optim)
     cannot_learn = zero_head_error(run.model, cfg.model.lora.rank, ctx.device, ctx.world_group)
     if cannot_learn:
-        from dit_train.config.errors import ConfigError
-
         raise ConfigError(cannot_learn)
     run_id = run_id_of(run_dir) or ""
 

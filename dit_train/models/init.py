@@ -12,6 +12,7 @@ from torch import nn
 
 from dit_train.models.lora import base_parameters, init_lora_weights_from_seed, is_lora_name, plain_lora_name
 from dit_train.models.params import copy_full, named_seed
+from dit_train.models.registry import model_spec
 
 
 def _fill(module: nn.Module, pname: str, full: torch.Tensor, gen: torch.Generator, zero: bool, scheme: str, std: float):
@@ -78,8 +79,6 @@ def initialize(model: nn.Module, cfg, seed: int) -> None:
     pretrained weights when its config names a folder (`model.pretrained`, models whose spec can
     read one), else `init_weights` from the seed; LoRA adapters, if any, from the seed too.
     (Across ranks, engine/build.py reads pretrained weights on rank 0 and broadcasts them.)"""
-    from dit_train.models.registry import model_spec
-
     spec = model_spec(cfg)
     if spec.pretrained is not None and getattr(cfg, "pretrained", ""):
         load_full_weights(model, spec.pretrained(cfg))

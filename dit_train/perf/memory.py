@@ -61,8 +61,11 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from dit_train.kernels import VarlenLayout
+from dit_train.models import build_model, init_weights
 from dit_train.models.moe import moe_layers
 from dit_train.models.registry import ActivationModel, model_spec
+from dit_train.perf.saved import retained_bytes
 
 GIB = 1024 ** 3
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -101,8 +104,6 @@ class ModelShape:
 def model_shape(cfg) -> ModelShape:
     """Build the model on the meta device (no memory, no init) and read its sizes; the
     per-token matmuls and activation coefficients come from the model's spec."""
-    from dit_train.models import build_model
-
     spec = model_spec(cfg)
     with torch.device("meta"):
         model = build_model(cfg)
@@ -360,9 +361,6 @@ def saved_activation_bytes(fn: Callable[[], Any], exclude: list[torch.Tensor] | 
 def example_inputs(cfg, tokens: int, seed: int = 0) -> tuple:
     """Forward arguments of a model of `cfg` for one pack of two samples of `tokens` tokens in all
     (video: patches, (t, h, w) positions, times and, with captions, 8-token contexts; llm: ids)."""
-    from dit_train.models import model_spec
-    from dit_train.kernels import VarlenLayout
-
     spec = model_spec(cfg)
     gen = torch.Generator().manual_seed(seed)
     lens = [tokens // 3, tokens - tokens // 3]
@@ -386,9 +384,6 @@ def calibrate_block(cfg, tokens: int = 256, precision: str = "fp32", seed: int =
     `block_activation_bytes_per_token`. Returns measured, estimated and the relative error.
     """
     from dataclasses import replace
-
-    from dit_train.models import build_model, init_weights
-    from dit_train.perf.saved import retained_bytes
 
     measured = []
     for depth in (1, 2):

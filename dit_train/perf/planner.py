@@ -30,10 +30,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dit_train.config import PARALLEL_DEGREES, Config
+from dit_train.config.errors import ConfigError
+from dit_train.data_pipelines import prepare_data
 from dit_train.engine import launch  # launch.launch_local at call time: the tests route it to their worker pool
+from dit_train.engine.build import build_run
+from dit_train.engine.checks import check_config
 from dit_train.parallel.mesh import ParallelDims
 from dit_train.perf.memory import (DTYPE_BYTES, GIB, MemoryEstimate, ModelShape, estimate_memory, fsdp_shard_degree,
                                    model_shape)
+from dit_train.tasks import build_task
 
 
 # rank order of the AC policies at equal micro-batch: less recompute first
@@ -177,9 +182,6 @@ def apply_layout(cfg: Config, layout: Layout) -> Config:
 def check_layout(cfg: Config, layout: Layout, work: Workload) -> list[str]:
     """Why `layout` cannot run (empty if it can): the training validator's errors plus the
     planner's own rules."""
-    from dit_train.config.errors import ConfigError
-    from dit_train.engine.checks import check_config
-
     reasons = []
     try:
         check_config(apply_layout(cfg, layout), layout.world)
@@ -289,9 +291,6 @@ def plan(cfg: Config, world: int, capacity_bytes: float, work: Workload, *, rese
 
 def workload_from_data(cfg: Config) -> Workload:
     """Sample lengths of the configured dataset (prepares the embedded set if needed)."""
-    from dit_train.tasks import build_task
-    from dit_train.data_pipelines import prepare_data
-
     prepare_data(cfg.data, cfg.model)
     lengths = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed).lengths()
     return Workload(cfg.train.global_batch, max(lengths), sum(lengths) / len(lengths))
@@ -303,8 +302,6 @@ def workload_from_data(cfg: Config) -> Workload:
 def _smoke_worker(cfg: Config, steps: int) -> dict[str, Any]:
     """Run `steps` optimizer steps of `cfg`'s layout on this rank; times and peak memory."""
     import torch
-
-    from dit_train.engine.build import build_run
 
     run = build_run(cfg)
     cuda = run.ctx.device.type == "cuda"
@@ -329,8 +326,6 @@ def _smoke_worker(cfg: Config, steps: int) -> dict[str, Any]:
 def smoke(cfg: Config, candidates: list[Candidate], steps: int = 4) -> None:
     """Run `steps` steps of each candidate's layout (started like training: local workers, gloo
     on CPU) and store the steady-state median step time in `candidate.smoke`."""
-    from dit_train.data_pipelines import prepare_data
-    from dit_train.engine.checks import check_config
     if steps < 2:
         raise ValueError("--smoke-steps must be >= 2 (step 0 is warm-up and not timed)")
     prepare_data(cfg.data, cfg.model)

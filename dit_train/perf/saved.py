@@ -28,6 +28,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from dit_train.parallel.checkpointing import apply_activation_checkpointing
+
 
 @dataclass
 class SavedTensor:
@@ -157,8 +159,6 @@ def bytes_per_token_per_block(build: Callable[[int], torch.nn.Module], forward: 
     (built once per depth, so both see the same inputs); precision fp32 or bf16 (CPU autocast).
     Returns bytes per token of the block's activations and of autocast's weight copies
     (per parameter, not per token: reported apart, in bytes per block)."""
-    from dit_train.parallel.checkpointing import apply_activation_checkpointing
-
     out = []
     for depth in (1, 2):
         model = build(depth)

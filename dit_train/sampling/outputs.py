@@ -18,6 +18,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from dit_train.data_pipelines.synthetic_video import write_mp4
 from dit_train.sampling.sampler import SampleRequest
 from dit_train.trackers.base import Clip
 
@@ -76,8 +77,6 @@ def write_samples(out_dir: Path, requests: list[SampleRequest], pixels: list[tor
     `trackers`: anything with `log_images` / `log_videos` (a MetricsLogger, a Tracker)."""
     from PIL import Image
     from safetensors.torch import save_file
-
-    from dit_train.data_pipelines.synthetic_video import write_mp4
 
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file({r.key: p.contiguous() for r, p in zip(requests, pixels)}, str(out_dir / "samples.safetensors"))

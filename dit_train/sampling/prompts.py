@@ -16,7 +16,9 @@ from typing import Callable
 
 import torch
 
+from dit_train.data_pipelines.latent_cache import read_cache_info, TextEncoder, VaeCodec
 from dit_train.sampling.sampler import SampleRequest
+from dit_train.tasks.captions import ByteCaptionEncoder
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +59,6 @@ def prompt_space(cfg, device: str | torch.device = "cpu") -> PromptSpace:
     m, d = cfg.model, cfg.data
     pt, ph, pw = m.patch_size
     if d.name == "latent_cache":
-        from dit_train.data_pipelines.latent_cache import TextEncoder, VaeCodec, read_cache_info
-
         info = read_cache_info(d.root)
         vae = VaeCodec(info["vae"], device)
         encode, null = None, None
@@ -79,7 +79,6 @@ def prompt_space(cfg, device: str | torch.device = "cpu") -> PromptSpace:
             return c, _multiple(f, pt, "latent frames"), _multiple(h, ph, "latent height"), _multiple(w, pw, "latent width")
 
         return PromptSpace(encode, null, latent_shape, vae.decode, 16.0)
-    from dit_train.tasks.captions import ByteCaptionEncoder
 
     # the training task's encoder (the same word vectors with model.caption_words)
     encoder = ByteCaptionEncoder(m.text_dim, m.text_len, words=getattr(m, "caption_words", False)) if m.text_dim else None

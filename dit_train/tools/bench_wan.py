@@ -27,7 +27,10 @@ import sys
 
 import torch
 
+from dit_train.kernels import VarlenLayout
+from dit_train.models import build_model, init_weights, model_config
 from dit_train.perf.bench import format_table, interleaved_wall_and_cpu, median, write_json
+from dit_train.tasks.video import patchify
 
 PATCH = (1, 2, 2)
 C = 16
@@ -37,8 +40,6 @@ TEXT_LEN = 16  # caption tokens per clip, for Wan and for the text-conditioned v
 
 
 def ours_model(dim: int, depth: int, heads: int, backend: str, text_dim: int = 0):
-    from dit_train.models import build_model, init_weights, model_config
-
     cfg = model_config("dit", dim=dim, depth=depth, heads=heads, patch_size=list(PATCH), in_channels=C, init="normal",
                       text_dim=text_dim)
     m = build_model(cfg, backend)
@@ -77,9 +78,6 @@ def clips(kind: str, quick: bool) -> list[tuple[int, int, int]]:
 
 
 def ours_inputs(shapes, text_dim: int = 0, seed=0):
-    from dit_train.tasks.video import patchify
-    from dit_train.kernels import VarlenLayout
-
     g = torch.Generator().manual_seed(seed)
     xs, pos, seg = [], [], []
     for i, (f, h, w) in enumerate(shapes):

@@ -26,6 +26,8 @@ import socket
 import sys
 from pathlib import Path
 
+from dit_train.compose import compose
+from dit_train.data_pipelines import latent_cache as lc, prepare_data, source_for
 from dit_train.tools.args import POSITIVE_INT, ToolParser
 
 
@@ -38,8 +40,6 @@ CACHE_MODEL = "wan_1_3b"
 def compose_data(overrides: list[str]):
     """cfg.data from conf/ with `overrides` (the same groups and keys as training); without a
     `model=` override, with model=CACHE_MODEL (its default resolution buckets)."""
-    from dit_train.compose import compose
-
     named = any(o.lstrip("+~").split("=")[0] == "model" for o in overrides)
     return compose(list(overrides) if named else [f"model={CACHE_MODEL}", *overrides]).data
 
@@ -71,9 +71,6 @@ def run_rank(rank: int, world: int, local_rank: int, args: argparse.Namespace, d
     is done, manifest.jsonl and report.json. Returns the report on rank 0."""
     import torch
     import torch.distributed as dist
-
-    from dit_train.data_pipelines import latent_cache as lc
-    from dit_train.data_pipelines import prepare_data, source_for
 
     if world > 1:
         if args.workers > 1:

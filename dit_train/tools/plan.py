@@ -23,9 +23,11 @@ import sys
 from pathlib import Path
 
 from dit_train.compose import compose
+from dit_train.config.schema import AUTO_MICRO_BATCH_TOKENS
 from dit_train.engine.checks import Range
 from dit_train.parallel.mesh import ParallelDims
 from dit_train.perf.bench import format_table
+from dit_train.perf.clips import clip_options, clip_tokens, latent_grid
 from dit_train.perf.memory import GIB, calibrate_block, model_shape
 from dit_train.perf.planner import Workload, plan, resolve_plan_backend, smoke, workload_from_data
 from dit_train.tools.args import POSITIVE_FLOAT, POSITIVE_INT, ToolParser, ranged
@@ -69,8 +71,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_data:
         work = workload_from_data(cfg)
     else:
-        from dit_train.config.schema import AUTO_MICRO_BATCH_TOKENS
-
         mx = args.max_sample_tokens or cfg.train.micro_batch_tokens or AUTO_MICRO_BATCH_TOKENS
         work = Workload(cfg.train.global_batch, mx, args.mean_sample_tokens or mx)
     backend = args.backend or resolve_plan_backend(cfg, args.device)
@@ -132,8 +132,6 @@ def main(argv: list[str] | None = None) -> int:
 def clip_main(args, cfg, world: int, shape, backend: str) -> int:
     """--frames: for every AC x offload option, the best layout for the clip and the longest
     clip of the same height and width that fits; --smoke K measures the fitting ones."""
-    from dit_train.perf.clips import clip_options, clip_tokens, latent_grid
-
     if cfg.mode != "video":
         raise SystemExit(f"--frames needs a video model (model.name={cfg.model.name} is {cfg.mode})")
     stride = tuple(int(x) for x in args.vae_stride.split(","))

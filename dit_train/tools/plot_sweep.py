@@ -15,6 +15,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from dit_train.metrics import read_metrics
+
 
 
 def job_overrides(job_dir: Path) -> list[str]:
@@ -35,8 +37,6 @@ def job_labels(job_dirs: list[Path]) -> list[str]:
 
 
 def collect(sweep_dir: Path) -> list[tuple[str, list[dict]]]:
-    from dit_train.metrics import read_metrics
-
     jobs = []
     def job_number(p: Path):
         head = p.parent.name.split("_", 1)[0]

@@ -31,17 +31,28 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dit_train.checkpoint import checkpoint_weights, find_checkpoint
+from dit_train.checkpoint.export import load_safetensors
+from dit_train.compose import load_config
+from dit_train.config.errors import CheckpointError
+from dit_train.data_pipelines import source_for
+from dit_train.data_pipelines.latent_cache import load_decoder
+from dit_train.engine.build import build_parallel_model
 from dit_train.engine.checks import Range
 from dit_train.engine import launch  # launch.launch_local at call time: the tests route it to their worker pool
+from dit_train.engine.layout_equivalence import apply_layout, parse_layout, world_of
+from dit_train.models.init import load_full_weights
+from dit_train.parallel.mesh import init_parallel
+from dit_train.precision import autocast
+from dit_train.sampling import scored_view, source_requests, to_pixels, VideoSampler, write_samples
+from dit_train.sampling.prompts import prompt_requests, prompt_space
+from dit_train.tasks import build_task
 from dit_train.tools.args import POSITIVE_INT, ToolParser, ranged
 
 
 def load_weights(run_dir: Path, ema: bool | None) -> tuple[dict, str]:
     """(full state dict, description) of a run: exported files first, else its newest checkpoint.
     ema: True = the EMA weights (error if none), False = training weights, None = EMA if present."""
-    from dit_train.checkpoint import checkpoint_weights, find_checkpoint
-    from dit_train.checkpoint.export import load_safetensors
-
     files = {True: run_dir / "weights_ema.safetensors", False: run_dir / "weights.safetensors"}
     want = [ema] if ema is not None else [True, False]
     for choice in want:
@@ -64,16 +75,10 @@ def data_requests(cfg: Any, num: int, device: Any, decoder: bool) -> tuple[list,
     picks them: their captions and sizes, the task's own empty caption, and for latent-cache
     runs (`decoder`: on the rank that writes) the cache's VAE decoder (no text encoder needed:
     captions come encoded)."""
-    from dit_train.tasks import build_task
-    from dit_train.data_pipelines import source_for
-    from dit_train.sampling import source_requests
-
     task = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed)
     requests = source_requests(task, source_for(cfg.data, cfg.model), num)
     decode = None
     if cfg.data.name == "latent_cache" and decoder:
-        from dit_train.data_pipelines.latent_cache import load_decoder
-
         decode = load_decoder(cfg.data.root, device)
     return requests, task.null_caption() if task.text_dim else None, decode
 
@@ -89,14 +94,6 @@ def run_defaults(args: argparse.Namespace, train: Any) -> None:
 
 def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, source: str) -> dict | None:
     """One rank: build the (parallelized) model, load the weights, sample; rank 0 writes."""
-    from dit_train.data_pipelines import source_for
-    from dit_train.engine.build import build_parallel_model
-    from dit_train.models.init import load_full_weights
-    from dit_train.parallel.mesh import init_parallel
-    from dit_train.precision import autocast
-    from dit_train.sampling import VideoSampler, scored_view, to_pixels, write_samples
-    from dit_train.sampling.prompts import prompt_requests, prompt_space
-
     ctx = init_parallel(cfg.parallel)
     model = build_parallel_model(cfg, ctx)
     load_full_weights(model, state_dict)
@@ -163,10 +160,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--out", type=Path, default=None, help="output folder (default RUN_DIR/generated/<time>)")
     args = ap.parse_args(argv)
-
-    from dit_train.config.errors import CheckpointError
-    from dit_train.compose import load_config
-    from dit_train.engine.layout_equivalence import apply_layout, parse_layout, world_of
 
     try:
         cfg = load_config(args.run_dir)

@@ -23,7 +23,11 @@ import json
 import sys
 from pathlib import Path
 
+from dit_train.compose import compose
+from dit_train.data_pipelines import prepare_data
 from dit_train.engine.checks import Range
+from dit_train.engine.layout_equivalence import format_table, parse_layout, verify_layouts
+from dit_train.tasks import check_data
 from dit_train.tools.args import POSITIVE_INT, ToolParser, ranged
 
 
@@ -51,11 +55,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="Hydra overrides (key=value), also accepted after `--`")
     args = ap.parse_args(argv)
     overrides = [*args.overrides, *overrides]
-
-    from dit_train.compose import compose
-    from dit_train.tasks import check_data
-    from dit_train.data_pipelines import prepare_data
-    from dit_train.engine.layout_equivalence import format_table, parse_layout, verify_layouts
 
     cfg = compose([f"train.steps={args.steps}", "train.progress=false", *overrides])
     if args.optimizer == "sgd":

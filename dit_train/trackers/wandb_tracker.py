@@ -23,6 +23,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 
+from dit_train.config.errors import ConfigError
 from dit_train.trackers.base import Clip, TrackedRun, Tracker, TrackerSpec, register_tracker
 
 
@@ -69,7 +70,6 @@ class WandbTracker(Tracker):
             self.run = wandb.init(project=project, name=run.name, id=run.run_id or None, resume="allow",
                                   dir=str(run.run_dir), config=run.config, mode=mode)
         except wandb.errors.Error as err:  # no API key, a key the server refuses, no server: before step 0
-            from dit_train.config.errors import ConfigError
 
             raise ConfigError(f"train.loggers has wandb, but W&B could not start the run (train.wandb_mode={mode}): "
                               f"{err}; log in with `wandb login`, or set train.wandb_mode=offline (upload the run "
