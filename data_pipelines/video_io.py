@@ -14,6 +14,7 @@ import os
 import numpy as np
 import torch
 import torch.nn.functional as F
+from PIL import Image
 
 # VideoInfo and VideoReadError are defined by the back ends (video_readers.py); the data code takes them from here
 from dit_train.data_pipelines.video_readers import VideoInfo, VideoReadError, reader, resolve
@@ -105,8 +106,6 @@ def _orientation(img) -> int:
     """EXIF orientation (1 = as stored) from what Image.open parsed. Not `img.getexif()`: for a PNG
     that decodes the whole image (its eXIf chunk may follow the pixels); probe and read both use
     this, so they agree on the size."""
-    from PIL import Image
-
     raw = img.info.get("exif")
     if not raw:
         return 1
@@ -125,8 +124,6 @@ def probe_image(path: str) -> VideoInfo:
     truncated or damaged file is caught here, while indexing, rather than mid-training; what
     it cannot see (a truncated JPEG) fails at read time and is dropped by the task.
     """
-    from PIL import Image
-
     try:
         with Image.open(path) as img:
             w, h = img.size
@@ -149,8 +146,6 @@ def read_image(path: str, info: VideoInfo) -> torch.Tensor:
     e.g. a black logo on black). A size other than `info`'s (a manifest declaring another
     height/width) is resized to it, as for videos, so token counts stay exact.
     """
-    from PIL import Image
-
     try:
         with Image.open(path) as img:
             orient = _orientation(img)

@@ -5,7 +5,9 @@ one process or starts the workers the layout needs. See README.md.
 """
 from __future__ import annotations
 
+import functools
 import sys
+from pathlib import Path
 from typing import Any
 
 import hydra
@@ -32,8 +34,6 @@ def run_from_config(cfg: Config, hydra_record: Any = None) -> dict:
     """Check the config, prepare and check the data, claim the run folder, then train (in this
     process or in local workers). Everything that can refuse the run happens before step 0.
     hydra_record: the CLI's `HydraRecord`, written into the run folder once it is claimed."""
-    import functools
-
     check_config(cfg, external_world_size())
     try:
         prepare_data(cfg.data, cfg.model)
@@ -76,8 +76,6 @@ def main(dcfg: DictConfig) -> float | None:
 
 def interrupted_line(err: KeyboardInterrupt, cfg: Config) -> str:
     """What a stopped run tells its user: which signal, where its summary is, how to go on."""
-    from pathlib import Path
-
     run = Path(cfg.run_dir)
     how = interruption(err)[0]
     saved = list_checkpoints(checkpoint_root(run)) if (run / "summary.json").exists() else []

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from dit_train.kernels.runs import group_neighbours, run_starts
 
@@ -168,8 +169,6 @@ def _sdpa_dense(q, k, v, meta: VarlenLayout) -> torch.Tensor:
 
 
 def _flex(q, k, v, meta: VarlenLayout) -> torch.Tensor:
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
     seg, pos, causal = meta.seg, meta.pos, meta.causal
 
     def mask_mod(b, h, qi, ki):

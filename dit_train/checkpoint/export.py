@@ -1,10 +1,13 @@
 """Full weights out of a run: safetensors (any layout, one process) and diffusers folders."""
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -27,8 +30,6 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_safetensors(sd: dict[str, torch.Tensor], path: str | Path) -> None:
-    from safetensors.torch import save_file
-
     path = Path(path)
     tmp = path.with_suffix(".tmp")
     save_file(sd, str(tmp))
@@ -38,9 +39,6 @@ def save_safetensors(sd: dict[str, torch.Tensor], path: str | Path) -> None:
 def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
     """The tensors of a .safetensors file; a file that is not one (cut short, another format)
     is a ValueError naming it, not the reader's own error."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     try:
         return load_file(str(path))
     except (SafetensorError, OSError) as err:
@@ -92,8 +90,6 @@ def checkpoint_model(path: str | Path, ema: bool = False) -> tuple[Any, nn.Modul
     """(Config, the plain model as trained) of a checkpoint, in one process (no GPU, no process
     group). LoRA runs: the base from its own initialisation (pretrained folder or seed) with the
     checkpoint's adapters injected. ema: the EMA weights instead (train.ema_decay > 0)."""
-    import warnings
-
     path = Path(path)
     cfg = load_config(path)
     model = build_model(cfg.model)

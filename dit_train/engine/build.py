@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from dit_train.checkpoint import training_parts
 from dit_train.config import Config
@@ -67,8 +68,6 @@ def load_pretrained(model: nn.Module, model_cfg: Any, ctx: ParallelContext) -> N
     every rank keeps its shard (torch.distributed.checkpoint's set_model_state_dict with
     broadcast_from_rank0, over the default process group). Host memory: one full copy on rank 0
     (none elsewhere with a meta-device build)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
     spec = model_spec(model_cfg)
     if not ctx.distributed:
         load_full_weights(model, spec.pretrained(model_cfg))
@@ -82,8 +81,6 @@ def load_pretrained(model: nn.Module, model_cfg: Any, ctx: ParallelContext) -> N
             raise ValueError(f"pretrained weights do not fit the model: missing {missing[:5]}, "
                              f"unexpected {unexpected[:5]}")
         # DCP addresses parameters by their fully qualified names (wrappers removed, peft's kept)
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
         fqns = {plain_lora_name(k): k for k in get_model_state_dict(model) if not is_lora_name(k)}
         full = {fqns[k]: v for k, v in sd.items()}
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,

@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 import typing
 from typing import Any
+
+import torch
+from torch import nn
 
 from dit_train.config import PARALLEL_DEGREES, Config
 from dit_train.config.choices import ActivationCheckpointing, Choice
@@ -250,13 +254,10 @@ def lora_errors(m: Any) -> list[str]:
     memory, no weights). peft matches a target to a layer whose name is it or ends in ".target";
     a target that matches no linear layer is a typo (peft would ignore it, or fail with its own
     error when none matches)."""
-    from torch import nn
-
     lo, e = m.lora, []
     _check(lo.init in ("default", "gaussian"), f"model.lora.init={lo.init!r} must be default or gaussian", e)
     if not lo.targets:
         return e
-    import torch
 
     try:
         with torch.device("meta"):
@@ -293,8 +294,6 @@ def check_config(cfg: Config, world_size: int | None = None) -> None:
     """Raise ConfigError listing every problem found (and log warnings for settings that run but
     probably do not do what is wanted). `world_size`: processes already started by an outside
     launcher (torchrun / SLURM), or None when we start them ourselves."""
-    import logging
-
     for message in warnings_for(cfg):
         logging.getLogger(__name__).warning(message)
     e = choice_errors(cfg, "")

@@ -23,6 +23,10 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
 from dit_train.config import Config, LauncherConfig
 from dit_train.config.errors import WorkerFailure
 from dit_train.parallel.mesh import ParallelDims
@@ -165,10 +169,6 @@ def launch_local(fn: Callable[..., Any], args: tuple, nproc: int, cfg: LauncherC
     signs of life for launcher.heartbeat_timeout_s (after launcher.max_restarts restarts of the
     whole group); no worker outlives this call. Rendezvous listens on loopback only.
     """
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
     # elastic's warnings (a death signal received, workers being closed) repeat what our one line
     # says; each of its modules sets its own logger's level, so set each one's (its errors stay)
     for name in list(logging.Logger.manager.loggerDict):

@@ -12,6 +12,7 @@ the EMA moved), and the larger of the two ratios is reported.
 from __future__ import annotations
 
 import copy
+import typing
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -31,8 +32,6 @@ TRAIN_KEYS = set(TRAIN_LAYOUT_KEYS)
 def parse_layout(spec: str) -> dict[str, Any]:
     """'dp_shard=2,cp_ulysses=2,grad_accum=2' -> {key: value} (typed by the schema). '1' or '' =
     one process."""
-    import typing
-
     types = typing.get_type_hints(ParallelConfig) | typing.get_type_hints(TrainConfig)
     out: dict[str, Any] = {}
     for item in filter(None, (s.strip() for s in spec.split(","))):

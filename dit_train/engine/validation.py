@@ -1,6 +1,8 @@
 """Validation videos and their scores: a component beside the trainer, built and called by the worker."""
 from __future__ import annotations
 
+import contextlib
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +41,6 @@ class Validation:
     def describe(self) -> str:
         """One line: how many training clips validation samples, at which sizes (the sizes they
         train at: data.resolution_buckets, or native; latent caches: the latent grid)."""
-        from collections import Counter
-
         unit = "latent frames x height x width" if self.latent else "frames x height x width"
         sizes = Counter("x".join(str(n) for n in r.shape[1:]) for r in self.sampler.requests)
         listed = ", ".join(size + (f" ({k} clips)" if k > 1 else "") for size, k in sizes.most_common())
@@ -50,8 +50,6 @@ class Validation:
     def __call__(self, run_dir: Path, step: int, trackers: Any = None) -> tuple[Path | None, dict[str, float]]:
         """Sample (from the EMA weights when EMA is on); rank 0 writes and hands the grid and clips
         to the trackers. Returns (folder, eval figures)."""
-        import contextlib
-
         run = self.run
         swap = run.ema.swapped_in() if run.ema is not None else contextlib.nullcontext()
         with swap:

@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from dit_train.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
 from dit_train.checkpoint.export import export_run_weights
 from dit_train.config import Config, to_dict, to_yaml
@@ -31,7 +33,6 @@ def shared_run_dir(run_dir: str, ctx: ParallelContext) -> str:
     and a time-stamped default dir can differ by a second between ranks."""
     if not ctx.distributed:
         return run_dir
-    import torch.distributed as dist
 
     box = [run_dir]
     dist.broadcast_object_list(box, src=0)
@@ -65,8 +66,6 @@ def claim_run_folder(cfg: Config, ctx: ParallelContext, claimed: bool, hydra_rec
         except RunFolderError as err:
             outcome = [("error", str(err))]
     if ctx.distributed:
-        import torch.distributed as dist
-
         dist.broadcast_object_list(outcome, src=0)
     kind, value = outcome[0]
     if kind == "error":

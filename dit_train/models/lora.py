@@ -41,6 +41,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from dit_train.models.params import copy_full, named_seed, plain_name
@@ -262,8 +264,6 @@ def save_lora(model: nn.Module, out_dir: str | Path, model_kind: str = "wan",
               state_dict: dict[str, torch.Tensor] | None = None, fold_scale: bool = False) -> Path:
     """Write out_dir/pytorch_lora_weights.safetensors (lora_state_dict + lora_metadata in the
     header), loadable with `WanPipeline.load_lora_weights(out_dir)`. Returns the file."""
-    from safetensors.torch import save_file
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / WEIGHT_NAME
@@ -280,9 +280,6 @@ def load_lora(model: nn.Module, path: str | Path) -> None:
     layers and rank) into a model wrapped by apply_lora, plain or sharded (each rank reads the
     file and keeps its shards). The file's scale (lora_alpha/r of its metadata; 1 without, as
     diffusers assumes) is converted to the model's by rescaling B."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
     with safe_open(str(path), "pt") as f:
         header = json.loads((f.metadata() or {}).get(METADATA_KEY, "{}"))
     config = _config(model)

@@ -26,6 +26,7 @@ No parallelism here (no torch.distributed).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -246,8 +247,6 @@ class PackedWan(nn.Module):
 def read_pretrained(path: str, cfg: WanConfig) -> dict[str, torch.Tensor]:
     """fp32 CPU state dict of the diffusers folder `path` (WanTransformer3DModel), after
     checking its shape against `cfg` (error names the keys to set)."""
-    from pathlib import Path
-
     from diffusers import WanTransformer3DModel
 
     folder = Path(path).expanduser()

@@ -55,7 +55,7 @@ mask and its additive bias L²·(1+c) (use only as a reference).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -383,8 +383,6 @@ def calibrate_block(cfg, tokens: int = 256, precision: str = "fp32", seed: int =
     runs a forward over two samples of `tokens` tokens in total and compares with
     `block_activation_bytes_per_token`. Returns measured, estimated and the relative error.
     """
-    from dataclasses import replace
-
     measured = []
     for depth in (1, 2):
         c = replace(cfg, depth=depth)

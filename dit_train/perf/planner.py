@@ -29,6 +29,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
+
 from dit_train.config import PARALLEL_DEGREES, Config
 from dit_train.config.errors import ConfigError
 from dit_train.data_pipelines import prepare_data
@@ -301,8 +303,6 @@ def workload_from_data(cfg: Config) -> Workload:
 
 def _smoke_worker(cfg: Config, steps: int) -> dict[str, Any]:
     """Run `steps` optimizer steps of `cfg`'s layout on this rank; times and peak memory."""
-    import torch
-
     run = build_run(cfg)
     cuda = run.ctx.device.type == "cuda"
     times, tokens = [], []

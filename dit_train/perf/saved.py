@@ -20,6 +20,7 @@ Three views of the same question, each for a different job:
 """
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -126,8 +127,6 @@ def retained_bytes(fn: Callable[[], Any], params: Iterable[torch.Tensor] = (),
     less the storages of fn's returned tensors (the caller holds those), of `params` and
     `exclude` (views of them: `weight.t()`, `x[None]`) and of casts of `params` (reported as
     weight_copies)."""
-    import gc
-
     params = list(params)
     rec = _StorageRecorder({p.untyped_storage().data_ptr() for p in params})
     with rec:

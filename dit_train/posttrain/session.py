@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 
 from dit_train.checkpoint import (
     export_weights,
@@ -73,7 +74,6 @@ def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Conf
     """`cfg` with dotted overrides ("parallel.dp_shard=2"), checked against the schema."""
     if not overrides:
         return cfg
-    from omegaconf import OmegaConf
 
     node = OmegaConf.structured(cfg)
     node.merge_with_dotlist(list(overrides))

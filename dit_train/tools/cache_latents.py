@@ -26,6 +26,10 @@ import socket
 import sys
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
 from dit_train.compose import compose
 from dit_train.data_pipelines import latent_cache as lc, prepare_data, source_for
 from dit_train.tools.args import POSITIVE_INT, ToolParser
@@ -57,8 +61,6 @@ def source_settings(data) -> dict:
 
 
 def pick_device(spec: str, local_rank: int) -> str:
-    import torch
-
     if spec == "auto":
         spec = "cuda" if torch.cuda.is_available() else "cpu"
     if spec == "cuda" and torch.cuda.device_count() > 0:
@@ -69,9 +71,6 @@ def pick_device(spec: str, local_rank: int) -> str:
 def run_rank(rank: int, world: int, local_rank: int, args: argparse.Namespace, data, init_method: str | None) -> dict | None:
     """One rank's share; rank 0 also writes meta.json, the null caption and, once every rank
     is done, manifest.jsonl and report.json. Returns the report on rank 0."""
-    import torch
-    import torch.distributed as dist
-
     if world > 1:
         if args.workers > 1:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -151,8 +150,6 @@ def main(argv: list[str] | None = None) -> int:
             report = run_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
                               int(os.environ.get("LOCAL_RANK", 0)), args, data, "env://")
         elif args.workers > 1:
-            import torch.multiprocessing as mp
-
             mp.spawn(_spawned, args=(args.workers, args, data, f"tcp://127.0.0.1:{_free_port()}"), nprocs=args.workers)
             report = json.loads((Path(args.out).expanduser() / "report.json").read_text())
         else:

@@ -15,6 +15,8 @@ import argparse
 import sys
 from pathlib import Path
 
+import yaml
+
 from dit_train.metrics import read_metrics
 
 
@@ -22,8 +24,6 @@ from dit_train.metrics import read_metrics
 def job_overrides(job_dir: Path) -> list[str]:
     overrides = job_dir / ".hydra" / "overrides.yaml"
     if overrides.exists():
-        import yaml
-
         return [str(i) for i in yaml.safe_load(overrides.read_text()) or []]
     return []
 

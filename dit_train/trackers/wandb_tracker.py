@@ -16,6 +16,7 @@
 """
 from __future__ import annotations
 
+import inspect
 import io
 import socket
 from typing import Any
@@ -36,8 +37,6 @@ def choose_mode(mode: str, has_credentials: bool, reachable: bool) -> str:
 
 def _has_credentials() -> bool:
     """W&B finds credentials (its environment, settings files, .netrc) without asking anyone."""
-    import inspect
-
     import wandb
 
     if "prompt" in inspect.signature(wandb.login).parameters:  # recent wandb: wandb.api is deprecated
