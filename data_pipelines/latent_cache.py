@@ -60,7 +60,7 @@ class VaeCodec:
 
     def __init__(self, path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  tiling: bool = False, allow_pickle: bool = False):
-        from diffusers import AutoModel
+        from diffusers import AutoModel  # deferred: diffusers takes ~2 s to import; only latent caches need a VAE
 
         self.path = component_path(path, "vae")
         self.device, self.dtype = torch.device(device), dtype
@@ -129,7 +129,7 @@ class TextEncoder:
 
     def __init__(self, path: str, tokenizer: str = "", max_length: int = 512, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, allow_pickle: bool = False):
-        import transformers
+        import transformers  # deferred: optional (the text extra); only caption encoders need it
 
         self.path = component_path(path, "text_encoder")
         self.tokenizer_path = component_path(tokenizer or path, "tokenizer")

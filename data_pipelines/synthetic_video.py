@@ -99,7 +99,7 @@ def write_png(path: Path, image: np.ndarray) -> None:
 
 def write_mp4(path: Path, frames: np.ndarray, fps: int = FPS) -> None:
     """Encode uint8 [F, H, W, 3] as H.264 mp4 (PyAV / libx264, near-lossless)."""
-    import av
+    import av  # deferred: PyAV loads FFmpeg (~1 s); only writing mp4s needs it
 
     with av.open(str(path), "w") as container:
         stream = container.add_stream("libx264", rate=fps)

@@ -119,7 +119,7 @@ class DecordReader:
 
     def _open(self, path: str, **kw):
         _import_av_first()
-        import decord
+        import decord  # deferred: optional reader (x86_64 wheels only), ~1 s to import
 
         try:
             return decord.VideoReader(path, ctx=decord.cpu(0), num_threads=1, **kw)
@@ -183,7 +183,7 @@ class PyAVReader:
 
     @staticmethod
     def _open(path: str):
-        import av
+        import av  # deferred: PyAV loads FFmpeg (~1 s); only the PyAV reader needs it
 
         try:
             container = av.open(path)
@@ -250,7 +250,7 @@ class TorchcodecReader:
 
     @staticmethod
     def _open(path: str):
-        from torchcodec.decoders import VideoDecoder
+        from torchcodec.decoders import VideoDecoder  # deferred: optional reader (needs FFmpeg's shared libraries)
 
         try:
             return VideoDecoder(path, seek_mode="exact", dimension_order="NHWC", num_ffmpeg_threads=1, device="cpu")

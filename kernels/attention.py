@@ -187,7 +187,7 @@ def _flex(q, k, v, meta: VarlenLayout) -> torch.Tensor:
 
 @torch.compiler.disable  # sizes from .tolist(), like _sdpa_loop
 def _xformers(q, k, v, meta: VarlenLayout) -> torch.Tensor:
-    from xformers.ops import fmha
+    from xformers.ops import fmha  # deferred: optional CUDA kernels
 
     assert meta.cu_seqlens is not None
     seqlens = (meta.cu_seqlens[1:] - meta.cu_seqlens[:-1]).tolist()
@@ -199,7 +199,7 @@ def _xformers(q, k, v, meta: VarlenLayout) -> torch.Tensor:
 
 
 def _flash(q, k, v, meta: VarlenLayout) -> torch.Tensor:
-    from flash_attn import flash_attn_varlen_func
+    from flash_attn import flash_attn_varlen_func  # deferred: optional CUDA kernels
 
     assert meta.cu_seqlens is not None
     cu = meta.cu_seqlens.to(device=q.device, dtype=torch.int32)

@@ -82,7 +82,7 @@ def adopt_slurm_env() -> bool:
     from the job environment (one task per GPU). Returns True if it did."""
     if "SUBMITIT_EXECUTOR" not in os.environ or "SLURM_PROCID" not in os.environ:
         return False
-    import submitit
+    import submitit  # deferred: optional (the slurm extra)
 
     env = submitit.JobEnvironment()
     nodes = env.hostnames

@@ -86,7 +86,7 @@ class LoraSettings:
     init: str = "default"
 
     def lora_config(self, model_kind: str):
-        from peft import LoraConfig
+        from peft import LoraConfig  # deferred: peft takes ~4 s to import (transformers); only LoRA runs need it
 
         if self.rank < 1:
             raise ValueError(f"lora rank={self.rank} must be >= 1")
@@ -147,7 +147,7 @@ def _config(model: nn.Module):
 
 def _lora_layers(model: nn.Module) -> dict[str, nn.Module]:
     """{module name: peft LoRA layer} of every adapted layer."""
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer  # deferred: peft takes ~4 s to import (transformers); only LoRA runs need it
 
     return {n: m for n, m in model.named_modules() if isinstance(m, LoraLayer)}
 
@@ -160,7 +160,7 @@ def apply_lora(model: nn.Module, settings: LoraSettings, model_kind: str, seed: 
     block together. seed: redraw the adapters with `init_lora_weights_from_seed` (needed for
     layout-independent starts; skip it on the meta device and call it after `to_empty`).
     """
-    from peft import inject_adapter_in_model
+    from peft import inject_adapter_in_model  # deferred: peft takes ~4 s to import (transformers); only LoRA runs need it
 
     if hasattr(model, "peft_config"):
         raise ValueError("the model already has LoRA adapters")

@@ -179,7 +179,7 @@ class PackedWan(nn.Module):
 
     def __init__(self, cfg: WanConfig, backend: str = "sdpa"):
         super().__init__()
-        from diffusers import WanTransformer3DModel
+        from diffusers import WanTransformer3DModel  # deferred: diffusers takes ~2 s to import; only Wan models need it
 
         self.diffusers_config = wan_config(cfg)
         self.text_len, self.pad_context = cfg.text_len, cfg.attend_padded_context
@@ -247,7 +247,7 @@ class PackedWan(nn.Module):
 def read_pretrained(path: str, cfg: WanConfig) -> dict[str, torch.Tensor]:
     """fp32 CPU state dict of the diffusers folder `path` (WanTransformer3DModel), after
     checking its shape against `cfg` (error names the keys to set)."""
-    from diffusers import WanTransformer3DModel
+    from diffusers import WanTransformer3DModel  # deferred: diffusers takes ~2 s to import; only Wan models need it
 
     folder = Path(path).expanduser()
     if not (folder / "config.json").exists():
@@ -279,7 +279,7 @@ def read_pretrained(path: str, cfg: WanConfig) -> dict[str, torch.Tensor]:
 
 def to_diffusers(state_dict: dict[str, torch.Tensor], cfg: WanConfig) -> Any:
     """A diffusers WanTransformer3DModel holding `state_dict` (our keys = diffusers' keys)."""
-    from diffusers import WanTransformer3DModel
+    from diffusers import WanTransformer3DModel  # deferred: diffusers takes ~2 s to import; only Wan models need it
 
     wan = WanTransformer3DModel(**wan_config(cfg))
     wan.load_state_dict(state_dict, strict=True)

@@ -71,7 +71,7 @@ def ours_model(s: dict, depth: int):
 
 
 def wan_model(s: dict, depth: int):
-    from diffusers import WanTransformer3DModel
+    from diffusers import WanTransformer3DModel  # deferred: diffusers takes ~2 s to import; only the Wan rows need it
 
     torch.manual_seed(0)
     return WanTransformer3DModel(num_attention_heads=s["heads"], attention_head_dim=s["dim"] // s["heads"], in_channels=C,

@@ -48,7 +48,7 @@ def ours_model(dim: int, depth: int, heads: int, backend: str, text_dim: int = 0
 
 
 def wan_model(dim: int, depth: int, heads: int, ffn_dim: int, text_dim: int):
-    from diffusers import WanTransformer3DModel
+    from diffusers import WanTransformer3DModel  # deferred: diffusers takes ~2 s to import; only the Wan rows need it
 
     return WanTransformer3DModel(num_attention_heads=heads, attention_head_dim=dim // heads, in_channels=C,
                                  out_channels=C, text_dim=text_dim, freq_dim=256, ffn_dim=ffn_dim, num_layers=depth)

@@ -71,10 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no */metrics.jsonl under {args.sweep_dir}: is it a multirun directory?", file=sys.stderr)
         return 1
 
-    import matplotlib
+    import matplotlib  # deferred: only plotting needs matplotlib (~0.5 s)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # deferred: only plotting needs matplotlib (~0.5 s)
 
     fig, ax = plt.subplots(figsize=(9, 5.5))
     rows = ["| job | final loss | mean of last 10% | steps |", "|---|---:|---:|---:|"]
