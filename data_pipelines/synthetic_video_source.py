@@ -45,5 +45,11 @@ class SyntheticVideoSource(PixelVideoSource):
         """The shapes world's exact metric (data_pipelines/shapes_metric.py)."""
         return score_clips(pixels, captions)
 
+    def cache_settings(self) -> dict:
+        settings = {**super().cache_settings(), "num_clips": self.cfg.num_clips, "gen_seed": self.cfg.gen_seed}
+        if self.cfg.num_images:  # only when set: caches written before images existed keep their fingerprint
+            settings["num_images"] = self.cfg.num_images
+        return settings
+
     def entries(self) -> tuple[list, list]:
         return manifest_entries(self.directory() / "manifest.jsonl")

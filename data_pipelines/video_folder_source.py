@@ -3,6 +3,7 @@ csv/jsonl manifest); an image trains as a one-frame clip (see VideoClipDataset).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from dit_train.data_pipelines.source import register_source
 from dit_train.data_pipelines.video_folder import index_video_folder
@@ -24,6 +25,9 @@ class VideoFolderSource(PixelVideoSource):
         """Probe every file once (workers then read the index instead of probing)."""
         super().prepare()
         index_video_folder(self.cfg.root, self.cfg.cache_dir, self.cfg.num_workers)
+
+    def cache_settings(self) -> dict:
+        return {**super().cache_settings(), "root": str(Path(self.cfg.root).expanduser().resolve())}
 
     def entries(self) -> tuple[list, list]:
         root = self.cfg.root  # "" is refused by the data layer with the key to set

@@ -49,6 +49,13 @@ class PixelVideoSource(DataSource):
         """(ClipEntry list, skipped (path, why) list) of the source."""
         raise NotImplementedError
 
+    def cache_settings(self) -> dict:
+        """What decides which clips a latent cache of this source holds, and how they are read
+        (part of the cache's fingerprint: tools/cache_latents.py)."""
+        c = self.cfg
+        return {"name": c.name, "max_frames": c.max_frames, "frame_stride": c.frame_stride, "fps": c.fps,
+                "resolution_buckets": [list(b) for b in c.resolution_buckets or []]}
+
     def pixel_dataset(self, patch: tuple[int, int, int], cache_items: int | None = None, split: str = "") -> Any:
         """The clips as a VideoClipDataset cropping frames to multiples of patch[0] and sizes
         to multiples of patch[1:] (or buckets). Clips that cannot be read or are too small are

@@ -8,7 +8,6 @@ from typing import Any
 
 from dit_train.config import Config
 from dit_train.data_pipelines import source_for
-from dit_train.data_pipelines.latent_cache import load_decoder
 from dit_train.engine.build import Run
 from dit_train.sampling import scored_view, source_requests, to_pixels, VideoSampler, write_samples
 
@@ -27,13 +26,12 @@ class Validation:
                                     t.guidance_scale, t.seed, cfg.loss.timestep_shift, cfg.loss.shift_reference_tokens,
                                     prediction=task.prediction, x0_min_t=task.x0_min_t,
                                     stochastic=t.stochastic_sampling)
-        self.decode, self.latent = None, cfg.data.name == "latent_cache"
-        if cfg.data.name == "latent_cache" and run.ctx.is_main:  # rank 0 alone decodes (it alone writes)
-
-            self.decode = load_decoder(cfg.data.root, run.ctx.device)
+        # rank 0 alone decodes (it alone writes): latents with the source's decoder, pixels as they are
+        self.decode = self.source.decoder(run.ctx.device) if run.ctx.is_main else None
+        self.latent = self.source.latent
         self.run, self.guidance, self.steps = run, t.guidance_scale, t.sample_steps
         self.reference: dict[str, float] = {}
-        if run.ctx.is_main and cfg.data.name != "latent_cache":
+        if run.ctx.is_main and not self.source.latent:
             # the same figures on the real clips: what a perfect generator would score
             real = scored_view(requests, [task.dataset[r.noise_id].pixels for r in requests])
             self.reference = self.source.score(real, [r.caption for r in requests]) or {}

@@ -32,6 +32,7 @@ import torch.multiprocessing as mp
 
 from dit_train.compose import compose
 from dit_train.data_pipelines import latent_cache as lc, prepare_data, source_for
+from dit_train.data_pipelines.video_source import PixelVideoSource
 from dit_train.tools.args import POSITIVE_INT, ToolParser
 
 
@@ -46,18 +47,6 @@ def compose_data(overrides: list[str]):
     `model=` override, with model=CACHE_MODEL (its default resolution buckets)."""
     named = any(o.lstrip("+~").split("=")[0] == "model" for o in overrides)
     return compose(list(overrides) if named else [f"model={CACHE_MODEL}", *overrides]).data
-
-
-def source_settings(data) -> dict:
-    src = {"name": data.name, "max_frames": data.max_frames, "frame_stride": data.frame_stride, "fps": data.fps,
-           "resolution_buckets": [list(b) for b in data.resolution_buckets or []]}
-    if data.name == "synthetic_video":
-        src.update(num_clips=data.num_clips, gen_seed=data.gen_seed)
-        if data.num_images:  # only when set: caches written before images existed keep their fingerprint
-            src["num_images"] = data.num_images
-    else:
-        src["root"] = str(Path(data.root).expanduser().resolve())
-    return src
 
 
 def pick_device(spec: str, local_rank: int) -> str:
@@ -77,6 +66,7 @@ def run_rank(rank: int, world: int, local_rank: int, args: argparse.Namespace, d
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(hours=24))  # ranks may wait long for the slowest
     try:
+        source = source_for(data, None)
         out = Path(args.out).expanduser()
         device, dtype = pick_device(args.device, local_rank), lc.DTYPES[args.dtype]
         vae = lc.VaeCodec(args.vae, device, dtype, tiling=args.vae_tiling, allow_pickle=args.allow_pickle_weights)
@@ -87,7 +77,7 @@ def run_rank(rank: int, world: int, local_rank: int, args: argparse.Namespace, d
             raise ValueError(f"data.resolution_buckets {bad} are not multiples of the VAE's spatial factor {vae.spatial}")
         settings = lc.CacheSettings(vae=vae.path, text_encoder=text.path if text else "",
                                     tokenizer=text.tokenizer_path if text else "", max_text_len=args.max_text_len if text else 0,
-                                    dtype=args.dtype, source=source_settings(data)).as_dict()
+                                    dtype=args.dtype, source=source.cache_settings()).as_dict()
         lc.check_or_write_meta(out, lc.build_meta(vae, text, settings), write=rank == 0)
         if rank == 0 and text is not None and not (out / lc.NULL_TEXT).is_file():
             lc.write_null_text(out, text)
@@ -95,9 +85,6 @@ def run_rank(rank: int, world: int, local_rank: int, args: argparse.Namespace, d
             prepare_data(data)  # embedded clips / folder index, once
         if world > 1:
             dist.barrier()
-        source = source_for(data, None)
-        if not hasattr(source, "pixel_dataset"):
-            raise ValueError(f"data={data.name} is not a source of pixel videos (use data=synthetic_video or video_folder)")
         dataset = source.pixel_dataset((1, vae.spatial, vae.spatial), cache_items=0)
         report = lc.encode_shard(dataset, out, vae, text, rank, world, progress=not args.no_progress)
         reports = [report]
@@ -144,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"{flag} {path}: no such folder (a local diffusers / transformers folder, or a "
                                  f"pipeline folder; hub ids are not downloaded)")
         data = compose_data(args.overrides)
-        if data.name not in ("synthetic_video", "video_folder"):
+        if not isinstance(source_for(data, None), PixelVideoSource):
             raise ValueError(f"data={data.name} is not a video source; use data=video_folder data.root=... (or data=synthetic_video)")
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun / SLURM-style launcher
             report = run_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),

@@ -36,7 +36,6 @@ from dit_train.checkpoint.export import load_safetensors
 from dit_train.compose import load_config
 from dit_train.config.errors import CheckpointError
 from dit_train.data_pipelines import source_for
-from dit_train.data_pipelines.latent_cache import load_decoder
 from dit_train.engine.build import build_parallel_model
 from dit_train.engine.checks import Range
 from dit_train.engine import launch  # launch.launch_local at call time: the tests route it to their worker pool
@@ -76,10 +75,9 @@ def data_requests(cfg: Any, num: int, device: Any, decoder: bool) -> tuple[list,
     runs (`decoder`: on the rank that writes) the cache's VAE decoder (no text encoder needed:
     captions come encoded)."""
     task = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed)
-    requests = source_requests(task, source_for(cfg.data, cfg.model), num)
-    decode = None
-    if cfg.data.name == "latent_cache" and decoder:
-        decode = load_decoder(cfg.data.root, device)
+    source = source_for(cfg.data, cfg.model)
+    requests = source_requests(task, source, num)
+    decode = source.decoder(device) if decoder else None
     return requests, task.null_caption() if task.text_dim else None, decode
 
 
