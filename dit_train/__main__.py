@@ -5,6 +5,7 @@ one process or starts the workers the layout needs. See README.md.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 from pathlib import Path
@@ -27,7 +28,7 @@ from dit_train.engine.run_folder import open_run_folder
 from dit_train.engine.summary import amend_summary
 from dit_train.engine.worker import train
 from dit_train.help import help_text
-from dit_train.tasks import check_data
+from dit_train.tasks import check_data, resolve_config
 
 
 def run_from_config(cfg: Config, hydra_record: Any = None) -> dict:
@@ -39,13 +40,16 @@ def run_from_config(cfg: Config, hydra_record: Any = None) -> dict:
         prepare_data(cfg.data, cfg.model)
     except (ValueError, OSError) as err:
         raise ConfigError(str(err)) from err
-    data = plan_fingerprint(check_data(cfg))
+    lengths = check_data(cfg)
+    cfg = resolve_config(cfg, lengths)  # the run's config (auto budget resolved): read, never changed, from here on
+    data = plan_fingerprint(lengths)
     if external_world_size() is not None:  # torchrun / SLURM: rank 0 claims the folder in the worker
         return launch(cfg, functools.partial(train, hydra_record=hydra_record, data=data))
     folder = open_run_folder(cfg, cfg.train.resume, hydra_record, data)
     try:
-        cfg.train.resume = str(folder.resume_from or "")  # every worker resumes from the same checkpoint
-        return launch(cfg, functools.partial(train, claimed=True))
+        # every worker resumes from the checkpoint the folder was claimed with
+        resumed = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume=str(folder.resume_from or "")))
+        return launch(resumed, functools.partial(train, claimed=True))
     except WorkerFailure as err:  # rank 0 may only have seen its collective fail: name the real cause
         amend_summary(folder.path, "failed", f"WorkerFailure: {err}")
         raise
@@ -60,8 +64,7 @@ def run_from_config(cfg: Config, hydra_record: Any = None) -> dict:
 def main(dcfg: DictConfig) -> float | None:
     interrupt_on_signals()  # a scheduler's SIGTERM ends the run like Ctrl-C
     record = HydraRecord.capture(dcfg)  # Hydra's .hydra/ files and job log, written once the folder is ours
-    cfg = to_config(dcfg)
-    cfg.run_dir = HydraConfig.get().runtime.output_dir
+    cfg = dataclasses.replace(to_config(dcfg), run_dir=HydraConfig.get().runtime.output_dir)
     try:
         summary = run_from_config(cfg, record)
     except (ConfigError, WorkerFailure, RunFailed, CheckpointError) as err:

@@ -251,7 +251,7 @@ def test_a_pickled_object_in_a_checkpoint_is_refused_not_executed(tmp_path):
 
 
 def test_micro_batch_budget_defaults_to_the_longest_sample(tmp_path, data_cache):
-    from dit_train.tasks import check_data
+    from dit_train.tasks import check_data, resolve_config
 
     cfg = compose_config([f"data.cache_dir={data_cache}", "data.num_clips=16", "model.patch_size=[1,4,4]",
                           "train.micro_batch_tokens=0", "data.widths=[32,64,96]", "data.heights=[32,48,64]",
@@ -260,11 +260,33 @@ def test_micro_batch_budget_defaults_to_the_longest_sample(tmp_path, data_cache)
     from dit_train.data_pipelines import prepare_data
 
     prepare_data(cfg.data, cfg.model)  # the set is written on first use (not by an earlier test)
-    check_data(cfg)
+    resolved = resolve_config(cfg, check_data(cfg))
     from dit_train.tasks import build_task
 
     longest = max(build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, 0).lengths())
-    assert longest > 2048 and cfg.train.micro_batch_tokens == longest
+    assert longest > 2048 and resolved.train.micro_batch_tokens == longest
+    assert cfg.train.micro_batch_tokens == 0  # resolved on a copy
+
+
+@pytest.mark.parametrize("budget", [0, 400])
+def test_a_run_reads_its_config_and_records_what_it_resolved(tmp_path, data_cache, budget):
+    """The config a run is given is read, never changed: the auto budget (0) and the resume point
+    are resolved on a copy, and that copy is what the run folder's config.yaml and checkpoints record."""
+    import copy
+
+    from dit_train.__main__ import run_from_config
+    from dit_train.compose import load_config
+    from dit_train.config.schema import AUTO_MICRO_BATCH_TOKENS
+
+    cfg = compose_config([*TINY, "train.steps=1", "train.ckpt_every=1", f"train.micro_batch_tokens={budget}",
+                          "train.resume=auto"], cache_dir=data_cache)
+    cfg.run_dir = str(tmp_path / "run")
+    before = copy.deepcopy(cfg)
+    run_from_config(cfg)
+    assert cfg == before
+    for recorded in (tmp_path / "run", tmp_path / "run" / "checkpoints" / "step_00000000"):
+        # auto: the default budget, as TINY's clips are shorter
+        assert load_config(recorded).train.micro_batch_tokens == (budget or AUTO_MICRO_BATCH_TOKENS)
 
 
 def test_guidance_without_caption_dropout_warns(caplog):

@@ -35,14 +35,13 @@ def videos(tmp_path_factory) -> Path:
 
 
 def checked(overrides: list[str], cache: Path):
-    """The config after the data check (which resolves train.micro_batch_tokens=0)."""
-    from dit_train.tasks import check_data
+    """The run's config after the data check (train.micro_batch_tokens=0 resolved, as a run does)."""
+    from dit_train.tasks import check_data, resolve_config
     from dit_train.data_pipelines import prepare_data
 
     cfg = compose_config(overrides, cache_dir=str(cache))
     prepare_data(cfg.data, cfg.model)
-    check_data(cfg)
-    return cfg
+    return resolve_config(cfg, check_data(cfg))
 
 
 @pytest.mark.slow

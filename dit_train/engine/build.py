@@ -29,7 +29,7 @@ from dit_train.optim import build_optimizer, build_scheduler
 from dit_train.parallel.mesh import ParallelContext, init_parallel
 from dit_train.parallel.parallelize import parallelize
 from dit_train.kernels import resolve_backend
-from dit_train.tasks import auto_micro_batch_tokens, build_task
+from dit_train.tasks import build_task, resolve_config
 
 
 @dataclass
@@ -121,13 +121,12 @@ def build_run(cfg: Config, ctx: ParallelContext | None = None, *, task: Any = No
 
     task: use this task instead of the configured data's (e.g. the session's caller data).
     heldout: also build the held-out task (None when the source has none).
+    The Run's cfg is `cfg` with train.micro_batch_tokens=0 (auto) resolved (resolve_config).
     """
     ctx = ctx or init_parallel(cfg.parallel)
     set_threads(cfg.parallel.threads_per_worker, int(os.environ.get("LOCAL_WORLD_SIZE", ctx.dims.world)))
-
     task = task or build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed)
-    if cfg.train.micro_batch_tokens == 0:  # auto (normally resolved by check_data before the launch)
-        cfg.train.micro_batch_tokens = auto_micro_batch_tokens(task.lengths())
+    cfg = resolve_config(cfg, task.lengths())  # auto budget: resolved before the launch, except for direct callers
     held = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed, split="heldout") if heldout else None
     model = build_parallel_model(cfg, ctx)
     optimizer = build_optimizer(model, cfg.optim)

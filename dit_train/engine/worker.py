@@ -1,6 +1,7 @@
 """The worker: what every rank runs, whoever started it (our launcher, torchrun or SLURM)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -112,7 +113,7 @@ def train(cfg: Config, ctx: ParallelContext | None = None, claimed: bool = False
     see `open_run_folder`)."""
     ctx = ctx or init_parallel(cfg.parallel)
     run_dir = Path(shared_run_dir(cfg.run_dir, ctx))
-    cfg.run_dir = str(run_dir)
+    cfg = dataclasses.replace(cfg, run_dir=str(run_dir))  # torchrun: rank 0's folder (a copy: cfg is only read)
     resume = claim_run_folder(cfg, ctx, claimed, hydra_record, data)
     config_yaml = to_yaml(cfg)
     run = build_run(cfg, ctx, heldout=cfg.train.eval_every > 0)

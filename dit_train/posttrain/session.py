@@ -99,8 +99,8 @@ class TrainingSession:
             raise ConfigError(f"the post-training session does not add the mixture-of-experts router losses "
                               f"(model.moe.aux_loss_coef={moe.aux_loss_coef}, z_loss_coef={moe.z_loss_coef}): "
                               f"set both to 0 to post-train the experts without them, or train with python -m dit_train")
-        self.cfg = cfg
         run = build_run(cfg, ctx, task=task)
+        self.cfg = run.cfg  # train.micro_batch_tokens=0 (auto) resolved by the data
         self.run, self.ctx, self.task, self.model = run, run.ctx, run.task, run.model
         self.optimizer, self.scheduler, self._trainer = run.optimizer, run.scheduler, run.trainer
         self._lengths = dict(enumerate(self.task.lengths()))

@@ -1,12 +1,15 @@
 """Tasks glue a data source, an objective and a model into per-token losses on packs: the
 mode's task (video: `VideoTask`, llm: `LMTask`) wraps the dataset a source opens, and is what
 the step planner and the trainer use (`lengths()`, `build(ids, step)`). `check_data` says,
-before training, whether the data can fill a step and each sample fit a micro-batch."""
+before training, whether the data can fill a step and each sample fit a micro-batch, and
+`resolve_config` sizes train.micro_batch_tokens=0 (auto) by it."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
+from dit_train.config import Config
 from dit_train.config.errors import ConfigError
 from dit_train.config.schema import AUTO_MICRO_BATCH_TOKENS
 from dit_train.data_pipelines import SOURCES, open_dataset, source_for
@@ -39,9 +42,9 @@ def auto_micro_batch_tokens(lengths: list[int]) -> int:
 
 def check_data(cfg: Any) -> list[int]:
     """Fail before training if the data cannot fill a step or a sample cannot fit a micro-batch
-    (each error names the keys and values that would work); resolve train.micro_batch_tokens=0
-    (auto) to the longest sample (at least the default budget). Returns the samples' lengths
-    (what the step plan is made from)."""
+    (each error names the keys and values that would work). Returns the samples' lengths (what
+    the step plan is made from, and what resolve_config sizes train.micro_batch_tokens=0 by);
+    `cfg` is only read."""
     try:
         task = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed)
         lengths = task.lengths()
@@ -52,12 +55,10 @@ def check_data(cfg: Any) -> list[int]:
                           f"({len(lengths)} samples); set train.global_batch={len(lengths)} (the largest that "
                           f"fits) or add data")
     longest = max(lengths)
-    if cfg.train.micro_batch_tokens == 0:
-        cfg.train.micro_batch_tokens = auto_micro_batch_tokens(lengths)
-        if longest > AUTO_MICRO_BATCH_TOKENS:  # the budget followed the data: say so (memory grows with it)
-            log.info("train.micro_batch_tokens=0 (auto): %d tokens, the longest sample", longest)
     budget = cfg.train.micro_batch_tokens
-    if longest > budget:
+    if budget == 0 and longest > AUTO_MICRO_BATCH_TOKENS:  # the budget follows the data: say so (memory grows with it)
+        log.info("train.micro_batch_tokens=0 (auto): %d tokens, the longest sample", longest)
+    if budget and longest > budget:  # (auto fits the longest sample by construction)
         source = source_for(cfg.data, cfg.model)
         which = source.describe(task.dataset, lengths.index(longest))
         fits = source.fitting_keys(task.dataset, budget)
@@ -68,4 +69,15 @@ def check_data(cfg: Any) -> list[int]:
     return lengths
 
 
-__all__ = ["auto_micro_batch_tokens", "build_task", "check_data"]
+def resolve_config(cfg: Config, lengths: list[int]) -> Config:
+    """The config a run trains with: `cfg` with train.micro_batch_tokens=0 (auto) replaced by the
+    budget the data's `lengths` need (auto_micro_batch_tokens). A copy: a composed config is read,
+    never changed. `python -m dit_train` resolves once, before any worker starts, and the run
+    folder's config.yaml and the checkpoints record that copy; build_run resolves the same way
+    for callers that start no workers (the session API, tests)."""
+    if cfg.train.micro_batch_tokens:
+        return cfg
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_tokens=auto_micro_batch_tokens(lengths)))
+
+
+__all__ = ["auto_micro_batch_tokens", "build_task", "check_data", "resolve_config"]

@@ -27,7 +27,7 @@ from dit_train.compose import compose
 from dit_train.data_pipelines import prepare_data
 from dit_train.engine.checks import Range
 from dit_train.engine.layout_equivalence import format_table, parse_layout, verify_layouts
-from dit_train.tasks import check_data
+from dit_train.tasks import check_data, resolve_config
 from dit_train.tools.args import POSITIVE_INT, ToolParser, ranged
 
 
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     for spec in layouts:
         parse_layout(spec)  # fail on a typo before anything runs
     prepare_data(cfg.data, cfg.model)
-    check_data(cfg)
+    cfg = resolve_config(cfg, check_data(cfg))
     results = verify_layouts(cfg, layouts, args.reductions.split(","), tol=args.tol)
     print(format_table(results))
     if args.json:
