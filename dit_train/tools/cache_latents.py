@@ -3,7 +3,7 @@
     python -m dit_train.tools.cache_latents --vae /models/Wan2.1-T2V-1.3B-Diffusers --text-encoder /models/Wan2.1-T2V-1.3B-Diffusers \\
         --out latents/my_videos data=video_folder data.root=videos/ data.max_frames=81 'data.resolution_buckets=[[480,832]]'
     python -m dit_train.tools.cache_latents --workers 4 ...          # 4 local processes (one GPU each when there are 4)
-    torchrun --nproc-per-node 8 tools/cache_latents ... # or any launcher that sets RANK / WORLD_SIZE
+    torchrun --nproc-per-node 8 tools/cache_latents.py ... # or any launcher that sets RANK / WORLD_SIZE
 
 The source is chosen with the same data overrides as `python -m dit_train` (`data=video_folder
 data.root=...`, or the embedded `data=synthetic_video`), with its frame rate / stride / length

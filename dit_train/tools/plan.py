@@ -12,7 +12,7 @@ activation checkpointing fit a GPU, best first.
 
 Positional arguments are Hydra overrides of the training config (composed like
 `python -m dit_train`); the layout keys they set are the starting point of the search only.
-Memory model and formulas: dit_train/perf/memory.py. Ranking: dit_train/planner.py.
+Memory model and formulas: dit_train/perf/memory.py. Ranking: dit_train/perf/planner.py.
 """
 from __future__ import annotations
 
