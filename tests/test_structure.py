@@ -13,19 +13,19 @@ REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "dit_train"
 
 # The layers, ground first: a module imports modules of its own layer or of lower ones, never of
-# a higher one. A name is a subpackage or a module of dit_train; the longest name that holds a
-# module places it (perf/memory.py sits below engine/, the planner in perf/ above it). The same
-# list is in docs/how-it-works.md#layers (test_the_docs_list_the_same_layers).
+# a higher one. A name is a subpackage or a module of dit_train (the longest name that holds a
+# module places it, should a package ever span two layers). The same list is in
+# docs/how-it-works.md#layers (test_the_docs_list_the_same_layers).
 LAYERS = [
     ("config", "registry", "rng", "batch", "precision"),
     ("kernels",),
     ("data_pipelines",),
     ("models", "objectives", "optim", "trackers"),
     ("compose",),
-    ("loss", "parallel", "tasks", "metrics", "checkpoint", "generate", "perf.memory", "perf.flops", "perf.saved"),
+    ("loss", "parallel", "tasks", "metrics", "checkpoint", "generate", "perf"),
     ("sampling",),
     ("engine",),
-    ("perf", "posttrain"),
+    ("planning", "posttrain"),
     ("session", "help", "__main__", "tools"),
 ]
 

@@ -8,11 +8,11 @@ activation checkpointing fit a GPU, best first.
     python -m dit_train.tools.plan model=dit_1b --calibrate                  # activation formula vs autograd, on CPU
     python -m dit_train.tools.plan model=wan_14b train.precision=bf16 --world 8 --frames 81 --height 720 --width 1280
         # "how many frames fit": per AC policy x offload option, the best layout for the clip and the
-        # longest clip of that size that fits (dit_train/perf/clips.py); add --smoke 1 on GPUs to measure
+        # longest clip of that size that fits (dit_train/planning/clips.py); add --smoke 1 on GPUs to measure
 
 Positional arguments are Hydra overrides of the training config (composed like
 `python -m dit_train`); the layout keys they set are the starting point of the search only.
-Memory model and formulas: dit_train/perf/memory.py. Ranking: dit_train/perf/planner.py.
+Memory model and formulas: dit_train/perf/memory.py. Ranking: dit_train/planning/planner.py.
 """
 from __future__ import annotations
 
@@ -27,9 +27,9 @@ from dit_train.config.schema import AUTO_MICRO_BATCH_TOKENS
 from dit_train.engine.checks import Range
 from dit_train.parallel.mesh import ParallelDims
 from dit_train.perf.bench import format_table
-from dit_train.perf.clips import clip_options, clip_tokens, latent_grid
+from dit_train.planning.clips import clip_options, clip_tokens, latent_grid
 from dit_train.perf.memory import GIB, calibrate_block, model_shape
-from dit_train.perf.planner import Workload, plan, resolve_plan_backend, smoke, workload_from_data
+from dit_train.planning.planner import Workload, plan, resolve_plan_backend, smoke, workload_from_data
 from dit_train.tools.args import POSITIVE_FLOAT, POSITIVE_INT, ToolParser, ranged
 
 
