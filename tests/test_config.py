@@ -12,7 +12,7 @@ from dit_train.config import Config
 from dit_train.engine.checks import ConfigError, check_config as validate
 from tests.conftest import CONF, compose_config
 
-GROUPS = ["model", "data", "parallel", "launcher", "loss", "optim", "train", "mode", "experiment"]
+GROUPS = ["model", "data", "parallel", "launcher", "loss", "cond", "optim", "train", "mode", "experiment"]
 
 
 def options(group: str) -> list[str]:

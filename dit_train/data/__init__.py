@@ -32,9 +32,9 @@ def open_dataset(data_cfg: Any, model_cfg: Any, split: str = "train") -> Any:
     return ds
 
 
-def build_task(mode: str, data: Any, model: Any, loss: Any, seed: int, split: str = "train") -> Any:
+def build_task(mode: str, data: Any, model: Any, loss: Any, seed: int, split: str = "train", cond: Any = None) -> Any:
     """The task of `mode` over the configured data (`split="heldout"` for evaluation data;
-    None when the source has no held-out part)."""
+    None when the source has no held-out part); `cond`: the run's conditioning (video only)."""
     src = SOURCES[data.name]
     if src.mode != mode:
         raise ValueError(f"data={data.name} is a source for mode={src.mode}, not mode={mode}")
@@ -46,7 +46,7 @@ def build_task(mode: str, data: Any, model: Any, loss: Any, seed: int, split: st
 
         # held-out clips are scored with their captions (no dropout), fixed noise and times
         dropout = data.caption_dropout if split == "train" else 0.0
-        return VideoTask(ds, model, loss, seed, caption_dropout=dropout)
+        return VideoTask(ds, model, loss, seed, caption_dropout=dropout, cond=cond)
     from dit_train.tasks.llm import LMTask
 
     return LMTask(ds)
@@ -65,7 +65,7 @@ def check_data(cfg: Any) -> list[int]:
     from dit_train.engine.checks import ConfigError
 
     try:
-        task = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed)
+        task = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed, cond=cfg.cond)
         lengths = task.lengths()
     except (ValueError, OSError) as err:  # data that cannot be read (a missing corpus, a bad file): one line
         raise ConfigError(str(err)) from err

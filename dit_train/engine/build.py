@@ -143,10 +143,11 @@ def build_run(cfg: Config, ctx: ParallelContext | None = None, *, task: Any = No
     set_threads(cfg.parallel.threads_per_worker, int(os.environ.get("LOCAL_WORLD_SIZE", ctx.dims.world)))
     from dit_train.data import auto_micro_batch_tokens
 
-    task = task or build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed)
+    task = task or build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed, cond=cfg.cond)
     if cfg.train.micro_batch_tokens == 0:  # auto (normally resolved by check_data before the launch)
         cfg.train.micro_batch_tokens = auto_micro_batch_tokens(task.lengths())
-    held = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed, split="heldout") if heldout else None
+    held = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed, split="heldout",
+                      cond=cfg.cond) if heldout else None
     model = build_parallel_model(cfg, ctx)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, max(1, cfg.train.steps))

@@ -287,6 +287,12 @@ def lora_errors(m: Any) -> list[str]:
     return e
 
 
+def _cond_errors(cfg: Config) -> list[str]:
+    from dit_train.tasks.conditioning import cond_errors
+
+    return cond_errors(str(cfg.mode), cfg.cond, cfg.model, cfg.data)
+
+
 def warnings_for(cfg: Config) -> list[str]:
     """Settings that run but probably do not do what the user wants."""
     w = []
@@ -316,6 +322,7 @@ def check_config(cfg: Config, world_size: int | None = None) -> None:
     _batch_warmup(cfg.train, e)
     _loss(cfg, e)
     _model_and_data(cfg, e)
+    e += _cond_errors(cfg)
     if e:
         # one problem: one line; several: one line each under the heading
         text = f"invalid configuration: {e[0]}" if len(e) == 1 else "invalid configuration:\n  - " + "\n  - ".join(e)
