@@ -187,6 +187,8 @@ def test_fractional_weights_sync_exactly_on_every_cp_split(layout, tiny_cfg):
     full = fractional_pack()
     one = sync_counts([full], None, None)
     assert isinstance(one.num_tokens, float) and one.num_samples == 3
+    units = torch.stack([full.weight_units()[full.seg == k].sum() for k in range(3)])
+    assert torch.equal(one.sample_tokens[0], units.double() / WEIGHT_ONE)  # T_b = Σ w, not a token count
     parallel = apply_layout(tiny_cfg, parse_layout(layout)).parallel
     world = parallel.cp_ring * parallel.cp_ulysses
     results = launch_local(_fractional_worker, (parallel,), world, tiny_cfg.launcher)
