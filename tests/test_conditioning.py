@@ -281,3 +281,36 @@ def test_a_clip_too_short_for_its_conditioning_trains_unconditioned_and_is_count
     pack = task.build(short, 0)
     assert bool(pack.valid.all()) and not pack.tokens["clean"].any() and task.conditioner.short == set(short)
     assert "too short for cond.kind=first_last" in caplog.text
+
+
+def test_a_text_to_video_wan_checkpoint_widens_into_concat_conditioning(tmp_path):
+    """model.pretrained from a T2V folder with cond.feed=concat: the patch embedding gets the
+    mask and frame channels with zero weights, so the widened model starts as the T2V model."""
+    from dit_train.kernels import VarlenLayout
+    from dit_train.models import build_model, model_config
+    from dit_train.models.init import load_full_weights
+    from dit_train.models.wan import read_pretrained, to_diffusers
+
+    base = dict(dim=32, heads=2, depth=1, ffn_dim=64, freq_dim=32, text_dim=32, text_len=6, in_channels=3,
+                patch_size=[1, 2, 2], init="normal")
+    t2v_cfg = model_config("wan", **base)
+    t2v = build_model(t2v_cfg)
+    torch.manual_seed(0)
+    for p in t2v.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    to_diffusers(t2v.state_dict(), t2v_cfg).save_pretrained(str(tmp_path / "wan"))
+    i2v_cfg = model_config("wan", **base, cond_channels=4)
+    state = read_pretrained(str(tmp_path / "wan"), i2v_cfg)
+    w = state["patch_embedding.weight"]
+    assert w.shape[1] == 7 and float(w[:, 3:].abs().sum()) == 0
+    i2v = build_model(i2v_cfg)
+    load_full_weights(i2v, state)
+    x = torch.randn(8, 3 * 4)
+    seg, pos = torch.zeros(8, dtype=torch.long), torch.stack([torch.zeros(8), torch.arange(8) // 4, torch.arange(8) % 4], 1).long()
+    meta = VarlenLayout.build(seg, torch.arange(8), False)
+    cond = torch.randn(8, 4 * 4)
+    with torch.no_grad():
+        torch.testing.assert_close(i2v(torch.cat([x, cond], 1), pos, seg, torch.tensor([0.3]), meta),
+                                   t2v(x, pos, seg, torch.tensor([0.3]), meta), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="in_channels=3"):  # a width that is neither is still refused
+        read_pretrained(str(tmp_path / "wan"), model_config("wan", **(base | {"in_channels": 4})))

@@ -28,6 +28,7 @@ No parallelism here (no torch.distributed).
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +40,8 @@ from dit_train.config.choices import Mode
 from dit_train.config.schema import VideoModelConfig
 from dit_train.models.registry import ActivationModel, ModelSpec, register_model
 from dit_train.kernels import LocalAttention, packed_cross_attention
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -275,6 +278,11 @@ def read_pretrained(path: str, cfg: WanConfig) -> dict[str, torch.Tensor]:
         raise ValueError(f"model.pretrained={path}: {err} (weights must be .safetensors; "
                          f"model.allow_pickle_weights=true also reads .bin from a source you trust)") from None
     want = wan_config(cfg)
+    # a text-to-video checkpoint fine-tuned into concat conditioning (Wan 2.1 I2V style): its
+    # patch embedding gets the new input channels, zero-initialised (widen_patch_embedding)
+    widen = cfg.cond_channels > 0 and wan.config["in_channels"] == cfg.in_channels
+    if widen:
+        want["in_channels"] = cfg.in_channels
     wrong = []
     for key, ours in want.items():
         theirs = wan.config[key]
@@ -285,7 +293,18 @@ def read_pretrained(path: str, cfg: WanConfig) -> dict[str, torch.Tensor]:
             wrong.append(f"{key}={wan.config[key]}: image-conditioned Wan (I2V) is not supported")
     if wrong:
         raise ValueError(f"model.pretrained={path} does not match the model config: " + "; ".join(wrong))
-    return {k: v.detach().float().contiguous() for k, v in wan.state_dict().items()}
+    state = {k: v.detach().float().contiguous() for k, v in wan.state_dict().items()}
+    return widen_patch_embedding(state, cfg.cond_channels) if widen else state
+
+
+def widen_patch_embedding(state: dict[str, torch.Tensor], extra: int) -> dict[str, torch.Tensor]:
+    """A T2V state dict for a model whose patch embedding reads `extra` more input channels
+    (cond.feed=concat: mask and conditioning frames, after the noisy ones): the new channels'
+    weights start at zero, so the widened model computes exactly what the T2V one did until
+    training teaches it to read them (as diffusers-based I2V fine-tuning scripts do)."""
+    w = state["patch_embedding.weight"]  # [dim, C, pt, ph, pw]
+    log.info("model.pretrained: the patch embedding gets %d zero-initialised input channels (cond.feed=concat)", extra)
+    return state | {"patch_embedding.weight": torch.cat([w, w.new_zeros(w.shape[0], extra, *w.shape[2:])], dim=1)}
 
 
 def to_diffusers(state_dict: dict[str, torch.Tensor], cfg: WanConfig) -> Any:
