@@ -13,7 +13,7 @@ from dit_train.config.errors import ConfigError
 from dit_train.engine.checks import check_config as validate
 from tests.conftest import CONF, compose_config
 
-GROUPS = ["model", "data", "parallel", "launcher", "loss", "optim", "train", "mode", "experiment"]
+GROUPS = ["model", "data", "parallel", "launcher", "loss", "cond", "optim", "train", "mode", "experiment"]
 
 
 def options(group: str) -> list[str]:

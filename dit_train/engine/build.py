@@ -125,9 +125,10 @@ def build_run(cfg: Config, ctx: ParallelContext | None = None, *, task: Any = No
     """
     ctx = ctx or init_parallel(cfg.parallel)
     set_threads(cfg.parallel.threads_per_worker, int(os.environ.get("LOCAL_WORLD_SIZE", ctx.dims.world)))
-    task = task or build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed)
+    task = task or build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed, cond=cfg.cond)
     cfg = resolve_config(cfg, task.lengths())  # auto budget: resolved before the launch, except for direct callers
-    held = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed, split="heldout") if heldout else None
+    held = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed, split="heldout",
+                      cond=cfg.cond) if heldout else None
     model = build_parallel_model(cfg, ctx)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, max(1, cfg.train.steps))

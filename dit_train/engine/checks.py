@@ -22,6 +22,7 @@ from dit_train.data_pipelines import SOURCES
 from dit_train.models import build_model, model_spec, MODELS
 from dit_train.models.lora import DEFAULT_TARGETS
 from dit_train.parallel.mesh import ParallelDims
+from dit_train.tasks.conditioning import cond_errors
 from dit_train.trackers import tracker_errors
 
 
@@ -276,6 +277,10 @@ def lora_errors(m: Any) -> list[str]:
     return e
 
 
+def _cond_errors(cfg: Config) -> list[str]:
+    return cond_errors(str(cfg.mode), cfg.cond, cfg.model, cfg.data)
+
+
 def warnings_for(cfg: Config) -> list[str]:
     """Settings that run but probably do not do what the user wants."""
     w = []
@@ -303,6 +308,7 @@ def check_config(cfg: Config, world_size: int | None = None) -> None:
     _batch_warmup(cfg.train, e)
     _loss(cfg, e)
     _model_and_data(cfg, e)
+    e += _cond_errors(cfg)
     if e:
         # one problem: one line; several: one line each under the heading
         text = f"invalid configuration: {e[0]}" if len(e) == 1 else "invalid configuration:\n  - " + "\n  - ".join(e)

@@ -19,7 +19,7 @@ from dit_train.tasks.video import VideoTask
 log = logging.getLogger(__name__)
 
 
-def build_task(mode: str, data: Any, model: Any, loss: Any, seed: int, split: str = "train") -> Any:
+def build_task(mode: str, data: Any, model: Any, loss: Any, seed: int, split: str = "train", cond: Any = None) -> Any:
     """The task of `mode` over the configured data (`split="heldout"` for evaluation data;
     None when the source has no held-out part)."""
     src = SOURCES[data.name]
@@ -31,7 +31,7 @@ def build_task(mode: str, data: Any, model: Any, loss: Any, seed: int, split: st
     if mode == "video":
         # held-out clips are scored with their captions (no dropout), fixed noise and times
         dropout = data.caption_dropout if split == "train" else 0.0
-        return VideoTask(ds, model, loss, seed, caption_dropout=dropout)
+        return VideoTask(ds, model, loss, seed, caption_dropout=dropout, cond=cond)
     return LMTask(ds)
 
 
@@ -46,7 +46,7 @@ def check_data(cfg: Any) -> list[int]:
     the step plan is made from, and what resolve_config sizes train.micro_batch_tokens=0 by);
     `cfg` is only read."""
     try:
-        task = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed)
+        task = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed, cond=cfg.cond)
         lengths = task.lengths()
     except (ValueError, OSError) as err:  # data that cannot be read (a missing corpus, a bad file): one line
         raise ConfigError(str(err)) from err
