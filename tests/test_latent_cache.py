@@ -312,3 +312,49 @@ def test_sample_image_on_a_latent_run_goes_through_the_cache_vae(cache, tmp_path
     flf = compose_config([*base, "cond.kind=first_last"])
     with pytest.raises(ValueError, match="--last-image on a latent-cache run"):
         read_given(argparse.Namespace(**{**vars(args), "last_image": str(png), "frames": 9}), flf)
+
+
+def test_a_latent_i2v_wan_run_samples_in_diffusers_wan_image_to_video_pipeline(cache, models, tmp_path):
+    """model=wan_tiny on the cache with cond.kind=first_frame (timestep feed, Wan 2.2 TI2V's
+    layout): the exported transformer (full weights, and a LoRA file onto its exported base) loads
+    in diffusers' WanImageToVideoPipeline(expand_timesteps=True) and samples a clip from the first
+    image, whose first latent frame — the pipeline encodes the image alone — is the cached one."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline, WanTransformer3DModel
+    from PIL import Image
+    from safetensors.torch import load_file
+
+    from dit_train.__main__ import run_from_config
+    from dit_train.tools.export_weights import main as export
+
+    x, z = _first_clip(cache)
+    H, W = x.shape[2:]
+    image = Image.fromarray(((x[:, 0] + 1) * 127.5).round().clamp(0, 255).byte().permute(1, 2, 0).numpy())
+    emb = load_file(str(cache / json.loads((cache / lc.MANIFEST).read_text().splitlines()[0])["file"]))["text_emb"]
+    base = ["model=wan_tiny", "data=latent_cache", f"data.root={cache}", f"model.in_channels={Z_DIM}",
+            f"model.text_dim={TEXT_DIM}", "model.patch_size=[1,2,2]", "train.steps=1", "train.global_batch=2",
+            "train.sample_every=0", "cond.kind=first_frame"]
+    transformers = {}
+    for name, extra in (("full", []), ("lora", ["model.lora.rank=2", "model.init=normal"])):
+        cfg = compose_config([*base, *extra])
+        cfg.run_dir = str(tmp_path / name)
+        run_from_config(cfg)
+        if name == "full":
+            assert export([cfg.run_dir, "--diffusers", str(tmp_path / "full_dif")]) == 0
+            transformers[name] = (WanTransformer3DModel.from_pretrained(str(tmp_path / "full_dif")), None)
+        else:
+            assert export([cfg.run_dir, "--base", "--diffusers", str(tmp_path / "lora_base")]) == 0
+            assert export([cfg.run_dir, "--diffusers", str(tmp_path / "lora_dif")]) == 0
+            transformers[name] = (WanTransformer3DModel.from_pretrained(str(tmp_path / "lora_base")), tmp_path / "lora_dif")
+    vae = AutoencoderKLWan.from_pretrained(str(models / "vae"))
+    for name, (transformer, lora) in transformers.items():
+        pipe = WanImageToVideoPipeline(tokenizer=None, text_encoder=None, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(),
+                                       transformer=transformer, expand_timesteps=True)
+        if lora is not None:
+            pipe.load_lora_weights(str(lora))
+            assert any("lora" in n for n, _ in pipe.transformer.named_parameters())
+        with torch.no_grad():
+            out = pipe(image=image, prompt_embeds=emb[None], height=H, width=W, num_frames=5, num_inference_steps=2,
+                       guidance_scale=1.0, output_type="latent", generator=torch.Generator().manual_seed(0)).frames
+        assert out.shape == (1, Z_DIM, 2, H // 8, W // 8) and torch.isfinite(out).all(), name
+        torch.testing.assert_close(out[0, :, :1], z[:, :1], rtol=0, atol=1e-4)  # the cached first latent frame
+        assert (out[0, :, 1:] - z[:, 1:]).abs().max() > 1e-3  # the rest was generated
