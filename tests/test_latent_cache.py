@@ -305,6 +305,11 @@ def test_sample_image_on_a_latent_run_goes_through_the_cache_vae(cache, tmp_path
     assert given.shape == (Z_DIM, 2, H // 8, W // 8) and patches.tolist() == [True, False]
     assert torch.allclose(given[:, :1], z[:, :1], atol=1e-4) and not given[:, 1:].any()
 
+    prefix = compose_config([*base, "cond.kind=prefix", "cond.prefix_frames=1"])  # the clip's own video, 1 latent frame
+    video = json.loads((cache / lc.MANIFEST).read_text().splitlines()[0])["source"]
+    pgiven, ppatches = read_given(argparse.Namespace(**{**vars(args), "image": "", "video": video, "prefix_frames": 1}), prefix)
+    assert ppatches.tolist() == [True, False] and torch.allclose(pgiven[:, :1], z[:, :1], atol=1e-4)
+
     cfg.run_dir = str(tmp_path / "run")
     run_from_config(cfg)
     assert sample([cfg.run_dir, "--prompt", "a clip", "--image", str(png), "--frames", "5", "--height", str(H),
