@@ -54,7 +54,7 @@ class LatentCacheSource(DataSource):
 
     def prompt_space(self, device: str | torch.device) -> PromptSpace:
         """The cache's own text encoder encodes a prompt, and its VAE maps (frames, height, width)
-        in pixels to the latent grid and decodes the sampled latents."""
+        in pixels to the latent grid, encodes given frames and decodes the sampled latents."""
         root, m = self.cfg.root, self.model_cfg
         pt, ph, pw = m.patch_size
         info = read_cache_info(root)
@@ -78,4 +78,4 @@ class LatentCacheSource(DataSource):
             return (c, fit_to_patch(f, pt, "latent frames"), fit_to_patch(h, ph, "latent height"),
                     fit_to_patch(w, pw, "latent width"))
 
-        return PromptSpace(encode, null, latent_shape, vae.decode, 16.0)
+        return PromptSpace(encode, null, latent_shape, vae.decode, 16.0, codec=vae)

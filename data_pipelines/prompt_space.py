@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -20,6 +20,8 @@ class PromptSpace:
     encode: caption -> [Lt, text_dim] (None for an unconditional model); null: the empty caption.
     shape: (frames, height, width) in pixels -> (C, F, H, W) in model space.
     decode: model-space clip -> pixels [3, F, H, W] in [-1, 1] (None: already pixels).
+    codec: a latent space's VAE (`latent_cache.VaeCodec`: encode, temporal, spatial), which
+    encodes given frames (tools.sample --image on a latent-cache run); None: pixels.
     """
 
     encode: Callable[[str], torch.Tensor] | None
@@ -27,6 +29,7 @@ class PromptSpace:
     shape: Callable[[int, int, int], tuple[int, int, int, int]]
     decode: Callable[[torch.Tensor], torch.Tensor] | None
     fps: float
+    codec: Any = None
 
 
 def fit_to_patch(x: int, m: int, what: str) -> int:

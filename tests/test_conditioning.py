@@ -118,24 +118,20 @@ def test_context_tokens_weigh_zero_and_stay_out_of_T_b(data_cache, tiny_cfg):
     assert counts.num_samples == len(ids)
 
 
-def test_counting_context_in_T_b_changes_the_weights(data_cache, tiny_cfg, monkeypatch):
+def test_counting_context_in_T_b_changes_the_weights(data_cache, tiny_cfg, capsys):
     """The mistake the contract avoids: the same one-process run with context tokens counted in
     T_b (each sample's tokens then weigh 1/(B·T_b) with a T_b too large by its context) ends on
-    other weights."""
-    from dit_train.engine.layout_equivalence import train_weights
+    other weights — measured by tools.context_shift, which docs/conditioning.md quotes; the tool
+    refuses a config without context tokens in one line."""
+    from dit_train.tools.context_shift import context_shift, main
 
     cfg = cond_cfg(data_cache, CASES["first_frame-timestep-dit"][0])
     cfg.optim.max_grad_norm = 0.0  # clipping would renormalise the shifted gradient and hide part of it
     cfg.train.steps = 1
-    right = train_weights([cfg])[0]
-
-    def counting_context(self):  # every token of the sample, context included
-        keep = self.seg >= 0
-        return torch.bincount(self.seg[keep], minlength=self.num_samples)[: self.num_samples] * WEIGHT_ONE
-
-    monkeypatch.setattr(PackedBatch, "local_weights", counting_context)
-    wrong = train_weights([cfg])[0]
-    assert relative_difference(right, wrong) > 0.05
+    assert context_shift(cfg) > 0.05
+    assert main(["--steps", "1", "cond.kind=first_frame", "cond.feed=concat"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cond.kind=first_frame cond.feed=concat has no context tokens") and err.count("\n") == 1
 
 
 # -- fractional weights: exact sums at the metadata sync ------------------------------------------

@@ -114,6 +114,7 @@ TOOL_FLAGS = [  # (tool, arguments, what the one error line says)
     ("generate", ["RUN", "--max-new", "x"], "argument --max-new: 'x' is not an integer"),
     ("cache_latents", ["--out", "o", "--vae", "v", "--workers", "0"], "argument --workers: 0 must be >= 1"),
     ("verify_layouts", ["--steps", "0"], "argument --steps: 0 must be >= 1"),
+    ("context_shift", ["--steps", "0"], "argument --steps: 0 must be >= 1"),
     ("score_shapes", ["--num-clips", "0"], "argument --num-clips: 0 must be >= 1"),
 ]
 

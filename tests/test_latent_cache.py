@@ -255,3 +255,111 @@ def test_shards_split_clips_by_rank_and_count_unreadable(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / lc.MANIFEST).read_text().splitlines()]
     assert [r["source"] for r in rows] == ["/videos/0.mp4", "/videos/1.mp4", "/videos/2.mp4", "/videos/4.mp4"]
     assert all(r["text_len"] == 0 for r in rows)  # cached without a text encoder
+
+
+# -- conditioning on a latent cache (docs/conditioning.md) ----------------------------------------
+
+def _first_clip(cache) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pixels [3, F, H, W] of the cache's first clip as the cache tool read them, its cached latents)."""
+    from safetensors.torch import load_file
+
+    from dit_train.data_pipelines import source_for
+
+    cfg = compose_config(["data=video_folder", f"data.root={lc.read_cache_info(cache)['settings']['source']['root']}",
+                          "data.max_frames=5", "data.resolution_buckets=null"], cache_dir=str(cache.parent / "probe_cache"))
+    pixels = source_for(cfg.data, cfg.model).pixel_dataset((1, 8, 8), cache_items=0)
+    row = json.loads((cache / lc.MANIFEST).read_text().splitlines()[0])
+    x = pixels[{e.path: i for i, e in enumerate(pixels.entries)}[row["source"]]].pixels
+    return x, load_file(str(cache / row["file"]))["latents"]
+
+
+def test_the_first_latent_frame_is_the_first_image_encoded_alone(cache, models):
+    """Wan's causal VAE encodes frame 0 on its own: the cached clip's first latent frame is its
+    first image encoded alone — what image-to-video needs is already in the cache."""
+    x, z = _first_clip(cache)
+    assert z.shape[1] >= 2  # a later latent frame exists (and is not compared)
+    alone = lc.VaeCodec(str(models / "vae")).encode(x[:, :1])
+    assert alone.shape[1] == 1 and torch.allclose(z[:, :1], alone, atol=1e-5)
+
+
+def test_sample_image_on_a_latent_run_goes_through_the_cache_vae(cache, tmp_path, capsys):
+    """tools.sample --image on a latent-cache run: the image is encoded by the cache's VAE and
+    given as the first latent frame — for a clip's own first frame, exactly its cached first
+    latent frame; the whole tool runs; --last-image (first_last) is refused in one line."""
+    import argparse
+
+    from PIL import Image
+
+    from dit_train.__main__ import run_from_config
+    from dit_train.tools.sample import main as sample, read_given
+
+    x, z = _first_clip(cache)
+    png = tmp_path / "first.png"
+    Image.fromarray(((x[:, 0] + 1) * 127.5).round().clamp(0, 255).byte().permute(1, 2, 0).numpy()).save(png)
+    base = TINY_MODEL + ["data=latent_cache", f"data.root={cache}", f"model.in_channels={Z_DIM}", f"model.text_dim={TEXT_DIM}",
+                         "model.patch_size=[1,2,2]", "train.steps=2", "train.global_batch=2", "train.sample_every=0"]
+    cfg = compose_config([*base, "cond.kind=first_frame"])
+    H, W = x.shape[2:]
+    args = argparse.Namespace(image=str(png), last_image="", video="", prefix_frames=0, frames=5, height=H, width=W)
+    given, patches = read_given(args, cfg)
+    assert given.shape == (Z_DIM, 2, H // 8, W // 8) and patches.tolist() == [True, False]
+    assert torch.allclose(given[:, :1], z[:, :1], atol=1e-4) and not given[:, 1:].any()
+
+    prefix = compose_config([*base, "cond.kind=prefix", "cond.prefix_frames=1"])  # the clip's own video, 1 latent frame
+    video = json.loads((cache / lc.MANIFEST).read_text().splitlines()[0])["source"]
+    pgiven, ppatches = read_given(argparse.Namespace(**{**vars(args), "image": "", "video": video, "prefix_frames": 1}), prefix)
+    assert ppatches.tolist() == [True, False] and torch.allclose(pgiven[:, :1], z[:, :1], atol=1e-4)
+
+    cfg.run_dir = str(tmp_path / "run")
+    run_from_config(cfg)
+    assert sample([cfg.run_dir, "--prompt", "a clip", "--image", str(png), "--frames", "5", "--height", str(H),
+                   "--width", str(W), "--steps", "2", "--out", str(tmp_path / "gen")]) == 0
+    flf = compose_config([*base, "cond.kind=first_last"])
+    with pytest.raises(ValueError, match="--last-image on a latent-cache run"):
+        read_given(argparse.Namespace(**{**vars(args), "last_image": str(png), "frames": 9}), flf)
+
+
+def test_a_latent_i2v_wan_run_samples_in_diffusers_wan_image_to_video_pipeline(cache, models, tmp_path):
+    """model=wan_tiny on the cache with cond.kind=first_frame (timestep feed, Wan 2.2 TI2V's
+    layout): the exported transformer (full weights, and a LoRA file onto its exported base) loads
+    in diffusers' WanImageToVideoPipeline(expand_timesteps=True) and samples a clip from the first
+    image, whose first latent frame — the pipeline encodes the image alone — is the cached one."""
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline, WanTransformer3DModel
+    from PIL import Image
+    from safetensors.torch import load_file
+
+    from dit_train.__main__ import run_from_config
+    from dit_train.tools.export_weights import main as export
+
+    x, z = _first_clip(cache)
+    H, W = x.shape[2:]
+    image = Image.fromarray(((x[:, 0] + 1) * 127.5).round().clamp(0, 255).byte().permute(1, 2, 0).numpy())
+    emb = load_file(str(cache / json.loads((cache / lc.MANIFEST).read_text().splitlines()[0])["file"]))["text_emb"]
+    base = ["model=wan_tiny", "data=latent_cache", f"data.root={cache}", f"model.in_channels={Z_DIM}",
+            f"model.text_dim={TEXT_DIM}", "model.patch_size=[1,2,2]", "train.steps=1", "train.global_batch=2",
+            "train.sample_every=0", "cond.kind=first_frame"]
+    transformers = {}
+    for name, extra in (("full", []), ("lora", ["model.lora.rank=2", "model.init=normal"])):
+        cfg = compose_config([*base, *extra])
+        cfg.run_dir = str(tmp_path / name)
+        run_from_config(cfg)
+        if name == "full":
+            assert export([cfg.run_dir, "--diffusers", str(tmp_path / "full_dif")]) == 0
+            transformers[name] = (WanTransformer3DModel.from_pretrained(str(tmp_path / "full_dif")), None)
+        else:
+            assert export([cfg.run_dir, "--base", "--diffusers", str(tmp_path / "lora_base")]) == 0
+            assert export([cfg.run_dir, "--diffusers", str(tmp_path / "lora_dif")]) == 0
+            transformers[name] = (WanTransformer3DModel.from_pretrained(str(tmp_path / "lora_base")), tmp_path / "lora_dif")
+    vae = AutoencoderKLWan.from_pretrained(str(models / "vae"))
+    for name, (transformer, lora) in transformers.items():
+        pipe = WanImageToVideoPipeline(tokenizer=None, text_encoder=None, vae=vae, scheduler=FlowMatchEulerDiscreteScheduler(),
+                                       transformer=transformer, expand_timesteps=True)
+        if lora is not None:
+            pipe.load_lora_weights(str(lora))
+            assert any("lora" in n for n, _ in pipe.transformer.named_parameters())
+        with torch.no_grad():
+            out = pipe(image=image, prompt_embeds=emb[None], height=H, width=W, num_frames=5, num_inference_steps=2,
+                       guidance_scale=1.0, output_type="latent", generator=torch.Generator().manual_seed(0)).frames
+        assert out.shape == (1, Z_DIM, 2, H // 8, W // 8) and torch.isfinite(out).all(), name
+        torch.testing.assert_close(out[0, :, :1], z[:, :1], rtol=0, atol=1e-4)  # the cached first latent frame
+        assert (out[0, :, 1:] - z[:, 1:]).abs().max() > 1e-3  # the rest was generated

@@ -4,8 +4,8 @@ first.png [--last-image last.png]`, `--video prefix.mp4 --prefix-frames k`).
 
 A request's `given` is a clip of the request's shape holding the given frames where its
 `given_patches` say (temporal patches: model.patch_size[0] frames each); the sampler keeps them
-clean (timestep feed) or feeds them as channels (concat feed). Pixel runs only: on a latent
-cache the frames would first go through the cache's VAE (issue 32's second half).
+clean (timestep feed) or feeds them as channels (concat feed). On a latent cache the user's
+frames go through the cache's VAE first (`given_latents_from_files`).
 """
 from __future__ import annotations
 
@@ -109,6 +109,45 @@ def given_from_files(cond: Any, shape: tuple[int, int, int, int], pt: int, image
             raise ValueError(f"--prefix-frames={k} must be a multiple of the model's temporal patch ({pt}) and "
                              f"below --frames={F}")
         put(video, 0, k)
+    return given, patches
+
+
+def given_latents_from_files(cond: Any, shape: tuple[int, int, int, int], pt: int, codec: Any, image: str = "",
+                             last_image: str = "", video: str = "", prefix_frames: int = 0
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(given [C, f, h, w], given_patches [f/pt]) in a latent cache's space, from the user's files
+    encoded by the cache's VAE (`codec`: a latent_cache.VaeCodec, t frames per latent frame).
+
+    A causal video VAE (Wan's) encodes frame 0 alone and every later latent frame from its t
+    frames and their past, so the first k latent frames of a clip are the encoding of its first
+    1 + t·(k − 1) frames, whatever follows: an image repeated to that length (a still image, as
+    training reads one) gives first_frame's context, a video's first frames prefix's, and both
+    equal what the cache holds for a clip that starts with them. The last latent frame is not the
+    last image on its own: first_last is refused (ValueError naming --last-image)."""
+    C, f, h, w = shape
+    kind = str(cond.kind)
+    if kind == "first_last" or last_image:
+        raise ValueError("--last-image on a latent-cache run: the VAE encodes a clip's last latent frame from its "
+                         f"last {codec.temporal} frames and their past, not from one image; sample a pixel-space "
+                         "run, or train cond.kind=first_frame")
+    k = pt if kind == "first_frame" else (prefix_frames or cond.prefix_frames or pt)
+    flag = "--image" if kind == "first_frame" else "--video and --prefix-frames"
+    if (kind == "first_frame" and (video or not image)) or (kind == "prefix" and (image or not video)):
+        raise ValueError(f"this run trained cond.kind={kind}: give {flag}")
+    if k % pt or k >= f:
+        raise ValueError(f"{'--prefix-frames' if kind == 'prefix' else '--image'} gives {k} latent frame(s) (temporal "
+                         f"patches of {pt}); --frames must leave latent frames to generate: {f} now")
+    frames = 1 + codec.temporal * (k - 1)
+    H, W = h * codec.spatial, w * codec.spatial
+    if kind == "first_frame":
+        pixels = _read_pixels(image, 1, 1).expand(-1, frames, -1, -1)
+    else:
+        pixels = _read_pixels(video, frames, 1)
+    latents = codec.encode(resize_crop(pixels, H, W, resize=True).contiguous())
+    given = torch.zeros(shape)
+    given[:, :k] = latents[:, :k]
+    patches = torch.zeros(f // pt, dtype=torch.bool)
+    patches[: k // pt] = True
     return given, patches
 
 

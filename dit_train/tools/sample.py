@@ -50,7 +50,8 @@ from dit_train.models.init import load_full_weights
 from dit_train.parallel.mesh import init_parallel
 from dit_train.precision import autocast
 from dit_train.sampling import scored_view, source_requests, to_pixels, VideoSampler, write_samples
-from dit_train.sampling.conditioned import condition_on_clips, given_from_files, given_scores, sampler_feed, validation_task
+from dit_train.sampling.conditioned import (condition_on_clips, given_from_files, given_latents_from_files, given_scores,
+                                            sampler_feed, validation_task)
 from dit_train.sampling.prompts import prompt_requests, prompt_space
 from dit_train.tasks import build_task
 from dit_train.tools.args import POSITIVE_INT, ToolParser, ranged
@@ -255,10 +256,11 @@ def read_given(args: argparse.Namespace, cfg: Any) -> tuple | None:
     prompts sample (None without them); ValueError naming the flag when they do not fit."""
     if not given_files(args):
         return None
-    if source_for(cfg.data, cfg.model).latent:
-        raise ValueError("--image/--last-image/--video need a pixel-space run: latent-cache runs do not encode "
-                         "given frames yet")
-    shape = prompt_space(cfg).shape(args.frames, args.height, args.width)
+    space = prompt_space(cfg)
+    shape = space.shape(args.frames, args.height, args.width)
+    if space.codec is not None:  # a latent-cache run: the files go through the cache's VAE
+        return given_latents_from_files(cfg.cond, shape, cfg.model.patch_size[0], space.codec, args.image,
+                                        args.last_image, args.video, args.prefix_frames)
     return given_from_files(cfg.cond, shape, cfg.model.patch_size[0], args.image, args.last_image, args.video,
                             args.prefix_frames)
 
