@@ -117,11 +117,8 @@ def test_a14b_expert_lora_loads_into_transformer_2(data_cache, tmp_path):
     assert video.shape == (1, 3, 2, 4, 6) and torch.isfinite(video).all()
 
     # the same run folder resumed as the high-noise expert: refused before step 0, naming the key
-    from dit_train.config.errors import ConfigError
-
-    with pytest.raises(Exception, match="model.expert") as err:
+    with pytest.raises(Exception, match="model.expert: the checkpoint was trained with 'low', this run asks for 'high'"):
         train_in_process([*LOW, "model.expert=high", "train.steps=3", "train.resume=auto"], run, cache_dir=data_cache)
-    assert isinstance(err.value, (ConfigError, ValueError)) or "model.expert" in str(err.value)
 
 
 def test_planner_sizes_clips_with_the_models_vae(capsys):
