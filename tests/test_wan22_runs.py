@@ -71,10 +71,11 @@ def test_ti2v_run_exports_to_wan_pipeline_expand_timesteps(data_cache, tmp_path)
     torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
 
 
-def test_a14b_expert_lora_loads_into_transformer_2(data_cache, tmp_path):
+def test_a14b_expert_lora_loads_into_transformer_2(data_cache, tmp_path, capsys):
     """The low-noise expert's LoRA run: --base and the adapters export into transformer_2/;
     WanPipeline(transformer, transformer_2, boundary_ratio).load_lora_weights(...,
     load_into_transformer_2=True) gives our merged weights' outputs, and the pipeline samples;
+    tools.sample --low-noise samples with both experts (and refuses them the wrong way round);
     resuming the run as the other expert is refused, naming model.expert."""
     from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline, WanTransformer3DModel
     from safetensors.torch import load_file
@@ -115,6 +116,20 @@ def test_a14b_expert_lora_loads_into_transformer_2(data_cache, tmp_path):
     video = pipe(prompt_embeds=ctx, num_frames=5, height=32, width=48, num_inference_steps=2, guidance_scale=1.0,
                  output_type="latent").frames
     assert video.shape == (1, 3, 2, 4, 6) and torch.isfinite(video).all()
+
+    # tools.sample: the high-noise expert's run with --low-noise this one; the wrong way round refused
+    from dit_train.tools import sample
+
+    high_run = tmp_path / "high"
+    train_in_process([*LOW, "model.expert=high", "train.steps=1"], high_run, cache_dir=data_cache)
+    assert sample.main([str(run), "--low-noise", str(high_run), "--prompt", "x"]) == 2
+    assert "trained model.expert=low: the run sampled first must be the high-noise expert" in capsys.readouterr().err
+    args = ["--prompt", "a red square", "--frames", "2", "--height", "8", "--width", "32", "--steps", "4", "--out"]
+    assert sample.main([str(high_run), "--low-noise", str(run), *args, str(tmp_path / "both")]) == 0
+    assert sample.main([str(high_run), *args, str(tmp_path / "high_only")]) == 0
+    both = load_file(str(tmp_path / "both" / "samples.safetensors"))
+    alone = load_file(str(tmp_path / "high_only" / "samples.safetensors"))
+    assert both.keys() == alone.keys() and any((both[k] - alone[k]).abs().max() > 1e-4 for k in both)
 
     # the same run folder resumed as the high-noise expert: refused before step 0, naming the key
     with pytest.raises(Exception, match="model.expert: the checkpoint was trained with 'low', this run asks for 'high'"):
