@@ -35,10 +35,11 @@ def _check_layouts(cfg, layouts):
 @pytest.mark.slow
 def test_layouts_ti2v_full_and_a14b_expert_lora(data_cache):
     """Same weights after 2 SGD steps: TI2V full training (first frame clean at timestep 0 on
-    half the samples, packs split inside clips) under Ulysses CP=2; the low-noise expert's LoRA
-    (its t drawn below the boundary) under FSDP2 dp_shard=2, the frozen base unmoved. (Ring CP,
-    HSDP, DDP on the same model class: tests/test_wan.py, tests/test_lora.py.)"""
-    _check_layouts(compose_config(TI2V, cache_dir=data_cache), ["cp_ulysses=2"])
+    half the samples, packs split inside clips, RoPE of each token's own position) under ring
+    CP=2; the low-noise expert's LoRA (its t drawn below the boundary) under FSDP2 dp_shard=2, the
+    frozen base unmoved. (Ulysses and FSDP2 with a meta build on the same model class:
+    tests/test_wan.py.)"""
+    _check_layouts(compose_config(TI2V, cache_dir=data_cache), ["cp_ring=2"])
     ref = _check_layouts(compose_config(LOW, cache_dir=data_cache), ["dp_shard=2"])
     assert [k for k in ref if ".lora_" in k and not k.startswith("__")]
     assert all(torch.equal(ref[k], ref[f"__init__/{k}"]) for k in ref if not k.startswith("__") and ".lora_" not in k)
