@@ -157,6 +157,10 @@ def test_expert_pair_refuses_runs_that_are_not_one_models_experts():
         check_pair(high, high, "a", "b")
     with pytest.raises(ValueError, match=r"a trained model.expert=\(none\)"):
         check_pair(tiny_wan_cfg(), low, "a", "b")
+    from dit_train.models import model_config
+
+    with pytest.raises(ValueError, match=r"--low-noise b trained model.expert=\(none\)"):  # not a Wan run at all
+        check_pair(high, model_config("dit"), "a", "b")
     with pytest.raises(ValueError, match="boundary_ratio=0.875 but --low-noise b 0.9"):
         check_pair(high, tiny_wan_cfg(expert="low", boundary_ratio=0.9), "a", "b")
     with pytest.raises(ValueError, match=r"model.depth=2 vs 3"):

@@ -84,11 +84,12 @@ def pretrained_folder(path: str, cfg: Any) -> Path:
 def check_pair(high: Any, low: Any, high_name: str, low_name: str) -> None:
     """Two runs' model configs that sample together: the high- and the low-noise expert of one
     boundary, same shape. Raises ValueError naming what does not fit."""
-    if high.expert != "high":
-        raise ValueError(f"{high_name} trained model.expert={high.expert or '(none)'}: the run sampled first must be "
+    experts = [getattr(c, "expert", "") for c in (high, low)]  # "" also for models without experts (model=dit_*)
+    if experts[0] != "high":
+        raise ValueError(f"{high_name} trained model.expert={experts[0] or '(none)'}: the run sampled first must be "
                          f"the high-noise expert (model.expert=high)")
-    if low.expert != "low":
-        raise ValueError(f"--low-noise {low_name} trained model.expert={low.expert or '(none)'}: it must be the "
+    if experts[1] != "low":
+        raise ValueError(f"--low-noise {low_name} trained model.expert={experts[1] or '(none)'}: it must be the "
                          f"low-noise expert (model.expert=low)")
     if high.boundary_ratio != low.boundary_ratio:
         raise ValueError(f"{high_name} has model.boundary_ratio={high.boundary_ratio} but --low-noise {low_name} "
