@@ -44,6 +44,18 @@ def test_bench_wan_quick(tmp_path):
     assert all(r["ours_tok_s"] > 0 and r["wan_tok_s"] > 0 for r in data["rows"])
 
 
+def test_bench_wan22_quick(tmp_path):
+    """Packed vs diffusers' own model on the same weights (one family: the other differs only in
+    channels and per-token timesteps, which tests/test_wan22.py covers)."""
+    from dit_train.tools.bench_wan22 import main
+
+    out = tmp_path / "w22.json"
+    assert main(["--quick", "--families", "ti2v", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["family"] == "ti2v" and row["params_equal"] and row["tokens"] == 368
+    assert row["ours_tok_s"] > 0 and row["bucketed_tok_s"] > 0 and row["padded_tok_s"] > 0
+
+
 def test_bench_mfu_cpu_dry_run(tmp_path):
     from dit_train.tools.bench_mfu import main
 

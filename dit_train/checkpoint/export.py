@@ -132,5 +132,6 @@ def export_diffusers(cfg: Any, state_dict: dict[str, torch.Tensor], out_dir: str
     if spec.to_diffusers is None:
         raise ValueError(f"--diffusers exports models with a diffusers counterpart (model.name=wan); "
                          f"this run is model.name={cfg.model.name}")
+    out_dir = Path(out_dir) / spec.diffusers_subfolder(cfg.model)  # an A14B expert: its pipeline component
     spec.to_diffusers(state_dict, cfg.model).save_pretrained(str(out_dir))
-    return Path(out_dir)
+    return out_dir

@@ -83,6 +83,9 @@ class ModelSpec:
     pretrained: Callable[[Any], dict] | None = None
     # a diffusers model holding a full state dict (for `export_weights --diffusers`); None = not supported
     to_diffusers: Callable[[dict, Any], Any] | None = None
+    # subfolder of an export DIR the diffusers model goes in ("" = DIR; Wan 2.2 A14B's low-noise
+    # expert: transformer_2, as its pipeline folder holds it)
+    diffusers_subfolder: Callable[[Any], str] = lambda cfg: ""
     moe: bool = False  # builds mixture-of-experts blocks from `model.moe` (models/moe.py)
     notes: dict = field(default_factory=dict)
 

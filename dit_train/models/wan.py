@@ -29,9 +29,9 @@ No parallelism here (no torch.distributed).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, List
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +40,7 @@ from torch import nn
 from dit_train.config.choices import Mode
 from dit_train.config.schema import VideoModelConfig
 from dit_train.models.registry import ActivationModel, ModelSpec, register_model
+from dit_train.models.wan_experts import diffusers_subfolder, expert_checks, pretrained_folder, timestep_range
 from dit_train.kernels import LocalAttention, packed_cross_attention
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,18 @@ class WanConfig(VideoModelConfig):
     # model.pretrained must hold safetensors weights (a pickle can run code on load); true also
     # accepts .bin/.pt weights from a source you trust
     allow_pickle_weights: bool = False
+    # (t, h, w) compression of the VAE whose latents the model trains on: the planner's pixel
+    # clip -> tokens (Wan 2.1 VAE [4, 8, 8]; Wan 2.2 TI2V's VAE [4, 16, 16])
+    vae_stride: List[int] = field(default_factory=lambda: [4, 8, 8])
+    # Wan 2.2 A14B: which of the two experts this run trains (models/wan_experts.py). "" = one
+    # transformer for every t; high = diffusers' `transformer` (t >= boundary_ratio), low =
+    # `transformer_2` (t < boundary_ratio): its flow times are drawn in that range
+    expert: str = ""
+    boundary_ratio: float = 0.0  # diffusers' WanPipeline boundary_ratio (A14B T2V: 0.875); used with model.expert
+
+    def timestep_range(self) -> tuple[float, float]:
+        """(lo, hi) of the flow times this model trains on (tasks/video.py draws them there)."""
+        return timestep_range(self)
 
 # Wan's time embedding was trained on scheduler timesteps t·num_train_timesteps.
 NUM_TRAIN_TIMESTEPS = 1000.0
@@ -262,14 +275,7 @@ def read_pretrained(path: str, cfg: WanConfig) -> dict[str, torch.Tensor]:
     checking its shape against `cfg` (error names the keys to set)."""
     from diffusers import WanTransformer3DModel  # deferred: diffusers takes ~2 s to import; only Wan models need it
 
-    folder = Path(path).expanduser()
-    if not (folder / "config.json").exists():
-        sub = folder / "transformer"
-        if (sub / "config.json").exists():
-            folder = sub  # a whole pipeline folder: its transformer
-        else:
-            raise FileNotFoundError(f"model.pretrained={path}: no config.json there (expected a diffusers "
-                                    f"WanTransformer3DModel folder, or a pipeline folder with transformer/)")
+    folder = pretrained_folder(path, cfg)  # a whole pipeline folder: its transformer (or an A14B expert's)
     try:
         wan = WanTransformer3DModel.from_pretrained(str(folder), torch_dtype=torch.float32,
                                                     use_safetensors=not cfg.allow_pickle_weights)
@@ -316,11 +322,14 @@ def to_diffusers(state_dict: dict[str, torch.Tensor], cfg: WanConfig) -> Any:
 
 
 def _checks(cfg: WanConfig) -> list[str]:
+    errors = expert_checks(cfg)
+    if len(cfg.vae_stride) != 3 or min(cfg.vae_stride) < 1:
+        errors.append(f"model.vae_stride={list(cfg.vae_stride)} must be 3 positive ints [t, h, w] (the VAE's compression)")
     try:
         wan_config(cfg)
     except ValueError as err:
-        return [str(err)]
-    return []
+        errors.append(str(err))
+    return errors
 
 
 def _ffn(cfg: WanConfig) -> int:
@@ -346,4 +355,5 @@ register_model(ModelSpec(
     io_dim=lambda cfg: (cfg.in_channels + cfg.cond_channels) * cfg.patch_size[0] * cfg.patch_size[1] * cfg.patch_size[2],
     hidden=_ffn,
     pretrained=lambda cfg: read_pretrained(cfg.pretrained, cfg), to_diffusers=to_diffusers,
+    diffusers_subfolder=diffusers_subfolder,
 ))

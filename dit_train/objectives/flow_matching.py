@@ -22,6 +22,34 @@ def sample_timestep(gen: torch.Generator, cfg: LossConfig) -> float:
     raise ValueError(f"loss.timestep_sampling={cfg.timestep_sampling!r} must be logit_normal or uniform")
 
 
+def sample_timestep_in(gen: torch.Generator, cfg: LossConfig, shift: float, lo: float, hi: float) -> float:
+    """t drawn like `shift_timestep(sample_timestep(...), shift)` but conditioned on lo <= t <= hi,
+    by the inverse CDF (one uniform draw, no rejection loop): the distribution keeps its shape
+    inside the range (what rescaling a whole-range draw onto it would not: a shift-12 draw
+    squeezed into [0, 0.875] piles up near 0.875).
+
+    The shift is increasing, so t in [lo, hi] <=> the unshifted u in [u(lo), u(hi)], u(t) =
+    t / (s − (s − 1)·t); u = F⁻¹(F(u_lo) + p·(F(u_hi) − F(u_lo))), F the CDF of the draw
+    (uniform: u itself; logit-normal: Φ((logit u − mean) / std)).
+    """
+    p = float(torch.rand((), generator=gen))
+    u_lo, u_hi = (x / (shift - (shift - 1) * x) for x in (lo, hi))
+    if cfg.timestep_sampling == "uniform":
+        return shift_timestep(u_lo + p * (u_hi - u_lo), shift)
+    if cfg.timestep_sampling != "logit_normal":
+        raise ValueError(f"loss.timestep_sampling={cfg.timestep_sampling!r} must be logit_normal or uniform")
+
+    def cdf(u: float) -> float:
+        if u <= 0.0 or u >= 1.0:
+            return 0.0 if u <= 0.0 else 1.0
+        z = (math.log(u / (1 - u)) - cfg.logit_mean) / cfg.logit_std
+        return 0.5 * (1 + math.erf(z / math.sqrt(2)))
+
+    q = cdf(u_lo) + p * (cdf(u_hi) - cdf(u_lo))
+    z = float(torch.special.ndtri(torch.tensor(q, dtype=torch.float64))) * cfg.logit_std + cfg.logit_mean
+    return min(max(shift_timestep(1 / (1 + math.exp(-z)), shift), lo), hi)  # float rounding stays inside
+
+
 def shift_timestep(t, s: float):
     """t' = s·t / (1 + (s − 1)·t): SD3's and Wan's timestep shift (float or tensor t ∈ [0, 1]).
 
@@ -66,10 +94,17 @@ def loss_weight(t: torch.Tensor, scheme: str) -> torch.Tensor:
 
 
 def noisy_sample(x0: torch.Tensor, seed: int, sample_id: int, step: int, cfg: LossConfig,
-                 shift: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, float]:
+                 shift: float = 1.0, t_range: tuple[float, float] = (0.0, 1.0)) -> tuple[torch.Tensor, torch.Tensor, float]:
     """(x_t, velocity target, t) for one sample; noise and t depend only on (seed, id, step).
-    t is drawn by `cfg.timestep_sampling`, then shifted by `shift` (see `sample_shift`)."""
-    t = shift_timestep(sample_timestep(sample_generator(seed, sample_id, step, "timestep"), cfg), shift)
+    t is drawn by `cfg.timestep_sampling`, then shifted by `shift` (see `sample_shift`); with a
+    `t_range` other than (0, 1) (a Wan 2.2 A14B expert's side of the boundary,
+    models/wan_experts.py) from that distribution conditioned on lo <= t <= hi
+    (`sample_timestep_in`)."""
+    gen = sample_generator(seed, sample_id, step, "timestep")
+    if tuple(t_range) != (0.0, 1.0):
+        t = sample_timestep_in(gen, cfg, shift, *t_range)
+    else:
+        t = shift_timestep(sample_timestep(gen, cfg), shift)
     eps = torch.randn(x0.shape, generator=sample_generator(seed, sample_id, step, "noise")).to(x0)
     return (1.0 - t) * x0 + t * eps, eps - x0, t
 

@@ -111,6 +111,8 @@ class VideoTask:
         self.loss_cfg = loss_cfg
         self.prediction = getattr(model_cfg, "prediction", "velocity")  # what the model outputs
         self.x0_min_t = getattr(model_cfg, "x0_min_t", 0.05)
+        # the flow times this model trains on (a Wan 2.2 A14B expert: its side of the boundary)
+        self.t_range = model_cfg.timestep_range() if hasattr(model_cfg, "timestep_range") else (0.0, 1.0)
         self.seed = seed
         self.conditioner = Conditioner(cond, self.patch, seed) if cond_active(cond) else None
         # features per token of the concat feed's channels (mask + conditioning frames)
@@ -159,7 +161,7 @@ class VideoTask:
             kept.append(sid)
             # the shift of this sample follows from its own size (never the pack's): exact
             shift = sample_shift(lc.timestep_shift, lc.shift_reference_tokens, num_patches(x0.shape, self.patch))
-            xt, v, t = noisy_sample(x0, self.seed, sid, step, lc, shift)
+            xt, v, t = noisy_sample(x0, self.seed, sid, step, lc, shift, self.t_range)
             if self.conditioner is not None:  # context frames of the clip itself (tasks/conditioning.py)
                 inputs = self.conditioner.inputs(x0, xt, sid, step)
                 xt = inputs.x

@@ -78,7 +78,9 @@ def _from_checkpoint(ckpt: Path, args: argparse.Namespace) -> Path:
     suffix = "_ema" if args.ema else ""
     if _lora(cfg, args):
         _, model = checkpoint_model(ckpt, args.ema)
-        out = Path(args.diffusers or args.out or ckpt / f"lora{suffix}")
+        out = Path(args.out) if args.out else ckpt / f"lora{suffix}"
+        if args.diffusers:  # an A14B expert's adapters go where its pipeline component goes
+            out = Path(args.diffusers) / model_spec(cfg.model).diffusers_subfolder(cfg.model)
         return save_lora(model, out, model_spec(cfg.model).name)
     return _full_weights(cfg, checkpoint_weights(ckpt, args.ema)[1], args, ckpt / f"weights{suffix}.safetensors")
 
@@ -101,6 +103,8 @@ def _from_run_files(run: Path, args: argparse.Namespace) -> Path | None:
               f"elsewhere)")
         return None
     if _lora(cfg, args):  # the file is already in diffusers' LoRA format: DIR/pytorch_lora_weights.safetensors
+        if args.diffusers:  # an A14B expert's adapters go where its pipeline component goes
+            dest = Path(dest) / model_spec(cfg.model).diffusers_subfolder(cfg.model)
         Path(dest).mkdir(parents=True, exist_ok=True)
         return Path(shutil.copyfile(src, Path(dest) / WEIGHT_NAME))
     return _full_weights(cfg, load_safetensors(src), args, run / src.name)

@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--frames", type=ranged(int, Range(0, note="0 = no clip question")), default=0, help="pixel frames of one clip: answer which options fit it")
     ap.add_argument("--height", type=POSITIVE_INT, default=480, help="pixel height of the clip (with --frames)")
     ap.add_argument("--width", type=POSITIVE_INT, default=832, help="pixel width of the clip (with --frames)")
-    ap.add_argument("--vae-stride", default="4,8,8", help="VAE compression t,h,w (Wan-VAE: 4,8,8)")
+    ap.add_argument("--vae-stride", default="", help="VAE compression t,h,w (default: the model's model.vae_stride, "
+                    "e.g. 4,16,16 for wan22_ti2v_5b; else the Wan 2.1 VAE's 4,8,8)")
     ap.add_argument("--host-mem-gib", type=POSITIVE_FLOAT, default=128.0, help="host memory per rank for the offload options")
     ap.add_argument("--max-frames", type=POSITIVE_INT, default=4001, help="upper end of the longest-clip search")
     ap.add_argument("--top", type=POSITIVE_INT, default=12, help="rows to print")
@@ -134,6 +135,8 @@ def clip_main(args, cfg, world: int, shape, backend: str) -> int:
     clip of the same height and width that fits; --smoke K measures the fitting ones."""
     if cfg.mode != "video":
         raise SystemExit(f"--frames needs a video model (model.name={cfg.model.name} is {cfg.mode})")
+    if not args.vae_stride:  # the VAE the model's latents come from (Wan 2.2 TI2V: 16x spatial)
+        args.vae_stride = ",".join(str(x) for x in getattr(cfg.model, "vae_stride", (4, 8, 8)))
     stride = tuple(int(x) for x in args.vae_stride.split(","))
     tokens = clip_tokens(cfg.model, args.frames, args.height, args.width, stride)
     print(f"model: {cfg.model.name} dim={shape.dim} depth={shape.depth} heads={shape.heads} "

@@ -6,6 +6,7 @@
     python -m dit_train.tools.sample RUN_DIR --prompt "..." --layout cp_ulysses=2      # 2 local workers, context parallel
     python -m dit_train.tools.sample RUN_DIR --prompt "..." --shift 3                   # another timestep shift
     python -m dit_train.tools.sample RUN_DIR --data-captions 48          # the run's validation, on 48 clips
+    python -m dit_train.tools.sample HIGH_RUN --low-noise LOW_RUN --prompt "..."   # Wan 2.2 A14B's two experts
 
 Weights: the run's EMA weights (weights_ema.safetensors) when it has them, else
 weights.safetensors; `--no-ema` forces the training weights, `--ema` requires the EMA ones.
@@ -47,6 +48,7 @@ from dit_train.engine.checks import Range
 from dit_train.engine import launch  # launch.launch_local at call time: the tests route it to their worker pool
 from dit_train.engine.layout_equivalence import apply_layout, parse_layout, world_of
 from dit_train.models.init import load_full_weights
+from dit_train.models.wan_experts import check_pair, ExpertPair
 from dit_train.parallel.mesh import init_parallel
 from dit_train.precision import autocast
 from dit_train.sampling import scored_view, source_requests, to_pixels, VideoSampler, write_samples
@@ -107,11 +109,27 @@ def run_defaults(args: argparse.Namespace, train: Any) -> None:
             setattr(args, name, getattr(train, key) if data else fallback)
 
 
-def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, source: str) -> dict | None:
-    """One rank: build the (parallelized) model, load the weights, sample; rank 0 writes."""
+def low_noise_weights(args: argparse.Namespace, cfg: Any) -> dict | None:
+    """--low-noise RUN2: the low-noise expert's full weights, after checking that RUN_DIR and
+    RUN2 are the high- and low-noise experts of one Wan 2.2 A14B model (None without the flag)."""
+    if args.low_noise is None:
+        return None
+    check_pair(cfg.model, load_config(args.low_noise).model, str(args.run_dir), str(args.low_noise))
+    return load_weights(args.low_noise, args.ema)[0]
+
+
+def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, source: str,
+            low_noise: dict | None = None) -> dict | None:
+    """One rank: build the (parallelized) model, load the weights, sample; rank 0 writes.
+    With `low_noise` weights, a second model of the same shape holds them and the two sample as
+    Wan 2.2 A14B's experts (switching per clip at model.boundary_ratio)."""
     ctx = init_parallel(cfg.parallel)
     model = build_parallel_model(cfg, ctx)
     load_full_weights(model, state_dict)
+    if low_noise is not None:
+        low = build_parallel_model(cfg, ctx)
+        load_full_weights(low, low_noise)
+        model = ExpertPair(model, low, cfg.model.boundary_ratio)
     if args.data_captions:
         requests, null, decode = data_requests(cfg, args.data_captions, ctx.device, decoder=ctx.is_main,
                                                heldout=args.heldout)
@@ -190,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heldout", action="store_true",
                     help="with --data-captions: the run's held-out clips (data.heldout_fraction > 0) instead of "
                          "its training clips (conditioned runs use them by default, like their validation)")
+    ap.add_argument("--low-noise", type=Path, default=None, metavar="RUN2",
+                    help="Wan 2.2 A14B: the low-noise expert's run (model.expert=low); RUN_DIR is the high-noise "
+                         "expert's; each clip switches to RUN2's weights below model.boundary_ratio, as WanPipeline")
     ap.add_argument("--layout", default="", help="parallel layout to sample on, e.g. cp_ulysses=2 (starts local workers)")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--out", type=Path, default=None, help="output folder (default RUN_DIR/generated/<time>)")
@@ -218,12 +239,13 @@ def main(argv: list[str] | None = None) -> int:
             cfg.model.pretrained = ""  # the run's weights are loaded below
         cfg.model.lora.rank = 0  # a LoRA run's weights come merged (weights.safetensors, checkpoint_weights)
         state_dict, source = load_weights(args.run_dir, args.ema)
+        low_noise = low_noise_weights(args, cfg)
     except (ValueError, FileNotFoundError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     out = args.out or args.run_dir / "generated" / time.strftime("%Y%m%d-%H%M%S")
     world = world_of(cfg)
-    call = (cfg, state_dict, args, str(out), source)
+    call = (cfg, state_dict, args, str(out), source, low_noise)
     scores = _worker(*call) if world == 1 else launch.launch_local(_worker, call, world, cfg.launcher)[0]
     print(f"wrote {args.data_captions or len(args.prompt) * args.num} clip(s) from {source} to {out}")
     if line := quality_line(scores):

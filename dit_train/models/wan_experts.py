@@ -1,0 +1,129 @@
+"""Wan 2.2 A14B: two transformers, one per side of a timestep boundary.
+
+diffusers' `WanPipeline(transformer=..., transformer_2=..., boundary_ratio=b)` denoises with
+`transformer` (the high-noise expert) while the scheduler timestep is >= b·1000, i.e. while
+our flow time t >= b, and with `transformer_2` (the low-noise expert) below. Each expert is a
+`WanTransformer3DModel` of Wan 2.1 14B's shape, so each trains as `model.name=wan` with
+`model.expert=high|low`:
+
+- its flow times are drawn in its range (`timestep_range`: [b, 1] or [0, b]; the drawn,
+  shifted t is mapped linearly onto it, objectives/flow_matching.py `noisy_sample`);
+- `model.pretrained` of a pipeline folder reads that expert's subfolder (`transformer/` or
+  `transformer_2/`), and `export_weights --diffusers DIR` writes into the same subfolder of
+  DIR, so exporting both experts' runs into one DIR gives the pipeline's layout;
+- `ExpertPair` samples with both (tools.sample RUN --low-noise RUN2), switching per clip at
+  the boundary like the pipeline.
+
+No parallelism here.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+# model.expert -> the pipeline component holding it
+SUBFOLDER = {"high": "transformer", "low": "transformer_2"}
+
+
+def expert_checks(cfg: Any) -> list[str]:
+    """One line per wrong expert key (model.expert, model.boundary_ratio)."""
+    if cfg.expert not in ("", *SUBFOLDER):
+        return [f"model.expert={cfg.expert!r} must be high, low or empty (one transformer for every t)"]
+    if cfg.expert and not 0.0 < cfg.boundary_ratio < 1.0:
+        return [f"model.expert={cfg.expert} needs model.boundary_ratio in (0, 1) (Wan 2.2 A14B T2V: 0.875), "
+                f"got {cfg.boundary_ratio}"]
+    return []
+
+
+def timestep_range(cfg: Any) -> tuple[float, float]:
+    """(lo, hi) of the flow times `cfg` trains on: the whole (0, 1) without an expert."""
+    if cfg.expert == "high":
+        return (float(cfg.boundary_ratio), 1.0)
+    if cfg.expert == "low":
+        return (0.0, float(cfg.boundary_ratio))
+    return (0.0, 1.0)
+
+
+def diffusers_subfolder(cfg: Any) -> str:
+    """Where the model's diffusers folder goes inside an export DIR ("" = DIR itself)."""
+    return SUBFOLDER.get(cfg.expert, "")
+
+
+def pretrained_folder(path: str, cfg: Any) -> Path:
+    """The WanTransformer3DModel folder `model.pretrained=path` names for `cfg`: path itself
+    when it holds config.json, else its `transformer/` (or, for model.expert=low,
+    `transformer_2/`). A pipeline folder whose boundary_ratio (model_index.json) differs from
+    model.boundary_ratio, or that has no low-noise expert, is refused naming what differs."""
+    folder = Path(path).expanduser()
+    if (folder / "config.json").exists():
+        return folder
+    sub = SUBFOLDER.get(cfg.expert, "transformer")
+    index = folder / "model_index.json"
+    if cfg.expert and index.exists():
+        theirs = json.loads(index.read_text()).get("boundary_ratio")
+        if theirs is None:
+            raise ValueError(f"model.pretrained={path} is a single-transformer pipeline (no boundary_ratio in "
+                             f"model_index.json: Wan 2.1 or Wan 2.2 TI2V), not Wan 2.2 A14B's two experts; "
+                             f"drop model.expert or point at an A14B folder")
+        if abs(float(theirs) - cfg.boundary_ratio) > 1e-9:
+            raise ValueError(f"model.pretrained={path} has boundary_ratio={theirs} (model_index.json) but "
+                             f"model.boundary_ratio={cfg.boundary_ratio}; set model.boundary_ratio={theirs}")
+    if (folder / sub / "config.json").exists():
+        return folder / sub
+    if cfg.expert == "low":
+        raise FileNotFoundError(f"model.pretrained={path}: no {sub}/config.json there (model.expert=low reads the "
+                                f"low-noise expert, transformer_2/ of a Wan 2.2 A14B pipeline folder)")
+    raise FileNotFoundError(f"model.pretrained={path}: no config.json there (expected a diffusers "
+                            f"WanTransformer3DModel folder, or a pipeline folder with {sub}/)")
+
+
+def check_pair(high: Any, low: Any, high_name: str, low_name: str) -> None:
+    """Two runs' model configs that sample together: the high- and the low-noise expert of one
+    boundary, same shape. Raises ValueError naming what does not fit."""
+    experts = [getattr(c, "expert", "") for c in (high, low)]  # "" also for models without experts (model=dit_*)
+    if experts[0] != "high":
+        raise ValueError(f"{high_name} trained model.expert={experts[0] or '(none)'}: the run sampled first must be "
+                         f"the high-noise expert (model.expert=high)")
+    if experts[1] != "low":
+        raise ValueError(f"--low-noise {low_name} trained model.expert={experts[1] or '(none)'}: it must be the "
+                         f"low-noise expert (model.expert=low)")
+    if high.boundary_ratio != low.boundary_ratio:
+        raise ValueError(f"{high_name} has model.boundary_ratio={high.boundary_ratio} but --low-noise {low_name} "
+                         f"{low.boundary_ratio}: the experts of one model share one boundary")
+    keys = ("dim", "depth", "heads", "ffn_dim", "in_channels", "patch_size", "text_dim", "text_len")
+    value = lambda c, k: list(getattr(c, k)) if isinstance(getattr(c, k), (list, tuple)) else getattr(c, k)  # noqa: E731
+    wrong = [f"model.{k}={value(high, k)} vs {value(low, k)}" for k in keys if value(high, k) != value(low, k)]
+    if wrong:
+        raise ValueError(f"{high_name} and --low-noise {low_name} are not one model's experts: " + "; ".join(wrong))
+
+
+class ExpertPair(nn.Module):
+    """Both experts as one model for the sampler: each clip's tokens get the output of the
+    expert its flow time selects (t >= boundary: high), as WanPipeline switches per step.
+
+    forward(x, pos, seg, t, meta, **context) has PackedWan's signature ([L, ...] tokens, t [S]).
+    Both experts run on the whole pack (every rank of a CP group must make the same calls, and
+    the clips of one pack may sit on either side), and each token keeps its clip's expert's
+    output: exact, at twice one expert's cost for a pack that straddles the boundary; a pack
+    wholly on one side (the usual case: all clips share the sampler's grid) runs one expert.
+    """
+
+    def __init__(self, high: nn.Module, low: nn.Module, boundary: float):
+        super().__init__()
+        self.transformer, self.transformer_2, self.boundary = high, low, float(boundary)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, seg: torch.Tensor, t: torch.Tensor, meta: Any,
+                **kw: Any) -> torch.Tensor:
+        high = t.float() >= self.boundary  # [S], the same on every rank (samples are replicated)
+        if bool(high.all()):
+            return self.transformer(x, pos, seg, t, meta, **kw)
+        if not bool(high.any()):
+            return self.transformer_2(x, pos, seg, t, meta, **kw)
+        a = self.transformer(x, pos, seg, t, meta, **kw)
+        b = self.transformer_2(x, pos, seg, t, meta, **kw)
+        tok = torch.cat([high, high.new_zeros(1)])[torch.where(seg < 0, torch.full_like(seg, len(t)), seg)]
+        return torch.where(tok[:, None].to(a.device), a, b)
