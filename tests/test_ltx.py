@@ -348,3 +348,14 @@ def test_latent_cache_with_ltx_vae_and_t5_then_train_and_sample(tmp_path):
                         "--steps", "2", "--out", str(gen)]) == 0
     (x,) = load_file(gen / "samples.safetensors").values()
     assert x.shape == (3, 9, 64, 64)  # 9 frames -> 2 latent frames -> 1 + 8 decoded
+
+
+def test_bench_families_quick_is_at_equal_parameters(tmp_path):
+    from dit_train.tools.bench_families import main
+
+    out = tmp_path / "f.json"
+    assert main(["--quick", "--family", "ltx", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())["results"]["ltx"]
+    assert res["params"]["ours"] == res["params"]["diffusers"]  # one module's weights, two forwards
+    row = res["row"]
+    assert row["ours_tok_s"] > 0 and row["padded_tok_s"] > 0 and row["padded_tokens"] > row["valid_tokens"]

@@ -120,14 +120,14 @@ def classify(key: str) -> str:
 
 def config_changes(old: Any, new: Any) -> list[Change]:
     """Every key whose value differs (a key only one side has counts as changed), classified.
-    When a group's `name` changed (another model family, another data source), the keys only
-    one of the two has follow from that choice: the `name` line alone says what does not fit."""
+    When model.name changed (a checkpoint of another model family), the model keys only one of
+    the two has follow from that choice: the model.name line alone says what does not fit."""
     a, b = flatten(old), flatten(new)
-    renamed = {k.rsplit(".", 1)[0] for k in a.keys() & b.keys() if k.endswith(".name") and a[k] != b[k]}
+    other_family = a.get("model.name") != b.get("model.name")
     out = []
     for key in sorted(a.keys() | b.keys()):
         va, vb = a.get(key, ABSENT), b.get(key, ABSENT)
-        if ABSENT in (va, vb) and key.rsplit(".", 1)[0] in renamed:
+        if other_family and key.startswith("model.") and ABSENT in (va, vb):
             continue
         if _norm(va) != _norm(vb):
             out.append(Change(key, va, vb, classify(key)))

@@ -308,8 +308,10 @@ register_model(ModelSpec(
     name="ltx", config=LTXConfig, mode=Mode.video, build=lambda cfg, backend="sdpa": PackedLTX(cfg, backend),
     checks=_checks,
     # measured with saved_tensors_hooks on LTXVideoTransformerBlock run by PackedLTX at d = 64
-    # and 128 (tests/test_planner.py re-measures every registered model)
-    activations=lambda cfg: ActivationModel(fp32_d=26, autocast_f32_d=10, autocast_lp_d=16, outside_d=6,
+    # and 128 (perf/memory.py calibrate_block: 31.3·d fp32; 2·16 + 19.4 = 51.4 bf16-equivalent
+    # d-elements under autocast, both widths; tests/test_planner.py re-measures every registered
+    # model); selective_d is Wan's (same matmul / attention outputs per block), not measured
+    activations=lambda cfg: ActivationModel(fp32_d=31.3, autocast_f32_d=16, autocast_lp_d=19.4, outside_d=6,
                                             selective_d=10.5),
     blocks=lambda m: m.transformer_blocks,
     block_linears=_block_linears,
@@ -317,4 +319,5 @@ register_model(ModelSpec(
     io_dim=lambda cfg: (cfg.in_channels + cfg.cond_channels) * cfg.patch_size[0] * cfg.patch_size[1] * cfg.patch_size[2],
     hidden=lambda cfg: 4 * cfg.dim,
     pretrained=lambda cfg: read_pretrained(cfg.pretrained, cfg), to_diffusers=to_diffusers,
+    vae_stride=(8, 32, 32),  # LTX-Video's VAE: 8x in time (plus the first frame), 32x in height and width
 ))

@@ -84,6 +84,8 @@ class ModelSpec:
     # a diffusers model holding a full state dict (for `export_weights --diffusers`); None = not supported
     to_diffusers: Callable[[dict, Any], Any] | None = None
     moe: bool = False  # builds mixture-of-experts blocks from `model.moe` (models/moe.py)
+    # latent compression (t, h, w) of the family's VAE: the clip planner's default (tools.plan --frames)
+    vae_stride: tuple[int, int, int] = (4, 8, 8)
     notes: dict = field(default_factory=dict)
 
 
