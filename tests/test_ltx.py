@@ -120,6 +120,26 @@ def test_rope_follows_positions_and_context_none_is_one_zero_token():
     assert (a - ours(tok, grid.flip(0), seg, torch.tensor([0.5]), meta)).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_activation_checkpointing_keeps_outputs_and_gradients(policy):
+    """Checkpointed blocks (the spec's transformer_blocks) recompute exactly what was run."""
+    from dit_train.models import model_spec
+    from dit_train.parallel.checkpointing import apply_activation_checkpointing
+
+    cfg = tiny_ltx_cfg()
+    plain, ckpt = random_model(cfg), random_model(cfg)
+    apply_activation_checkpointing(model_spec(cfg).blocks(ckpt), policy)
+    tok, grid = patchify(torch.randn(4, 2, 4, 6, generator=torch.Generator().manual_seed(4)), PATCH)
+    seg, meta = one_clip_meta(tok.shape[0])
+    ctx = torch.randn(1, 3, 24)
+    outs = [m(tok, grid, seg, torch.tensor([0.6]), meta, ctx) for m in (plain, ckpt)]
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+    for out in outs:
+        out.square().sum().backward()
+    for (name, p), q in zip(plain.named_parameters(), ckpt.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
 # --------------------------------------------------------------------------- folders, bad input
 
 

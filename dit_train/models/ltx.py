@@ -310,7 +310,8 @@ register_model(ModelSpec(
     # measured with saved_tensors_hooks on LTXVideoTransformerBlock run by PackedLTX at d = 64
     # and 128 (perf/memory.py calibrate_block: 31.3·d fp32; 2·16 + 19.4 = 51.4 bf16-equivalent
     # d-elements under autocast, both widths; tests/test_planner.py re-measures every registered
-    # model); selective_d is Wan's (same matmul / attention outputs per block), not measured
+    # model); selective_d likewise (bytes_per_token_per_block with the selective policy: 10.2·d
+    # in fp32, 11.3·d under bf16 autocast, at both widths)
     activations=lambda cfg: ActivationModel(fp32_d=31.3, autocast_f32_d=16, autocast_lp_d=19.4, outside_d=6,
                                             selective_d=10.5),
     blocks=lambda m: m.transformer_blocks,
