@@ -13,7 +13,8 @@ Layout of a cache folder:
     report.json                 counts: encoded, reused, unreadable (path, why), ...
 
 Latents are normalized like the Wan pipelines do: (z - latents_mean) / latents_std per channel,
-from the VAE's config (VAEs with a single `scaling_factor`/`shift_factor` use those instead).
+from the VAE's config (LTX-Video's VAE: from its latents_mean / latents_std buffers and
+scaling_factor, as LTXPipeline does; VAEs with a single `scaling_factor`/`shift_factor` use those instead).
 Each sample file is written to a temporary name and renamed, so an interrupted run leaves only
 complete files and a rerun skips them (resumable).
 """
@@ -75,6 +76,11 @@ class VaeCodec:
         self.spatial = int(getattr(self.vae, "spatial_compression_ratio", None) or cfg.get("scale_factor_spatial") or 8)
         if cfg.get("latents_mean") is not None and cfg.get("latents_std") is not None:
             mean, std = list(cfg["latents_mean"]), list(cfg["latents_std"])
+        elif isinstance(getattr(self.vae, "latents_mean", None), torch.Tensor):
+            # LTX-Video keeps its per-channel statistics as weights (buffers), and LTXPipeline
+            # normalizes (z - mean) · scaling_factor / std: the same map with std / scaling_factor
+            scale = float(cfg.get("scaling_factor") or 1.0)
+            mean, std = self.vae.latents_mean.float().tolist(), (self.vae.latents_std.float() / scale).tolist()
         else:  # one scalar for all channels (CogVideoX, HunyuanVideo, ...)
             mean = [float(cfg.get("shift_factor") or 0.0)] * self.latent_channels
             std = [1.0 / float(cfg.get("scaling_factor") or 1.0)] * self.latent_channels

@@ -220,23 +220,28 @@ def test_frames_question_for_every_registered_video_model():
     from dit_train.models import MODELS
     from dit_train.planning.clips import clip_options, clip_tokens
 
-    presets = {"dit": "dit_1b", "wan": "wan_14b"}
+    presets = {"dit": "dit_1b", "wan": "wan_14b", "ltx": "ltx_2b"}
+    # latent tokens of an 81-frame 480x832 clip: Wan-VAE 4x8x8 at patch 1x2x2; LTX's VAE 8x32x32 at patch 1
+    tokens = {"ltx": 11 * 15 * 26}
     for name in MODELS.names():
         spec = MODELS[name]
         if spec.mode != "video":
             continue
         cfg = compose([f"model={presets[name]}", "train.precision=bf16"])
-        assert clip_tokens(cfg.model, 81, 480, 832) == 21 * 30 * 52
+        stride = spec.vae_stride
+        assert clip_tokens(cfg.model, 81, 480, 832, stride) == tokens.get(name, 21 * 30 * 52), name
         res = {r.name: r for r in clip_options(cfg, 8, 80 * GIB, 81, 480, 832, shape=model_shape(cfg.model),
-                                               reserve_bytes=2 * GIB, host_capacity=128 * GIB, max_frames=2001)}
+                                               reserve_bytes=2 * GIB, host_capacity=128 * GIB, max_frames=8001,
+                                               vae_stride=stride)}
         assert len(res) == 12 and all(r.best is not None for r in res.values()), name
         assert res["ac=full"].longest_frames > res["ac=selective"].longest_frames > res["ac=none"].longest_frames, name
         assert res["ac=none+cpu_offload"].longest_frames >= res["ac=none"].longest_frames, name
         longest = res["ac=none"]
-        assert longest.longest is not None and longest.longest.fits and longest.longest_frames < 2001
+        assert longest.longest is not None and longest.longest.fits and longest.longest_frames < 8001
         # one latent frame more does not fit with any layout
-        over = clip_options(cfg, 8, 80 * GIB, longest.longest_frames + 4, 480, 832, shape=model_shape(cfg.model),
-                            reserve_bytes=2 * GIB, host_capacity=128 * GIB, max_frames=1, options=[("none", False, False)])
+        over = clip_options(cfg, 8, 80 * GIB, longest.longest_frames + stride[0], 480, 832, shape=model_shape(cfg.model),
+                            reserve_bytes=2 * GIB, host_capacity=128 * GIB, max_frames=1, options=[("none", False, False)],
+                            vae_stride=stride)
         assert over[0].best is None or not over[0].best.fits, name
 
 

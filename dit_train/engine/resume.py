@@ -119,11 +119,16 @@ def classify(key: str) -> str:
 
 
 def config_changes(old: Any, new: Any) -> list[Change]:
-    """Every key whose value differs (a key only one side has counts as changed), classified."""
+    """Every key whose value differs (a key only one side has counts as changed), classified.
+    When model.name changed (a checkpoint of another model family), the model keys only one of
+    the two has follow from that choice: the model.name line alone says what does not fit."""
     a, b = flatten(old), flatten(new)
+    other_family = a.get("model.name") != b.get("model.name")
     out = []
     for key in sorted(a.keys() | b.keys()):
         va, vb = a.get(key, ABSENT), b.get(key, ABSENT)
+        if other_family and key.startswith("model.") and ABSENT in (va, vb):
+            continue
         if _norm(va) != _norm(vb):
             out.append(Change(key, va, vb, classify(key)))
     return out

@@ -61,6 +61,8 @@ DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
     "wan": ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"),
     "dit": ("attn.qkv", "attn.proj", "cross_attn.q", "cross_attn.kv", "cross_attn.proj", "mlp.fc1", "mlp.fc2"),
     "lm": ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"),
+    # LTX-Video: the same set under its names (attn1/attn2 q/k/v/out and the feed-forward `ff`)
+    "ltx": ("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"),
 }
 WAN_ATTENTION_TARGETS = r"blocks.*(to_q|to_k|to_v|to_out.0)"
 

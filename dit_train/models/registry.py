@@ -87,6 +87,8 @@ class ModelSpec:
     # expert: transformer_2, as its pipeline folder holds it)
     diffusers_subfolder: Callable[[Any], str] = lambda cfg: ""
     moe: bool = False  # builds mixture-of-experts blocks from `model.moe` (models/moe.py)
+    # latent compression (t, h, w) of the family's VAE: the clip planner's default (tools.plan --frames)
+    vae_stride: tuple[int, int, int] = (4, 8, 8)
     notes: dict = field(default_factory=dict)
 
 

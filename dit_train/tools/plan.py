@@ -25,6 +25,7 @@ from pathlib import Path
 from dit_train.compose import compose
 from dit_train.config.schema import AUTO_MICRO_BATCH_TOKENS
 from dit_train.engine.checks import Range
+from dit_train.models import model_spec
 from dit_train.parallel.mesh import ParallelDims
 from dit_train.perf.bench import format_table
 from dit_train.planning.clips import clip_options, clip_tokens, latent_grid
@@ -53,8 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--frames", type=ranged(int, Range(0, note="0 = no clip question")), default=0, help="pixel frames of one clip: answer which options fit it")
     ap.add_argument("--height", type=POSITIVE_INT, default=480, help="pixel height of the clip (with --frames)")
     ap.add_argument("--width", type=POSITIVE_INT, default=832, help="pixel width of the clip (with --frames)")
-    ap.add_argument("--vae-stride", default="", help="VAE compression t,h,w (default: the model's model.vae_stride, "
-                    "e.g. 4,16,16 for wan22_ti2v_5b; else the Wan 2.1 VAE's 4,8,8)")
+    ap.add_argument("--vae-stride", default="", help="VAE compression t,h,w (default: the model's model.vae_stride where it has one, e.g. 4,16,16 for wan22_ti2v_5b; else the family's VAE: Wan 4,8,8, LTX-Video 8,32,32)")
     ap.add_argument("--host-mem-gib", type=POSITIVE_FLOAT, default=128.0, help="host memory per rank for the offload options")
     ap.add_argument("--max-frames", type=POSITIVE_INT, default=4001, help="upper end of the longest-clip search")
     ap.add_argument("--top", type=POSITIVE_INT, default=12, help="rows to print")
@@ -135,15 +135,16 @@ def clip_main(args, cfg, world: int, shape, backend: str) -> int:
     clip of the same height and width that fits; --smoke K measures the fitting ones."""
     if cfg.mode != "video":
         raise SystemExit(f"--frames needs a video model (model.name={cfg.model.name} is {cfg.mode})")
-    if not args.vae_stride:  # the VAE the model's latents come from (Wan 2.2 TI2V: 16x spatial)
-        args.vae_stride = ",".join(str(x) for x in getattr(cfg.model, "vae_stride", (4, 8, 8)))
-    stride = tuple(int(x) for x in args.vae_stride.split(","))
+    if args.vae_stride:
+        stride = tuple(int(x) for x in args.vae_stride.split(","))
+    else:  # the VAE the model's latents come from: a preset's own (Wan 2.2 TI2V: 16x spatial), else its family's
+        stride = tuple(getattr(cfg.model, "vae_stride", None) or model_spec(cfg.model).vae_stride)
     tokens = clip_tokens(cfg.model, args.frames, args.height, args.width, stride)
     print(f"model: {cfg.model.name} dim={shape.dim} depth={shape.depth} heads={shape.heads} "
           f"params={shape.params / 1e9:.2f}B | world={world} x {args.gpu_mem_gib:g} GiB (reserve {args.reserve_gib:g}), "
           f"host {args.host_mem_gib:g} GiB/rank | precision={cfg.train.precision} optim={cfg.optim.name} attn={backend}")
     print(f"clip: {args.frames} frames x {args.height}x{args.width} px -> latents {latent_grid(args.frames, args.height, args.width, stride)} "
-          f"(VAE stride {args.vae_stride}) -> {tokens} tokens (patch {list(cfg.model.patch_size)})")
+          f"(VAE stride {','.join(map(str, stride))}) -> {tokens} tokens (patch {list(cfg.model.patch_size)})")
     if args.calibrate:
         calib = calibrate_block(cfg.model, tokens=args.calibrate_tokens, precision="bf16" if cfg.train.precision != "fp32" else "fp32")
         print(f"calibration (one block, CPU, {calib['precision']}): error {calib['rel_error']:+.2%}")

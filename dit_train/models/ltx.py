@@ -1,0 +1,324 @@
+"""diffusers' LTXVideoTransformer3DModel (LTX-Video) trained through our packed path.
+
+`PackedLTX` holds the very submodules of a diffusers `LTXVideoTransformer3DModel` under the
+same names (proj_in, scale_shift_table, time_embed, caption_projection,
+transformer_blocks.N.*, norm_out, proj_out), so its state dict IS a diffusers state dict:
+pretrained folders load 1:1 and trained weights export back with `save_pretrained`. Only the
+forward is ours, so that several clips of different sizes share one flat token sequence and
+every parallelism of dit_train (FSDP2 over `.transformer_blocks`, Ulysses/ring CP through
+`attention_fn`) applies unchanged:
+
+- input: LTX's own tokens are patches with features (c, pt, ph, pw) (LTXPipeline._pack_latents),
+  exactly our patch features, so `proj_in` reads them as they are; the output comes back in
+  the same order;
+- time: one embedding per clip (AdaLayerNormSingle of timestep = 1000·t, noise at t = 1 as
+  ours and LTXPipeline's FlowMatchEulerDiscreteScheduler), gathered per token: the per-token
+  timestep path LTX 0.9.5+ uses for its conditioning frames; clean context tokens of
+  cond.feed=timestep read their clip's embedding at t = 0;
+- 3-D RoPE: LTXVideoRotaryPosEmbed's frequencies over the whole width (not per head),
+  computed from each token's (t, h, w) scaled by `model.rope_scale` (LTXPipeline's
+  rope_interpolation_scale: VAE compression / frame rate, 32, 32), so a token's rotation
+  depends only on its own position: under Ulysses or ring CP each rank rotates its local
+  tokens and the split needs nothing more;
+- attention: each block's LTXAttention gets `PackedLTXAttnProcessor`: self-attention calls
+  `attn1.attention_fn` (varlen inside each clip; swapped for CP by parallelize),
+  cross-attention attends each token to the valid tokens of its own clip's caption (LTX masks
+  the T5 padding, `encoder_attention_mask`) with `dit_train.kernels.packed_cross_attention`.
+
+No parallelism here (no torch.distributed).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, List
+
+import torch
+from torch import nn
+
+from dit_train.config.choices import Mode
+from dit_train.config.schema import VideoModelConfig
+from dit_train.kernels import LocalAttention, packed_cross_attention
+from dit_train.models.registry import ActivationModel, ModelSpec, register_model
+from dit_train.models.wan import NUM_TRAIN_TIMESTEPS, PackedContext, PackedRope
+
+DIFFUSERS_CLASS = "LTXVideoTransformer3DModel"
+# LTXVideoRotaryPosEmbed's normalisation of coordinates (fixed in LTXVideoTransformer3DModel)
+ROPE_BASE = (20.0, 2048.0, 2048.0)
+
+
+@dataclass
+class LTXConfig(VideoModelConfig):
+    """diffusers' LTXVideoTransformer3DModel through the packed path (`model.name=ltx`)."""
+
+    name: str = "ltx"
+    # Local diffusers folder (config.json + safetensors of an LTXVideoTransformer3DModel, or a
+    # pipeline folder holding transformer/) to start from; "" = initialise from train.seed.
+    pretrained: str = ""
+    norm_eps: float = 1e-6
+    # LTXPipeline's rope_interpolation_scale (t, h, w): VAE temporal compression / frame rate,
+    # then the spatial compression twice (8/25, 32, 32 for LTX-Video at 25 fps); RoPE sees the
+    # patch coordinates times this times the patch size, over (20, 2048, 2048)
+    rope_scale: List[float] = field(default_factory=lambda: [0.32, 32.0, 32.0])
+    # model.pretrained must hold safetensors weights (a pickle can run code on load); true also
+    # accepts .bin/.pt weights from a source you trust
+    allow_pickle_weights: bool = False
+
+
+# Key of our config for each LTXVideoTransformer3DModel config key (for clear mismatch errors).
+_OUR_KEY = {"in_channels": "(in_channels + cond_channels) x patch volume", "out_channels": "in_channels x patch volume",
+            "patch_size": "patch_size[1] (= patch_size[2])", "patch_size_t": "patch_size[0]",
+            "num_attention_heads": "heads", "attention_head_dim": "dim / heads", "cross_attention_dim": "dim",
+            "num_layers": "depth", "caption_channels": "text_dim", "norm_eps": "norm_eps"}
+# LTXVideoTransformer3DModel keys our packed forward assumes (a folder with others is refused)
+_FIXED = {"activation_fn": "gelu-approximate", "qk_norm": "rms_norm_across_heads", "norm_elementwise_affine": False,
+          "attention_bias": True, "attention_out_bias": True}
+
+
+def ltx_config(cfg: LTXConfig) -> dict[str, Any]:
+    """LTXVideoTransformer3DModel(**kwargs) of the same shape as `cfg` (model.name=ltx)."""
+    if cfg.dim % cfg.heads:
+        raise ValueError(f"model.dim={cfg.dim} must be divisible by model.heads={cfg.heads}")
+    if cfg.text_dim <= 0:
+        raise ValueError("model.name=ltx needs model.text_dim > 0 (width of the caption embeddings; 4096 for T5-XXL)")
+    if len(cfg.patch_size) != 3 or cfg.patch_size[1] != cfg.patch_size[2]:
+        raise ValueError(f"model.patch_size={list(cfg.patch_size)} must be [t, p, p] (LTX patches are square)")
+    if cfg.rope_theta != 10000.0:
+        raise ValueError(f"model.rope_theta={cfg.rope_theta}: LTX's RoPE is fixed at 10000; remove the override")
+    if cfg.mlp_ratio != 4.0:
+        raise ValueError(f"model.mlp_ratio={cfg.mlp_ratio}: LTX's feed-forward is 4 x dim; remove the override")
+    if len(cfg.rope_scale) != 3:
+        raise ValueError(f"model.rope_scale={list(cfg.rope_scale)} must be [t, h, w]")
+    vol = cfg.patch_size[0] * cfg.patch_size[1] * cfg.patch_size[2]
+    return dict(in_channels=(cfg.in_channels + cfg.cond_channels) * vol, out_channels=cfg.in_channels * vol,
+                patch_size=cfg.patch_size[1], patch_size_t=cfg.patch_size[0], num_attention_heads=cfg.heads,
+                attention_head_dim=cfg.dim // cfg.heads, cross_attention_dim=cfg.dim, num_layers=cfg.depth,
+                caption_channels=cfg.text_dim, norm_eps=cfg.norm_eps)
+
+
+def ltx_rope(pos: torch.Tensor, dim: int, scale: tuple[float, float, float], patch: tuple[int, int, int],
+             theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token (cos, sin) [L, dim] of LTXVideoRotaryPosEmbed for patch positions [L, 3] (t, h, w).
+
+    The same float32 ops in the same order as diffusers (coordinate · scale · patch / base,
+    frequencies interleaved over the three axes, each repeated for a pair, the dim % 6 leftover
+    channels unrotated at the front), so the values equal its table's bit for bit."""
+    grid = torch.stack([pos[:, a].to(torch.float32) * scale[a] * patch[a] / ROPE_BASE[a] for a in range(3)], dim=-1)
+    freqs = theta ** torch.linspace(math.log(1.0, theta), math.log(theta, theta), dim // 6, device=pos.device,
+                                    dtype=torch.float32)
+    freqs = freqs * math.pi / 2.0
+    freqs = (freqs * (grid.unsqueeze(-1) * 2 - 1)).transpose(-1, -2).flatten(1)  # [L, 3·(dim//6)]
+    cos, sin = freqs.cos().repeat_interleave(2, dim=-1), freqs.sin().repeat_interleave(2, dim=-1)
+    if dim % 6:
+        cos = torch.cat([torch.ones_like(cos[:, : dim % 6]), cos], dim=-1)
+        sin = torch.cat([torch.zeros_like(sin[:, : dim % 6]), sin], dim=-1)
+    return cos, sin
+
+
+def apply_ltx_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """diffusers' LTX apply_rotary_emb on x [L, dim] (pairs (x[2i], x[2i+1]), in fp32)."""
+    real, imag = x.unflatten(-1, (-1, 2)).unbind(-1)
+    rotated = torch.stack([-imag, real], dim=-1).flatten(-2)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class PackedLTXAttnProcessor:
+    """LTXAttention processor for packed sequences (hidden_states [1, L, dim], batch of one).
+
+    Self-attention (encoder_hidden_states None): RMSNorm across heads on q and k, RoPE over the
+    width, `attn.attention_fn(q, k, v, meta)` with [L, H, D]. Cross-attention (a PackedContext):
+    each token attends to its own clip's caption. Same projections and norms as diffusers'
+    LTXVideoAttnProcessor."""
+
+    def __call__(self, attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: PackedContext | None = None,
+                 attention_mask: torch.Tensor | None = None, image_rotary_emb: PackedRope | None = None) -> torch.Tensor:
+        x = hidden_states[0]
+        src = x if encoder_hidden_states is None else encoder_hidden_states.states
+        q, k, v = attn.norm_q(attn.to_q(x)), attn.norm_k(attn.to_k(src)), attn.to_v(src)
+        if encoder_hidden_states is None:
+            q = apply_ltx_rope(q, image_rotary_emb.cos, image_rotary_emb.sin)
+            k = apply_ltx_rope(k, image_rotary_emb.cos, image_rotary_emb.sin)
+        q, k, v = (y.unflatten(-1, (attn.heads, -1)) for y in (q, k, v))
+        if encoder_hidden_states is None:
+            out = attn.attention_fn(q, k, v, image_rotary_emb.meta)
+        else:
+            out = packed_cross_attention(q, k, v, encoder_hidden_states.seg, encoder_hidden_states.lengths)
+        out = attn.to_out[1](attn.to_out[0](out.flatten(1).to(q.dtype)))
+        return out[None]
+
+
+class PackedLTX(nn.Module):
+    """Packed-sequence forward over a diffusers LTXVideoTransformer3DModel's modules.
+
+    forward(x, pos, seg, t, meta, context=None, context_len=None, clean=None):
+      x:    [L, C_in·pt·ph·pw]  noisy patches (+ concat conditioning channels), features (c, pt, ph, pw)
+      pos:  [L, 3]           (t, h, w) patch coordinates inside each clip
+      seg:  [L]              clip of each token (-1 = padding)
+      t:    [S]              flow time of each clip in [0, 1]
+      meta: attention metadata for `attention_fn` (VarlenLayout, or CPAttnLayout under CP)
+      context: [S, Lc, text_dim] caption embeddings (valid tokens first); None = one all-zero token
+      context_len: [S] int64 valid caption tokens
+      clean: [L] bool tokens given clean (cond.feed=timestep): their clip's embedding at t = 0
+    returns [L, C·pt·ph·pw], the predicted velocity.
+    """
+
+    # zero output head when trained from scratch (a random LTX has none: ours starts at rest,
+    # like the DiT and Wan; a pretrained folder brings its own)
+    zero_init = ("proj_out",)
+    output_head = "proj_out"  # LoRA on a base where it is all zero cannot learn (engine/sanity.py)
+
+    def __init__(self, cfg: LTXConfig, backend: str = "sdpa"):
+        super().__init__()
+        from diffusers import LTXVideoTransformer3DModel  # deferred: diffusers takes ~2 s to import
+
+        self.diffusers_config = ltx_config(cfg)
+        self.patch, self.rope_scale = tuple(cfg.patch_size), tuple(float(s) for s in cfg.rope_scale)
+        ltx = LTXVideoTransformer3DModel(**self.diffusers_config)
+        # the same modules under the same names: our state dict is diffusers' (its `rope`
+        # holds no weights: the rotation is computed per token from positions)
+        self.proj_in = ltx.proj_in
+        self.scale_shift_table = ltx.scale_shift_table
+        self.time_embed = ltx.time_embed
+        self.caption_projection = ltx.caption_projection
+        self.transformer_blocks = ltx.transformer_blocks
+        self.norm_out = ltx.norm_out
+        self.proj_out = ltx.proj_out
+        for block in self.transformer_blocks:
+            block.attn1.set_processor(PackedLTXAttnProcessor())
+            block.attn2.set_processor(PackedLTXAttnProcessor())
+            block.attn1.attention_fn = LocalAttention(backend)  # swapped for CP by parallelize()
+
+    def _context(self, context: torch.Tensor | None, context_len: torch.Tensor | None, S: int,
+                 like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Captions [S, Lc, text_dim] and the valid tokens each clip attends to [S]."""
+        text_dim = self.diffusers_config["caption_channels"]
+        if context is None:
+            context = like.new_zeros(S, 1, text_dim)
+            context_len = torch.ones(S, dtype=torch.long, device=like.device)
+        if context.shape[0] != S or context.shape[-1] != text_dim:
+            raise ValueError(f"context {tuple(context.shape)} must be [{S}, Lc, model.text_dim={text_dim}]")
+        if context_len is None:
+            context_len = torch.full((S,), context.shape[1], dtype=torch.long, device=context.device)
+        return context, context_len
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, seg: torch.Tensor, t: torch.Tensor, meta: Any,
+                context: torch.Tensor | None = None, context_len: torch.Tensor | None = None,
+                clean: torch.Tensor | None = None) -> torch.Tensor:
+        S = t.shape[0]
+        if clean is None:
+            row = torch.where(seg < 0, torch.full_like(seg, S), seg)  # padding tokens use an extra time row (t=0)
+            timestep = torch.cat([t.float(), t.new_zeros(1, dtype=torch.float32)]) * NUM_TRAIN_TIMESTEPS
+        else:  # rows S..2S-1: each clip at t = 0, read by its clean context tokens; 2S: padding
+            row = torch.where(seg < 0, torch.full_like(seg, 2 * S), seg + S * clean.to(seg.dtype))
+            timestep = torch.cat([t.float(), t.new_zeros(S + 1, dtype=torch.float32)]) * NUM_TRAIN_TIMESTEPS
+        w = self.proj_in.weight  # inputs arrive in fp32 under FSDP2 mixed precision
+        h = self.proj_in(x.to(w.dtype))[None]  # [1, L, dim]
+        temb, embedded = self.time_embed(timestep, batch_size=timestep.shape[0], hidden_dtype=h.dtype)  # [R, 6·dim], [R, dim]
+        context, lengths = self._context(context, context_len, S, x)
+        states = self.caption_projection(context.to(self.caption_projection.linear_1.weight.dtype))  # [S, Lc, dim]
+        rope = PackedRope(*ltx_rope(pos, h.shape[-1], self.rope_scale, self.patch), meta)
+        ctx = PackedContext(states, seg, lengths)
+        temb_tok = temb[row][None]  # [1, L, 6·dim]
+        for block in self.transformer_blocks:
+            h = block(h, ctx, temb_tok, rope)
+        shift, scale = (self.scale_shift_table[None] + embedded[:, None]).unbind(1)  # [R, dim] each
+        h = self.norm_out(h[0]) * (1 + scale[row]) + shift[row]
+        return self.proj_out(h)  # [L, (c, pt, ph, pw)], LTX's token features
+
+
+# --------------------------------------------------------------------------- diffusers folders
+
+
+def transformer_folder(path: str, cls: str) -> Path:
+    """The folder holding the transformer's config.json: `path`, or `path/transformer` of a
+    pipeline folder."""
+    folder = Path(path).expanduser()
+    if not (folder / "config.json").exists() and (folder / "transformer" / "config.json").exists():
+        return folder / "transformer"  # a whole pipeline folder: its transformer
+    if not (folder / "config.json").exists():
+        raise FileNotFoundError(f"model.pretrained={path}: no config.json there (expected a diffusers {cls} "
+                                f"folder, or a pipeline folder with transformer/)")
+    return folder
+
+
+def pretrained_mismatch(path: str, cfg: LTXConfig) -> list[str]:
+    """What in the folder `path` does not fit `cfg`, from its config.json alone (no weights read):
+    a model of another family (its class), or of another size (each key, with ours). [] = fits."""
+    try:
+        folder = transformer_folder(path, DIFFUSERS_CLASS)
+    except FileNotFoundError as err:
+        return [str(err)]
+    theirs = json.loads((folder / "config.json").read_text())
+    held = theirs.get("_class_name", "")
+    if held != DIFFUSERS_CLASS:
+        return [f"model.pretrained={path} holds a {held or 'model without _class_name'}, not an {DIFFUSERS_CLASS} "
+                f"(model.name=ltx): choose the model preset of its family, or an LTX-Video folder"]
+    wrong = [f"{key}={theirs.get(key)} (model.{_OUR_KEY[key]} gives {ours})"
+             for key, ours in ltx_config(cfg).items() if theirs.get(key, ours) != ours]
+    wrong += [f"{key}={theirs[key]} (only {fixed!r} is supported)" for key, fixed in _FIXED.items()
+              if theirs.get(key, fixed) != fixed]
+    return [f"model.pretrained={path} does not match the model config: " + "; ".join(wrong)] if wrong else []
+
+
+def read_pretrained(path: str, cfg: LTXConfig) -> dict[str, torch.Tensor]:
+    """fp32 CPU state dict of the diffusers folder `path` (LTXVideoTransformer3DModel), after
+    checking its class and shape against `cfg` (the error names the keys to set)."""
+    from diffusers import LTXVideoTransformer3DModel  # deferred: diffusers takes ~2 s to import
+
+    problems = pretrained_mismatch(path, cfg)
+    if problems:
+        raise ValueError(problems[0])
+    try:
+        ltx = LTXVideoTransformer3DModel.from_pretrained(str(transformer_folder(path, DIFFUSERS_CLASS)),
+                                                         torch_dtype=torch.float32,
+                                                         use_safetensors=not cfg.allow_pickle_weights)
+    except EnvironmentError as err:
+        raise ValueError(f"model.pretrained={path}: {err} (weights must be .safetensors; "
+                         f"model.allow_pickle_weights=true also reads .bin from a source you trust)") from None
+    return {k: v.detach().float().contiguous() for k, v in ltx.state_dict().items()}
+
+
+def to_diffusers(state_dict: dict[str, torch.Tensor], cfg: LTXConfig) -> Any:
+    """A diffusers LTXVideoTransformer3DModel holding `state_dict` (our keys = diffusers' keys)."""
+    from diffusers import LTXVideoTransformer3DModel  # deferred: diffusers takes ~2 s to import
+
+    ltx = LTXVideoTransformer3DModel(**ltx_config(cfg))
+    ltx.load_state_dict(state_dict, strict=True)
+    return ltx
+
+
+def _checks(cfg: LTXConfig) -> list[str]:
+    """Shape errors, and a model.pretrained folder that does not fit (checked before the run starts)."""
+    try:
+        ltx_config(cfg)
+    except ValueError as err:
+        return [str(err)]
+    return pretrained_mismatch(cfg.pretrained, cfg) if cfg.pretrained else []
+
+
+def _block_linears(b: nn.Module) -> list[nn.Module]:
+    """Matmuls a block applies to every video token (attn2's to_k/to_v act on caption tokens only)."""
+    return [b.attn1.to_q, b.attn1.to_k, b.attn1.to_v, b.attn1.to_out[0], b.attn2.to_q, b.attn2.to_out[0],
+            b.ff.net[0].proj, b.ff.net[2]]
+
+
+register_model(ModelSpec(
+    name="ltx", config=LTXConfig, mode=Mode.video, build=lambda cfg, backend="sdpa": PackedLTX(cfg, backend),
+    checks=_checks,
+    # measured with saved_tensors_hooks on LTXVideoTransformerBlock run by PackedLTX at d = 64
+    # and 128 (perf/memory.py calibrate_block: 31.3·d fp32; 2·16 + 19.4 = 51.4 bf16-equivalent
+    # d-elements under autocast, both widths; tests/test_planner.py re-measures every registered
+    # model); selective_d likewise (bytes_per_token_per_block with the selective policy: 10.2·d
+    # in fp32, 11.3·d under bf16 autocast, at both widths)
+    activations=lambda cfg: ActivationModel(fp32_d=31.3, autocast_f32_d=16, autocast_lp_d=19.4, outside_d=6,
+                                            selective_d=10.5),
+    blocks=lambda m: m.transformer_blocks,
+    block_linears=_block_linears,
+    io_linears=lambda m: [m.proj_in, m.proj_out],
+    io_dim=lambda cfg: (cfg.in_channels + cfg.cond_channels) * cfg.patch_size[0] * cfg.patch_size[1] * cfg.patch_size[2],
+    hidden=lambda cfg: 4 * cfg.dim,
+    pretrained=lambda cfg: read_pretrained(cfg.pretrained, cfg), to_diffusers=to_diffusers,
+    vae_stride=(8, 32, 32),  # LTX-Video's VAE: 8x in time (plus the first frame), 32x in height and width
+))
