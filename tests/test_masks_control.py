@@ -243,3 +243,56 @@ def test_companion_files_are_not_clips_of_their_own(folder):
 
     paths = [Path(p).name for p, _ in list_clips(folder)]
     assert paths == [f"clip_{i}.mp4" for i in range(len(SIZES))]
+
+
+# -- the commands as a user runs them -------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cli_run(folder, data_cache, tmp_path_factory) -> Path:
+    """`python -m dit_train data=video_folder data.root=<folder> data.masks=true cond.control=true`
+    for 2 steps, validated at its end (sampled with the clips' own control videos)."""
+    from tests.conftest import run_cli
+
+    out = tmp_path_factory.mktemp("cli") / "run"
+    r = run_cli(["data=video_folder", f"data.root={folder}", "data.masks=true", "cond.control=true",
+                 "data.resolution_buckets=null", "data.max_frames=8", "train.global_batch=4", "train.steps=2",
+                 "train.sample_every=2", "train.num_samples=2", "train.sample_steps=2", "train.progress=false",
+                 "model.dim=32", "model.depth=1", f"data.cache_dir={data_cache}", f"hydra.run.dir={out}"], cwd=out.parent)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+@pytest.mark.slow
+def test_masks_and_control_train_from_the_command_line(cli_run):
+    rows = [json.loads(line) for line in (cli_run / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(np.isfinite(r["loss"]) for r in rows)
+    # T_b are sums of fractional weights: the step's N is not a whole number of tokens
+    assert any(r["tokens"] != int(r["tokens"]) for r in rows)
+    assert len(list((cli_run / "samples" / "step_000002").glob("*.mp4"))) == 2
+
+
+@pytest.mark.slow
+def test_sample_tool_takes_a_control_video(cli_run, folder, tmp_path, capsys):
+    from dit_train.tools.sample import main
+
+    args = [str(cli_run), "--prompt", "a red circle moving right on a navy background", "--frames", "4",
+            "--height", "32", "--width", "32", "--steps", "2"]
+    assert main([*args, "--control", str(folder / "clip_0.control.mp4"), "--out", str(tmp_path / "a")]) == 0
+    assert len(list((tmp_path / "a").glob("*.mp4"))) == 1
+    capsys.readouterr()
+    assert main(args) == 2
+    assert "error: this run trained with a control video (cond.control=true): give --control" in capsys.readouterr().err
+    assert main([*args, "--control", str(tmp_path / "nope.mp4")]) == 2
+    assert "nope.mp4: no such file" in capsys.readouterr().err
+    assert main([*args, "--frames", "16", "--control", str(folder / "clip_0.control.mp4")]) == 2
+    assert "--control with --frames=16 needs at least that many" in capsys.readouterr().err
+
+
+def test_control_flag_on_a_run_without_control_is_refused(capsys):
+    import argparse
+
+    from dit_train.tools.sample import read_control
+
+    args = argparse.Namespace(control="ctrl.mp4", data_captions=0, prompt=["x"])
+    with pytest.raises(ValueError, match=r"--control: this run trained without a control video"):
+        read_control(args, compose_config([]))
