@@ -54,6 +54,7 @@ class Validation:
         which = "held-out" if self.held_out else "training"
         given = sum(r.given is not None for r in self.sampler.requests)
         cond = f", {given} from their own first frames (cond.kind)" if given else ""
+        cond += ", with their control videos (cond.control)" if self.sampler.control else ""
         return (f"validation samples {len(self.sampler.requests)} {which} clip(s) with their captions{cond}, at the "
                 f"sizes they train at ({unit}): {listed}")
 
