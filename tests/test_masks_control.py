@@ -286,6 +286,11 @@ def test_sample_tool_takes_a_control_video(cli_run, folder, tmp_path, capsys):
     assert "nope.mp4: no such file" in capsys.readouterr().err
     assert main([*args, "--frames", "16", "--control", str(folder / "clip_0.control.mp4")]) == 2
     assert "--control with --frames=16 needs at least that many" in capsys.readouterr().err
+    # the run's validation clips, each with its own control video
+    assert main([str(cli_run), "--data-captions", "2", "--steps", "2", "--out", str(tmp_path / "b")]) == 0
+    assert len(list((tmp_path / "b").glob("*.mp4"))) == 2
+    assert main([str(cli_run), "--data-captions", "2", "--control", str(folder / "clip_0.control.mp4")]) == 2
+    assert "--control goes with --prompt" in capsys.readouterr().err
 
 
 def test_control_flag_on_a_run_without_control_is_refused(capsys):
