@@ -182,6 +182,34 @@ def test_input_width_follows_control():
     assert (wan_config(wan.model)["in_channels"], wan_config(wan.model)["out_channels"]) == (3 + 4 + 3, 3)
 
 
+def test_a_text_to_video_wan_checkpoint_widens_into_control(tmp_path):
+    """model.pretrained from a T2V folder with cond.control=true: the patch embedding gets C
+    zero-initialised control channels (the concat feed's widening, reused), so training starts
+    from the T2V model's outputs whatever the control video."""
+    from dit_train.kernels import VarlenLayout
+    from dit_train.models import build_model, model_config
+    from dit_train.models.init import load_full_weights
+    from dit_train.models.wan import read_pretrained, to_diffusers
+
+    base = dict(dim=32, heads=2, depth=1, ffn_dim=64, freq_dim=32, text_dim=32, text_len=6, in_channels=3,
+                patch_size=[1, 2, 2], init="normal")
+    t2v_cfg = model_config("wan", **base)
+    t2v = build_model(t2v_cfg)
+    to_diffusers(t2v.state_dict(), t2v_cfg).save_pretrained(str(tmp_path / "wan"))
+    cfg = compose_config(["model=wan_tiny", "cond.control=true"])
+    ctrl_cfg = model_config("wan", **base, cond_channels=cfg.model.cond_channels)
+    state = read_pretrained(str(tmp_path / "wan"), ctrl_cfg)
+    assert state["patch_embedding.weight"].shape[1] == 6 and float(state["patch_embedding.weight"][:, 3:].abs().sum()) == 0
+    ctrl = build_model(ctrl_cfg)
+    load_full_weights(ctrl, state)
+    x, control = torch.randn(8, 3 * 4), torch.randn(8, 3 * 4)
+    seg, pos = torch.zeros(8, dtype=torch.long), torch.stack([torch.zeros(8), torch.arange(8) // 4, torch.arange(8) % 4], 1).long()
+    meta = VarlenLayout.build(seg, torch.arange(8), False)
+    with torch.no_grad():
+        torch.testing.assert_close(ctrl(torch.cat([x, control], 1), pos, seg, torch.tensor([0.3]), meta),
+                                   t2v(x, pos, seg, torch.tensor([0.3]), meta), rtol=1e-5, atol=1e-6)
+
+
 # -- bad input ----------------------------------------------------------------------------------
 
 def test_bad_companions_are_skipped_and_counted_per_clip(tmp_path, data_cache, caplog):
