@@ -193,6 +193,11 @@ def cond_errors(mode: str, cond: Any, model: Any, data: Any) -> list[str]:
         e.append(f"model.cond_channels={model.cond_channels} is derived from cond (cond.kind={cond.kind}, "
                  f"cond.feed={cond.feed} gives {derived}); remove the override")
     e += companion_errors(mode, data, cond)
+    rank = getattr(getattr(model, "lora", None), "rank", 0)
+    if rank and derived and getattr(model, "pretrained", ""):
+        e.append(f"model.lora.rank={rank} freezes the patch embedding, and the {derived} input channels cond adds to "
+                 f"the pretrained one (cond.feed={cond.feed}, cond.control={str(cond.control).lower()}) start at zero: "
+                 f"the model would never read them; train without LoRA (model.lora.rank=0)")
     if not cond_active(cond):
         return e
     if mode != "video":
