@@ -290,10 +290,10 @@ class VideoClipDataset:
         x = self._fit(read_frames(e.path, indices, e.info), i)  # [3, F, H, W]
         sample = VideoSample(x, e.caption)
         if "mask" in self.companions:
-            m = self._fit(self._mask_frames(e, indices), i).mean(0)  # [F, H, W] in [-1, 1]
+            m = self._fit(self._mask_frames(e, indices), i, companion=True).mean(0)  # [F, H, W] in [-1, 1]
             sample.mask = m.add(1).mul(127.5).round().clamp(0, 255).to(torch.uint8)
         if "control" in self.companions:
-            sample.control = self._fit(self._companion_frames(e, "control", indices), i)
+            sample.control = self._fit(self._companion_frames(e, "control", indices), i, companion=True)
         if self.cache_items > 0:
             with self._lock:
                 self._cache[i] = sample
@@ -301,12 +301,13 @@ class VideoClipDataset:
                     self._cache.popitem(last=False)
         return sample
 
-    def _fit(self, frames: torch.Tensor, i: int) -> torch.Tensor:
-        """uint8 [F, h, w, C] frames of sample i (the clip, or a companion at the clip's native
-        size) -> float [C, F, H, W] in [-1, 1] at the size sample i trains at."""
+    def _fit(self, frames: torch.Tensor, i: int, companion: bool = False) -> torch.Tensor:
+        """uint8 [F, h, w, C] frames of sample i -> float [C, F, H, W] in [-1, 1] at the size sample
+        i trains at: the clip's own path (resize to its bucket, centre crop), which a `companion`
+        of another size (same aspect) joins after being scaled to the clip's native size."""
         x = to_model_range(frames)
         e = self.entries[i]
-        if tuple(x.shape[2:]) != (e.info.height, e.info.width):  # a companion of another size, same aspect
+        if companion and tuple(x.shape[2:]) != (e.info.height, e.info.width):
             x = resize_crop(x, e.info.height, e.info.width, resize=True)
         return resize_crop(x, *self.size(i), resize=bool(self.buckets))
 
