@@ -23,10 +23,10 @@ def prepare_data(data_cfg: Any, model_cfg: Any = None) -> None:
     source_for(data_cfg, model_cfg).prepare()
 
 
-def open_dataset(data_cfg: Any, model_cfg: Any, split: str = "train") -> Any:
+def open_dataset(data_cfg: Any, model_cfg: Any, split: str = "train", companions: tuple[str, ...] = ()) -> Any:
     """The source's dataset of `split` (None if it has none), wrapped in background decoding
-    when data.num_workers > 0."""
-    ds = source_for(data_cfg, model_cfg).open(split)
+    when data.num_workers > 0; its samples carry the `companions` (mask, control) too."""
+    ds = source_for(data_cfg, model_cfg, companions).open(split)
     if ds is not None and data_cfg.num_workers > 0 and split == "train":
         ds = Prefetcher(ds, data_cfg.num_workers)
     return ds

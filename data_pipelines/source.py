@@ -51,9 +51,13 @@ class DataSource:
     config: ClassVar[type]
     mode: ClassVar[Mode]
     latent: ClassVar[bool] = False  # samples are VAE latents, not pixels (decoder() turns clips into pixels)
+    # files read with each clip that this source can give ("mask", "control": data_pipelines/companions.py)
+    companion_kinds: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, cfg: Any, model_cfg: Any):
-        self.cfg, self.model_cfg = cfg, model_cfg
+    def __init__(self, cfg: Any, model_cfg: Any, companions: tuple[str, ...] = ()):
+        """companions: the companion kinds the run needs (config.schema.companions); each one of
+        companion_kinds, which check_config makes sure of."""
+        self.cfg, self.model_cfg, self.companions = cfg, model_cfg, tuple(companions)
 
     def prepare(self) -> None:
         """Nothing to do by default."""
@@ -104,5 +108,5 @@ def register_source(cls: type[DataSource]) -> type[DataSource]:
     return cls
 
 
-def source_for(cfg: Any, model_cfg: Any) -> DataSource:
-    return SOURCES[cfg.name](cfg, model_cfg)
+def source_for(cfg: Any, model_cfg: Any, companions: tuple[str, ...] = ()) -> DataSource:
+    return SOURCES[cfg.name](cfg, model_cfg, companions)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from dit_train.data_pipelines.companions import NONE, Companions, box_frames, missing, none_found, row_companions, row_path
 from dit_train.data_pipelines.records import Skip, decode_utf8, describe, json_kind, normalize_newlines, unencodable, warn_once
 from dit_train.data_pipelines.sizes import resize_crop, slab_tokens, target_size
 from dit_train.data_pipelines.video_io import (VideoInfo, VideoReadError, frame_indices, is_image, probe, read_frames, still_indices,
@@ -30,6 +31,7 @@ class ClipEntry:
     path: str
     caption: str
     info: VideoInfo
+    companions: Companions = NONE  # its mask / control files (data_pipelines/companions.py)
 
 
 @dataclass
@@ -41,6 +43,10 @@ class VideoSample:
     # caption embedding [Lt, text_dim] float32, valid tokens only (Lt varies per sample);
     # None when the source has no encoded captions (raw videos)
     text_emb: torch.Tensor | None = None
+    # data.masks: uint8 [F, H, W] loss mask aligned with `pixels` (255 = fully supervised)
+    mask: torch.Tensor | None = None
+    # cond.control: [3, F, H, W] control video in [-1, 1] aligned with `pixels`
+    control: torch.Tensor | None = None
 
 
 MANIFEST_SUFFIXES = (".jsonl", ".csv")
@@ -50,7 +56,8 @@ def scan_manifest(path: Path) -> tuple[list[dict], list[tuple[str, str]]]:
     """Usable rows of a .jsonl or .csv manifest (extension in any case), and (`<manifest>:<line>`,
     why) of each row left out (warned about once, with the first few named).
 
-    Columns: path, caption[, frames, height, width, fps]; a path may be a video or a still image
+    Columns: path, caption[, frames, height, width, fps, mask, control, mask_boxes] (the last three:
+    data_pipelines/companions.py); a path may be a video or a still image
     (video_io.IMAGE_EXTENSIONS), mixed freely. A usable row has a non-empty string `path` and a
     string `caption`; a missing, empty or null caption is the empty caption (the
     clip trains uncaptioned, as a video without a .txt does: null is how pandas writes a missing
@@ -155,7 +162,7 @@ def manifest_entries(manifest: Path) -> tuple[list[ClipEntry], list[tuple[str, s
     rows, bad = scan_manifest(manifest)
     entries = []
     for row in rows:
-        path = str((root / row["path"]).resolve()) if not Path(row["path"]).is_absolute() else row["path"]
+        path = row_path(root, row["path"])
         still = is_image(path)
         declared = ("height", "width") if still else ("frames", "height", "width")
         try:
@@ -172,7 +179,7 @@ def manifest_entries(manifest: Path) -> tuple[list[ClipEntry], list[tuple[str, s
         except (ValueError, TypeError) as err:  # TypeError: "frames": [8] in a JSON row
             bad.append((path, f"columns frames/height/width/fps are not numbers: {err}"))
             continue
-        entries.append(ClipEntry(path, row["caption"], info))
+        entries.append(ClipEntry(path, row["caption"], info, row_companions(row, root)))
     if not entries:
         raise ValueError(f"no readable clip in {manifest} ({len(bad)} unreadable)")
     return entries, bad
@@ -186,13 +193,17 @@ class VideoClipDataset:
     repeated pt times (video_io.still_indices: one temporal slab of tokens; fps, stride and
     max_frames do not apply). Size, images and videos alike: resized to cover the resolution
     bucket of the closest aspect ratio and centre-cropped, or cropped to a multiple of (ph, pw)
-    when there are no buckets (data_pipelines/sizes.py).
+    when there are no buckets (data_pipelines/sizes.py). `companions` ("mask", "control"): files
+    read with each clip through the same frames, resize and crop (VideoSample.mask / .control);
+    a clip whose companion is missing or does not match it raises VideoReadError (skipped and
+    counted by the task), data where no clip has one is refused (ValueError).
     """
 
     def __init__(self, entries: list[ClipEntry], patch: tuple[int, int, int], max_frames: int = 16,
                  frame_stride: int = 1, fps: float = 0.0, buckets: list[tuple[int, int]] | None = None,
-                 cache_items: int = 256):
+                 cache_items: int = 256, companions: tuple[str, ...] = ()):
         self.patch = tuple(patch)
+        self.companions = tuple(companions)
         self.max_frames, self.frame_stride, self.fps = max_frames, frame_stride, fps
         self.buckets = [tuple(b) for b in (buckets or [])]
         self.cache_items = cache_items
@@ -212,6 +223,9 @@ class VideoClipDataset:
         if not self.entries:
             raise ValueError("the video dataset has no usable clip" +
                              (f" ({len(self.skipped)} skipped, e.g. {self.skipped[0][0]}: {self.skipped[0][1]})" if self.skipped else ""))
+        for kind in self.companions:
+            if not any(e.companions.has(kind) for e in self.entries):
+                raise ValueError(none_found(kind))
 
     @classmethod
     def from_manifest(cls, manifest: Path, **kw) -> "VideoClipDataset":
@@ -272,13 +286,57 @@ class VideoClipDataset:
                 self._cache.move_to_end(i)
                 return self._cache[i]
         e = self.entries[i]
-        frames = read_frames(e.path, self._indices(e), e.info)  # uint8 [F, H, W, 3]
-        x = to_model_range(frames)  # [3, F, H, W]
-        x = resize_crop(x, *self.size(i), resize=bool(self.buckets))
+        indices = self._indices(e)
+        x = self._fit(read_frames(e.path, indices, e.info), i)  # [3, F, H, W]
         sample = VideoSample(x, e.caption)
+        if "mask" in self.companions:
+            m = self._fit(self._mask_frames(e, indices), i, companion=True).mean(0)  # [F, H, W] in [-1, 1]
+            sample.mask = m.add(1).mul(127.5).round().clamp(0, 255).to(torch.uint8)
+        if "control" in self.companions:
+            sample.control = self._fit(self._companion_frames(e, "control", indices), i, companion=True)
         if self.cache_items > 0:
             with self._lock:
                 self._cache[i] = sample
                 if len(self._cache) > self.cache_items:
                     self._cache.popitem(last=False)
         return sample
+
+    def _fit(self, frames: torch.Tensor, i: int, companion: bool = False) -> torch.Tensor:
+        """uint8 [F, h, w, C] frames of sample i -> float [C, F, H, W] in [-1, 1] at the size sample
+        i trains at: the clip's own path (resize to its bucket, centre crop), which a `companion`
+        of another size (same aspect) joins after being scaled to the clip's native size."""
+        x = to_model_range(frames)
+        e = self.entries[i]
+        if companion and tuple(x.shape[2:]) != (e.info.height, e.info.width):
+            x = resize_crop(x, e.info.height, e.info.width, resize=True)
+        return resize_crop(x, *self.size(i), resize=bool(self.buckets))
+
+    def _companion_frames(self, e: ClipEntry, kind: str, indices: list[int]) -> torch.Tensor:
+        """uint8 [F, h, w, 3] frames `indices` of clip e's `kind` file; VideoReadError (the clip is
+        skipped and counted) when it is missing or has another length or aspect than the clip."""
+        if e.companions.problem:
+            raise VideoReadError(f"{e.path}: manifest row: {e.companions.problem}")
+        path = getattr(e.companions, kind)
+        if not path:
+            raise VideoReadError(missing(kind, e.path))
+        if not Path(path).is_file():
+            raise VideoReadError(f"{kind} file {path} of {e.path} does not exist")
+        info = probe(path)
+        if info.frames != e.info.frames:
+            raise VideoReadError(f"{kind} file {path} has {info.frames} frame(s), its clip {e.path} {e.info.frames}: "
+                                 f"they must be the same length")
+        h, w = e.info.height, e.info.width
+        if abs(info.height * w - info.width * h) > max(h, w):
+            raise VideoReadError(f"{kind} file {path} is {info.height}x{info.width}, its clip {e.path} {h}x{w}: "
+                                 f"another aspect ratio cannot be aligned with the clip")
+        return read_frames(path, indices, info)
+
+    def _mask_frames(self, e: ClipEntry, indices: list[int]) -> torch.Tensor:
+        """uint8 [F, h, w, C] of clip e's mask: its mask_boxes drawn at the clip's native size,
+        else its mask file's frames."""
+        if e.companions.boxes is not None and not e.companions.problem:
+            try:
+                return box_frames(e.companions.boxes, indices, e.info.frames, e.info.height, e.info.width)
+            except ValueError as err:
+                raise VideoReadError(f"{e.path}: {err}") from None
+        return self._companion_frames(e, "mask", indices)

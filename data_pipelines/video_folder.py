@@ -12,6 +12,7 @@ warning.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from dit_train.data_pipelines.companions import companion_files, folder_companions, row_companions, row_path
 from dit_train.data_pipelines.records import decode_utf8, normalize_newlines, warn_once
 from dit_train.data_pipelines.video_dataset import MANIFEST_SUFFIXES, ClipEntry, scan_manifest
 from dit_train.data_pipelines.video_io import IMAGE_EXTENSIONS, VideoInfo, VideoReadError, probe
@@ -66,8 +68,7 @@ def scan_clips(root: str | os.PathLike) -> tuple[list[tuple[str, str]], list[tup
                              f"folder holding the videos, or at a manifest")
         rows, skipped = scan_manifest(root)
         base = root.parent
-        out = [(str(Path(r["path"]) if Path(r["path"]).is_absolute() else (base / r["path"]).resolve()), r["caption"])
-               for r in rows]
+        out = [(row_path(base, r["path"]), r["caption"]) for r in rows]
     elif root.is_dir():
         out, skipped = _scan_folder(root)
     else:
@@ -90,8 +91,10 @@ def _scan_folder(root: Path) -> tuple[list[tuple[str, str]], list[tuple[str, str
         if p.suffix.lower() == ".txt":
             captions.setdefault((p.parent, p.stem), []).append(p)
     out, skipped = [], []
-    for p in files:
-        if p.suffix.lower() not in MEDIA_EXTENSIONS or not p.is_file():
+    media = [p for p in files if p.suffix.lower() in MEDIA_EXTENSIONS and p.is_file()]
+    beside = companion_files(media)  # clip.mask.mp4, clip.control.mp4: read with clip.mp4, never clips
+    for p in media:
+        if p in beside:
             continue
         # clip.txt first, then clip.TXT, then any other case (one caption per clip on case-sensitive disks)
         found = sorted(captions.get((p.parent, p.stem), []),
@@ -211,6 +214,18 @@ def index_video_folder(root: str | os.PathLike, cache_dir: str | os.PathLike, wo
     index = index_clips(clips, index_path(cache_dir, root), workers, progress)
     index.skipped = left_out + index.skipped
     return index
+
+
+def with_companions(entries: list[ClipEntry], root: str | os.PathLike) -> list[ClipEntry]:
+    """`entries` with their mask / control files (data_pipelines/companions.py): found beside each
+    clip for a folder, from the `mask`, `control` and `mask_boxes` columns for a manifest."""
+    root = Path(root).expanduser()
+    if root.is_file():
+        rows = scan_manifest(root)[0]
+        by_path = {row_path(root.parent, r["path"]): row_companions(r, root.parent) for r in rows}
+    else:
+        by_path = folder_companions([e.path for e in entries])
+    return [dataclasses.replace(e, companions=by_path[e.path]) if e.path in by_path else e for e in entries]
 
 
 def _write_atomic(path: Path, text: str) -> None:

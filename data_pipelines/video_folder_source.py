@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dit_train.data_pipelines.source import register_source
-from dit_train.data_pipelines.video_folder import index_video_folder
+from dit_train.data_pipelines.video_folder import index_video_folder, with_companions
 from dit_train.data_pipelines.video_source import PixelVideoSource, VideoReadConfig
 
 
@@ -35,4 +35,5 @@ class VideoFolderSource(PixelVideoSource):
         if not index.entries:
             raise ValueError(f"no readable video or image under data.root={root} ({len(index.skipped)} unreadable, "
                              f"e.g. {index.skipped[0][0]}: {index.skipped[0][1]})")
-        return index.entries, list(index.skipped)
+        entries = with_companions(index.entries, root) if self.companions else index.entries
+        return entries, list(index.skipped)

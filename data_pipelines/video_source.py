@@ -39,6 +39,7 @@ class PixelVideoSource(DataSource):
     """A source of RGB clips (and stills) in [-1, 1]; subclasses say where the clip entries come from."""
 
     mode = Mode.video
+    companion_kinds = ("mask", "control")
 
     def prepare(self) -> None:
         """Pick the video reader (data.decoder) and say which, once, before any file is probed;
@@ -71,7 +72,8 @@ class PixelVideoSource(DataSource):
                                  f"{'lower' if split == 'train' else 'raise'} it")
         ds = VideoClipDataset(entries, patch=tuple(patch), max_frames=c.max_frames, frame_stride=c.frame_stride,
                               fps=c.fps, buckets=[tuple(b) for b in c.resolution_buckets or []],
-                              cache_items=c.decoded_cache_items if cache_items is None else cache_items)
+                              cache_items=c.decoded_cache_items if cache_items is None else cache_items,
+                              companions=self.companions)
         ds.skipped = skipped + ds.skipped
         return ds
 

@@ -137,6 +137,35 @@ def test_balance_loss_is_the_per_sample_switch_loss_under_any_split():
     assert abs(float((a * w).sum()) - 1.0) < 1e-6
 
 
+def test_balance_loss_weights_its_counts_by_fractional_token_weights():
+    """With soft-mask weights w_t (data.masks) the balance term of a sample is E·Σ_i f_i·P_i with
+    f_i = Σ_t w_t·[t routed to i] / (k·T_b), P_i = Σ_t w_t·p_{t,i} / T_b, T_b = Σ_t w_t — also
+    from two halves' integer counts summed (CP), and a weight-0 token routes nothing."""
+    from dit_train.batch import WEIGHT_ONE
+
+    routing, seg = _routing_pack(1)
+    units = torch.randint(0, WEIGHT_ONE + 1, seg.shape, generator=torch.Generator().manual_seed(2)) * (seg >= 0)
+    units[0] = 0  # a context token of sample 0
+    w = units.double() / WEIGHT_ONE
+    T = torch.stack([w[seg == b].sum() for b in range(3)])
+    E, k = 4, 2
+    direct = 0.0
+    for b in range(3):
+        m = seg == b
+        routed = torch.zeros(E, dtype=torch.float64).index_add_(0, routing.experts[m].reshape(-1),
+                                                                w[m].repeat_interleave(k))
+        f = routed / (k * T[b])
+        P = (w[m, None] * routing.probs[m].double()).sum(0) / T[b]
+        direct = direct + E * (f * P).sum() / 3
+    halves = [torch.arange(0, 7), torch.arange(7, seg.numel())]
+    whole = sum(local_expert_counts([_select(routing, h)], seg[h], units[h], 3, E) for h in halves)
+    assert torch.equal(whole, local_expert_counts([routing], seg, units, 3, E))
+    a_w = torch.where(seg >= 0, w / (3 * T[seg.clamp(min=0)]), 0.0)  # sample_mean: w_t/(B·T_b)
+    total = sum((router_token_losses([_select(routing, h)], whole, T, seg[h], k)[0].double() * a_w[h]).sum()
+                for h in halves)
+    torch.testing.assert_close(total, direct.to(total.dtype), rtol=1e-5, atol=1e-6)
+
+
 def _select(routing, index):
     return type(routing)(routing.logits[index], routing.probs[index], routing.experts[index])
 

@@ -120,8 +120,8 @@ class VideoModelConfig(ModelConfig):
     prediction: Prediction = Prediction.velocity
     x0_min_t: float = 0.05
     # Input channels added to the patch embedding by cond.feed=concat (the conditioning frames and
-    # their mask, dit_train/tasks/conditioning.py): derived from `cond` when the config is built;
-    # 0 without concat conditioning. Never set by hand (check_config refuses a value cond does not give).
+    # their mask, dit_train/tasks/conditioning.py) and cond.control (the control video): derived
+    # from `cond` when the config is built; 0 without either. Never set by hand (check_config refuses a value cond does not give).
     cond_channels: int = 0
     # (height, width) pixel sizes your videos are resized to by default (cover, then centre-crop):
     # `data=video_folder`'s data.resolution_buckets follows this, so a preset brings sizes that suit
@@ -146,6 +146,10 @@ class DataConfig:
     # a run stops (and says so) when more than this share of the samples it read could not be
     # decoded, or when a step has no readable sample at all
     max_dropped_fraction: float = 0.05
+    # masked loss: each clip's loss weights come from its mask (a mask video beside it, clip.mask.mp4,
+    # or the manifest's `mask` / `mask_boxes` columns), fractional allowed; T_b = Σ of the sample's
+    # weights (docs/conditioning.md#masked-loss). Pixel video sources only
+    masks: bool = False
 
 
 @dataclass
@@ -213,12 +217,18 @@ def cond_active(cond: Any) -> bool:
 
 
 def cond_channels(cond: Any, in_channels: int) -> int:
-    """Input channels the concat feed adds to the patch embedding: C conditioning channels plus
-    the mask; 0 for the timestep feed and without conditioning (model.cond_channels; the
-    conditioning itself is dit_train/tasks/conditioning.py)."""
-    if not cond_active(cond) or str(cond.feed) != "concat":
-        return 0
-    return in_channels + MASK_CHANNELS
+    """Input channels added to the patch embedding: the concat feed's C conditioning channels
+    plus the mask, then C channels of the control video (cond.control); 0 for the timestep feed
+    without control, and without conditioning (model.cond_channels; the conditioning itself is
+    dit_train/tasks/conditioning.py)."""
+    concat = in_channels + MASK_CHANNELS if cond_active(cond) and str(cond.feed) == "concat" else 0
+    return concat + (in_channels if getattr(cond, "control", False) else 0)
+
+
+def companions(data: Any, cond: Any) -> tuple[str, ...]:
+    """The files a clip needs beside it for this config: "mask" (data.masks), "control"
+    (cond.control); what the data source must give (data_pipelines/companions.py)."""
+    return (("mask",) if getattr(data, "masks", False) else ()) + (("control",) if getattr(cond, "control", False) else ())
 
 
 @dataclass
@@ -234,6 +244,10 @@ class CondConfig:
     # frames on a latent cache); a multiple of model.patch_size[0]; 0 = one temporal patch
     prefix_frames: int = 0
     feed: CondFeed = CondFeed.timestep  # timestep | concat
+    # an aligned control video (edges, depth, pose: clip.control.mp4 beside each clip, or the
+    # manifest's `control` column) given as C more input channels after the concat feed's, on
+    # every sample; works with any kind, none included (docs/conditioning.md#control)
+    control: bool = False
 
 
 @dataclass

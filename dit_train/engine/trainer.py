@@ -185,7 +185,7 @@ class Trainer:
             return None
         b = mb.batch
         first = self.moe_layers[0]
-        local = local_expert_counts(routings, b.seg, b.valid, b.num_samples, first.num_experts)
+        local = local_expert_counts(routings, b.seg, b.weight_units(), b.num_samples, first.num_experts)
         whole = sync_expert_counts(local.clone(), self.ctx.cp_group)
         aux, z = router_token_losses(routings, whole, counts.sample_tokens[micro], b.seg, first.top_k)
         return aux, z, local.sum(dim=1)

@@ -10,7 +10,7 @@ from dit_train.config import Config
 from dit_train.data_pipelines import source_for
 from dit_train.engine.build import Run
 from dit_train.sampling import scored_view, source_requests, to_pixels, VideoSampler, write_samples
-from dit_train.sampling.conditioned import condition_on_clips, given_scores, sampler_feed, validation_task
+from dit_train.sampling.conditioned import condition_on_clips, control_on_clips, given_scores, sampler_feed, validation_task
 
 
 class Validation:
@@ -24,12 +24,15 @@ class Validation:
         requests = source_requests(task, self.source, t.num_samples)
         if sampler_feed(cfg.cond):  # conditioned: from the clips' own first frames (tasks/conditioning.py)
             condition_on_clips(requests, [task.dataset[r.noise_id].pixels for r in requests], cfg.cond, task.patch[0])
+        if task.control:  # cond.control: each clip's own control video
+            control_on_clips(requests, task)
         null = task.null_caption() if task.text_dim else None
         # the training shift: validation samples from the noise levels the model was trained on
         self.sampler = VideoSampler(requests, task.patch, task.text_dim, null, run.ctx, t.sample_steps,
                                     t.guidance_scale, t.seed, cfg.loss.timestep_shift, cfg.loss.shift_reference_tokens,
                                     prediction=task.prediction, x0_min_t=task.x0_min_t,
-                                    stochastic=t.stochastic_sampling, cond_feed=sampler_feed(cfg.cond))
+                                    stochastic=t.stochastic_sampling, cond_feed=sampler_feed(cfg.cond),
+                                    control=task.control)
         # rank 0 alone decodes (it alone writes): latents with the source's decoder, pixels as they are
         self.decode = self.source.decoder(run.ctx.device) if run.ctx.is_main else None
         self.latent = self.source.latent
@@ -51,6 +54,7 @@ class Validation:
         which = "held-out" if self.held_out else "training"
         given = sum(r.given is not None for r in self.sampler.requests)
         cond = f", {given} from their own first frames (cond.kind)" if given else ""
+        cond += ", with their control videos (cond.control)" if self.sampler.control else ""
         return (f"validation samples {len(self.sampler.requests)} {which} clip(s) with their captions{cond}, at the "
                 f"sizes they train at ({unit}): {listed}")
 

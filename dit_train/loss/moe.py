@@ -1,13 +1,16 @@
 """Router losses of mixture-of-experts layers as per-token losses (pure: no communication).
 
-Load balancing is defined per *sample* (sequence-wise balance): for sample b with T_b valid
-tokens, E experts and top-k routing,
+Load balancing is defined per *sample* (sequence-wise balance): for sample b with token loss
+weights w_t (1 for a plain token, 0 for padding and context, fractional under a soft mask:
+loss/reductions.py), T_b = Σ_{t ∈ b} w_t, E experts and top-k routing,
 
-    f_{b,i} = (slots of b's valid tokens routed to expert i) / (k · T_b)     (a count: no gradient)
-    P_{b,i} = (1 / T_b) · Σ_{t ∈ b} p_{t,i}
+    f_{b,i} = (Σ_{t ∈ b} w_t · [t routed to expert i]) / (k · T_b)         (a count: no gradient)
+    P_{b,i} = (1 / T_b) · Σ_{t ∈ b} w_t · p_{t,i}
     balance_b = E · Σ_i f_{b,i} · P_{b,i}                                    (1 when perfectly balanced)
 
-balance_b = Σ_{t ∈ b} (1 / T_b) · a_t with the per-token term a_t = E · Σ_i f_{b,i} · p_{t,i}.
+With 0/1 weights f counts the routed slots of b's valid tokens. The counts are sums of int64
+weight units (batch.WEIGHT_ONE), exact in any order like T_b.
+balance_b = Σ_{t ∈ b} (w_t / T_b) · a_t with the per-token term a_t = E · Σ_i f_{b,i} · p_{t,i}.
 So a_t, weighted by the main loss's token weights w_t (loss/reductions.py), gives exactly the
 reduction's weighting of the samples' terms: sample_mean w_t = 1/(B_global·T_b) -> Σ_b
 balance_b / B_global; token_mean w_t = 1/N_global -> Σ_b (T_b/N_global)·balance_b. The same
@@ -24,19 +27,24 @@ from __future__ import annotations
 
 import torch
 
+from dit_train.batch import WEIGHT_ONE
 from dit_train.models.moe import Routing
 
 
-def local_expert_counts(routings: list[Routing], seg: torch.Tensor, valid: torch.Tensor, num_samples: int,
+def local_expert_counts(routings: list[Routing], seg: torch.Tensor, weight: torch.Tensor, num_samples: int,
                         num_experts: int) -> torch.Tensor:
-    """[M, S, E] int64: routed slots of each sample's valid *local* tokens per expert, for each
-    of the M MoE layers. seg: [L] sample of each token (-1 padding); valid: [L] bool."""
+    """[M, S, E] int64: routed slots of each sample's *local* tokens per expert, each slot counted
+    with its token's loss weight in units of 1/WEIGHT_ONE, for each of the M MoE layers.
+    seg: [L] sample of each token (-1 padding); weight: [L] int64 weight units
+    (`PackedBatch.weight_units()`), or [L] bool valid (a whole token each)."""
+    units = weight.to(torch.int64) * WEIGHT_ONE if weight.dtype == torch.bool else weight
     out = torch.zeros(len(routings), num_samples, num_experts, dtype=torch.int64, device=seg.device)
-    keep = valid & (seg >= 0)
+    keep = (units > 0) & (seg >= 0)
     for m, r in enumerate(routings):
         chosen = r.experts[keep]  # [n, k]
         rows = seg[keep].unsqueeze(1).expand_as(chosen)
-        out[m].index_put_((rows.reshape(-1), chosen.reshape(-1)), torch.ones_like(chosen.reshape(-1)), accumulate=True)
+        w = units[keep].unsqueeze(1).expand_as(chosen)
+        out[m].index_put_((rows.reshape(-1), chosen.reshape(-1)), w.reshape(-1), accumulate=True)
     return out
 
 
@@ -44,13 +52,15 @@ def router_token_losses(routings: list[Routing], counts: torch.Tensor, sample_to
                         seg: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token balance term a_t and z-loss z_t ([L] fp32 each), averaged over MoE layers.
 
-    counts: [M, S, E] expert counts of whole samples (`local_expert_counts` summed within the
-    CP group); sample_tokens: [S] T_b (StepCounts.sample_tokens of this micro-batch);
+    counts: [M, S, E] weighted expert counts of whole samples in weight units
+    (`local_expert_counts` summed within the CP group); sample_tokens: [S] T_b = Σ w
+    (StepCounts.sample_tokens of this micro-batch);
     seg: [L]. Padding tokens get 0 (their weight is 0 too).
     """
     M, S, E = counts.shape
-    T = sample_tokens.to(device=counts.device, dtype=torch.float32).clamp(min=1.0)
-    f = counts.float() / (top_k * T)[None, :, None]  # [M, S, E]
+    T = sample_tokens.to(device=counts.device, dtype=torch.float64)
+    T = torch.where(T > 0, T, 1.0)  # a sample of weight 0 (all context, an all-zero mask) has counts 0
+    f = (counts.double() / WEIGHT_ONE / (top_k * T)[None, :, None]).float()  # [M, S, E]
     f = torch.cat([f, f.new_zeros(M, 1, E)], dim=1)  # row S: padding
     row = torch.where(seg < 0, torch.full_like(seg, S), seg)
     aux = torch.zeros(seg.shape, dtype=torch.float32, device=seg.device)
@@ -63,8 +73,9 @@ def router_token_losses(routings: list[Routing], counts: torch.Tensor, sample_to
 
 
 def expert_load(counts: torch.Tensor) -> tuple[float, float]:
-    """(smallest, largest) share of routed slots an expert received: counts [M, E] summed over
-    samples of the step (all ranks), per layer; min and max over experts and layers.
+    """(smallest, largest) share of routed slots an expert received (each slot weighted by its
+    token's loss weight): counts [M, E] summed over samples of the step (all ranks), per layer;
+    min and max over experts and layers.
     Perfect balance gives (1/E, 1/E)."""
     share = counts.double() / counts.sum(dim=-1, keepdim=True).clamp(min=1)
     return float(share.min()), float(share.max())

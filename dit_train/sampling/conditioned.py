@@ -44,18 +44,26 @@ def condition_on_clips(requests: list[SampleRequest], clips: list[torch.Tensor],
     return done
 
 
+def control_on_clips(requests: list[SampleRequest], task: Any) -> None:
+    """Give each request its dataset clip's control video (a run trained with cond.control)."""
+    for r in requests:
+        r.control = task.dataset[r.noise_id].control
+
+
 def validation_task(cfg: Any, task: Any) -> Any:
-    """The task validation samples from: for a conditioned run with data.heldout_fraction > 0 its
-    held-out clips (their true first frames are unseen in training), else the training task."""
-    if not cond_active(cfg.cond) or getattr(cfg.data, "heldout_fraction", 0) <= 0:
+    """The task validation samples from: for a conditioned run (cond.kind, or cond.control) with
+    data.heldout_fraction > 0 its held-out clips (their true first frames and control videos are
+    unseen in training), else the training task."""
+    given = cond_active(cfg.cond) or getattr(cfg.cond, "control", False)
+    if not given or getattr(cfg.data, "heldout_fraction", 0) <= 0:
         return task
 
     return build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed, split="heldout", cond=cfg.cond)
 
 
-def _read_pixels(path: str, frames: int, pt: int) -> torch.Tensor:
+def _read_pixels(path: str, frames: int, pt: int, need: str = "") -> torch.Tensor:
     """[3, F, H, W] in [-1, 1]: an image repeated to one temporal patch, or a video's first
-    `frames` frames (at its native rate)."""
+    `frames` frames (at its native rate); `need` names the flag asking for them (errors)."""
     if not Path(path).is_file():
         raise ValueError(f"{path}: no such file")
     try:
@@ -63,10 +71,24 @@ def _read_pixels(path: str, frames: int, pt: int) -> torch.Tensor:
         if is_image(path):
             return to_model_range(read_frames(path, [0] * pt, info))
         if info.frames < frames:
-            raise ValueError(f"{path} has {info.frames} frames; --prefix-frames={frames} needs at least that many")
+            raise ValueError(f"{path} has {info.frames} frames; {need or f'--prefix-frames={frames}'} needs at least "
+                             f"that many")
         return to_model_range(read_frames(path, list(range(frames)), info))
     except VideoReadError as err:
         raise ValueError(str(err)) from None
+
+
+def control_from_file(path: str, shape: tuple[int, int, int, int]) -> torch.Tensor:
+    """[C, F, H, W] control video for a request of `shape` from `--control`: its first F frames
+    (an image: repeated), resized to cover H x W and centre-cropped, as data buckets are."""
+    C, F, H, W = shape
+    if C != 3:
+        raise ValueError("--control needs a pixel-space run (data=synthetic_video or video_folder)")
+    if is_image(path):
+        pixels = _read_pixels(path, 1, 1).expand(-1, F, -1, -1)
+    else:
+        pixels = _read_pixels(path, F, 1, need=f"--control with --frames={F}")
+    return resize_crop(pixels.contiguous(), H, W, resize=True)
 
 
 def given_from_files(cond: Any, shape: tuple[int, int, int, int], pt: int, image: str = "", last_image: str = "",

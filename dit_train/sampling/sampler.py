@@ -19,7 +19,9 @@ A conditioned model (`cond_feed`, tasks/conditioning.py) gets each request's giv
 every step: with the timestep feed they are put back clean (x = the given frames, timestep 0)
 before every model call and in the result; with the concat feed they arrive as the extra input
 channels (zeros and an all-zero mask for a request without given frames). Both CFG branches
-see them (only the caption is dropped), as Wan's image-to-video pipelines do.
+see them (only the caption is dropped), as Wan's image-to-video pipelines do. A model trained
+with a control video (cond.control) gets each request's `control` as more input channels at
+every step, in both branches too.
 """
 from __future__ import annotations
 
@@ -58,6 +60,7 @@ class SampleRequest:
     still: a still image (its clip repeats one frame to fill a temporal patch; scored as an image).
     given: [C, F, H, W] a clip holding the given frames (conditioning), or None (unconditioned);
     given_patches: [F/pt] bool which temporal patches of `given` are given (the rest is generated).
+    control: [C, F, H, W] the control video (a model trained with cond.control), or None.
     """
 
     key: str
@@ -69,6 +72,7 @@ class SampleRequest:
     still: bool = False
     given: torch.Tensor | None = None
     given_patches: torch.Tensor | None = None
+    control: torch.Tensor | None = None
 
 
 def dataset_requests(task: Any, num: int, fps: Callable[[int], float] | None = None,
@@ -143,15 +147,18 @@ class VideoSampler:
     drawn with round corners stays round along an ODE path); it needs a well-trained model
     (docs/quality.md has the measurements).
     cond_feed: the run's cond.feed when it trained conditioned ("timestep" | "concat"), "" when not.
+    control: the run trained with cond.control: every request brings its `control` video.
     """
 
     def __init__(self, requests: list[SampleRequest], patch: tuple[int, int, int], text_dim: int,
                  null_caption: torch.Tensor | None, ctx: ParallelContext, steps: int, guidance_scale: float,
                  seed: int, shift: float = 1.0, shift_reference_tokens: int = 0, prediction: str = "velocity",
-                 x0_min_t: float = 0.05, stochastic: bool = False, cond_feed: str = ""):
+                 x0_min_t: float = 0.05, stochastic: bool = False, cond_feed: str = "", control: bool = False):
         from diffusers import FlowMatchEulerDiscreteScheduler  # deferred: diffusers takes ~2 s to import
 
-        self.cond_feed = cond_feed
+        self.cond_feed, self.control = cond_feed, control
+        if control and any(r.control is None for r in requests):
+            raise ValueError("a model trained with cond.control needs a control video for every clip")
         self.requests, self.patch, self.text_dim, self.null_caption = requests, tuple(patch), text_dim, null_caption
         self.ctx, self.steps, self.guidance, self.seed, self.shift = ctx, steps, guidance_scale, seed, shift
         self.prediction, self.x0_min_t = prediction, x0_min_t  # what the model outputs (model.prediction)
@@ -193,19 +200,19 @@ class VideoSampler:
         return clip_inputs(given, x, r.given_patches if r.given is not None else None, self.cond_feed, self.patch)
 
     def _pack(self, xs: list[torch.Tensor], ts: list[float], ctxs: list[torch.Tensor] | None,
-              given: list[ClipInputs | None]) -> PackedBatch:
+              given: list[ClipInputs | None], controls: list[torch.Tensor | None]) -> PackedBatch:
         samples = {"t": torch.tensor(ts, dtype=torch.float32)}
         if ctxs is not None:
             samples["context"], samples["context_len"] = pad_contexts(ctxs, self.text_dim)
-        patch_dim = xs[0].shape[0] * math.prod(self.patch)
-        if not self.cond_feed:
-            return pack_clips({"x": xs}, self.patch, patch_dim, samples, torch.arange(len(xs)))
+        fields, per_token = {"x": xs}, None
         if self.cond_feed == "concat":
-            conds = [g.cond for g in given]
-            dims = {"x": patch_dim, "cond": conds[0].shape[0] * math.prod(self.patch)}
-            return pack_clips({"x": xs, "cond": conds}, self.patch, dims, samples, torch.arange(len(xs)))
-        return pack_clips({"x": xs}, self.patch, patch_dim, samples, torch.arange(len(xs)),
-                          per_token={"clean": [g.clean for g in given]})
+            fields["cond"] = [g.cond for g in given]
+        elif self.cond_feed == "timestep":
+            per_token = {"clean": [g.clean for g in given]}
+        if self.control:  # after the concat channels, as in training (tasks/conditioning.input_tokens)
+            fields["control"] = [c.to(xs[0].dtype) for c in controls]
+        dims = {name: clips[0].shape[0] * math.prod(self.patch) for name, clips in fields.items()}
+        return pack_clips(fields, self.patch, dims, samples, torch.arange(len(xs)), per_token=per_token)
 
     @torch.no_grad()
     def sample(self, model: torch.nn.Module, autocast: Callable[[], Any] | None = None) -> list[torch.Tensor]:
@@ -230,7 +237,9 @@ class VideoSampler:
             given = [self.given(k, xs[k]) for k in range(n)]
             if self.cond_feed == "timestep":  # the given frames, clean, at every step
                 xs = [g.x for g in given]
-            batch = self._pack(xs + xs if cfg else xs, ts + ts if cfg else ts, ctxs, given + given if cfg else given)
+            controls = [r.control for r in self.requests]
+            batch = self._pack(xs + xs if cfg else xs, ts + ts if cfg else ts, ctxs, given + given if cfg else given,
+                               controls + controls if cfg else controls)
             with autocast():
                 v = predict_velocity(model, batch, self.ctx).cpu()
             t_tok = batch.samples["t"][batch.seg.clamp_min(0)]  # [L] each token's clip noise level (no padding here)

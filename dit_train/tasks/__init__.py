@@ -11,7 +11,7 @@ from typing import Any
 
 from dit_train.config import Config
 from dit_train.config.errors import ConfigError
-from dit_train.config.schema import AUTO_MICRO_BATCH_TOKENS
+from dit_train.config.schema import AUTO_MICRO_BATCH_TOKENS, companions
 from dit_train.data_pipelines import SOURCES, open_dataset, source_for
 from dit_train.tasks.llm import LMTask
 from dit_train.tasks.video import VideoTask
@@ -25,13 +25,13 @@ def build_task(mode: str, data: Any, model: Any, loss: Any, seed: int, split: st
     src = SOURCES[data.name]
     if src.mode != mode:
         raise ValueError(f"data={data.name} is a source for mode={src.mode}, not mode={mode}")
-    ds = open_dataset(data, model, split)
+    ds = open_dataset(data, model, split, companions(data, cond) if mode == "video" else ())
     if ds is None:
         return None
     if mode == "video":
         # held-out clips are scored with their captions (no dropout), fixed noise and times
         dropout = data.caption_dropout if split == "train" else 0.0
-        return VideoTask(ds, model, loss, seed, caption_dropout=dropout, cond=cond)
+        return VideoTask(ds, model, loss, seed, caption_dropout=dropout, cond=cond, masks=getattr(data, "masks", False))
     return LMTask(ds)
 
 

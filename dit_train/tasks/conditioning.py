@@ -34,7 +34,9 @@ import torch
 from einops import rearrange
 
 from dit_train.batch import WEIGHT_ONE
-from dit_train.config.schema import cond_active, cond_channels
+from dit_train.config.schema import companions, cond_active, cond_channels
+from dit_train.data_pipelines import SOURCES
+from dit_train.data_pipelines.companions import KEYS
 from dit_train.rng import sample_generator
 
 log = logging.getLogger(__name__)
@@ -132,6 +134,14 @@ def mask_weight_units(mask: torch.Tensor, patch: tuple[int, int, int]) -> torch.
     return (2 * sums + n) // (2 * n)
 
 
+def masked(weight: torch.Tensor, mask: torch.Tensor, patch: tuple[int, int, int]) -> torch.Tensor:
+    """[T] int64 token weights (units) times the clip's 8-bit mask [F, H, W] made token weights
+    (data.masks): w·m / WEIGHT_ONE rounded to the nearest unit in integer arithmetic (exact when
+    w is 0 or a whole token, as the conditioning's weights are)."""
+    m = mask_weight_units(mask, patch)
+    return (weight * m + WEIGHT_ONE // 2) // WEIGHT_ONE
+
+
 class Conditioner:
     """Builds the conditioned inputs of a task's clips (`VideoTask.build` calls `inputs`).
 
@@ -162,12 +172,13 @@ class Conditioner:
 
 
 def input_tokens(batch: Any) -> torch.Tensor:
-    """[L, in] the model's input tokens of a pack: x, with the concat feed's channels appended
-    per token (patchify flattens channels outermost, so appending features per token is the
-    channel concatenation [noisy | mask | conditioning] of the patch)."""
+    """[L, in] the model's input tokens of a pack: x, with the concat feed's channels and the
+    control video's appended per token (patchify flattens channels outermost, so appending
+    features per token is the channel concatenation [noisy | mask | conditioning | control] of
+    the patch)."""
     x = batch.tokens["x"]
-    cond = batch.tokens.get("cond")
-    return x if cond is None else torch.cat([x, cond.to(x.dtype)], dim=-1)
+    extra = [batch.tokens[k].to(x.dtype) for k in ("cond", "control") if k in batch.tokens]
+    return torch.cat([x, *extra], dim=-1) if extra else x
 
 
 def cond_errors(mode: str, cond: Any, model: Any, data: Any) -> list[str]:
@@ -181,6 +192,12 @@ def cond_errors(mode: str, cond: Any, model: Any, data: Any) -> list[str]:
     if getattr(model, "cond_channels", 0) != derived:
         e.append(f"model.cond_channels={model.cond_channels} is derived from cond (cond.kind={cond.kind}, "
                  f"cond.feed={cond.feed} gives {derived}); remove the override")
+    e += companion_errors(mode, data, cond)
+    rank = getattr(getattr(model, "lora", None), "rank", 0)
+    if rank and derived and getattr(model, "pretrained", ""):
+        e.append(f"model.lora.rank={rank} freezes the patch embedding, and the {derived} input channels cond adds to "
+                 f"the pretrained one (cond.feed={cond.feed}, cond.control={str(cond.control).lower()}) start at zero: "
+                 f"the model would never read them; train without LoRA (model.lora.rank=0)")
     if not cond_active(cond):
         return e
     if mode != "video":
@@ -201,3 +218,18 @@ def cond_errors(mode: str, cond: Any, model: Any, data: Any) -> list[str]:
                      f"frames: nothing would be left to generate; raise data.max_frames above {given * pt}"
                      + (" or lower cond.prefix_frames" if str(cond.kind) == "prefix" else ""))
     return e
+
+
+def companion_errors(mode: str, data: Any, cond: Any) -> list[str]:
+    """One line per companion file (data.masks, cond.control) the mode or data source cannot give."""
+    wanted = companions(data, cond)
+    if wanted and mode != "video":
+        return [f"{' and '.join(f'{KEYS[k]}=true' for k in wanted)} need video clips; mode={mode} has none: "
+                f"set {' and '.join(f'{KEYS[k]}=false' for k in wanted)}"]
+    name = getattr(data, "name", "")
+    source = SOURCES[name] if wanted and name in SOURCES else None
+    return [f"{KEYS[k]}=true: data={name} has no {k} files (clips of "
+            f"{' or '.join(f'data={n}' for n in SOURCES if k in SOURCES[n].companion_kinds)} can have them: "
+            f"docs/conditioning.md); set {KEYS[k]}=false"
+            for k in wanted if source is not None and k not in source.companion_kinds]
+

@@ -9,12 +9,12 @@ from einops import rearrange
 from torch import nn
 
 from dit_train.data_pipelines.video_io import VideoReadError
-from dit_train.batch import PackedBatch
+from dit_train.batch import WEIGHT_ONE, PackedBatch
 from dit_train.config import LossConfig, ModelConfig
 from dit_train.objectives.flow_matching import loss_weight, noisy_sample, per_token_mse, sample_shift, velocity_from_output
 from dit_train.tasks.captions import ByteCaptionEncoder, drop_caption, pad_contexts
 from dit_train.config.schema import cond_active, cond_channels
-from dit_train.tasks.conditioning import Conditioner, input_tokens
+from dit_train.tasks.conditioning import Conditioner, input_tokens, masked
 
 
 def patchify(x: torch.Tensor, patch: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,14 +93,16 @@ class VideoTask:
     samples["context"] [S, Lc, text_dim] and samples["context_len"] [S]. With `cond` (a
     CondConfig whose kind is not none) packs also carry loss weights (0 on context tokens) and
     tokens["clean"] [L] bool (timestep feed) or tokens["cond"] [L, (C+1)·patch] (concat feed):
-    see tasks/conditioning.py.
+    see tasks/conditioning.py. With `masks` (data.masks) each clip's loss weights are multiplied
+    by its mask (`sample.mask`, token means; T_b = Σ of the weights); with cond.control packs
+    carry tokens["control"] [L, 3·patch], the clip's control video, appended to the input.
     """
 
     causal = False
     cp_layout = "contiguous"
 
     def __init__(self, dataset: Any, model_cfg: ModelConfig, loss_cfg: LossConfig, seed: int,
-                 caption_dropout: float = 0.0, cond: Any = None):
+                 caption_dropout: float = 0.0, cond: Any = None, masks: bool = False):
         self.dataset = dataset
         self.text_dim, self.text_len = model_cfg.text_dim, model_cfg.text_len
         self.caption_dropout = caption_dropout
@@ -115,8 +117,11 @@ class VideoTask:
         self.t_range = model_cfg.timestep_range() if hasattr(model_cfg, "timestep_range") else (0.0, 1.0)
         self.seed = seed
         self.conditioner = Conditioner(cond, self.patch, seed) if cond_active(cond) else None
-        # features per token of the concat feed's channels (mask + conditioning frames)
-        self.cond_dim = cond_channels(cond, model_cfg.in_channels) * self.patch[0] * self.patch[1] * self.patch[2]
+        self.masks = masks  # loss weights times each clip's mask (data.masks)
+        self.control = bool(getattr(cond, "control", False))  # the control video as more input channels
+        # features per token of the concat feed's channels (mask + conditioning frames); control's follow
+        concat = cond_channels(cond, model_cfg.in_channels) - (model_cfg.in_channels if self.control else 0)
+        self.cond_dim = concat * self.patch[0] * self.patch[1] * self.patch[2]
         self.failed: set[int] = set()  # samples whose file could not be decoded (skipped, counted)
         self.failure_reasons: dict[int, str] = {}  # ... and why (the first few name them in errors)
 
@@ -143,7 +148,7 @@ class VideoTask:
     def build(self, sample_ids: list[int], step: int) -> PackedBatch:
         """The full (un-split) pack of `sample_ids` at `step`, on the CPU."""
         xs, targets, ts, ctx = [], [], [], []
-        conds, weights, clean = [], [], []
+        conds, weights, clean, controls = [], [], [], []
         kept = []
         lc = self.loss_cfg
         for sid in sample_ids:
@@ -162,14 +167,19 @@ class VideoTask:
             # the shift of this sample follows from its own size (never the pack's): exact
             shift = sample_shift(lc.timestep_shift, lc.shift_reference_tokens, num_patches(x0.shape, self.patch))
             xt, v, t = noisy_sample(x0, self.seed, sid, step, lc, shift, self.t_range)
+            weight = torch.full((num_patches(x0.shape, self.patch),), WEIGHT_ONE, dtype=torch.int64)
             if self.conditioner is not None:  # context frames of the clip itself (tasks/conditioning.py)
                 inputs = self.conditioner.inputs(x0, xt, sid, step)
-                xt = inputs.x
-                weights.append(inputs.weight)
+                xt, weight = inputs.x, inputs.weight
                 if inputs.clean is not None:
                     clean.append(inputs.clean)
                 else:
                     conds.append(inputs.cond)
+            if self.masks:  # an all-zero mask: T_b = 0, the sample weighs nothing and B_global skips it
+                weight = masked(weight, item.mask, self.patch)
+            weights.append(weight)
+            if self.control:
+                controls.append(item.control)
             xs.append(xt)
             targets.append(v)
             ts.append(t)
@@ -180,12 +190,15 @@ class VideoTask:
         if self.text_dim:
             samples["context"], samples["context_len"] = pad_contexts(ctx, self.text_dim)
         ids = torch.tensor(kept, dtype=torch.long)
-        if self.conditioner is None:
+        if self.conditioner is None and not self.masks and not self.control:
             return pack_clips({"x": xs, "target": targets}, self.patch, self.patch_dim, samples, ids)
         fields, dims = {"x": xs, "target": targets}, {"x": self.patch_dim, "target": self.patch_dim}
-        if self.conditioner.feed == "concat":
+        feed = self.conditioner.feed if self.conditioner is not None else ""
+        if feed == "concat":
             fields["cond"], dims["cond"] = conds, self.cond_dim
-        per_token = {"clean": clean} if self.conditioner.feed == "timestep" else None
+        if self.control:
+            fields["control"], dims["control"] = controls, self.patch_dim
+        per_token = {"clean": clean} if feed == "timestep" else None
         return pack_clips(fields, self.patch, dims, samples, ids, per_token=per_token, weights=weights)
 
     def per_token_loss(self, model: nn.Module, batch: PackedBatch, attn_meta: Any) -> torch.Tensor:

@@ -28,6 +28,7 @@ A conditioned run (cond.kind, docs/conditioning.md) continues given frames:
     python -m dit_train.tools.sample RUN_DIR --prompt "..." --image first.png [--last-image last.png]
     python -m dit_train.tools.sample RUN_DIR --prompt "..." --video prefix.mp4 --prefix-frames 4
     python -m dit_train.tools.sample RUN_DIR --data-captions 48     # from the held-out clips' first frames
+    python -m dit_train.tools.sample RUN_DIR --prompt "..." --control ctrl.mp4     # a run trained with cond.control
 """
 from __future__ import annotations
 
@@ -52,8 +53,8 @@ from dit_train.models.wan_experts import check_pair, ExpertPair
 from dit_train.parallel.mesh import init_parallel
 from dit_train.precision import autocast
 from dit_train.sampling import scored_view, source_requests, to_pixels, VideoSampler, write_samples
-from dit_train.sampling.conditioned import (condition_on_clips, given_from_files, given_latents_from_files, given_scores,
-                                            sampler_feed, validation_task)
+from dit_train.sampling.conditioned import (condition_on_clips, control_from_file, control_on_clips, given_from_files,
+                                            given_latents_from_files, given_scores, sampler_feed, validation_task)
 from dit_train.sampling.prompts import prompt_requests, prompt_space
 from dit_train.tasks import build_task
 from dit_train.tools.args import POSITIVE_INT, ToolParser, ranged
@@ -96,6 +97,8 @@ def data_requests(cfg: Any, num: int, device: Any, decoder: bool, heldout: bool 
     requests = source_requests(task, source, num)
     if sampler_feed(cfg.cond):
         condition_on_clips(requests, [task.dataset[r.noise_id].pixels for r in requests], cfg.cond, task.patch[0])
+    if task.control:
+        control_on_clips(requests, task)
     decode = source.decoder(device) if decoder else None
     return requests, task.null_caption() if task.text_dim else None, decode
 
@@ -137,9 +140,10 @@ def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, 
         space = prompt_space(cfg, ctx.device)
         requests = prompt_requests(space, args.prompt, args.num, args.frames, args.height, args.width)
         null, decode = space.null, space.decode
-        if args.given is not None:  # read and checked by main() before any worker started
-            for r in requests:
+        for r in requests:  # read and checked by main() before any worker started
+            if args.given is not None:
                 r.given, r.given_patches = args.given
+            r.control = args.control_clip
     # the run's training shift (per clip size with loss.shift_reference_tokens) ...
     shift, reference = cfg.loss.timestep_shift, cfg.loss.shift_reference_tokens
     if args.shift is not None:  # ... unless --shift names one for every clip
@@ -148,7 +152,7 @@ def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, 
                            args.steps, args.guidance, args.seed, shift, reference,
                            prediction=getattr(cfg.model, "prediction", "velocity"), x0_min_t=getattr(cfg.model, "x0_min_t", 0.05),
                            stochastic=cfg.train.stochastic_sampling if args.stochastic is None else args.stochastic,
-                           cond_feed=sampler_feed(cfg.cond))
+                           cond_feed=sampler_feed(cfg.cond), control=bool(cfg.cond.control))
     clips = sampler.sample(model, lambda: autocast(cfg.train.precision, ctx.device, False))
     if not ctx.is_main:
         return None
@@ -164,7 +168,8 @@ def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, 
             "guidance_scale": args.guidance, "seed": args.seed, "shifts": sampler.shifts,
             "stochastic_sampling": sampler.stochastic, "scores": scores,
             "given": {"image": args.image, "last_image": args.last_image, "video": args.video,
-                      "prefix_frames": args.prefix_frames} if given_files(args) else None}
+                      "prefix_frames": args.prefix_frames} if given_files(args) else None,
+            "control": args.control or None}
     write_samples(Path(out_dir), requests, pixels, info)
     return scores
 
@@ -205,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix-frames", type=ranged(int, Range(0, note="0 = the run's cond.prefix_frames")), default=0,
                     help="frames of --video given (a multiple of the temporal patch; default: the run's "
                          "cond.prefix_frames)")
+    ap.add_argument("--control", default="", help="control video (a run trained with cond.control): its first --frames "
+                    "frames, resized to cover --height x --width and centre-cropped; an image stands for every frame")
     ap.add_argument("--heldout", action="store_true",
                     help="with --data-captions: the run's held-out clips (data.heldout_fraction > 0) instead of "
                          "its training clips (conditioned runs use them by default, like their validation)")
@@ -228,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--data-captions={args.data_captions} must be >= 1")
         check_given(args, cfg.cond)
         args.given = read_given(args, cfg)
+        args.control_clip = read_control(args, cfg)
         run_defaults(args, cfg.train)
         if args.num < 1 or args.steps < 1 or args.guidance < 1:
             raise ValueError("--num and --steps must be >= 1 and --guidance >= 1")
@@ -285,6 +293,21 @@ def read_given(args: argparse.Namespace, cfg: Any) -> tuple | None:
                                         args.last_image, args.video, args.prefix_frames)
     return given_from_files(cfg.cond, shape, cfg.model.patch_size[0], args.image, args.last_image, args.video,
                             args.prefix_frames)
+
+
+def read_control(args: argparse.Namespace, cfg: Any) -> Any:
+    """The --control clip at the size the prompts sample (None without it); ValueError naming the
+    flag when the run cannot use it or needs it."""
+    trained = bool(cfg.cond.control)
+    if args.control and args.data_captions:
+        raise ValueError("--data-captions samples with the clips' own control videos; --control goes with --prompt")
+    if args.control and not trained:
+        raise ValueError("--control: this run trained without a control video (cond.control=false)")
+    if trained and args.prompt and not args.control:
+        raise ValueError("this run trained with a control video (cond.control=true): give --control ctrl.mp4")
+    if not args.control:
+        return None
+    return control_from_file(args.control, prompt_space(cfg).shape(args.frames, args.height, args.width))
 
 
 def quality_line(scores: dict[str, float] | None) -> str:
