@@ -41,7 +41,7 @@ def test_bench_wan_quick(tmp_path):
     for p in data["params"].values():  # parameter counts matched, per variant
         assert 0.9 < p["wan"] / p["ours"] < 1.1
     assert {r["variant"] for r in data["rows"]} == {"adaln", "adaln+text"}
-    assert all(r["ours_tok_s"] > 0 and r["wan_tok_s"] > 0 for r in data["rows"])
+    assert all(r["ours_tok_s"] > 0 and r["wan_tok_s"] > 0 and r["prologue_cost"] > 0 for r in data["rows"])
 
 
 def test_bench_mfu_cpu_dry_run(tmp_path):

@@ -1,5 +1,5 @@
-"""Plan the layout of a run: which dp/cp degrees, micro-batch size, accumulation and
-activation checkpointing fit a GPU, best first.
+"""Plan the layout of a run: which dp/cp degrees, micro-batch size, accumulation, activation
+checkpointing and recomputed prologues fit a GPU, best first.
 
     python -m dit_train.tools.plan +experiment=video_cp8 model=dit_1b --world 8 --gpu-mem-gib 80
     python -m dit_train.tools.plan model=dit_1b train.precision=bf16 train.global_batch=64 --world 8 \\
@@ -48,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="activation checkpointing options (both = none and full; all = none, selective, full)")
     ap.add_argument("--offload", choices=("none", "all"), default="none",
                     help="also plan train.activation_offload and parallel.cpu_offload (all)")
+    ap.add_argument("--prologues", choices=("both", "on", "off", "config"), default="both",
+                    help="model.recompute_prologues settings to plan (both: off where it fits, on where memory is "
+                         "short; config: the configured one)")
     ap.add_argument("--frames", type=ranged(int, Range(0, note="0 = no clip question")), default=0, help="pixel frames of one clip: answer which options fit it")
     ap.add_argument("--height", type=POSITIVE_INT, default=480, help="pixel height of the clip (with --frames)")
     ap.add_argument("--width", type=POSITIVE_INT, default=832, help="pixel width of the clip (with --frames)")
@@ -79,9 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     ac = {"both": (False, True), "on": (True,), "off": (False,), "all": ("none", "selective", "full"),
           "none": ("none",), "selective": ("selective",), "full": ("full",)}[args.ac]
     offload = ((False, False),) if args.offload == "none" else ((False, False), (True, False), (False, True), (True, True))
+    prologues = {"both": (False, True), "on": (True,), "off": (False,), "config": ()}[args.prologues]
     cands, rejected = plan(cfg, world, args.gpu_mem_gib * GIB, work, reserve_bytes=args.reserve_gib * GIB,
                            backend=backend, ac_options=ac, max_micro_tokens=args.max_micro_tokens, shape=shape,
-                           offload_options=offload)
+                           offload_options=offload, prologue_options=prologues)
     shared = set.intersection(*(set(reasons) for _, reasons in rejected)) if rejected and not cands else set()
     if shared:  # every layout fails for the same reason: the config itself is wrong, not a layout
         print("error: " + "; ".join(sorted(shared)), file=sys.stderr)
