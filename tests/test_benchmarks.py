@@ -49,9 +49,12 @@ def test_bench_mfu_cpu_dry_run(tmp_path):
 
     out = tmp_path / "m.json"
     assert main(["--model", "dit_tiny", "--device", "cpu", "--tokens", "256", "--sample-tokens", "128", "--ac", "off,on",
-                 "--backend", "sdpa", "--precision", "fp32", "--steps", "2", "--peak-tflops", "1", "--out", str(out)]) == 0
+                 "--backend", "sdpa", "--precision", "fp32", "--steps", "2", "--peak-tflops", "1", "--prologues", "off,on",
+                 "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [r["ac"] for r in rows] == ["off", "on"] and all(r["TFLOPs"] > 0 and 0 < r["MFU"] for r in rows)
+    assert [(r["ac"], r["prologues"]) for r in rows] == [("off", "off"), ("off", "on"), ("on", "off"), ("on", "on")]
+    assert all(r["TFLOPs"] > 0 and 0 < r["MFU"] for r in rows)
+    assert rows[1]["est_GiB"] < rows[0]["est_GiB"]  # the model ran (and was costed) with the prologues on
 
 
 @pytest.mark.slow

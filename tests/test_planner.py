@@ -276,3 +276,38 @@ def test_planner_recomputes_prologues_only_where_memory_is_short():
     wan, _ = plan(compose_config(["model=wan_tiny"]), 1, 1e6 * GIB, work, **kw)
     assert {c.layout.recompute_prologues for c in wan} == {None}
     assert not any("recompute_prologues" in o for o in wan[0].layout.overrides())
+
+
+def test_plan_cli_prologues_flag_narrows_the_planned_settings(tmp_path):
+    """tools.plan --prologues: both (default) plans model.recompute_prologues off and on and
+    takes on only where it holds what off cannot; on / off plan one; config leaves the key to
+    the config. --frames answers plan it too."""
+    from dit_train.tools.plan import main
+
+    out = tmp_path / "p.json"
+    base = ["model.dim=32", "model.depth=2", "--world", "1", "--device", "cpu", "--ac", "none", "--reserve-gib", "0",
+            "--max-sample-tokens", "1024", "--max-micro-tokens", "1024", "--json", str(out)]
+
+    def planned(*flags, mem=1000.0):
+        main([*base, "--gpu-mem-gib", repr(mem), *flags])
+        return json.loads(out.read_text())["candidates"]
+
+    both = planned()
+    lines = out.read_text().splitlines()  # compact: one line per candidate, not ~40
+    assert len(lines) < 20 and sum('"layout"' in line for line in lines) == len(both)
+    assert [c["layout"]["recompute_prologues"] for c in both] == [False, True]
+    total = {c["layout"]["recompute_prologues"]: c["memory_GiB"]["total"] for c in both}
+    assert total[False] > total[True]
+    assert planned(mem=(total[False] + total[True]) / 2)[0]["layout"]["recompute_prologues"] is True
+    assert {c["layout"]["recompute_prologues"] for c in planned("--prologues", "on")} == {True}
+    assert {c["layout"]["recompute_prologues"] for c in planned("--prologues", "off")} == {False}
+    config = planned("--prologues", "config")
+    assert {c["layout"]["recompute_prologues"] for c in config} == {None}
+    assert not any("recompute_prologues" in o for c in config for o in c["overrides"])
+
+    frames = ["model.dim=32", "model.depth=2", "--world", "1", "--device", "cpu", "--reserve-gib", "0",
+              "--frames", "9", "--height", "64", "--width", "64", "--max-frames", "17", "--json", str(out)]
+    for flag, want in (("both", False), ("on", True)):
+        main([*frames, "--gpu-mem-gib", "1000", "--prologues", flag])
+        options = json.loads(out.read_text())["options"]
+        assert {o["best"]["layout"]["recompute_prologues"] for o in options if o["best"]} == {want}

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
 from dit_train.config import compose
 from dit_train.engine.checks import Range
 from dit_train.parallel.mesh import ParallelDims
-from dit_train.perf.bench import format_table
+from dit_train.perf.bench import dumps_records, format_table
 from dit_train.perf.memory import GIB, calibrate_block, model_shape
 from dit_train.perf.planner import Workload, plan, resolve_plan_backend, smoke, workload_from_data
 from dit_train.tools.args import POSITIVE_FLOAT, POSITIVE_INT, ToolParser, ranged
@@ -77,12 +76,12 @@ def main(argv: list[str] | None = None) -> int:
         mx = args.max_sample_tokens or cfg.train.micro_batch_tokens or AUTO_MICRO_BATCH_TOKENS
         work = Workload(cfg.train.global_batch, mx, args.mean_sample_tokens or mx)
     backend = args.backend or resolve_plan_backend(cfg, args.device)
+    prologues = {"both": (False, True), "on": (True,), "off": (False,), "config": ()}[args.prologues]
     if args.frames:
-        return clip_main(args, cfg, world, shape, backend)
+        return clip_main(args, cfg, world, shape, backend, prologues)
     ac = {"both": (False, True), "on": (True,), "off": (False,), "all": ("none", "selective", "full"),
           "none": ("none",), "selective": ("selective",), "full": ("full",)}[args.ac]
     offload = ((False, False),) if args.offload == "none" else ((False, False), (True, False), (False, True), (True, True))
-    prologues = {"both": (False, True), "on": (True,), "off": (False,), "config": ()}[args.prologues]
     cands, rejected = plan(cfg, world, args.gpu_mem_gib * GIB, work, reserve_bytes=args.reserve_gib * GIB,
                            backend=backend, ac_options=ac, max_micro_tokens=args.max_micro_tokens, shape=shape,
                            offload_options=offload, prologue_options=prologues)
@@ -125,17 +124,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  ... {len(seen) - 5} more rejections (--json lists them all)")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({
+        Path(args.json).write_text(dumps_records({
             "world": world, "gpu_mem_gib": args.gpu_mem_gib, "backend": backend, "workload": work.__dict__,
             "model": dataclasses.asdict(shape), "calibration": calib, "candidates": [c.to_json() for c in cands],
-            "rejected": [{"layout": lay.to_json(), "reasons": r} for lay, r in rejected]}, indent=2))
+            "rejected": [{"layout": lay.to_json(), "reasons": r} for lay, r in rejected]}))
         print(f"wrote {args.json}")
     return 0 if cands and cands[0].fits else 1
 
 
-def clip_main(args, cfg, world: int, shape, backend: str) -> int:
+def clip_main(args, cfg, world: int, shape, backend: str, prologues: tuple[bool, ...]) -> int:
     """--frames: for every AC x offload option, the best layout for the clip and the longest
-    clip of the same height and width that fits; --smoke K measures the fitting ones."""
+    clip of the same height and width that fits, each with the `prologues` settings planned
+    (off where it fits, on where only it does); --smoke K measures the fitting ones."""
     from dit_train.perf.clips import clip_options, clip_tokens, latent_grid
 
     if cfg.mode != "video":
@@ -152,7 +152,7 @@ def clip_main(args, cfg, world: int, shape, backend: str) -> int:
         print(f"calibration (one block, CPU, {calib['precision']}): error {calib['rel_error']:+.2%}")
     res = clip_options(cfg, world, args.gpu_mem_gib * GIB, args.frames, args.height, args.width, shape=shape,
                        reserve_bytes=args.reserve_gib * GIB, backend=backend, host_capacity=args.host_mem_gib * GIB,
-                       vae_stride=stride, max_frames=args.max_frames)
+                       vae_stride=stride, max_frames=args.max_frames, prologue_options=prologues)
     print(format_table([r.row(args.frames) for r in res]))
     fitting = [r for r in res if r.best is not None and r.best.fits]
     if fitting:
@@ -167,10 +167,10 @@ def clip_main(args, cfg, world: int, shape, backend: str) -> int:
         print(format_table([dict(option=r.name, **r.best.row()) for r in fitting[: args.smoke]]))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({
+        Path(args.json).write_text(dumps_records({
             "world": world, "gpu_mem_gib": args.gpu_mem_gib, "host_mem_gib": args.host_mem_gib, "backend": backend,
             "clip": {"frames": args.frames, "height": args.height, "width": args.width, "tokens": tokens},
-            "model": dataclasses.asdict(shape), "options": [r.to_json() for r in res]}, indent=2))
+            "model": dataclasses.asdict(shape), "options": [r.to_json() for r in res]}))
         print(f"wrote {args.json}")
     return 0 if fitting else 1
 
