@@ -29,6 +29,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
 
 from dit_train.data_pipelines.records import in_heldout
 from dit_train.data_pipelines.video_dataset import VideoSample
@@ -57,7 +60,7 @@ class VaeCodec:
 
     def __init__(self, path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                  tiling: bool = False, allow_pickle: bool = False):
-        from diffusers import AutoModel
+        from diffusers import AutoModel  # deferred: diffusers takes ~2 s to import; only latent caches need a VAE
 
         self.path = component_path(path, "vae")
         self.device, self.dtype = torch.device(device), dtype
@@ -126,7 +129,7 @@ class TextEncoder:
 
     def __init__(self, path: str, tokenizer: str = "", max_length: int = 512, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, allow_pickle: bool = False):
-        import transformers
+        import transformers  # deferred: optional (the text extra); only caption encoders need it
 
         self.path = component_path(path, "text_encoder")
         self.tokenizer_path = component_path(tokenizer or path, "tokenizer")
@@ -163,8 +166,6 @@ def fingerprint(settings: dict) -> str:
 
 
 def _save_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    from safetensors.torch import save_file
-
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
     os.close(fd)
@@ -226,8 +227,6 @@ def encode_shard(dataset: Any, out: Path, vae: VaeCodec, text: TextEncoder | Non
     """Encode the clips i ≡ rank (mod world) of `dataset` (VideoClipDataset: `entries`,
     `__getitem__` -> VideoSample with pixels [3, F, H, W], H/W multiples of the VAE's factor)
     into `out/samples/`, skipping those already there. Returns this rank's counts."""
-    from tqdm import tqdm
-
     mine = list(range(rank, len(dataset), world))
     report = {"encoded": 0, "reused": 0, "unreadable": []}
     bar = tqdm(mine, desc=f"caching latents (rank {rank}/{world})", unit="clip", position=rank, disable=not progress)
@@ -254,8 +253,6 @@ def encode_shard(dataset: Any, out: Path, vae: VaeCodec, text: TextEncoder | Non
 def write_manifest(out: Path, dataset: Any, reports: list[dict]) -> dict:
     """After every rank finished: manifest.jsonl of the clips that have latents (source order)
     and report.json (counts over all ranks + clips the source itself skipped)."""
-    from safetensors import safe_open
-
     lines = []
     for entry in dataset.entries:
         name = f"{SAMPLES}/{sample_key(entry.path)}.safetensors"
@@ -329,8 +326,6 @@ class LatentCacheDataset:
         return [self.num_tokens(i) for i in range(len(self))]
 
     def __getitem__(self, i: int) -> VideoSample:
-        from safetensors.torch import load_file
-
         row = self.rows[i]
         try:
             t = load_file(str(self.root / row["file"]))
@@ -345,8 +340,6 @@ class LatentCacheDataset:
 
     def null_text_emb(self) -> torch.Tensor:
         """[Lt0, text_dim]: the empty caption's embedding (caption dropout, classifier-free guidance)."""
-        from safetensors.torch import load_file
-
         if not self.meta.get("null_text_emb"):
             raise ValueError(f"the latent cache {self.root} has no text embeddings (cached without --text-encoder)")
         return load_file(str(self.root / self.meta["null_text_emb"]))["text_emb"].float()

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from dit_train.data_pipelines.synthetic_video import BACKGROUNDS, COLORS, SHAPES
+from dit_train.data_pipelines.video_io import probe, read_frames
 
 PALETTE_NAMES: tuple[str, ...] = (*COLORS, *BACKGROUNDS)
 PALETTE = np.array([*COLORS.values(), *BACKGROUNDS.values()], np.float32)  # [12, 3]
@@ -311,8 +312,6 @@ def reference_scores(manifest_dir: str | Path) -> dict[str, float]:
     """score_clips over the real clips of a set (its manifest.jsonl; videos decoded with decord,
     still images with Pillow, see video_io.read_frames): the figures a perfect generator would
     reach, H.264 artefacts included."""
-    from dit_train.data_pipelines.video_io import probe, read_frames
-
     root = Path(manifest_dir)
     clips, captions = [], []
     for line in (root / "manifest.jsonl").read_text().splitlines():
@@ -322,3 +321,94 @@ def reference_scores(manifest_dir: str | Path) -> dict[str, float]:
             clips.append(read_frames(str(root / item["path"]), list(range(info.frames)), info))
             captions.append(item["caption"])
     return score_clips(clips, captions)
+
+
+# -- first-frame consistency of conditioned clips (cond.kind, docs/conditioning.md) -------------
+
+# the keys of score_given, in order
+GIVEN_FIGURES = ("kept_background", "kept_color", "kept_shape", "kept_ok", "motion_after_ok")
+
+
+@dataclass
+class _Look:
+    """What a run of frames shows: background and shape colour (palette indices), whether that
+    colour forms a real shape (color_ok's conditions), the shape's kind and how often it shows."""
+    bg: int
+    background: bool  # the background colour covers >= BACKGROUND_MIN_SHARE of the pixels
+    shape: int
+    colored: bool
+    square: bool
+    seen: float
+    blobs: _Blobs
+
+
+def _look(rgb: np.ndarray) -> _Look:
+    """score_clip's colour, shape and background statistics of rgb [F, H, W, 3], without a caption."""
+    F, H, W, _ = rgb.shape
+    labels = palette_labels(rgb)
+    counts = np.bincount(labels[labels >= 0], minlength=len(PALETTE))
+    bg = int(counts.argmax())
+    shape_counts = np.where(np.arange(NUM_SHAPE_COLORS) == bg, 0, counts[:NUM_SHAPE_COLORS])
+    shape = int(np.where(np.arange(NUM_SHAPE_COLORS) == bg, -1, shape_counts).argmax())
+    blobs = _blobs(rgb, labels, bg, shape)
+    seen = blobs.size > 0
+    colored = bool(counts[shape] >= COLOR_MIN_SHARE * shape_counts.sum()
+                   and counts[shape] >= BLOB_MIN_AREA * min(H, W) ** 2 * F and blobs.exact >= 0.5 * counts[shape])
+    square = bool(seen.any() and np.median(blobs.fill[seen]) >= FILL_SPLIT)
+    return _Look(bg, bool(counts[bg] >= BACKGROUND_MIN_SHARE * labels.size), shape, colored, square,
+                 float(seen.mean()), blobs)
+
+
+def score_given(clip: torch.Tensor | np.ndarray, given_frames: np.ndarray, caption: str | ShapeCaption,
+                given: torch.Tensor | np.ndarray | None = None) -> dict[str, float]:
+    """First-frame consistency of a clip generated from given frames (image-to-video): figures in
+    [0, 1] comparing the generated frames (those not in the bool mask `given_frames` [F]) with
+    the given ones (taken from `given`, the clip that was given, or else from `clip` itself).
+
+    kept_background  the generated frames' background is the given frames' (and covers half).
+    kept_color       their shape colour is the given frames' and forms a shape (color_ok's tests).
+    kept_shape       half the generated frames or more show the blob, of the given frames' kind.
+    kept_ok          all three.
+    motion_after_ok  motion_ok on the continuation alone: from the last given frame before the
+                     first generated one, over the generated frames (the given frames' own motion
+                     does not count); only where motion is scored and two such frames exist.
+    """
+    cap = parse_caption(caption) if isinstance(caption, str) else caption
+    if cap is None:
+        raise ValueError(f"not a caption of the shapes world: {caption!r}")
+    rgb = to_rgb(clip)
+    ref = to_rgb(given) if given is not None else rgb
+    mask = np.asarray(given_frames, bool)
+    if not mask.any() or mask.all():
+        raise ValueError("score_given needs both given and generated frames")
+    before, after = _look(ref[mask]), _look(rgb[~mask])
+    out = {
+        "kept_background": float(after.bg == before.bg and after.background),
+        "kept_color": float(after.shape == before.shape and after.colored),
+        "kept_shape": float(after.seen >= 0.5 and after.square == before.square),
+    }
+    out["kept_ok"] = float(all(out.values()))
+    first = int(np.flatnonzero(~mask)[0])
+    cont = rgb[max(0, first - 1):] if first > 0 else rgb
+    if cap.has_motion and len(cont) >= 2:
+        F, H, W, _ = cont.shape
+        look = _look(cont)
+        out["motion_after_ok"] = float(look.bg == before.bg and look.shape == before.shape
+                                       and _motion_ok(look.blobs, cap, H, W))
+    return out
+
+
+def score_given_clips(clips: list, masks: list[np.ndarray], captions: list[str],
+                      givens: list | None = None) -> dict[str, float]:
+    """Means of `score_given` over the conditioned clips whose caption is of this world, keys
+    prefixed eval/ (motion_after_ok over the clips where it is scored); eval/num_given counts them."""
+    givens = givens or [None] * len(clips)
+    scored = [score_given(c, m, p, g) for c, m, p, g in zip(clips, masks, captions, givens)
+              if parse_caption(p) is not None and m.any() and not m.all()]
+    out = {}
+    for k in GIVEN_FIGURES:
+        values = [s[k] for s in scored if k in s]
+        if values:
+            out[f"eval/{k}"] = float(np.mean(values))
+    out["eval/num_given"] = float(len(scored))
+    return out

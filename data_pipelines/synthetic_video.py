@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+from PIL import Image
 
 # Default sizes and frame range (inclusive) of a clip; `data.widths`, `data.heights` and
 # `data.frames` choose others. Widths are multiples of 32: decord 0.6 returns garbled frames for
@@ -93,14 +94,12 @@ def _render_image(rng: np.random.Generator, widths: Sequence[int] = WIDTHS,
 
 def write_png(path: Path, image: np.ndarray) -> None:
     """uint8 [H, W, 3] as a lossless PNG (the decoded pixels are exactly the rendered ones)."""
-    from PIL import Image
-
     Image.fromarray(image, "RGB").save(path, format="PNG")
 
 
 def write_mp4(path: Path, frames: np.ndarray, fps: int = FPS) -> None:
     """Encode uint8 [F, H, W, 3] as H.264 mp4 (PyAV / libx264, near-lossless)."""
-    import av
+    import av  # deferred: PyAV loads FFmpeg (~1 s); only writing mp4s needs it
 
     with av.open(str(path), "w") as container:
         stream = container.add_stream("libx264", rate=fps)

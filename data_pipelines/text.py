@@ -15,6 +15,7 @@ import logging
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
+from pydoc_data.topics import topics
 
 import torch
 
@@ -50,8 +51,6 @@ def build_tokenizer(name: str) -> ByteTokenizer:
 
 def embedded_corpus() -> list[tuple[str, str]]:
     """CPython's pydoc topics (~465 KB of English): (topic, text) in a stable order."""
-    from pydoc_data.topics import topics
-
     return sorted(topics.items())
 
 

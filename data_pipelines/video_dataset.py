@@ -6,6 +6,7 @@ in a small LRU cache: the embedded set is tiny and is read every epoch.
 """
 from __future__ import annotations
 
+import csv
 import io
 import json
 import logging
@@ -113,8 +114,6 @@ def _csv_rows(path: Path, data: bytes) -> list[tuple[int, dict | str]]:
     """(line, row or why it cannot be read) of each CSV record. Bytes that are not UTF-8 are
     kept as surrogates while parsing (a record may span lines) and the record holding them is
     left out, not the file."""
-    import csv
-
     reader = csv.DictReader(io.StringIO(data.decode("utf-8", errors="surrogateescape"), newline=""))
     if "path" not in (reader.fieldnames or []):
         raise ValueError(f"manifest {path} needs a `path` column (and `caption`); it has {reader.fieldnames or []}")

@@ -21,6 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tqdm import tqdm
+
 from dit_train.data_pipelines.records import decode_utf8, normalize_newlines, warn_once
 from dit_train.data_pipelines.video_dataset import MANIFEST_SUFFIXES, ClipEntry, scan_manifest
 from dit_train.data_pipelines.video_io import IMAGE_EXTENSIONS, VideoInfo, VideoReadError, probe
@@ -166,8 +168,6 @@ def index_clips(clips: list[tuple[str, str]], index_file: Path | None = None, wo
         else:
             todo.append(path)
     if todo:
-        from tqdm import tqdm
-
         bar = tqdm(total=len(todo), desc="probing videos/images", unit="file", disable=not progress or len(todo) < 20)
         if workers > 0:
             with ThreadPoolExecutor(workers, thread_name_prefix="probe") as pool:

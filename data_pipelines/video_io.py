@@ -10,25 +10,16 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from PIL import Image
+
+# VideoInfo and VideoReadError are defined by the back ends (video_readers.py); the data code takes them from here
+from dit_train.data_pipelines.video_readers import VideoInfo, VideoReadError, reader, resolve
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")
-
-
-class VideoReadError(RuntimeError):
-    """A file that cannot be opened or decoded (corrupt, truncated, not a video or image)."""
-
-
-@dataclass(frozen=True)
-class VideoInfo:
-    frames: int
-    height: int
-    width: int
-    fps: float
 
 
 _decoder = "auto"  # data.decoder of this process (use_decoder); "auto" until a source sets it
@@ -39,16 +30,12 @@ def use_decoder(choice: str) -> str:
     returns the one-line note saying which reader that is and why. Raises ValueError naming
     data.decoder when the chosen reader cannot be imported here."""
     global _decoder
-    from dit_train.data_pipelines.video_readers import resolve
-
     name, note = resolve(choice)
     _decoder = name
     return note
 
 
 def _video_reader():
-    from dit_train.data_pipelines.video_readers import reader, resolve
-
     return reader(resolve(_decoder)[0])
 
 
@@ -119,8 +106,6 @@ def _orientation(img) -> int:
     """EXIF orientation (1 = as stored) from what Image.open parsed. Not `img.getexif()`: for a PNG
     that decodes the whole image (its eXIf chunk may follow the pixels); probe and read both use
     this, so they agree on the size."""
-    from PIL import Image
-
     raw = img.info.get("exif")
     if not raw:
         return 1
@@ -139,8 +124,6 @@ def probe_image(path: str) -> VideoInfo:
     truncated or damaged file is caught here, while indexing, rather than mid-training; what
     it cannot see (a truncated JPEG) fails at read time and is dropped by the task.
     """
-    from PIL import Image
-
     try:
         with Image.open(path) as img:
             w, h = img.size
@@ -163,8 +146,6 @@ def read_image(path: str, info: VideoInfo) -> torch.Tensor:
     e.g. a black logo on black). A size other than `info`'s (a manifest declaring another
     height/width) is resized to it, as for videos, so token counts stay exact.
     """
-    from PIL import Image
-
     try:
         with Image.open(path) as img:
             orient = _orientation(img)

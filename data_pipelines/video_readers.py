@@ -23,14 +23,26 @@ from __future__ import annotations
 import functools
 import importlib
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dit_train.data_pipelines.video_io import VideoInfo, VideoReadError
-
 DECODERS = ("auto", "decord", "pyav", "torchcodec")
+
+
+class VideoReadError(RuntimeError):
+    """A file that cannot be opened or decoded (corrupt, truncated, not a video or image)."""
+
+
+@dataclass(frozen=True)
+class VideoInfo:
+    frames: int
+    height: int
+    width: int
+    fps: float
+
 
 # the fix, when a chosen reader cannot be imported
 _FIX = {
@@ -107,7 +119,7 @@ class DecordReader:
 
     def _open(self, path: str, **kw):
         _import_av_first()
-        import decord
+        import decord  # deferred: optional reader (x86_64 wheels only), ~1 s to import
 
         try:
             return decord.VideoReader(path, ctx=decord.cpu(0), num_threads=1, **kw)
@@ -171,7 +183,7 @@ class PyAVReader:
 
     @staticmethod
     def _open(path: str):
-        import av
+        import av  # deferred: PyAV loads FFmpeg (~1 s); only the PyAV reader needs it
 
         try:
             container = av.open(path)
@@ -238,7 +250,7 @@ class TorchcodecReader:
 
     @staticmethod
     def _open(path: str):
-        from torchcodec.decoders import VideoDecoder
+        from torchcodec.decoders import VideoDecoder  # deferred: optional reader (needs FFmpeg's shared libraries)
 
         try:
             return VideoDecoder(path, seek_mode="exact", dimension_order="NHWC", num_ffmpeg_threads=1, device="cpu")

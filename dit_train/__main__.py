@@ -5,43 +5,51 @@ one process or starts the workers the layout needs. See README.md.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import sys
+from pathlib import Path
 from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from dit_train.config import Config, config_dir, register_configs, to_config
+from dit_train.checkpoint import checkpoint_root, list_checkpoints
+from dit_train.config import Config, config_dir, to_config
+from dit_train.compose import register_configs
+from dit_train.config.errors import CheckpointError, ConfigError, RunFailed, WorkerFailure
+from dit_train.data_pipelines import prepare_data
+from dit_train.data_pipelines.packing import plan_fingerprint
+from dit_train.engine.checks import check_config
+from dit_train.engine.hydra_outputs import HydraRecord
+from dit_train.engine.launch import external_world_size, interrupt_on_signals, interruption, launch
+from dit_train.engine.run_folder import open_run_folder
+from dit_train.engine.summary import amend_summary
+from dit_train.engine.worker import train
+from dit_train.help import help_text
+from dit_train.tasks import check_data, resolve_config
 
 
 def run_from_config(cfg: Config, hydra_record: Any = None) -> dict:
     """Check the config, prepare and check the data, claim the run folder, then train (in this
     process or in local workers). Everything that can refuse the run happens before step 0.
     hydra_record: the CLI's `HydraRecord`, written into the run folder once it is claimed."""
-    import functools
-
-    from dit_train.data_pipelines.packing import plan_fingerprint
-
-    from dit_train.data import check_data, prepare_data
-    from dit_train.engine.checks import ConfigError, check_config
-    from dit_train.engine.launch import WorkerFailure, external_world_size, interruption, launch
-    from dit_train.engine.run_folder import open_run_folder
-    from dit_train.engine.summary import amend_summary
-    from dit_train.engine.worker import train
-
     check_config(cfg, external_world_size())
     try:
         prepare_data(cfg.data, cfg.model)
     except (ValueError, OSError) as err:
         raise ConfigError(str(err)) from err
-    data = plan_fingerprint(check_data(cfg))
+    lengths = check_data(cfg)
+    cfg = resolve_config(cfg, lengths)  # the run's config (auto budget resolved): read, never changed, from here on
+    data = plan_fingerprint(lengths)
     if external_world_size() is not None:  # torchrun / SLURM: rank 0 claims the folder in the worker
         return launch(cfg, functools.partial(train, hydra_record=hydra_record, data=data))
     folder = open_run_folder(cfg, cfg.train.resume, hydra_record, data)
     try:
-        cfg.train.resume = str(folder.resume_from or "")  # every worker resumes from the same checkpoint
-        return launch(cfg, functools.partial(train, claimed=True))
+        # every worker resumes from the checkpoint the folder was claimed with
+        resumed = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume=str(folder.resume_from or "")))
+        return launch(resumed, functools.partial(train, claimed=True))
     except WorkerFailure as err:  # rank 0 may only have seen its collective fail: name the real cause
         amend_summary(folder.path, "failed", f"WorkerFailure: {err}")
         raise
@@ -54,16 +62,9 @@ def run_from_config(cfg: Config, hydra_record: Any = None) -> dict:
 
 @hydra.main(config_path=str(config_dir()), config_name="config", version_base="1.3")
 def main(dcfg: DictConfig) -> float | None:
-    from dit_train.checkpoint import CheckpointError
-    from dit_train.engine.checks import ConfigError
-    from dit_train.engine.hydra_outputs import HydraRecord
-    from dit_train.engine.launch import WorkerFailure, interrupt_on_signals, interruption
-    from dit_train.engine.worker import RunFailed
-
     interrupt_on_signals()  # a scheduler's SIGTERM ends the run like Ctrl-C
     record = HydraRecord.capture(dcfg)  # Hydra's .hydra/ files and job log, written once the folder is ours
-    cfg = to_config(dcfg)
-    cfg.run_dir = HydraConfig.get().runtime.output_dir
+    cfg = dataclasses.replace(to_config(dcfg), run_dir=HydraConfig.get().runtime.output_dir)
     try:
         summary = run_from_config(cfg, record)
     except (ConfigError, WorkerFailure, RunFailed, CheckpointError) as err:
@@ -78,11 +79,6 @@ def main(dcfg: DictConfig) -> float | None:
 
 def interrupted_line(err: KeyboardInterrupt, cfg: Config) -> str:
     """What a stopped run tells its user: which signal, where its summary is, how to go on."""
-    from pathlib import Path
-
-    from dit_train.checkpoint import checkpoint_root, list_checkpoints
-    from dit_train.engine.launch import interruption
-
     run = Path(cfg.run_dir)
     how = interruption(err)[0]
     saved = list_checkpoints(checkpoint_root(run)) if (run / "summary.json").exists() else []
@@ -94,8 +90,6 @@ def interrupted_line(err: KeyboardInterrupt, cfg: Config) -> str:
 
 def cli() -> None:
     if any(a in ("--help", "-h") for a in sys.argv[1:]):
-        from dit_train.config.help import help_text
-
         print(help_text())
         return
     register_configs()

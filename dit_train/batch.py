@@ -5,6 +5,20 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+# Loss weights are stored as integer multiples of 1/WEIGHT_ONE, so that T_b and N_global (sums
+# over a sample's tokens, split over CP ranks and micro-batches) are exact integer sums whatever
+# the layout: float sums would depend on the order. 65535 = 255·257: an 8-bit mask value k/255
+# is exactly 257·k units, a 16-bit one k/65535 exactly k units; a whole token weighs 65535.
+WEIGHT_ONE = 65535
+
+
+def weight_units(w: torch.Tensor) -> torch.Tensor:
+    """Float weights w ≥ 0 -> int64 units of 1/WEIGHT_ONE, rounded to the nearest unit (pure:
+    the same weights give the same units on every rank)."""
+    if bool((w < 0).any()) or not bool(torch.isfinite(w).all()):
+        raise ValueError("loss weights must be finite and >= 0")
+    return torch.round(w.double() * WEIGHT_ONE).to(torch.int64)
+
 
 @dataclass
 class PackedBatch:
@@ -13,7 +27,10 @@ class PackedBatch:
     seg:    [L] int64  index of the token's sample in this pack (0..S-1); -1 = padding
     pos:    [L, A] int64  RoPE coordinates (A = 3: t, h, w for video; A = 1 for text)
     order:  [L] int64  index of the token inside its sample (causal mask, contiguity check)
-    valid:  [L] bool   token carries loss (padding, prompt and ignored labels do not)
+    valid:  [L] bool   token carries loss (padding, prompt, ignored labels and context tokens do not)
+    weight: [L] int64 or None  loss weight of each token in units of 1/WEIGHT_ONE (w_t ≥ 0: 0 =
+            context, fractional = soft mask); None = `valid` as 0/1. When given, valid == weight > 0
+            (`with_weight` keeps them together)
     tokens: token-aligned tensors, each [L, ...] (video: x, target; text: ids, labels)
     samples: per-sample tensors, each [S, ...] (video: t); identical on every CP rank
     sample_ids: [S] int64  dataset ids (keys of the per-sample noise and metadata)
@@ -28,6 +45,7 @@ class PackedBatch:
     samples: dict[str, torch.Tensor] = field(default_factory=dict)
     sample_ids: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     causal: bool = False
+    weight: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -41,7 +59,8 @@ class PackedBatch:
         mv = lambda d: {k: v.to(device, non_blocking=True) for k, v in d.items()}  # noqa: E731
         return replace(self, seg=self.seg.to(device), pos=self.pos.to(device), order=self.order.to(device),
                        valid=self.valid.to(device), tokens=mv(self.tokens), samples=mv(self.samples),
-                       sample_ids=self.sample_ids.to(device))
+                       sample_ids=self.sample_ids.to(device),
+                       weight=None if self.weight is None else self.weight.to(device))
 
     def pad_to_multiple(self, m: int) -> "PackedBatch":
         """Append padding tokens (seg -1, weight 0) so L is a multiple of m (at least m)."""
@@ -57,17 +76,45 @@ class PackedBatch:
         # bidirectional kernels agree on it too (its tokens carry weight 0 anyway)
         order = torch.cat([self.order, torch.arange(n, dtype=self.order.dtype)])
         return replace(self, seg=pad(self.seg, -1), pos=pad(self.pos), order=order,
-                       valid=pad(self.valid, False), tokens={k: pad(v) for k, v in self.tokens.items()})
+                       valid=pad(self.valid, False), tokens={k: pad(v) for k, v in self.tokens.items()},
+                       weight=None if self.weight is None else pad(self.weight))
 
     def select(self, index: torch.Tensor) -> "PackedBatch":
         """The tokens at `index` (a CP shard); per-sample tensors are kept whole."""
         return replace(self, seg=self.seg[index], pos=self.pos[index], order=self.order[index],
-                       valid=self.valid[index], tokens={k: v[index] for k, v in self.tokens.items()})
+                       valid=self.valid[index], tokens={k: v[index] for k, v in self.tokens.items()},
+                       weight=None if self.weight is None else self.weight[index])
+
+    def with_weight(self, units: torch.Tensor) -> "PackedBatch":
+        """This pack with loss weights `units` ([L] int64, units of 1/WEIGHT_ONE; padding must
+        get 0); `valid` becomes weight > 0."""
+        if units.shape != self.seg.shape or units.dtype != torch.int64:
+            raise ValueError(f"weight must be int64 {tuple(self.seg.shape)}, got {units.dtype} {tuple(units.shape)}")
+        return replace(self, weight=units, valid=units > 0)
+
+    def weight_units(self) -> torch.Tensor:
+        """[L] int64 loss weight of each token in units of 1/WEIGHT_ONE."""
+        if self.weight is not None:
+            return self.weight
+        return self.valid.to(torch.int64) * WEIGHT_ONE
+
+    def loss_weight(self) -> torch.Tensor:
+        """[L] fp32 loss weight w_t of each token (a whole token 1.0 exactly; padding 0)."""
+        if self.weight is None:
+            return self.valid.to(torch.float32)
+        return (self.weight.double() / WEIGHT_ONE).to(torch.float32)
 
     def local_counts(self) -> torch.Tensor:
         """[S] valid tokens of each sample among this batch's tokens (a CP shard sees a part)."""
         seg = self.seg[self.valid]
         return torch.bincount(seg, minlength=self.num_samples)[: self.num_samples]
+
+    def local_weights(self) -> torch.Tensor:
+        """[S] int64 Σ w_t of each sample over this batch's tokens, in units of 1/WEIGHT_ONE (a CP
+        shard sees a part, possibly 0: a shard holding only context tokens of a sample)."""
+        keep = self.seg >= 0
+        out = torch.zeros(self.num_samples, dtype=torch.int64, device=self.seg.device)
+        return out.index_add_(0, self.seg[keep], self.weight_units()[keep])
 
 
 def cp_token_index(L: int, cp: int, rank: int, layout: str) -> torch.Tensor:

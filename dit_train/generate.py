@@ -6,7 +6,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dit_train.config import Config, load_config
+from dit_train.checkpoint.export import load_safetensors
+from dit_train.config import Config
+from dit_train.compose import load_config
 from dit_train.models import build_model
 from dit_train.kernels import VarlenLayout
 
@@ -14,8 +16,6 @@ from dit_train.kernels import VarlenLayout
 def load_run(run_dir: str | Path, weights: str | Path | None = None, ema: bool = False) -> tuple[Config, nn.Module]:
     """The config and trained model of a run dir (config.yaml + weights.safetensors, or
     weights_ema.safetensors with `ema`)."""
-    from dit_train.checkpoint.export import load_safetensors
-
     run_dir = Path(run_dir)
     cfg = load_config(run_dir)
     path = Path(weights) if weights else run_dir / ("weights_ema.safetensors" if ema else "weights.safetensors")

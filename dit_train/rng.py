@@ -10,7 +10,7 @@ import hashlib
 
 import torch
 
-STREAMS = ("noise", "timestep", "caption_dropout", "sampling")
+STREAMS = ("noise", "timestep", "caption_dropout", "sampling", "conditioning")
 
 
 def sample_generator(seed: int, sample_id: int, step: int, stream: str) -> torch.Generator:

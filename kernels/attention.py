@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from dit_train.kernels.runs import group_neighbours, run_starts
 
@@ -168,8 +169,6 @@ def _sdpa_dense(q, k, v, meta: VarlenLayout) -> torch.Tensor:
 
 
 def _flex(q, k, v, meta: VarlenLayout) -> torch.Tensor:
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
     seg, pos, causal = meta.seg, meta.pos, meta.causal
 
     def mask_mod(b, h, qi, ki):
@@ -188,7 +187,7 @@ def _flex(q, k, v, meta: VarlenLayout) -> torch.Tensor:
 
 @torch.compiler.disable  # sizes from .tolist(), like _sdpa_loop
 def _xformers(q, k, v, meta: VarlenLayout) -> torch.Tensor:
-    from xformers.ops import fmha
+    from xformers.ops import fmha  # deferred: optional CUDA kernels
 
     assert meta.cu_seqlens is not None
     seqlens = (meta.cu_seqlens[1:] - meta.cu_seqlens[:-1]).tolist()
@@ -200,7 +199,7 @@ def _xformers(q, k, v, meta: VarlenLayout) -> torch.Tensor:
 
 
 def _flash(q, k, v, meta: VarlenLayout) -> torch.Tensor:
-    from flash_attn import flash_attn_varlen_func
+    from flash_attn import flash_attn_varlen_func  # deferred: optional CUDA kernels
 
     assert meta.cu_seqlens is not None
     cu = meta.cu_seqlens.to(device=q.device, dtype=torch.int32)

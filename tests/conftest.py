@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from dit_train.config import Config, compose
+from dit_train.config import Config
+from dit_train.compose import compose
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
@@ -72,7 +73,7 @@ def data_cache(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def tiny_cfg(data_cache) -> Config:
-    from dit_train.data import prepare_data
+    from dit_train.data_pipelines import prepare_data
 
     cfg = compose_config(TINY, cache_dir=data_cache)
     prepare_data(cfg.data, cfg.model)

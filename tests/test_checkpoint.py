@@ -213,7 +213,8 @@ def test_nan_on_one_rank_skips_the_step_everywhere(tiny_cfg, layout):
 
 def test_too_many_non_finite_steps_stop_with_a_clear_message(tmp_path, tiny_cfg, monkeypatch):
     from dit_train.tasks.video import VideoTask
-    from dit_train.engine.worker import NonFiniteTraining, train as run
+    from dit_train.config.errors import NonFiniteTraining
+    from dit_train.engine.worker import train as run
 
     orig = VideoTask.per_token_loss
     monkeypatch.setattr(VideoTask, "per_token_loss", lambda self, *a: orig(self, *a) * float("inf"))

@@ -9,10 +9,11 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from dit_train.config import Config
-from dit_train.engine.checks import ConfigError, check_config as validate
+from dit_train.config.errors import ConfigError
+from dit_train.engine.checks import check_config as validate
 from tests.conftest import CONF, compose_config
 
-GROUPS = ["model", "data", "parallel", "launcher", "loss", "optim", "train", "mode", "experiment"]
+GROUPS = ["model", "data", "parallel", "launcher", "loss", "cond", "optim", "train", "mode", "experiment"]
 
 
 def options(group: str) -> list[str]:
@@ -104,7 +105,7 @@ def test_world_size_mismatch_under_torchrun_says_what_to_change():
 
 def test_slurm_launcher_composes():
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
-    from dit_train.config import register_configs
+    from dit_train.compose import register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
@@ -161,7 +162,7 @@ def _parse_cell(cell: str):
 def test_every_key_has_a_row_in_a_docs_table():
     """Each key of the default config (and of the LLM's) is a row of a table in the README or
     docs/ (launcher.heartbeat_timeout_s had none)."""
-    from dit_train.config import compose as compose_dit
+    from dit_train.compose import compose as compose_dit
     from dit_train.engine.resume import flatten
 
     pages = [CONF.parent / "README.md", *sorted((CONF.parent / "docs").glob("*.md"))]
@@ -176,7 +177,8 @@ def test_documented_defaults_are_the_configs(page):
     """The defaults tables say what `python -m dit_train` runs with: a default changed in conf/
     without its row (or the reverse) fails here. Rows of keys the default config does not have
     (Wan, LLM, per-source keys) and free-text cells are not checked."""
-    from dit_train.config import compose as compose_dit, to_dict
+    from dit_train.compose import compose as compose_dit
+    from dit_train.config import to_dict
 
     cfg, wrong, checked = to_dict(compose_dit([])), [], 0
     for key, cell in _documented_defaults(CONF.parent / page):

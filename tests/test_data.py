@@ -64,7 +64,7 @@ def test_frame_sampling_by_stride_and_fps():
 
 
 def test_dataset_token_counts_match_decoded_samples(tiny_cfg):
-    from dit_train.data import open_dataset
+    from dit_train.data_pipelines import open_dataset
 
     ds = open_dataset(tiny_cfg.data, tiny_cfg.model)
     pt, ph, pw = tiny_cfg.model.patch_size

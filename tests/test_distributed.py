@@ -9,7 +9,7 @@ from dit_train.engine.layout_equivalence import apply_layout
 
 def _meta_worker(cfg):
     """Sync metadata on a dp×cp layout; return what this rank sees plus its sample ids."""
-    from dit_train.data import build_task
+    from dit_train.tasks import build_task
     from dit_train.parallel.mesh import init_parallel
     from dit_train.engine.trainer import Trainer
 
@@ -27,7 +27,7 @@ def test_metadata_sync_equals_single_process_counts(tiny_cfg):
     """T_b summed within CP (a sample split over CP ranks is counted whole), B over DP only,
     N over DP×CP: compared with the counts of one process holding everything."""
     from dit_train.data_pipelines.packing import step_samples
-    from dit_train.data import build_task
+    from dit_train.tasks import build_task
     from dit_train.engine.launch import launch_local
 
     cfg = apply_layout(tiny_cfg, {"dp_shard": 2, "cp_ring": 2, "micro_batch_tokens": 400})
@@ -80,7 +80,8 @@ def _failing_worker(fail_rank, marker):
 @pytest.mark.real_launcher
 def test_one_failing_worker_stops_the_others_and_reports(tmp_path):
     from dit_train.config import LauncherConfig
-    from dit_train.engine.launch import WorkerFailure, launch_local
+    from dit_train.config.errors import WorkerFailure
+    from dit_train.engine.launch import launch_local
 
     marker = tmp_path / "survivor_finished"
     with pytest.raises(WorkerFailure, match="rank 1 failed.*injected failure"):

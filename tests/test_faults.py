@@ -59,7 +59,7 @@ def finished_run(tmp_path_factory, data_cache) -> Path:
 def test_resume_refuses_a_different_experiment_before_writing_anything(tmp_path, data_cache, finished_run, change, key):
     import shutil
 
-    from dit_train.engine.run_folder import RunFolderError
+    from dit_train.config.errors import RunFolderError
 
     run = tmp_path / "run"
     shutil.copytree(finished_run, run)
@@ -76,7 +76,7 @@ def test_resume_refuses_a_different_experiment_before_writing_anything(tmp_path,
 
 
 def test_a_new_run_into_a_used_folder_is_refused_unless_overwrite(tmp_path, data_cache):
-    from dit_train.engine.run_folder import RunFolderError
+    from dit_train.config.errors import RunFolderError
 
     run = tmp_path / "run"
     _run(BASE, run, data_cache)
@@ -91,7 +91,8 @@ def test_a_new_run_into_a_used_folder_is_refused_unless_overwrite(tmp_path, data
 
 
 def test_two_runs_at_once_into_one_folder(tmp_path, data_cache):
-    from dit_train.engine.run_folder import RunFolderError, open_run_folder
+    from dit_train.config.errors import RunFolderError
+    from dit_train.engine.run_folder import open_run_folder
 
     cfg = compose_config([*BASE, f"data.cache_dir={data_cache}"])
     cfg.run_dir = str(tmp_path / "run")
@@ -139,7 +140,7 @@ def _undecodable(monkeypatch, fail) -> None:
 
 
 def test_every_clip_undecodable_fails_the_run_naming_files(tmp_path, data_cache, monkeypatch):
-    from dit_train.engine.worker import DataFailure
+    from dit_train.config.errors import DataFailure
 
     _undecodable(monkeypatch, lambda path: True)
     run = tmp_path / "run"
@@ -152,7 +153,7 @@ def test_every_clip_undecodable_fails_the_run_naming_files(tmp_path, data_cache,
 
 
 def test_too_many_unreadable_clips_fail_the_run_at_the_end(tmp_path, data_cache, monkeypatch):
-    from dit_train.engine.worker import DataFailure
+    from dit_train.config.errors import DataFailure
 
     _undecodable(monkeypatch, lambda path: path.endswith(("clip_0003.mp4", "clip_0007.mp4")))
     with pytest.raises(DataFailure, match=r"samples read so far could not be decoded.*max_dropped_fraction=0.05"):
@@ -167,7 +168,7 @@ def test_too_many_unreadable_clips_fail_the_run_at_the_end(tmp_path, data_cache,
 
 
 def test_unwritable_folder_and_full_disk_are_refused_before_step_0(tmp_path, data_cache, monkeypatch):
-    from dit_train.engine.run_folder import RunFolderError
+    from dit_train.config.errors import RunFolderError
 
     (tmp_path / "a_file").write_text("x")
     with pytest.raises(RunFolderError, match="not writable"):
@@ -183,7 +184,8 @@ def test_unwritable_folder_and_full_disk_are_refused_before_step_0(tmp_path, dat
 def test_a_failing_save_is_one_clear_error_and_keeps_the_last_checkpoint(tmp_path, data_cache, monkeypatch):
     import torch.distributed.checkpoint as dcp
 
-    from dit_train.checkpoint import CheckpointError, verify_checkpoint
+    from dit_train.config.errors import CheckpointError
+    from dit_train.checkpoint import verify_checkpoint
 
     orig, calls = dcp.save, {"n": 0}
 
@@ -235,7 +237,7 @@ class _Exploit:
 
 
 def test_a_pickled_object_in_a_checkpoint_is_refused_not_executed(tmp_path):
-    from dit_train.checkpoint import CheckpointError
+    from dit_train.config.errors import CheckpointError
     from dit_train.checkpoint.store import _load_rng
 
     Path("/tmp/dit_train_pwned").unlink(missing_ok=True)
@@ -249,20 +251,42 @@ def test_a_pickled_object_in_a_checkpoint_is_refused_not_executed(tmp_path):
 
 
 def test_micro_batch_budget_defaults_to_the_longest_sample(tmp_path, data_cache):
-    from dit_train.data import check_data
+    from dit_train.tasks import check_data, resolve_config
 
     cfg = compose_config([f"data.cache_dir={data_cache}", "data.num_clips=16", "model.patch_size=[1,4,4]",
                           "train.micro_batch_tokens=0", "data.widths=[32,64,96]", "data.heights=[32,48,64]",
                           "data.frames=[4,24]", "data.max_frames=16"])
     assert cfg.train.micro_batch_tokens == 0  # auto
-    from dit_train.data import prepare_data
+    from dit_train.data_pipelines import prepare_data
 
     prepare_data(cfg.data, cfg.model)  # the set is written on first use (not by an earlier test)
-    check_data(cfg)
-    from dit_train.data import build_task
+    resolved = resolve_config(cfg, check_data(cfg))
+    from dit_train.tasks import build_task
 
     longest = max(build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, 0).lengths())
-    assert longest > 2048 and cfg.train.micro_batch_tokens == longest
+    assert longest > 2048 and resolved.train.micro_batch_tokens == longest
+    assert cfg.train.micro_batch_tokens == 0  # resolved on a copy
+
+
+@pytest.mark.parametrize("budget", [0, 400])
+def test_a_run_reads_its_config_and_records_what_it_resolved(tmp_path, data_cache, budget):
+    """The config a run is given is read, never changed: the auto budget (0) and the resume point
+    are resolved on a copy, and that copy is what the run folder's config.yaml and checkpoints record."""
+    import copy
+
+    from dit_train.__main__ import run_from_config
+    from dit_train.compose import load_config
+    from dit_train.config.schema import AUTO_MICRO_BATCH_TOKENS
+
+    cfg = compose_config([*TINY, "train.steps=1", "train.ckpt_every=1", f"train.micro_batch_tokens={budget}",
+                          "train.resume=auto"], cache_dir=data_cache)
+    cfg.run_dir = str(tmp_path / "run")
+    before = copy.deepcopy(cfg)
+    run_from_config(cfg)
+    assert cfg == before
+    for recorded in (tmp_path / "run", tmp_path / "run" / "checkpoints" / "step_00000000"):
+        # auto: the default budget, as TINY's clips are shorter
+        assert load_config(recorded).train.micro_batch_tokens == (budget or AUTO_MICRO_BATCH_TOKENS)
 
 
 def test_guidance_without_caption_dropout_warns(caplog):

@@ -78,7 +78,7 @@ def _open_session(run: Path, data_cache: str) -> int:
 @pytest.mark.parametrize("open_it", [_open_resume, _open_export, _open_sample, _open_session],
                          ids=["resume", "export_weights", "sample", "session_load"])
 def test_a_forged_checkpoint_is_refused_and_runs_no_code(tmp_path, data_cache, finished_run, open_it, capsys):
-    from dit_train.checkpoint import CheckpointError
+    from dit_train.config.errors import CheckpointError
 
     run, marker = tmp_path / "run", tmp_path / "pwned"
     shutil.copytree(finished_run, run)
@@ -102,7 +102,7 @@ def test_non_tensor_values_and_storage_paths_of_a_checkpoint_are_read_safely(tmp
 
     import torch.distributed.checkpoint as dcp
 
-    from dit_train.checkpoint import UnsafeCheckpoint
+    from dit_train.config.errors import UnsafeCheckpoint
     from dit_train.checkpoint.safe_load import load, read_metadata
 
     marker = tmp_path / "pwned"
@@ -144,7 +144,7 @@ def _failing_writer(monkeypatch, error: BaseException, when) -> None:
 
 
 def test_a_save_failing_in_the_writer_ends_the_run_cleanly_and_resume_works_after(tmp_path, data_cache, monkeypatch):
-    from dit_train.checkpoint import CheckpointError
+    from dit_train.config.errors import CheckpointError
 
     run, steps = tmp_path / "run", [*BASE, "train.steps=2", "train.ckpt_every=1"]
     first = run / "checkpoints" / "step_00000000"
@@ -165,7 +165,8 @@ def test_a_save_failing_in_the_writer_ends_the_run_cleanly_and_resume_works_afte
 @pytest.mark.parametrize("error", [PermissionError(errno.EACCES, "Permission denied"), KeyboardInterrupt()],
                          ids=["unwritable", "ctrl_c"])
 def test_a_save_failing_in_the_writer_is_one_line_but_ctrl_c_stays_an_interrupt(tmp_path, monkeypatch, error):
-    from dit_train.checkpoint import CheckpointError, ModelState, save_checkpoint
+    from dit_train.config.errors import CheckpointError
+    from dit_train.checkpoint import ModelState, save_checkpoint
 
     _failing_writer(monkeypatch, error, lambda: True)
     parts = {"model": ModelState(torch.nn.Linear(2, 2))}

@@ -87,7 +87,7 @@ def test_shift_one_is_the_identity_bit_for_bit():
 def test_resolution_shift_is_a_function_of_the_sample_alone(tiny_cfg):
     """Each sample's t is shifted by shift·sqrt(T_b / reference) of its own token count,
     whatever pack it is built in."""
-    from dit_train.data import build_task
+    from dit_train.tasks import build_task
 
     lc = replace(tiny_cfg.loss, timestep_shift=2.0, shift_reference_tokens=128)
     task = build_task("video", tiny_cfg.data, tiny_cfg.model, lc, 0)
@@ -259,7 +259,8 @@ def test_weighting_gives_the_gradient_of_the_weighted_sum(tiny_cfg, reduction):
 
 
 def test_bad_shift_is_a_config_error_and_loss_changes_refuse_resume(tiny_cfg):
-    from dit_train.engine.checks import ConfigError, check_config
+    from dit_train.config.errors import ConfigError
+    from dit_train.engine.checks import check_config
     from dit_train.engine.layout_equivalence import apply_layout
     from dit_train.engine.resume import config_changes
 

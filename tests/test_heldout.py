@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from dit_train.engine.checks import ConfigError, check_config
+from dit_train.config.errors import ConfigError
+from dit_train.engine.checks import check_config
 from dit_train.engine.layout_equivalence import apply_layout
 
 
@@ -24,7 +25,7 @@ def _heldout(cfg):
 
 
 def test_heldout_clips_are_left_out_of_training_and_scored_the_same_each_time(eval_cfg, tiny_cfg):
-    from dit_train.data import build_task
+    from dit_train.tasks import build_task
 
     got = _heldout(eval_cfg)
     everything = len(build_task("video", tiny_cfg.data, tiny_cfg.model, tiny_cfg.loss, 0).lengths())

@@ -54,7 +54,7 @@ def folder(tmp_path_factory) -> Path:
 
 
 def pixel_dataset(folder: Path, cache: Path, *overrides: str):
-    from dit_train.data import source_for
+    from dit_train.data_pipelines import source_for
 
     cfg = compose_config(TINY_MODEL + ["data=video_folder", f"data.root={folder}", "data.num_workers=0", *overrides],
                          cache_dir=str(cache))
@@ -214,7 +214,7 @@ def test_embedded_set_images(tmp_path):
 
 
 def test_config_num_images(tmp_path):
-    from dit_train.data import open_dataset, prepare_data
+    from dit_train.data_pipelines import open_dataset, prepare_data
 
     cfg = compose_config(TINY + ["data.num_images=4"], cache_dir=str(tmp_path))
     prepare_data(cfg.data, cfg.model)
@@ -224,7 +224,7 @@ def test_config_num_images(tmp_path):
 
 
 def test_pack_holds_an_image_and_a_video(folder, tmp_path):
-    from dit_train.data import build_task
+    from dit_train.tasks import build_task
 
     cfg = compose_config(TINY_MODEL + ["data=video_folder", f"data.root={folder}", "data.num_workers=0",
                                        "data.max_frames=6"], cache_dir=str(tmp_path))
@@ -243,7 +243,7 @@ def test_pack_holds_an_image_and_a_video(folder, tmp_path):
 def test_truncated_jpeg_is_dropped_when_read(tmp_path):
     """A JPEG cut short passes the header probe; decoding it fails, and the task drops it and
     counts it like an undecodable video."""
-    from dit_train.data import build_task
+    from dit_train.tasks import build_task
 
     root = tmp_path / "media"
     root.mkdir()
@@ -295,7 +295,8 @@ def test_latent_cache_encodes_an_image(folder, tmp_path):
 def test_images_next_to_videos_under_cp(data_cache):
     """Images and clips in one pack, trained on 1 process and on 2 Ulysses CP ranks: same weights."""
     from dit_train.data_pipelines.packing import plan_step
-    from dit_train.data import build_task, prepare_data
+    from dit_train.tasks import build_task
+    from dit_train.data_pipelines import prepare_data
     from dit_train.engine.layout_equivalence import relative_difference, run_layouts
 
     # train.seed=1: both steps pack images with clips (seed 0 draws the images only at step 2)

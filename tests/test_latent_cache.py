@@ -81,7 +81,7 @@ def test_latents_are_normalized_vae_modes(cache, models):
     """The stored latents are (mode(z) - latents_mean) / latents_std of the clip's frames."""
     from diffusers import AutoencoderKLWan
 
-    from dit_train.data import source_for
+    from dit_train.data_pipelines import source_for
 
     cfg = compose_config(["data=video_folder", f"data.root={lc.read_cache_info(cache)['settings']['source']['root']}",
                           "data.max_frames=5", "data.resolution_buckets=null"], cache_dir=str(cache.parent / "probe_cache"))
@@ -165,8 +165,8 @@ def test_two_workers_write_the_same_cache(cache, models, source, tmp_path):
 
 
 def test_in_channels_must_match_the_cache(cache):
-    from dit_train.data import check_data
-    from dit_train.engine.checks import ConfigError
+    from dit_train.tasks import check_data
+    from dit_train.config.errors import ConfigError
 
     cfg = compose_config(TINY_MODEL + ["data=latent_cache", f"data.root={cache}", "model.patch_size=[1,2,2]", "train.global_batch=3"])
     with pytest.raises(ConfigError, match=f"set model.in_channels={Z_DIM}"):
@@ -176,7 +176,7 @@ def test_in_channels_must_match_the_cache(cache):
         check_data(cfg)  # the tiny default model reads 32-wide captions; the cache holds 16-wide ones
     cfg.model.text_dim = TEXT_DIM
     check_data(cfg)
-    from dit_train.data import build_task
+    from dit_train.tasks import build_task
 
     task = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed)  # data.num_workers=2: prefetched
     assert task.dataset.text_dim == TEXT_DIM and task.dataset.null_text_emb().shape == (1, TEXT_DIM)

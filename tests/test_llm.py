@@ -60,7 +60,7 @@ def test_labels_shift_inside_documents_and_prompts_are_ignored():
 
 
 def test_packs_without_valid_tokens_give_finite_zero_loss(llm_cfg):
-    from dit_train.data import build_task
+    from dit_train.tasks import build_task
     from dit_train.loss import sync_counts, token_weights
     from dit_train.models import build_model, init_weights
     from dit_train.kernels import VarlenLayout

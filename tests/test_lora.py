@@ -19,7 +19,7 @@ import torch
 
 from dit_train.models import model_config
 from dit_train.models import build_model, init_weights
-from dit_train.models.init import _copy_full
+from dit_train.models.params import copy_full
 from dit_train.models.lora import (
     DEFAULT_TARGETS,
     LoraSettings,
@@ -275,7 +275,7 @@ def test_fsdp2_per_block_frozen_base_matches_one_process(tmp_path):
             params = base_parameters(model)
             assert params.keys() == pretrained.keys()
             for k, p in params.items():
-                _copy_full(p, pretrained[k])
+                copy_full(p, pretrained[k])
         init_lora_weights_from_seed(model, 3)
         assert type(model.blocks[0].attn1.to_q.lora_A.default.weight).__name__ == "DTensor"
         start = get_model_state_dict(model, options=full_opts)

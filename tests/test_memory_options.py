@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dit_train.engine.checks import ConfigError, check_config
+from dit_train.config.errors import ConfigError
+from dit_train.engine.checks import check_config
 from dit_train.engine.layout_equivalence import apply_layout, train_on_workers, train_weights
 
 

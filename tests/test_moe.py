@@ -142,7 +142,7 @@ def _select(routing, index):
 
 
 def test_moe_run_logs_router_metrics(tmp_path, tiny_cfg):
-    from dit_train.config import compose
+    from dit_train.compose import compose
     from dit_train.engine.worker import train
 
     cfg = apply_layout(tiny_cfg, {})
@@ -168,7 +168,7 @@ REDUCTIONS = ["sample_mean", "token_mean"]
 
 @pytest.fixture(scope="module")
 def moe_cfg(tiny_cfg):
-    from dit_train.config import compose
+    from dit_train.compose import compose
 
     cfg = apply_layout(tiny_cfg, {})
     cfg.model.moe = compose([*MOE]).model.moe
@@ -214,7 +214,7 @@ def test_llm_moe_layout_matches_one_process():
     """Causal LM with experts, zigzag CP over a ring (documents split across ranks) and FSDP."""
     from tests.test_llm import LLM_TINY
 
-    from dit_train.config import compose
+    from dit_train.compose import compose
 
     cfg = compose([*LLM_TINY, *MOE, "model.moe.every=1"])
     specs = ["1", "dp_shard=2,cp_ring=2,grad_accum=2"]

@@ -35,13 +35,13 @@ def videos(tmp_path_factory) -> Path:
 
 
 def checked(overrides: list[str], cache: Path):
-    """The config after the data check (which resolves train.micro_batch_tokens=0)."""
-    from dit_train.data import check_data, prepare_data
+    """The run's config after the data check (train.micro_batch_tokens=0 resolved, as a run does)."""
+    from dit_train.tasks import check_data, resolve_config
+    from dit_train.data_pipelines import prepare_data
 
     cfg = compose_config(overrides, cache_dir=str(cache))
     prepare_data(cfg.data, cfg.model)
-    check_data(cfg)
-    return cfg
+    return resolve_config(cfg, check_data(cfg))
 
 
 @pytest.mark.slow
@@ -75,7 +75,7 @@ def test_native_sizes_only_when_asked(videos, tmp_path):
 
 def test_errors_name_keys_and_values_that_fit(videos, tmp_path):
     """Each refusal names a value; with that value the same data passes the check."""
-    from dit_train.engine.checks import ConfigError
+    from dit_train.config.errors import ConfigError
 
     base = README + [f"data.root={videos}"]
     with pytest.raises(ConfigError, match=r"set train.global_batch=3 \(the largest that fits\)"):
@@ -97,7 +97,7 @@ def test_errors_name_keys_and_values_that_fit(videos, tmp_path):
 def test_frames_are_sampled_without_repeats():
     """Mixed rates resample to data.fps; a clip slower than data.fps keeps its own rate (no
     frame twice, its written fps is its own); a short clip is a short sample. No decoding."""
-    from dit_train.data.video import PixelVideoSource
+    from dit_train.data_pipelines.video_source import PixelVideoSource
 
     entries = [ClipEntry("a30.mp4", "", VideoInfo(90, 144, 176, 30.0)), ClipEntry("b25.mp4", "", VideoInfo(50, 272, 640, 25.0)),
                ClipEntry("c25.mp4", "", VideoInfo(6, 720, 1280, 25.0))]

@@ -9,7 +9,7 @@ import pytest
 from dit_train.models import model_config
 from dit_train.perf.flops import train_flops
 from dit_train.perf.memory import GIB, MemoryEstimate, calibrate_block, estimate_memory, model_shape
-from dit_train.perf.planner import Candidate, Layout, Workload, apply_layout, check_layout, factorizations, plan
+from dit_train.planning.planner import Candidate, Layout, Workload, apply_layout, check_layout, factorizations, plan
 from dit_train.parallel.mesh import ParallelDims
 from tests.conftest import CONF, compose_config
 
@@ -222,9 +222,9 @@ def test_planner_ranks_expert_parallel_degrees():
 def test_frames_question_for_every_registered_video_model():
     """plan --frames: every registered video model gets an answer per memory option; more
     memory-saving options fit longer clips; the asked clip's tokens follow the VAE and patch."""
-    from dit_train.config import compose
+    from dit_train.compose import compose
     from dit_train.models import MODELS
-    from dit_train.perf.clips import clip_options, clip_tokens
+    from dit_train.planning.clips import clip_options, clip_tokens
 
     presets = {"dit": "dit_1b", "wan": "wan_14b"}
     for name in MODELS.names():

@@ -343,7 +343,7 @@ def test_moe_router_losses_are_refused_not_dropped(cfg, batches):
     refused before anything is built; with both coefficients 0 the experts post-train."""
     from dataclasses import replace
 
-    from dit_train.engine.checks import ConfigError
+    from dit_train.config.errors import ConfigError
     from dit_train.posttrain import TrainingSession
 
     c = copy.deepcopy(cfg)

@@ -275,3 +275,35 @@ def test_components_match_a_breadth_first_search():
     for _ in range(60):  # densities from specks to noise's long chains to nearly full frames
         mask = rng.random((int(rng.integers(1, 4)), int(rng.integers(1, 24)), int(rng.integers(1, 24)))) < rng.random()
         assert np.array_equal(components(mask), _components_by_search(mask))
+
+
+# -- first-frame consistency of conditioned clips --------------------------------------------------
+
+def test_given_frames_consistency_scores_each_change_on_its_own():
+    """score_given compares the generated frames with the given ones: the real continuation
+    keeps everything; another colour, kind or background after the given frames fails its own
+    figure; a shape that stops after the given frames fails motion_after_ok only."""
+    from dit_train.data_pipelines.shapes_metric import GIVEN_FIGURES, score_given
+
+    given = np.zeros(8, bool)
+    given[:2] = True
+    cap = "a red circle moving down and right on a navy background"
+    real = _scene([("circle", "red", 20, 16, 2, 1.5, 9)])
+    assert score_given(real, given, cap) == {k: 1.0 for k in GIVEN_FIGURES}
+
+    def after(**change) -> dict:
+        kind, color, bg = change.get("kind", "circle"), change.get("color", "red"), change.get("bg", "navy")
+        moving = _scene([(kind, color, 20, 16, 2, 1.5, 9)], bg=bg)
+        if change.get("stop"):
+            moving = np.repeat(real[1:2], 8, axis=0)
+        clip = real.copy()
+        clip[2:] = moving[2:]
+        return score_given(clip, given, cap)
+
+    assert after(color="green") == {**{k: 1.0 for k in GIVEN_FIGURES}, "kept_color": 0.0, "kept_ok": 0.0,
+                                    "motion_after_ok": 0.0}
+    assert after(kind="square") == {**{k: 1.0 for k in GIVEN_FIGURES}, "kept_shape": 0.0, "kept_ok": 0.0}
+    assert after(bg="olive")["kept_background"] == 0.0 and after(bg="olive")["kept_ok"] == 0.0
+    assert after(stop=True) == {**{k: 1.0 for k in GIVEN_FIGURES}, "motion_after_ok": 0.0}
+    with pytest.raises(ValueError, match="both given and generated"):
+        score_given(real, np.ones(8, bool), cap)

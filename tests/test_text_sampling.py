@@ -57,7 +57,7 @@ def test_captions_condition_only_their_own_clip():
 
 
 def test_caption_dropout_is_a_pure_function_of_seed_sample_and_step(tiny_cfg):
-    from dit_train.data import open_dataset
+    from dit_train.data_pipelines import open_dataset
 
     drops = [drop_caption(0, sid, step, 0.3) for sid in range(50) for step in range(20)]
     assert 0.25 < sum(drops) / len(drops) < 0.35
@@ -91,7 +91,7 @@ class _OracleVelocity(torch.nn.Module):
 def test_sampler_integrates_the_flow_from_noise_to_data(tiny_cfg):
     """With a perfect velocity the Euler sampler lands on the data: checks the time direction,
     the scheduler's sigmas and the pack/unpack bookkeeping."""
-    from dit_train.data import build_task
+    from dit_train.tasks import build_task
     from dit_train.parallel.mesh import init_parallel
     from dit_train.sampling import VideoSampler, dataset_requests
 

@@ -189,7 +189,7 @@ def test_a_resumed_run_continues_the_same_wandb_run(tracked_run, tmp_path, data_
 
 
 def test_an_unknown_logger_is_refused_before_anything_runs(tmp_path, data_cache):
-    from dit_train.engine.checks import ConfigError
+    from dit_train.config.errors import ConfigError
 
     run = tmp_path / "run"
     with pytest.raises(ConfigError) as err:
@@ -234,7 +234,7 @@ def test_wandb_auto_mode_is_online_only_with_credentials_and_a_server(tmp_path, 
 
 def test_wandb_that_cannot_start_names_the_way_out(tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb")
-    from dit_train.engine.checks import ConfigError
+    from dit_train.config.errors import ConfigError
     from dit_train.trackers import TrackedRun, wandb_tracker
 
     def no_key(**kwargs):

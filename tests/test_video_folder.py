@@ -161,7 +161,7 @@ def test_trainer_announces_this_and_next_step():
 
 
 def test_num_workers_do_not_change_packs(folder, tmp_path):
-    from dit_train.data import build_task
+    from dit_train.tasks import build_task
 
     packs = []
     for workers in (0, 2):
@@ -178,8 +178,8 @@ def test_num_workers_do_not_change_packs(folder, tmp_path):
 
 
 def test_pixel_source_refuses_latent_channels(folder, tmp_path):
-    from dit_train.data import check_data
-    from dit_train.engine.checks import ConfigError
+    from dit_train.tasks import check_data
+    from dit_train.config.errors import ConfigError
 
     cfg = compose_config(TINY_MODEL + ["data.max_frames=8", "data=video_folder", f"data.root={folder}", "model.in_channels=16"], cache_dir=str(tmp_path))
     with pytest.raises(ConfigError, match="model.in_channels=3"):

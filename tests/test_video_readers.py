@@ -166,14 +166,14 @@ def test_corrupt_and_truncated_files_are_read_errors(tmp_path):
 def test_the_dataset_reads_the_same_clips_with_decord_hidden(tiny_cfg, monkeypatch, caplog):
     """The data tests' path (source -> VideoClipDataset -> read_frames) on a machine without
     decord: auto picks PyAV, says so once, and every sample's pixels equal decord's."""
-    from dit_train.data import open_dataset, prepare_data
+    from dit_train.data_pipelines import open_dataset, prepare_data
 
     ds = open_dataset(tiny_cfg.data, tiny_cfg.model)
     assert video_io._decoder == "decord"
     lengths, reference = ds.lengths(), [ds[i].pixels for i in range(len(ds))]  # read now: the reader is per process
     cfg = compose_config([*TINY, "data.decoded_cache_items=0"], cache_dir=tiny_cfg.data.cache_dir)
     _hide(monkeypatch, "decord")
-    with caplog.at_level(logging.INFO, logger="dit_train.data.video"):
+    with caplog.at_level(logging.INFO, logger="dit_train.data_pipelines.video_source"):
         prepare_data(cfg.data, cfg.model)
     notes = [r.getMessage() for r in caplog.records if "videos are read with" in r.getMessage()]
     assert len(notes) == 1 and "PyAV" in notes[0] and "decord is not installed" in notes[0], notes
@@ -187,7 +187,7 @@ def test_the_dataset_reads_the_same_clips_with_decord_hidden(tiny_cfg, monkeypat
 def test_a_reader_that_cannot_load_is_refused_or_passed_over(tiny_cfg, monkeypatch):
     """torchcodec's PyPI wheel imports with OSError where FFmpeg's libraries or a CUDA torch are
     missing: data.decoder=torchcodec is refused naming the key and the fix; auto never tries it."""
-    from dit_train.data import prepare_data
+    from dit_train.data_pipelines import prepare_data
 
     def broken(name):
         raise OSError("Could not load this library: libtorchcodec_core7.so")

@@ -128,7 +128,7 @@ def test_pretrained_shape_mismatch_names_the_keys(tmp_path):
 
 @pytest.fixture(scope="module")
 def wan_run_cfg(data_cache):
-    from dit_train.data import prepare_data
+    from dit_train.data_pipelines import prepare_data
 
     cfg = compose_config(["model=wan_tiny", *TINY, "model.text_len=16", "optim.max_grad_norm=0.05"], cache_dir=data_cache)
     prepare_data(cfg.data, cfg.model)

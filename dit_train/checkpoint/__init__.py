@@ -10,9 +10,8 @@ from dit_train.checkpoint.export import (
     save_safetensors,
 )
 from dit_train.checkpoint.parts import JSONState, ModelState, OptimizerState, Part, training_parts
-from dit_train.checkpoint.safe_load import UnsafeCheckpoint
+from dit_train.config.errors import UnsafeCheckpoint, CheckpointError
 from dit_train.checkpoint.store import (
-    CheckpointError,
     checkpoint_root,
     find_checkpoint,
     list_checkpoints,

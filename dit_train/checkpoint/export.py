@@ -1,12 +1,22 @@
 """Full weights out of a run: safetensors (any layout, one process) and diffusers folders."""
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from dit_train.checkpoint import safe_load
+from dit_train.checkpoint.store import read_checkpoint_info
+from dit_train.compose import load_config
+from dit_train.models import build_model, model_spec
+from dit_train.models.init import initialize
+from dit_train.models.lora import apply_lora, lora_settings, merged_state_dict, save_lora
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -20,8 +30,6 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_safetensors(sd: dict[str, torch.Tensor], path: str | Path) -> None:
-    from safetensors.torch import save_file
-
     path = Path(path)
     tmp = path.with_suffix(".tmp")
     save_file(sd, str(tmp))
@@ -31,9 +39,6 @@ def save_safetensors(sd: dict[str, torch.Tensor], path: str | Path) -> None:
 def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
     """The tensors of a .safetensors file; a file that is not one (cut short, another format)
     is a ValueError naming it, not the reader's own error."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     try:
         return load_file(str(path))
     except (SafetensorError, OSError) as err:
@@ -65,9 +70,6 @@ def export_run_weights(model: nn.Module, ema: Any, model_cfg: Any, run_dir: str 
         if sd is None:
             continue
         if hasattr(inner, "peft_config"):
-            from dit_train.models import model_spec
-            from dit_train.models.lora import merged_state_dict, save_lora
-
             out.append(save_lora(inner, run_dir / f"lora{suffix}", model_spec(model_cfg).name, state_dict=sd))
             sd = merged_state_dict(inner, sd)
         save_safetensors(sd, run_dir / f"weights{suffix}.safetensors")
@@ -79,9 +81,6 @@ def initial_weights(cfg: Any) -> dict[str, torch.Tensor]:
     """The full fp32 weights a run started from, in one process: `model.pretrained`'s when set,
     else the initialisation from `train.seed` (the same bits on every layout). For a LoRA run
     this is the frozen base its adapters apply to."""
-    from dit_train.models import build_model
-    from dit_train.models.init import initialize
-
     model = build_model(cfg.model)  # without adapters: model.lora is applied by the run's builder
     initialize(model, cfg.model, cfg.train.seed)
     return {k: v.float().contiguous() for k, v in model.state_dict().items()}
@@ -91,16 +90,6 @@ def checkpoint_model(path: str | Path, ema: bool = False) -> tuple[Any, nn.Modul
     """(Config, the plain model as trained) of a checkpoint, in one process (no GPU, no process
     group). LoRA runs: the base from its own initialisation (pretrained folder or seed) with the
     checkpoint's adapters injected. ema: the EMA weights instead (train.ema_decay > 0)."""
-    import warnings
-
-    from dit_train.checkpoint import safe_load
-    from dit_train.checkpoint.store import read_checkpoint_info
-    from dit_train.config import load_config
-    from dit_train.engine.build import lora_settings
-    from dit_train.models import build_model, model_spec
-    from dit_train.models.init import initialize
-    from dit_train.models.lora import apply_lora
-
     path = Path(path)
     cfg = load_config(path)
     model = build_model(cfg.model)
@@ -122,8 +111,6 @@ def checkpoint_model(path: str | Path, ema: bool = False) -> tuple[Any, nn.Modul
 def checkpoint_weights(path: str | Path, ema: bool = False) -> tuple[Any, dict[str, torch.Tensor]]:
     """(Config, full fp32 weights of the plain model) of a checkpoint, in one process; LoRA runs
     give the base with the adapters merged in (the same keys as a full-training run)."""
-    from dit_train.models.lora import merged_state_dict
-
     cfg, model = checkpoint_model(path, ema)
     sd = model.state_dict()
     if hasattr(model, "peft_config"):
@@ -141,8 +128,6 @@ def export_checkpoint(path: str | Path, out: str | Path, ema: bool = False) -> P
 def export_diffusers(cfg: Any, state_dict: dict[str, torch.Tensor], out_dir: str | Path) -> Path:
     """Write full weights as a diffusers model folder (`save_pretrained`: config.json +
     safetensors), loadable with `from_pretrained`, for models whose spec can (model.name=wan)."""
-    from dit_train.models import model_spec
-
     spec = model_spec(cfg.model)
     if spec.to_diffusers is None:
         raise ValueError(f"--diffusers exports models with a diffusers counterpart (model.name=wan); "

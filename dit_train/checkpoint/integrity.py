@@ -16,7 +16,8 @@ import logging
 import zlib
 from pathlib import Path
 
-from dit_train.checkpoint.safe_load import METADATA, CheckpointError, UnsafeCheckpoint, read_metadata, stored_files
+from dit_train.checkpoint.safe_load import METADATA, read_metadata, stored_files
+from dit_train.config.errors import CheckpointError, UnsafeCheckpoint
 
 log = logging.getLogger(__name__)
 

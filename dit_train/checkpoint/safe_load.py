@@ -33,6 +33,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from dit_train.config.errors import CheckpointError, UnsafeCheckpoint
+
 METADATA = ".metadata"
 
 _DCP = "torch.distributed.checkpoint"
@@ -46,15 +48,6 @@ _ALLOWED = {
     ("torch.serialization", "_get_layout"),  # torch.layout pickles as _get_layout("torch.strided")
     ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id when the writer was given a Path
 }
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written or read; the message names the folder and the fix."""
-
-
-class UnsafeCheckpoint(CheckpointError):
-    """A checkpoint file holds objects a checkpoint never holds (forged, or not from this
-    project): refused without being loaded."""
 
 
 class _Refused(pickle.UnpicklingError):

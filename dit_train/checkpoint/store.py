@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 import warnings
@@ -39,12 +40,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dit_train.checkpoint import safe_load
 from dit_train.checkpoint.integrity import INTEGRITY, integrity_record, verify_checkpoint
 from dit_train.checkpoint.parts import Part
-from dit_train.checkpoint.safe_load import METADATA, CheckpointError, describe, reraise_interrupt
+from dit_train.checkpoint.safe_load import METADATA, describe, reraise_interrupt
+from dit_train.config.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -152,8 +155,6 @@ def _quiet():
 
 
 def _save_rng(path: Path) -> None:
-    from safetensors.torch import save_file
-
     state = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state.update({f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
@@ -163,15 +164,11 @@ def _save_rng(path: Path) -> None:
 def _load_rng(ckpt: Path) -> None:
     """This rank's torch RNG, if the checkpoint was written by the same number of ranks (nothing
     in the loss uses it: noise is a function of (seed, sample id, step); user code may)."""
-    from safetensors.torch import load_file
-
     new, old = ckpt / f"rng_rank{_rank()}.safetensors", ckpt / f"rng_rank{_rank()}.pt"
     if new.exists():
         r = load_file(str(new))
         cuda = [r[k] for k in sorted((k for k in r if k.startswith("cuda")), key=lambda k: int(k[4:]))]
     elif old.exists():  # format 1: a dict of tensors; weights_only refuses anything else
-        import pickle
-
         try:
             r = torch.load(old, weights_only=True)
         except pickle.UnpicklingError as err:

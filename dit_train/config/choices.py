@@ -81,6 +81,22 @@ class LossWeighting(Choice):
     cosmap = "cosmap"  # w = 2 / (π·(1 − 2t + 2t²)), SD3's CosMap
 
 
+class CondKind(Choice):
+    """cond.kind: which frames of a clip are given as context (dit_train/tasks/conditioning.py)."""
+
+    none = "none"  # text-to-video only
+    first_frame = "first_frame"  # image-to-video: the first temporal patch
+    first_last = "first_last"  # first and last temporal patches (FLF2V)
+    prefix = "prefix"  # continue a video from its first cond.prefix_frames frames
+
+
+class CondFeed(Choice):
+    """cond.feed: how the context reaches the model."""
+
+    timestep = "timestep"  # clean context tokens at timestep 0 per token (Wan 2.2 TI2V)
+    concat = "concat"  # conditioning frames + mask concatenated to the noisy input's channels (Wan 2.1 I2V)
+
+
 class OptimName(Choice):
     adamw = "adamw"
     sgd = "sgd"

@@ -17,6 +17,8 @@ from omegaconf import MISSING
 from dit_train.config.choices import (
     ActivationCheckpointing,
     AttnBackend,
+    CondFeed,
+    CondKind,
     CPFSDPMode,
     Device,
     DPMode,
@@ -123,6 +125,10 @@ class VideoModelConfig(ModelConfig):
     # JiT, Li & He 2025).
     prediction: Prediction = Prediction.velocity
     x0_min_t: float = 0.05
+    # Input channels added to the patch embedding by cond.feed=concat (the conditioning frames and
+    # their mask, dit_train/tasks/conditioning.py): derived from `cond` when the config is built;
+    # 0 without concat conditioning. Never set by hand (check_config refuses a value cond does not give).
+    cond_channels: int = 0
     # (height, width) pixel sizes your videos are resized to by default (cover, then centre-crop):
     # `data=video_folder`'s data.resolution_buckets follows this, so a preset brings sizes that suit
     # it (the tiny CPU models: these small ones; Wan and the latent presets: Wan 2.1's 480p)
@@ -200,6 +206,40 @@ class LossConfig:
     # resolution-dependent shift: a sample of T_b tokens uses timestep_shift·sqrt(T_b / this) (SD3); 0 = off
     shift_reference_tokens: int = 0
     weighting: LossWeighting = LossWeighting.none  # none | sigma_sqrt | cosmap: w(t) times each token's loss
+
+
+# Mask channels of the concat feed: one per frame of the model's input. Wan 2.1 I2V on latents
+# packs the masks of the 4 pixel frames of each latent frame into 4 channels (36 = 16 + 4 + 16);
+# a latent-cache conditioning would set 4 here (the next step of issue 32).
+MASK_CHANNELS = 1
+
+
+def cond_active(cond: Any) -> bool:
+    return cond is not None and str(cond.kind) != "none"
+
+
+def cond_channels(cond: Any, in_channels: int) -> int:
+    """Input channels the concat feed adds to the patch embedding: C conditioning channels plus
+    the mask; 0 for the timestep feed and without conditioning (model.cond_channels; the
+    conditioning itself is dit_train/tasks/conditioning.py)."""
+    if not cond_active(cond) or str(cond.feed) != "concat":
+        return 0
+    return in_channels + MASK_CHANNELS
+
+
+@dataclass
+class CondConfig:
+    """Conditioned video training (docs/conditioning.md): context frames taken from the clip
+    itself, given to the model clean and never scored (loss weight 0, out of T_b)."""
+
+    kind: CondKind = CondKind.none  # none | first_frame | first_last | prefix
+    # share of samples conditioned at a step (the others train text-to-video), decided by
+    # (seed, sample id, step) like caption dropout: one model serves both (NeMo's i2v_prob)
+    prob: float = 1.0
+    # kind=prefix: the clip's first frames given, in the data's frames (pixel frames, or latent
+    # frames on a latent cache); a multiple of model.patch_size[0]; 0 = one temporal patch
+    prefix_frames: int = 0
+    feed: CondFeed = CondFeed.timestep  # timestep | concat
 
 
 @dataclass
@@ -286,7 +326,14 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    cond: CondConfig = field(default_factory=CondConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     # Filled by the entry point with Hydra's run dir (one dir for all ranks; rank 0 writes).
     run_dir: str = ""
+
+    def __post_init__(self) -> None:
+        # the model's input width follows from cond.feed (model=wan_tiny cond.feed=concat just
+        # works); a value set by hand that differs is left for check_config to refuse
+        if isinstance(self.model, VideoModelConfig) and self.model.cond_channels == 0:
+            self.model.cond_channels = cond_channels(self.cond, self.model.in_channels)

@@ -16,15 +16,20 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
+from dit_train.checkpoint import training_parts
 from dit_train.config import Config
 from dit_train.engine.ema import EMA
 from dit_train.engine.trainer import Trainer
 from dit_train.models import build_model, model_spec
+from dit_train.models.init import init_adapters, init_weights, load_full_weights
+from dit_train.models.lora import apply_lora, base_parameters, is_lora_name, lora_settings, plain_lora_name
 from dit_train.optim import build_optimizer, build_scheduler
 from dit_train.parallel.mesh import ParallelContext, init_parallel
 from dit_train.parallel.parallelize import parallelize
 from dit_train.kernels import resolve_backend
+from dit_train.tasks import build_task, resolve_config
 
 
 @dataclass
@@ -43,8 +48,6 @@ class Run:
 
     def checkpoint_parts(self) -> dict[str, Any]:
         """The stateful parts a checkpoint of this run holds (dit_train/checkpoint/parts.py)."""
-        from dit_train.checkpoint import training_parts
-
         lora = self.cfg.model.lora.rank > 0
         parts = training_parts(self.model, self.optimizer, self.scheduler, self.trainer, trainable_only=lora)
         if self.ema is not None:
@@ -60,24 +63,11 @@ def set_threads(threads_per_worker: int, local_world: int) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
 
 
-def lora_settings(model_cfg: Any):
-    """LoraSettings of `model.lora`, or None when model.lora.rank = 0 (full training)."""
-    from dit_train.models.lora import settings_from
-
-    lo = model_cfg.lora
-    return settings_from(lo.rank, lo.alpha, lo.dropout, lo.targets, lo.init) if lo.rank > 0 else None
-
-
 def load_pretrained(model: nn.Module, model_cfg: Any, ctx: ParallelContext) -> None:
     """The model's pretrained weights, read once: by rank 0, which broadcasts each tensor while
     every rank keeps its shard (torch.distributed.checkpoint's set_model_state_dict with
     broadcast_from_rank0, over the default process group). Host memory: one full copy on rank 0
     (none elsewhere with a meta-device build)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    from dit_train.models.init import load_full_weights
-    from dit_train.models.lora import base_parameters, is_lora_name, plain_lora_name
-
     spec = model_spec(model_cfg)
     if not ctx.distributed:
         load_full_weights(model, spec.pretrained(model_cfg))
@@ -91,8 +81,6 @@ def load_pretrained(model: nn.Module, model_cfg: Any, ctx: ParallelContext) -> N
             raise ValueError(f"pretrained weights do not fit the model: missing {missing[:5]}, "
                              f"unexpected {unexpected[:5]}")
         # DCP addresses parameters by their fully qualified names (wrappers removed, peft's kept)
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
         fqns = {plain_lora_name(k): k for k in get_model_state_dict(model) if not is_lora_name(k)}
         full = {fqns[k]: v for k, v in sd.items()}
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
@@ -105,9 +93,6 @@ def build_parallel_model(cfg: Config, ctx: ParallelContext) -> nn.Module:
 
     Built on the meta device (no memory until sharded) with parallel.meta_init, and whenever
     pretrained weights will fill it under FSDP2 across ranks (no rank needs a random copy)."""
-    from dit_train.models.init import init_adapters, init_weights
-    from dit_train.models.lora import apply_lora
-
     spec = model_spec(cfg.model)
     backend = resolve_backend(cfg.model.attn_backend, ctx.device)
     pretrained = spec.pretrained is not None and bool(getattr(cfg.model, "pretrained", ""))
@@ -136,17 +121,14 @@ def build_run(cfg: Config, ctx: ParallelContext | None = None, *, task: Any = No
 
     task: use this task instead of the configured data's (e.g. the session's caller data).
     heldout: also build the held-out task (None when the source has none).
+    The Run's cfg is `cfg` with train.micro_batch_tokens=0 (auto) resolved (resolve_config).
     """
-    from dit_train.data import build_task
-
     ctx = ctx or init_parallel(cfg.parallel)
     set_threads(cfg.parallel.threads_per_worker, int(os.environ.get("LOCAL_WORLD_SIZE", ctx.dims.world)))
-    from dit_train.data import auto_micro_batch_tokens
-
-    task = task or build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed)
-    if cfg.train.micro_batch_tokens == 0:  # auto (normally resolved by check_data before the launch)
-        cfg.train.micro_batch_tokens = auto_micro_batch_tokens(task.lengths())
-    held = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed, split="heldout") if heldout else None
+    task = task or build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed, cond=cfg.cond)
+    cfg = resolve_config(cfg, task.lengths())  # auto budget: resolved before the launch, except for direct callers
+    held = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed, split="heldout",
+                      cond=cfg.cond) if heldout else None
     model = build_parallel_model(cfg, ctx)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, max(1, cfg.train.steps))

@@ -7,21 +7,23 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 import typing
 from typing import Any
 
+import torch
+from torch import nn
+
 from dit_train.config import PARALLEL_DEGREES, Config
 from dit_train.config.choices import ActivationCheckpointing, Choice
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot run; the message names the keys to change. `problems`: one
-    line per problem (check_config finds them all at once)."""
-
-    def __init__(self, message: str, problems: list[str] | None = None):
-        super().__init__(message)
-        self.problems = list(problems) if problems is not None else [message]
+from dit_train.config.errors import ConfigError
+from dit_train.data_pipelines import SOURCES
+from dit_train.models import build_model, model_spec, MODELS
+from dit_train.models.lora import DEFAULT_TARGETS
+from dit_train.parallel.mesh import ParallelDims
+from dit_train.tasks.conditioning import cond_errors
+from dit_train.trackers import tracker_errors
 
 
 def _check(ok: bool, message: str, errors: list[str]) -> None:
@@ -53,8 +55,6 @@ def choice_errors(node: Any, prefix: str) -> list[str]:
 
 
 def _parallel(cfg: Config, world_size: int | None, e: list[str]) -> None:
-    from dit_train.parallel.mesh import ParallelDims
-
     p, m = cfg.parallel, cfg.model
     for key in PARALLEL_DEGREES:
         _check(getattr(p, key) >= 1, f"parallel.{key}={getattr(p, key)} must be >= 1", e)
@@ -109,7 +109,6 @@ def _train(cfg: Config, e: list[str]) -> None:
     _check(not (cfg.launcher.max_restarts > 0 and t.ckpt_every == 0),
            "launcher.max_restarts > 0 restarts from the latest checkpoint, but train.ckpt_every=0 writes none; "
            "set train.ckpt_every (e.g. 100)", e)
-    from dit_train.trackers import tracker_errors
 
     e.extend(tracker_errors(list(t.loggers)))
     _check(o.max_grad_norm >= 0, f"optim.max_grad_norm={o.max_grad_norm} must be >= 0 (0 disables clipping)", e)
@@ -204,9 +203,6 @@ def _loss(cfg: Config, e: list[str]) -> None:
 
 
 def _model_and_data(cfg: Config, e: list[str]) -> None:
-    from dit_train.data import SOURCES
-    from dit_train.models import MODELS
-
     m, d = cfg.model, cfg.data
     if m.name not in MODELS:
         e.append(f"model.name={m.name!r} is not a registered model ({', '.join(MODELS.names())})")
@@ -259,16 +255,10 @@ def lora_errors(m: Any) -> list[str]:
     memory, no weights). peft matches a target to a layer whose name is it or ends in ".target";
     a target that matches no linear layer is a typo (peft would ignore it, or fail with its own
     error when none matches)."""
-    from torch import nn
-
-    from dit_train.models import build_model, model_spec
-    from dit_train.models.lora import DEFAULT_TARGETS
-
     lo, e = m.lora, []
     _check(lo.init in ("default", "gaussian"), f"model.lora.init={lo.init!r} must be default or gaussian", e)
     if not lo.targets:
         return e
-    import torch
 
     try:
         with torch.device("meta"):
@@ -285,6 +275,10 @@ def lora_errors(m: Any) -> list[str]:
                  f"(its layers end in {', '.join(kinds[:12])}{', ...' if len(kinds) > 12 else ''}); "
                  f"[] = the default set [{','.join(default)}]")
     return e
+
+
+def _cond_errors(cfg: Config) -> list[str]:
+    return cond_errors(str(cfg.mode), cfg.cond, cfg.model, cfg.data)
 
 
 def warnings_for(cfg: Config) -> list[str]:
@@ -305,8 +299,6 @@ def check_config(cfg: Config, world_size: int | None = None) -> None:
     """Raise ConfigError listing every problem found (and log warnings for settings that run but
     probably do not do what is wanted). `world_size`: processes already started by an outside
     launcher (torchrun / SLURM), or None when we start them ourselves."""
-    import logging
-
     for message in warnings_for(cfg):
         logging.getLogger(__name__).warning(message)
     e = choice_errors(cfg, "")
@@ -316,6 +308,7 @@ def check_config(cfg: Config, world_size: int | None = None) -> None:
     _batch_warmup(cfg.train, e)
     _loss(cfg, e)
     _model_and_data(cfg, e)
+    e += _cond_errors(cfg)
     if e:
         # one problem: one line; several: one line each under the heading
         text = f"invalid configuration: {e[0]}" if len(e) == 1 else "invalid configuration:\n  - " + "\n  - ".join(e)

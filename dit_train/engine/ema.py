@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from dit_train.models.init import plain_name
+from dit_train.models.params import plain_name
 
 
 def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:

@@ -24,7 +24,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
+from omegaconf import OmegaConf
 
 FORMAT = "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"  # Hydra's default job log format
 
@@ -53,9 +55,6 @@ class HydraRecord:
     def capture(cls, task_cfg: Any) -> "HydraRecord":
         """From inside the `@hydra.main` function: the composed task config it received; starts
         keeping this process's log records."""
-        from hydra.core.hydra_config import HydraConfig
-        from omegaconf import OmegaConf
-
         hydra = HydraConfig.get()
         files = {".hydra/config.yaml": OmegaConf.to_yaml(task_cfg),
                  ".hydra/hydra.yaml": OmegaConf.to_yaml(OmegaConf.create({"hydra": hydra})),

@@ -23,14 +23,15 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
 from dit_train.config import Config, LauncherConfig
+from dit_train.config.errors import WorkerFailure
 from dit_train.parallel.mesh import ParallelDims
 
 log = logging.getLogger(__name__)
-
-
-class WorkerFailure(RuntimeError):
-    """A local worker exited with an error; the message names the rank and the cause."""
 
 
 class Interrupted(KeyboardInterrupt):
@@ -81,7 +82,7 @@ def adopt_slurm_env() -> bool:
     from the job environment (one task per GPU). Returns True if it did."""
     if "SUBMITIT_EXECUTOR" not in os.environ or "SLURM_PROCID" not in os.environ:
         return False
-    import submitit
+    import submitit  # deferred: optional (the slurm extra)
 
     env = submitit.JobEnvironment()
     nodes = env.hostnames
@@ -168,10 +169,6 @@ def launch_local(fn: Callable[..., Any], args: tuple, nproc: int, cfg: LauncherC
     signs of life for launcher.heartbeat_timeout_s (after launcher.max_restarts restarts of the
     whole group); no worker outlives this call. Rendezvous listens on loopback only.
     """
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
     # elastic's warnings (a death signal received, workers being closed) repeat what our one line
     # says; each of its modules sets its own logger's level, so set each one's (its errors stay)
     for name in list(logging.Logger.manager.loggerDict):

@@ -12,6 +12,7 @@ the EMA moved), and the larger of the two ratios is reported.
 from __future__ import annotations
 
 import copy
+import typing
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -20,6 +21,7 @@ import torch
 from dit_train.checkpoint import full_state_dict
 from dit_train.config import TRAIN_LAYOUT_KEYS, Config, ParallelConfig, TrainConfig, parallel_layout_keys
 from dit_train.engine.build import build_run
+from dit_train.engine import launch  # launch.launch_local at call time: the tests route it to their worker pool
 from dit_train.parallel.mesh import ParallelDims, init_parallel
 
 EMA_PREFIX = "__ema__/"  # EMA weights in train_weights' results
@@ -30,8 +32,6 @@ TRAIN_KEYS = set(TRAIN_LAYOUT_KEYS)
 def parse_layout(spec: str) -> dict[str, Any]:
     """'dp_shard=2,cp_ulysses=2,grad_accum=2' -> {key: value} (typed by the schema). '1' or '' =
     one process."""
-    import typing
-
     types = typing.get_type_hints(ParallelConfig) | typing.get_type_hints(TrainConfig)
     out: dict[str, Any] = {}
     for item in filter(None, (s.strip() for s in spec.split(","))):
@@ -120,13 +120,11 @@ def world_of(cfg: Config) -> int:
 def train_on_workers(cfgs: list[Config]) -> list[dict[str, torch.Tensor]]:
     """`train_weights(cfgs)` with one local launch per world size (spawning workers costs more
     than a tiny run: layouts of the same size share their workers). Results in cfgs' order."""
-    from dit_train.engine.launch import launch_local
-
     out: list[dict[str, torch.Tensor]] = [{} for _ in cfgs]
     for world in sorted({world_of(c) for c in cfgs}):
         idx = [i for i, c in enumerate(cfgs) if world_of(c) == world]
         group = [cfgs[i] for i in idx]
-        res = train_weights(group) if world == 1 else launch_local(train_weights, (group,), world, group[0].launcher)[0]
+        res = train_weights(group) if world == 1 else launch.launch_local(train_weights, (group,), world, group[0].launcher)[0]
         for i, r in zip(idx, res):
             out[i] = r
     return out

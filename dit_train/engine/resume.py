@@ -37,8 +37,10 @@ ALLOWED = (
 # the logged loss and eval_loss measure from the resumed step on (cosmap scales it by up to 4/π,
 # sigma_sqrt by 1/t²), and the run's config.yaml would no longer describe its weights. A
 # staged schedule (e.g. a larger shift for a higher-resolution stage) is a new run folder.
+# The cond keys too: which tokens are targets is the objective, and cond.feed=concat changes the
+# model's input width (model.cond_channels).
 REFUSED = ("loss.reduction", "loss.timestep_sampling", "loss.logit_mean", "loss.logit_std", "loss.timestep_shift",
-           "loss.shift_reference_tokens", "loss.weighting")
+           "loss.shift_reference_tokens", "loss.weighting", "cond.kind", "cond.prob", "cond.prefix_frames", "cond.feed")
 NOTICE = {
     "optim.lr": "the new peak LR replaces the old one from the resumed step on (same schedule shape: "
                 "LR(step) = new optim.lr x schedule factor)",

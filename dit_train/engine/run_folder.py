@@ -32,17 +32,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dit_train.engine.checks import ConfigError
+from dit_train.checkpoint import checkpoint_root, read_checkpoint_info, resolve_checkpoint
+from dit_train.compose import load_config
+from dit_train.config import to_yaml
+from dit_train.config.errors import RunFolderError
+from dit_train.engine.resume import config_changes, refusal_message
+from dit_train.perf.memory import model_shape, optimizer_bytes_per_param
 
 log = logging.getLogger(__name__)
 
 # what a finished or running training leaves in its folder (Hydra's own .hydra/ and logs don't count)
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tb", "wandb", "samples", "weights.safetensors",
                "weights_ema.safetensors", "summary.json", "config.yaml", "run.json", "lora", "lora_ema")
-
-
-class RunFolderError(ConfigError):
-    """The run folder cannot be used as asked; the message says what to change."""
 
 
 @dataclass
@@ -112,8 +113,6 @@ def _move_aside(path: Path, names: list[str]) -> Path:
 
 def checkpoint_bytes(cfg: Any) -> float:
     """Estimated size of one checkpoint: fp32 weights, optimizer state, EMA."""
-    from dit_train.perf.memory import model_shape, optimizer_bytes_per_param
-
     params = model_shape(cfg.model).params
     per_param = 4 + optimizer_bytes_per_param(cfg.optim.name, cfg.optim.momentum) + (4 if cfg.train.ema_decay > 0 else 0)
     return params * per_param
@@ -154,8 +153,6 @@ def check_same_data(ckpt: Path, data: dict[str, Any] | None, cfg: Any) -> None:
     """Refuse to resume `ckpt` on data whose plan fingerprint (packing.plan_fingerprint: sample
     count and lengths) differs from the one it was trained on, unless train.resume_data_changed.
     Checkpoints without a fingerprint (older ones) and callers without data pass."""
-    from dit_train.checkpoint import read_checkpoint_info
-
     saved = read_checkpoint_info(ckpt)["parts"].get("trainer", {}).get("data")
     if data is None or not saved or saved == data:
         return
@@ -176,10 +173,6 @@ def open_run_folder(cfg: Any, resume: str, hydra_record: Any = None, data: dict[
     hydra_record: a `HydraRecord` to write once the folder is claimed (None outside the CLI).
     data: the plan fingerprint of the configured data (packing.plan_fingerprint) to compare
     with a resumed checkpoint's; None = not checked."""
-    from dit_train.checkpoint import checkpoint_root, resolve_checkpoint
-    from dit_train.config import load_config, to_yaml
-    from dit_train.engine.resume import config_changes, refusal_message
-
     path = Path(cfg.run_dir)
     _writable(path, "run folder")
     if cfg.train.ckpt_every > 0:
@@ -217,7 +210,6 @@ def open_run_folder(cfg: Any, resume: str, hydra_record: Any = None, data: dict[
     for tmp in leftovers:
         log.warning("removing %s: a checkpoint save that was interrupted (it never became a checkpoint)", tmp)
         shutil.rmtree(tmp, ignore_errors=True)
-    from dit_train.checkpoint import read_checkpoint_info
 
     same_folder = ckpt is not None and ckpt.parent.parent.resolve() == path.resolve()
     run_id = (run_id_of(path) if same_folder else None) or (read_checkpoint_info(ckpt).get("run_id") if ckpt else None) \

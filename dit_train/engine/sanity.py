@@ -17,6 +17,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from dit_train.models.lora import is_lora_name, plain_lora_name
+
 
 def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if isinstance(p, DTensor) else p
@@ -43,8 +45,6 @@ def nonfinite_weights(model: nn.Module, device: torch.device, group: Any) -> boo
 def zero_head_error(model: nn.Module, lora_rank: int, device: torch.device, group: Any) -> str:
     """A message when LoRA adapts a model whose output head (the module named by the model's
     `output_head`) is all zero and not adapted itself, else "". Collective over `group`."""
-    from dit_train.models.lora import is_lora_name, plain_lora_name
-
     head = getattr(model, "output_head", None)
     if lora_rank <= 0 or head is None:
         return ""

@@ -195,7 +195,8 @@ class Trainer:
         """Token-mean loss (and, for causal LMs, perplexity) over every sample of `task`, shared
         across ranks. Video: fixed noise and timesteps (those of step 0 for each held-out clip).
 
-        Exact and layout-independent: sums of losses and of valid tokens are all-reduced once.
+        Exact and layout-independent: sums of weighted losses and of token weights are
+        all-reduced once (eval_tokens: Σ w, the tokens that carry loss).
         """
         lengths = dict(enumerate(task.lengths()))
         packs = self.spread(list(lengths), lengths)
@@ -206,13 +207,14 @@ class Trainer:
             (mb,) = self.prepare([pack], step=0, task=task)
             with self.autocast():
                 per_token = self.per_token_loss(mb, task)
-            totals[0] += (per_token.double() * mb.batch.valid).sum()
-            totals[1] += mb.batch.valid.sum()
+            w = mb.batch.loss_weight().double()  # context tokens (conditioning) weigh 0
+            totals[0] += (per_token.double() * w).sum()
+            totals[1] += w.sum()
         self.model.train(was_training)
         if self.ctx.world_group is not None:
             dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=self.ctx.world_group)
         loss = float(totals[0] / totals[1].clamp(min=1))
-        out = {"eval_loss": loss, "eval_tokens": int(totals[1])}
+        out = {"eval_loss": loss, "eval_tokens": round(float(totals[1]))}
         if task.causal:
             out["eval_ppl"] = math.exp(min(loss, 50.0))
         return out
@@ -300,7 +302,7 @@ class Trainer:
             with self.gradient_sync(last and not (known_bad and self.can_skip_sync)), self.autocast(), \
                     activation_offload(self.train_cfg.activation_offload, self.ctx.device):
                 per_token = self.per_token_loss(mb)
-                weights = token_weights(reduction, mb.batch.seg, mb.batch.valid, counts, k)
+                weights = token_weights(reduction, mb.batch.seg, mb.batch.loss_weight(), counts, k)
                 loss = weighted_loss(per_token, weights)
                 total = loss
                 router = self.router_losses(mb, counts, k)

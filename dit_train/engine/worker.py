@@ -1,6 +1,7 @@
 """The worker: what every rank runs, whoever started it (our launcher, torchrun or SLURM)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -9,14 +10,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+
 from dit_train.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
 from dit_train.checkpoint.export import export_run_weights
 from dit_train.config import Config, to_dict, to_yaml
-from dit_train.engine.build import Run, build_run
+from dit_train.config.errors import ConfigError, DataFailure, NonFiniteTraining, RunFolderError
+from dit_train.engine.build import build_run
 from dit_train.engine.resume import apply_optimizer_settings
-from dit_train.engine.run_folder import RunFolderError, open_run_folder, run_id_of
+from dit_train.engine.run_folder import open_run_folder, run_id_of
 from dit_train.engine.sanity import nonfinite_hint, nonfinite_weights, zero_gradient_warning, zero_head_error
 from dit_train.engine.summary import write_summary
+from dit_train.engine.validation import Validation, format_scores
 from dit_train.metrics import MetricsLogger
 from dit_train.parallel.mesh import ParallelContext, init_parallel
 from dit_train.trackers import TrackedRun, open_trackers
@@ -24,100 +29,17 @@ from dit_train.trackers import TrackedRun, open_trackers
 log = logging.getLogger(__name__)
 
 
-class RunFailed(RuntimeError):
-    """The run stopped before its last step; the message says why and what to change."""
-
-
-class NonFiniteTraining(RunFailed):
-    """Too many consecutive steps with non-finite gradients."""
-
-
-class DataFailure(RunFailed):
-    """Too much of the data could not be read (or none of a step's)."""
-
-
 def shared_run_dir(run_dir: str, ctx: ParallelContext) -> str:
     """Rank 0's run dir for everyone. Under torchrun every rank composed its own Hydra config,
     and a time-stamped default dir can differ by a second between ranks."""
     if not ctx.distributed:
         return run_dir
-    import torch.distributed as dist
 
     box = [run_dir]
     dist.broadcast_object_list(box, src=0)
     if box[0] != run_dir:
         log.warning("rank %d: using rank 0's run dir %s (pass hydra.run.dir=... under torchrun)", ctx.rank, box[0])
     return box[0]
-
-
-class Validation:
-    """Validation videos of a video run: the same `train.num_samples` dataset clips every time
-    (all ranks sample; rank 0 decodes, scores and writes samples/step_XXXXXX/)."""
-
-    def __init__(self, cfg: Config, run: Run):
-        from dit_train.data import source_for
-        from dit_train.sampling import VideoSampler, scored_view, source_requests
-
-        t, task = cfg.train, run.task
-        self.source = source_for(cfg.data, cfg.model)
-        requests = source_requests(task, self.source, t.num_samples)
-        null = task.null_caption() if task.text_dim else None
-        # the training shift: validation samples from the noise levels the model was trained on
-        self.sampler = VideoSampler(requests, task.patch, task.text_dim, null, run.ctx, t.sample_steps,
-                                    t.guidance_scale, t.seed, cfg.loss.timestep_shift, cfg.loss.shift_reference_tokens,
-                                    prediction=task.prediction, x0_min_t=task.x0_min_t,
-                                    stochastic=t.stochastic_sampling)
-        self.decode, self.latent = None, cfg.data.name == "latent_cache"
-        if cfg.data.name == "latent_cache" and run.ctx.is_main:  # rank 0 alone decodes (it alone writes)
-            from dit_train.data_pipelines.latent_cache import load_decoder
-
-            self.decode = load_decoder(cfg.data.root, run.ctx.device)
-        self.run, self.guidance, self.steps = run, t.guidance_scale, t.sample_steps
-        self.reference: dict[str, float] = {}
-        if run.ctx.is_main and cfg.data.name != "latent_cache":
-            # the same figures on the real clips: what a perfect generator would score
-            real = scored_view(requests, [task.dataset[r.noise_id].pixels for r in requests])
-            self.reference = self.source.score(real, [r.caption for r in requests]) or {}
-
-    def describe(self) -> str:
-        """One line: how many training clips validation samples, at which sizes (the sizes they
-        train at: data.resolution_buckets, or native; latent caches: the latent grid)."""
-        from collections import Counter
-
-        unit = "latent frames x height x width" if self.latent else "frames x height x width"
-        sizes = Counter("x".join(str(n) for n in r.shape[1:]) for r in self.sampler.requests)
-        listed = ", ".join(size + (f" ({k} clips)" if k > 1 else "") for size, k in sizes.most_common())
-        return (f"validation samples {len(self.sampler.requests)} training clip(s) with their captions, at the "
-                f"sizes they train at ({unit}): {listed}")
-
-    def __call__(self, run_dir: Path, step: int, trackers: Any = None) -> tuple[Path | None, dict[str, float]]:
-        """Sample (from the EMA weights when EMA is on); rank 0 writes and hands the grid and clips
-        to the trackers. Returns (folder, eval figures)."""
-        import contextlib
-
-        from dit_train.sampling import scored_view, to_pixels, write_samples
-
-        run = self.run
-        swap = run.ema.swapped_in() if run.ema is not None else contextlib.nullcontext()
-        with swap:
-            clips = self.sampler.sample(run.model, run.trainer.autocast)
-        if not run.ctx.is_main:
-            return None, {}
-        pixels = to_pixels(clips, self.decode)
-        requests = self.sampler.requests
-        scores = self.source.score(scored_view(requests, pixels), [r.caption for r in requests]) or {}
-        info = {"step": step + 1, "weights": "ema" if run.ema is not None else "training",
-                "sample_steps": self.steps, "guidance_scale": self.guidance,
-                "stochastic_sampling": self.sampler.stochastic, "shifts": self.sampler.shifts,
-                "scores": scores}
-        out = write_samples(run_dir / "samples" / f"step_{step + 1:06d}", self.sampler.requests, pixels, info, trackers,
-                            step)
-        return out, scores
-
-
-def format_scores(scores: dict[str, float]) -> str:
-    keys = ("palette_share", "background_ok", "color_ok", "shape_ok", "motion_ok", "all_ok")
-    return " ".join(f"{k}={scores[f'eval/{k}']:.2f}" for k in keys if f"eval/{k}" in scores)
 
 
 def resume_spec(cfg: Config) -> str:
@@ -145,8 +67,6 @@ def claim_run_folder(cfg: Config, ctx: ParallelContext, claimed: bool, hydra_rec
         except RunFolderError as err:
             outcome = [("error", str(err))]
     if ctx.distributed:
-        import torch.distributed as dist
-
         dist.broadcast_object_list(outcome, src=0)
     kind, value = outcome[0]
     if kind == "error":
@@ -193,7 +113,7 @@ def train(cfg: Config, ctx: ParallelContext | None = None, claimed: bool = False
     see `open_run_folder`)."""
     ctx = ctx or init_parallel(cfg.parallel)
     run_dir = Path(shared_run_dir(cfg.run_dir, ctx))
-    cfg.run_dir = str(run_dir)
+    cfg = dataclasses.replace(cfg, run_dir=str(run_dir))  # torchrun: rank 0's folder (a copy: cfg is only read)
     resume = claim_run_folder(cfg, ctx, claimed, hydra_record, data)
     config_yaml = to_yaml(cfg)
     run = build_run(cfg, ctx, heldout=cfg.train.eval_every > 0)
@@ -206,8 +126,6 @@ def train(cfg: Config, ctx: ParallelContext | None = None, claimed: bool = False
         apply_optimizer_settings(run.optimizer, run.scheduler, cfg.optim)
     cannot_learn = zero_head_error(run.model, cfg.model.lora.rank, ctx.device, ctx.world_group)
     if cannot_learn:
-        from dit_train.engine.checks import ConfigError
-
         raise ConfigError(cannot_learn)
     run_id = run_id_of(run_dir) or ""
 

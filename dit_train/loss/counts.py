@@ -2,10 +2,15 @@
 
 Runs after the step's micro-batches are built and split across CP, before the first forward.
 Two small integer all-reduces, whatever the number of samples or micro-batches:
-  1. within the CP group: per-sample local valid-token counts of every micro-batch, one flat
-     vector -> T_b (a sample split across CP ranks is counted in full, once);
-  2. across DP only: [B_local, N_local·cp-summed] -> B_global, N_global (CP ranks of a group
-     hold the same samples, so summing B over CP would count them cp times).
+  1. within the CP group: per-sample local sums of token weights of every micro-batch, one
+     flat vector -> T_b = Σ_t w_t (a sample split across CP ranks is counted in full, once; a
+     rank holding only context tokens of a sample adds 0 and still takes part);
+  2. across DP only: [B_local, N_local·cp-summed] -> B_global (samples with T_b > 0), N_global
+     = Σ w (CP ranks of a group hold the same samples, so summing B over CP would count them
+     cp times).
+Weights travel as int64 multiples of 1/WEIGHT_ONE (dit_train/batch.py): integer sums are
+exact in any order, so T_b, B and N are the same on every layout also for fractional weights;
+they become float64 token units (a whole token = 1) only after the sums.
 
 Losses that need a statistic of a whole sequence (DPO's per-sequence log-prob sum) add one
 more small collective, the statistics sync (`sync_sequence_sums`): detached per-sequence sums
@@ -19,8 +24,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from dit_train.batch import PackedBatch
+from dit_train.batch import WEIGHT_ONE, PackedBatch
 from dit_train.loss.reductions import StepCounts
+
+
+def to_tokens(units: int) -> int | float:
+    """A weight sum in units of 1/WEIGHT_ONE -> tokens: an int when whole (every weight 0 or 1)."""
+    return units // WEIGHT_ONE if units % WEIGHT_ONE == 0 else units / WEIGHT_ONE
 
 
 def sync_counts(batches: list[PackedBatch], cp_group: dist.ProcessGroup | None, dp_group: dist.ProcessGroup | None,
@@ -31,7 +41,7 @@ def sync_counts(batches: list[PackedBatch], cp_group: dist.ProcessGroup | None, 
     dp_group: the DP group of this rank (all-reduce SUM of sample/token totals), None if dp = 1.
     world: dp·cp, recorded for naive_mean.
     """
-    local = [b.local_counts().to(device=device, dtype=torch.int64) for b in batches]
+    local = [b.local_weights().to(device=device, dtype=torch.int64) for b in batches]
     sizes = [t.numel() for t in local]
     # one trailing zero keeps the vector non-empty when this rank's micro-batches hold no sample
     flat = torch.cat(local + [torch.zeros(1, dtype=torch.int64, device=device)])
@@ -44,10 +54,10 @@ def sync_counts(batches: list[PackedBatch], cp_group: dist.ProcessGroup | None, 
         dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=dp_group)
     b_global, n_global = totals.tolist()
     return StepCounts(
-        sample_tokens=[t.cpu() for t in sample_tokens],
+        sample_tokens=[t.cpu().double() / WEIGHT_ONE for t in sample_tokens],
         num_samples=int(b_global),
-        num_tokens=int(n_global),
-        local_tokens=[int(b.valid.sum()) for b in batches],
+        num_tokens=to_tokens(int(n_global)),
+        local_tokens=[to_tokens(int(b.weight_units().sum())) for b in batches],
         world=world,
     )
 

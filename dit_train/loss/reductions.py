@@ -1,15 +1,19 @@
 """Loss reductions as per-token weight functions (pure: no communication, no state).
 
-The global loss of a step is L = Σ_{ranks, micro-batches, tokens} w·l. Each rank
-back-propagates its local Σ w·l and gradients are summed over ranks, so the gradient equals
-the single-device gradient of L exactly when w depends only on global counts (StepCounts):
+The global loss of a step is L = Σ_{ranks, micro-batches, tokens} a·l. Each rank
+back-propagates its local Σ a·l and gradients are summed over ranks, so the gradient equals
+the single-device gradient of L exactly when a depends only on the token's own loss weight w_t
+(0 = context or ignored, 1 = a whole token, fractional = a soft mask) and global counts
+(StepCounts: T_b = Σ_t w_t of the sample, N_global = Σ w, B_global = samples with T_b > 0):
 
-    token_mean   w = 1 / N_global                 (LLM default)
-    sample_mean  w = 1 / (B_global · T_b)         (video default; every sample weighs the same)
-    sample_sum   w = 1 / B_global
-    sum          w = 1
-    naive_mean   w = 1 / (n_local · M · W)        per-rank mean, averaged over M micro-batches
-                                                  and W = dp·cp ranks: the common, biased recipe
+    token_mean   a = w_t / N_global                 (LLM default)
+    sample_mean  a = w_t / (B_global · T_b)         (video default; every sample weighs the same)
+    sample_sum   a = w_t / B_global
+    sum          a = w_t
+    naive_mean   a = w_t / (n_local · M · W)        per-rank mean (n_local = Σ w of the micro-
+                                                    batch on this rank), averaged over M micro-
+                                                    batches and W = dp·cp ranks: the biased recipe
+With 0/1 weights (`PackedBatch.valid`) these are the textbook token and sample means.
 """
 from __future__ import annotations
 
@@ -28,18 +32,21 @@ EXACT_REDUCTIONS = ("sample_mean", "token_mean", "sample_sum", "sum")
 class StepCounts:
     """Global counts of one optimizer step (output of `sync_counts`).
 
-    sample_tokens[k]: [S_k] T_b, valid tokens of each sample of micro-batch k, over the whole
+    Token sums are sums of loss weights in token units (a whole token weighs 1): with 0/1
+    weights they are token counts (whole numbers), with fractional weights fractions of k/65535.
+
+    sample_tokens[k]: [S_k] float64 T_b = Σ_t w_t of each sample of micro-batch k, over the whole
         sample (summed over its CP group); the same on every CP rank of the group.
-    num_samples: B_global, samples with at least one valid token, over all micro-batches and DP ranks.
-    num_tokens: N_global, valid tokens over all micro-batches and all ranks (DP × CP).
-    local_tokens[k]: valid tokens of micro-batch k on this rank only (for naive_mean).
+    num_samples: B_global, samples with T_b > 0, over all micro-batches and DP ranks.
+    num_tokens: N_global = Σ w over all micro-batches and all ranks (DP × CP); an int when whole.
+    local_tokens[k]: Σ w of micro-batch k on this rank only (for naive_mean).
     world: DP × CP ranks (for naive_mean's averaging).
     """
 
     sample_tokens: list[torch.Tensor]
     num_samples: int
-    num_tokens: int
-    local_tokens: list[int]
+    num_tokens: int | float
+    local_tokens: list[int | float]
     world: int
 
     @property
@@ -48,26 +55,29 @@ class StepCounts:
 
 
 def inverse_sample_tokens(seg: torch.Tensor, valid: torch.Tensor, meta: StepCounts, micro: int) -> torch.Tensor:
-    """[L] fp32 1 / T_b of each valid local token's sample (0 for padding and ignored tokens):
-    the weight of a per-sample token mean, before any division by the number of samples."""
+    """[L] fp32 1 / T_b of each valid local token's sample (0 for padding, ignored and context
+    tokens): the weight of a per-sample token mean, before the token's own weight and any
+    division by the number of samples. valid: [L] bool, or [L] weights (valid where > 0)."""
     T = meta.sample_tokens[micro].to(device=seg.device, dtype=torch.float32)
     T_tok = T[seg.clamp(min=0)] if T.numel() else torch.zeros(seg.shape, dtype=torch.float32, device=seg.device)
-    return torch.where(valid & (T_tok > 0), 1.0 / T_tok.clamp(min=1.0), 0.0)
+    keep = (valid if valid.dtype == torch.bool else valid > 0) & (T_tok > 0) & (seg >= 0)
+    return torch.where(keep, 1.0 / torch.where(keep, T_tok, 1.0), 0.0)
 
 
-def token_weights(reduction: str, seg: torch.Tensor, valid: torch.Tensor, meta: StepCounts, micro: int) -> torch.Tensor:
-    """[L] fp32 weight of each local token of micro-batch `micro`.
+def token_weights(reduction: str, seg: torch.Tensor, weight: torch.Tensor, meta: StepCounts, micro: int) -> torch.Tensor:
+    """[L] fp32 weight a_t of each local token of micro-batch `micro` (see the module docstring).
 
-    seg: [L] sample index in the pack (-1 padding); valid: [L] bool. Tokens that are not valid,
-    and samples or steps without valid tokens, get weight 0 (never a division by zero).
+    seg: [L] sample index in the pack (-1 padding); weight: [L] the tokens' loss weights w_t
+    (`PackedBatch.loss_weight()`), or the bool `valid` mask for 0/1 weights. Tokens of weight
+    0, and samples or steps whose weights sum to 0, get 0 (never a division by zero).
     """
-    v = valid.to(torch.float32)
+    v = weight.to(torch.float32)
     if reduction == "token_mean":
         return v / meta.num_tokens if meta.num_tokens > 0 else v * 0
     if reduction == "sample_mean":
         if meta.num_samples == 0:
             return v * 0
-        return inverse_sample_tokens(seg, valid, meta, micro) / meta.num_samples
+        return v * inverse_sample_tokens(seg, v > 0, meta, micro) / meta.num_samples
     if reduction == "sample_sum":
         return v / meta.num_samples if meta.num_samples > 0 else v * 0
     if reduction == "sum":

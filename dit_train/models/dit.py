@@ -49,14 +49,16 @@ class FinalLayer(nn.Module):
 class VideoDiT(nn.Module):
     """Diffusion transformer over packed (t, h, w) patches.
 
-    forward(x, pos, seg, t, meta, context=None, context_len=None):
-      x:    [L, patch_dim]  noisy patches of every clip in the pack, concatenated
+    forward(x, pos, seg, t, meta, context=None, context_len=None, clean=None):
+      x:    [L, in_dim]     noisy patches of every clip in the pack, concatenated (in_dim =
+                            patch_dim, plus the concat conditioning's channels: cond_dim)
       pos:  [L, 3]          (t, h, w) patch coordinates inside each clip, for 3-D RoPE
       seg:  [L]             index of the clip in the pack (-1 = padding)
       t:    [S]             flow-matching time of each clip
       meta: attention metadata for the attention callable (VarlenLayout, or its CP variant)
       context:     [S, Lc, text_dim] caption embeddings, valid tokens first (text_dim > 0 only)
       context_len: [S] int64 valid caption tokens of each clip
+      clean: [L] bool tokens given clean (cond.feed=timestep context): conditioned on t = 0
     returns [L, patch_dim], the predicted velocity.
     """
 
@@ -67,11 +69,11 @@ class VideoDiT(nn.Module):
 
     def __init__(self, patch_dim: int, dim: int, depth: int, heads: int, mlp_ratio: float,
                  qk_norm: bool = True, rope_theta: float = 10000.0, backend: str = "sdpa", text_dim: int = 0,
-                 moe_blocks: list | None = None, pooled_text: bool = False):
+                 moe_blocks: list | None = None, pooled_text: bool = False, cond_dim: int = 0):
         super().__init__()
         self.patch_dim = patch_dim
         self.text_dim = text_dim
-        self.x_embedder = nn.Linear(patch_dim, dim)
+        self.x_embedder = nn.Linear(patch_dim + cond_dim, dim)
         self.t_embedder = TimestepEmbedder(dim)
         # caption embeddings (any encoder width) -> model width, as PixArt's caption projection
         self.context_embedder = nn.Sequential(nn.Linear(text_dim, dim), nn.GELU(approximate="tanh"),
@@ -85,10 +87,13 @@ class VideoDiT(nn.Module):
         self.final = FinalLayer(dim, patch_dim)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, seg: torch.Tensor, t: torch.Tensor, meta: Any,
-                context: torch.Tensor | None = None, context_len: torch.Tensor | None = None) -> torch.Tensor:
+                context: torch.Tensor | None = None, context_len: torch.Tensor | None = None,
+                clean: torch.Tensor | None = None) -> torch.Tensor:
         # inputs arrive in fp32 (FSDP2's root does not cast them, see parallel.fsdp_mp_policies)
         h = self.x_embedder(x.to(self.x_embedder.weight.dtype))
-        c = self.t_embedder(t)
+        S = t.shape[0]
+        # clean context tokens read their sample's rows at t = 0 (one embedding pass for both)
+        c = self.t_embedder(t if clean is None else torch.cat([t, torch.zeros_like(t)]))
         rope = self.rope(pos)
         text = None
         if self.context_embedder is not None:
@@ -96,8 +101,10 @@ class VideoDiT(nn.Module):
                 raise ValueError("this model has text cross-attention (model.text_dim > 0) but the batch has no captions")
             text = TextContext(self.context_embedder(context.to(h.dtype)), context_len, seg)
             if self.text_pool is not None:
-                c = c + self.text_pool(pooled(text))
-        cond = Conditioning.from_samples(c, seg)
+                pool = self.text_pool(pooled(text))
+                c = c + (pool if clean is None else torch.cat([pool, pool]))
+        cond = Conditioning.from_samples(c, seg) if clean is None else \
+            Conditioning.from_samples(c[:S], seg, clean, c[S:])
         for block in self.blocks:
             h = block(h, rope, meta, cond, text)
         return self.final(h, cond)
@@ -115,8 +122,14 @@ def patch_dim(cfg: VideoModelConfig) -> int:
     return cfg.in_channels * math.prod(cfg.patch_size)
 
 
+def input_dim(cfg: VideoModelConfig) -> int:
+    """Features of an input token: the patch, plus the concat conditioning's channels."""
+    return (cfg.in_channels + cfg.cond_channels) * math.prod(cfg.patch_size)
+
+
 def build(cfg: DiTConfig, attn_backend: str = "sdpa") -> VideoDiT:
-    return VideoDiT(patch_dim=patch_dim(cfg), dim=cfg.dim, depth=cfg.depth, heads=cfg.heads, mlp_ratio=cfg.mlp_ratio,
+    return VideoDiT(patch_dim=patch_dim(cfg), cond_dim=input_dim(cfg) - patch_dim(cfg), dim=cfg.dim, depth=cfg.depth,
+                    heads=cfg.heads, mlp_ratio=cfg.mlp_ratio,
                     qk_norm=cfg.qk_norm, rope_theta=cfg.rope_theta, backend=attn_backend, text_dim=cfg.text_dim,
                     moe_blocks=[block_moe(i, cfg.moe) for i in range(cfg.depth)], pooled_text=cfg.pooled_text)
 
@@ -156,5 +169,5 @@ register_model(ModelSpec(
     activations=_activations,
     block_linears=lambda b: [b.attn.qkv, b.attn.proj, *feed_forward_linears(b.mlp)],
     io_linears=lambda m: [m.x_embedder, m.final.linear],
-    io_dim=patch_dim, hidden=lambda cfg: int(cfg.dim * cfg.mlp_ratio),
+    io_dim=input_dim, hidden=lambda cfg: int(cfg.dim * cfg.mlp_ratio),
 ))

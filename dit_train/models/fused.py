@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dit_train.models.recompute import fused_enabled
+
 
 def _opmath(x: torch.Tensor) -> torch.Tensor:
     """x in fp32, or fp64 if it is fp64 (torch's "opmath" type for reductions)."""
@@ -118,8 +120,6 @@ def gated_residual_value(x: torch.Tensor, gate: torch.Tensor, index: torch.Tenso
 def gated_residual(x: torch.Tensor, gate: torch.Tensor, index: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """adaLN-zero's gated residual x + gate[index] · y. x, y: [L, d]; gate: [S+1, d] per
     sample; index: [L] int64 row of each token."""
-    from dit_train.models.recompute import fused_enabled
-
     if not fused_enabled():
         return addcmul(x, gate.index_select(0, index), y)
     return _GatedResidual.apply(x, gate, index, y)

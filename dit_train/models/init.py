@@ -7,27 +7,12 @@ not depend on the order in which modules were created.
 """
 from __future__ import annotations
 
-import hashlib
-
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
-
-# Name parts added by wrappers that parallelize() may apply before initialisation (meta_init):
-# activation checkpointing and torch.compile. Seeds and pretrained keys use the plain names.
-_WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-def plain_name(name: str) -> str:
-    for part in _WRAPPER_PARTS:
-        name = name.replace(part, "")
-    return name
-
-
-def named_seed(seed: int, name: str) -> int:
-    digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+from dit_train.models.lora import base_parameters, init_lora_weights_from_seed, is_lora_name, plain_lora_name
+from dit_train.models.params import copy_full, named_seed
+from dit_train.models.registry import model_spec
 
 
 def _fill(module: nn.Module, pname: str, full: torch.Tensor, gen: torch.Generator, zero: bool, scheme: str, std: float):
@@ -58,7 +43,6 @@ def init_weights(model: nn.Module, seed: int, scheme: str = "adaln_zero", std: f
     """
     if scheme not in ("adaln_zero", "normal"):
         raise ValueError(f"model.init={scheme!r} must be adaln_zero or normal")
-    from dit_train.models.lora import is_lora_name, plain_lora_name
 
     zero_patterns = getattr(model, "zero_init", ())
     for mod_name, module in model.named_modules():
@@ -72,15 +56,7 @@ def init_weights(model: nn.Module, seed: int, scheme: str = "adaln_zero", std: f
             full = torch.empty(p.shape, dtype=torch.float32)
             zero = scheme == "adaln_zero" and any(z in name for z in zero_patterns)
             _fill(module, pname, full, gen, zero, scheme, std)
-            _copy_full(p, full)
-
-
-def _copy_full(p: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy a full (unsharded) tensor into parameter p, or into p's local shard if p is a DTensor."""
-    if isinstance(p, DTensor):
-        # src_data_rank=None: every rank holds the same full tensor; slice locally, no comms
-        full = distribute_tensor(full.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
-    p.copy_(full.to(device=p.device, dtype=p.dtype))
+            copy_full(p, full)
 
 
 @torch.no_grad()
@@ -88,8 +64,6 @@ def load_full_weights(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> 
     """Copy full tensors (keys = the plain model's parameter names) into `model`, plain or
     sharded (each rank keeps its shard). Every parameter must be given, and nothing else (LoRA
     adapters excepted: they are not in a base model's weights)."""
-    from dit_train.models.lora import base_parameters
-
     params = base_parameters(model)
     missing, unexpected = sorted(params.keys() - state_dict.keys()), sorted(state_dict.keys() - params.keys())
     if missing or unexpected:
@@ -97,7 +71,7 @@ def load_full_weights(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> 
     for name, p in params.items():
         if tuple(state_dict[name].shape) != tuple(p.shape):
             raise ValueError(f"pretrained {name} has shape {tuple(state_dict[name].shape)}, the model {tuple(p.shape)}")
-        _copy_full(p, state_dict[name])
+        copy_full(p, state_dict[name])
 
 
 def initialize(model: nn.Module, cfg, seed: int) -> None:
@@ -105,8 +79,6 @@ def initialize(model: nn.Module, cfg, seed: int) -> None:
     pretrained weights when its config names a folder (`model.pretrained`, models whose spec can
     read one), else `init_weights` from the seed; LoRA adapters, if any, from the seed too.
     (Across ranks, engine/build.py reads pretrained weights on rank 0 and broadcasts them.)"""
-    from dit_train.models.registry import model_spec
-
     spec = model_spec(cfg)
     if spec.pretrained is not None and getattr(cfg, "pretrained", ""):
         load_full_weights(model, spec.pretrained(cfg))
@@ -118,6 +90,4 @@ def initialize(model: nn.Module, cfg, seed: int) -> None:
 def init_adapters(model: nn.Module, seed: int) -> None:
     """LoRA adapters from (seed, name), when the model has any."""
     if hasattr(model, "peft_config"):
-        from dit_train.models.lora import init_lora_weights_from_seed
-
         init_lora_weights_from_seed(model, seed)

@@ -27,18 +27,28 @@ from dit_train.kernels import LocalAttention, packed_cross_attention
 class Conditioning:
     """Per-sample conditioning broadcast to tokens.
 
-    per_sample: [S + 1, C] — one row per sample of the pack, plus a last all-zero row for padding.
+    per_sample: [R, C] — rows the tokens read: one per sample of the pack, then (per-token
+        timesteps) one per sample at timestep 0, then a last all-zero row for padding.
     index: [L] int64 — the row of each token (padding tokens point at the last row).
+    Tables stay per row, never per token: adaLN runs on R rows and tokens gather their row.
     """
 
     per_sample: torch.Tensor
     index: torch.Tensor
 
     @staticmethod
-    def from_samples(c: torch.Tensor, seg: torch.Tensor) -> "Conditioning":
+    def from_samples(c: torch.Tensor, seg: torch.Tensor, clean: torch.Tensor | None = None,
+                     c_clean: torch.Tensor | None = None) -> "Conditioning":
+        """c: [S, C] each sample's conditioning; seg: [L]. With `clean` ([L] bool: tokens given
+        clean at timestep 0, cond.feed=timestep) those tokens read c_clean [S, C], their sample's
+        conditioning at t = 0, instead (rows S..2S−1): per-token timesteps at per-sample cost."""
         S = c.shape[0]
-        rows = torch.cat([c, c.new_zeros(1, c.shape[1])])
-        return Conditioning(rows, torch.where(seg < 0, torch.full_like(seg, S), seg))
+        if clean is None:
+            rows = torch.cat([c, c.new_zeros(1, c.shape[1])])
+            return Conditioning(rows, torch.where(seg < 0, torch.full_like(seg, S), seg))
+        rows = torch.cat([c, c_clean, c.new_zeros(1, c.shape[1])])
+        index = torch.where(seg < 0, torch.full_like(seg, 2 * S), seg + S * clean.to(seg.dtype))
+        return Conditioning(rows, index)
 
 
 def modulation_tables(per_sample: torch.Tensor, chunks: int, scale_at: tuple[int, ...]) -> list[torch.Tensor]:

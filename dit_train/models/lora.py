@@ -38,12 +38,14 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from torch import nn
 
-from dit_train.models.init import _copy_full, named_seed, plain_name
+from dit_train.models.params import copy_full, named_seed, plain_name
 
 ADAPTER = "default"  # peft's adapter name: the `default` in X.lora_A.default.weight
 PREFIX = "transformer"  # component prefix of diffusers' LoRA files (WanPipeline.transformer)
@@ -84,7 +86,7 @@ class LoraSettings:
     init: str = "default"
 
     def lora_config(self, model_kind: str):
-        from peft import LoraConfig
+        from peft import LoraConfig  # deferred: peft takes ~4 s to import (transformers); only LoRA runs need it
 
         if self.rank < 1:
             raise ValueError(f"lora rank={self.rank} must be >= 1")
@@ -145,7 +147,7 @@ def _config(model: nn.Module):
 
 def _lora_layers(model: nn.Module) -> dict[str, nn.Module]:
     """{module name: peft LoRA layer} of every adapted layer."""
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer  # deferred: peft takes ~4 s to import (transformers); only LoRA runs need it
 
     return {n: m for n, m in model.named_modules() if isinstance(m, LoraLayer)}
 
@@ -158,7 +160,7 @@ def apply_lora(model: nn.Module, settings: LoraSettings, model_kind: str, seed: 
     block together. seed: redraw the adapters with `init_lora_weights_from_seed` (needed for
     layout-independent starts; skip it on the meta device and call it after `to_empty`).
     """
-    from peft import inject_adapter_in_model
+    from peft import inject_adapter_in_model  # deferred: peft takes ~4 s to import (transformers); only LoRA runs need it
 
     if hasattr(model, "peft_config"):
         raise ValueError("the model already has LoRA adapters")
@@ -194,7 +196,7 @@ def init_lora_weights_from_seed(model: nn.Module, seed: int) -> None:
                 nn.init.normal_(full, std=1.0 / p.shape[0], generator=gen)
             else:
                 raise ValueError(f"cannot seed init_lora_weights={init!r}")
-        _copy_full(p, full)
+        copy_full(p, full)
 
 
 # --------------------------------------------------------------------------- export / import
@@ -262,8 +264,6 @@ def save_lora(model: nn.Module, out_dir: str | Path, model_kind: str = "wan",
               state_dict: dict[str, torch.Tensor] | None = None, fold_scale: bool = False) -> Path:
     """Write out_dir/pytorch_lora_weights.safetensors (lora_state_dict + lora_metadata in the
     header), loadable with `WanPipeline.load_lora_weights(out_dir)`. Returns the file."""
-    from safetensors.torch import save_file
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / WEIGHT_NAME
@@ -280,9 +280,6 @@ def load_lora(model: nn.Module, path: str | Path) -> None:
     layers and rank) into a model wrapped by apply_lora, plain or sharded (each rank reads the
     file and keeps its shards). The file's scale (lora_alpha/r of its metadata; 1 without, as
     diffusers assumes) is converted to the model's by rescaling B."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
     with safe_open(str(path), "pt") as f:
         header = json.loads((f.metadata() or {}).get(METADATA_KEY, "{}"))
     config = _config(model)
@@ -300,7 +297,7 @@ def load_lora(model: nn.Module, path: str | Path) -> None:
         value = sd[key]
         if ".lora_B." in key:
             value = value * (file_scale / scales[key.split(".lora_B.")[0]])
-        _copy_full(p, value)
+        copy_full(p, value)
 
 
 # --------------------------------------------------------------------------- merge
@@ -349,3 +346,9 @@ def merged_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> 
 def settings_from(rank: int, alpha: float, dropout: float, targets: Sequence[str], init: str) -> LoraSettings:
     """LoraSettings from the config's keys (alpha 0 = rank; targets [] = the model's default set)."""
     return LoraSettings(rank=rank, alpha=alpha or None, dropout=dropout, targets=list(targets) or None, init=init)
+
+
+def lora_settings(model_cfg: Any) -> LoraSettings | None:
+    """LoraSettings of `model.lora`, or None when model.lora.rank = 0 (full training)."""
+    lo = model_cfg.lora
+    return settings_from(lo.rank, lo.alpha, lo.dropout, lo.targets, lo.init) if lo.rank > 0 else None

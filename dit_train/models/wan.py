@@ -12,7 +12,10 @@ dit_train (FSDP2 over `.blocks`, Ulysses/ring CP through `attention_fn`) applies
 - time: one embedding per clip (Wan's time embedding expects t·1000, t the flow time with
   noise at t = 1, as ours), gathered per token and given to diffusers' own
   `WanTransformerBlock.forward` through its per-token path (temb [1, L, 6, dim], the one
-  Wan 2.2 TI2V uses);
+  Wan 2.2 TI2V uses); clean context tokens of the timestep-fed conditioning read their clip's
+  embedding at t = 0 (one more row per clip, as Wan 2.2's `expand_timesteps`);
+- concat conditioning: the patch embedding is wider (model.cond_channels more input channels,
+  diffusers' Wan 2.1 I2V order [noisy | mask | condition]); the output is not;
 - 3-D RoPE: WanRotaryPosEmbed's frequencies, computed from each token's (t, h, w) instead of
   one grid per batch;
 - attention: the blocks' WanAttention modules get `PackedWanAttnProcessor` (diffusers'
@@ -25,7 +28,9 @@ No parallelism here (no torch.distributed).
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,6 +41,8 @@ from dit_train.config.choices import Mode
 from dit_train.config.schema import VideoModelConfig
 from dit_train.models.registry import ActivationModel, ModelSpec, register_model
 from dit_train.kernels import LocalAttention, packed_cross_attention
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -62,7 +69,7 @@ class WanConfig(VideoModelConfig):
 NUM_TRAIN_TIMESTEPS = 1000.0
 # Key of our config for each WanTransformer3DModel config key (for clear mismatch errors).
 _OUR_KEY = {"patch_size": "patch_size", "num_attention_heads": "heads", "attention_head_dim": "dim / heads",
-            "in_channels": "in_channels", "out_channels": "in_channels", "text_dim": "text_dim",
+            "in_channels": "in_channels + cond_channels (cond.feed=concat)", "out_channels": "in_channels", "text_dim": "text_dim",
             "freq_dim": "freq_dim", "ffn_dim": "ffn_dim", "num_layers": "depth",
             "cross_attn_norm": "cross_attn_norm", "eps": "norm_eps"}
 
@@ -77,8 +84,9 @@ def wan_config(cfg: WanConfig) -> dict[str, Any]:
         raise ValueError(f"model.patch_size={list(cfg.patch_size)} must be [t, h, w]")
     if cfg.rope_theta != 10000.0:
         raise ValueError(f"model.rope_theta={cfg.rope_theta}: Wan's RoPE is fixed at 10000; remove the override")
+    # the concat conditioning widens the input only (Wan 2.1 I2V: 36 = 16 noisy + 4 mask + 16 image latents)
     return dict(patch_size=tuple(cfg.patch_size), num_attention_heads=cfg.heads, attention_head_dim=cfg.dim // cfg.heads,
-                in_channels=cfg.in_channels, out_channels=cfg.in_channels, text_dim=cfg.text_dim,
+                in_channels=cfg.in_channels + cfg.cond_channels, out_channels=cfg.in_channels, text_dim=cfg.text_dim,
                 freq_dim=cfg.freq_dim, ffn_dim=cfg.ffn_dim or int(cfg.dim * cfg.mlp_ratio), num_layers=cfg.depth,
                 cross_attn_norm=cfg.cross_attn_norm, eps=cfg.norm_eps)
 
@@ -161,14 +169,15 @@ class PackedWanAttnProcessor:
 class PackedWan(nn.Module):
     """Packed-sequence forward over a diffusers WanTransformer3DModel's modules.
 
-    forward(x, pos, seg, t, meta, context=None, context_len=None):
-      x:    [L, C·pt·ph·pw]  noisy patches, features ordered (c, pt, ph, pw)
+    forward(x, pos, seg, t, meta, context=None, context_len=None, clean=None):
+      x:    [L, C_in·pt·ph·pw]  noisy patches (+ concat conditioning channels), features (c, pt, ph, pw)
       pos:  [L, 3]           (t, h, w) patch coordinates inside each clip
       seg:  [L]              clip of each token (-1 = padding)
       t:    [S]              flow time of each clip in [0, 1]
       meta: attention metadata for `attention_fn` (VarlenLayout, or CPAttnLayout under CP)
       context: [S, Lc, text_dim] caption embeddings (valid tokens first); None = one all-zero token
       context_len: [S] int64 valid caption tokens
+      clean: [L] bool tokens given clean (cond.feed=timestep): their clip's embedding at t = 0
     returns [L, C·pt·ph·pw], the predicted velocity.
     """
 
@@ -178,7 +187,7 @@ class PackedWan(nn.Module):
 
     def __init__(self, cfg: WanConfig, backend: str = "sdpa"):
         super().__init__()
-        from diffusers import WanTransformer3DModel
+        from diffusers import WanTransformer3DModel  # deferred: diffusers takes ~2 s to import; only Wan models need it
 
         self.diffusers_config = wan_config(cfg)
         self.text_len, self.pad_context = cfg.text_len, cfg.attend_padded_context
@@ -218,13 +227,18 @@ class PackedWan(nn.Module):
         return context, torch.full_like(context_len, self.text_len)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, seg: torch.Tensor, t: torch.Tensor, meta: Any,
-                context: torch.Tensor | None = None, context_len: torch.Tensor | None = None) -> torch.Tensor:
+                context: torch.Tensor | None = None, context_len: torch.Tensor | None = None,
+                clean: torch.Tensor | None = None) -> torch.Tensor:
         S = t.shape[0]
-        row = torch.where(seg < 0, torch.full_like(seg, S), seg)  # padding tokens use an extra time row (t=0)
-        timestep = torch.cat([t.float(), t.new_zeros(1, dtype=torch.float32)]) * NUM_TRAIN_TIMESTEPS
+        if clean is None:
+            row = torch.where(seg < 0, torch.full_like(seg, S), seg)  # padding tokens use an extra time row (t=0)
+            timestep = torch.cat([t.float(), t.new_zeros(1, dtype=torch.float32)]) * NUM_TRAIN_TIMESTEPS
+        else:  # rows S..2S-1: each clip at t = 0, read by its clean context tokens; 2S: padding
+            row = torch.where(seg < 0, torch.full_like(seg, 2 * S), seg + S * clean.to(seg.dtype))
+            timestep = torch.cat([t.float(), t.new_zeros(S + 1, dtype=torch.float32)]) * NUM_TRAIN_TIMESTEPS
         context, lengths = self._context(context, context_len, S, x)
         context = context.to(self.condition_embedder.text_embedder.linear_1.weight.dtype)
-        temb, timestep_proj, states, _ = self.condition_embedder(timestep, context)  # [S+1, dim], [S+1, 6·dim]
+        temb, timestep_proj, states, _ = self.condition_embedder(timestep, context)  # [R, dim], [R, 6·dim]
         w = self.patch_embedding.weight  # inputs arrive in fp32 under FSDP2 mixed precision
         h = F.linear(x.to(w.dtype), w.flatten(1), self.patch_embedding.bias)[None]  # [1, L, dim]
         temb_tok = timestep_proj.unflatten(1, (6, -1))[row][None]  # [1, L, 6, dim]
@@ -232,7 +246,7 @@ class PackedWan(nn.Module):
         ctx = PackedContext(states, seg, lengths)
         for block in self.blocks:
             h = block(h, ctx, temb_tok, rope)
-        shift, scale = (self.scale_shift_table + temb[:, None]).unbind(1)  # [S+1, dim] each
+        shift, scale = (self.scale_shift_table + temb[:, None]).unbind(1)  # [R, dim] each
         h = h[0]
         h = (self.norm_out(h.float()) * (1 + scale[row]) + shift[row]).type_as(h)
         out = self.proj_out(h)  # [L, (pt, ph, pw, c)]
@@ -246,9 +260,7 @@ class PackedWan(nn.Module):
 def read_pretrained(path: str, cfg: WanConfig) -> dict[str, torch.Tensor]:
     """fp32 CPU state dict of the diffusers folder `path` (WanTransformer3DModel), after
     checking its shape against `cfg` (error names the keys to set)."""
-    from pathlib import Path
-
-    from diffusers import WanTransformer3DModel
+    from diffusers import WanTransformer3DModel  # deferred: diffusers takes ~2 s to import; only Wan models need it
 
     folder = Path(path).expanduser()
     if not (folder / "config.json").exists():
@@ -265,6 +277,11 @@ def read_pretrained(path: str, cfg: WanConfig) -> dict[str, torch.Tensor]:
         raise ValueError(f"model.pretrained={path}: {err} (weights must be .safetensors; "
                          f"model.allow_pickle_weights=true also reads .bin from a source you trust)") from None
     want = wan_config(cfg)
+    # a text-to-video checkpoint fine-tuned into concat conditioning (Wan 2.1 I2V style): its
+    # patch embedding gets the new input channels, zero-initialised (widen_patch_embedding)
+    widen = cfg.cond_channels > 0 and wan.config["in_channels"] == cfg.in_channels
+    if widen:
+        want["in_channels"] = cfg.in_channels
     wrong = []
     for key, ours in want.items():
         theirs = wan.config[key]
@@ -275,12 +292,23 @@ def read_pretrained(path: str, cfg: WanConfig) -> dict[str, torch.Tensor]:
             wrong.append(f"{key}={wan.config[key]}: image-conditioned Wan (I2V) is not supported")
     if wrong:
         raise ValueError(f"model.pretrained={path} does not match the model config: " + "; ".join(wrong))
-    return {k: v.detach().float().contiguous() for k, v in wan.state_dict().items()}
+    state = {k: v.detach().float().contiguous() for k, v in wan.state_dict().items()}
+    return widen_patch_embedding(state, cfg.cond_channels) if widen else state
+
+
+def widen_patch_embedding(state: dict[str, torch.Tensor], extra: int) -> dict[str, torch.Tensor]:
+    """A T2V state dict for a model whose patch embedding reads `extra` more input channels
+    (cond.feed=concat: mask and conditioning frames, after the noisy ones): the new channels'
+    weights start at zero, so the widened model computes exactly what the T2V one did until
+    training teaches it to read them (as diffusers-based I2V fine-tuning scripts do)."""
+    w = state["patch_embedding.weight"]  # [dim, C, pt, ph, pw]
+    log.info("model.pretrained: the patch embedding gets %d zero-initialised input channels (cond.feed=concat)", extra)
+    return state | {"patch_embedding.weight": torch.cat([w, w.new_zeros(w.shape[0], extra, *w.shape[2:])], dim=1)}
 
 
 def to_diffusers(state_dict: dict[str, torch.Tensor], cfg: WanConfig) -> Any:
     """A diffusers WanTransformer3DModel holding `state_dict` (our keys = diffusers' keys)."""
-    from diffusers import WanTransformer3DModel
+    from diffusers import WanTransformer3DModel  # deferred: diffusers takes ~2 s to import; only Wan models need it
 
     wan = WanTransformer3DModel(**wan_config(cfg))
     wan.load_state_dict(state_dict, strict=True)
@@ -315,6 +343,7 @@ register_model(ModelSpec(
                                             selective_d=10.5),
     block_linears=_block_linears,
     io_linears=lambda m: [m.patch_embedding, m.proj_out],
-    io_dim=lambda cfg: cfg.in_channels * cfg.patch_size[0] * cfg.patch_size[1] * cfg.patch_size[2], hidden=_ffn,
+    io_dim=lambda cfg: (cfg.in_channels + cfg.cond_channels) * cfg.patch_size[0] * cfg.patch_size[1] * cfg.patch_size[2],
+    hidden=_ffn,
     pretrained=lambda cfg: read_pretrained(cfg.pretrained, cfg), to_diffusers=to_diffusers,
 ))

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from dit_train.config.choices import ActivationCheckpointing
 
@@ -67,16 +69,12 @@ def selective_save_ops() -> tuple[Any, ...]:
 
 
 def _selective_contexts():
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
     return create_selective_checkpoint_contexts(list(selective_save_ops()))
 
 
 def apply_activation_checkpointing(blocks: nn.ModuleList, policy: Any = "full", every: int = 1) -> None:
     """Wrap the blocks `policy` and `every` select (in place, in the ModuleList), before FSDP
     and compile wrap them. Non-reentrant checkpointing (works with FSDP2's hooks)."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
     policy = ac_policy(policy)
     if policy == "none":
         return

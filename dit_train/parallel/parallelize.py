@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dit_train.config import ParallelConfig, TrainConfig
 from dit_train.models.moe import moe_layers
@@ -122,8 +124,6 @@ def parallelize(model: nn.Module, spec: ModelSpec, ctx: ParallelContext, cfg: Pa
         apply_fsdp(model, blocks, ctx, cfg, param_dtype)
         return model
     if cfg.dp_mode == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
         group = ctx.world_group if cfg.cp_fsdp_mode == "all" else ctx.views["dp"].get_group()
         if ctx.ep > 1:  # expert-parallel weights: summed over their replica group, not by DDP
             names = {id(p) for p in expert_parameters(model)}
@@ -161,7 +161,6 @@ def sync_unsharded_grads(model: nn.Module, groups: list[dist.ProcessGroup], ctx:
         skip = {id(p) for p in expert_parameters(model)}
     if not groups:
         return
-    from torch.distributed.tensor import DTensor
 
     grads = [p.grad for p in model.parameters() if p.grad is not None and id(p) not in skip]
     locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]

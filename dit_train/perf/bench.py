@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
@@ -125,8 +126,6 @@ COLLECTIVES = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single", "
 def count_collectives(names: Sequence[str] = COLLECTIVES) -> Iterator[dict[str, int]]:
     """Count calls of torch.distributed collectives made through the `torch.distributed`
     module (FSDP2, DDP's hooks and our metadata sync all call them there)."""
-    import torch.distributed as dist
-
     calls = {n: 0 for n in names if hasattr(dist, n)}
     originals = {n: getattr(dist, n) for n in calls}
 

@@ -59,14 +59,17 @@ mask and its additive bias L²·(1+c) (use only as a reference).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from dit_train.kernels import VarlenLayout
+from dit_train.models import build_model, init_weights
 from dit_train.models.moe import moe_layers
 from dit_train.models.registry import ActivationModel, model_spec
+from dit_train.perf.saved import retained_bytes
 
 GIB = 1024 ** 3
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -105,8 +108,6 @@ class ModelShape:
 def model_shape(cfg) -> ModelShape:
     """Build the model on the meta device (no memory, no init) and read its sizes; the
     per-token matmuls and activation coefficients come from the model's spec."""
-    from dit_train.models import build_model
-
     spec = model_spec(cfg)
     with torch.device("meta"):
         model = build_model(cfg)
@@ -365,9 +366,6 @@ def saved_activation_bytes(fn: Callable[[], Any], exclude: list[torch.Tensor] | 
 def example_inputs(cfg, tokens: int, seed: int = 0) -> tuple:
     """Forward arguments of a model of `cfg` for one pack of two samples of `tokens` tokens in all
     (video: patches, (t, h, w) positions, times and, with captions, 8-token contexts; llm: ids)."""
-    from dit_train.models import model_spec
-    from dit_train.kernels import VarlenLayout
-
     spec = model_spec(cfg)
     gen = torch.Generator().manual_seed(seed)
     lens = [tokens // 3, tokens - tokens // 3]
@@ -390,11 +388,6 @@ def calibrate_block(cfg, tokens: int = 256, precision: str = "fp32", seed: int =
     runs a forward over two samples of `tokens` tokens in total and compares with
     `block_activation_bytes_per_token`. Returns measured, estimated and the relative error.
     """
-    from dataclasses import replace
-
-    from dit_train.models import build_model, init_weights
-    from dit_train.perf.saved import retained_bytes
-
     measured = []
     for depth in (1, 2):
         c = replace(cfg, depth=depth)

@@ -20,6 +20,7 @@ Three views of the same question, each for a different job:
 """
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -27,6 +28,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from dit_train.parallel.checkpointing import apply_activation_checkpointing
 
 
 @dataclass
@@ -124,8 +127,6 @@ def retained_bytes(fn: Callable[[], Any], params: Iterable[torch.Tensor] = (),
     less the storages of fn's returned tensors (the caller holds those), of `params` and
     `exclude` (views of them: `weight.t()`, `x[None]`) and of casts of `params` (reported as
     weight_copies)."""
-    import gc
-
     params = list(params)
     rec = _StorageRecorder({p.untyped_storage().data_ptr() for p in params})
     with rec:
@@ -157,8 +158,6 @@ def bytes_per_token_per_block(build: Callable[[int], torch.nn.Module], forward: 
     (built once per depth, so both see the same inputs); precision fp32 or bf16 (CPU autocast).
     Returns bytes per token of the block's activations and of autocast's weight copies
     (per parameter, not per token: reported apart, in bytes per block)."""
-    from dit_train.parallel.checkpointing import apply_activation_checkpointing
-
     out = []
     for depth in (1, 2):
         model = build(depth)

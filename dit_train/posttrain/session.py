@@ -27,10 +27,26 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 
-from dit_train.config import Config
+from dit_train.checkpoint import (
+    export_weights,
+    find_checkpoint,
+    full_state_dict,
+    load_checkpoint,
+    save_checkpoint,
+    save_safetensors,
+)
+from dit_train.compose import compose, load_config
+from dit_train.config import Config, to_yaml
+from dit_train.config.errors import ConfigError
+from dit_train.data_pipelines import prepare_data
 from dit_train.engine.build import build_run
+from dit_train.engine.checks import check_config
+from dit_train.engine.launch import external_world_size
+from dit_train.generate import generate_batch
 from dit_train.loss import sync_sequence_sums
+from dit_train.models import build_model
 from dit_train.parallel.mesh import ParallelContext
 from dit_train.posttrain.datums import (TOKEN_FIELDS, Datum, DatumLMTask, VideoDatum, check_datums, check_prompts,
                                         video_task)
@@ -58,7 +74,6 @@ def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Conf
     """`cfg` with dotted overrides ("parallel.dp_shard=2"), checked against the schema."""
     if not overrides:
         return cfg
-    from omegaconf import OmegaConf
 
     node = OmegaConf.structured(cfg)
     node.merge_with_dotlist(list(overrides))
@@ -68,7 +83,7 @@ def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Conf
 class TrainingSession:
     """A model, its optimizer and a parallel layout, driven call by call (see the module doc).
 
-    cfg: a typed Config (`dit_train.config.compose`, or `from_overrides`). The process group is
+    cfg: a typed Config (`dit_train.compose.compose`, or `from_overrides`). The process group is
     created from the launcher's variables when the layout needs several processes: run the
     session inside `dit_train.engine.launch.launch(cfg, fn)` or under torchrun.
     task: the configured data's task instead of the one cfg.data builds (dataset-id calls).
@@ -77,9 +92,6 @@ class TrainingSession:
     """
 
     def __init__(self, cfg: Config, task: Any | None = None, ctx: ParallelContext | None = None):
-        from dit_train.engine.checks import ConfigError, check_config
-        from dit_train.engine.launch import external_world_size
-
         check_config(cfg, external_world_size())
         moe = cfg.model.moe
         if moe.num_experts and (moe.aux_loss_coef or moe.z_loss_coef):
@@ -87,8 +99,8 @@ class TrainingSession:
             raise ConfigError(f"the post-training session does not add the mixture-of-experts router losses "
                               f"(model.moe.aux_loss_coef={moe.aux_loss_coef}, z_loss_coef={moe.z_loss_coef}): "
                               f"set both to 0 to post-train the experts without them, or train with python -m dit_train")
-        self.cfg = cfg
         run = build_run(cfg, ctx, task=task)
+        self.cfg = run.cfg  # train.micro_batch_tokens=0 (auto) resolved by the data
         self.run, self.ctx, self.task, self.model = run, run.ctx, run.task, run.model
         self.optimizer, self.scheduler, self._trainer = run.optimizer, run.scheduler, run.trainer
         self._lengths = dict(enumerate(self.task.lengths()))
@@ -99,9 +111,6 @@ class TrainingSession:
     def from_overrides(cls, overrides: list[str] | tuple[str, ...] = ()) -> "TrainingSession":
         """A session from command-line style overrides (no Hydra app needed):
         `TrainingSession.from_overrides(["mode=llm", "model.dim=64", "optim.lr=1e-4"])`."""
-        from dit_train.config import compose
-        from dit_train.data import prepare_data
-
         cfg = compose(list(overrides))
         prepare_data(cfg.data, cfg.model)  # idempotent, safe to race (the embedded video set)
         return cls(cfg)
@@ -325,10 +334,6 @@ class TrainingSession:
         """Continue each prompt with the current weights (mode=llm; `dit_train.generate.generate_batch`:
         greedy when top_k == 0, prompt i sampled with seed + i). Rank 0 samples from the gathered
         full weights and broadcasts: every rank gets the same sequences (prompt + continuation)."""
-        from dit_train.checkpoint import full_state_dict
-        from dit_train.generate import generate_batch
-        from dit_train.models import build_model
-
         if self.cfg.mode != "llm":
             raise ValueError("generate samples text: mode=llm only")
         check_prompts(prompts, self.cfg.model.vocab_size)  # on every rank, before the collective
@@ -347,8 +352,6 @@ class TrainingSession:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full unsharded weights (a collective under FSDP: call on every rank)."""
-        from dit_train.checkpoint import full_state_dict
-
         return full_state_dict(self.model)
 
     def save(self, path: str | Path, export: bool = True) -> Path:
@@ -356,9 +359,6 @@ class TrainingSession:
         LR schedule, EMA and counters, sharded by parameter name (DCP) so that `load` resumes
         exactly on any layout. export: also path/weights.safetensors and path/config.yaml (what
         `dit_train.generate.load_run(path)` reads). Returns the checkpoint directory."""
-        from dit_train.checkpoint import save_checkpoint
-        from dit_train.config import to_yaml
-
         if self._pending_sync:
             raise ValueError("save() between forward_backward and optim_step: the accumulated gradients are not part "
                              "of a checkpoint; call optim_step first")
@@ -370,9 +370,6 @@ class TrainingSession:
     def export(self, path: str | Path) -> Path:
         """Full weights as path/weights.safetensors (+ weights_ema.safetensors with EMA) and the
         config as path/config.yaml, like a training run's end (every rank calls it)."""
-        from dit_train.checkpoint import export_weights, save_safetensors
-        from dit_train.config import to_yaml
-
         path = Path(path)
         if self.ctx.is_main:
             path.mkdir(parents=True, exist_ok=True)
@@ -390,9 +387,6 @@ class TrainingSession:
         """Resume a saved session (every rank): `path` is a checkpoint dir or a dir holding
         checkpoints/ (the newest is taken). overrides change the stored config, e.g. the layout:
         `TrainingSession.load(path, ["parallel.dp_shard=2"])`. ctx: as in the constructor."""
-        from dit_train.checkpoint import find_checkpoint, load_checkpoint
-        from dit_train.config import load_config
-
         ckpt = find_checkpoint(path)  # verified; a forged one is refused (UnsafeCheckpoint) before anything loads
         if ckpt is None:
             raise FileNotFoundError(f"{path}: no checkpoint there (a checkpoints/step_XXXXXXXX dir, or a dir holding one)")

@@ -17,7 +17,10 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+from PIL import Image, ImageDraw
+from safetensors.torch import save_file
 
+from dit_train.data_pipelines.synthetic_video import write_mp4
 from dit_train.sampling.sampler import SampleRequest
 from dit_train.trackers.base import Clip
 
@@ -46,8 +49,6 @@ def _even(frames: np.ndarray) -> np.ndarray:
 def frame_grid(clips: list[np.ndarray], captions: list[str] | None = None, max_cols: int = 8, gap: int = 2) -> np.ndarray:
     """uint8 [F_i, H_i, W_i, 3] clips -> one image: a row per clip (up to max_cols evenly spaced
     frames), each row under a strip with its caption."""
-    from PIL import Image, ImageDraw
-
     cells = [[c[j] for j in np.linspace(0, len(c) - 1, min(max_cols, len(c))).round().astype(int)] for c in clips]
     ch = max(f.shape[0] for row in cells for f in row)
     cw = max(f.shape[1] for row in cells for f in row)
@@ -74,11 +75,6 @@ def write_samples(out_dir: Path, requests: list[SampleRequest], pixels: list[tor
     """Write every output listed in the module docstring; `max_videos` > 0 caps the mp4 count and
     the clips given to the trackers (the safetensors and the grid always hold every clip).
     `trackers`: anything with `log_images` / `log_videos` (a MetricsLogger, a Tracker)."""
-    from PIL import Image
-    from safetensors.torch import save_file
-
-    from dit_train.data_pipelines.synthetic_video import write_mp4
-
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file({r.key: p.contiguous() for r, p in zip(requests, pixels)}, str(out_dir / "samples.safetensors"))
     (out_dir / "captions.json").write_text(json.dumps({r.key: r.caption for r in requests}, indent=2))

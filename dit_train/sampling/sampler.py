@@ -15,6 +15,11 @@ with `loss.shift_reference_tokens` each clip by the shift of its own token count
 `schedulers`).
 With `guidance_scale` > 1 and captions, each clip is packed twice — with its caption and with
 the empty caption — and v = v_uncond + g·(v_cond − v_uncond) (classifier-free guidance).
+A conditioned model (`cond_feed`, tasks/conditioning.py) gets each request's given frames at
+every step: with the timestep feed they are put back clean (x = the given frames, timestep 0)
+before every model call and in the result; with the concat feed they arrive as the extra input
+channels (zeros and an all-zero mask for a request without given frames). Both CFG branches
+see them (only the caption is dropped), as Wan's image-to-video pipelines do.
 """
 from __future__ import annotations
 
@@ -34,6 +39,7 @@ from dit_train.parallel.context_parallel import split_for_cp
 from dit_train.parallel.mesh import ParallelContext
 from dit_train.rng import sample_generator
 from dit_train.tasks.captions import pad_contexts
+from dit_train.tasks.conditioning import ClipInputs, clip_inputs, input_tokens
 from dit_train.tasks.video import model_context, num_patches, pack_clips, unpatchify
 from dit_train.kernels import VarlenLayout
 
@@ -50,6 +56,8 @@ class SampleRequest:
     noise_id: picks the starting noise (sampling stream of (seed, noise_id)).
     fps: frame rate of the written video.
     still: a still image (its clip repeats one frame to fill a temporal patch; scored as an image).
+    given: [C, F, H, W] a clip holding the given frames (conditioning), or None (unconditioned);
+    given_patches: [F/pt] bool which temporal patches of `given` are given (the rest is generated).
     """
 
     key: str
@@ -59,6 +67,8 @@ class SampleRequest:
     noise_id: int
     fps: float = 8.0
     still: bool = False
+    given: torch.Tensor | None = None
+    given_patches: torch.Tensor | None = None
 
 
 def dataset_requests(task: Any, num: int, fps: Callable[[int], float] | None = None,
@@ -109,7 +119,7 @@ def predict_velocity(model: torch.nn.Module, batch: PackedBatch, ctx: ParallelCo
         local, attn = split_for_cp(batch, cp, ctx.cp_rank, "contiguous")
         attn = attn.to(ctx.device)
         local = local.to(ctx.device)
-        out = model(local.tokens["x"], local.pos, local.seg, local.samples["t"], attn, **model_context(local)).float()
+        out = model(input_tokens(local), local.pos, local.seg, local.samples["t"], attn, **model_context(local)).float()
         shares = [torch.empty_like(out) for _ in range(cp)]
         dist.all_gather(shares, out.contiguous(), group=ctx.cp_group)
         full = torch.empty((attn.seg.numel(), out.shape[-1]), dtype=out.dtype, device=out.device)
@@ -118,7 +128,7 @@ def predict_velocity(model: torch.nn.Module, batch: PackedBatch, ctx: ParallelCo
         return full[:L]
     b = batch.to(ctx.device)
     attn = VarlenLayout.build(b.seg, b.order, False)
-    return model(b.tokens["x"], b.pos, b.seg, b.samples["t"], attn, **model_context(b)).float()
+    return model(input_tokens(b), b.pos, b.seg, b.samples["t"], attn, **model_context(b)).float()
 
 
 class VideoSampler:
@@ -132,14 +142,16 @@ class VideoSampler:
     step lets later steps correct what the deterministic path fixes at high noise (a square
     drawn with round corners stays round along an ODE path); it needs a well-trained model
     (docs/quality.md has the measurements).
+    cond_feed: the run's cond.feed when it trained conditioned ("timestep" | "concat"), "" when not.
     """
 
     def __init__(self, requests: list[SampleRequest], patch: tuple[int, int, int], text_dim: int,
                  null_caption: torch.Tensor | None, ctx: ParallelContext, steps: int, guidance_scale: float,
                  seed: int, shift: float = 1.0, shift_reference_tokens: int = 0, prediction: str = "velocity",
-                 x0_min_t: float = 0.05, stochastic: bool = False):
-        from diffusers import FlowMatchEulerDiscreteScheduler
+                 x0_min_t: float = 0.05, stochastic: bool = False, cond_feed: str = ""):
+        from diffusers import FlowMatchEulerDiscreteScheduler  # deferred: diffusers takes ~2 s to import
 
+        self.cond_feed = cond_feed
         self.requests, self.patch, self.text_dim, self.null_caption = requests, tuple(patch), text_dim, null_caption
         self.ctx, self.steps, self.guidance, self.seed, self.shift = ctx, steps, guidance_scale, seed, shift
         self.prediction, self.x0_min_t = prediction, x0_min_t  # what the model outputs (model.prediction)
@@ -171,12 +183,29 @@ class VideoSampler:
         pt, ph, pw = self.patch
         return shape[1] // pt, shape[2] // ph, shape[3] // pw
 
-    def _pack(self, xs: list[torch.Tensor], ts: list[float], ctxs: list[torch.Tensor] | None) -> PackedBatch:
+    def given(self, k: int, x: torch.Tensor) -> ClipInputs | None:
+        """Request k's conditioned inputs around its current x (None for an unconditioned model):
+        x with the given frames put back (timestep feed), the clean flags or the concat channels."""
+        if not self.cond_feed:
+            return None
+        r = self.requests[k]
+        given = r.given.to(x.dtype) if r.given is not None else torch.zeros_like(x)
+        return clip_inputs(given, x, r.given_patches if r.given is not None else None, self.cond_feed, self.patch)
+
+    def _pack(self, xs: list[torch.Tensor], ts: list[float], ctxs: list[torch.Tensor] | None,
+              given: list[ClipInputs | None]) -> PackedBatch:
         samples = {"t": torch.tensor(ts, dtype=torch.float32)}
         if ctxs is not None:
             samples["context"], samples["context_len"] = pad_contexts(ctxs, self.text_dim)
         patch_dim = xs[0].shape[0] * math.prod(self.patch)
-        return pack_clips({"x": xs}, self.patch, patch_dim, samples, torch.arange(len(xs)))
+        if not self.cond_feed:
+            return pack_clips({"x": xs}, self.patch, patch_dim, samples, torch.arange(len(xs)))
+        if self.cond_feed == "concat":
+            conds = [g.cond for g in given]
+            dims = {"x": patch_dim, "cond": conds[0].shape[0] * math.prod(self.patch)}
+            return pack_clips({"x": xs, "cond": conds}, self.patch, dims, samples, torch.arange(len(xs)))
+        return pack_clips({"x": xs}, self.patch, patch_dim, samples, torch.arange(len(xs)),
+                          per_token={"clean": [g.clean for g in given]})
 
     @torch.no_grad()
     def sample(self, model: torch.nn.Module, autocast: Callable[[], Any] | None = None) -> list[torch.Tensor]:
@@ -198,7 +227,10 @@ class VideoSampler:
         offsets = np.cumsum([0] + (sizes + sizes if cfg else sizes)).tolist()
         for i in range(self.steps):
             ts = [sig[i] for sig in sigmas]  # each clip's own noise level (they differ with per-clip shifts)
-            batch = self._pack(xs + xs if cfg else xs, ts + ts if cfg else ts, ctxs)
+            given = [self.given(k, xs[k]) for k in range(n)]
+            if self.cond_feed == "timestep":  # the given frames, clean, at every step
+                xs = [g.x for g in given]
+            batch = self._pack(xs + xs if cfg else xs, ts + ts if cfg else ts, ctxs, given + given if cfg else given)
             with autocast():
                 v = predict_velocity(model, batch, self.ctx).cpu()
             t_tok = batch.samples["t"][batch.seg.clamp_min(0)]  # [L] each token's clip noise level (no padding here)
@@ -213,4 +245,6 @@ class VideoSampler:
                 gen = sample_generator(self.seed, self.requests[k].noise_id, i + 1, "sampling") if self.stochastic else None
                 xs[k] = scheds[k].step(vel, scheds[k].timesteps[i], xs[k], generator=gen).prev_sample
         model.train(was_training)
+        if self.cond_feed == "timestep":  # the result shows the given frames as they were given
+            xs = [self.given(k, xs[k]).x for k in range(n)]
         return xs

@@ -13,6 +13,8 @@ from dit_train.batch import PackedBatch
 from dit_train.config import LossConfig, ModelConfig
 from dit_train.objectives.flow_matching import loss_weight, noisy_sample, per_token_mse, sample_shift, velocity_from_output
 from dit_train.tasks.captions import ByteCaptionEncoder, drop_caption, pad_contexts
+from dit_train.config.schema import cond_active, cond_channels
+from dit_train.tasks.conditioning import Conditioner, input_tokens
 
 
 def patchify(x: torch.Tensor, patch: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -40,19 +42,28 @@ def unpatchify(tokens: torch.Tensor, grid: tuple[int, int, int], patch: tuple[in
     return rearrange(tokens, "(f h w) (c pt ph pw) -> c (f pt) (h ph) (w pw)", f=f, h=h, w=w, c=channels, pt=pt, ph=ph, pw=pw)
 
 
-def pack_clips(clips: dict[str, list[torch.Tensor]], patch: tuple[int, int, int], patch_dim: int,
-               samples: dict[str, torch.Tensor], sample_ids: torch.Tensor) -> PackedBatch:
+def pack_clips(clips: dict[str, list[torch.Tensor]], patch: tuple[int, int, int], patch_dim: int | dict[str, int],
+               samples: dict[str, torch.Tensor], sample_ids: torch.Tensor,
+               per_token: dict[str, list[torch.Tensor]] | None = None,
+               weights: list[torch.Tensor] | None = None) -> PackedBatch:
     """Clips -> one bidirectional pack: tokens of clip k have seg k, in-clip order and (t, h, w)
     positions. `clips` maps a token field ("x", "target", ...) to one [C, F, H, W] tensor per
-    clip (same clip shapes in every field); each field becomes tokens[field] [L, patch_dim].
+    clip (same clip sizes in every field; channels may differ); each field becomes
+    tokens[field] [L, C·pt·ph·pw] (patch_dim: that width, or {field: width}). `per_token` adds
+    fields given per token already ([T_k, ...] per clip, patchify's order); `weights` ([T_k]
+    int64 per clip, units of 1/WEIGHT_ONE) sets the pack's loss weights (default: every token 1).
     No clips -> an empty pack with the same fields."""
+    per_token = per_token or {}
     first = next(iter(clips.values()))
     if not first:
         empty = torch.zeros(0, dtype=torch.long)
-        return PackedBatch(seg=empty, pos=torch.zeros(0, 3, dtype=torch.long), order=empty,
-                           valid=torch.zeros(0, dtype=torch.bool),
-                           tokens={name: torch.zeros(0, patch_dim) for name in clips}, samples=samples,
-                           sample_ids=sample_ids, causal=False)
+        dims = patch_dim if isinstance(patch_dim, dict) else {name: patch_dim for name in clips}
+        tokens = {name: torch.zeros(0, dims[name]) for name in clips}
+        tokens |= {name: torch.zeros(0, dtype=torch.bool) for name in per_token}
+        batch = PackedBatch(seg=empty, pos=torch.zeros(0, 3, dtype=torch.long), order=empty,
+                            valid=torch.zeros(0, dtype=torch.bool), tokens=tokens, samples=samples,
+                            sample_ids=sample_ids, causal=False)
+        return batch.with_weight(torch.zeros(0, dtype=torch.int64)) if weights is not None else batch
     tokens = {name: [] for name in clips}
     pos, seg, order = [], [], []
     for k in range(len(first)):
@@ -64,9 +75,10 @@ def pack_clips(clips: dict[str, list[torch.Tensor]], patch: tuple[int, int, int]
         seg.append(torch.full((n,), k, dtype=torch.long))
         order.append(torch.arange(n))
     seg_t = torch.cat(seg)
-    return PackedBatch(seg=seg_t, pos=torch.cat(pos), order=torch.cat(order), valid=torch.ones_like(seg_t, dtype=torch.bool),
-                       tokens={name: torch.cat(t) for name, t in tokens.items()}, samples=samples,
-                       sample_ids=sample_ids, causal=False)
+    fields = {name: torch.cat(t) for name, t in tokens.items()} | {name: torch.cat(v) for name, v in per_token.items()}
+    batch = PackedBatch(seg=seg_t, pos=torch.cat(pos), order=torch.cat(order), valid=torch.ones_like(seg_t, dtype=torch.bool),
+                        tokens=fields, samples=samples, sample_ids=sample_ids, causal=False)
+    return batch.with_weight(torch.cat(weights)) if weights is not None else batch
 
 
 log = logging.getLogger(__name__)
@@ -78,14 +90,17 @@ class VideoTask:
     dataset: indexable by sample id, returning an object with `.pixels` [C, F, H, W] (pixels
     in [-1, 1] or VAE latents), `.caption` and optionally `.text_emb` [Lt, text_dim] (cached
     text-encoder output). With model.text_dim > 0 every pack carries per-sample captions:
-    samples["context"] [S, Lc, text_dim] and samples["context_len"] [S].
+    samples["context"] [S, Lc, text_dim] and samples["context_len"] [S]. With `cond` (a
+    CondConfig whose kind is not none) packs also carry loss weights (0 on context tokens) and
+    tokens["clean"] [L] bool (timestep feed) or tokens["cond"] [L, (C+1)·patch] (concat feed):
+    see tasks/conditioning.py.
     """
 
     causal = False
     cp_layout = "contiguous"
 
     def __init__(self, dataset: Any, model_cfg: ModelConfig, loss_cfg: LossConfig, seed: int,
-                 caption_dropout: float = 0.0):
+                 caption_dropout: float = 0.0, cond: Any = None):
         self.dataset = dataset
         self.text_dim, self.text_len = model_cfg.text_dim, model_cfg.text_len
         self.caption_dropout = caption_dropout
@@ -97,6 +112,9 @@ class VideoTask:
         self.prediction = getattr(model_cfg, "prediction", "velocity")  # what the model outputs
         self.x0_min_t = getattr(model_cfg, "x0_min_t", 0.05)
         self.seed = seed
+        self.conditioner = Conditioner(cond, self.patch, seed) if cond_active(cond) else None
+        # features per token of the concat feed's channels (mask + conditioning frames)
+        self.cond_dim = cond_channels(cond, model_cfg.in_channels) * self.patch[0] * self.patch[1] * self.patch[2]
         self.failed: set[int] = set()  # samples whose file could not be decoded (skipped, counted)
         self.failure_reasons: dict[int, str] = {}  # ... and why (the first few name them in errors)
 
@@ -123,6 +141,7 @@ class VideoTask:
     def build(self, sample_ids: list[int], step: int) -> PackedBatch:
         """The full (un-split) pack of `sample_ids` at `step`, on the CPU."""
         xs, targets, ts, ctx = [], [], [], []
+        conds, weights, clean = [], [], []
         kept = []
         lc = self.loss_cfg
         for sid in sample_ids:
@@ -141,6 +160,14 @@ class VideoTask:
             # the shift of this sample follows from its own size (never the pack's): exact
             shift = sample_shift(lc.timestep_shift, lc.shift_reference_tokens, num_patches(x0.shape, self.patch))
             xt, v, t = noisy_sample(x0, self.seed, sid, step, lc, shift)
+            if self.conditioner is not None:  # context frames of the clip itself (tasks/conditioning.py)
+                inputs = self.conditioner.inputs(x0, xt, sid, step)
+                xt = inputs.x
+                weights.append(inputs.weight)
+                if inputs.clean is not None:
+                    clean.append(inputs.clean)
+                else:
+                    conds.append(inputs.cond)
             xs.append(xt)
             targets.append(v)
             ts.append(t)
@@ -150,8 +177,14 @@ class VideoTask:
         samples = {"t": torch.tensor(ts, dtype=torch.float32)}
         if self.text_dim:
             samples["context"], samples["context_len"] = pad_contexts(ctx, self.text_dim)
-        return pack_clips({"x": xs, "target": targets}, self.patch, self.patch_dim, samples,
-                          torch.tensor(kept, dtype=torch.long))
+        ids = torch.tensor(kept, dtype=torch.long)
+        if self.conditioner is None:
+            return pack_clips({"x": xs, "target": targets}, self.patch, self.patch_dim, samples, ids)
+        fields, dims = {"x": xs, "target": targets}, {"x": self.patch_dim, "target": self.patch_dim}
+        if self.conditioner.feed == "concat":
+            fields["cond"], dims["cond"] = conds, self.cond_dim
+        per_token = {"clean": clean} if self.conditioner.feed == "timestep" else None
+        return pack_clips(fields, self.patch, dims, samples, ids, per_token=per_token, weights=weights)
 
     def per_token_loss(self, model: nn.Module, batch: PackedBatch, attn_meta: Any) -> torch.Tensor:
         """[L_local] MSE of the predicted velocity of each local token, times w(t_b) of its sample
@@ -159,7 +192,7 @@ class VideoTask:
         reduction's weights, so the reduction and its exactness are unchanged. A model with
         model.prediction=x0 outputs x̂0, turned into the velocity it stands for first."""
         t = batch.samples["t"]
-        out = model(batch.tokens["x"], batch.pos, batch.seg, t, attn_meta, **model_context(batch))
+        out = model(input_tokens(batch), batch.pos, batch.seg, t, attn_meta, **model_context(batch))
         if self.prediction != "velocity":
             # per token; padding (seg -1, also a rank's empty pack) picks the appended 1
             t_tok = torch.cat([t.float(), t.new_ones(1, dtype=torch.float32)]).to(batch.seg.device)[batch.seg]
@@ -173,7 +206,11 @@ class VideoTask:
 
 
 def model_context(batch: PackedBatch) -> dict[str, torch.Tensor]:
-    """The caption keyword arguments of a video model call ({} for unconditional packs)."""
-    if "context" not in batch.samples:
-        return {}
-    return {"context": batch.samples["context"], "context_len": batch.samples["context_len"]}
+    """The keyword arguments of a video model call besides the tokens: captions, and the clean
+    (timestep 0) tokens of the conditioning's timestep feed ({} for unconditional packs)."""
+    out = {}
+    if "context" in batch.samples:
+        out = {"context": batch.samples["context"], "context_len": batch.samples["context_len"]}
+    if "clean" in batch.tokens:
+        out["clean"] = batch.tokens["clean"]
+    return out

@@ -33,7 +33,15 @@ import sys
 
 import torch
 
-from dit_train.perf.bench import format_table, write_json
+from dit_train.compose import compose
+from dit_train.data_pipelines import prepare_data
+from dit_train.engine.build import build_run
+from dit_train.kernels import VarlenLayout
+from dit_train.models import build_model, init_weights, model_config, model_spec
+from dit_train.models.recompute import composite_ops
+from dit_train.perf.bench import format_table, interleaved_wall_and_cpu, median, write_json
+from dit_train.perf.saved import bytes_per_token_per_block, saved_tensor_table
+from dit_train.tasks.video import patchify
 
 C = 16
 PATCH = (1, 2, 2)
@@ -52,8 +60,6 @@ def shape_of(preset: str, text_len: int) -> dict:
 
 
 def ours_cfg(s: dict, depth: int, prologues: bool = True):
-    from dit_train.models import model_config, model_spec
-
     cfg = model_config("dit", dim=s["dim"], depth=depth, heads=s["heads"], mlp_ratio=(s["ffn"] + 0.5) / s["dim"],
                        patch_size=list(PATCH), in_channels=C, text_dim=s["text_dim"], text_len=s["text_len"], init="normal",
                        recompute_prologues=prologues)
@@ -62,15 +68,13 @@ def ours_cfg(s: dict, depth: int, prologues: bool = True):
 
 
 def ours_model(s: dict, depth: int, prologues: bool = True):
-    from dit_train.models import build_model, init_weights
-
     m = build_model(ours_cfg(s, depth, prologues), "sdpa")
     init_weights(m, 0, "normal")
     return m
 
 
 def wan_model(s: dict, depth: int):
-    from diffusers import WanTransformer3DModel
+    from diffusers import WanTransformer3DModel  # deferred: diffusers takes ~2 s to import; only the Wan rows need it
 
     torch.manual_seed(0)
     return WanTransformer3DModel(num_attention_heads=s["heads"], attention_head_dim=s["dim"] // s["heads"], in_channels=C,
@@ -80,9 +84,6 @@ def wan_model(s: dict, depth: int):
 
 def inputs(s: dict, clip: tuple[int, int, int], seed: int = 0) -> dict:
     """One latent clip [C, F, H, W] and its caption, in both models' formats."""
-    from dit_train.tasks.video import patchify
-    from dit_train.kernels import VarlenLayout
-
     g = torch.Generator().manual_seed(seed)
     lat = torch.randn(C, *clip, generator=g)
     ctx = torch.randn(1, s["text_len"], s["text_dim"], generator=g)
@@ -96,8 +97,6 @@ def inputs(s: dict, clip: tuple[int, int, int], seed: int = 0) -> dict:
 
 
 def accounting_rows(shapes: list[dict], clip: tuple[int, int, int], precisions: list[str], policies: list[str]) -> list[dict]:
-    from dit_train.perf.saved import bytes_per_token_per_block
-
     rows = []
     for s in shapes:
         x = inputs(s, clip)
@@ -123,8 +122,6 @@ def accounting_rows(shapes: list[dict], clip: tuple[int, int, int], precisions: 
 def block_tables(s: dict, clip: tuple[int, int, int]) -> dict[str, list[dict]]:
     """Every tensor one block saves (fp32): ours (both model.recompute_prologues settings) and
     Wan's, by the op that saved it."""
-    from dit_train.perf.saved import saved_tensor_table
-
     x = inputs(s, clip)
     out = {}
     ours = lambda m: m(*x["ours"])  # noqa: E731
@@ -168,11 +165,6 @@ def cost_rows(reps: int, quick: bool) -> list[dict]:
     sensitive to other processes on a shared machine than wall time; one intra-op thread, since
     spinning OpenMP threads on a busy machine bill CPU time they do not compute with). On a CPU run the offload
     copy stays in host memory: the row is the price of the hooks and copies, not of PCIe."""
-    from dit_train.config import compose
-    from dit_train.data import prepare_data
-    from dit_train.engine.build import build_run
-    from dit_train.perf.bench import interleaved_wall_and_cpu, median
-
     base = ["model.dim=256", "model.depth=4", "model.heads=2", "parallel.threads_per_worker=1", "optim=adamw", "train.steps=1000",
             "train.global_batch=2", "train.micro_batch_tokens=0", "train.progress=false", "train.sample_every=0",
             "data.num_clips=8", "data.max_frames=" + ("4" if quick else "8")]

@@ -20,20 +20,20 @@ from __future__ import annotations
 import argparse
 import sys
 
-from dit_train.perf.bench import format_table, write_json
+from dit_train.compose import compose
+from dit_train.data_pipelines import prepare_data
+from dit_train.engine import launch  # launch.launch_local at call time: the tests route it to their worker pool
+from dit_train.engine.build import build_run
+from dit_train.engine.layout_equivalence import apply_layout, parse_layout
+from dit_train.parallel.mesh import init_parallel, ParallelDims
+from dit_train.perf.bench import COLLECTIVES, count_collectives, format_table, write_json
+import dit_train.engine.trainer as trainer_mod
+import dit_train.parallel.expert_parallel as ep
 
 
 def count_step_collectives(cfg, grad_accums: list[int], names=None) -> dict[int, dict[str, int]]:
     """On this rank: for each grad_accum, the torch.distributed calls of one optimizer step
     (after a warm-up step: lazy initialisation of FSDP / DDP buckets) and its micro-batches."""
-    from dit_train.engine.build import build_run
-    from dit_train.engine.layout_equivalence import apply_layout
-    from dit_train.parallel.mesh import init_parallel
-    from dit_train.perf.bench import COLLECTIVES, count_collectives
-
-    import dit_train.engine.trainer as trainer_mod
-    import dit_train.parallel.expert_parallel as ep
-
     ctx = init_parallel(cfg.parallel)
     out = {}
     functional, count_sync = ep.all_to_all_single_autograd, trainer_mod.sync_expert_counts
@@ -62,12 +62,6 @@ def count_step_collectives(cfg, grad_accums: list[int], names=None) -> dict[int,
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dit_train.config import compose
-    from dit_train.data import prepare_data
-    from dit_train.engine.launch import launch_local
-    from dit_train.engine.layout_equivalence import apply_layout, parse_layout
-    from dit_train.parallel.mesh import ParallelDims
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("overrides", nargs="*")
     ap.add_argument("--grad-accum", default="1,2,4,8")
@@ -84,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     for spec in layouts:
         c = apply_layout(cfg, parse_layout(spec))
         world = ParallelDims.from_config(c.parallel).world
-        counts = launch_local(count_step_collectives, (c, gas), world, c.launcher)[0]
+        counts = launch.launch_local(count_step_collectives, (c, gas), world, c.launcher)[0]
         for ga in gas:
             k = counts[ga]
             rows.append({"layout": spec, "grad_accum": ga, "micro_batches": k["micro_batches"],

@@ -29,23 +29,28 @@ from dataclasses import replace
 
 import torch
 
+from dit_train.batch import PackedBatch
+from dit_train.compose import compose
+from dit_train.engine import launch  # launch.launch_local at call time: the tests route it to their worker pool
+from dit_train.engine.build import build_parallel_model
+from dit_train.kernels import resolve_backend, VarlenLayout
+from dit_train.models import build_model, init_weights, model_spec
+from dit_train.parallel.context_parallel import split_for_cp
+from dit_train.parallel.mesh import init_parallel
+from dit_train.parallel.parallelize import apply_activation_checkpointing, apply_compile
 from dit_train.perf.bench import format_table, write_json
 from dit_train.perf.flops import mfu, train_flops
-from dit_train.perf.memory import GIB, estimate_memory, model_shape
+from dit_train.perf.memory import estimate_memory, GIB, model_shape, saved_activation_bytes
 from dit_train.tasks.video import model_context
 
 
 def model_cfg(name: str):
     """The model node of conf/model/<name>.yaml."""
-    from dit_train.config import compose
-
     return compose([f"model={name}"]).model
 
 
 def make_pack(cfg, tokens: int, sample_tokens: int, device, seed: int = 0):
     """A packed micro-batch of `tokens` tokens made of samples of `sample_tokens` tokens."""
-    from dit_train.batch import PackedBatch
-
     g = torch.Generator().manual_seed(seed)
     pd = cfg.in_channels * cfg.patch_size[0] * cfg.patch_size[1] * cfg.patch_size[2]
     lens = [sample_tokens] * (tokens // sample_tokens) + ([tokens % sample_tokens] if tokens % sample_tokens else [])
@@ -63,10 +68,6 @@ def make_pack(cfg, tokens: int, sample_tokens: int, device, seed: int = 0):
 
 
 def run_single(cfg, tokens, sample_tokens, ac, compile_, backend, precision, device, steps, peak):
-    from dit_train.models import build_model, init_weights, model_spec
-    from dit_train.parallel.parallelize import apply_activation_checkpointing, apply_compile
-    from dit_train.kernels import VarlenLayout, resolve_backend
-
     backend = resolve_backend(backend, device)
     model = build_model(cfg, backend)
     init_weights(model, 0, "normal")
@@ -118,11 +119,6 @@ def run_single(cfg, tokens, sample_tokens, ac, compile_, backend, precision, dev
 
 def _cp_worker(cfg, tokens, sample_tokens, precision, backend):
     """One rank of a cp_ulysses=world layout: activation bytes of one forward on this rank."""
-    from dit_train.parallel.context_parallel import split_for_cp
-    from dit_train.parallel.mesh import init_parallel
-    from dit_train.perf.memory import saved_activation_bytes
-    from dit_train.engine.build import build_parallel_model
-
     ctx = init_parallel(cfg.parallel)
     model = build_parallel_model(cfg, ctx)
     full, _ = make_pack(cfg.model, tokens, sample_tokens, "cpu")
@@ -131,8 +127,6 @@ def _cp_worker(cfg, tokens, sample_tokens, precision, backend):
         local, meta = split_for_cp(full, cp, ctx.cp_rank, "contiguous")
         meta = meta.to(ctx.device)
     else:
-        from dit_train.kernels import VarlenLayout
-
         local, meta = full, VarlenLayout.build(full.seg, full.order, False)
     local = local.to(ctx.device)
     amp = torch.autocast(ctx.device.type, dtype=torch.bfloat16) if precision == "bf16" else torch.autocast(ctx.device.type, enabled=False)
@@ -154,15 +148,12 @@ def _cp_worker(cfg, tokens, sample_tokens, precision, backend):
 def cp_memory(model_name, degrees, tokens, sample_tokens, precision, device, backend, prologues=(None,)):
     """Saved activation bytes per rank (max over ranks) vs the estimate, for each cp_ulysses
     degree and model.recompute_prologues setting in `prologues` (None: the config's)."""
-    from dit_train.config import compose
-    from dit_train.engine.launch import launch_local
-
     rows = []
     for k, pro in itertools.product(degrees, prologues):
         cfg = compose([f"model={model_name}", f"model.attn_backend={backend}", f"parallel.cp_ulysses={k}",
                        "parallel.dp_mode=none", f"parallel.device={device}", f"train.precision={precision}"]
                       + ([] if pro is None else [f"model.recompute_prologues={str(pro).lower()}"]))
-        res = launch_local(_cp_worker, (cfg, tokens, sample_tokens, precision, backend), k, cfg.launcher) if k > 1 \
+        res = launch.launch_local(_cp_worker, (cfg, tokens, sample_tokens, precision, backend), k, cfg.launcher) if k > 1 \
             else {0: _cp_worker(cfg, tokens, sample_tokens, precision, backend)}
         shape = model_shape(cfg.model)
         est = estimate_memory(shape, dp_replicate=1, dp_shard=1, cp_ulysses=k, cp_ring=1, micro_batch_tokens=tokens,

@@ -22,6 +22,14 @@ import sys
 
 import torch
 
+from dit_train.compose import compose
+from dit_train.data_pipelines import prepare_data
+from dit_train.data_pipelines.packing import plan_step
+from dit_train.engine.build import build_run
+from dit_train.kernels import VarlenLayout
+from dit_train.loss.moe import local_expert_counts, router_token_losses
+from dit_train.models.moe import moe_layers
+
 LAYOUTS = "1;grad_accum=4;dp=2,grad_accum=2;dp=4;micro_batch_tokens=512"
 RECIPES = ("ours", "per-micro", "no-scaler")
 
@@ -40,11 +48,6 @@ def parse(spec: str) -> dict[str, int]:
 
 def router_gradients(run, layout: dict[str, int], step: int) -> dict[str, torch.Tensor]:
     """{recipe: flat gradient of the balance term w.r.t. every router weight} for one step."""
-    from dit_train.data_pipelines.packing import plan_step
-    from dit_train.loss.moe import local_expert_counts, router_token_losses
-    from dit_train.models.moe import moe_layers
-    from dit_train.kernels import VarlenLayout
-
     t = run.cfg.train
     budget = layout["micro_batch_tokens"] or t.micro_batch_tokens
     lengths = dict(enumerate(run.task.lengths()))
@@ -84,10 +87,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--step", type=int, default=0)
     ap.add_argument("overrides", nargs="*", help="Hydra overrides of the training config")
     args = ap.parse_args(argv)
-
-    from dit_train.config import compose
-    from dit_train.data import prepare_data
-    from dit_train.engine.build import build_run
 
     cfg = compose(["model.moe.num_experts=4", *args.overrides])
     if cfg.model.moe.num_experts == 0:

@@ -21,16 +21,16 @@ from pathlib import Path
 
 import torch
 
+from dit_train.compose import compose
+from dit_train.data_pipelines import prepare_data
+from dit_train.engine.build import build_run
+from dit_train.loss import token_weights, weighted_loss
 from dit_train.perf.bench import format_table, interleaved_wall_and_cpu, median, write_json
 
 REDUCTIONS = ("naive_mean", "sample_mean", "token_mean")
 
 
 def build_trainer(overrides: list[str]):
-    from dit_train.config import compose
-    from dit_train.data import prepare_data
-    from dit_train.engine.build import build_run
-
     cfg = compose(overrides)
     cfg.train.steps = 10 ** 6  # a constant LR schedule over the repetitions
     prepare_data(cfg.data, cfg.model)
@@ -39,8 +39,6 @@ def build_trainer(overrides: list[str]):
 
 def loss_path_seconds(trainer, reduction: str, step: int, reps: int) -> dict[str, float]:
     """Median seconds per step of the reduction's own work, isolated from the model."""
-    from dit_train.loss import token_weights, weighted_loss
-
     micro = trainer.prepare(trainer.plan(step), step)
     per_token = [torch.randn(m.batch.seg.shape[0], requires_grad=True) for m in micro]
     sync, path = [], []

@@ -32,8 +32,11 @@ import sys
 import torch
 
 from dit_train.config.schema import ModelConfig
+from dit_train.kernels import VarlenLayout
+from dit_train.models import build_model, init_weights, model_config
 from dit_train.models.recompute import set_recompute_prologues
 from dit_train.perf.bench import format_table, interleaved_wall_and_cpu, median, write_json
+from dit_train.tasks.video import patchify
 
 PATCH = (1, 2, 2)
 C = 16
@@ -43,8 +46,6 @@ TEXT_LEN = 16  # caption tokens per clip, for Wan and for the text-conditioned v
 
 
 def ours_model(dim: int, depth: int, heads: int, backend: str, text_dim: int = 0):
-    from dit_train.models import build_model, init_weights, model_config
-
     cfg = model_config("dit", dim=dim, depth=depth, heads=heads, patch_size=list(PATCH), in_channels=C, init="normal",
                       text_dim=text_dim)
     m = build_model(cfg, backend)
@@ -53,7 +54,7 @@ def ours_model(dim: int, depth: int, heads: int, backend: str, text_dim: int = 0
 
 
 def wan_model(dim: int, depth: int, heads: int, ffn_dim: int, text_dim: int):
-    from diffusers import WanTransformer3DModel
+    from diffusers import WanTransformer3DModel  # deferred: diffusers takes ~2 s to import; only the Wan rows need it
 
     return WanTransformer3DModel(num_attention_heads=heads, attention_head_dim=dim // heads, in_channels=C,
                                  out_channels=C, text_dim=text_dim, freq_dim=256, ffn_dim=ffn_dim, num_layers=depth)
@@ -83,9 +84,6 @@ def clips(kind: str, quick: bool) -> list[tuple[int, int, int]]:
 
 
 def ours_inputs(shapes, text_dim: int = 0, seed=0):
-    from dit_train.tasks.video import patchify
-    from dit_train.kernels import VarlenLayout
-
     g = torch.Generator().manual_seed(seed)
     xs, pos, seg = [], [], []
     for i, (f, h, w) in enumerate(shapes):

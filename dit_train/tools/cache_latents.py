@@ -3,7 +3,7 @@
     python -m dit_train.tools.cache_latents --vae /models/Wan2.1-T2V-1.3B-Diffusers --text-encoder /models/Wan2.1-T2V-1.3B-Diffusers \\
         --out latents/my_videos data=video_folder data.root=videos/ data.max_frames=81 'data.resolution_buckets=[[480,832]]'
     python -m dit_train.tools.cache_latents --workers 4 ...          # 4 local processes (one GPU each when there are 4)
-    torchrun --nproc-per-node 8 tools/cache_latents ... # or any launcher that sets RANK / WORLD_SIZE
+    torchrun --nproc-per-node 8 tools/cache_latents.py ... # or any launcher that sets RANK / WORLD_SIZE
 
 The source is chosen with the same data overrides as `python -m dit_train` (`data=video_folder
 data.root=...`, or the embedded `data=synthetic_video`), with its frame rate / stride / length
@@ -26,6 +26,13 @@ import socket
 import sys
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dit_train.compose import compose
+from dit_train.data_pipelines import latent_cache as lc, prepare_data, source_for
+from dit_train.data_pipelines.video_source import PixelVideoSource
 from dit_train.tools.args import POSITIVE_INT, ToolParser
 
 
@@ -38,27 +45,11 @@ CACHE_MODEL = "wan_1_3b"
 def compose_data(overrides: list[str]):
     """cfg.data from conf/ with `overrides` (the same groups and keys as training); without a
     `model=` override, with model=CACHE_MODEL (its default resolution buckets)."""
-    from dit_train.config import compose
-
     named = any(o.lstrip("+~").split("=")[0] == "model" for o in overrides)
     return compose(list(overrides) if named else [f"model={CACHE_MODEL}", *overrides]).data
 
 
-def source_settings(data) -> dict:
-    src = {"name": data.name, "max_frames": data.max_frames, "frame_stride": data.frame_stride, "fps": data.fps,
-           "resolution_buckets": [list(b) for b in data.resolution_buckets or []]}
-    if data.name == "synthetic_video":
-        src.update(num_clips=data.num_clips, gen_seed=data.gen_seed)
-        if data.num_images:  # only when set: caches written before images existed keep their fingerprint
-            src["num_images"] = data.num_images
-    else:
-        src["root"] = str(Path(data.root).expanduser().resolve())
-    return src
-
-
 def pick_device(spec: str, local_rank: int) -> str:
-    import torch
-
     if spec == "auto":
         spec = "cuda" if torch.cuda.is_available() else "cpu"
     if spec == "cuda" and torch.cuda.device_count() > 0:
@@ -69,18 +60,13 @@ def pick_device(spec: str, local_rank: int) -> str:
 def run_rank(rank: int, world: int, local_rank: int, args: argparse.Namespace, data, init_method: str | None) -> dict | None:
     """One rank's share; rank 0 also writes meta.json, the null caption and, once every rank
     is done, manifest.jsonl and report.json. Returns the report on rank 0."""
-    import torch
-    import torch.distributed as dist
-
-    from dit_train.data_pipelines import latent_cache as lc
-    from dit_train.data import prepare_data, source_for
-
     if world > 1:
         if args.workers > 1:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(hours=24))  # ranks may wait long for the slowest
     try:
+        source = source_for(data, None)
         out = Path(args.out).expanduser()
         device, dtype = pick_device(args.device, local_rank), lc.DTYPES[args.dtype]
         vae = lc.VaeCodec(args.vae, device, dtype, tiling=args.vae_tiling, allow_pickle=args.allow_pickle_weights)
@@ -91,7 +77,7 @@ def run_rank(rank: int, world: int, local_rank: int, args: argparse.Namespace, d
             raise ValueError(f"data.resolution_buckets {bad} are not multiples of the VAE's spatial factor {vae.spatial}")
         settings = lc.CacheSettings(vae=vae.path, text_encoder=text.path if text else "",
                                     tokenizer=text.tokenizer_path if text else "", max_text_len=args.max_text_len if text else 0,
-                                    dtype=args.dtype, source=source_settings(data)).as_dict()
+                                    dtype=args.dtype, source=source.cache_settings()).as_dict()
         lc.check_or_write_meta(out, lc.build_meta(vae, text, settings), write=rank == 0)
         if rank == 0 and text is not None and not (out / lc.NULL_TEXT).is_file():
             lc.write_null_text(out, text)
@@ -99,9 +85,6 @@ def run_rank(rank: int, world: int, local_rank: int, args: argparse.Namespace, d
             prepare_data(data)  # embedded clips / folder index, once
         if world > 1:
             dist.barrier()
-        source = source_for(data, None)
-        if not hasattr(source, "pixel_dataset"):
-            raise ValueError(f"data={data.name} is not a source of pixel videos (use data=synthetic_video or video_folder)")
         dataset = source.pixel_dataset((1, vae.spatial, vae.spatial), cache_items=0)
         report = lc.encode_shard(dataset, out, vae, text, rank, world, progress=not args.no_progress)
         reports = [report]
@@ -148,14 +131,12 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"{flag} {path}: no such folder (a local diffusers / transformers folder, or a "
                                  f"pipeline folder; hub ids are not downloaded)")
         data = compose_data(args.overrides)
-        if data.name not in ("synthetic_video", "video_folder"):
+        if not isinstance(source_for(data, None), PixelVideoSource):
             raise ValueError(f"data={data.name} is not a video source; use data=video_folder data.root=... (or data=synthetic_video)")
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun / SLURM-style launcher
             report = run_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
                               int(os.environ.get("LOCAL_RANK", 0)), args, data, "env://")
         elif args.workers > 1:
-            import torch.multiprocessing as mp
-
             mp.spawn(_spawned, args=(args.workers, args, data, f"tcp://127.0.0.1:{_free_port()}"), nprocs=args.workers)
             report = json.loads((Path(args.out).expanduser() / "report.json").read_text())
         else:

@@ -22,7 +22,10 @@ import functools
 import random
 import sys
 
+from dit_train.compose import compose
 from dit_train.data_pipelines.text import ByteTokenizer, embedded_corpus
+from dit_train.engine.launch import launch
+from dit_train.posttrain import Datum, dpo_loss, grpo_loss, sft_loss, TrainingSession
 
 TOK = ByteTokenizer()
 
@@ -40,16 +43,12 @@ def paragraphs(max_chars: int) -> list[tuple[str, str]]:
 
 def datum(prompt: str | list[int], completion: str | list[int], **fields):
     """Prompt tokens weigh 0 (no gradient), completion tokens 1 (text or token ids)."""
-    from dit_train.posttrain import Datum
-
     p = TOK.encode(prompt) if isinstance(prompt, str) else list(prompt)
     c = TOK.encode(completion) if isinstance(completion, str) else list(completion)
     return Datum(tokens=p + c, weights=[0.0] * len(p) + [1.0] * len(c), **fields)
 
 
 def sft(session, steps: int, rng: random.Random, say) -> None:
-    from dit_train.posttrain import sft_loss
-
     pool = paragraphs(96)
     for step in range(steps):
         for _ in range(rng.randint(1, 3)):  # a variable number of calls of variable size
@@ -66,8 +65,6 @@ def reward(text: str) -> float:
 
 
 def grpo(session, steps: int, rng: random.Random, say, kl_coef: float, group: int = 4, new_tokens: int = 12) -> None:
-    from dit_train.posttrain import TrainingSession, grpo_loss
-
     reference = TrainingSession(session.cfg, ctx=session.ctx) if kl_coef else None  # the initial weights, frozen
     loss = grpo_loss(clip_low=0.2, clip_high=0.28, kl_coef=kl_coef)
     pool = paragraphs(16)
@@ -96,8 +93,6 @@ def grpo(session, steps: int, rng: random.Random, say, kl_coef: float, group: in
 
 
 def dpo(session, steps: int, rng: random.Random, say) -> None:
-    from dit_train.posttrain import dpo_loss
-
     pairs = []
     for topic, para in rng.sample(paragraphs(48), 16):
         shuffled = list(para)
@@ -117,8 +112,6 @@ def dpo(session, steps: int, rng: random.Random, say) -> None:
 
 
 def train(cfg, recipe: str = "sft", steps: int = 8, kl_coef: float = 0.05, out: str = "") -> None:
-    from dit_train.posttrain import TrainingSession
-
     session = TrainingSession(cfg)
     rng = random.Random(0)  # same on every rank: every rank passes the same batches
     say = (lambda s: print(s, flush=True)) if session.ctx.is_main else (lambda s: None)
@@ -134,9 +127,6 @@ def train(cfg, recipe: str = "sft", steps: int = 8, kl_coef: float = 0.05, out: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dit_train.config import compose
-    from dit_train.engine.launch import launch
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--recipe", choices=("sft", "grpo", "dpo"), default="sft")
     ap.add_argument("--steps", type=int, default=8)

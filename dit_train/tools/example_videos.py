@@ -12,12 +12,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from dit_train.data_pipelines.example_videos import EXAMPLE_CLIPS, write_example_videos
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("folder", help="where to write the clips (created)")
     args = ap.parse_args(argv)
-    from dit_train.data_pipelines.example_videos import EXAMPLE_CLIPS, write_example_videos
 
     for clip, path in zip(EXAMPLE_CLIPS, write_example_videos(args.folder)):
         print(f"{path}  {clip.height}x{clip.width} at {clip.fps} fps, {clip.frames} frames: {clip.caption!r}")

@@ -34,6 +34,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dit_train.checkpoint import checkpoint_weights, export_diffusers, find_checkpoint, save_safetensors
+from dit_train.checkpoint.export import checkpoint_model, initial_weights, load_safetensors
+from dit_train.compose import load_config
+from dit_train.config.errors import CheckpointError
+from dit_train.models import model_spec
+from dit_train.models.lora import save_lora, WEIGHT_NAME
 from dit_train.tools.args import ToolParser
 
 
@@ -43,8 +49,6 @@ def _lora(cfg: Any, args: argparse.Namespace) -> bool:
 
 
 def _full_weights(cfg: Any, sd: dict, args: argparse.Namespace, default: Path) -> Path:
-    from dit_train.checkpoint import export_diffusers, save_safetensors
-
     if args.diffusers:
         return export_diffusers(cfg, sd, args.diffusers)
     out = Path(args.out) if args.out else default
@@ -54,10 +58,6 @@ def _full_weights(cfg: Any, sd: dict, args: argparse.Namespace, default: Path) -
 
 def _from_weights_file(src: Path, args: argparse.Namespace) -> Path:
     """A run's weights.safetensors (full weights; merged for LoRA runs) -> --diffusers DIR."""
-    from dit_train.checkpoint import export_diffusers
-    from dit_train.checkpoint.export import load_safetensors
-    from dit_train.config import load_config
-
     if not args.diffusers:
         raise ValueError("a .safetensors input only makes sense with --diffusers DIR")
     if args.ema:
@@ -69,20 +69,11 @@ def _from_weights_file(src: Path, args: argparse.Namespace) -> Path:
 
 def _base(src: Path, args: argparse.Namespace) -> Path:
     """--base: the weights the run started from (no adapters)."""
-    from dit_train.checkpoint.export import initial_weights
-    from dit_train.config import load_config
-
     cfg = load_config(src)
     return _full_weights(cfg, initial_weights(cfg), args, src / "weights_base.safetensors")
 
 
 def _from_checkpoint(ckpt: Path, args: argparse.Namespace) -> Path:
-    from dit_train.checkpoint import checkpoint_weights
-    from dit_train.checkpoint.export import checkpoint_model
-    from dit_train.config import load_config
-    from dit_train.models import model_spec
-    from dit_train.models.lora import save_lora
-
     cfg = load_config(ckpt)
     suffix = "_ema" if args.ema else ""
     if _lora(cfg, args):
@@ -95,10 +86,6 @@ def _from_checkpoint(ckpt: Path, args: argparse.Namespace) -> Path:
 def _from_run_files(run: Path, args: argparse.Namespace) -> Path | None:
     """A run dir without checkpoints: what it wrote at its end. None when the wanted file is
     already where no --out/--diffusers was asked for (nothing to write)."""
-    from dit_train.checkpoint.export import load_safetensors
-    from dit_train.config import load_config
-    from dit_train.models.lora import WEIGHT_NAME
-
     if not (run / "config.yaml").is_file() or not (run / "weights.safetensors").is_file():
         raise FileNotFoundError(f"{run} holds no checkpoint (checkpoints/step_XXXXXXXX) and no finished run's "
                                 f"weights (config.yaml + weights.safetensors): pass a checkpoint dir, a run dir, or a "
@@ -121,8 +108,6 @@ def _from_run_files(run: Path, args: argparse.Namespace) -> Path | None:
 
 def export(args: argparse.Namespace) -> tuple[Path | None, Path]:
     """(what was written or None, the source it came from); raises with a one-line message."""
-    from dit_train.checkpoint import find_checkpoint
-
     src = Path(args.checkpoint)
     if not src.exists():
         raise FileNotFoundError(f"{src} does not exist (pass a checkpoint dir, a run dir or a run's weights.safetensors)")
@@ -160,8 +145,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="the weights the run started from, without adapters: model.pretrained's, or the "
                          "initialisation from train.seed (default output <run>/weights_base.safetensors)")
     args = ap.parse_args(argv)
-
-    from dit_train.checkpoint import CheckpointError
 
     try:
         out, source = export(args)

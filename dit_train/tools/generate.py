@@ -10,7 +10,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from dit_train.data_pipelines.text import build_tokenizer
 from dit_train.engine.checks import Range
+from dit_train.generate import generate, load_run
 from dit_train.tools.args import POSITIVE_FLOAT, POSITIVE_INT, ToolParser, ranged
 
 
@@ -26,9 +28,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--temperature", type=POSITIVE_FLOAT, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-
-    from dit_train.data_pipelines.text import build_tokenizer
-    from dit_train.generate import generate, load_run
 
     try:
         cfg, model = load_run(args.run_dir, args.weights, args.ema)

@@ -8,11 +8,11 @@ checkpointing and recomputed prologues fit a GPU, best first.
     python -m dit_train.tools.plan model=dit_1b --calibrate                  # activation formula vs autograd, on CPU
     python -m dit_train.tools.plan model=wan_14b train.precision=bf16 --world 8 --frames 81 --height 720 --width 1280
         # "how many frames fit": per AC policy x offload option, the best layout for the clip and the
-        # longest clip of that size that fits (dit_train/perf/clips.py); add --smoke 1 on GPUs to measure
+        # longest clip of that size that fits (dit_train/planning/clips.py); add --smoke 1 on GPUs to measure
 
 Positional arguments are Hydra overrides of the training config (composed like
 `python -m dit_train`); the layout keys they set are the starting point of the search only.
-Memory model and formulas: dit_train/perf/memory.py. Ranking: dit_train/planner.py.
+Memory model and formulas: dit_train/perf/memory.py. Ranking: dit_train/planning/planner.py.
 """
 from __future__ import annotations
 
@@ -21,12 +21,14 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from dit_train.config import compose
+from dit_train.compose import compose
+from dit_train.config.schema import AUTO_MICRO_BATCH_TOKENS
 from dit_train.engine.checks import Range
 from dit_train.parallel.mesh import ParallelDims
 from dit_train.perf.bench import dumps_records, format_table
+from dit_train.planning.clips import clip_options, clip_tokens, latent_grid
 from dit_train.perf.memory import GIB, calibrate_block, model_shape
-from dit_train.perf.planner import Workload, plan, resolve_plan_backend, smoke, workload_from_data
+from dit_train.planning.planner import Workload, plan, resolve_plan_backend, smoke, workload_from_data
 from dit_train.tools.args import POSITIVE_FLOAT, POSITIVE_INT, ToolParser, ranged
 
 
@@ -71,8 +73,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_data:
         work = workload_from_data(cfg)
     else:
-        from dit_train.config.schema import AUTO_MICRO_BATCH_TOKENS
-
         mx = args.max_sample_tokens or cfg.train.micro_batch_tokens or AUTO_MICRO_BATCH_TOKENS
         work = Workload(cfg.train.global_batch, mx, args.mean_sample_tokens or mx)
     backend = args.backend or resolve_plan_backend(cfg, args.device)
@@ -136,8 +136,6 @@ def clip_main(args, cfg, world: int, shape, backend: str, prologues: tuple[bool,
     """--frames: for every AC x offload option, the best layout for the clip and the longest
     clip of the same height and width that fits, each with the `prologues` settings planned
     (off where it fits, on where only it does); --smoke K measures the fitting ones."""
-    from dit_train.perf.clips import clip_options, clip_tokens, latent_grid
-
     if cfg.mode != "video":
         raise SystemExit(f"--frames needs a video model (model.name={cfg.model.name} is {cfg.mode})")
     stride = tuple(int(x) for x in args.vae_stride.split(","))

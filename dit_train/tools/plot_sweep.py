@@ -15,13 +15,15 @@ import argparse
 import sys
 from pathlib import Path
 
+import yaml
+
+from dit_train.metrics import read_metrics
+
 
 
 def job_overrides(job_dir: Path) -> list[str]:
     overrides = job_dir / ".hydra" / "overrides.yaml"
     if overrides.exists():
-        import yaml
-
         return [str(i) for i in yaml.safe_load(overrides.read_text()) or []]
     return []
 
@@ -35,8 +37,6 @@ def job_labels(job_dirs: list[Path]) -> list[str]:
 
 
 def collect(sweep_dir: Path) -> list[tuple[str, list[dict]]]:
-    from dit_train.metrics import read_metrics
-
     jobs = []
     def job_number(p: Path):
         head = p.parent.name.split("_", 1)[0]
@@ -71,10 +71,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no */metrics.jsonl under {args.sweep_dir}: is it a multirun directory?", file=sys.stderr)
         return 1
 
-    import matplotlib
+    import matplotlib  # deferred: only plotting needs matplotlib (~0.5 s)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # deferred: only plotting needs matplotlib (~0.5 s)
 
     fig, ax = plt.subplots(figsize=(9, 5.5))
     rows = ["| job | final loss | mean of last 10% | steps |", "|---|---:|---:|---:|"]

@@ -22,6 +22,11 @@ of the samples against their prompts.
 `--data-captions N` samples the captions and sizes of the run's first N training samples instead
 of prompts, with the run's sampler steps, guidance and seed unless given: the run's validation
 with train.num_samples=N (the same clips and noise), a larger re-score of a finished run.
+A conditioned run (cond.kind, docs/conditioning.md) continues given frames:
+
+    python -m dit_train.tools.sample RUN_DIR --prompt "..." --image first.png [--last-image last.png]
+    python -m dit_train.tools.sample RUN_DIR --prompt "..." --video prefix.mp4 --prefix-frames 4
+    python -m dit_train.tools.sample RUN_DIR --data-captions 48     # from the held-out clips' first frames
 """
 from __future__ import annotations
 
@@ -31,16 +36,29 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dit_train.checkpoint import checkpoint_weights, find_checkpoint
+from dit_train.checkpoint.export import load_safetensors
+from dit_train.compose import load_config
+from dit_train.config.errors import CheckpointError
+from dit_train.config.schema import cond_active
+from dit_train.data_pipelines import source_for
+from dit_train.engine.build import build_parallel_model
 from dit_train.engine.checks import Range
+from dit_train.engine import launch  # launch.launch_local at call time: the tests route it to their worker pool
+from dit_train.engine.layout_equivalence import apply_layout, parse_layout, world_of
+from dit_train.models.init import load_full_weights
+from dit_train.parallel.mesh import init_parallel
+from dit_train.precision import autocast
+from dit_train.sampling import scored_view, source_requests, to_pixels, VideoSampler, write_samples
+from dit_train.sampling.conditioned import condition_on_clips, given_from_files, given_scores, sampler_feed, validation_task
+from dit_train.sampling.prompts import prompt_requests, prompt_space
+from dit_train.tasks import build_task
 from dit_train.tools.args import POSITIVE_INT, ToolParser, ranged
 
 
 def load_weights(run_dir: Path, ema: bool | None) -> tuple[dict, str]:
     """(full state dict, description) of a run: exported files first, else its newest checkpoint.
     ema: True = the EMA weights (error if none), False = training weights, None = EMA if present."""
-    from dit_train.checkpoint import checkpoint_weights, find_checkpoint
-    from dit_train.checkpoint.export import load_safetensors
-
     files = {True: run_dir / "weights_ema.safetensors", False: run_dir / "weights.safetensors"}
     want = [ema] if ema is not None else [True, False]
     for choice in want:
@@ -58,21 +76,24 @@ def load_weights(run_dir: Path, ema: bool | None) -> tuple[dict, str]:
     raise FileNotFoundError(f"no usable weights in {ckpt}")
 
 
-def data_requests(cfg: Any, num: int, device: Any, decoder: bool) -> tuple[list, Any, Any]:
-    """(requests, empty caption, decoder) for the first `num` training samples, as validation
-    picks them: their captions and sizes, the task's own empty caption, and for latent-cache
-    runs (`decoder`: on the rank that writes) the cache's VAE decoder (no text encoder needed:
-    captions come encoded)."""
-    from dit_train.data import build_task, source_for
-    from dit_train.sampling import source_requests
-
-    task = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed)
-    requests = source_requests(task, source_for(cfg.data, cfg.model), num)
-    decode = None
-    if cfg.data.name == "latent_cache" and decoder:
-        from dit_train.data_pipelines.latent_cache import load_decoder
-
-        decode = load_decoder(cfg.data.root, device)
+def data_requests(cfg: Any, num: int, device: Any, decoder: bool, heldout: bool = False) -> tuple[list, Any, Any]:
+    """(requests, empty caption, decoder) for the first `num` samples, as validation picks them:
+    their captions and sizes (a conditioned run: also their first frames, from the held-out
+    clips when it has some; `heldout`: the held-out clips for any run), the task's own empty
+    caption, and for latent-cache runs (`decoder`: on the rank that writes) the cache's VAE
+    decoder (no text encoder needed: captions come encoded)."""
+    task = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed, cond=cfg.cond)
+    if heldout:
+        task = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed, split="heldout", cond=cfg.cond)
+        if task is None:
+            raise ValueError("--heldout: the run holds no clip out (data.heldout_fraction=0)")
+    else:
+        task = validation_task(cfg, task)
+    source = source_for(cfg.data, cfg.model)
+    requests = source_requests(task, source, num)
+    if sampler_feed(cfg.cond):
+        condition_on_clips(requests, [task.dataset[r.noise_id].pixels for r in requests], cfg.cond, task.patch[0])
+    decode = source.decoder(device) if decoder else None
     return requests, task.null_caption() if task.text_dim else None, decode
 
 
@@ -87,23 +108,19 @@ def run_defaults(args: argparse.Namespace, train: Any) -> None:
 
 def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, source: str) -> dict | None:
     """One rank: build the (parallelized) model, load the weights, sample; rank 0 writes."""
-    from dit_train.data import source_for
-    from dit_train.engine.build import build_parallel_model
-    from dit_train.models.init import load_full_weights
-    from dit_train.parallel.mesh import init_parallel
-    from dit_train.precision import autocast
-    from dit_train.sampling import VideoSampler, scored_view, to_pixels, write_samples
-    from dit_train.sampling.prompts import prompt_requests, prompt_space
-
     ctx = init_parallel(cfg.parallel)
     model = build_parallel_model(cfg, ctx)
     load_full_weights(model, state_dict)
     if args.data_captions:
-        requests, null, decode = data_requests(cfg, args.data_captions, ctx.device, decoder=ctx.is_main)
+        requests, null, decode = data_requests(cfg, args.data_captions, ctx.device, decoder=ctx.is_main,
+                                               heldout=args.heldout)
     else:
         space = prompt_space(cfg, ctx.device)
         requests = prompt_requests(space, args.prompt, args.num, args.frames, args.height, args.width)
         null, decode = space.null, space.decode
+        if args.given is not None:  # read and checked by main() before any worker started
+            for r in requests:
+                r.given, r.given_patches = args.given
     # the run's training shift (per clip size with loss.shift_reference_tokens) ...
     shift, reference = cfg.loss.timestep_shift, cfg.loss.shift_reference_tokens
     if args.shift is not None:  # ... unless --shift names one for every clip
@@ -111,7 +128,8 @@ def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, 
     sampler = VideoSampler(requests, tuple(cfg.model.patch_size), getattr(cfg.model, "text_dim", 0), null, ctx,
                            args.steps, args.guidance, args.seed, shift, reference,
                            prediction=getattr(cfg.model, "prediction", "velocity"), x0_min_t=getattr(cfg.model, "x0_min_t", 0.05),
-                           stochastic=cfg.train.stochastic_sampling if args.stochastic is None else args.stochastic)
+                           stochastic=cfg.train.stochastic_sampling if args.stochastic is None else args.stochastic,
+                           cond_feed=sampler_feed(cfg.cond))
     clips = sampler.sample(model, lambda: autocast(cfg.train.precision, ctx.device, False))
     if not ctx.is_main:
         return None
@@ -119,12 +137,15 @@ def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, 
     try:
         data_source = source_for(cfg.data, cfg.model)
         scores = data_source.score(scored_view(requests, pixels), [r.caption for r in requests]) or {}
+        scores |= given_scores(data_source, requests, pixels, cfg.model.patch_size[0]) if scores else {}
     except ValueError:
         scores = {}
     info = {"weights": source, "prompts": [r.caption for r in requests] if args.data_captions else args.prompt,
             "data_captions": args.data_captions, "num": args.num, "steps": args.steps,
             "guidance_scale": args.guidance, "seed": args.seed, "shifts": sampler.shifts,
-            "stochastic_sampling": sampler.stochastic, "scores": scores}
+            "stochastic_sampling": sampler.stochastic, "scores": scores,
+            "given": {"image": args.image, "last_image": args.last_image, "video": args.video,
+                      "prefix_frames": args.prefix_frames} if given_files(args) else None}
     write_samples(Path(out_dir), requests, pixels, info)
     return scores
 
@@ -157,15 +178,21 @@ def main(argv: list[str] | None = None) -> int:
     ema = ap.add_mutually_exclusive_group()
     ema.add_argument("--ema", dest="ema", action="store_true", default=None, help="require the EMA weights")
     ema.add_argument("--no-ema", dest="ema", action="store_false", help="use the training weights")
+    ap.add_argument("--image", default="", help="first frame to continue from (a run trained with cond.kind="
+                    "first_frame or first_last); resized to cover --height x --width, centre-cropped")
+    ap.add_argument("--last-image", default="", help="last frame (cond.kind=first_last), like --image")
+    ap.add_argument("--video", default="", help="a video whose first --prefix-frames frames are continued "
+                    "(cond.kind=prefix)")
+    ap.add_argument("--prefix-frames", type=ranged(int, Range(0, note="0 = the run's cond.prefix_frames")), default=0,
+                    help="frames of --video given (a multiple of the temporal patch; default: the run's "
+                         "cond.prefix_frames)")
+    ap.add_argument("--heldout", action="store_true",
+                    help="with --data-captions: the run's held-out clips (data.heldout_fraction > 0) instead of "
+                         "its training clips (conditioned runs use them by default, like their validation)")
     ap.add_argument("--layout", default="", help="parallel layout to sample on, e.g. cp_ulysses=2 (starts local workers)")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--out", type=Path, default=None, help="output folder (default RUN_DIR/generated/<time>)")
     args = ap.parse_args(argv)
-
-    from dit_train.checkpoint import CheckpointError
-    from dit_train.config import load_config
-    from dit_train.engine.launch import launch_local
-    from dit_train.engine.layout_equivalence import apply_layout, parse_layout, world_of
 
     try:
         cfg = load_config(args.run_dir)
@@ -177,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("nothing to sample: give --prompt \"a caption\" (repeat for several) or --data-captions N")
         if args.data_captions < 0:
             raise ValueError(f"--data-captions={args.data_captions} must be >= 1")
+        check_given(args, cfg.cond)
+        args.given = read_given(args, cfg)
         run_defaults(args, cfg.train)
         if args.num < 1 or args.steps < 1 or args.guidance < 1:
             raise ValueError("--num and --steps must be >= 1 and --guidance >= 1")
@@ -194,11 +223,44 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or args.run_dir / "generated" / time.strftime("%Y%m%d-%H%M%S")
     world = world_of(cfg)
     call = (cfg, state_dict, args, str(out), source)
-    scores = _worker(*call) if world == 1 else launch_local(_worker, call, world, cfg.launcher)[0]
+    scores = _worker(*call) if world == 1 else launch.launch_local(_worker, call, world, cfg.launcher)[0]
     print(f"wrote {args.data_captions or len(args.prompt) * args.num} clip(s) from {source} to {out}")
     if line := quality_line(scores):
         print(line)
     return 0
+
+
+def given_files(args: argparse.Namespace) -> bool:
+    return bool(args.image or args.last_image or args.video)
+
+
+def check_given(args: argparse.Namespace, cond: Any) -> None:
+    """Refuse given frames a run cannot use, and a conditioned-only run sampled without them
+    (ValueError naming the flag)."""
+    if given_files(args) and args.data_captions:
+        raise ValueError("--data-captions samples from the clips' own first frames; --image/--last-image/--video "
+                         "go with --prompt")
+    if given_files(args) and not cond_active(cond):
+        raise ValueError("--image/--last-image/--video: this run trained without conditioning (cond.kind=none)")
+    if args.prefix_frames and not args.video:
+        raise ValueError("--prefix-frames goes with --video")
+    if cond_active(cond) and cond.prob >= 1 and args.prompt and not given_files(args):
+        need = {"first_frame": "--image first.png", "first_last": "--image first.png --last-image last.png",
+                "prefix": "--video clip.mp4"}[str(cond.kind)]
+        raise ValueError(f"this run trained every sample with cond.kind={cond.kind} (cond.prob=1): give {need}")
+
+
+def read_given(args: argparse.Namespace, cfg: Any) -> tuple | None:
+    """(given clip, given temporal patches) from --image/--last-image/--video, at the size the
+    prompts sample (None without them); ValueError naming the flag when they do not fit."""
+    if not given_files(args):
+        return None
+    if source_for(cfg.data, cfg.model).latent:
+        raise ValueError("--image/--last-image/--video need a pixel-space run: latent-cache runs do not encode "
+                         "given frames yet")
+    shape = prompt_space(cfg).shape(args.frames, args.height, args.width)
+    return given_from_files(cfg.cond, shape, cfg.model.patch_size[0], args.image, args.last_image, args.video,
+                            args.prefix_frames)
 
 
 def quality_line(scores: dict[str, float] | None) -> str:

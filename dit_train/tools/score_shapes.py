@@ -18,6 +18,10 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+
+from dit_train.data_pipelines.shapes_metric import FIGURES, reference_scores, score_clips
+from dit_train.data_pipelines.synthetic_video import ensure_synthetic_videos, FRAMES, HEIGHTS, WIDTHS
 from dit_train.tools.args import NON_NEGATIVE_INT, POSITIVE_INT, ToolParser
 
 
@@ -33,11 +37,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--noise-seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write {row: figures} here")
     args = ap.parse_args(argv)
-
-    import torch
-
-    from dit_train.data_pipelines.shapes_metric import FIGURES, reference_scores, score_clips
-    from dit_train.data_pipelines.synthetic_video import FRAMES, HEIGHTS, WIDTHS, ensure_synthetic_videos
 
     root = ensure_synthetic_videos(args.cache_dir, args.num_clips, args.gen_seed, args.num_images, args.widths or WIDTHS,
                                    args.heights or HEIGHTS, args.frames or FRAMES)

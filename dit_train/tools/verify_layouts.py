@@ -23,7 +23,11 @@ import json
 import sys
 from pathlib import Path
 
+from dit_train.compose import compose
+from dit_train.data_pipelines import prepare_data
 from dit_train.engine.checks import Range
+from dit_train.engine.layout_equivalence import format_table, parse_layout, verify_layouts
+from dit_train.tasks import check_data, resolve_config
 from dit_train.tools.args import POSITIVE_INT, ToolParser, ranged
 
 
@@ -52,10 +56,6 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     overrides = [*args.overrides, *overrides]
 
-    from dit_train.config import compose
-    from dit_train.data import check_data, prepare_data
-    from dit_train.engine.layout_equivalence import format_table, parse_layout, verify_layouts
-
     cfg = compose([f"train.steps={args.steps}", "train.progress=false", *overrides])
     if args.optimizer == "sgd":
         cfg.optim.name, cfg.optim.momentum, cfg.optim.weight_decay = "sgd", 0.0, 0.0
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     for spec in layouts:
         parse_layout(spec)  # fail on a typo before anything runs
     prepare_data(cfg.data, cfg.model)
-    check_data(cfg)
+    cfg = resolve_config(cfg, check_data(cfg))
     results = verify_layouts(cfg, layouts, args.reductions.split(","), tol=args.tol)
     print(format_table(results))
     if args.json:

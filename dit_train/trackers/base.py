@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+from PIL import Image
 
 from dit_train.registry import Registry
 
@@ -24,8 +25,6 @@ class Clip:
 
     def gif(self) -> bytes:
         """The clip as an animated GIF (Pillow alone: no video encoder needed)."""
-        from PIL import Image
-
         images = [Image.fromarray(f) for f in self.frames]
         buf = io.BytesIO()
         images[0].save(buf, format="GIF", save_all=True, append_images=images[1:],

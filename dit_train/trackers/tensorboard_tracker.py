@@ -13,7 +13,7 @@ class TensorBoardTracker(Tracker):
     (add_video would need moviepy)."""
 
     def __init__(self, run: TrackedRun):
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # deferred: only train.loggers=[tensorboard] needs it
 
         # purge_step: TensorBoard hides the events of steps >= start written by the interrupted
         # run, so replayed steps show once
@@ -29,7 +29,7 @@ class TensorBoardTracker(Tracker):
             self.writer.add_image(tag, image, step, dataformats="HWC")
 
     def log_videos(self, clips: dict[str, Clip], step: int) -> None:
-        from tensorboard.compat.proto.summary_pb2 import Summary
+        from tensorboard.compat.proto.summary_pb2 import Summary  # deferred: only train.loggers=[tensorboard] needs it
 
         for tag, clip in clips.items():
             F, H, W, _ = clip.frames.shape

@@ -16,6 +16,7 @@
 """
 from __future__ import annotations
 
+import inspect
 import io
 import socket
 from typing import Any
@@ -23,6 +24,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 
+from dit_train.config.errors import ConfigError
 from dit_train.trackers.base import Clip, TrackedRun, Tracker, TrackerSpec, register_tracker
 
 
@@ -35,9 +37,7 @@ def choose_mode(mode: str, has_credentials: bool, reachable: bool) -> str:
 
 def _has_credentials() -> bool:
     """W&B finds credentials (its environment, settings files, .netrc) without asking anyone."""
-    import inspect
-
-    import wandb
+    import wandb  # deferred: optional (the wandb extra), ~0.4 s to import
 
     if "prompt" in inspect.signature(wandb.login).parameters:  # recent wandb: wandb.api is deprecated
         return bool(wandb.login(prompt=False, verify=False))
@@ -59,7 +59,7 @@ class WandbTracker(Tracker):
     mp4 files the run already wrote (no encoder needed), or GIFs for clips without one."""
 
     def __init__(self, run: TrackedRun, project: str, mode: str):
-        import wandb
+        import wandb  # deferred: optional (the wandb extra), ~0.4 s to import
 
         if mode == "auto":
             has_key = _has_credentials()
@@ -69,7 +69,6 @@ class WandbTracker(Tracker):
             self.run = wandb.init(project=project, name=run.name, id=run.run_id or None, resume="allow",
                                   dir=str(run.run_dir), config=run.config, mode=mode)
         except wandb.errors.Error as err:  # no API key, a key the server refuses, no server: before step 0
-            from dit_train.engine.checks import ConfigError
 
             raise ConfigError(f"train.loggers has wandb, but W&B could not start the run (train.wandb_mode={mode}): "
                               f"{err}; log in with `wandb login`, or set train.wandb_mode=offline (upload the run "
@@ -80,12 +79,12 @@ class WandbTracker(Tracker):
         self.run.log(dict(metrics), step=step)
 
     def log_images(self, images: dict[str, np.ndarray], step: int) -> None:
-        import wandb
+        import wandb  # deferred: optional (the wandb extra), ~0.4 s to import
 
         self.run.log({tag: wandb.Image(image) for tag, image in images.items()}, step=step)
 
     def log_videos(self, clips: dict[str, Clip], step: int) -> None:
-        import wandb
+        import wandb  # deferred: optional (the wandb extra), ~0.4 s to import
 
         def video(c: Clip) -> Any:
             if c.path is not None:

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from dit_train.config import Config
 from dit_train.perf.memory import GIB, ModelShape
-from dit_train.perf.planner import Candidate, Workload, plan
+from dit_train.planning.planner import Candidate, Workload, plan
 
 # (AC policy, activation offload, parameter offload), cheapest first
 OPTIONS: list[tuple[str, bool, bool]] = [(ac, act, cpu) for ac in ("none", "selective", "full")

@@ -6,7 +6,8 @@ from typing import Any
 
 from dit_train.config.choices import Mode
 from dit_train.config.schema import DataConfig
-from dit_train.data.source import DataSource, register_source
+from dit_train.data_pipelines.source import DataSource, register_source
+from dit_train.data_pipelines.text import load_text_datasets
 
 
 @dataclass
@@ -25,8 +26,6 @@ class TextSource(DataSource):
     mode = Mode.llm
 
     def open(self, split: str = "train") -> Any:
-        from dit_train.data_pipelines.text import load_text_datasets
-
         c = self.cfg
         train, heldout = load_text_datasets(c.text_path, c.tokenizer, c.max_doc_tokens, c.heldout_fraction)
         if train.tokenizer.vocab_size > self.model_cfg.vocab_size:

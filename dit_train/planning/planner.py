@@ -35,10 +35,18 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+import torch
+
 from dit_train.config import PARALLEL_DEGREES, Config
+from dit_train.config.errors import ConfigError
+from dit_train.data_pipelines import prepare_data
+from dit_train.engine import launch  # launch.launch_local at call time: the tests route it to their worker pool
+from dit_train.engine.build import build_run
+from dit_train.engine.checks import check_config
 from dit_train.parallel.mesh import ParallelDims
 from dit_train.perf.memory import (DTYPE_BYTES, GIB, MemoryEstimate, ModelShape, estimate_memory, fsdp_shard_degree,
                                    model_shape)
+from dit_train.tasks import build_task
 
 
 # rank order of the AC policies at equal micro-batch: less recompute first
@@ -191,8 +199,6 @@ def apply_layout(cfg: Config, layout: Layout) -> Config:
 def check_layout(cfg: Config, layout: Layout, work: Workload) -> list[str]:
     """Why `layout` cannot run (empty if it can): the training validator's errors plus the
     planner's own rules."""
-    from dit_train.engine.checks import ConfigError, check_config
-
     reasons = []
     try:
         check_config(apply_layout(cfg, layout), layout.world)
@@ -321,8 +327,6 @@ def plan(cfg: Config, world: int, capacity_bytes: float, work: Workload, *, rese
 
 def workload_from_data(cfg: Config) -> Workload:
     """Sample lengths of the configured dataset (prepares the embedded set if needed)."""
-    from dit_train.data import build_task, prepare_data
-
     prepare_data(cfg.data, cfg.model)
     lengths = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed).lengths()
     return Workload(cfg.train.global_batch, max(lengths), sum(lengths) / len(lengths))
@@ -333,10 +337,6 @@ def workload_from_data(cfg: Config) -> Workload:
 
 def _smoke_worker(cfg: Config, steps: int) -> dict[str, Any]:
     """Run `steps` optimizer steps of `cfg`'s layout on this rank; times and peak memory."""
-    import torch
-
-    from dit_train.engine.build import build_run
-
     run = build_run(cfg)
     cuda = run.ctx.device.type == "cuda"
     times, tokens = [], []
@@ -360,10 +360,6 @@ def _smoke_worker(cfg: Config, steps: int) -> dict[str, Any]:
 def smoke(cfg: Config, candidates: list[Candidate], steps: int = 4) -> None:
     """Run `steps` steps of each candidate's layout (started like training: local workers, gloo
     on CPU) and store the steady-state median step time in `candidate.smoke`."""
-    from dit_train.data import prepare_data
-    from dit_train.engine.checks import check_config
-    from dit_train.engine.launch import launch_local
-
     if steps < 2:
         raise ValueError("--smoke-steps must be >= 2 (step 0 is warm-up and not timed)")
     prepare_data(cfg.data, cfg.model)
@@ -374,7 +370,7 @@ def smoke(cfg: Config, candidates: list[Candidate], steps: int = 4) -> None:
         if cand.layout.world == 1:
             res = {0: _smoke_worker(c, steps)}
         else:
-            res = launch_local(_smoke_worker, (c, steps), cand.layout.world, c.launcher)
+            res = launch.launch_local(_smoke_worker, (c, steps), cand.layout.world, c.launcher)
         # a step ends when the slowest rank ends: take the max over ranks, then the median over steps
         per_step = [max(r["step_times_s"][i] for r in res.values()) for i in range(steps)]
         steady = per_step[1:]

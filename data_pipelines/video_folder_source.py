@@ -3,9 +3,11 @@ csv/jsonl manifest); an image trains as a one-frame clip (see VideoClipDataset).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
-from dit_train.data.source import register_source
-from dit_train.data.video import PixelVideoSource, VideoReadConfig
+from dit_train.data_pipelines.source import register_source
+from dit_train.data_pipelines.video_folder import index_video_folder
+from dit_train.data_pipelines.video_source import PixelVideoSource, VideoReadConfig
 
 
 @dataclass
@@ -21,14 +23,13 @@ class VideoFolderSource(PixelVideoSource):
 
     def prepare(self) -> None:
         """Probe every file once (workers then read the index instead of probing)."""
-        from dit_train.data_pipelines.video_folder import index_video_folder
-
         super().prepare()
         index_video_folder(self.cfg.root, self.cfg.cache_dir, self.cfg.num_workers)
 
-    def entries(self) -> tuple[list, list]:
-        from dit_train.data_pipelines.video_folder import index_video_folder
+    def cache_settings(self) -> dict:
+        return {**super().cache_settings(), "root": str(Path(self.cfg.root).expanduser().resolve())}
 
+    def entries(self) -> tuple[list, list]:
         root = self.cfg.root  # "" is refused by the data layer with the key to set
         index = index_video_folder(root, self.cfg.cache_dir, self.cfg.num_workers)
         if not index.entries:

@@ -8,6 +8,12 @@ import inspect
 import re
 from typing import Any
 
+from dit_train.compose import compose
+from dit_train.config import config_dir
+from dit_train.config.schema import LauncherConfig, LossConfig, OptimConfig, ParallelConfig, TrainConfig
+from dit_train.data_pipelines import SOURCES
+from dit_train.models import MODELS
+
 _FIELD = re.compile(r"^\s+(\w+):[^=#]*(?:=[^#]*)?(?:#\s*(.*))?$")
 
 
@@ -56,11 +62,6 @@ def _rows(prefix: str, cls: type, values: Any = None, skip: set[str] = frozenset
 
 
 def help_text() -> str:
-    from dit_train.config import config_dir
-    from dit_train.config.schema import LauncherConfig, LossConfig, OptimConfig, ParallelConfig, TrainConfig
-    from dit_train.data import SOURCES
-    from dit_train.models import MODELS
-
     conf = config_dir()
     groups = [f"  {g.name}={'|'.join(sorted(p.stem for p in g.glob('*.yaml')))}" for g in sorted(conf.iterdir())
               if g.is_dir() and g.name != "experiment"]
@@ -68,7 +69,6 @@ def help_text() -> str:
     lines = ["usage: python -m dit_train [group=option ...] [key=value ...]   (dit-train after pip install)",
              "       python -m dit_train -m key=a,b ...                      (a sweep: one run per combination)",
              "", "Config groups (conf/<group>/<option>.yaml):", *groups, f"  +experiment={experiments}", ""]
-    from dit_train.config import compose
 
     default = compose([])
     lines.append("Keys, with the value of the default run (python -m dit_train without overrides):")

@@ -6,8 +6,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List
 
-from dit_train.data.source import register_source
-from dit_train.data.video import PixelVideoSource, VideoReadConfig
+from dit_train.data_pipelines.shapes_metric import score_clips
+from dit_train.data_pipelines.source import register_source
+from dit_train.data_pipelines.synthetic_video import dataset_dir, ensure_synthetic_videos
+from dit_train.data_pipelines.video_dataset import manifest_entries
+from dit_train.data_pipelines.video_source import PixelVideoSource, VideoReadConfig
 
 
 @dataclass
@@ -30,25 +33,23 @@ class SyntheticVideoSource(PixelVideoSource):
     config = SyntheticVideoConfig
 
     def directory(self) -> Path:
-        from dit_train.data_pipelines.synthetic_video import dataset_dir
-
         c = self.cfg
         return dataset_dir(c.cache_dir, c.num_clips, c.gen_seed, c.num_images, c.widths, c.heights, c.frames)
 
     def prepare(self) -> None:
-        from dit_train.data_pipelines.synthetic_video import ensure_synthetic_videos
-
         super().prepare()
         c = self.cfg
         ensure_synthetic_videos(c.cache_dir, c.num_clips, c.gen_seed, c.num_images, c.widths, c.heights, c.frames)
 
     def score(self, pixels: list, captions: list[str]) -> dict[str, float]:
         """The shapes world's exact metric (data_pipelines/shapes_metric.py)."""
-        from dit_train.data_pipelines.shapes_metric import score_clips
-
         return score_clips(pixels, captions)
 
-    def entries(self) -> tuple[list, list]:
-        from dit_train.data_pipelines.video_dataset import manifest_entries
+    def cache_settings(self) -> dict:
+        settings = {**super().cache_settings(), "num_clips": self.cfg.num_clips, "gen_seed": self.cfg.gen_seed}
+        if self.cfg.num_images:  # only when set: caches written before images existed keep their fingerprint
+            settings["num_images"] = self.cfg.num_images
+        return settings
 
+    def entries(self) -> tuple[list, list]:
         return manifest_entries(self.directory() / "manifest.jsonl")

@@ -8,7 +8,11 @@ from typing import Any, List, Optional
 
 from dit_train.config.choices import Mode, VideoDecoder
 from dit_train.config.schema import DataConfig
-from dit_train.data.source import DataSource
+from dit_train.data_pipelines.records import in_heldout
+from dit_train.data_pipelines.sizes import fitting_buckets, fitting_max_frames, slab_tokens
+from dit_train.data_pipelines.source import DataSource
+from dit_train.data_pipelines.video_dataset import VideoClipDataset
+from dit_train.data_pipelines.video_io import is_image, use_decoder
 
 log = logging.getLogger(__name__)
 
@@ -39,23 +43,24 @@ class PixelVideoSource(DataSource):
     def prepare(self) -> None:
         """Pick the video reader (data.decoder) and say which, once, before any file is probed;
         a reader that cannot be imported here is refused (ValueError naming data.decoder)."""
-        from dit_train.data_pipelines.video_io import use_decoder
-
         log.info(use_decoder(self.cfg.decoder))
 
     def entries(self) -> tuple[list, list]:
         """(ClipEntry list, skipped (path, why) list) of the source."""
         raise NotImplementedError
 
+    def cache_settings(self) -> dict:
+        """What decides which clips a latent cache of this source holds, and how they are read
+        (part of the cache's fingerprint: tools/cache_latents.py)."""
+        c = self.cfg
+        return {"name": c.name, "max_frames": c.max_frames, "frame_stride": c.frame_stride, "fps": c.fps,
+                "resolution_buckets": [list(b) for b in c.resolution_buckets or []]}
+
     def pixel_dataset(self, patch: tuple[int, int, int], cache_items: int | None = None, split: str = "") -> Any:
         """The clips as a VideoClipDataset cropping frames to multiples of patch[0] and sizes
         to multiples of patch[1:] (or buckets). Clips that cannot be read or are too small are
         left out and listed in `.skipped`. split: "" = every clip, "train" / "heldout" = one side
         of the data.heldout_fraction split (by each file's name)."""
-        from dit_train.data_pipelines.records import in_heldout
-        from dit_train.data_pipelines.video_dataset import VideoClipDataset
-        from dit_train.data_pipelines.video_io import use_decoder
-
         c = self.cfg
         use_decoder(c.decoder)  # this process's reader (workers run open(), not prepare())
         entries, skipped = self.entries()
@@ -71,8 +76,6 @@ class PixelVideoSource(DataSource):
         return ds
 
     def is_still(self, dataset: Any, i: int) -> bool:
-        from dit_train.data_pipelines.video_io import is_image
-
         return hasattr(dataset, "entries") and is_image(dataset.entries[i].path)
 
     def fps(self, dataset: Any, i: int) -> float:
@@ -95,8 +98,6 @@ class PixelVideoSource(DataSource):
         """A data.max_frames (sizes kept) and a data.resolution_buckets (frames kept) with which
         every clip fits `budget`; the buckets are the current ones scaled down, or, for native
         sizes, the model preset's model.default_buckets (scaled down if need be)."""
-        from dit_train.data_pipelines.sizes import fitting_buckets, fitting_max_frames, slab_tokens
-
         ds = getattr(dataset, "dataset", dataset)
         pt, ph, pw = ds.patch
         slabs = [ds.frames(i) // pt for i in range(len(ds))]

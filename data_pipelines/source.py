@@ -1,16 +1,20 @@
 """What a data source is: the protocol every registered source follows.
 
-A source is one module (`dit_train/data/<name>.py`: its config node and a `DataSource`
+A source is one module (`data_pipelines/<name>_source.py`: its config node and a `DataSource`
 subclass registered in `SOURCES`) plus one YAML (`conf/data/<name>.yaml`, whose defaults list
 names `<name>_schema`). The trainer never sees a source: `build_task` wraps the dataset it
 opens into the mode's task (video: noisy packed patches; llm: packed documents), which is what
 the step planner and the trainer use (`lengths()`, `build(ids, step)`, optional `prefetch`).
+What differs between sources is asked through the hooks of `DataSource`, never by its name.
 """
 from __future__ import annotations
 
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, Callable, ClassVar, Protocol, runtime_checkable
+
+import torch
 
 from dit_train.config.choices import Mode
+from dit_train.data_pipelines.prompt_space import PromptSpace
 from dit_train.registry import Registry
 
 
@@ -46,6 +50,7 @@ class DataSource:
     name: ClassVar[str]
     config: ClassVar[type]
     mode: ClassVar[Mode]
+    latent: ClassVar[bool] = False  # samples are VAE latents, not pixels (decoder() turns clips into pixels)
 
     def __init__(self, cfg: Any, model_cfg: Any):
         self.cfg, self.model_cfg = cfg, model_cfg
@@ -55,6 +60,17 @@ class DataSource:
 
     def open(self, split: str = "train") -> Dataset | None:
         raise NotImplementedError
+
+    def decoder(self, device: str | torch.device) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """Model-space clip [C, f, h, w] -> pixels [3, F, H, W] in [-1, 1], to view and score
+        generated clips (built on the rank that writes them); None when samples are pixels."""
+        return None
+
+    def prompt_space(self, device: str | torch.device) -> PromptSpace | None:
+        """How a user's prompts and clip sizes map into model space when the source knows better
+        than its task (a latent cache: its text encoder and VAE); None = the task's own space
+        (pixels, captions as the task embeds them: sampling/prompts.py)."""
+        return None
 
     def score(self, pixels: list, captions: list[str]) -> dict[str, float] | None:
         """Quality figures (`eval/...`) of generated clips [3, F, H, W] in [-1, 1] against their
