@@ -38,7 +38,6 @@ from dit_train.data_pipelines import prepare_data
 from dit_train.engine.build import build_run
 from dit_train.kernels import VarlenLayout
 from dit_train.models import build_model, init_weights, model_config, model_spec
-from dit_train.models.recompute import composite_ops
 from dit_train.perf.bench import format_table, interleaved_wall_and_cpu, median, write_json
 from dit_train.perf.saved import bytes_per_token_per_block, saved_tensor_table
 from dit_train.tasks.video import patchify
