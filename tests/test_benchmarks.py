@@ -41,7 +41,7 @@ def test_bench_wan_quick(tmp_path):
     for p in data["params"].values():  # parameter counts matched, per variant
         assert 0.9 < p["wan"] / p["ours"] < 1.1
     assert {r["variant"] for r in data["rows"]} == {"adaln", "adaln+text"}
-    assert all(r["ours_tok_s"] > 0 and r["wan_tok_s"] > 0 for r in data["rows"])
+    assert all(r["ours_tok_s"] > 0 and r["wan_tok_s"] > 0 and r["prologue_cost"] > 0 for r in data["rows"])
 
 
 def test_bench_wan22_quick(tmp_path):
@@ -61,9 +61,12 @@ def test_bench_mfu_cpu_dry_run(tmp_path):
 
     out = tmp_path / "m.json"
     assert main(["--model", "dit_tiny", "--device", "cpu", "--tokens", "256", "--sample-tokens", "128", "--ac", "off,on",
-                 "--backend", "sdpa", "--precision", "fp32", "--steps", "2", "--peak-tflops", "1", "--out", str(out)]) == 0
+                 "--backend", "sdpa", "--precision", "fp32", "--steps", "2", "--peak-tflops", "1", "--prologues", "off,on",
+                 "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [r["ac"] for r in rows] == ["off", "on"] and all(r["TFLOPs"] > 0 and 0 < r["MFU"] for r in rows)
+    assert [(r["ac"], r["prologues"]) for r in rows] == [("off", "off"), ("off", "on"), ("on", "off"), ("on", "on")]
+    assert all(r["TFLOPs"] > 0 and 0 < r["MFU"] for r in rows)
+    assert rows[1]["est_GiB"] < rows[0]["est_GiB"]  # the model ran (and was costed) with the prologues on
 
 
 @pytest.mark.slow

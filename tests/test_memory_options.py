@@ -1,6 +1,7 @@
 """Memory options change where tensors live or when they are computed, never the result:
 activation checkpointing policies (none | full | selective, every k-th block), activation
-offload to host memory, FSDP2 parameter/gradient/optimizer offload (parallel.cpu_offload)."""
+offload to host memory, FSDP2 parameter/gradient/optimizer offload (parallel.cpu_offload),
+the recomputed prologues (model.recompute_prologues)."""
 from __future__ import annotations
 
 import pytest
@@ -26,14 +27,17 @@ def _with(cfg, **keys):
 
 
 def test_checkpointing_and_activation_offload_are_bit_exact(tiny_cfg):
-    """One process: every AC policy (on all blocks, or every second one) and activation
-    offload give the same weights and gradient norms, bit for bit, as the plain run."""
+    """One process: every AC policy (on all blocks, or every second one), activation offload
+    and the recomputed prologues give the same weights and gradient norms, bit for bit, as the
+    plain run."""
     variants = {
         "full": dict(model__activation_checkpointing="full"),
         "selective every 2": dict(model__activation_checkpointing="selective", model__ac_every=2),
         "selective": dict(model__activation_checkpointing="selective"),
         "activation offload": dict(train__activation_offload=True),
         "full + offload": dict(model__activation_checkpointing="full", train__activation_offload=True),
+        "recomputed prologues": dict(model__recompute_prologues=True),
+        "recomputed prologues + selective": dict(model__recompute_prologues=True, model__activation_checkpointing="selective"),
     }
     cfgs = [_with(tiny_cfg)] + [_with(tiny_cfg, **v) for v in variants.values()]
     ref, *got = train_weights(cfgs)

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from dit_train.models import model_config
 from dit_train.perf.flops import train_flops
 from dit_train.perf.memory import GIB, MemoryEstimate, calibrate_block, estimate_memory, model_shape
-from dit_train.planning.planner import Candidate, Layout, Workload, check_layout, factorizations, plan
+from dit_train.planning.planner import Candidate, Layout, Workload, apply_layout, check_layout, factorizations, plan
 from dit_train.parallel.mesh import ParallelDims
 from tests.conftest import CONF, compose_config
 
@@ -89,12 +90,17 @@ def test_memory_monotone_in_tokens_sharding_and_checkpointing():
     assert dense.attention_workspace > 100 * state[0].attention_workspace  # O(L²) mask
 
 
+@pytest.mark.parametrize("recompute", [True, False], ids=["prologues_on", "prologues_off"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_activation_formula_matches_autograd_saved_tensors(precision):
+def test_activation_formula_matches_autograd_saved_tensors(precision, recompute):
+    """Both settings of model.recompute_prologues (off keeps ~9·d + h more per DiT block), dense
+    and with captions, an MLP width other than 4·d (separates the d and h terms)."""
     for cfg in (model_config("dit", dim=64, depth=2, heads=4, patch_size=[1, 2, 2], in_channels=16),
-                model_config("lm", dim=64, depth=2, heads=4)):
-        r = calibrate_block(cfg, tokens=192, precision=precision)
-        assert abs(r["rel_error"]) < 0.03, r
+                model_config("dit", dim=64, depth=2, heads=4, mlp_ratio=2.5, patch_size=[1, 2, 2], in_channels=16,
+                             text_dim=32),
+                model_config("lm", dim=64, depth=2, heads=4, mlp_ratio=2.5)):
+        r = calibrate_block(replace(cfg, recompute_prologues=recompute), tokens=192, precision=precision)
+        assert abs(r["rel_error"]) < 0.03, (cfg.name, r)
 
 
 def test_flops_count_quadratic_attention_per_sample():
@@ -178,9 +184,9 @@ def test_moe_models_plan_and_calibrate():
         router = d.dim * 4
         assert s.params_per_token - d.params_per_token == d.depth * (mlp + router), preset  # 2 experts = 2 MLPs
         assert s.params - d.params > 3 * d.depth * mlp  # 4 experts' weights held
-        for precision in ("fp32", "bf16"):
-            r = calibrate_block(cfg.model, tokens=192, precision=precision)
-            assert abs(r["rel_error"]) < 0.06, (preset, precision, r)
+        for precision, recompute in (("fp32", True), ("bf16", True), ("fp32", False), ("bf16", False)):
+            r = calibrate_block(replace(cfg.model, recompute_prologues=recompute), tokens=192, precision=precision)
+            assert abs(r["rel_error"]) < 0.06, (preset, precision, recompute, r)
 
 
 def test_planner_ranks_expert_parallel_degrees():
@@ -256,3 +262,57 @@ def test_offload_moves_state_and_activations_to_the_host():
     assert cpu.params == cpu.grads == cpu.optimizer == 0 and cpu.host == plain.params + plain.grads + plain.optimizer
     assert act.activations < plain.activations and act.host == plain.activations
     assert plain.activations > every2.activations > sel.activations
+
+
+def test_planner_recomputes_prologues_only_where_memory_is_short():
+    """model.recompute_prologues as a planned option: off (faster) where both settings fit,
+    on where only it fits; a model without prologues (Wan) plans without the key."""
+    cfg = compose_config([])
+    work = Workload(1, 4096, 4096)
+    kw = dict(backend="sdpa", ac_options=("none",), max_micro_tokens=4096, prologue_options=(False, True))
+    both, _ = plan(cfg, 1, 1e6 * GIB, work, **kw)
+    total = {c.layout.recompute_prologues: c.memory.total for c in both}
+    assert set(total) == {False, True} and total[False] > total[True]
+    assert both[0].layout.recompute_prologues is False
+    assert "model.recompute_prologues=false" in both[0].layout.overrides()
+    short, _ = plan(cfg, 1, (total[False] + total[True]) / 2, work, **kw)
+    assert short[0].fits and short[0].layout.recompute_prologues is True
+    assert apply_layout(cfg, short[0].layout).model.recompute_prologues is True
+    wan, _ = plan(compose_config(["model=wan_tiny"]), 1, 1e6 * GIB, work, **kw)
+    assert {c.layout.recompute_prologues for c in wan} == {None}
+    assert not any("recompute_prologues" in o for o in wan[0].layout.overrides())
+
+
+def test_plan_cli_prologues_flag_narrows_the_planned_settings(tmp_path):
+    """tools.plan --prologues: both (default) plans model.recompute_prologues off and on and
+    takes on only where it holds what off cannot; on / off plan one; config leaves the key to
+    the config. --frames answers plan it too."""
+    from dit_train.tools.plan import main
+
+    out = tmp_path / "p.json"
+    base = ["model.dim=32", "model.depth=2", "--world", "1", "--device", "cpu", "--ac", "none", "--reserve-gib", "0",
+            "--max-sample-tokens", "1024", "--max-micro-tokens", "1024", "--json", str(out)]
+
+    def planned(*flags, mem=1000.0):
+        main([*base, "--gpu-mem-gib", repr(mem), *flags])
+        return json.loads(out.read_text())["candidates"]
+
+    both = planned()
+    lines = out.read_text().splitlines()  # compact: one line per candidate, not ~40
+    assert len(lines) < 20 and sum('"layout"' in line for line in lines) == len(both)
+    assert [c["layout"]["recompute_prologues"] for c in both] == [False, True]
+    total = {c["layout"]["recompute_prologues"]: c["memory_GiB"]["total"] for c in both}
+    assert total[False] > total[True]
+    assert planned(mem=(total[False] + total[True]) / 2)[0]["layout"]["recompute_prologues"] is True
+    assert {c["layout"]["recompute_prologues"] for c in planned("--prologues", "on")} == {True}
+    assert {c["layout"]["recompute_prologues"] for c in planned("--prologues", "off")} == {False}
+    config = planned("--prologues", "config")
+    assert {c["layout"]["recompute_prologues"] for c in config} == {None}
+    assert not any("recompute_prologues" in o for c in config for o in c["overrides"])
+
+    frames = ["model.dim=32", "model.depth=2", "--world", "1", "--device", "cpu", "--reserve-gib", "0",
+              "--frames", "9", "--height", "64", "--width", "64", "--max-frames", "17", "--json", str(out)]
+    for flag, want in (("both", False), ("on", True)):
+        main([*frames, "--gpu-mem-gib", "1000", "--prologues", flag])
+        options = json.loads(out.read_text())["options"]
+        assert {o["best"]["layout"]["recompute_prologues"] for o in options if o["best"]} == {want}

@@ -91,6 +91,12 @@ class ModelConfig:
     # (and old runs' config.yaml) compose; __post_init__ turns it into the policy name.
     activation_checkpointing: Union[bool, str] = ActivationCheckpointing.none.value
     ac_every: int = 1  # apply activation_checkpointing to every k-th block only (2 = every second block)
+    # DiT/LM blocks: recompute the norms, adaLN modulate, GELU and gated residual in backward
+    # instead of saving their outputs (models/recompute.py): ~45% less block activation memory
+    # for a few % more step time (measured: docs/performance.md), the same values bit for bit.
+    # Off by default like the other memory options; tools.plan turns it on where memory is short.
+    # Wan's diffusers blocks have no prologues (no effect there).
+    recompute_prologues: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
 

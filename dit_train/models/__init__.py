@@ -11,13 +11,14 @@ from dit_train.models.dit import DiTConfig, VideoDiT, patch_dim
 from dit_train.models.init import init_weights, initialize
 from dit_train.models.layers import Block, Conditioning
 from dit_train.models.lm import CausalLM, LMConfig
+from dit_train.models.recompute import set_recompute_prologues
 from dit_train.models.registry import MODELS, ModelSpec, model_spec
 from dit_train.models.wan import WanConfig
 
 
 def build_model(cfg: Any, attn_backend: str = "sdpa") -> nn.Module:
     """Construct (uninitialised) the model `cfg.name` names; call `initialize` afterwards."""
-    return model_spec(cfg).build(cfg, attn_backend)
+    return set_recompute_prologues(model_spec(cfg).build(cfg, attn_backend), cfg.recompute_prologues)
 
 
 def model_config(name: str, **keys: Any) -> Any:

@@ -12,7 +12,7 @@ from dit_train.config.choices import Mode
 from dit_train.config.schema import VideoModelConfig
 from dit_train.models.layers import (Block, feed_forward_linears, Conditioning, TextContext, TimestepEmbedder, block_moe, modulate,
                                      modulation_tables)
-from dit_train.models.recompute import recomputed_linear
+from dit_train.models.recompute import prologue_switch, recomputed_linear
 from dit_train.models.registry import ActivationModel, ModelSpec, register_model
 from dit_train.models.rope import RotaryEmbedding
 
@@ -30,7 +30,9 @@ class DiTConfig(VideoModelConfig):
 
 class FinalLayer(nn.Module):
     """adaLN-modulated LayerNorm, then a projection back to patch values (the modulate is
-    recomputed in the projection's backward, not saved)."""
+    recomputed in the projection's backward, not saved, unless model.recompute_prologues=false)."""
+
+    recompute_prologues: bool = True
 
     def __init__(self, dim: int, out_dim: int):
         super().__init__()
@@ -38,6 +40,7 @@ class FinalLayer(nn.Module):
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(dim, 2 * dim))
         self.linear = nn.Linear(dim, out_dim)
 
+    @prologue_switch
     def forward(self, x: torch.Tensor, cond: Conditioning) -> torch.Tensor:
         shift, scale1p = modulation_tables(self.adaLN_modulation(cond.per_sample), 2, scale_at=(1,))
         return recomputed_linear(self.linear, modulate(self.norm, shift, scale1p, cond.index), x)
@@ -146,10 +149,18 @@ def _activations(cfg: DiTConfig) -> ActivationModel:
     GELU, norms, modulate recomputed) — 10·d + h, all in the compute dtype (the residual stream
     is). Caption cross-attention adds ~5.4·d (q and normed q, attention out, projection, and
     per-sample K/V spread over the tokens). Fitted with perf.memory.calibrate_block at d = 64,
-    128 and with the Wan-shaped presets of tools/bench_activations (h ≠ 4·d)."""
+    128 and with the Wan-shaped presets of tools/bench_activations (h ≠ 4·d).
+    With model.recompute_prologues=false the block also keeps the normalised/modulated inputs
+    of qkv and fc1, their per-token shift/scale gathers, the gate gather, the residual and the
+    GELU output: +9·d + h (+1·d for the caption's normed query), and the final layer +3·d;
+    selective checkpointing recomputes all of them either way (same calibration)."""
     extra = 5.4 if cfg.text_dim else 0
-    return ActivationModel(fp32_d=10 + extra, autocast_f32_d=0, autocast_lp_d=10 + extra, h_elems=1, outside_d=6,
-                           selective_d=7 + 3.9 * bool(cfg.text_dim))
+    off = float(not cfg.recompute_prologues)
+    saved = 10 + extra + off * (9 + bool(cfg.text_dim))
+    return ActivationModel(fp32_d=saved, autocast_f32_d=0, autocast_lp_d=saved, h_elems=1 + off, outside_d=6 + 3 * off,
+                           selective_d=7 + 3.9 * bool(cfg.text_dim),
+                           # a MoE block has no fc1 prologue input, GELU output or gathers of the dense MLP
+                           moe_dense_d=4 * off, moe_dense_h=off)
 
 
 register_model(ModelSpec(

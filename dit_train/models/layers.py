@@ -18,7 +18,7 @@ from torch import nn
 
 from dit_train.models.fused import RMSNorm, addcmul, gated_residual, gated_residual_value, rms_norm
 from dit_train.models.moe import MoEFeedForward
-from dit_train.models.recompute import Prologue, recomputed_linear
+from dit_train.models.recompute import Prologue, prologue_switch, recomputed_linear
 from dit_train.models.rope import apply_rope
 from dit_train.kernels import LocalAttention, packed_cross_attention
 
@@ -196,7 +196,11 @@ class Block(nn.Module):
     (the causal LM). Same attention and MLP either way. With `cross_attention`, a caption
     cross-attention sits between them (pre-LayerNorm, residual, no gate: as in PixArt-α).
     With `moe`, the MLP is a mixture of experts (models/moe.py).
+    `recompute_prologues` (model.recompute_prologues): norms, modulate, GELU and the gated
+    residual recomputed in backward (less memory) or saved (less compute); same values.
     """
+
+    recompute_prologues: bool = True
 
     def __init__(
         self, dim: int, heads: int, mlp_ratio: float, cond_dim: int | None, qk_norm: bool = True, backend: str = "sdpa",
@@ -220,6 +224,7 @@ class Block(nn.Module):
             self.norm2 = RMSNorm(dim, eps=1e-6)
             self.adaLN_modulation = None
 
+    @prologue_switch
     def forward(
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: Any, cond: Conditioning | None = None,
         text: TextContext | None = None,

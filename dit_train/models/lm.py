@@ -58,12 +58,18 @@ def build(cfg: LMConfig, attn_backend: str = "sdpa") -> CausalLM:
                     moe_blocks=[block_moe(i, cfg.moe) for i in range(cfg.depth)])
 
 
+def _activations(off: float) -> ActivationModel:
+    """Pre-RMSNorm block: 9·d + h in fp32 (the norms and GELU recomputed in backward); under
+    autocast the residual stream stays fp32 (the embedding's output is): 2·d fp32 + 7·d + h in
+    the compute dtype. `off` = 1 (model.recompute_prologues=false) keeps the two normed inputs and
+    the GELU output too: + 2·d + h (a MoE block: + 1·d). Measured with perf.saved at d = 64, 128."""
+    return ActivationModel(fp32_d=9 + 2 * off, autocast_f32_d=2, autocast_lp_d=7 + 2 * off, h_elems=1 + off,
+                           outside_d=1, moe_dense_d=3 + off, moe_dense_h=off)
+
+
 register_model(ModelSpec(
     name="lm", config=LMConfig, mode=Mode.llm, build=build, moe=True,
-    # pre-RMSNorm block: 11·d + 2·h in fp32; under autocast the residual stream stays fp32 (the
-    # embedding's output is): 2·d fp32 + 9·d in the compute dtype
-    activations=lambda cfg: ActivationModel(fp32_d=9, autocast_f32_d=2, autocast_lp_d=7, h_elems=1, outside_d=1,
-                                            moe_dense_d=3),
+    activations=lambda cfg: _activations(float(not cfg.recompute_prologues)),
     block_linears=lambda b: [b.attn.qkv, b.attn.proj, *feed_forward_linears(b.mlp)],
     io_linears=lambda m: [m.output],  # the embedding is a lookup, not a matmul
     io_dim=lambda cfg: cfg.vocab_size, hidden=lambda cfg: int(cfg.dim * cfg.mlp_ratio),

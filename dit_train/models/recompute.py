@@ -16,10 +16,18 @@ own backward through autograd — bit-identical values and gradients in fp32 and
 Falls back to the plain `linear(fn(x, *args))` where the trick does not apply: a wrapped
 linear (LoRA adapters), torch.compile (its partitioner already recomputes elementwise ops and
 it cannot trace the nested autograd call), gradients off, non-2-D inputs.
+
+A switch, `model.recompute_prologues`: the rebuild costs an elementwise pass or a norm per
+linear in backward (a few % of a CPU step, docs/performance.md), so it is a memory option like
+activation checkpointing. Modules whose forward is decorated with `prologue_switch` (the
+blocks, the DiT's final layer) read their `recompute_prologues` attribute, which
+`set_recompute_prologues` sets from the config when the model is built; off runs the composite
+ops (`composite_ops`), the same values and gradients bit for bit.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -34,7 +42,7 @@ _FUSED = [True]
 def composite_ops() -> Iterator[None]:
     """Run `recomputed_linear` and `fused.gated_residual` as the plain composite ops (the
     input saved, the gathers kept): the reference the exactness tests and the activation
-    benchmark's before/after rows compare with."""
+    benchmark's before/after rows compare with. Wins over any module's switch inside it."""
     _FUSED.append(False)
     try:
         yield
@@ -44,6 +52,34 @@ def composite_ops() -> Iterator[None]:
 
 def fused_enabled() -> bool:
     return _FUSED[-1]
+
+
+def prologue_switch(forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """Decorator of a module's `forward`: runs it with the recomputed prologues (and the fused
+    gated residual) on or off as the module's `recompute_prologues` attribute says
+    (`model.recompute_prologues`, set by `set_recompute_prologues`). Off = the composite ops:
+    the same values and gradients bit for bit, more saved for backward, less recomputed.
+    On the block's forward, so that activation checkpointing's re-run of the block in
+    backward makes the same choice as its forward."""
+
+    @functools.wraps(forward)
+    def switched(self, *args, **kwargs):
+        _FUSED.append(self.recompute_prologues and _FUSED[-1])
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            _FUSED.pop()
+
+    return switched
+
+
+def set_recompute_prologues(model: nn.Module, on: bool) -> nn.Module:
+    """Switch the recomputed prologues of every module of `model` that has them (the DiT and
+    LM blocks, the DiT's final layer; `model.recompute_prologues`). Returns `model`."""
+    for m in model.modules():
+        if hasattr(m, "recompute_prologues"):
+            m.recompute_prologues = bool(on)
+    return model
 
 
 @dataclass

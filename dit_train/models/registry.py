@@ -43,8 +43,9 @@ class ActivationModel:
     h_elems_selective: float = 1.0
     # a mixture-of-experts block saves, per token, k·(3·d + 2·h)·c + 8·E + 16·k bytes (rows sent
     # to experts, their fc1 and GELU outputs, gated outputs; fp32 router logits and probabilities;
-    # int64 routing indices) less moe_dense_d·d·c of the dense MLP's (perf/memory.py)
+    # int64 routing indices) less (moe_dense_d·d + moe_dense_h·h)·c of the dense MLP's (perf/memory.py)
     moe_dense_d: float = 0.0
+    moe_dense_h: float = 0.0
 
 
 def blocks_of(model: nn.Module) -> nn.ModuleList:

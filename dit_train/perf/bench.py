@@ -2,7 +2,9 @@
 collective counting, tables and JSON results."""
 from __future__ import annotations
 
+import datetime
 import json
+import os
 import platform
 import statistics
 import time
@@ -84,9 +86,28 @@ def format_table(rows: list[dict[str, Any]], columns: list[str] | None = None) -
 
 
 def environment() -> dict[str, Any]:
+    """Where and when a result was measured: versions, threads, the date (UTC) and the load
+    average (1, 5, 15 minutes) when it was written — on a shared machine, read timings with it."""
     return {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
-            "threads": torch.get_num_threads(),
-            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+            "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "loadavg": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None}
+
+
+def dumps_records(payload: dict[str, Any]) -> str:
+    """`payload` as JSON with one line per top-level key and one line per element of a
+    top-level list (a candidate, a rejected layout, an option): a plan of 240 candidates is
+    ~250 lines, not ~9,000 (indent=2 spreads each candidate over ~40), and a diff shows which
+    record changed."""
+    parts = []
+    for k, v in payload.items():
+        if isinstance(v, list) and v:
+            rows = ",\n".join("    " + json.dumps(x) for x in v)
+            parts.append(f"  {json.dumps(k)}: [\n{rows}\n  ]")
+        else:
+            parts.append(f"  {json.dumps(k)}: {json.dumps(v)}")
+    return "{\n" + ",\n".join(parts) + "\n}\n"
 
 
 def write_json(path: str | Path | None, name: str, payload: dict[str, Any]) -> Path:

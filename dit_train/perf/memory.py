@@ -22,10 +22,14 @@ Activations saved for backward, per token per block, read off the autograd graph
              residual after attention (1); fc2 out (1); h = fc1 out. The norms, adaLN modulate,
              GELU and gated residual are recomputed inside the next linear's backward
              (models/recompute.py), the per-token adaLN gathers never saved. Captions add ~5.4·d.
+      model.recompute_prologues=false saves those too: + 9·d + h (+ 1·d with captions), and
+      + 3·d outside the blocks (the final layer's modulate); the model's ActivationModel
+      (registry.py) carries both settings, calibrated like the rest.
     bf16/fp16 autocast: the residual stream is in the compute dtype (the patch embedding's
       output is), and so is everything above: (10·d + h)·c. Calibrated on CPU autocast.
     LLM block (pre-RMSNorm, no modulation): 9·d + h in fp32; under autocast the residual
-      stream stays fp32 (the embedding's output is): 2·d fp32 + (7·d + h)·c.
+      stream stays fp32 (the embedding's output is): 2·d fp32 + (7·d + h)·c; + 2·d + h in the
+      compute dtype with model.recompute_prologues=false.
     Ulysses (cp_ulysses > 1): + 4·d·c for the all-to-all'd q, k, v and output.
     Ring (cp_ring > 1): the ring kernel materialises fp32 scores and probabilities for every
       KV block some query may see: at most + cp_ring · (L_r)² · (8·H/u + 1) bytes per block,
@@ -138,13 +142,14 @@ def block_activation_bytes_per_token(s: ModelShape, precision: str) -> float:
 
 def moe_block_extra_bytes_per_token(s: ModelShape, precision: str) -> float:
     """What a mixture-of-experts block saves per token beyond the dense block (registry's
-    ActivationModel.moe_dense_d; calibrated with `calibrate_block` on DiT and LM blocks at
-    d = 64, 128, E = 4, 8, k = 1, 2: within 1% in fp32, 4% under bf16 autocast)."""
+    ActivationModel.moe_dense_d and moe_dense_h; calibrated with `calibrate_block` on DiT and LM
+    blocks at d = 64, 128, E = 4, 8, k = 1, 2: within 1% in fp32, 4% under bf16 autocast)."""
     if not s.moe_blocks:
         return 0.0
     c = DTYPE_BYTES[precision]
     k = s.top_k
-    return k * (3 * s.dim + 2 * s.hidden) * c + 8 * s.experts + 16 * k - s.activations.moe_dense_d * s.dim * c
+    a = s.activations
+    return k * (3 * s.dim + 2 * s.hidden) * c + 8 * s.experts + 16 * k - (a.moe_dense_d * s.dim + a.moe_dense_h * s.hidden) * c
 
 
 def moe_dispatch_bytes(s: ModelShape, micro_batch_tokens: int, precision: str, cp: int = 1, ep: int = 1) -> float:

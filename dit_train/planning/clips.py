@@ -59,12 +59,13 @@ class OptionResult:
         if b is not None:
             L = b.layout
             r.update(layout=f"shard{L.dp_shard}·rep{L.dp_replicate}·uly{L.cp_ulysses}·ring{L.cp_ring}",
-                     GiB=round(b.memory.total / GIB, 1), host_GiB=round(b.memory.host / GIB, 1))
+                     **prologue_column("prologues", L), GiB=round(b.memory.total / GIB, 1), host_GiB=round(b.memory.host / GIB, 1))
         r["longest_frames"] = self.longest_frames
         if lg is not None:
             L = lg.layout
             r["longest_layout"] = f"uly{L.cp_ulysses}·ring{L.cp_ring}·shard{L.dp_shard}"
             r["longest_tokens"] = L.micro_batch_tokens
+            r.update(prologue_column("longest_prologues", L))
         return r
 
     def to_json(self) -> dict[str, Any]:
@@ -72,14 +73,25 @@ class OptionResult:
                 "longest_frames": self.longest_frames, "longest": self.longest.to_json() if self.longest else None}
 
 
+def prologue_column(name: str, layout) -> dict[str, str]:
+    """{name: on|off} where the layout sets model.recompute_prologues; nothing for a model
+    without prologues (Wan), so its table keeps its columns."""
+    if layout.recompute_prologues is None:
+        return {}
+    return {name: "on" if layout.recompute_prologues else "off"}
+
+
 def best_for_tokens(cfg: Config, world: int, capacity: float, tokens: int, option: tuple[str, bool, bool], *,
-                    shape: ModelShape, reserve_bytes: float, backend: str, host_capacity: float) -> Candidate | None:
-    """The best layout of `world` ranks for one clip of `tokens` tokens under `option`: fitting
-    (device and host memory) first, else the closest miss; None if no layout is valid."""
+                    shape: ModelShape, reserve_bytes: float, backend: str, host_capacity: float,
+                    prologue_options: tuple[bool, ...] = ()) -> Candidate | None:
+    """The best layout of `world` ranks for one clip of `tokens` tokens under `option` and any
+    of `prologue_options` (model.recompute_prologues; empty: the config's): fitting (device and
+    host memory) first, else the closest miss; None if no layout is valid."""
     ac, act, cpu = option
     work = Workload(global_batch=world, max_sample_tokens=tokens, mean_sample_tokens=tokens)
     cands, _ = plan(cfg, world, capacity, work, reserve_bytes=reserve_bytes, backend=backend, ac_options=(ac,),
-                    offload_options=((act, cpu),), max_micro_tokens=tokens, shape=shape)
+                    offload_options=((act, cpu),), max_micro_tokens=tokens, shape=shape,
+                    prologue_options=prologue_options)
     if not cands:
         return None
     ok = [c for c in cands if c.fits and c.memory.host <= host_capacity]
@@ -109,9 +121,11 @@ def longest_fitting(fits: Callable[[int], Candidate | None], limit: int) -> tupl
 def clip_options(cfg: Config, world: int, capacity: float, frames: int, height: int, width: int, *,
                  shape: ModelShape, reserve_bytes: float = 0.0, backend: str = "flash",
                  host_capacity: float = float("inf"), vae_stride: tuple[int, int, int] = WAN_VAE_STRIDE,
-                 max_frames: int = 4001, options: list[tuple[str, bool, bool]] | None = None) -> list[OptionResult]:
+                 max_frames: int = 4001, options: list[tuple[str, bool, bool]] | None = None,
+                 prologue_options: tuple[bool, ...] = ()) -> list[OptionResult]:
     """For each memory option: the best layout for the asked clip and the longest clip (pixel
-    frames 1 + t·k, k latent-frame steps) of the same height and width that fits."""
+    frames 1 + t·k, k latent-frame steps) of the same height and width that fits; each layout
+    with one of `prologue_options` (model.recompute_prologues; empty: the config's)."""
     t = vae_stride[0]
     out = []
     for option in options or OPTIONS:
@@ -120,7 +134,7 @@ def clip_options(cfg: Config, world: int, capacity: float, frames: int, height: 
             if tokens < 1:
                 return None
             return best_for_tokens(cfg, world, capacity, tokens, option, shape=shape, reserve_bytes=reserve_bytes,
-                                   backend=backend, host_capacity=host_capacity)
+                                   backend=backend, host_capacity=host_capacity, prologue_options=prologue_options)
 
         def fits(k: int) -> Candidate | None:
             c = at(1 + t * (k - 1))

@@ -1,13 +1,19 @@
 """Micro-batch planner: which (dp_shard, dp_replicate, cp_ulysses, cp_ring, ep, micro_batch_tokens,
-grad_accum, activation_checkpointing) to run for a world size, a global batch and a GPU size.
+grad_accum, activation_checkpointing, recompute_prologues) to run for a world size, a global batch
+and a GPU size.
 
 Every candidate layout of `world` ranks is checked with the same validator as training
 (`dit_train.validate`) plus planner rules (no idle data-parallel rank, a micro-batch holds the
 longest sample), costed with the per-rank memory model of `dit_train.perf.memory`, and ranked:
 
     fits in memory first, then larger micro-batch (tokens per rank), then checkpointing off,
-    then fewer accumulation steps, then less CP, then fewer expert bytes moved per step, then
-    less expert parallelism, then more headroom.
+    then the faster model.recompute_prologues setting (PROLOGUE_COST), then fewer accumulation
+    steps, then less CP, then fewer expert bytes moved per step, then less expert parallelism,
+    then more headroom.
+
+`model.recompute_prologues` is planned like a memory option where it changes what a block
+keeps (the DiT and LM blocks; not Wan's diffusers blocks): the setting that keeps more and
+recomputes less wins unless the other fits where it does not, or holds a larger micro-batch.
 
 Mixture-of-experts models also try every expert-parallel degree `ep` that divides both the world
 and the number of experts. Memory barely tells them apart (FSDP shards the experts as finely as
@@ -26,7 +32,7 @@ import copy
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -45,6 +51,10 @@ from dit_train.tasks import build_task
 
 # rank order of the AC policies at equal micro-batch: less recompute first
 AC_COST = {"none": 0, "selective": 1, "full": 2}
+# rank order of model.recompute_prologues at equal micro-batch and AC (None: not planned, the
+# config's setting): recomputing the norms, modulate and GELU in backward costs step time
+# (docs/performance.md, bench_wan's prologue_cost), so off first
+PROLOGUE_COST = {None: 0, False: 0, True: 1}
 
 
 @dataclass(frozen=True)
@@ -58,6 +68,7 @@ class Layout:
     activation_offload: bool = False  # train.activation_offload
     cpu_offload: bool = False  # parallel.cpu_offload (FSDP2 CPUOffloadPolicy)
     ep: int = 1  # parallel.ep: expert-parallel degree (mixture-of-experts models)
+    recompute_prologues: bool | None = None  # model.recompute_prologues; None = the config's (not planned)
 
     @property
     def ac(self) -> str:
@@ -90,12 +101,13 @@ class Layout:
         return [f"parallel.{k}={getattr(self.dims, k)}" for k in PARALLEL_DEGREES] + [
             f"train.micro_batch_tokens={self.micro_batch_tokens}", f"train.grad_accum={self.grad_accum}",
             f"model.activation_checkpointing={self.ac}"] + ["train.activation_offload=true"] * self.activation_offload + [
-            "parallel.cpu_offload=true"] * self.cpu_offload + [f"parallel.ep={self.ep}"] * (self.ep > 1)
+            "parallel.cpu_offload=true"] * self.cpu_offload + [f"parallel.ep={self.ep}"] * (self.ep > 1) + [
+            f"model.recompute_prologues={str(self.recompute_prologues).lower()}"] * (self.recompute_prologues is not None)
 
     def to_json(self) -> dict[str, Any]:
         return {**asdict(self.dims), "micro_batch_tokens": self.micro_batch_tokens, "grad_accum": self.grad_accum,
                 "activation_checkpointing": self.ac, "activation_offload": self.activation_offload,
-                "cpu_offload": self.cpu_offload, "ep": self.ep}
+                "cpu_offload": self.cpu_offload, "ep": self.ep, "recompute_prologues": self.recompute_prologues}
 
 
 @dataclass(frozen=True)
@@ -134,13 +146,14 @@ class Candidate:
         context parallelism (it only adds communication at equal work), then fewer expert bytes
         moved (`expert_comm_bytes`; 0 for dense models), then less EP, then more headroom."""
         L = self.layout
-        return (not self.fits, -L.micro_batch_tokens / L.cp, AC_COST[L.ac], L.activation_offload, L.cpu_offload,
-                L.grad_accum, L.cp, self.expert_comm, L.ep, -self.headroom)
+        return (not self.fits, -L.micro_batch_tokens / L.cp, AC_COST[L.ac], PROLOGUE_COST[L.recompute_prologues],
+                L.activation_offload, L.cpu_offload, L.grad_accum, L.cp, self.expert_comm, L.ep, -self.headroom)
 
     def row(self) -> dict[str, Any]:
         L = self.layout
         r = {"dp_rep": L.dp_replicate, "dp_shard": L.dp_shard, "cp_uly": L.cp_ulysses, "cp_ring": L.cp_ring, "ep": L.ep,
              "micro_tokens": L.micro_batch_tokens, "accum": L.grad_accum, "ac": L.ac,
+             "prologues": {None: "-", True: "on", False: "off"}[L.recompute_prologues],
              "offload": "+".join(["act"] * L.activation_offload + ["cpu"] * L.cpu_offload) or "-",
              "state_GiB": (self.memory.params + self.memory.grads + self.memory.optimizer + self.memory.fsdp_buffers
                            + sum(self.memory.extra.values())) / GIB,
@@ -178,6 +191,8 @@ def apply_layout(cfg: Config, layout: Layout) -> Config:
     c.train.activation_offload = layout.activation_offload
     c.parallel.cpu_offload = layout.cpu_offload
     c.parallel.ep = layout.ep
+    if layout.recompute_prologues is not None:
+        c.model.recompute_prologues = layout.recompute_prologues
     return c
 
 
@@ -261,30 +276,49 @@ def resolve_plan_backend(cfg: Config, device: str) -> str:
     return "flash" if device == "cuda" else "sdpa"
 
 
+def prologue_shapes(cfg: Config, options: tuple[bool, ...], shape: ModelShape | None = None
+                    ) -> dict[bool | None, ModelShape]:
+    """The model's shape under each `model.recompute_prologues` option. {None: the config's
+    shape} when none is asked or the setting changes nothing the memory model counts (a model
+    without prologues, e.g. Wan): then layouts leave the key alone."""
+    base = shape or model_shape(cfg.model)
+    if not options:
+        return {None: base}
+    mine = cfg.model.recompute_prologues
+    other = model_shape(replace(cfg.model, recompute_prologues=not mine))
+    if other.activations == base.activations:
+        return {None: base}
+    return {opt: base if opt == mine else other for opt in options}
+
+
 def plan(cfg: Config, world: int, capacity_bytes: float, work: Workload, *, reserve_bytes: float = 0.0,
          backend: str = "flash", ac_options: tuple[bool | str, ...] = (False, True), max_micro_tokens: int = 1 << 17,
-         shape: ModelShape | None = None, offload_options: tuple[tuple[bool, bool], ...] = ((False, False),)) -> tuple[list[Candidate], list[tuple[Layout, list[str]]]]:
-    """All candidates for `world` ranks, best first, and the rejected layouts with reasons."""
-    shape = shape or model_shape(cfg.model)
+         shape: ModelShape | None = None, offload_options: tuple[tuple[bool, bool], ...] = ((False, False),),
+         prologue_options: tuple[bool, ...] = ()) -> tuple[list[Candidate], list[tuple[Layout, list[str]]]]:
+    """All candidates for `world` ranks, best first, and the rejected layouts with reasons.
+    `shape`: the model's under the config (built on the meta device if not given);
+    `prologue_options`: model.recompute_prologues settings to try (empty: the config's)."""
+    shapes = prologue_shapes(cfg, prologue_options, shape)
+    shape = next(iter(shapes.values()))
     p, t = cfg.parallel, cfg.train
     cands, rejected = [], []
     for dims in factorizations(world):
         for mbt, ga in micro_batch_options(work, dims.dp, max_micro_tokens):
-            for ac, (act_off, cpu_off), ep in ((a, o, e) for a in ac_options for o in offload_options
-                                               for e in ep_options(shape, world)):
-                layout = Layout(dims, mbt, ga, ac, act_off, cpu_off, ep)
+            for ac, (act_off, cpu_off), ep, pro in ((a, o, e, r) for a in ac_options for o in offload_options
+                                                    for e in ep_options(shape, world) for r in shapes):
+                layout = Layout(dims, mbt, ga, ac, act_off, cpu_off, ep, pro)
                 reasons = check_layout(cfg, layout, work)
                 if reasons:
                     rejected.append((layout, reasons))
                     continue
                 mem = estimate_memory(
-                    shape, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, cp_ulysses=dims.cp_ulysses,
+                    shapes[pro], dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, cp_ulysses=dims.cp_ulysses,
                     cp_ring=dims.cp_ring, micro_batch_tokens=mbt,
                     checkpointing=ac, precision=t.precision, optimizer=cfg.optim.name, momentum=cfg.optim.momentum,
                     backend=backend, dp_mode=p.dp_mode, cp_fsdp_mode=p.cp_fsdp_mode,
                     reshard_after_forward=p.reshard_after_forward, reserve_bytes=reserve_bytes,
                     activation_offload=act_off, cpu_offload=cpu_off, ep=ep)
-                comm = expert_comm_bytes(shape, layout, t.precision, dp_mode=p.dp_mode,
+                comm = expert_comm_bytes(shapes[pro], layout, t.precision, dp_mode=p.dp_mode,
                                          cp_fsdp_mode=p.cp_fsdp_mode, reshard_after_forward=p.reshard_after_forward)
                 cands.append(Candidate(layout, mem, capacity_bytes, expert_comm=comm))
     cands.sort(key=Candidate.rank_key)

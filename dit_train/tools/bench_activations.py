@@ -18,11 +18,13 @@ when it returns (what backward will read), at depth 2 minus depth 1 — one bloc
 outside cancels — per token. Sees tensors saved by autograd, the inputs a checkpoint keeps and
 the matmul outputs a selective-checkpoint policy caches. Autocast's bf16 weight copies are
 per parameter and reported apart. CUDA autocast keeps LayerNorm outputs in fp32 where CPU
-autocast does not: the bf16 rows are CPU-autocast figures. `ours (composite)` is our block
-with the recompute rewrites switched off (models/recompute.composite_ops): what it saved before.
+autocast does not: the bf16 rows are CPU-autocast figures. `ours (prologues off)` is our block
+with `model.recompute_prologues=false` (models/recompute.py): the norms, modulate, GELU and
+gated residual saved instead of recomputed in backward.
 
-`--cost`: the compute price of each policy and of activation offload, measured in one
-interleaved run of real training steps (see `cost_rows`).
+`--cost`: the compute price of each policy, of activation offload and of each
+model.recompute_prologues setting, measured in one interleaved run of real training steps
+(see `cost_rows`).
 """
 from __future__ import annotations
 
@@ -36,7 +38,6 @@ from dit_train.data_pipelines import prepare_data
 from dit_train.engine.build import build_run
 from dit_train.kernels import VarlenLayout
 from dit_train.models import build_model, init_weights, model_config, model_spec
-from dit_train.models.recompute import composite_ops
 from dit_train.perf.bench import format_table, interleaved_wall_and_cpu, median, write_json
 from dit_train.perf.saved import bytes_per_token_per_block, saved_tensor_table
 from dit_train.tasks.video import patchify
@@ -57,15 +58,16 @@ def shape_of(preset: str, text_len: int) -> dict:
                 text_len=text_len, scale=f"1/{f}")
 
 
-def ours_cfg(s: dict, depth: int):
+def ours_cfg(s: dict, depth: int, prologues: bool = True):
     cfg = model_config("dit", dim=s["dim"], depth=depth, heads=s["heads"], mlp_ratio=(s["ffn"] + 0.5) / s["dim"],
-                       patch_size=list(PATCH), in_channels=C, text_dim=s["text_dim"], text_len=s["text_len"], init="normal")
+                       patch_size=list(PATCH), in_channels=C, text_dim=s["text_dim"], text_len=s["text_len"], init="normal",
+                       recompute_prologues=prologues)
     assert model_spec(cfg).hidden(cfg) == s["ffn"]
     return cfg
 
 
-def ours_model(s: dict, depth: int):
-    m = build_model(ours_cfg(s, depth), "sdpa")
+def ours_model(s: dict, depth: int, prologues: bool = True):
+    m = build_model(ours_cfg(s, depth, prologues), "sdpa")
     init_weights(m, 0, "normal")
     return m
 
@@ -98,22 +100,15 @@ def accounting_rows(shapes: list[dict], clip: tuple[int, int, int], precisions: 
     for s in shapes:
         x = inputs(s, clip)
         n = x["tokens"]
-        models = {
-            "ours": (lambda depth: ours_model(s, depth), lambda m: m(*x["ours"]), None),
-            "ours (composite)": (lambda depth: ours_model(s, depth), lambda m: m(*x["ours"]), composite_ops),
-            "wan (diffusers)": (lambda depth: wan_model(s, depth), lambda m: m(**x["wan"])[0], None),
+        models = {  # name -> (build(depth), forward(model), measured under checkpointing too)
+            "ours (prologues on)": (lambda depth: ours_model(s, depth), lambda m: m(*x["ours"]), True),
+            "ours (prologues off)": (lambda depth: ours_model(s, depth, False), lambda m: m(*x["ours"]), False),
+            "wan (diffusers)": (lambda depth: wan_model(s, depth), lambda m: m(**x["wan"])[0], True),
         }
         for precision in precisions:
             for policy in policies:
-                got = {}
-                for name, (build, fwd, ctx) in models.items():
-                    if ctx is not None and policy != "none":
-                        continue
-                    if ctx is not None:
-                        with ctx():
-                            got[name] = bytes_per_token_per_block(build, fwd, n, precision, policy)
-                    else:
-                        got[name] = bytes_per_token_per_block(build, fwd, n, precision, policy)
+                got = {name: bytes_per_token_per_block(build, fwd, n, precision, policy)
+                       for name, (build, fwd, with_ac) in models.items() if with_ac or policy == "none"}
                 wan = got["wan (diffusers)"]["bytes_per_token"]
                 for name, r in got.items():
                     b = r["bytes_per_token"]
@@ -124,10 +119,14 @@ def accounting_rows(shapes: list[dict], clip: tuple[int, int, int], precisions: 
 
 
 def block_tables(s: dict, clip: tuple[int, int, int]) -> dict[str, list[dict]]:
-    """Every tensor one block saves (fp32): ours and Wan's, by the op that saved it."""
+    """Every tensor one block saves (fp32): ours (both model.recompute_prologues settings) and
+    Wan's, by the op that saved it."""
     x = inputs(s, clip)
     out = {}
-    for name, build, call in (("ours", ours_model, lambda m: m(*x["ours"])), ("wan", wan_model, lambda m: m(**x["wan"])[0])):
+    ours = lambda m: m(*x["ours"])  # noqa: E731
+    for name, build, call in (("ours (prologues on)", lambda s, d: ours_model(s, d, True), ours),
+                              ("ours (prologues off)", lambda s, d: ours_model(s, d, False), ours),
+                              ("wan", wan_model, lambda m: m(**x["wan"])[0])):
         model = build(s, 1)
         cap = {}
 
@@ -148,6 +147,8 @@ def block_tables(s: dict, clip: tuple[int, int, int]) -> dict[str, list[dict]]:
 
 COST_VARIANTS = {  # name -> config overrides of the timed step
     "none": [],
+    "prologues on": ["model.recompute_prologues=true"],
+    "prologues off": ["model.recompute_prologues=false"],
     "selective": ["model.activation_checkpointing=selective"],
     "selective every 2": ["model.activation_checkpointing=selective", "model.ac_every=2"],
     "full": ["model.activation_checkpointing=full"],
@@ -156,7 +157,8 @@ COST_VARIANTS = {  # name -> config overrides of the timed step
 
 
 def cost_rows(reps: int, quick: bool) -> list[dict]:
-    """Step cost of each AC policy and of activation offload: real optimizer steps (forward,
+    """Step cost of each AC policy, of activation offload and of each model.recompute_prologues
+    setting ("none" is the configured default): real optimizer steps (forward,
     backward, AdamW) of one process on the embedded clips, every variant built once and timed
     round-robin (perf/bench.interleaved_wall_and_cpu), CPU seconds of this process (far less
     sensitive to other processes on a shared machine than wall time; one intra-op thread, since
@@ -207,9 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = accounting_rows(shapes, clip, a.precisions.split(","), a.policies.split(","))
     print(f"bytes kept for backward per token per block (CPU; one clip of {clip} latents; captions of {a.text_len} tokens)")
     print(format_table(rows))
-    none = [r for r in rows if r["ac"] == "none" and r["model"] == "ours"]
+    none = [r for r in rows if r["ac"] == "none" and r["model"].startswith("ours")]
     for r in none:
-        print(f"{r['shape']} {r['precision']}: ours / Wan = {r['vs_wan']:.3f} (target <= 0.6: {'met' if r['vs_wan'] <= 0.6 else 'NOT met'})")
+        print(f"{r['shape']} {r['precision']}: {r['model']} / Wan = {r['vs_wan']:.3f} "
+              f"(target <= 0.6: {'met' if r['vs_wan'] <= 0.6 else 'NOT met'})")
     payload = {"args": vars(a), "shapes": shapes, "rows": rows}
     if a.list:
         tables = block_tables(shapes[0], clip)

@@ -4,6 +4,9 @@
     python -m dit_train.tools.bench_mfu --model dit_1b --tokens 8192,32768 --ac off,on --compile off,on --backend flash,xformers,sdpa
     # CP activation memory vs degree (needs that many GPUs; gloo + CPU works for tiny models)
     python -m dit_train.tools.bench_mfu --model dit_1b --cp-memory 1,2,4,8 --tokens 32768
+    # the same on 2 CPU processes (gloo), with model.recompute_prologues off and on (any mode: --prologues)
+    python -m dit_train.tools.bench_mfu --model dit_small --device cpu --cp-memory 1,2,4 --tokens 2048 --sample-tokens 1024 \
+        --precision fp32 --prologues off,on
     # CPU dry run (what the tests run)
     python -m dit_train.tools.bench_mfu --model dit_tiny --device cpu --tokens 512 --steps 2 --precision fp32
 
@@ -22,6 +25,7 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
@@ -100,6 +104,7 @@ def run_single(cfg, tokens, sample_tokens, ac, compile_, backend, precision, dev
     est = estimate_memory(shape, dp_replicate=1, dp_shard=1, cp_ulysses=1, cp_ring=1, micro_batch_tokens=tokens,
                           checkpointing=ac, precision=precision, backend=backend, dp_mode="none")
     row = {"tokens": tokens, "samples": len(lens), "ac": "on" if ac else "off", "compile": "on" if compile_ else "off",
+           "prologues": "on" if cfg.recompute_prologues else "off",
            "backend": backend, "step_s": t, "TFLOPs": flops / t / 1e12, "est_GiB": est.total / GIB}
     if peak:
         row["MFU"] = mfu(flops, t, peak)
@@ -140,17 +145,21 @@ def _cp_worker(cfg, tokens, sample_tokens, precision, backend):
     return out
 
 
-def cp_memory(model_name, degrees, tokens, sample_tokens, precision, device, backend):
+def cp_memory(model_name, degrees, tokens, sample_tokens, precision, device, backend, prologues=(None,)):
+    """Saved activation bytes per rank (max over ranks) vs the estimate, for each cp_ulysses
+    degree and model.recompute_prologues setting in `prologues` (None: the config's)."""
     rows = []
-    for k in degrees:
+    for k, pro in itertools.product(degrees, prologues):
         cfg = compose([f"model={model_name}", f"model.attn_backend={backend}", f"parallel.cp_ulysses={k}",
-                       "parallel.dp_mode=none", f"parallel.device={device}", f"train.precision={precision}"])
+                       "parallel.dp_mode=none", f"parallel.device={device}", f"train.precision={precision}"]
+                      + ([] if pro is None else [f"model.recompute_prologues={str(pro).lower()}"]))
         res = launch.launch_local(_cp_worker, (cfg, tokens, sample_tokens, precision, backend), k, cfg.launcher) if k > 1 \
             else {0: _cp_worker(cfg, tokens, sample_tokens, precision, backend)}
         shape = model_shape(cfg.model)
         est = estimate_memory(shape, dp_replicate=1, dp_shard=1, cp_ulysses=k, cp_ring=1, micro_batch_tokens=tokens,
                               checkpointing=False, precision=precision, backend=backend, dp_mode="none")
-        row = {"cp_ulysses": k, "tokens": tokens, "local_tokens": res[0]["local_tokens"],
+        row = {"cp_ulysses": k, "prologues": "on" if cfg.model.recompute_prologues else "off",
+               "tokens": tokens, "local_tokens": res[0]["local_tokens"],
                "saved_act_GiB": max(r["saved_bytes"] for r in res.values()) / GIB, "est_act_GiB": est.activations / GIB}
         if "peak_minus_base" in res[0]:
             row["cuda_fwd_peak_GiB"] = max(r["peak_minus_base"] for r in res.values()) / GIB
@@ -171,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=6, help="steps per config; the first is warm-up")
     ap.add_argument("--peak-tflops", type=float, default=0.0, help="default 989 on CUDA (H100 bf16), none on CPU")
     ap.add_argument("--cp-memory", default="", help="e.g. 1,2,4,8: activation bytes per rank vs cp_ulysses")
+    ap.add_argument("--prologues", default="", help="comma list of on/off: model.recompute_prologues settings "
+                                                    "(default: the model config's)")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
     device = torch.device(a.device)
@@ -178,14 +189,17 @@ def main(argv: list[str] | None = None) -> int:
     cfg = model_cfg(a.model)
     tokens = [int(x) for x in a.tokens.split(",")]
     on = lambda s: [x == "on" for x in s.split(",")]  # noqa: E731
+    prologues = on(a.prologues) if a.prologues else [None]
     if a.cp_memory:
         rows = cp_memory(a.model, [int(x) for x in a.cp_memory.split(",")], tokens[0], a.sample_tokens or tokens[0],
-                         a.precision, a.device, a.backend if a.backend != "auto" else ("flash" if device.type == "cuda" else "sdpa"))
+                         a.precision, a.device, a.backend if a.backend != "auto" else ("flash" if device.type == "cuda" else "sdpa"),
+                         prologues)
         name = "cp_memory"
     else:
         rows = []
-        for T, ac, comp, backend in itertools.product(tokens, on(a.ac), on(a.compile), a.backend.split(",")):
-            rows.append(run_single(cfg, T, a.sample_tokens or T, ac, comp, backend, a.precision, device, a.steps, peak))
+        for T, ac, comp, backend, pro in itertools.product(tokens, on(a.ac), on(a.compile), a.backend.split(","), prologues):
+            c = cfg if pro is None else replace(cfg, recompute_prologues=pro)
+            rows.append(run_single(c, T, a.sample_tokens or T, ac, comp, backend, a.precision, device, a.steps, peak))
             print(format_table(rows[-1:]), flush=True)
         name = "mfu"
     shape = model_shape(cfg)

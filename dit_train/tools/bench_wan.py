@@ -17,8 +17,12 @@ Workloads (same clips for both models; 16-channel latents, patch (1, 2, 2)):
            batch per shape bucket (the best it can do without padding); ours packs them all
            into one sequence with per-sample (varlen) attention. `wan_padded`: Wan on one batch
            of all clips zero-padded to the largest shape (a dense model without bucketing).
-Timing: median of interleaved repetitions (ours, Wan, ours, ...) after one warm-up each, in
-wall time and in CPU time of the process (robust to other load on a shared machine).
+Ours runs twice per repetition, with `model.recompute_prologues` on and off (the same model and
+weights, switched between calls: models/recompute.py): `prologue_cost` is the time with them
+on over the time with them off (> 1: recomputing the norms, modulate and GELU in backward
+costs that much), `speedup` compares ours as configured by --prologues-default with Wan.
+Timing: median of interleaved repetitions (ours on, ours off, Wan, ...) after one warm-up each,
+in wall time and in CPU time of the process (robust to other load on a shared machine).
 """
 from __future__ import annotations
 
@@ -27,8 +31,10 @@ import sys
 
 import torch
 
+from dit_train.config.schema import ModelConfig
 from dit_train.kernels import VarlenLayout
 from dit_train.models import build_model, init_weights, model_config
+from dit_train.models.recompute import set_recompute_prologues
 from dit_train.perf.bench import format_table, interleaved_wall_and_cpu, median, write_json
 from dit_train.tasks.video import patchify
 
@@ -141,16 +147,19 @@ def bench_variant(variant: str, a: argparse.Namespace) -> tuple[dict, list[dict]
         o_args, o_tgt = ours_inputs(shapes, ours_text)
         w_batches = wan_inputs(shapes, a.text_dim)
 
-        def run_ours():
-            ours.zero_grad(set_to_none=True)
-            ((ours(*o_args) - o_tgt) ** 2).mean().backward()
+        def run_ours(prologues: bool):
+            def run():
+                set_recompute_prologues(ours, prologues)
+                ours.zero_grad(set_to_none=True)
+                ((ours(*o_args) - o_tgt) ** 2).mean().backward()
+            return run
 
         def run_wan():
             wan.zero_grad(set_to_none=True)
             for x, t, txt, tgt in w_batches:
                 ((wan(x, t, txt, return_dict=False)[0] - tgt) ** 2).mean().backward()
 
-        fns = {"ours": run_ours, "wan": run_wan}
+        fns = {"ours_on": run_ours(True), "ours_off": run_ours(False), "wan": run_wan}
         if len(set(shapes)) > 1:
             padded = wan_padded_input(shapes, a.text_dim)
 
@@ -162,12 +171,16 @@ def bench_variant(variant: str, a: argparse.Namespace) -> tuple[dict, list[dict]
             fns["wan_padded"] = run_wan_padded
         wall, cpu = interleaved_wall_and_cpu(fns, reps=a.reps, warmup=1)
         n = tokens(shapes)
-        to, tw = median(wall["ours"]), median(wall["wan"])
+        ours_key = "ours_on" if a.prologues_default == "on" else "ours_off"
+        to, tw = median(wall[ours_key]), median(wall["wan"])
+        t_on, t_off = median(wall["ours_on"]), median(wall["ours_off"])
         rows.append({"variant": variant, "workload": kind, "clips": len(shapes), "tokens": n,
                      "wan_batches": len(w_batches), "params_ratio": params["wan"] / params["ours"],
-                     "ours_tok_s": n / to, "wan_tok_s": n / tw, "speedup": tw / to,
-                     "cpu_time_speedup": median(cpu["wan"]) / median(cpu["ours"]),
-                     "ours_ms": to * 1e3, "wan_ms": tw * 1e3})
+                     "prologues": a.prologues_default, "ours_tok_s": n / to, "wan_tok_s": n / tw, "speedup": tw / to,
+                     "cpu_time_speedup": median(cpu["wan"]) / median(cpu[ours_key]),
+                     "ours_ms": to * 1e3, "wan_ms": tw * 1e3, "ours_on_ms": t_on * 1e3, "ours_off_ms": t_off * 1e3,
+                     "speedup_on": tw / t_on, "speedup_off": tw / t_off, "prologue_cost": t_on / t_off,
+                     "prologue_cost_cpu": median(cpu["ours_on"]) / median(cpu["ours_off"])})
         if "wan_padded" in wall:
             tp = median(wall["wan_padded"])
             rows[-1].update(wan_padded_tok_s=n / tp, speedup_vs_padded=tp / to)
@@ -185,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--out", default="")
     ap.add_argument("--variants", default="adaln,adaln+text", help="comma list of: adaln, adaln+text")
+    ap.add_argument("--prologues-default", choices=("on", "off"), default="on" if ModelConfig.recompute_prologues else "off",
+                    help="which of ours the speedup column compares with Wan (default: model.recompute_prologues' default)")
     ap.add_argument("--quick", action="store_true")
     a = ap.parse_args(argv)
     if a.quick:

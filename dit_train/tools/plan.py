@@ -1,5 +1,5 @@
-"""Plan the layout of a run: which dp/cp degrees, micro-batch size, accumulation and
-activation checkpointing fit a GPU, best first.
+"""Plan the layout of a run: which dp/cp degrees, micro-batch size, accumulation, activation
+checkpointing and recomputed prologues fit a GPU, best first.
 
     python -m dit_train.tools.plan +experiment=video_cp8 model=dit_1b --world 8 --gpu-mem-gib 80
     python -m dit_train.tools.plan model=dit_1b train.precision=bf16 train.global_batch=64 --world 8 \\
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from dit_train.config.schema import AUTO_MICRO_BATCH_TOKENS
 from dit_train.engine.checks import Range
 from dit_train.models import model_spec
 from dit_train.parallel.mesh import ParallelDims
-from dit_train.perf.bench import format_table
+from dit_train.perf.bench import dumps_records, format_table
 from dit_train.planning.clips import clip_options, clip_tokens, latent_grid
 from dit_train.perf.memory import GIB, calibrate_block, model_shape
 from dit_train.planning.planner import Workload, plan, resolve_plan_backend, smoke, workload_from_data
@@ -51,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="activation checkpointing options (both = none and full; all = none, selective, full)")
     ap.add_argument("--offload", choices=("none", "all"), default="none",
                     help="also plan train.activation_offload and parallel.cpu_offload (all)")
+    ap.add_argument("--prologues", choices=("both", "on", "off", "config"), default="both",
+                    help="model.recompute_prologues settings to plan (both: off where it fits, on where memory is "
+                         "short; config: the configured one)")
     ap.add_argument("--frames", type=ranged(int, Range(0, note="0 = no clip question")), default=0, help="pixel frames of one clip: answer which options fit it")
     ap.add_argument("--height", type=POSITIVE_INT, default=480, help="pixel height of the clip (with --frames)")
     ap.add_argument("--width", type=POSITIVE_INT, default=832, help="pixel width of the clip (with --frames)")
@@ -75,14 +77,15 @@ def main(argv: list[str] | None = None) -> int:
         mx = args.max_sample_tokens or cfg.train.micro_batch_tokens or AUTO_MICRO_BATCH_TOKENS
         work = Workload(cfg.train.global_batch, mx, args.mean_sample_tokens or mx)
     backend = args.backend or resolve_plan_backend(cfg, args.device)
+    prologues = {"both": (False, True), "on": (True,), "off": (False,), "config": ()}[args.prologues]
     if args.frames:
-        return clip_main(args, cfg, world, shape, backend)
+        return clip_main(args, cfg, world, shape, backend, prologues)
     ac = {"both": (False, True), "on": (True,), "off": (False,), "all": ("none", "selective", "full"),
           "none": ("none",), "selective": ("selective",), "full": ("full",)}[args.ac]
     offload = ((False, False),) if args.offload == "none" else ((False, False), (True, False), (False, True), (True, True))
     cands, rejected = plan(cfg, world, args.gpu_mem_gib * GIB, work, reserve_bytes=args.reserve_gib * GIB,
                            backend=backend, ac_options=ac, max_micro_tokens=args.max_micro_tokens, shape=shape,
-                           offload_options=offload)
+                           offload_options=offload, prologue_options=prologues)
     shared = set.intersection(*(set(reasons) for _, reasons in rejected)) if rejected and not cands else set()
     if shared:  # every layout fails for the same reason: the config itself is wrong, not a layout
         print("error: " + "; ".join(sorted(shared)), file=sys.stderr)
@@ -122,17 +125,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  ... {len(seen) - 5} more rejections (--json lists them all)")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({
+        Path(args.json).write_text(dumps_records({
             "world": world, "gpu_mem_gib": args.gpu_mem_gib, "backend": backend, "workload": work.__dict__,
             "model": dataclasses.asdict(shape), "calibration": calib, "candidates": [c.to_json() for c in cands],
-            "rejected": [{"layout": lay.to_json(), "reasons": r} for lay, r in rejected]}, indent=2))
+            "rejected": [{"layout": lay.to_json(), "reasons": r} for lay, r in rejected]}))
         print(f"wrote {args.json}")
     return 0 if cands and cands[0].fits else 1
 
 
-def clip_main(args, cfg, world: int, shape, backend: str) -> int:
+def clip_main(args, cfg, world: int, shape, backend: str, prologues: tuple[bool, ...]) -> int:
     """--frames: for every AC x offload option, the best layout for the clip and the longest
-    clip of the same height and width that fits; --smoke K measures the fitting ones."""
+    clip of the same height and width that fits, each with the `prologues` settings planned
+    (off where it fits, on where only it does); --smoke K measures the fitting ones."""
     if cfg.mode != "video":
         raise SystemExit(f"--frames needs a video model (model.name={cfg.model.name} is {cfg.mode})")
     if args.vae_stride:
@@ -150,7 +154,7 @@ def clip_main(args, cfg, world: int, shape, backend: str) -> int:
         print(f"calibration (one block, CPU, {calib['precision']}): error {calib['rel_error']:+.2%}")
     res = clip_options(cfg, world, args.gpu_mem_gib * GIB, args.frames, args.height, args.width, shape=shape,
                        reserve_bytes=args.reserve_gib * GIB, backend=backend, host_capacity=args.host_mem_gib * GIB,
-                       vae_stride=stride, max_frames=args.max_frames)
+                       vae_stride=stride, max_frames=args.max_frames, prologue_options=prologues)
     print(format_table([r.row(args.frames) for r in res]))
     fitting = [r for r in res if r.best is not None and r.best.fits]
     if fitting:
@@ -165,10 +169,10 @@ def clip_main(args, cfg, world: int, shape, backend: str) -> int:
         print(format_table([dict(option=r.name, **r.best.row()) for r in fitting[: args.smoke]]))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({
+        Path(args.json).write_text(dumps_records({
             "world": world, "gpu_mem_gib": args.gpu_mem_gib, "host_mem_gib": args.host_mem_gib, "backend": backend,
             "clip": {"frames": args.frames, "height": args.height, "width": args.width, "tokens": tokens},
-            "model": dataclasses.asdict(shape), "options": [r.to_json() for r in res]}, indent=2))
+            "model": dataclasses.asdict(shape), "options": [r.to_json() for r in res]}))
         print(f"wrote {args.json}")
     return 0 if fitting else 1
 
