@@ -55,6 +55,13 @@ class DataSource:
     def __init__(self, cfg: Any, model_cfg: Any):
         self.cfg, self.model_cfg = cfg, model_cfg
 
+    @classmethod
+    def for_config(cls, cfg: Any, model_cfg: Any) -> "DataSource":
+        """The source object of `cfg`: this class by default; a source whose behaviour follows its
+        data (shards holding pixels or latents, data_pipelines/shards_source.py) returns the class
+        that fits what it finds."""
+        return cls(cfg, model_cfg)
+
     def prepare(self) -> None:
         """Nothing to do by default."""
 
@@ -105,4 +112,4 @@ def register_source(cls: type[DataSource]) -> type[DataSource]:
 
 
 def source_for(cfg: Any, model_cfg: Any) -> DataSource:
-    return SOURCES[cfg.name](cfg, model_cfg)
+    return SOURCES[cfg.name].for_config(cfg, model_cfg)

@@ -266,13 +266,18 @@ class VideoClipDataset:
 
     # -- decoding ---------------------------------------------------------------------------
 
+    def read(self, e: ClipEntry, indices: list[int]) -> torch.Tensor:
+        """Frames `indices` of clip `e` as uint8 [F, H, W, 3], from its file (shards read theirs
+        out of a tar: data_pipelines/shard_datasets.py)."""
+        return read_frames(e.path, indices, e.info)
+
     def __getitem__(self, i: int) -> VideoSample:
         with self._lock:
             if i in self._cache:
                 self._cache.move_to_end(i)
                 return self._cache[i]
         e = self.entries[i]
-        frames = read_frames(e.path, self._indices(e), e.info)  # uint8 [F, H, W, 3]
+        frames = self.read(e, self._indices(e))  # uint8 [F, H, W, 3]
         x = to_model_range(frames)  # [3, F, H, W]
         x = resize_crop(x, *self.size(i), resize=bool(self.buckets))
         sample = VideoSample(x, e.caption)

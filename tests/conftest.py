@@ -113,3 +113,49 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("install"):
             item.add_marker(skip)
+
+
+class S3Endpoint:
+    """A real S3 API on this machine (moto's server mode over HTTP), reached through s3fs exactly
+    as a bucket is in production: `options` are the storage options a config passes."""
+
+    BUCKET = "dit-train"
+
+    def __init__(self, endpoint: str):
+        self.endpoint = endpoint
+        self.options = {"key": "testing", "secret": "testing",
+                        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+
+    def url(self, prefix: str) -> str:
+        return f"s3://{self.BUCKET}/{prefix}"
+
+    def overrides(self, prefix: str) -> list[str]:
+        """data=shards at s3://<bucket>/<prefix>, with this endpoint's storage options."""
+        return ["data=shards", f"data.url={self.url(prefix)}",
+                "+data.storage_options={key: testing, secret: testing, client_kwargs: "
+                f"{{endpoint_url: '{self.endpoint}', region_name: us-east-1}}}}"]
+
+    def fs(self):
+        import s3fs  # the shards extra; the fixture skips without it
+
+        return s3fs.S3FileSystem(**self.options)
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """moto's S3 server on 127.0.0.1 (a free port) for the whole session, with one bucket."""
+    pytest.importorskip("s3fs")
+    server_mod = pytest.importorskip("moto.server")
+    import logging
+
+    import boto3
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
+                 region_name="us-east-1").create_bucket(Bucket=S3Endpoint.BUCKET)
+    yield S3Endpoint(endpoint)
+    server.stop()
