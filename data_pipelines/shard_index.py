@@ -138,15 +138,21 @@ def forget(url: str) -> None:
 
 
 def load_index(url: str, storage_options: Any = None, retries: int = 5, backoff_s: float = 0.5) -> ShardIndex:
-    """The index of the shard set at `url`, read once per process (source objects are made many
-    times per run). ValueError naming data.url when there is none or it is not one; network
-    errors are retried, then DataUnreachable."""
-    key = (str(url), json.dumps(plain(storage_options or {}), sort_keys=True, default=str))
+    """The index of the shard set at `url`, read once per process while it is unchanged (source
+    objects are made many times per run; a rewritten index.json has another ETag / mtime).
+    ValueError naming data.url when there is none or it is not one; network errors are retried,
+    then DataUnreachable."""
+    fs, root = open_url(url, storage_options)
+    retry, where = Retry(retries, backoff_s), f"{url.rstrip('/')}/{INDEX}"
+    try:
+        version = retry(where, lambda: fs.ukey(join(root, INDEX)))
+    except FileNotFoundError:
+        version = None
+    key = (str(url), json.dumps(plain(storage_options or {}), sort_keys=True, default=str), version)
     with _loading:
         if key in _loaded:
             return _loaded[key]
-    fs, root = open_url(url, storage_options)
-    raw = Retry(retries, backoff_s)(f"{url.rstrip('/')}/{INDEX}", lambda: read_json(fs, join(root, INDEX)))
+    raw = retry(where, lambda: read_json(fs, join(root, INDEX))) if version is not None else None
     if raw is None:
         raise ValueError(f"data.url={url} holds no {INDEX}: write shards with python -m dit_train.tools.make_shards "
                          f"--out {url} (or tools.cache_latents --out {url}); an interrupted run writes it when "
