@@ -18,6 +18,7 @@ pytest.importorskip("webdataset")
 from dit_train.compose import compose  # noqa: E402
 from dit_train.config.errors import ConfigError, DataFailure, DataUnreachable  # noqa: E402
 from dit_train.data_pipelines import source_for  # noqa: E402
+from dit_train.data_pipelines.packing import step_samples  # noqa: E402
 from dit_train.data_pipelines.shard_store import ShardCache, ShardReader  # noqa: E402
 from dit_train.data_pipelines.video_io import VideoReadError  # noqa: E402
 from dit_train.engine.layout_equivalence import apply_layout, parse_layout, relative_difference, train_on_workers  # noqa: E402
@@ -143,12 +144,14 @@ def test_missing_and_corrupt_shards_are_skipped_and_counted(s3_endpoint, s3_clip
     assert ds[4].pixels.numel() and ds[10].pixels.numel()  # the other shards still read
     # a run: 6 of 16 samples cannot be read -> over data.max_dropped_fraction=0.05 the run stops...
     run = [*TINY_MODEL, *s3_endpoint.overrides("damaged"), *READ, f"data.cache_dir={data_cache}", "train.steps=3"]
-    with pytest.raises(DataFailure, match="shard-0000"):
+    with pytest.raises(DataFailure, match=r"data.max_dropped_fraction=0.05; e.g. shard s3://dit-train/damaged/shard-00000"):
         train_in_process(run, tmp_path / "strict")
-    # ...and with a higher threshold it trains on the rest, the drops counted
+    # ...and with a higher threshold it trains on the rest, every planned read of a bad sample counted
     train_in_process([*run, "data.max_dropped_fraction=0.6"], tmp_path / "lenient")
     summary = json.loads((tmp_path / "lenient" / "summary.json").read_text())
-    assert summary["status"] == "completed" and summary["samples_dropped"] > 0
+    bad = {5, 6, 7, 8, 9, 15}
+    planned = [i for step in range(3) for i in step_samples(step, 16, cfg.train.global_batch, cfg.train.seed)]
+    assert summary["status"] == "completed" and summary["samples_dropped"] == sum(i in bad for i in planned) > 0
 
 
 def _free_port() -> int:
@@ -157,30 +160,59 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_network_errors_are_retried_then_one_clear_error(s3_endpoint, s3_clips):
+def _endpoint_options(s3, port: int) -> dict:
+    """s3_endpoint's storage options aimed at 127.0.0.1:`port`, with botocore's own retries off
+    (what is tested is ours: data.read_retries)."""
+    return {**s3.options, "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "us-east-1"},
+            "config_kwargs": {"retries": {"max_attempts": 1}}}
+
+
+def _options_override(options: dict) -> str:
+    """+data.storage_options=... in Hydra's override grammar (quoted strings, bare keys)."""
+    def value(v):
+        return "{" + ", ".join(f"{k}: {value(x)}" for k, x in v.items()) + "}" if isinstance(v, dict) else (
+            f"'{v}'" if isinstance(v, str) else str(v))
+
+    return f"+data.storage_options={value(options)}"
+
+
+def test_network_errors_are_retried_then_one_clear_error(s3_endpoint, s3_clips, tmp_path, data_cache):
     """An endpoint that is down for a while is waited for (retries with backoff); one that stays
-    down stops the read with DataUnreachable naming the URL (not a skipped sample)."""
+    down stops the run with DataUnreachable naming the URL: before step 0 when the index cannot
+    be read, and mid-run when a sample cannot (never a skipped, counted sample)."""
     from moto.server import ThreadedMotoServer
 
+    from dit_train.tasks import build_task
+
     port = _free_port()
-    endpoint = f"http://127.0.0.1:{port}"
-    # botocore's own retries off: what is tested is ours (data.read_retries)
-    options = {**s3_endpoint.options, "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
-               "config_kwargs": {"retries": {"max_attempts": 1}}}
+    options = _endpoint_options(s3_endpoint, port)
+    quick = ["data.read_retries=2", "data.retry_backoff_s=0.05", _options_override(options)]
+    # nobody listens on the port: the run is refused before step 0 (the CLI prints this one line)
+    with pytest.raises(DataUnreachable, match=r"s3://dit-train/clips/index.json could not be read after 3 tries"):
+        train_in_process([*TINY_MODEL, *s3_endpoint.overrides(s3_clips)[:2], *READ, f"data.cache_dir={data_cache}",
+                          *quick], tmp_path / "down")
+    # the endpoint goes away mid-run (after the plan was made from the index): the step stops with
+    # DataUnreachable; the sample is not dropped and counted (moto's buckets live in this process,
+    # so a second server on another port serves the same objects)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    cfg = _shards_cfg(s3_endpoint, s3_clips, data_cache, *quick)
+    task = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed)
+    assert len(task.lengths()) == 16
+    server.stop()
+    with pytest.raises(DataUnreachable, match=r"s3://dit-train/clips/shard-00000\d.tar could not be read after 3 tries"):
+        task.build([0, 1], step=0)
+    assert not task.failed
+    # the endpoint comes back 0.5 s after the first failed try: the retries wait for it
     piece = json.loads(s3_endpoint.fs().cat_file(s3_endpoint.url(f"{s3_clips}/shard-000000.json")))
     start, size, shard_size = piece["offsets"][0], piece["sizes"][0], piece["size"]
-    down = ShardReader(s3_endpoint.url(s3_clips), options, retries=2, backoff_s=0.05)
-    with pytest.raises(DataUnreachable, match=r"s3://dit-train/clips/shard-000000.tar could not be read after 3 tries"):
-        down.read("shard-000000.tar", start, size, shard_size)
-    # the endpoint comes up 1 s after the first failed try: the retries wait for it (moto's
-    # buckets live in this process, so a second server on the port serves the same objects)
     later = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    threading.Timer(1.0, later.start).start()
+    threading.Timer(0.5, later.start).start()
     try:
-        flaky = ShardReader(s3_endpoint.url(s3_clips), options, retries=6, backoff_s=0.2)
+        flaky = ShardReader(s3_endpoint.url(s3_clips), options, retries=6, backoff_s=0.1)
         t0 = time.perf_counter()
         assert len(flaky.read("shard-000000.tar", start, size, shard_size)) == size
-        assert time.perf_counter() - t0 > 0.5
+        assert time.perf_counter() - t0 > 0.3
     finally:
         time.sleep(0.2)
         later.stop()
