@@ -89,6 +89,24 @@ def test_the_shards_are_webdataset_tars_and_reruns_skip_finished_ones(tmp_path, 
     assert _make(str(out), data_cache, "data.num_clips=12") == 1
 
 
+def test_shards_are_written_side_by_side_with_a_progress_bar(tmp_path, capsys):
+    """make_shards' --workers: shards are made at the same time (each of two shards waits until
+    the other is being made too), and the bar counts finished shards."""
+    from dit_train.data_pipelines.shard_store import open_url
+    from dit_train.data_pipelines.shard_writer import ShardSample, write_shards
+
+    both = threading.Barrier(2, timeout=10)
+
+    def produce(k: int):
+        both.wait()  # passes only while another shard is being made
+        yield ShardSample(f"{k:09d}", {"txt": f"sample {k}"}, {"k": k})
+
+    fs, root = open_url(str(tmp_path / "set"))
+    report = write_shards(fs, root, 4, 1, produce, workers=2, progress=True, desc="writing shards")
+    assert (report["written"], report["samples_written"]) == (4, 4)
+    assert "writing shards: 100%" in capsys.readouterr().err and (tmp_path / "set" / "shard-000003.json").is_file()
+
+
 @pytest.mark.slow
 def test_same_weights_as_the_folder_on_every_layout(s3_endpoint, s3_clips, tiny_cfg, data_cache):
     """The one-process folder run is the oracle; data=shards from the bucket on 1 process and on
