@@ -1,6 +1,6 @@
 """Latent shards: tools.cache_latents on 2 gloo ranks writing shards straight into the bucket
 (restartable, index merged at the end), and make_shards from a latent cache; both read back
-(and train) exactly like the latent cache folder. Tiny VAE / T5 fixtures: tests/test_latent_cache.py."""
+(and train) exactly like the latent cache folder. Tiny VAE / T5 and the one-process cache: tests/conftest.py."""
 from __future__ import annotations
 
 import json
@@ -16,8 +16,7 @@ from dit_train.data_pipelines import latent_cache as lc, source_for  # noqa: E40
 from dit_train.engine import launch  # noqa: E402
 from dit_train.tools.cache_latents import main as cache_latents  # noqa: E402
 from dit_train.tools.make_shards import main as make_shards  # noqa: E402
-from tests.conftest import TINY_MODEL, train_in_process  # noqa: E402
-from tests.test_latent_cache import TEXT_DIM, Z_DIM, cache, cache_args, models, source  # noqa: E402, F401  (fixtures)
+from tests.conftest import TEXT_DIM, TINY_MODEL, Z_DIM, cache_args, train_in_process  # noqa: E402
 
 MODEL = [*TINY_MODEL, f"model.in_channels={Z_DIM}", f"model.text_dim={TEXT_DIM}", "model.patch_size=[1,2,2]"]
 
