@@ -204,17 +204,18 @@ def test_network_errors_are_retried_then_one_clear_error(s3_endpoint, s3_clips, 
 
     port = _free_port()
     options = _endpoint_options(s3_endpoint, port)
-    quick = ["data.read_retries=2", "data.retry_backoff_s=0.05", _options_override(options)]
+    # the set's URL (not the session endpoint's options), reached through `port`
+    run = [*TINY_MODEL, *s3_endpoint.overrides(s3_clips)[:2], *READ, f"data.cache_dir={data_cache}",
+           "data.num_workers=0", "data.read_retries=2", "data.retry_backoff_s=0.05", _options_override(options)]
     # nobody listens on the port: the run is refused before step 0 (the CLI prints this one line)
     with pytest.raises(DataUnreachable, match=r"s3://dit-train/clips/index.json could not be read after 3 tries"):
-        train_in_process([*TINY_MODEL, *s3_endpoint.overrides(s3_clips)[:2], *READ, f"data.cache_dir={data_cache}",
-                          *quick], tmp_path / "down")
+        train_in_process(run, tmp_path / "down")
     # the endpoint goes away mid-run (after the plan was made from the index): the step stops with
     # DataUnreachable; the sample is not dropped and counted (moto's buckets live in this process,
     # so a second server on another port serves the same objects)
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
-    cfg = _shards_cfg(s3_endpoint, s3_clips, data_cache, *quick)
+    cfg = compose(run)
     task = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed)
     assert len(task.lengths()) == 16
     server.stop()
