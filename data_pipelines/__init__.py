@@ -1,6 +1,7 @@
 """All data code: video reading and decoding (video_io.py, video_readers.py), clip sizes
 (sizes.py), datasets of clips, folders and manifests (video_dataset.py, video_folder.py), the
-embedded shapes world (synthetic_video.py, shapes_metric.py), latent caches (latent_cache.py),
+embedded shapes world (synthetic_video.py, shapes_metric.py), latent caches (latent_cache.py), indexed tar shards on
+any fsspec URL (shard_index.py, shard_store.py, shard_writer.py, shard_datasets.py),
 text corpora (text.py), packing (packing.py), background decoding (prefetch.py) and bad records
 (records.py); and the data sources that `data=<name>` picks, registered in `SOURCES` (the
 protocol: source.py; each source: <name>_source.py).
@@ -13,7 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from dit_train.data_pipelines import latent_cache_source, synthetic_video_source, text_source, video_folder_source  # noqa: F401  (register)
+from dit_train.data_pipelines import (  # noqa: F401  (register)
+    latent_cache_source, shards_source, synthetic_video_source, text_source, video_folder_source)
 from dit_train.data_pipelines.prefetch import Prefetcher
 from dit_train.data_pipelines.source import SOURCES, DataSource, Dataset, register_source, source_for
 

@@ -287,36 +287,43 @@ class LatentCacheDataset:
     """Cached latents as VideoSample (pixels = normalized latents [C, f, h, w] cropped to
     multiples of `patch`, text_emb [Lt, text_dim] or None); token counts from the manifest.
     split: "" every sample, "train" / "heldout" one side of the `heldout_fraction` split (by a
-    hash of each clip's source file name)."""
+    hash of each clip's source file name). Latent shards (shard_datasets.py) read the same rows
+    from their index and the same tensors out of a tar."""
 
     def __init__(self, root: str | os.PathLike, patch: tuple[int, int, int], split: str = "",
                  heldout_fraction: float = 0.0):
         self.root = Path(root).expanduser()
-        self.meta = read_cache_info(self.root)
-        self.patch = tuple(patch)
-        self.latent_channels = int(self.meta["latent_channels"])
-        self.text_dim = int(self.meta.get("text_dim", 0))
+        meta = read_cache_info(self.root)
         manifest = self.root / MANIFEST
         if not manifest.is_file():
             raise ValueError(f"{manifest} not found: the cache tool did not finish; run it again (it resumes)")
+        rows = [json.loads(line) for line in manifest.read_text().splitlines() if line.strip()]
+        self.keep_rows(meta, rows, patch, split, heldout_fraction, f"the latent cache {self.root}")
+
+    def keep_rows(self, meta: dict, rows: list[dict], patch: tuple[int, int, int], split: str,
+                  heldout_fraction: float, where: str) -> None:
+        """Keep the rows ({source, caption, latent_shape, ...}, in sample order) of `split` whose
+        latent grid holds at least one patch; `where` names the data in errors."""
+        self.meta = meta
+        self.patch = tuple(patch)
+        self.latent_channels = int(meta["latent_channels"])
+        self.text_dim = int(meta.get("text_dim", 0))
         self.rows: list[dict] = []
         self.skipped: list[tuple[str, str]] = []
         pt, ph, pw = self.patch
-        for line in manifest.read_text().splitlines():
-            if not line.strip():
-                continue
-            row = json.loads(line)
+        for row in rows:
             if split and in_heldout(Path(row["source"]).name, heldout_fraction) != (split == "heldout"):
                 continue
             _, f, h, w = row["latent_shape"]
             if f < pt or h < ph or w < pw:
-                self.skipped.append((row["file"], f"latent grid {f}x{h}x{w} is smaller than one patch {self.patch}"))
+                self.skipped.append((row.get("file") or row["source"],
+                                     f"latent grid {f}x{h}x{w} is smaller than one patch {self.patch}"))
             else:
                 self.rows.append(row)
         if self.skipped:
             log.warning("skipped %d cached clip(s) smaller than one patch, e.g. %s", len(self.skipped), self.skipped[0][0])
         if not self.rows:
-            raise ValueError(f"the latent cache {self.root} has no usable sample "
+            raise ValueError(f"{where} has no usable sample "
                              f"({len(self.skipped)} smaller than model.patch_size={list(self.patch)}; the patch applies "
                              f"to the latent grid: use a small one such as model.patch_size=[1,2,2])")
 
@@ -331,12 +338,17 @@ class LatentCacheDataset:
     def lengths(self) -> list[int]:
         return [self.num_tokens(i) for i in range(len(self))]
 
+    def tensors(self, row: dict) -> dict[str, torch.Tensor]:
+        """The sample's stored tensors (`latents`, optional `text_emb`); VideoReadError when they
+        cannot be read (skipped and counted by the task)."""
+        try:
+            return load_file(str(self.root / row["file"]))
+        except Exception as err:  # missing or truncated file
+            raise VideoReadError(f"cannot read cached latents {self.root / row['file']}: {err}") from err
+
     def __getitem__(self, i: int) -> VideoSample:
         row = self.rows[i]
-        try:
-            t = load_file(str(self.root / row["file"]))
-        except Exception as err:  # missing or truncated file: skipped and counted by the task
-            raise VideoReadError(f"cannot read cached latents {self.root / row['file']}: {err}") from err
+        t = self.tensors(row)
         z = t["latents"].float()
         _, f, h, w = z.shape
         pt, ph, pw = self.patch

@@ -25,6 +25,45 @@ class LatentCacheConfig(DataConfig):
     root: str = ""  # the cache folder
 
 
+def check_latent_model(meta: dict, where: str, model_cfg: Any) -> None:
+    """Refuse a model that cannot read these latents (ValueError naming the key to set). `meta`:
+    the cache's meta.json (latent_channels, text_dim); `where` names the data."""
+    channels, text_dim = int(meta["latent_channels"]), int(meta.get("text_dim", 0))
+    if model_cfg.in_channels != channels:
+        raise ValueError(f"{where} holds {channels}-channel latents but "
+                         f"model.in_channels={model_cfg.in_channels}; set model.in_channels={channels}")
+    if model_cfg.text_dim and text_dim and model_cfg.text_dim != text_dim:
+        raise ValueError(f"{where} holds {text_dim}-wide caption embeddings but "
+                         f"model.text_dim={model_cfg.text_dim}; set model.text_dim={text_dim}")
+
+
+def latent_prompt_space(meta: dict, where: str, model_cfg: Any, device: str | torch.device) -> PromptSpace:
+    """The cache's own text encoder encodes a prompt, and its VAE maps (frames, height, width)
+    in pixels to the latent grid and decodes the sampled latents (both named by `meta`)."""
+    m = model_cfg
+    pt, ph, pw = m.patch_size
+    vae = VaeCodec(meta["vae"], device)
+    encode, null = None, None
+    if m.text_dim:
+        if not meta.get("text_encoder"):
+            raise ValueError(f"{where} was made without a text encoder: prompts cannot be encoded")
+        text = TextEncoder(meta["text_encoder"], meta.get("tokenizer", ""), int(meta.get("max_text_len") or 512), device)
+
+        def encode_tokens(caption: str) -> torch.Tensor:
+            emb = text.encode(caption)
+            notice_cut(caption, emb.shape[0], m.text_len, "tokens")
+            return emb[: m.text_len]
+
+        encode, null = encode_tokens, encode_tokens("")
+
+    def latent_shape(frames: int, height: int, width: int) -> tuple[int, int, int, int]:
+        c, f, h, w = vae.latent_shape(frames, height, width)
+        return (c, fit_to_patch(f, pt, "latent frames"), fit_to_patch(h, ph, "latent height"),
+                fit_to_patch(w, pw, "latent width"))
+
+    return PromptSpace(encode, null, latent_shape, vae.decode, 16.0, codec=vae)
+
+
 @register_source
 class LatentCacheSource(DataSource):
     name = "latent_cache"
@@ -35,47 +74,17 @@ class LatentCacheSource(DataSource):
     def open(self, split: str = "train") -> Any:
         if split != "train" and self.cfg.heldout_fraction <= 0:
             return None
-        root, m = self.cfg.root, self.model_cfg
+        root = self.cfg.root
         if not root:
             raise ValueError("data=latent_cache needs data.root=<folder written by python -m dit_train.tools.cache_latents>")
-        meta = read_cache_info(root)
-        channels, text_dim = int(meta["latent_channels"]), int(meta.get("text_dim", 0))
-        if m.in_channels != channels:
-            raise ValueError(f"the latent cache {root} holds {channels}-channel latents but "
-                             f"model.in_channels={m.in_channels}; set model.in_channels={channels}")
-        if m.text_dim and text_dim and m.text_dim != text_dim:
-            raise ValueError(f"the latent cache {root} holds {text_dim}-wide caption embeddings but "
-                             f"model.text_dim={m.text_dim}; set model.text_dim={text_dim}")
-        return LatentCacheDataset(root, tuple(m.patch_size), split=split, heldout_fraction=self.cfg.heldout_fraction)
+        check_latent_model(read_cache_info(root), f"the latent cache {root}", self.model_cfg)
+        return LatentCacheDataset(root, tuple(self.model_cfg.patch_size), split=split,
+                                  heldout_fraction=self.cfg.heldout_fraction)
 
     def decoder(self, device: str | torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
         """The cache's VAE decoder (meta.json names it)."""
         return load_decoder(self.cfg.root, device)
 
     def prompt_space(self, device: str | torch.device) -> PromptSpace:
-        """The cache's own text encoder encodes a prompt, and its VAE maps (frames, height, width)
-        in pixels to the latent grid, encodes given frames and decodes the sampled latents."""
-        root, m = self.cfg.root, self.model_cfg
-        pt, ph, pw = m.patch_size
-        info = read_cache_info(root)
-        vae = VaeCodec(info["vae"], device)
-        encode, null = None, None
-        if m.text_dim:
-            if not info.get("text_encoder"):
-                raise ValueError(f"the latent cache {root} was made without a text encoder: prompts cannot be encoded")
-            text = TextEncoder(info["text_encoder"], info.get("tokenizer", ""), int(info.get("max_text_len") or 512),
-                               device)
-
-            def encode_tokens(caption: str) -> torch.Tensor:
-                emb = text.encode(caption)
-                notice_cut(caption, emb.shape[0], m.text_len, "tokens")
-                return emb[: m.text_len]
-
-            encode, null = encode_tokens, encode_tokens("")
-
-        def latent_shape(frames: int, height: int, width: int) -> tuple[int, int, int, int]:
-            c, f, h, w = vae.latent_shape(frames, height, width)
-            return (c, fit_to_patch(f, pt, "latent frames"), fit_to_patch(h, ph, "latent height"),
-                    fit_to_patch(w, pw, "latent width"))
-
-        return PromptSpace(encode, null, latent_shape, vae.decode, 16.0, codec=vae)
+        return latent_prompt_space(read_cache_info(self.cfg.root), f"the latent cache {self.cfg.root}", self.model_cfg,
+                                   device)

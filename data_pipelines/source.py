@@ -59,6 +59,13 @@ class DataSource:
         companion_kinds, which check_config makes sure of."""
         self.cfg, self.model_cfg, self.companions = cfg, model_cfg, tuple(companions)
 
+    @classmethod
+    def for_config(cls, cfg: Any, model_cfg: Any, companions: tuple[str, ...] = ()) -> "DataSource":
+        """The source object of `cfg`: this class by default; a source whose behaviour follows its
+        data (shards holding pixels or latents, data_pipelines/shards_source.py) returns the class
+        that fits what it finds."""
+        return cls(cfg, model_cfg, companions)
+
     def prepare(self) -> None:
         """Nothing to do by default."""
 
@@ -109,4 +116,4 @@ def register_source(cls: type[DataSource]) -> type[DataSource]:
 
 
 def source_for(cfg: Any, model_cfg: Any, companions: tuple[str, ...] = ()) -> DataSource:
-    return SOURCES[cfg.name](cfg, model_cfg, companions)
+    return SOURCES[cfg.name].for_config(cfg, model_cfg, companions)

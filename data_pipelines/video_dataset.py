@@ -280,6 +280,11 @@ class VideoClipDataset:
 
     # -- decoding ---------------------------------------------------------------------------
 
+    def read(self, e: ClipEntry, indices: list[int]) -> torch.Tensor:
+        """Frames `indices` of clip `e` as uint8 [F, H, W, 3], from its file (shards read theirs
+        out of a tar: data_pipelines/shard_datasets.py)."""
+        return read_frames(e.path, indices, e.info)
+
     def __getitem__(self, i: int) -> VideoSample:
         with self._lock:
             if i in self._cache:
@@ -287,7 +292,7 @@ class VideoClipDataset:
                 return self._cache[i]
         e = self.entries[i]
         indices = self._indices(e)
-        x = self._fit(read_frames(e.path, indices, e.info), i)  # [3, F, H, W]
+        x = self._fit(self.read(e, indices), i)  # [3, F, H, W]
         sample = VideoSample(x, e.caption)
         if "mask" in self.companions:
             m = self._fit(self._mask_frames(e, indices), i, companion=True).mean(0)  # [F, H, W] in [-1, 1]

@@ -57,6 +57,10 @@ class PixelVideoSource(DataSource):
         return {"name": c.name, "max_frames": c.max_frames, "frame_stride": c.frame_stride, "fps": c.fps,
                 "resolution_buckets": [list(b) for b in c.resolution_buckets or []]}
 
+    def make_dataset(self, entries: list, **kw: Any) -> VideoClipDataset:
+        """The dataset class over `entries` (keywords: VideoClipDataset's); shards read theirs from tars."""
+        return VideoClipDataset(entries, **kw)
+
     def pixel_dataset(self, patch: tuple[int, int, int], cache_items: int | None = None, split: str = "") -> Any:
         """The clips as a VideoClipDataset cropping frames to multiples of patch[0] and sizes
         to multiples of patch[1:] (or buckets). Clips that cannot be read or are too small are
@@ -70,10 +74,10 @@ class PixelVideoSource(DataSource):
             if not entries:
                 raise ValueError(f"data.heldout_fraction={c.heldout_fraction} leaves no {split} clip; "
                                  f"{'lower' if split == 'train' else 'raise'} it")
-        ds = VideoClipDataset(entries, patch=tuple(patch), max_frames=c.max_frames, frame_stride=c.frame_stride,
-                              fps=c.fps, buckets=[tuple(b) for b in c.resolution_buckets or []],
-                              cache_items=c.decoded_cache_items if cache_items is None else cache_items,
-                              companions=self.companions)
+        ds = self.make_dataset(entries, patch=tuple(patch), max_frames=c.max_frames, frame_stride=c.frame_stride,
+                               fps=c.fps, buckets=[tuple(b) for b in c.resolution_buckets or []],
+                               cache_items=c.decoded_cache_items if cache_items is None else cache_items,
+                               companions=self.companions)
         ds.skipped = skipped + ds.skipped
         return ds
 

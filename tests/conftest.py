@@ -113,3 +113,97 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("install"):
             item.add_marker(skip)
+
+
+class S3Endpoint:
+    """A real S3 API on this machine (moto's server mode over HTTP), reached through s3fs exactly
+    as a bucket is in production: `options` are the storage options a config passes."""
+
+    BUCKET = "dit-train"
+
+    def __init__(self, endpoint: str):
+        self.endpoint = endpoint
+        self.options = {"key": "testing", "secret": "testing",
+                        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+
+    def url(self, prefix: str) -> str:
+        return f"s3://{self.BUCKET}/{prefix}"
+
+    def overrides(self, prefix: str) -> list[str]:
+        """data=shards at s3://<bucket>/<prefix>, with this endpoint's storage options."""
+        return ["data=shards", f"data.url={self.url(prefix)}",
+                "+data.storage_options={key: testing, secret: testing, client_kwargs: "
+                f"{{endpoint_url: '{self.endpoint}', region_name: us-east-1}}}}"]
+
+    def fs(self):
+        import s3fs  # the shards extra; the fixture skips without it
+
+        return s3fs.S3FileSystem(**self.options)
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """moto's S3 server on 127.0.0.1 (a free port) for the whole session, with one bucket."""
+    pytest.importorskip("s3fs")
+    server_mod = pytest.importorskip("moto.server")
+    import logging
+
+    import boto3
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing", aws_secret_access_key="testing",
+                 region_name="us-east-1").create_bucket(Bucket=S3Endpoint.BUCKET)
+    yield S3Endpoint(endpoint)
+    server.stop()
+
+
+# -- the latent cache's tiny models and a one-process cache (tests/test_latent_cache.py, and the
+# latent shard tests that must equal it): session fixtures, built once for both modules
+
+Z_DIM, TEXT_DIM = 4, 16
+LATENT_MEAN, LATENT_STD = [0.1, -0.2, 0.0, 0.3], [1.5, 0.5, 1.0, 2.0]
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory) -> Path:
+    """A tiny random AutoencoderKLWan (vae/) and T5 encoder with a byte tokenizer (text/)."""
+    pytest.importorskip("transformers")
+    import torch
+    from diffusers import AutoencoderKLWan
+    from transformers import ByT5Tokenizer, T5Config, T5EncoderModel
+
+    d = tmp_path_factory.mktemp("models")
+    torch.manual_seed(0)
+    AutoencoderKLWan(base_dim=8, z_dim=Z_DIM, dim_mult=[1, 2, 2, 2], num_res_blocks=1, temperal_downsample=[False, True, True],
+                     latents_mean=LATENT_MEAN, latents_std=LATENT_STD).save_pretrained(d / "vae")
+    ByT5Tokenizer().save_pretrained(d / "text")  # byte-level: needs no vocabulary file
+    T5EncoderModel(T5Config(vocab_size=384, d_model=TEXT_DIM, d_kv=4, d_ff=32, num_layers=1, num_heads=2)).save_pretrained(d / "text")
+    return d
+
+
+@pytest.fixture(scope="session")
+def source(tmp_path_factory) -> Path:
+    """5 readable clips (4 captioned) + 1 corrupt file."""
+    from tests.test_video_folder import make_video_folder
+
+    return make_video_folder(tmp_path_factory.mktemp("videos"), tmp_path_factory.mktemp("src"), n=5)
+
+
+def cache_args(models: Path, source: Path, out: Path, cache: Path, *extra: str) -> list[str]:
+    return ["--vae", str(models / "vae"), "--text-encoder", str(models / "text"), "--out", str(out), "--no-progress",
+            "data=video_folder", f"data.root={source}", f"data.cache_dir={cache}", "data.max_frames=5",
+            "data.resolution_buckets=null", *extra]  # native sizes (the default is Wan's 480p): tiny latents
+
+
+@pytest.fixture(scope="session")
+def cache(models, source, tmp_path_factory) -> Path:
+    """The clips of `source` encoded by one process (tests that change it put it back)."""
+    from tools.cache_latents import main
+
+    out = tmp_path_factory.mktemp("latents")
+    assert main(cache_args(models, source, out, out.parent / "probe_cache")) == 0
+    return out

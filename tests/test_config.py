@@ -182,15 +182,51 @@ def test_documented_defaults_are_the_configs(page):
 
     cfg, wrong, checked = to_dict(compose_dit([])), [], 0
     for key, cell in _documented_defaults(CONF.parent / page):
-        node = cfg
-        for part in key.split("."):
-            node = node.get(part, KeyError) if isinstance(node, dict) else KeyError
-        want = _parse_cell(cell)
-        if node is KeyError or want is None or (isinstance(want, str) and not (isinstance(node, str) and cell.startswith("`"))):
-            continue  # not a key of the default config, or prose (string defaults are `quoted`)
-        checked += 1
-        same = float(want) == float(node) if isinstance(want, (int, float)) and isinstance(node, (int, float)) else want == node
-        if not same:
-            wrong.append(f"{key}: {page} says {cell}, the config has {node!r}")
+        same = _same_default(cfg, key, cell)
+        checked += same is not None
+        if same is False:
+            wrong.append(f"{key}: {page} says {cell}, the config has {_value_of(cfg, key)!r}")
     assert checked > 10, f"parsed only {checked} rows of {page}"
+    assert not wrong, "\n".join(wrong)
+
+
+def _value_of(cfg: dict, key: str):
+    node = cfg
+    for part in key.split("."):
+        node = node.get(part, KeyError) if isinstance(node, dict) else KeyError
+    return node
+
+
+def _same_default(cfg: dict, key: str, cell: str) -> bool | None:
+    """Whether the documented `cell` is `key`'s value in `cfg`; None when the key is not in
+    `cfg` or the cell is prose (string defaults are `quoted`)."""
+    node, want = _value_of(cfg, key), _parse_cell(cell)
+    if node is KeyError or want is None or (isinstance(want, str) and not (isinstance(node, str) and cell.startswith("`"))):
+        return None
+    return float(want) == float(node) if isinstance(want, (int, float)) and isinstance(node, (int, float)) else want == node
+
+
+def test_documented_per_source_defaults_are_the_sources_configs():
+    """configuration.md's per-source rows (`| key | source | default | ... |`) say what
+    `data=<source>` runs with (they are not in the default config the test above checks)."""
+    import re
+
+    from dit_train.compose import compose as compose_dit
+    from dit_train.config import to_dict
+
+    page, cfgs, wrong, checked = CONF.parent / "docs" / "configuration.md", {}, [], set()
+    for line in page.read_text().splitlines():
+        m = re.match(r"\| `([a-z_]+\.[a-z_.]+)` \| `([a-z_]+)` \| ([^|]+) \|", line)
+        if not m or not (CONF / "data" / f"{m.group(2)}.yaml").is_file():
+            continue
+        key, source, cell = m.group(1), m.group(2), m.group(3).strip()
+        if source not in cfgs:  # data=text is the LLM mode's source
+            cfgs[source] = to_dict(compose_dit(["mode=llm"] if source == "text" else [f"data={source}"]))
+        same = _same_default(cfgs[source], key, cell)
+        if same is not None:
+            checked.add(source)
+        if same is False:
+            wrong.append(f"{key} ({source}): configuration.md says {cell}, data={source} has "
+                         f"{_value_of(cfgs[source], key)!r}")
+    assert checked >= {"synthetic_video", "video_folder", "latent_cache", "shards", "text"}, checked
     assert not wrong, "\n".join(wrong)

@@ -78,7 +78,7 @@ def test_every_numeric_key_has_a_range_check():
 
     any_int = {"train.seed", "data.gen_seed"}  # every integer is a seed
     bases = [["model.moe.num_experts=4"], ["mode=llm"], ["model=wan_tiny"], ["data=video_folder", "data.root=x"],
-             ["data=latent_cache", "data.root=x"]]
+             ["data=latent_cache", "data.root=x"], ["data=shards", "data.url=x"]]
     unchecked, seen = [], set(any_int)
     for base in bases:
         cfg = compose_config(base)

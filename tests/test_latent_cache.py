@@ -1,5 +1,7 @@
 """Latent cache: a tiny random AutoencoderKLWan + tiny T5 encoder saved by the test, the cache
-tool (single process and 2 local workers), resuming, reading back, decoding, and training."""
+tool (single process and 2 local workers), resuming, reading back, decoding, and training. The
+models, the clips and the one-process cache are session fixtures (tests/conftest.py): the latent
+shard tests compare with the same cache."""
 from __future__ import annotations
 
 import json
@@ -12,47 +14,7 @@ pytest.importorskip("transformers")
 
 from dit_train.data_pipelines import latent_cache as lc  # noqa: E402
 from dit_train.data_pipelines.video_io import VideoReadError  # noqa: E402
-from tests.conftest import TINY_MODEL, compose_config  # noqa: E402
-from tests.test_video_folder import make_video_folder  # noqa: E402
-
-Z_DIM, TEXT_DIM = 4, 16
-MEAN, STD = [0.1, -0.2, 0.0, 0.3], [1.5, 0.5, 1.0, 2.0]
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory) -> Path:
-    from diffusers import AutoencoderKLWan
-    from transformers import ByT5Tokenizer, T5Config, T5EncoderModel
-
-    d = tmp_path_factory.mktemp("models")
-    torch.manual_seed(0)
-    AutoencoderKLWan(base_dim=8, z_dim=Z_DIM, dim_mult=[1, 2, 2, 2], num_res_blocks=1, temperal_downsample=[False, True, True],
-                     latents_mean=MEAN, latents_std=STD).save_pretrained(d / "vae")
-    ByT5Tokenizer().save_pretrained(d / "text")  # byte-level: needs no vocabulary file
-    T5EncoderModel(T5Config(vocab_size=384, d_model=TEXT_DIM, d_kv=4, d_ff=32, num_layers=1, num_heads=2)).save_pretrained(d / "text")
-    return d
-
-
-@pytest.fixture(scope="module")
-def source(tmp_path_factory) -> Path:
-    """5 readable clips (4 captioned) + 1 corrupt file."""
-    return make_video_folder(tmp_path_factory.mktemp("videos"), tmp_path_factory.mktemp("src"), n=5)
-
-
-def cache_args(models: Path, source: Path, out: Path, cache: Path, *extra: str) -> list[str]:
-    return ["--vae", str(models / "vae"), "--text-encoder", str(models / "text"), "--out", str(out), "--no-progress",
-            "data=video_folder", f"data.root={source}", f"data.cache_dir={cache}", "data.max_frames=5",
-            "data.resolution_buckets=null", *extra]  # native sizes (the default is Wan's 480p): tiny latents
-
-
-@pytest.fixture(scope="module")
-def cache(models, source, tmp_path_factory) -> Path:
-    from tools.cache_latents import main
-
-    out = tmp_path_factory.mktemp("latents")
-    assert main(cache_args(models, source, out, out.parent / "probe_cache")) == 0
-    return out
-
+from tests.conftest import LATENT_MEAN as MEAN, LATENT_STD as STD, TEXT_DIM, TINY_MODEL, Z_DIM, cache_args, compose_config  # noqa: E402
 
 def test_cache_layout_shapes_and_report(cache, source, models):
     meta = lc.read_cache_info(cache)

@@ -50,6 +50,7 @@ DEFERRED = {
     "xformers": "optional CUDA kernels",
     "flash_attn": "optional CUDA kernels",
     "submitit": "optional (the slurm extra)",
+    "webdataset": "optional (the shards extra), ~1.2 s; writing shards only (tools.make_shards, cache_latents --shards)",
 }
 
 

@@ -40,3 +40,8 @@ class NonFiniteTraining(RunFailed):
 
 class DataFailure(RunFailed):
     """Too much of the data could not be read (or none of a step's)."""
+
+
+class DataUnreachable(RunFailed):
+    """Remote data (shards on object storage) could not be read after the retries: a network or
+    endpoint problem, not a bad sample. The message names the URL, the tries and the keys to check."""

@@ -156,6 +156,8 @@ RANGES: dict[str, Range] = {
     "data.num_clips": Range(1), "data.num_images": Range(0), "data.max_frames": Range(1), "data.frame_stride": Range(1),
     "data.fps": Range(0, note="0 = the clip's own rate"), "data.decoded_cache_items": Range(0),
     "data.max_doc_tokens": Range(1),
+    "data.shard_cache_gb": Range(0, note="0 = read byte ranges only"), "data.read_retries": Range(0),
+    "data.retry_backoff_s": Range(0),
     "parallel.threads_per_worker": Range(0, note="0 = cores / local workers"),
     "parallel.timeout_s": Range(0, low_open=True),
     "launcher.master_port": Range(0, 65535, note="0 = a free port"),

@@ -29,6 +29,8 @@ ALLOWED = (
     "launcher.*", "model.attn_backend",
     "model.activation_checkpointing", "model.ac_every", "data.num_workers", "data.decoded_cache_items", "data.cache_dir",
     "data.max_dropped_fraction", "train.activation_offload", "model.pretrained", "model.allow_pickle_weights",
+    # how shards are reached (credentials, endpoint, local copies, retries), not which samples
+    "data.storage_options", "data.storage_options.*", "data.shard_cache_gb", "data.read_retries", "data.retry_backoff_s",
     # only a default for data.resolution_buckets, which is compared on its own
     "model.default_buckets",
 )

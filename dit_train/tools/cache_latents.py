@@ -15,6 +15,14 @@ text_encoder/, tokenizer/ are used). Without `--text-encoder` only latents are c
 goes to rank i % world; each clip's file is written atomically, so an interrupted run is resumed
 by running the same command again (done clips are skipped). Unreadable videos are skipped and
 listed in <out>/report.json.
+
+With `--shards`, or an `--out` URL such as s3://bucket/latents (any fsspec URL; `--storage-options`
+JSON for its filesystem), the latents are written as indexed tar shards for `data=shards
+data.url=<out>` (docs/data-at-scale.md): shard k holds clips k·S .. (k+1)·S - 1
+(`--samples-per-shard`), rank r encodes shards k ≡ r (mod world) on its own device, a rerun skips
+finished shards, and rank 0 merges the index once every rank is done:
+
+    torchrun --nnodes 4 --nproc-per-node 8 ... -m dit_train.tools.cache_latents --out s3://bucket/latents ...
 """
 from __future__ import annotations
 
@@ -30,10 +38,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from safetensors.torch import save as safetensors_bytes
+
 from dit_train.compose import compose
+from dit_train.config.errors import RunFailed
 from dit_train.data_pipelines import latent_cache as lc, prepare_data, source_for
+from dit_train.data_pipelines.shard_index import NULL_TEXT, check_or_write_meta, fingerprint, merge_index, read_json
+from dit_train.data_pipelines.shard_store import is_remote, join, open_url, put_bytes
+from dit_train.data_pipelines.shard_writer import latent_sample, shard_count, slice_of, write_shards
+from dit_train.data_pipelines.video_io import VideoReadError
 from dit_train.data_pipelines.video_source import PixelVideoSource
 from dit_train.tools.args import POSITIVE_INT, ToolParser
+from dit_train.tools.make_shards import digest, storage_options
 
 
 # the model whose preset sizes (model.default_buckets) data=video_folder's clips are resized to
@@ -59,8 +75,10 @@ def pick_device(spec: str, local_rank: int) -> str:
 
 def run_rank(rank: int, world: int, local_rank: int, args: argparse.Namespace, data, init_method: str | None) -> dict | None:
     """One rank's share; rank 0 also writes meta.json, the null caption and, once every rank
-    is done, manifest.jsonl and report.json. Returns the report on rank 0."""
-    if world > 1:
+    is done, manifest.jsonl and report.json. Returns the report on rank 0. A process group that
+    exists already (a caller's) is used and left as it was."""
+    own_group = world > 1 and not dist.is_initialized()
+    if own_group:
         if args.workers > 1:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
@@ -78,6 +96,8 @@ def run_rank(rank: int, world: int, local_rank: int, args: argparse.Namespace, d
         settings = lc.CacheSettings(vae=vae.path, text_encoder=text.path if text else "",
                                     tokenizer=text.tokenizer_path if text else "", max_text_len=args.max_text_len if text else 0,
                                     dtype=args.dtype, source=source.cache_settings()).as_dict()
+        if shards_mode(args):
+            return encode_shards(rank, world, args, data, source, vae, text, lc.build_meta(vae, text, settings))
         lc.check_or_write_meta(out, lc.build_meta(vae, text, settings), write=rank == 0)
         if rank == 0 and text is not None and not (out / lc.NULL_TEXT).is_file():
             lc.write_null_text(out, text)
@@ -95,8 +115,64 @@ def run_rank(rank: int, world: int, local_rank: int, args: argparse.Namespace, d
             return lc.write_manifest(out, dataset, reports)
         return None
     finally:
-        if world > 1:
+        if own_group:
             dist.destroy_process_group()
+
+
+def shards_mode(args: argparse.Namespace) -> bool:
+    """Latent shards (not a cache folder): asked for, or the output is a URL (a folder cache is local)."""
+    return args.shards or is_remote(args.out)
+
+
+def encode_shards(rank: int, world: int, args: argparse.Namespace, data, source, vae, text, cache_meta: dict) -> dict | None:
+    """This rank's shards of latent shards at args.out (shards k ≡ rank mod world; finished ones
+    skipped); rank 0 merges the index once every rank is done. Returns the report on rank 0."""
+    fs, root = open_url(args.out, storage_options(args.storage_options), key="--out")
+    if rank == 0:
+        prepare_data(data)  # embedded clips / folder index, once
+    if world > 1:
+        dist.barrier()
+    dataset = source.pixel_dataset((1, vae.spatial, vae.spatial), cache_items=0)
+    per = args.samples_per_shard
+    settings = {"kind": "latents", "cache": cache_meta["fingerprint"], "samples_per_shard": per,
+                "sources": digest([e.path for e in dataset.entries])}
+    meta = {"kind": "latents", "settings": settings, "fingerprint": fingerprint(settings), "latent": cache_meta}
+    check_or_write_meta(fs, root, meta, write=rank == 0, where=args.out)
+    if rank == 0 and text is not None:
+        put_bytes(fs, join(root, NULL_TEXT), safetensors_bytes({"text_emb": text.encode("")}, {"caption": ""}))
+
+    def sample(p: int):
+        entry = dataset.entries[p]
+        try:
+            pixels = dataset[p].pixels
+        except VideoReadError as err:
+            return (entry.path, str(err))
+        tensors = {"latents": vae.encode(pixels)}
+        if text is not None:
+            tensors["text_emb"] = text.encode(entry.caption)
+        raw = safetensors_bytes({k: v.contiguous() for k, v in tensors.items()}, {"caption": entry.caption, "source": entry.path})
+        row = {"source": entry.path, "caption": entry.caption, "latent_shape": list(tensors["latents"].shape),
+               "text_len": int(tensors["text_emb"].shape[0]) if text is not None else 0}
+        return latent_sample(p, raw, row)
+
+    total = len(dataset)
+    count = shard_count(total, per)
+    report = write_shards(fs, root, total, per, lambda k: (sample(p) for p in slice_of(k, per, total)),
+                          shards=list(range(rank, count, world)), progress=not args.no_progress,
+                          desc=f"latent shards (rank {rank}/{world})")
+    reports = [report]
+    if world > 1:
+        reports = [None] * world
+        dist.all_gather_object(reports, report)  # also the barrier: every rank has finished
+    if rank != 0:
+        return None
+    index = merge_index(fs, root, count, meta, args.out, [list(s) for s in dataset.skipped])
+    summary = {"samples": index["samples"], "shards": count,
+               "encoded": sum(r["samples_written"] for r in reports), "reused": sum(r["samples_reused"] for r in reports),
+               "unreadable": [u for r in reports for u in r["skipped"]],
+               "skipped_by_source": [list(s) for s in dataset.skipped]}
+    put_bytes(fs, join(root, lc.REPORT), json.dumps(summary, indent=2).encode())
+    return summary
 
 
 def _spawned(rank: int, world: int, args: argparse.Namespace, data, init_method: str) -> None:
@@ -109,10 +185,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def read_report(args: argparse.Namespace) -> dict:
+    """report.json that rank 0 wrote (the spawned workers' results stay in their processes)."""
+    if shards_mode(args):
+        fs, root = open_url(args.out, storage_options(args.storage_options), key="--out")
+        return read_json(fs, join(root, lc.REPORT))
+    return json.loads((Path(args.out).expanduser() / lc.REPORT).read_text())
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = ToolParser(prog="python -m dit_train.tools.cache_latents", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("overrides", nargs="*", help="config overrides choosing the source, e.g. data=video_folder data.root=videos/")
-    ap.add_argument("--out", required=True, help="cache folder (then train with data=latent_cache data.root=<out>)")
+    ap.add_argument("--out", required=True, help="cache folder (then train with data=latent_cache data.root=<out>), "
+                    "or with --shards / a URL (s3://...) the shard set (then data=shards data.url=<out>)")
+    ap.add_argument("--shards", action="store_true", help="write indexed tar shards (implied by a URL --out)")
+    ap.add_argument("--samples-per-shard", type=POSITIVE_INT, default=256, help="clips per shard (with --shards)")
+    ap.add_argument("--storage-options", default="{}", help="JSON: fsspec options of --out's filesystem (with --shards)")
     ap.add_argument("--vae", required=True, help="local diffusers VAE folder (e.g. AutoencoderKLWan), or a pipeline folder")
     ap.add_argument("--text-encoder", default="", help="local transformers encoder folder (T5/UMT5/...), or a pipeline folder")
     ap.add_argument("--tokenizer", default="", help="tokenizer folder (default: the text encoder's)")
@@ -138,16 +226,17 @@ def main(argv: list[str] | None = None) -> int:
                               int(os.environ.get("LOCAL_RANK", 0)), args, data, "env://")
         elif args.workers > 1:
             mp.spawn(_spawned, args=(args.workers, args, data, f"tcp://127.0.0.1:{_free_port()}"), nprocs=args.workers)
-            report = json.loads((Path(args.out).expanduser() / "report.json").read_text())
+            report = read_report(args)
         else:
             report = run_rank(0, 1, 0, args, data, None)
-    except ValueError as err:
+    except (ValueError, RunFailed) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     if report is not None:
         print(f"{report['samples']} clips in {args.out} ({report['encoded']} encoded now, {report['reused']} already there); "
               f"{len(report['unreadable'])} unreadable, {len(report['skipped_by_source'])} skipped by the source "
-              f"(listed in {Path(args.out) / 'report.json'})")
+              f"(listed in {join(args.out.rstrip('/'), lc.REPORT)})"
+              + (f"; train with data=shards data.url={args.out}" if shards_mode(args) else ""))
     return 0
 
 
