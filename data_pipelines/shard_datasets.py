@@ -53,7 +53,7 @@ class ShardEntry(ClipEntry):
 
 def pixel_entries(index: ShardIndex) -> list[ShardEntry]:
     return [ShardEntry(i["source"], i["caption"], VideoInfo(int(i["frames"]), int(i["height"]), int(i["width"]),
-                                                          float(i["fps"])), loc)
+                                                          float(i["fps"])), loc=loc)
             for i, loc in zip(index.infos, index.locations)]
 
 
