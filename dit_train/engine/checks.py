@@ -149,6 +149,7 @@ RANGES: dict[str, Range] = {
     "model.in_channels": Range(1), "model.vocab_size": Range(1),
     "model.ffn_dim": Range(0, note="0 = model.dim x model.mlp_ratio"), "model.freq_dim": Range(1),
     "model.norm_eps": Range(0, low_open=True),
+    "model.boundary_ratio": Range(0, 1, high_open=True, note="0 = no expert boundary (Wan 2.2 A14B: 0.875)"),
     "model.lora.rank": Range(0, note="0 = no adapters"), "model.lora.alpha": Range(0, note="0 = the rank"),
     "model.lora.dropout": Range(0, 1, high_open=True),
     "data.num_workers": Range(0, note="0 = decode in the training thread"),
