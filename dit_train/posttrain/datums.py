@@ -57,6 +57,9 @@ class VideoDatum:
     noise_key: keys the clip's noise, timestep and caption dropout (with train.seed and the
         step). None = the clip's position in this step's stream of datums, so splitting a batch
         into several calls changes nothing.
+    advantages: one float, the clip's advantage (diffusion_nft_loss).
+    ref_loss: one float, the reference model's token-mean flow-matching error on this clip with
+        the same noise (diffusion_dpo_loss; `TrainingSession.clip_losses` of the reference).
     """
 
     pixels: Any = None
@@ -64,6 +67,8 @@ class VideoDatum:
     caption: str = ""
     text_emb: Any = None
     noise_key: int | None = None
+    advantages: float | None = None
+    ref_loss: float | None = None
 
 
 def _fail(i: int, field: str, why: str) -> ValueError:
