@@ -201,6 +201,7 @@ def test_one_process_matches_the_oracle(cfg, data, oracle):
     assert 0 < stats["clip_fraction"] < 1  # the second GRPO step is off-policy: some ratios clip
 
 
+@pytest.mark.slow
 def test_layouts_match_the_oracle_and_roll_out_the_same_clips(cfg, data, oracle):
     """One launch of 4 workers: dp_shard × cp_ring (FSDP2 over dp·cp), DDP × Ulysses, ring ×
     Ulysses; every recipe's weights equal the oracle's; rollouts and the reference's errors are

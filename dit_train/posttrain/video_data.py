@@ -95,6 +95,11 @@ def check_clip_fields(batch: list[Any], required: tuple[str, ...]) -> list[dict[
             elif name in required:
                 raise _fail(i, name, f"is required by this loss (one float per clip)")
         out.append(values)
+    for name in CLIP_FIELDS:  # a field on some clips only would silently change what the loss means
+        has = [name in v for v in out]
+        if any(has) and not all(has):
+            raise _fail(has.index(False), name, f"is missing but datum {has.index(True)} has it: give every datum "
+                                                f"of a call the same fields")
     return out
 
 
@@ -112,8 +117,9 @@ class RLVideoTask(DatumVideoTask):
         batch = super().build(sample_ids, step)
         seg = batch.seg.clamp(min=0)
         kept = batch.sample_ids.tolist()
+        carried = next(iter(self.scalars.values()), {})  # every clip of a call carries the same fields
         for name in CLIP_FIELDS:
-            if kept and name in self.scalars[kept[0]]:
+            if name in carried:  # also on an empty pack (a rank with less work): the loss reads it
                 values = torch.tensor([self.scalars[sid][name] for sid in kept] + [0.0])
                 batch.tokens[name] = values[seg] if seg.numel() else torch.zeros(0)
         return batch
@@ -162,6 +168,7 @@ class TransitionTask(VideoTask):
 
     def __init__(self, items: dict[int, VideoTransition], model_cfg: Any, loss_cfg: Any, seed: int):
         super().__init__(items, model_cfg, loss_cfg, seed, 0.0)
+        self.has_ref = any(tr.ref_mean is not None for tr in items.values())  # also on a rank's empty pack
 
     def sample_lengths(self) -> dict[int, int]:
         return {k: math.prod(s // p for s, p in zip(tr.latents.shape[1:], self.patch)) for k, tr in self.dataset.items()}
@@ -172,7 +179,7 @@ class TransitionTask(VideoTask):
     def build(self, sample_ids: list[int], step: int) -> PackedBatch:
         items = [self.dataset[sid] for sid in sample_ids]
         fields = {"x": [tr.latents for tr in items], "next": [tr.next_latents for tr in items]}
-        if items and items[0].ref_mean is not None:
+        if self.has_ref:
             fields["ref_mean"] = [tr.ref_mean for tr in items]
         samples = {"t": torch.tensor([tr.sigma for tr in items], dtype=torch.float32)}
         if self.text_dim:
@@ -195,6 +202,9 @@ class TransitionTask(VideoTask):
         fields = {"velocity": v, "sigma": t_tok.double()}
         fields |= {name: batch.tokens[name] for name in ("x", "next", "ref_mean", *TRANSITION_SCALARS)
                    if name in batch.tokens}
+        # padding tokens (seg -1: CP's and empty packs') carry std 0: give them 1, so that their
+        # log-probability is finite and their zero weight cannot meet a NaN in the backward
+        fields["std"] = torch.where(batch.seg >= 0, fields["std"], torch.ones_like(fields["std"]))
         return TokenInputs(torch.zeros_like(t_tok), batch.valid, fields)
 
 

@@ -105,6 +105,10 @@ class VideoSessionMixin:
             return call
         needs_ref = bool(getattr(loss_fn, "kl_coef", 0.0))
         items = [check_transition(i, tr, m, t.micro_batch_tokens, self.run_id, needs_ref) for i, tr in enumerate(batch)]
+        has = [it.ref_mean is not None for it in items]
+        if any(has) and not all(has):
+            raise ValueError(f"datum {has.index(False)}: ref_mean is missing but datum {has.index(True)} has it: give "
+                             f"every datum of a call the same fields")
         keys = [self._stream + i for i in range(len(items))]
         task = TransitionTask(dict(zip(keys, items)), m, self.cfg.loss, t.seed)
         seq = {"old": torch.tensor([tr.old_logprob for tr in items], dtype=torch.float64),
