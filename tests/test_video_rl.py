@@ -226,3 +226,63 @@ def test_layouts_match_the_oracle_and_roll_out_the_same_clips(cfg, data, oracle)
             torch.testing.assert_close(a.clip, b.clip, atol=1e-4, rtol=1e-4)
             assert a.log_probs == pytest.approx(b.log_probs, rel=1e-4, abs=1e-4)
         assert results[0][(key, "clip_losses")] == pytest.approx(refs, rel=1e-4)
+
+
+def test_bad_video_data_is_refused_naming_the_datum(cfg, data):
+    """Pairs of different captions, a rollout of another run, a missing advantage, and the
+    video losses in an LM session: one ValueError each, naming the datum; nothing accumulated."""
+    from dataclasses import replace
+
+    from dit_train.posttrain import TrainingSession
+
+    batches = data[0]
+    sess = TrainingSession(cfg)
+    chosen, rejected = batches["dpo"][0][:2]
+    other = replace(rejected, caption="a green square moving up and left on a gray background")
+    with pytest.raises(ValueError, match="datum 1: caption 'a green square.*differs from its chosen clip's"):
+        sess.forward_backward([chosen, other], diffusion_dpo_loss())
+    trs = batches["grpo"][0][:3]
+    with pytest.raises(ValueError, match="datum 2: run is 'deadbeef': this rollout was sampled by another run"):
+        sess.forward_backward([*trs[:2], replace(trs[2], run="deadbeef")], flow_grpo_loss(kl_coef=0.1))
+    with pytest.raises(ValueError, match="datum 1: ref_mean is required by the KL term"):
+        sess.forward_backward([trs[0], replace(trs[1], ref_mean=None)], flow_grpo_loss(kl_coef=0.1))
+    nft = batches["nft"][0]
+    with pytest.raises(ValueError, match="datum 1: advantages is required by this loss"):
+        sess.forward_backward([nft[0], replace(nft[1], advantages=None)], diffusion_nft_loss())
+    with pytest.raises(ValueError, match="datum 0: advantages is nan"):
+        sess.forward_backward([replace(nft[0], advantages=float("nan"))], diffusion_nft_loss())
+    with pytest.raises(TypeError, match="datum 0 is a VideoDatum; flow_grpo_loss takes VideoTransition"):
+        sess.forward_backward(nft[:1], flow_grpo_loss())
+    assert sess.num_loss_tokens == 0
+    lm = TrainingSession(compose_config(["mode=llm", "model.dim=32", "model.depth=2", "model.heads=4"]))
+    with pytest.raises(ValueError, match="diffusion_nft_loss trains a video generator: mode=video only"):
+        lm.forward_backward(nft[:1], diffusion_nft_loss())
+
+
+def nan_reward(clips, captions):
+    return [float("nan")] * len(clips)
+
+
+def short_reward(clips, captions):
+    return [1.0] * (len(clips) - 1)
+
+
+def test_the_recipe_tool_refuses_bad_rewards_in_one_line(cfg, tmp_path, capsys):
+    """video_rl with a reward returning NaN or the wrong count, or a folder that is no run: one
+    `error:` line naming the clip / flag, exit 2, no weights written."""
+    from dit_train.posttrain import TrainingSession
+    from dit_train.tools.video_rl import main
+
+    run = tmp_path / "run"
+    TrainingSession(cfg).export(run)
+    common = [str(run), "--recipe", "nft", "--steps", "1", "--captions", "1", "--group", "2", "--sample-steps", "1",
+              "--eval-every", "0", "--out", str(tmp_path / "out")]
+    for reward, message in (("tests.test_video_rl:nan_reward", "returned nan for clip 0 ('a "),
+                            ("tests.test_video_rl:short_reward", "returned 1 values for 2 clips"),
+                            ("tests.test_video_rl:no_such", "cannot load it")):
+        assert main([*common, "--reward", reward]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: --reward") and message in err[0], err
+    assert main([str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    assert "no config.yaml there" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "weights.safetensors").exists()
