@@ -204,6 +204,18 @@ def check_video_datum(i: int, d: Any, in_channels: int, patch: tuple[int, int, i
     return x, emb
 
 
+@dataclass
+class _Call:
+    """One call's data as the trainer's pieces see it."""
+
+    task: Any
+    keys: list[int]  # sample id of each item, in the caller's order
+    lengths: dict[int, int]  # tokens per sample id
+    offset: int = 0  # sample id of the first datum (datum i has id offset + i)
+    datums: list[Datum] | None = None  # checked LM datums (None: dataset ids or video)
+    seq_inputs: dict[str, torch.Tensor] | None = None  # [S] per-sequence inputs of sequence_terms (video)
+
+
 # -- the in-memory tasks --------------------------------------------------------------------------
 
 

@@ -28,6 +28,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from dit_train.config import to_yaml
 from dit_train.objectives.flow_matching import velocity_from_output
 from dit_train.rng import sample_generator
 from dit_train.sampling.sampler import VideoSampler, predict_velocity
@@ -91,8 +92,6 @@ class VideoRollout:
 def run_id(cfg: Any) -> str:
     """An id of the run a session belongs to: its model, data and seed (not the layout), so a
     rollout of another run — another model or world — is recognised."""
-    from dit_train.config import to_yaml
-
     text = to_yaml(cfg.model) + to_yaml(cfg.data) + f"seed={cfg.train.seed}"
     return f"{zlib.crc32(text.encode()):08x}"
 

@@ -48,8 +48,8 @@ from dit_train.generate import generate_batch
 from dit_train.loss import inverse_sample_tokens, sync_sequence_sums
 from dit_train.models import build_model
 from dit_train.parallel.mesh import ParallelContext
-from dit_train.posttrain.datums import (TOKEN_FIELDS, Datum, DatumLMTask, VideoDatum, check_datums, check_prompts,
-                                        video_task)
+from dit_train.posttrain.datums import (TOKEN_FIELDS, Datum, DatumLMTask, VideoDatum, _Call, check_datums,
+                                        check_prompts, video_task)
 from dit_train.posttrain.losses import LossFn, TokenInputs, sft_loss
 from dit_train.posttrain.video_session import VideoSessionMixin
 
@@ -58,18 +58,6 @@ NORMALIZATIONS = ("num_loss_tokens", "num_sequences", "none")
 
 class DoubleNormalizationError(ValueError):
     """A pre-normalized loss (raw_sum=False) met a normalizing optim_step."""
-
-
-@dataclass
-class _Call:
-    """One call's data as the trainer's pieces see it."""
-
-    task: Any
-    keys: list[int]  # sample id of each item, in the caller's order
-    lengths: dict[int, int]  # tokens per sample id
-    offset: int = 0  # sample id of the first datum (datum i has id offset + i)
-    datums: list[Datum] | None = None  # checked LM datums (None: dataset ids or video)
-    seq_inputs: dict[str, torch.Tensor] | None = None  # [S] per-sequence inputs of sequence_terms (video)
 
 
 def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:

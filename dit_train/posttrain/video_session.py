@@ -16,10 +16,15 @@ import torch
 
 from dit_train.config.errors import ConfigError
 from dit_train.config.schema import cond_active
+from dit_train.loss import inverse_sample_tokens, sync_sequence_sums
+from dit_train.posttrain.datums import _Call
 from dit_train.posttrain.rollouts import SDESampler, VideoRollout, broadcast_from_rank0, run_id
 from dit_train.posttrain.video_data import (CLIP_FIELDS, TransitionTask, VideoTransition, check_transition,
                                             rl_video_task)
+from dit_train.posttrain.video_losses import DiffusionNFTLoss, FlowGRPOLoss, transition_token_logprob
+from dit_train.sampling.prompts import prompt_space
 from dit_train.sampling.sampler import SampleRequest, VideoSampler
+from dit_train.tasks.video import unpatchify
 
 
 class VideoSessionMixin:
@@ -39,8 +44,6 @@ class VideoSessionMixin:
                               f"reward losses and rollouts yet")
 
     def _requests(self, captions: Any, size: tuple[int, int, int], noise_ids: Any) -> list[SampleRequest]:
-        from dit_train.sampling.prompts import prompt_space
-
         if isinstance(captions, str) or not isinstance(captions, (list, tuple)) or not captions:
             raise ValueError("captions must be a non-empty list of strings (repeat a caption for several samples)")
         for i, c in enumerate(captions):
@@ -88,8 +91,6 @@ class VideoSessionMixin:
 
     def _video_call(self, batch: list[Any], loss_fn: Any) -> Any:
         """The _Call of a reward loss's VideoDatums or VideoTransitions (checked, fingerprinted)."""
-        from dit_train.posttrain.session import _Call
-
         self._video_only(f"{loss_fn.name}_loss")
         t, m = self.cfg.train, self.cfg.model
         if loss_fn.video_inputs == "clips":
@@ -133,9 +134,6 @@ class VideoSessionMixin:
         return self._clip_statistic(batch, None, "transitions")
 
     def _clip_statistic(self, batch: list[Any], step: int | None, kind: str) -> list[Any]:
-        from dit_train.loss import inverse_sample_tokens, sync_sequence_sums
-        from dit_train.posttrain.video_losses import DiffusionNFTLoss, FlowGRPOLoss, transition_token_logprob
-        from dit_train.tasks.video import unpatchify
 
         probe = DiffusionNFTLoss() if kind == "clips" else FlowGRPOLoss()
         if kind == "clips":  # scored as they are: the call's advantages play no part here

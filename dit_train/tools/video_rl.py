@@ -36,8 +36,21 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from PIL import Image
 
+from dit_train.compose import load_config
 from dit_train.config.errors import ConfigError
+from dit_train.data_pipelines import prepare_data
+from dit_train.data_pipelines.shapes_metric import score_clip, score_clips
+from dit_train.data_pipelines.synthetic_video import BACKGROUNDS, COLORS, SHAPES
+from dit_train.engine.launch import launch
+from dit_train.models.init import load_full_weights
+from dit_train.posttrain import (TrainingSession, VideoDatum, diffusion_dpo_loss, diffusion_nft_loss, flow_grpo_loss,
+                                 group_advantages, transitions)
+from dit_train.posttrain.rollouts import broadcast_from_rank0
+from dit_train.posttrain.session import apply_overrides
+from dit_train.sampling import frame_grid
+from dit_train.tools.sample import load_weights
 
 HELDOUT = 48
 SIZE = (8, 32, 32)  # frames, height, width of every clip (a size the quickstart trains at)
@@ -45,8 +58,6 @@ SIZE = (8, 32, 32)  # frames, height, width of every clip (a size the quickstart
 
 def world_captions() -> list[str]:
     """Every caption of the shapes world (8 colours × 2 shapes × 4 directions × 4 backgrounds)."""
-    from dit_train.data_pipelines.synthetic_video import BACKGROUNDS, COLORS, SHAPES
-
     return [f"a {c} {s} moving {v} and {h} on a {b} background"
             for c, s, v, h, b in itertools.product(COLORS, SHAPES, ("up", "down"), ("left", "right"), BACKGROUNDS)]
 
@@ -60,8 +71,6 @@ def caption_split(seed: int = 0) -> tuple[list[str], list[str]]:
 
 def shapes_reward(clips: list[torch.Tensor], captions: list[str]) -> list[float]:
     """The default reward: the sum of the exact metric's figures of each clip (0 .. 7)."""
-    from dit_train.data_pipelines.shapes_metric import score_clip
-
     return [float(sum(score_clip(c, p).values())) for c, p in zip(clips, captions)]
 
 
@@ -95,26 +104,18 @@ def checked_rewards(fn: Callable, name: str, clips: list[torch.Tensor], captions
 
 def evaluate(session, captions: list[str], out_dir: Path, step: int) -> dict[str, float]:
     """The held-out figures: one clip per caption, validation's sampler, the exact metric (rank 0 writes)."""
-    from dit_train.data_pipelines.shapes_metric import score_clips
-    from dit_train.sampling import frame_grid
-
     rollouts = session.sample_videos(captions, SIZE, noise_ids=range(10 ** 6, 10 ** 6 + len(captions)))
     clips = [r.clip.clamp(-1, 1) for r in rollouts]
     scores = {k.removeprefix("eval/"): v for k, v in score_clips(clips, captions).items()}
     if session.ctx.is_main:
         grid = frame_grid([((c + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 3, 0).numpy() for c in clips[:16]],
                           captions[:16])
-        from PIL import Image
-
         Image.fromarray(grid).save(out_dir / f"heldout_step_{step:04d}.png")
     return scores
 
 
 def step_batch(recipe: str, session, reference, rollouts, rewards: list[float], group: int, step: int, kl: float):
     """(datums, loss, normalization) of one step's rollouts (None when no datum carries a signal)."""
-    from dit_train.posttrain import (VideoDatum, diffusion_dpo_loss, diffusion_nft_loss, flow_grpo_loss,
-                                     group_advantages, transitions)
-
     adv = group_advantages(rewards, group)
     if recipe == "nft":
         batch = [VideoDatum(pixels=r.clip.clamp(-1, 1), caption=r.caption, noise_key=i, advantages=a)
@@ -140,11 +141,7 @@ def step_batch(recipe: str, session, reference, rollouts, rewards: list[float], 
 
 
 def train(cfg, run: str, recipe: str, steps: int, out: str, reward: str, captions: int, group: int,
-          eval_every: int, sample_steps: int, kl: float) -> None:
-    from dit_train.models.init import load_full_weights
-    from dit_train.posttrain import TrainingSession
-    from dit_train.tools.sample import load_weights
-
+          eval_every: int, sample_steps: int, kl: float, max_minutes: float = 0.0, initial_eval: bool = True) -> None:
     session = TrainingSession(cfg)
     weights, which = load_weights(Path(run), None)
     load_full_weights(session.model, weights)
@@ -175,7 +172,7 @@ def train(cfg, run: str, recipe: str, steps: int, out: str, reward: str, caption
             with log.open("a") as f:
                 f.write(json.dumps(row) + "\n")
 
-    if eval_every:
+    if eval_every and initial_eval:
         record(0, {})
     sde = recipe == "grpo"
     for step in range(steps):
@@ -193,18 +190,19 @@ def train(cfg, run: str, recipe: str, steps: int, out: str, reward: str, caption
                  "grad_norm": round(stats.get("grad_norm", 0.0), 4)}
         say(f"step {step + 1}/{steps}: reward {extra['reward']:.3f}, {len(batch)} datums, "
             f"loss {stats.get('loss', 0.0):.4f}, grad_norm {extra['grad_norm']:.3f}")
-        if eval_every and ((step + 1) % eval_every == 0 or step + 1 == steps):
+        # every rank decides on rank 0's clock (the same decision everywhere: the loop holds collectives)
+        late = broadcast_from_rank0(bool(max_minutes) and time.time() - t0 > 60 * max_minutes, session.ctx.world_group,
+                                    main)
+        if eval_every and ((step + 1) % eval_every == 0 or step + 1 == steps or late):
             record(step + 1, extra)
+        if late:
+            say(f"stopping after step {step + 1}: --max-minutes {max_minutes} reached")
+            break
     session.export(out_dir)
     say(f"wrote {out_dir / 'weights.safetensors'}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dit_train.compose import load_config
-    from dit_train.data_pipelines import prepare_data
-    from dit_train.engine.launch import launch
-    from dit_train.posttrain.session import apply_overrides
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("run", help="a trained run's folder (config.yaml + weights)")
     ap.add_argument("--recipe", choices=("nft", "grpo", "dpo"), default="nft")
@@ -215,9 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group", type=int, default=4, help="clips per caption (the advantage's group)")
     ap.add_argument("--eval-every", type=int, default=5, help="held-out figures every this many steps (0 = never)")
     ap.add_argument("--sample-steps", type=int, default=10, help="sampler steps of the rollouts")
+    ap.add_argument("--max-minutes", type=float, default=0.0, help="stop stepping after this wall time (0 = never)")
+    ap.add_argument("--skip-initial-eval", action="store_true", help="no held-out figures at step 0")
     ap.add_argument("--kl", type=float, default=0.0, help="grpo: KL coefficient to the initial weights")
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. parallel.dp_shard=2 optim.lr=1e-4")
-    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    args = ap.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
     try:
         run = Path(args.run)
         if not (run / "config.yaml").is_file():
@@ -237,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         prepare_data(cfg.data, cfg.model)
         launch(cfg, functools.partial(train, run=str(run), recipe=args.recipe, steps=args.steps, out=args.out,
                                       reward=args.reward, captions=args.captions, group=args.group,
-                                      eval_every=args.eval_every, sample_steps=args.sample_steps, kl=args.kl))
+                                      eval_every=args.eval_every, sample_steps=args.sample_steps, kl=args.kl,
+                                      max_minutes=args.max_minutes, initial_eval=not args.skip_initial_eval))
     except (ConfigError, ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
