@@ -57,6 +57,9 @@ class VideoDatum:
     noise_key: keys the clip's noise, timestep and caption dropout (with train.seed and the
         step). None = the clip's position in this step's stream of datums, so splitting a batch
         into several calls changes nothing.
+    advantages: one float, the clip's advantage (diffusion_nft_loss).
+    ref_loss: one float, the reference model's token-mean flow-matching error on this clip with
+        the same noise (diffusion_dpo_loss; `TrainingSession.clip_losses` of the reference).
     """
 
     pixels: Any = None
@@ -64,6 +67,8 @@ class VideoDatum:
     caption: str = ""
     text_emb: Any = None
     noise_key: int | None = None
+    advantages: float | None = None
+    ref_loss: float | None = None
 
 
 def _fail(i: int, field: str, why: str) -> ValueError:
@@ -197,6 +202,18 @@ def check_video_datum(i: int, d: Any, in_channels: int, patch: tuple[int, int, i
         if emb.dim() != 2 or emb.shape[1] != text_dim:
             raise _fail(i, "text_emb", f"has shape {list(emb.shape)}; expected [Lt, model.text_dim={text_dim}]")
     return x, emb
+
+
+@dataclass
+class _Call:
+    """One call's data as the trainer's pieces see it."""
+
+    task: Any
+    keys: list[int]  # sample id of each item, in the caller's order
+    lengths: dict[int, int]  # tokens per sample id
+    offset: int = 0  # sample id of the first datum (datum i has id offset + i)
+    datums: list[Datum] | None = None  # checked LM datums (None: dataset ids or video)
+    seq_inputs: dict[str, torch.Tensor] | None = None  # [S] per-sequence inputs of sequence_terms (video)
 
 
 # -- the in-memory tasks --------------------------------------------------------------------------

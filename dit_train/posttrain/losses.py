@@ -116,6 +116,7 @@ class LossFn:
     needs_logprobs: ClassVar[bool] = False  # a log-prob loss: mode=llm only
     group_size: ClassVar[int] = 1  # datums per example: num_sequences counts examples
     sequence_level: ClassVar[bool] = False  # needs the per-sequence statistics (sequence_terms)
+    video_inputs: ClassVar[str] = ""  # mode=video reward losses: "clips" (VideoDatum) or "transitions"
 
     def __post_init__(self):
         if self.agg not in AGGREGATIONS:
@@ -150,6 +151,11 @@ class LossFn:
     def token_loss(self, x: TokenInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """([L] per-token loss, {name: [L] per-token statistic, reported as weighted means})."""
         raise NotImplementedError
+
+    def statistic(self, x: TokenInputs) -> torch.Tensor:
+        """Sequence-level losses: [L] each token's part of its sequence's statistic π_b (summed
+        with the aggregation weights: π_b = Σ_t a_t·statistic_t; DPO: log p_t)."""
+        return -x.nll
 
 
 @dataclass(frozen=True)
@@ -237,7 +243,7 @@ class DPOLoss(LossFn):
     def token_loss(self, x: TokenInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         # gradient c_b·w_t·∇log p_t: exactly DPO's, since d loss/d log p_t = c_b·w_t (the value
         # of this surrogate is not the loss; the session reports sequence_terms' loss instead)
-        return x.coef * -x.nll, {}
+        return x.coef * self.statistic(x), {}
 
 
 def sft_loss(raw_sum: bool = True, agg: str = "token", horizon: int = 0) -> SFTLoss:

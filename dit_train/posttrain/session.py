@@ -45,29 +45,19 @@ from dit_train.engine.build import build_run
 from dit_train.engine.checks import check_config
 from dit_train.engine.launch import external_world_size
 from dit_train.generate import generate_batch
-from dit_train.loss import sync_sequence_sums
+from dit_train.loss import inverse_sample_tokens, sync_sequence_sums
 from dit_train.models import build_model
 from dit_train.parallel.mesh import ParallelContext
-from dit_train.posttrain.datums import (TOKEN_FIELDS, Datum, DatumLMTask, VideoDatum, check_datums, check_prompts,
-                                        video_task)
+from dit_train.posttrain.datums import (TOKEN_FIELDS, Datum, DatumLMTask, VideoDatum, _Call, check_datums,
+                                        check_prompts, video_task)
 from dit_train.posttrain.losses import LossFn, TokenInputs, sft_loss
+from dit_train.posttrain.video_session import VideoSessionMixin
 
 NORMALIZATIONS = ("num_loss_tokens", "num_sequences", "none")
 
 
 class DoubleNormalizationError(ValueError):
     """A pre-normalized loss (raw_sum=False) met a normalizing optim_step."""
-
-
-@dataclass
-class _Call:
-    """One call's data as the trainer's pieces see it."""
-
-    task: Any
-    keys: list[int]  # sample id of each item, in the caller's order
-    lengths: dict[int, int]  # tokens per sample id
-    offset: int = 0  # sample id of the first datum (datum i has id offset + i)
-    datums: list[Datum] | None = None  # checked LM datums (None: dataset ids or video)
 
 
 def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Config:
@@ -80,7 +70,7 @@ def apply_overrides(cfg: Config, overrides: list[str] | tuple[str, ...]) -> Conf
     return OmegaConf.to_object(node)
 
 
-class TrainingSession:
+class TrainingSession(VideoSessionMixin):
     """A model, its optimizer and a parallel layout, driven call by call (see the module doc).
 
     cfg: a typed Config (`dit_train.compose.compose`, or `from_overrides`). The process group is
@@ -137,6 +127,10 @@ class TrainingSession:
                                  f"not dataset ids")
             return _Call(self.task, list(batch), self._lengths)
         mode = self.cfg.mode
+        if loss_fn is not None and loss_fn.video_inputs:
+            if mode != "video":
+                raise ValueError(f"{name} trains a video generator: mode=video only (this session is mode={mode})")
+            return self._video_call(batch, loss_fn)
         if mode == "video":
             if loss_fn is None or loss_fn.needs_logprobs:
                 raise ValueError(f"{name} needs token log-probs: mode=llm only (this session is mode=video)")
@@ -178,7 +172,9 @@ class TrainingSession:
         seg, sid = mb.batch.seg, mb.batch.sample_ids
         if sid.numel() == 0:
             return torch.full_like(seg, -1)
-        return torch.where(seg >= 0, sid[seg.clamp(min=0)] - call.offset, torch.full_like(seg, -1))
+        position = {key: i for i, key in enumerate(call.keys)}  # video keys are noise keys, in any order
+        index = torch.tensor([position[int(k)] for k in sid.tolist()], dtype=torch.long, device=seg.device)
+        return torch.where(seg >= 0, index[seg.clamp(min=0)], torch.full_like(seg, -1))
 
     # -- the API ------------------------------------------------------------------------------------
 
@@ -199,16 +195,16 @@ class TrainingSession:
         counts = tr.sync_counts(micro)
         coef, examples_loss = None, None
         if loss_fn.sequence_level:
-            coef, examples_loss = self._sequence_terms(call, micro, loss_fn, counts.num_samples)
+            coef, examples_loss = self._sequence_terms(call, micro, loss_fn, counts)
         call_loss = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
         for k, mb in enumerate(micro):
             b = mb.batch
             w = b.tokens.get("weights", b.valid.float())
             with tr.gradient_sync(False), tr.autocast():  # reduced once, at optim_step
-                nll = tr.per_token_loss(mb, call.task).float()
-                idx = self._call_index(mb, call) if coef is not None else None
-                x = TokenInputs(nll, b.valid, {f: b.tokens[f] for f in TOKEN_FIELDS[1:] if f in b.tokens},
-                                coef[idx.clamp(min=0)] * (idx >= 0) if coef is not None else None)
+                x = self._token_inputs(mb, call)
+                if coef is not None:
+                    idx = self._call_index(mb, call)
+                    x.coef = coef[idx.clamp(min=0)] * (idx >= 0)
                 per_token, stats = loss_fn.token_loss(x)
                 loss = (per_token.float() * loss_fn.aggregation_weights(w, b.seg, b.valid, counts, k)).sum()
                 loss.backward()
@@ -228,24 +224,38 @@ class TrainingSession:
             self._loss_sum += examples_loss
         return {"num_loss_tokens": counts.num_tokens, "num_sequences": examples}
 
-    def _sequence_terms(self, call: _Call, micro: list, loss_fn: LossFn, num_samples: int
+    def _token_inputs(self, mb: Any, call: _Call) -> TokenInputs:
+        """What the loss sees of micro-batch `mb` (inside autocast): the task's per-token loss and
+        the caller's per-token fields, or a reward task's own inputs (velocity, target, ...)."""
+        b = mb.batch
+        if hasattr(call.task, "token_inputs"):
+            return call.task.token_inputs(self.model, b, mb.attn)
+        nll = self._trainer.per_token_loss(mb, call.task).float()
+        return TokenInputs(nll, b.valid, {f: b.tokens[f] for f in TOKEN_FIELDS[1:] if f in b.tokens})
+
+    def _sequence_terms(self, call: _Call, micro: list, loss_fn: LossFn, counts: Any
                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """The statistics pass of a sequence-level loss: a no-grad forward gives this rank's
-        parts of Σ_t w_t·log p_t of every datum, the statistics sync sums them over all ranks
+        parts of every datum's statistic π_b = Σ_t w_t·statistic_t (w_t: the caller's weights;
+        video: 1/T_b, the clip's token mean), the statistics sync sums them over all ranks
         (a CP-split sequence's parts live on several ranks; a pair's sequences may live on
         different DP ranks), and the loss turns the full sums into constant per-sequence
         coefficients. Returns (coef [S] on the device, the call's reported loss)."""
         tr, dev = self._trainer, self.ctx.device
         policy = torch.zeros(len(call.keys), dtype=torch.float64, device=dev)
         with torch.no_grad(), tr.autocast():
-            for mb in micro:
-                keep = mb.batch.valid
-                nll = tr.per_token_loss(mb, call.task)
-                part = mb.batch.tokens["weights"][keep].double() * -nll[keep].double()
+            for k, mb in enumerate(micro):
+                b = mb.batch
+                w = b.tokens["weights"] if "weights" in b.tokens else inverse_sample_tokens(b.seg, b.valid, counts, k)
+                keep = b.valid
+                part = w[keep].double() * loss_fn.statistic(self._token_inputs(mb, call))[keep].double()
                 policy.index_add_(0, self._call_index(mb, call)[keep], part)
         sync_sequence_sums(policy, self.ctx.world_group)
-        reference = torch.stack([(d.weights[1:].double() * d.ref_logprobs[1:].double()).sum() for d in call.datums])
-        coef, losses, stats = loss_fn.sequence_terms(policy.cpu(), reference)
+        inputs = call.seq_inputs
+        if inputs is None:
+            inputs = {"reference": torch.stack([(d.weights[1:].double() * d.ref_logprobs[1:].double()).sum()
+                                                for d in call.datums])}
+        coef, losses, stats = loss_fn.sequence_terms(policy.cpu(), **inputs)
         for name, values in stats.items():  # global values: counted on rank 0 only
             if self.ctx.rank == 0:
                 self._add_stat(name, values.sum(), float(values.numel()))
@@ -253,7 +263,7 @@ class TrainingSession:
                 self._add_stat(name, 0.0, 0.0)
         total = losses.sum()
         if not loss_fn.raw_sum:
-            total = total / max(1, num_samples // loss_fn.group_size)
+            total = total / max(1, counts.num_samples // loss_fn.group_size)
         return coef.to(device=dev, dtype=torch.float32), total.to(dev)
 
     def _add_stat(self, name: str, value: Any, weight: Any) -> None:

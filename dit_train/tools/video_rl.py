@@ -1,0 +1,249 @@
+"""Post-train a trained video run with rewards: DiffusionNFT, Flow-GRPO or Diffusion-DPO through
+the session API (docs/video-rl.md).
+
+    python -m dit_train.tools.video_rl RUN --recipe nft --steps 40 --out DIR
+    python -m dit_train.tools.video_rl RUN --recipe grpo --steps 20 --out DIR parallel.dp_shard=2
+    python -m dit_train.tools.video_rl RUN --recipe dpo --reward my_rewards:score --out DIR
+
+RUN: a training run's folder (config.yaml and weights: the EMA weights when it has them, which
+are what its validation scored). Each step samples --captions captions × --group clips from the
+reward captions (every caption of the shapes world but the 48 held-out ones), scores them with the
+reward, and takes one optimizer step on them:
+  nft:  validation's ODE sampler (with guidance); group-normalized advantages; diffusion_nft_loss,
+        normalized by num_loss_tokens;
+  grpo: Flow-GRPO's SDE sampler without guidance; the transitions of every clip; flow_grpo_loss
+        (+ KL to the initial weights with --kl), normalized by num_sequences (transitions);
+  dpo:  the best and the worst clip of each group as (chosen, rejected) when their rewards
+        differ; the initial weights' errors as the reference; normalized by num_sequences (pairs).
+The reward: the exact shapes metric, a smooth sum of its per-clip figures (palette_share +
+background_ok + color_ok + shape_ok + single_shape + motion_ok + all_ok), or --reward
+module:function taking (clips [3, F, H, W] in [-1, 1], captions) and returning one finite float
+per clip. Every --eval-every steps (and at 0 and the end) the 48 held-out captions are sampled
+like validation samples and scored: DIR/heldout.jsonl, DIR/heldout_step_XXXX.png.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import itertools
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from PIL import Image
+
+from dit_train.compose import load_config
+from dit_train.config.errors import ConfigError
+from dit_train.data_pipelines import prepare_data
+from dit_train.data_pipelines.shapes_metric import score_clip, score_clips
+from dit_train.data_pipelines.synthetic_video import BACKGROUNDS, COLORS, SHAPES
+from dit_train.engine.launch import launch
+from dit_train.models.init import load_full_weights
+from dit_train.posttrain import (TrainingSession, VideoDatum, diffusion_dpo_loss, diffusion_nft_loss, flow_grpo_loss,
+                                 group_advantages, transitions)
+from dit_train.posttrain.rollouts import broadcast_from_rank0
+from dit_train.posttrain.session import apply_overrides
+from dit_train.sampling import frame_grid
+from dit_train.tools.sample import load_weights
+
+HELDOUT = 48
+SIZE = (8, 32, 32)  # frames, height, width of every clip (a size the quickstart trains at)
+
+
+def world_captions() -> list[str]:
+    """Every caption of the shapes world (8 colours × 2 shapes × 4 directions × 4 backgrounds)."""
+    return [f"a {c} {s} moving {v} and {h} on a {b} background"
+            for c, s, v, h, b in itertools.product(COLORS, SHAPES, ("up", "down"), ("left", "right"), BACKGROUNDS)]
+
+
+def caption_split(seed: int = 0) -> tuple[list[str], list[str]]:
+    """(reward captions, 48 held-out captions): a fixed shuffle of the world's captions."""
+    caps = world_captions()
+    random.Random(seed).shuffle(caps)
+    return caps[HELDOUT:], caps[:HELDOUT]
+
+
+def shapes_reward(clips: list[torch.Tensor], captions: list[str]) -> list[float]:
+    """The default reward: the sum of the exact metric's figures of each clip (0 .. 7)."""
+    return [float(sum(score_clip(c, p).values())) for c, p in zip(clips, captions)]
+
+
+def load_reward(spec: str) -> Callable:
+    if ":" not in spec:
+        raise ConfigError(f"--reward {spec}: expected module:function (e.g. my_rewards:score)")
+    module, name = spec.split(":", 1)
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(f"--reward {spec}: cannot load it ({err})") from None
+    if not callable(fn):
+        raise ConfigError(f"--reward {spec}: {name} is not callable")
+    return fn
+
+
+def checked_rewards(fn: Callable, name: str, clips: list[torch.Tensor], captions: list[str]) -> list[float]:
+    """fn(clips, captions) as floats; ValueError naming the clip for a wrong count or a non-finite value."""
+    out = fn(clips, captions)
+    try:
+        values = [float(v) for v in out]
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"--reward {name} returned {type(out).__name__} ({err}); expected one float per clip") from None
+    if len(values) != len(clips):
+        raise ValueError(f"--reward {name} returned {len(values)} values for {len(clips)} clips: expected one per clip")
+    for i, v in enumerate(values):
+        if not math.isfinite(v):
+            raise ValueError(f"--reward {name} returned {v} for clip {i} ({captions[i]!r}): rewards must be finite")
+    return values
+
+
+def evaluate(session, captions: list[str], out_dir: Path, step: int) -> dict[str, float]:
+    """The held-out figures: one clip per caption, validation's sampler, the exact metric (rank 0 writes)."""
+    rollouts = session.sample_videos(captions, SIZE, noise_ids=range(10 ** 6, 10 ** 6 + len(captions)))
+    clips = [r.clip.clamp(-1, 1) for r in rollouts]
+    scores = {k.removeprefix("eval/"): v for k, v in score_clips(clips, captions).items()}
+    if session.ctx.is_main:
+        grid = frame_grid([((c + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 3, 0).numpy() for c in clips[:16]],
+                          captions[:16])
+        Image.fromarray(grid).save(out_dir / f"heldout_step_{step:04d}.png")
+    return scores
+
+
+def step_batch(recipe: str, session, reference, rollouts, rewards: list[float], group: int, step: int, kl: float):
+    """(datums, loss, normalization) of one step's rollouts (None when no datum carries a signal)."""
+    adv = group_advantages(rewards, group)
+    if recipe == "nft":
+        batch = [VideoDatum(pixels=r.clip.clamp(-1, 1), caption=r.caption, noise_key=i, advantages=a)
+                 for i, (r, a) in enumerate(zip(rollouts, adv)) if a != 0]
+        return batch, diffusion_nft_loss(), "num_loss_tokens"
+    if recipe == "grpo":
+        batch = [t for r, a in zip(rollouts, adv) if a != 0 for t in transitions(r, a)]
+        if kl and batch:
+            for t, mean in zip(batch, reference.transition_means(batch)):
+                t.ref_mean = mean
+        return batch, flow_grpo_loss(kl_coef=kl), "num_sequences"
+    pairs = []
+    for g in range(0, len(rollouts), group):
+        rs = rewards[g:g + group]
+        best, worst = max(range(group), key=rs.__getitem__), min(range(group), key=rs.__getitem__)
+        if rs[best] > rs[worst]:
+            pairs += [rollouts[g + best], rollouts[g + worst]]
+    batch = [VideoDatum(pixels=r.clip.clamp(-1, 1), caption=r.caption, noise_key=i) for i, r in enumerate(pairs)]
+    if batch:
+        for d, ref in zip(batch, reference.clip_losses(batch, step=session.step_count)):
+            d.ref_loss = ref
+    return batch, diffusion_dpo_loss(), "num_sequences"
+
+
+def train(cfg, run: str, recipe: str, steps: int, out: str, reward: str, captions: int, group: int,
+          eval_every: int, sample_steps: int, kl: float, max_minutes: float = 0.0, initial_eval: bool = True) -> None:
+    session = TrainingSession(cfg)
+    weights, which = load_weights(Path(run), None)
+    load_full_weights(session.model, weights)
+    reference = None
+    if recipe == "dpo" or kl:
+        reference = TrainingSession(cfg, ctx=session.ctx)  # the initial weights, frozen
+        load_full_weights(reference.model, weights)
+    main = session.ctx.is_main
+    say = (lambda s: print(s, flush=True)) if main else (lambda s: None)
+    fn, name = (load_reward(reward), reward) if reward else (shapes_reward, "shapes")
+    pool, heldout = caption_split()
+    out_dir = Path(out)
+    if main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    log = out_dir / "heldout.jsonl"
+    say(f"{recipe}: from {run} ({which}); {captions} captions x {group} clips a step, reward {name}")
+    rng = random.Random(0)  # the same on every rank
+    t0, cpu0 = time.time(), time.process_time()
+
+    def record(step: int, extra: dict) -> None:
+        scores = evaluate(session, heldout, out_dir, step)
+        row = {"step": step, "wall_s": round(time.time() - t0, 1), "cpu_s_rank0": round(time.process_time() - cpu0, 1),
+               **{k: round(v, 4) for k, v in scores.items()}, **extra}
+        say(f"step {step}: held-out all_ok={scores['all_ok']:.3f} color_ok={scores['color_ok']:.3f} "
+            f"shape_ok={scores['shape_ok']:.3f} motion_ok={scores.get('motion_ok', float('nan')):.3f} "
+            f"background_ok={scores['background_ok']:.3f} ({row['wall_s']} s)")
+        if main:
+            with log.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+
+    if eval_every and initial_eval:
+        record(0, {})
+    sde = recipe == "grpo"
+    for step in range(steps):
+        caps = [c for c in rng.sample(pool, captions) for _ in range(group)]
+        ids = [step * 10 ** 4 + i for i in range(len(caps))]
+        rollouts = session.sample_videos(caps, SIZE, noise_ids=ids, steps=sample_steps, sde=sde,
+                                         guidance_scale=1.0 if sde else None)
+        rewards = checked_rewards(fn, name, [r.clip.clamp(-1, 1) for r in rollouts], caps)
+        batch, loss, norm = step_batch(recipe, session, reference, rollouts, rewards, group, step, kl)
+        stats = {}
+        if batch:
+            session.forward_backward(batch, loss)
+            stats = session.optim_step(norm)
+        extra = {"reward": round(sum(rewards) / len(rewards), 4), "datums": len(batch),
+                 "grad_norm": round(stats.get("grad_norm", 0.0), 4)}
+        say(f"step {step + 1}/{steps}: reward {extra['reward']:.3f}, {len(batch)} datums, "
+            f"loss {stats.get('loss', 0.0):.4f}, grad_norm {extra['grad_norm']:.3f}")
+        # every rank decides on rank 0's clock (the same decision everywhere: the loop holds collectives)
+        late = broadcast_from_rank0(bool(max_minutes) and time.time() - t0 > 60 * max_minutes, session.ctx.world_group,
+                                    main)
+        if eval_every and ((step + 1) % eval_every == 0 or step + 1 == steps or late):
+            record(step + 1, extra)
+        if late:
+            say(f"stopping after step {step + 1}: --max-minutes {max_minutes} reached")
+            break
+    session.export(out_dir)
+    say(f"wrote {out_dir / 'weights.safetensors'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("run", help="a trained run's folder (config.yaml + weights)")
+    ap.add_argument("--recipe", choices=("nft", "grpo", "dpo"), default="nft")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--out", required=True, help="write weights.safetensors, heldout.jsonl and grids here")
+    ap.add_argument("--reward", default="", help="module:function (clips, captions) -> floats; default: the shapes metric")
+    ap.add_argument("--captions", type=int, default=4, help="captions per step")
+    ap.add_argument("--group", type=int, default=4, help="clips per caption (the advantage's group)")
+    ap.add_argument("--eval-every", type=int, default=5, help="held-out figures every this many steps (0 = never)")
+    ap.add_argument("--sample-steps", type=int, default=10, help="sampler steps of the rollouts")
+    ap.add_argument("--max-minutes", type=float, default=0.0, help="stop stepping after this wall time (0 = never)")
+    ap.add_argument("--skip-initial-eval", action="store_true", help="no held-out figures at step 0")
+    ap.add_argument("--kl", type=float, default=0.0, help="grpo: KL coefficient to the initial weights")
+    ap.add_argument("overrides", nargs="*", help="config overrides, e.g. parallel.dp_shard=2 optim.lr=1e-4")
+    args = ap.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
+    try:
+        run = Path(args.run)
+        if not (run / "config.yaml").is_file():
+            raise ConfigError(f"{run}: no config.yaml there (expected a training run's folder)")
+        for flag, value in (("--steps", args.steps), ("--captions", args.captions), ("--sample-steps", args.sample_steps)):
+            if value < 1:
+                raise ConfigError(f"{flag}={value} must be >= 1")
+        if args.group < 2:
+            raise ConfigError(f"--group={args.group} must be >= 2 (advantages compare the clips of a caption)")
+        if args.reward:
+            load_reward(args.reward)  # refused before anything is built
+        base = ["train.ema_decay=0", "train.progress=false", "optim.lr=1e-4", "optim.warmup_steps=0",
+                f"train.steps={args.steps}", "optim.schedule=constant"]
+        cfg = apply_overrides(load_config(run / "config.yaml"), [*base, *args.overrides])
+        if cfg.mode != "video":
+            raise ConfigError(f"{run}: a mode={cfg.mode} run; video_rl post-trains video generators")
+        prepare_data(cfg.data, cfg.model)
+        launch(cfg, functools.partial(train, run=str(run), recipe=args.recipe, steps=args.steps, out=args.out,
+                                      reward=args.reward, captions=args.captions, group=args.group,
+                                      eval_every=args.eval_every, sample_steps=args.sample_steps, kl=args.kl,
+                                      max_minutes=args.max_minutes, initial_eval=not args.skip_initial_eval))
+    except (ConfigError, ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,288 @@
+"""Video reward losses through the session (docs/video-rl.md): DiffusionNFT, Flow-GRPO and
+Diffusion-DPO over several optimizer steps of uneven calls equal an independent one-process
+computation — a plain model, one forward per clip (its noise drawn by hand), the loss written
+out as the paper's formula, SGD by hand — on one process and on dp × cp layouts; rollouts are
+the same on every rank and layout; bad data is refused by name."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dit_train.engine.layout_equivalence import apply_layout, relative_difference
+from dit_train.posttrain import (VideoDatum, diffusion_dpo_loss, diffusion_nft_loss, flow_grpo_loss,
+                                 group_advantages, transitions)
+from tests.conftest import TINY, compose_config
+from tests.test_posttrain import plain_model
+
+TOL = 1e-4  # weights: max |Δ| relative to the largest update (see layout_equivalence)
+EXTRA = ["train.sample_steps=3", "optim.lr=0.05"]
+CAPTIONS = ["a red circle moving up and left on a navy background",
+            "a blue square moving down and right on a black background"]
+SIZES = [(4, 32, 32), (2, 48, 32)]  # uneven clips: 32 and 24 tokens at 2x8x8 patches
+# (recipe, per-step call boundaries): several steps, calls of uneven sizes
+PLAN = {"nft": [[1, 3], []], "dpo": [[2], [4]], "grpo": [[3, 4], [5]]}
+LOSSES = {"nft": (diffusion_nft_loss(beta=0.7, adv_clip=1.5), "num_loss_tokens"),
+          "dpo": (diffusion_dpo_loss(beta=50.0), "num_sequences"),
+          "grpo": (flow_grpo_loss(clip_range=0.02, kl_coef=0.3), "num_sequences")}
+
+
+# -- the one-process oracle ---------------------------------------------------------------------------
+
+
+def clip_velocity(cfg, model, x, t, caption):
+    """(v [T, D], x_t tokens [T, D]) of one clip alone: the model's velocity at noise level t."""
+    from dit_train.kernels import VarlenLayout
+    from dit_train.objectives.flow_matching import velocity_from_output
+    from dit_train.tasks.captions import ByteCaptionEncoder
+    from dit_train.tasks.video import patchify
+
+    m = cfg.model
+    tokens, grid = patchify(x, tuple(m.patch_size))
+    T = tokens.shape[0]
+    seg = torch.zeros(T, dtype=torch.long)
+    emb = ByteCaptionEncoder(m.text_dim, m.text_len, words=m.caption_words)(caption)
+    out = model(tokens, grid, seg, torch.tensor([t]), VarlenLayout.build(seg, torch.arange(T), False),
+                context=emb[None], context_len=torch.tensor([emb.shape[0]])).float()
+    return velocity_from_output(out, tokens, t, m.prediction, m.x0_min_t), tokens
+
+
+def clip_error(cfg, model, d, step):
+    """Per-token velocity error of a VideoDatum at `step`: (v, u) with its noise drawn by hand."""
+    from dit_train.objectives.flow_matching import noisy_sample, sample_shift
+    from dit_train.tasks.video import num_patches, patchify
+
+    lc, patch = cfg.loss, tuple(cfg.model.patch_size)
+    shift = sample_shift(lc.timestep_shift, lc.shift_reference_tokens, num_patches(d.pixels.shape, patch))
+    xt, u, t = noisy_sample(d.pixels, cfg.train.seed, d.noise_key, step, lc, shift)
+    v, _ = clip_velocity(cfg, model, xt, t, d.caption)
+    return v, patchify(u, patch)[0]
+
+
+def oracle_loss(cfg, recipe, model, batch, step):
+    if recipe == "nft":  # token mean of r·|v⁺ − u|² + (1 − r)·|v⁻ − u|²
+        beta, total, n = 0.7, 0.0, 0
+        for d in batch:
+            v, u = clip_error(cfg, model, d, step)
+            r = 0.5 + 0.5 * max(-1.0, min(1.0, d.advantages / 1.5))
+            old = v.detach()
+            pos, neg = (1 - beta) * old + beta * v, (1 + beta) * old - beta * v
+            total = total + (r * (pos - u).pow(2).mean(-1) + (1 - r) * (neg - u).pow(2).mean(-1)).sum()
+            n += v.shape[0]
+        return total / n
+    if recipe == "dpo":  # −log σ(−β·((m_c − ref_c) − (m_r − ref_r))), mean over pairs
+        errs = [(lambda vu: (vu[0] - vu[1]).pow(2).mean())(clip_error(cfg, model, d, step)) for d in batch]
+        losses = [-F.logsigmoid(-50.0 * ((errs[k] - batch[k].ref_loss) - (errs[k + 1] - batch[k + 1].ref_loss)))
+                  for k in range(0, len(batch), 2)]
+        return sum(losses) / len(losses)
+    assert recipe == "grpo"  # per transition: clipped ratio of its mean log-prob + KL; mean
+    from dit_train.tasks.video import patchify
+
+    total = 0.0
+    for tr in batch:
+        v, x = clip_velocity(cfg, model, tr.latents, tr.sigma, tr.caption)
+        x, v = x.double(), v.double()
+        dt = tr.sigma_next - tr.sigma
+        mean = x * (1 + tr.s ** 2 * dt / (2 * tr.sigma)) + v * (1 + tr.s ** 2 * (1 - tr.sigma) / (2 * tr.sigma)) * dt
+        nxt = patchify(tr.next_latents, tuple(cfg.model.patch_size))[0].double()
+        logp = (-(nxt - mean) ** 2 / (2 * tr.std ** 2) - torch.log(torch.tensor(tr.std, dtype=torch.float64))
+                - 0.5 * torch.log(torch.tensor(2 * torch.pi, dtype=torch.float64))).mean()
+        ratio = torch.exp(logp - tr.old_logprob)
+        a = tr.advantages
+        pg = torch.maximum(-a * ratio, -a * ratio.clamp(0.98, 1.02))
+        ref = patchify(tr.ref_mean, tuple(cfg.model.patch_size))[0].double()
+        total = total + pg + 0.3 * ((mean - ref) ** 2).mean() / (2 * tr.std ** 2)
+    return total / len(batch)
+
+
+# -- the data: rollouts of the initial model ------------------------------------------------------------
+
+
+def make_batches(cfg):
+    """nft: 5 clips (two captions, uneven sizes) with group advantages; dpo: 3 pairs with the
+    reference's errors; grpo: the transitions of 3 SDE rollouts with the reference's means."""
+    from dit_train.posttrain import TrainingSession
+
+    sess = TrainingSession(cfg)
+    caps = [CAPTIONS[0]] * 3 + [CAPTIONS[1]] * 2
+    clips = [r.clip.clamp(-1, 1) for r in sess.sample_videos(caps[:3], SIZES[0], noise_ids=[0, 1, 2])]
+    clips += [r.clip.clamp(-1, 1) for r in sess.sample_videos(caps[3:], SIZES[1], noise_ids=[3, 4])]
+    adv = [1.2, -0.3, -0.9, 2.0, -2.0]
+    nft = [VideoDatum(pixels=c, caption=p, noise_key=10 + i, advantages=a) for i, (c, p, a) in enumerate(zip(clips, caps, adv))]
+    pairs = [VideoDatum(pixels=c, caption=p, noise_key=20 + i) for i, (c, p) in enumerate(zip(clips[:4], caps[:2] + caps[3:]))]
+    pairs += [VideoDatum(pixels=clips[2], caption=caps[2], noise_key=30), VideoDatum(pixels=clips[0], caption=caps[0], noise_key=31)]
+    dpo, refs = [], []
+    for step in range(len(PLAN["dpo"])):  # the reference (initial weights) at each step's noise, shifted
+        refs.append(sess.clip_losses(pairs, step=step))  # apart so that the margins are not 0
+        dpo.append([VideoDatum(pixels=d.pixels, caption=d.caption, noise_key=d.noise_key, ref_loss=r + 0.002 * k)
+                    for k, (d, r) in enumerate(zip(pairs, refs[-1]))])
+    rollouts = sess.sample_videos(caps[:3], SIZES[0], noise_ids=[5, 6, 7], sde=True, guidance_scale=1.0)
+    grpo = [t for r, a in zip(rollouts, group_advantages([0.2, 0.9, 0.4], 3)) for t in transitions(r, a)]
+    g = torch.Generator().manual_seed(3)
+    for t, mean in zip(grpo, sess.transition_means(grpo)):
+        t.ref_mean = mean + 0.01 * torch.randn(mean.shape, generator=g)  # a reference apart from the policy
+    return {"nft": [nft] * 2, "dpo": dpo, "grpo": [grpo] * 2}, rollouts, refs[0]
+
+
+def session_steps(cfg, ctx, recipe, batches):
+    """The plan's optim steps of `recipe`, each over uneven calls; returns (weights, last stats)."""
+    from dit_train.posttrain import TrainingSession
+
+    sess = TrainingSession(cfg, ctx=ctx)
+    init = sess.state_dict()
+    loss, norm = LOSSES[recipe]
+    for splits, batch in zip(PLAN[recipe], batches[recipe]):
+        bounds = [0, *splits, len(batch)]
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            sess.forward_backward(batch[a:b], loss)
+        stats = sess.optim_step(norm)
+    final = sess.state_dict()
+    return ({f"__init__/{k}": v for k, v in init.items()} | final if sess.ctx.is_main else {}), stats
+
+
+def _worker(cfg, layouts, batches):
+    from dit_train.parallel.mesh import init_parallel
+    from dit_train.posttrain import TrainingSession
+
+    out = {}
+    for key, layout in layouts.items():
+        c = apply_layout(cfg, layout)
+        ctx = init_parallel(c.parallel)
+        for recipe in PLAN:
+            out[(key, recipe)] = session_steps(c, ctx, recipe, batches)
+        sess = TrainingSession(c, ctx=ctx)
+        out[(key, "rollouts")] = sess.sample_videos(CAPTIONS[:1] * 3, SIZES[0], noise_ids=[5, 6, 7], sde=True,
+                                                    guidance_scale=1.0)
+        out[(key, "clip_losses")] = sess.clip_losses(batches["dpo"][0], step=0)
+    return out
+
+
+# -- tests ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cfg(tiny_cfg):
+    return apply_layout(compose_config([*TINY, *EXTRA], cache_dir=tiny_cfg.data.cache_dir), {})
+
+
+@pytest.fixture(scope="module")
+def data(cfg):
+    return make_batches(cfg)
+
+
+@pytest.fixture(scope="module")
+def oracle(cfg, data):
+    batches = data[0]
+    return {recipe: oracle_weights_per_step(cfg, recipe, batches[recipe]) for recipe in PLAN}
+
+
+def oracle_weights_per_step(cfg, recipe, steps_batches):
+    """oracle_weights with each step's own batch (DPO's references differ per step)."""
+    model = plain_model(cfg)
+    init = {f"__init__/{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    for step, batch in enumerate(steps_batches):
+        model.zero_grad()
+        oracle_loss(cfg, recipe, model, batch, step).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= cfg.optim.lr * p.grad
+    return init | {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_one_process_matches_the_oracle(cfg, data, oracle):
+    from dit_train.parallel.mesh import init_parallel
+
+    batches = data[0]
+    ctx = init_parallel(cfg.parallel)
+    for recipe in PLAN:
+        weights, stats = session_steps(cfg, ctx, recipe, batches)
+        rel = relative_difference(oracle[recipe], weights)
+        assert rel <= TOL, f"{recipe}: weights differ from the one-process oracle by {rel:.2e} of the update"
+    assert 0 < stats["clip_fraction"] < 1  # the second GRPO step is off-policy: some ratios clip
+
+
+@pytest.mark.slow
+def test_layouts_match_the_oracle_and_roll_out_the_same_clips(cfg, data, oracle):
+    """One launch of 4 workers: dp_shard × cp_ring (FSDP2 over dp·cp), DDP × Ulysses, ring ×
+    Ulysses; every recipe's weights equal the oracle's; rollouts and the reference's errors are
+    identical on every rank and equal the one-process ones."""
+    from dit_train.engine.launch import launch_local
+
+    batches, rollouts, refs = data
+    layouts = {"dp2_ring2": {"dp_shard": 2, "cp_ring": 2},
+               "ddp2_ulysses2": {"dp_shard": 2, "dp_mode": "ddp", "cp_ulysses": 2},
+               "ring2_ulysses2": {"cp_ring": 2, "cp_ulysses": 2}}
+    results = launch_local(_worker, (cfg, layouts, batches), 4, cfg.launcher)
+    for key in layouts:
+        for recipe in PLAN:
+            rel = relative_difference(oracle[recipe], results[0][(key, recipe)][0])
+            assert rel <= TOL, f"{key} {recipe}: weights differ from the oracle by {rel:.2e} of the update"
+        mine = results[0][(key, "rollouts")]
+        for rank in results:
+            for a, b in zip(mine, results[rank][(key, "rollouts")]):
+                assert all(torch.equal(x, y) for x, y in zip(a.latents, b.latents)) and a.log_probs == b.log_probs
+            assert results[rank][(key, "clip_losses")] == results[0][(key, "clip_losses")]
+        for a, b in zip(rollouts, mine):
+            torch.testing.assert_close(a.clip, b.clip, atol=1e-4, rtol=1e-4)
+            assert a.log_probs == pytest.approx(b.log_probs, rel=1e-4, abs=1e-4)
+        assert results[0][(key, "clip_losses")] == pytest.approx(refs, rel=1e-4)
+
+
+def test_bad_video_data_is_refused_naming_the_datum(cfg, data):
+    """Pairs of different captions, a rollout of another run, a missing advantage, and the
+    video losses in an LM session: one ValueError each, naming the datum; nothing accumulated."""
+    from dataclasses import replace
+
+    from dit_train.posttrain import TrainingSession
+
+    batches = data[0]
+    sess = TrainingSession(cfg)
+    chosen, rejected = batches["dpo"][0][:2]
+    other = replace(rejected, caption="a green square moving up and left on a gray background")
+    with pytest.raises(ValueError, match="datum 1: caption 'a green square.*differs from its chosen clip's"):
+        sess.forward_backward([chosen, other], diffusion_dpo_loss())
+    trs = batches["grpo"][0][:3]
+    with pytest.raises(ValueError, match="datum 2: run is 'deadbeef': this rollout was sampled by another run"):
+        sess.forward_backward([*trs[:2], replace(trs[2], run="deadbeef")], flow_grpo_loss(kl_coef=0.1))
+    with pytest.raises(ValueError, match="datum 1: ref_mean is required by the KL term"):
+        sess.forward_backward([trs[0], replace(trs[1], ref_mean=None)], flow_grpo_loss(kl_coef=0.1))
+    nft = batches["nft"][0]
+    with pytest.raises(ValueError, match="datum 1: advantages is required by this loss"):
+        sess.forward_backward([nft[0], replace(nft[1], advantages=None)], diffusion_nft_loss())
+    with pytest.raises(ValueError, match="datum 0: advantages is nan"):
+        sess.forward_backward([replace(nft[0], advantages=float("nan"))], diffusion_nft_loss())
+    with pytest.raises(TypeError, match="datum 0 is a VideoDatum; flow_grpo_loss takes VideoTransition"):
+        sess.forward_backward(nft[:1], flow_grpo_loss())
+    assert sess.num_loss_tokens == 0
+    lm = TrainingSession(compose_config(["mode=llm", "model.dim=32", "model.depth=2", "model.heads=4"]))
+    with pytest.raises(ValueError, match="diffusion_nft_loss trains a video generator: mode=video only"):
+        lm.forward_backward(nft[:1], diffusion_nft_loss())
+
+
+def nan_reward(clips, captions):
+    return [float("nan")] * len(clips)
+
+
+def short_reward(clips, captions):
+    return [1.0] * (len(clips) - 1)
+
+
+def test_the_recipe_tool_refuses_bad_rewards_in_one_line(cfg, tmp_path, capsys):
+    """video_rl with a reward returning NaN or the wrong count, or a folder that is no run: one
+    `error:` line naming the clip / flag, exit 2, no weights written."""
+    from dit_train.posttrain import TrainingSession
+    from dit_train.tools.video_rl import main
+
+    run = tmp_path / "run"
+    TrainingSession(cfg).export(run)
+    common = [str(run), "--recipe", "nft", "--steps", "1", "--captions", "1", "--group", "2", "--sample-steps", "1",
+              "--eval-every", "0", "--out", str(tmp_path / "out")]
+    for reward, message in (("tests.test_video_rl:nan_reward", "returned nan for clip 0 ('a "),
+                            ("tests.test_video_rl:short_reward", "returned 1 values for 2 clips"),
+                            ("tests.test_video_rl:no_such", "cannot load it")):
+        assert main([*common, "--reward", reward]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: --reward") and message in err[0], err
+    assert main([str(tmp_path), "--out", str(tmp_path / "o")]) == 2
+    assert "no config.yaml there" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "weights.safetensors").exists()
