@@ -124,7 +124,8 @@ class SDESampler(VideoSampler):
         model.eval()
         for i in range(self.steps):
             ts = [sig[i] for sig in sigmas]
-            batch = self._pack(xs + xs if cfg else xs, ts + ts if cfg else ts, ctxs, [None] * (2 * n if cfg else n))
+            none = [None] * (2 * n if cfg else n)  # no given frames, no control: conditioned runs are refused
+            batch = self._pack(xs + xs if cfg else xs, ts + ts if cfg else ts, ctxs, none, none)
             with autocast():
                 v = predict_velocity(model, batch, self.ctx).cpu()
             t_tok = batch.samples["t"][batch.seg.clamp_min(0)]

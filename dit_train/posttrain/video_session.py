@@ -39,8 +39,9 @@ class VideoSessionMixin:
     def _video_only(self, what: str) -> None:
         if self.cfg.mode != "video":
             raise ValueError(f"{what} works on video generators: mode=video only (this session is mode={self.cfg.mode})")
-        if cond_active(self.cfg.cond):
-            raise ConfigError(f"{what}: conditioned runs (cond.kind={self.cfg.cond.kind}) are not supported by the "
+        if cond_active(self.cfg.cond) or getattr(self.cfg.cond, "control", False):
+            raise ConfigError(f"{what}: conditioned runs (cond.kind={self.cfg.cond.kind}, cond.control="
+                              f"{str(getattr(self.cfg.cond, 'control', False)).lower()}) are not supported by the "
                               f"reward losses and rollouts yet")
 
     def _requests(self, captions: Any, size: tuple[int, int, int], noise_ids: Any) -> list[SampleRequest]:
