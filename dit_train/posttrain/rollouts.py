@@ -108,13 +108,7 @@ class SDESampler(VideoSampler):
     @torch.no_grad()
     def trajectories(self, model: torch.nn.Module, autocast: Callable[[], Any]) -> list[dict[str, list]]:
         """Per request: {"latents": [K+1], "sigmas": [K+1], "stds": [K], "log_probs": [K]}."""
-        xs = [torch.randn(r.shape, generator=sample_generator(self.seed, r.noise_id, 0, "sampling")) for r in self.requests]
-        cfg = self.guidance > 1.0 and self.text_dim > 0
-        ctxs = None
-        if self.text_dim:
-            ctxs = [r.context for r in self.requests]
-            if cfg:
-                ctxs = ctxs + [self.null_caption] * len(ctxs)
+        xs, cfg, ctxs = self._start()
         sigmas = [s.sigmas.tolist() for s in self.schedulers()]
         n = len(xs)
         out = [{"latents": [x.clone()], "sigmas": [sig[0]], "stds": [], "log_probs": []} for x, sig in zip(xs, sigmas)]

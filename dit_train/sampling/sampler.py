@@ -214,10 +214,9 @@ class VideoSampler:
         dims = {name: clips[0].shape[0] * math.prod(self.patch) for name, clips in fields.items()}
         return pack_clips(fields, self.patch, dims, samples, torch.arange(len(xs)), per_token=per_token)
 
-    @torch.no_grad()
-    def sample(self, model: torch.nn.Module, autocast: Callable[[], Any] | None = None) -> list[torch.Tensor]:
-        """Run the sampler; returns the clips [C, F, H, W] (model space: pixels or latents)."""
-        autocast = autocast or contextlib.nullcontext
+    def _start(self) -> tuple[list[torch.Tensor], bool, list[torch.Tensor] | None]:
+        """Each clip's starting noise (its own seeded stream), whether guidance runs (cfg), and the
+        contexts of one call: the captions, then the null caption per clip when guided."""
         xs = [torch.randn(r.shape, generator=sample_generator(self.seed, r.noise_id, 0, "sampling")) for r in self.requests]
         cfg = self.guidance > 1.0 and self.text_dim > 0
         ctxs = None
@@ -225,6 +224,13 @@ class VideoSampler:
             ctxs = [r.context for r in self.requests]
             if cfg:
                 ctxs = ctxs + [self.null_caption] * len(ctxs)
+        return xs, cfg, ctxs
+
+    @torch.no_grad()
+    def sample(self, model: torch.nn.Module, autocast: Callable[[], Any] | None = None) -> list[torch.Tensor]:
+        """Run the sampler; returns the clips [C, F, H, W] (model space: pixels or latents)."""
+        autocast = autocast or contextlib.nullcontext
+        xs, cfg, ctxs = self._start()
         scheds = self.schedulers()
         sigmas = [s.sigmas.tolist() for s in scheds]  # per clip: decreasing from 1 to 0, steps + 1 values
         was_training = model.training
