@@ -142,3 +142,16 @@ def count_collectives(names: Sequence[str] = COLLECTIVES) -> Iterator[dict[str, 
     finally:
         for n, fn in originals.items():
             setattr(dist, n, fn)
+
+
+def add_packed_vs_diffusers_args(ap: Any) -> None:
+    """The flags the packed-vs-diffusers benchmarks share (bench_wan, bench_wan22, bench_families):
+    the model shape both sides get, our attention backend, repetitions, threads, the JSON out."""
+    ap.add_argument("--dim", type=int, default=256)
+    ap.add_argument("--depth", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--text-dim", type=int, default=256)
+    ap.add_argument("--backend", default="sdpa", help="our attention backend (sdpa | flex | sdpa_dense)")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--out", default="")

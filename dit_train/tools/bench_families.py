@@ -24,7 +24,7 @@ import torch
 
 from dit_train.kernels import VarlenLayout
 from dit_train.models import build_model, init_weights, model_config, model_spec
-from dit_train.perf.bench import format_table, interleaved_wall_and_cpu, median, write_json
+from dit_train.perf.bench import add_packed_vs_diffusers_args, format_table, interleaved_wall_and_cpu, median, write_json
 from dit_train.tasks.video import patchify
 
 TEXT_LEN = 16  # caption tokens per clip
@@ -127,14 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dit_train.tools.bench_families", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--family", default=",".join(FAMILIES), help=f"comma list of: {', '.join(FAMILIES)}")
-    ap.add_argument("--dim", type=int, default=256)
-    ap.add_argument("--depth", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--text-dim", type=int, default=256)
-    ap.add_argument("--backend", default="sdpa", help="our attention backend (sdpa | flex | sdpa_dense)")
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--out", default="")
+    add_packed_vs_diffusers_args(ap)
     ap.add_argument("--quick", action="store_true")
     a = ap.parse_args(argv)
     if a.quick:

@@ -35,7 +35,7 @@ from dit_train.config.schema import ModelConfig
 from dit_train.kernels import VarlenLayout
 from dit_train.models import build_model, init_weights, model_config
 from dit_train.models.recompute import set_recompute_prologues
-from dit_train.perf.bench import format_table, interleaved_wall_and_cpu, median, write_json
+from dit_train.perf.bench import add_packed_vs_diffusers_args, format_table, interleaved_wall_and_cpu, median, write_json
 from dit_train.tasks.video import patchify
 
 PATCH = (1, 2, 2)
@@ -189,14 +189,7 @@ def bench_variant(variant: str, a: argparse.Namespace) -> tuple[dict, list[dict]
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dim", type=int, default=256)
-    ap.add_argument("--depth", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--text-dim", type=int, default=256)
-    ap.add_argument("--backend", default="sdpa", help="our attention backend (sdpa | flex | sdpa_dense)")
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--out", default="")
+    add_packed_vs_diffusers_args(ap)
     ap.add_argument("--variants", default="adaln,adaln+text", help="comma list of: adaln, adaln+text")
     ap.add_argument("--prologues-default", choices=("on", "off"), default="on" if ModelConfig.recompute_prologues else "off",
                     help="which of ours the speedup column compares with Wan (default: model.recompute_prologues' default)")
