@@ -114,7 +114,7 @@ def build_distill_run(cfg: Config, ctx: Any = None, heldout: bool = False):
     teacher.requires_grad_(False)
     weights, _ = teacher_weights(Path(cfg.distill.teacher))
     for model in (student.model, critic.model, teacher):
-        load_full_weights(model, weights)
+        load_full_weights(getattr(model, "module", model), weights)  # DDP: the wrapped model's names
     if student.ema is not None:  # the EMA starts from the teacher's weights, not from the random init
         student.trainer.ema = EMA(student.model, cfg.train.ema_decay)
     task = DistillTask(student.task, cfg.distill, student.cfg.loss, cfg.train.seed)
