@@ -208,3 +208,51 @@ def test_layouts_match_the_dmd_formulas(cfg, expected):
         for who in ("student", "critic"):
             rel = relative_difference(part(expected, who), part(results[0][key], who))
             assert rel <= TOL, f"{key} {who}: weights differ from the oracle by {rel:.2e} of the update"
+
+
+def test_resume_is_exact(tiny_cfg, teacher, tmp_path):
+    """Stopped after step 2 (checkpoint: student, its optimizer, the critic and its optimizer),
+    resumed: the student after step 4 equals the uninterrupted run's (its update at step 2 reads
+    the resumed critic)."""
+    from safetensors.torch import load_file
+
+    base = [*TINY, *DISTILL, f"distill.teacher={teacher}", "train.steps=4"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    train_in_process([*base, "train.ckpt_every=2"], full, cache_dir=tiny_cfg.data.cache_dir)
+    train_in_process([*base, f"train.resume={full / 'checkpoints' / 'step_00000001'}"], part,
+                     cache_dir=tiny_cfg.data.cache_dir)
+    a, b = load_file(full / "weights.safetensors"), load_file(part / "weights.safetensors")
+    t = load_file(teacher / "weights_ema.safetensors") if (teacher / "weights_ema.safetensors").exists() else \
+        load_file(teacher / "weights.safetensors")
+    assert max(float((a[k] - t[k]).abs().max()) for k in a) > 1e-4  # the student moved
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-6
+
+
+def test_bad_teachers_are_refused_in_one_line_before_step_0(tiny_cfg, teacher, tmp_path):
+    import shutil
+
+    from dit_train.distill.build import student_config
+
+    def refused(*overrides):
+        c = compose_config([*TINY, *overrides], cache_dir=tiny_cfg.data.cache_dir)
+        with pytest.raises(ConfigError) as err:
+            student_config(c)
+        return str(err.value)
+
+    assert "distill.teacher is required" in refused("+experiment=distill_dmd2")
+    assert "no config.yaml there" in refused("+experiment=distill_dmd2", f"distill.teacher={tmp_path}")
+    assert "distill.method=none" in refused(f"distill.teacher={teacher}")
+    # another model's weights: a copy of the teacher whose config says model.dim=48
+    other = tmp_path / "other"
+    shutil.copytree(teacher, other)
+    (other / "config.yaml").write_text((teacher / "config.yaml").read_text().replace("  dim: 32\n", "  dim: 48\n"))
+    msg = refused("+experiment=distill_dmd2", f"distill.teacher={other}")
+    assert "does not fit the model of its config.yaml" in msg and "\n" not in msg
+    # through the CLI: one line on stderr, non-zero exit, no run folder written
+    from tests.conftest import run_cli
+
+    out = tmp_path / "student"
+    res = run_cli(["+experiment=distill_dmd2", f"distill.teacher={other}", f"hydra.run.dir={out}",
+                   f"data.cache_dir={tiny_cfg.data.cache_dir}", *TINY], cwd=tmp_path)
+    assert res.returncode != 0 and res.stderr.strip().count("\n") == 0, res.stderr
+    assert res.stderr.startswith("error: distill.teacher=") and not (out / "config.yaml").exists()
