@@ -226,6 +226,15 @@ def test_resume_is_exact(tiny_cfg, teacher, tmp_path):
         load_file(teacher / "weights.safetensors")
     assert max(float((a[k] - t[k]).abs().max()) for k in a) > 1e-4  # the student moved
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-6
+    # the run samples like the student trained: its steps, no guidance, the Euler ODE
+    from dit_train.compose import load_config
+    from dit_train.tools import sample
+
+    run_cfg = load_config(full)
+    assert (run_cfg.train.sample_steps, run_cfg.train.guidance_scale, run_cfg.train.stochastic_sampling) == (3, 1.0, False)
+    assert sample.main([str(full), "--prompt", "a red circle moving up and left on a navy background", "--steps", "3",
+                        "--frames", "4", "--height", "32", "--width", "32", "--out", str(tmp_path / "gen")]) == 0
+    assert any((tmp_path / "gen").iterdir())
 
 
 def test_bad_teachers_are_refused_in_one_line_before_step_0(tiny_cfg, teacher, tmp_path):
