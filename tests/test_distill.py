@@ -265,3 +265,18 @@ def test_bad_teachers_are_refused_in_one_line_before_step_0(tiny_cfg, teacher, t
                    f"data.cache_dir={tiny_cfg.data.cache_dir}", *TINY], cwd=tmp_path)
     assert res.returncode != 0 and res.stderr.strip().count("\n") == 0, res.stderr
     assert res.stderr.startswith("error: distill.teacher=") and not (out / "config.yaml").exists()
+
+
+def test_the_planner_counts_the_critic_and_the_teacher(tiny_cfg):
+    from dit_train.perf.memory import model_shape
+    from dit_train.planning.planner import Workload, plan
+
+    work = Workload(global_batch=8, max_sample_tokens=1024, mean_sample_tokens=1024)
+    shape = model_shape(tiny_cfg.model)
+    distill = dataclasses.replace(tiny_cfg, distill=dataclasses.replace(tiny_cfg.distill, method="dmd2"))
+    plain, _ = plan(tiny_cfg, 2, 64 * 2 ** 30, work, backend="sdpa", shape=shape)
+    three, _ = plan(distill, 2, 64 * 2 ** 30, work, backend="sdpa", shape=shape)
+    a = {c.layout: c.memory for c in plain}
+    for c in three:
+        m = a[c.layout]
+        assert c.memory.total == pytest.approx(m.total + 2 * m.params + m.grads + m.optimizer)
