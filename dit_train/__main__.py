@@ -20,6 +20,7 @@ from dit_train.config import Config, config_dir, to_config
 from dit_train.compose import register_configs
 from dit_train.config.errors import CheckpointError, ConfigError, RunFailed, WorkerFailure
 from dit_train.data_pipelines import prepare_data
+from dit_train.distill.build import student_config
 from dit_train.data_pipelines.packing import plan_fingerprint
 from dit_train.engine.checks import check_config
 from dit_train.engine.hydra_outputs import HydraRecord
@@ -35,6 +36,7 @@ def run_from_config(cfg: Config, hydra_record: Any = None) -> dict:
     """Check the config, prepare and check the data, claim the run folder, then train (in this
     process or in local workers). Everything that can refuse the run happens before step 0.
     hydra_record: the CLI's `HydraRecord`, written into the run folder once it is claimed."""
+    cfg = student_config(cfg)  # distill.teacher: the teacher run's model and data keys (dit_train/distill)
     check_config(cfg, external_world_size())
     try:
         prepare_data(cfg.data, cfg.model)

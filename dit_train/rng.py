@@ -10,7 +10,7 @@ import hashlib
 
 import torch
 
-STREAMS = ("noise", "timestep", "caption_dropout", "sampling", "conditioning")
+STREAMS = ("noise", "timestep", "caption_dropout", "sampling", "conditioning", "distill_student", "distill_critic")
 
 
 def sample_generator(seed: int, sample_id: int, step: int, stream: str) -> torch.Generator:

@@ -22,6 +22,7 @@ from dit_train.config.schema import (
     OptimConfig,
     ParallelConfig,
     TrainConfig,
+    DistillConfig,
     VideoModelConfig,
     parallel_layout_keys,
 )
@@ -48,6 +49,6 @@ def to_dict(cfg: Config) -> dict[str, Any]:
 
 __all__ = [
     "PARALLEL_DEGREES", "TRAIN_LAYOUT_KEYS", "Choice", "Config", "DataConfig", "LauncherConfig", "LoraConfig", "LossConfig", "MoEConfig", "Mode",
-    "ModelConfig", "OptimConfig", "ParallelConfig", "TrainConfig", "VideoModelConfig", "config_dir",
+    "DistillConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "TrainConfig", "VideoModelConfig", "config_dir",
     "parallel_layout_keys", "to_config", "to_dict", "to_yaml",
 ]

@@ -318,6 +318,22 @@ class TrainConfig:
     wandb_mode: WandbMode = WandbMode.auto  # auto | online | offline | disabled
 
 
+@dataclass
+class DistillConfig:
+    """DMD2 few-step distillation of a trained run (dit_train/distill, docs/distillation.md)."""
+
+    method: str = "none"  # none (plain training) | dmd2 (+experiment=distill_dmd2)
+    # a trained run's folder (config.yaml + weights): its model, data and loss keys become this
+    # run's; the student and the critic start from its weights (EMA when present)
+    teacher: str = ""
+    student_steps: int = 4  # the student's sampler steps (its sigmas: the Euler sampler's grid for this many)
+    student_every: int = 5  # critic steps per student step (DMD2's two time-scale update rule)
+    teacher_guidance: float = 1.0  # classifier-free guidance of the teacher's (real score's) x0; 1 = off
+    critic_lr: float = 0.0  # the critic's learning rate; 0 = optim.lr
+    t_min: float = 0.02  # the noise levels the distribution-matching gradient is taken at: uniform in [t_min, t_max]
+    t_max: float = 0.98
+
+
 # the floor of train.micro_batch_tokens=0 (auto): one micro-batch holds a whole step of the embedded
 # set (8 clips of <= 320 tokens), and short samples still pack several to a micro-batch
 AUTO_MICRO_BATCH_TOKENS = 4096
@@ -343,6 +359,7 @@ class Config:
     cond: CondConfig = field(default_factory=CondConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     # Filled by the entry point with Hydra's run dir (one dir for all ranks; rank 0 writes).
     run_dir: str = ""
 

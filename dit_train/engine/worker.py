@@ -16,6 +16,7 @@ from dit_train.checkpoint import load_checkpoint, resolve_checkpoint, save_check
 from dit_train.checkpoint.export import export_run_weights
 from dit_train.config import Config, to_dict, to_yaml
 from dit_train.config.errors import ConfigError, DataFailure, NonFiniteTraining, RunFolderError
+from dit_train.distill.build import build_distill_run
 from dit_train.engine.build import build_run
 from dit_train.engine.resume import apply_optimizer_settings
 from dit_train.engine.run_folder import open_run_folder, run_id_of
@@ -116,7 +117,8 @@ def train(cfg: Config, ctx: ParallelContext | None = None, claimed: bool = False
     cfg = dataclasses.replace(cfg, run_dir=str(run_dir))  # torchrun: rank 0's folder (a copy: cfg is only read)
     resume = claim_run_folder(cfg, ctx, claimed, hydra_record, data)
     config_yaml = to_yaml(cfg)
-    run = build_run(cfg, ctx, heldout=cfg.train.eval_every > 0)
+    build = build_distill_run if cfg.distill.method != "none" else build_run  # three models (dit_train/distill)
+    run = build(cfg, ctx, heldout=cfg.train.eval_every > 0)
     trainer, t = run.trainer, cfg.train
     parts = run.checkpoint_parts()
     start = 0

@@ -318,11 +318,22 @@ def plan(cfg: Config, world: int, capacity_bytes: float, work: Workload, *, rese
                     backend=backend, dp_mode=p.dp_mode, cp_fsdp_mode=p.cp_fsdp_mode,
                     reshard_after_forward=p.reshard_after_forward, reserve_bytes=reserve_bytes,
                     activation_offload=act_off, cpu_offload=cpu_off, ep=ep)
+                if cfg.distill.method != "none":
+                    distill_models(mem)
                 comm = expert_comm_bytes(shapes[pro], layout, t.precision, dp_mode=p.dp_mode,
                                          cp_fsdp_mode=p.cp_fsdp_mode, reshard_after_forward=p.reshard_after_forward)
                 cands.append(Candidate(layout, mem, capacity_bytes, expert_comm=comm))
     cands.sort(key=Candidate.rank_key)
     return cands, rejected
+
+
+def distill_models(mem: Any) -> None:
+    """A distillation run (docs/distillation.md) holds two more models sharded like the student:
+    the critic (weights, gradients and optimizer state, as the student's) and the frozen teacher
+    (weights only). Added to the device estimate in place; with cpu_offload the three models'
+    shards live on the host and only the student's are counted there."""
+    mem.extra["distill_critic"] = mem.params + mem.grads + mem.optimizer
+    mem.extra["distill_teacher"] = mem.params
 
 
 def workload_from_data(cfg: Config) -> Workload:

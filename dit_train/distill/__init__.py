@@ -1,0 +1,1 @@
+"""DMD2 few-step distillation of a trained video run (docs/distillation.md)."""

@@ -1,0 +1,282 @@
+"""DMD2 distillation (docs/distillation.md): the student's and the critic's weights after a few
+steps equal an independent one-process computation written from the paper's formulas, on one
+process and on dp × cp layouts (uneven clips; student and critic steps); resume is exact; bad
+teachers are refused in one line before step 0."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from dit_train.config.errors import ConfigError
+from dit_train.engine.layout_equivalence import apply_layout, relative_difference
+from tests.conftest import TINY, compose_config, train_in_process
+
+TOL = 1e-4  # weights: max |Δ| relative to the largest update (see layout_equivalence)
+# 3 student steps of 3 sigmas, a student update at steps 0 and 2, guidance on the teacher
+DISTILL = ["distill.method=dmd2", "distill.student_steps=3", "distill.student_every=2", "distill.teacher_guidance=2.0",
+           "distill.critic_lr=0.3", "optim.lr=0.2", "optim.max_grad_norm=0", "train.steps=3", "train.global_batch=4"]
+
+
+@pytest.fixture(scope="module")
+def teacher(tiny_cfg, tmp_path_factory):
+    """A tiny trained run (2 steps: what matters is that its weights are not the init's)."""
+    run = tmp_path_factory.mktemp("teacher")
+    train_in_process([*TINY, "train.steps=2"], run, cache_dir=tiny_cfg.data.cache_dir)
+    return run
+
+
+@pytest.fixture(scope="module")
+def cfg(tiny_cfg, teacher):
+    from dit_train.distill.build import student_config
+
+    c = compose_config([*TINY, *DISTILL, f"distill.teacher={teacher}"], cache_dir=tiny_cfg.data.cache_dir)
+    return apply_layout(student_config(c), {})
+
+
+def distill_steps(cfg, ctx, steps):
+    """{student/..., critic/...: full weights} after `steps` distillation steps (rank 0)."""
+    from dit_train.checkpoint import full_state_dict
+    from dit_train.distill.build import build_distill_run
+
+    run = build_distill_run(cfg, ctx)
+    for step in range(steps):
+        run.trainer.step(step)
+    student, critic = full_state_dict(run.model), full_state_dict(run.critic.model)
+    if not ctx.is_main:
+        return {}
+    return {f"student/{k}": v for k, v in student.items()} | {f"critic/{k}": v for k, v in critic.items()}
+
+
+# -- the one-process oracle: one clip at a time, the formulas written out -------------------------------
+
+
+def clip_velocity(cfg, model, x, t, caption):
+    """v [T, D] of one clip alone ([C, F, H, W] at noise level t), and its tokens."""
+    from tests.test_video_rl import clip_velocity as velocity
+
+    return velocity(cfg, model, x, float(t), caption)
+
+
+def clip_sigmas(cfg, clip_shape):
+    """The student's σ_0..σ_K of a clip: diffusers' scheduler set up as the Euler sampler does."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from dit_train.objectives.flow_matching import sample_shift
+    from dit_train.tasks.video import num_patches
+
+    lc = cfg.loss
+    shift = sample_shift(lc.timestep_shift, lc.shift_reference_tokens, num_patches(clip_shape, tuple(cfg.model.patch_size)))
+    plain = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000)
+    plain.set_timesteps(cfg.distill.student_steps)
+    sched = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=shift)
+    sched.set_timesteps(sigmas=plain.sigmas[:-1].tolist())
+    return sched.sigmas.tolist(), shift
+
+
+def student_sample(cfg, student, x, sigmas, j, caption, grad=False):
+    """x̂0 tokens of the student's step j from the start noise x (Euler steps 0..j-1 without gradient)."""
+    from dit_train.tasks.video import unpatchify
+
+    patch, C = tuple(cfg.model.patch_size), x.shape[0]
+    grid = (x.shape[1] // patch[0], x.shape[2] // patch[1], x.shape[3] // patch[2])
+    with torch.no_grad():
+        for k in range(j):
+            v, _ = clip_velocity(cfg, student, x, sigmas[k], caption)
+            x = x + (sigmas[k + 1] - sigmas[k]) * unpatchify(v, grid, patch, C)
+    with torch.enable_grad() if grad else torch.no_grad():
+        v, tokens = clip_velocity(cfg, student, x, sigmas[j], caption)
+        return tokens - sigmas[j] * v
+
+
+def oracle(cfg, teacher_dir, steps):
+    """{student/..., critic/...} after `steps` steps: plain models, SGD by hand."""
+    from dit_train.data_pipelines.packing import plan_step
+    from dit_train.models import build_model
+    from dit_train.objectives.flow_matching import sample_timestep, shift_timestep
+    from dit_train.rng import sample_generator
+    from dit_train.tasks import build_task
+    from dit_train.tasks.video import patchify
+    from dit_train.tools.sample import load_weights
+
+    weights = load_weights(teacher_dir, None)[0]
+    student, critic, teacher = (build_model(cfg.model) for _ in range(3))
+    for m in (student, critic, teacher):
+        m.load_state_dict(weights)
+    data = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed).dataset
+    d, t_cfg, patch = cfg.distill, cfg.train, tuple(cfg.model.patch_size)
+    K, g = d.student_steps, d.teacher_guidance
+    for step in range(steps):
+        plan = plan_step(step, data.lengths(), t_cfg.global_batch, 1, 1, t_cfg.micro_batch_tokens, t_cfg.seed)
+        ids = sorted(i for pack in plan.micro_batches[0] for i in pack)
+        B = len(ids)
+        if step % d.student_every == 0:
+            j = int(torch.randint(K, (), generator=sample_generator(t_cfg.seed, -1, step, "distill_student")))
+            loss = 0.0
+            for sid in ids:
+                item = data[sid]
+                sigmas, _ = clip_sigmas(cfg, item.pixels.shape)
+                gen = sample_generator(t_cfg.seed, sid, step, "distill_student")
+                t = d.t_min + (d.t_max - d.t_min) * float(torch.rand((), generator=gen))
+                x = torch.randn(item.pixels.shape, generator=gen)
+                eps = patchify(torch.randn(item.pixels.shape, generator=gen), patch)[0]
+                x0 = student_sample(cfg, student, x, sigmas, j, item.caption, grad=True)
+                from dit_train.tasks.video import unpatchify
+
+                grid = tuple(s // p for s, p in zip(item.pixels.shape[1:], patch))
+                x_t = unpatchify((1 - t) * x0.detach() + t * eps, grid, patch, item.pixels.shape[0])
+                with torch.no_grad():
+                    v_c, xt_tok = clip_velocity(cfg, teacher, x_t, t, item.caption)
+                    v_u, _ = clip_velocity(cfg, teacher, x_t, t, "")
+                    x0_real = xt_tok - t * (v_u + g * (v_c - v_u))
+                    x0_fake = xt_tok - t * clip_velocity(cfg, critic, x_t, t, item.caption)[0]
+                    grad = (x0_fake - x0_real) / (x0.detach() - x0_real).abs().mean()
+                # DMD2's line: 0.5 * F.mse_loss(x0, (x0 - grad).detach()), one sample's mean; / B
+                loss = loss + 0.5 * torch.nn.functional.mse_loss(x0, (x0 - grad).detach()) / B
+            student.zero_grad()
+            loss.backward()
+            with torch.no_grad():
+                for p in student.parameters():
+                    p -= cfg.optim.lr * p.grad
+        j = int(torch.randint(K, (), generator=sample_generator(t_cfg.seed, -1, step, "distill_critic")))
+        loss = 0.0
+        for sid in ids:
+            item = data[sid]
+            sigmas, shift = clip_sigmas(cfg, item.pixels.shape)
+            gen = sample_generator(t_cfg.seed, sid, step, "distill_critic")
+            t = float(shift_timestep(sample_timestep(gen, cfg.loss), shift))
+            x = torch.randn(item.pixels.shape, generator=gen)
+            eps = patchify(torch.randn(item.pixels.shape, generator=gen), patch)[0]
+            x0 = student_sample(cfg, student, x, sigmas, j, item.caption)
+            from dit_train.tasks.video import unpatchify
+
+            grid = tuple(s // p for s, p in zip(item.pixels.shape[1:], patch))
+            x_t = unpatchify((1 - t) * x0 + t * eps, grid, patch, item.pixels.shape[0])
+            v, _ = clip_velocity(cfg, critic, x_t, t, item.caption)
+            loss = loss + (v - (eps - x0)).pow(2).mean() / B  # flow matching on the student's sample
+        critic.zero_grad()
+        loss.backward()
+        with torch.no_grad():
+            for p in critic.parameters():
+                p -= d.critic_lr * p.grad
+    init = {f"__init__/{who}/{k}": v for k, v in weights.items() for who in ("student", "critic")}
+    return (init | {f"student/{k}": v.detach().clone() for k, v in student.state_dict().items()}
+            | {f"critic/{k}": v.detach().clone() for k, v in critic.state_dict().items()})
+
+
+def part(weights, who):
+    """The student's or the critic's weights (with their initial ones) of a result."""
+    return {k: v for k, v in weights.items() if k.startswith((who, f"__init__/{who}"))}
+
+
+@pytest.fixture(scope="module")
+def expected(cfg, teacher):
+    return oracle(cfg, teacher, 3)
+
+
+def test_one_process_matches_the_dmd_formulas(cfg, expected):
+    from dit_train.parallel.mesh import init_parallel
+
+    got = distill_steps(cfg, init_parallel(cfg.parallel), 3)
+    for who in ("student", "critic"):
+        rel = relative_difference(part(expected, who), part(got, who))
+        assert rel <= TOL, f"{who}: weights differ from the hand-written DMD2 computation by {rel:.2e} of the update"
+
+
+def _worker(cfg, layouts, steps):
+    from dit_train.parallel.mesh import init_parallel
+
+    out = {}
+    for key, layout in layouts.items():
+        c = apply_layout(cfg, layout)
+        out[key] = distill_steps(c, init_parallel(c.parallel), steps)
+    return out
+
+
+@pytest.mark.slow
+def test_layouts_match_the_dmd_formulas(cfg, expected):
+    """One launch of 4 workers: FSDP2 dp_shard=2 × cp_ring=2 and DDP 2 × Ulysses 2 (a sample's
+    tokens, and so its DMD normaliser, split over two ranks); student and critic weights after
+    3 steps (student updates at 0 and 2) equal the oracle's."""
+    from dit_train.engine.launch import launch_local
+
+    layouts = {"dp2_ring2": {"dp_shard": 2, "cp_ring": 2},
+               "ddp2_ulysses2": {"dp_shard": 2, "dp_mode": "ddp", "cp_ulysses": 2}}
+    results = launch_local(_worker, (cfg, layouts, 3), 4, cfg.launcher)
+    for key in layouts:
+        for who in ("student", "critic"):
+            rel = relative_difference(part(expected, who), part(results[0][key], who))
+            assert rel <= TOL, f"{key} {who}: weights differ from the oracle by {rel:.2e} of the update"
+
+
+def test_resume_is_exact(tiny_cfg, teacher, tmp_path):
+    """Stopped after step 2 (checkpoint: student, its optimizer, the critic and its optimizer),
+    resumed: the student after step 4 equals the uninterrupted run's (its update at step 2 reads
+    the resumed critic)."""
+    from safetensors.torch import load_file
+
+    base = [*TINY, *DISTILL, f"distill.teacher={teacher}", "train.steps=4"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    train_in_process([*base, "train.ckpt_every=2"], full, cache_dir=tiny_cfg.data.cache_dir)
+    train_in_process([*base, f"train.resume={full / 'checkpoints' / 'step_00000001'}"], part,
+                     cache_dir=tiny_cfg.data.cache_dir)
+    a, b = load_file(full / "weights.safetensors"), load_file(part / "weights.safetensors")
+    t = load_file(teacher / "weights_ema.safetensors") if (teacher / "weights_ema.safetensors").exists() else \
+        load_file(teacher / "weights.safetensors")
+    assert max(float((a[k] - t[k]).abs().max()) for k in a) > 1e-4  # the student moved
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-6
+    # the run samples like the student trained: its steps, no guidance, the Euler ODE
+    from dit_train.compose import load_config
+    from dit_train.tools import sample
+
+    run_cfg = load_config(full)
+    assert (run_cfg.train.sample_steps, run_cfg.train.guidance_scale, run_cfg.train.stochastic_sampling) == (3, 1.0, False)
+    assert sample.main([str(full), "--prompt", "a red circle moving up and left on a navy background", "--steps", "3",
+                        "--frames", "4", "--height", "32", "--width", "32", "--out", str(tmp_path / "gen")]) == 0
+    assert any((tmp_path / "gen").iterdir())
+
+
+def test_bad_teachers_are_refused_in_one_line_before_step_0(tiny_cfg, teacher, tmp_path):
+    import shutil
+
+    from dit_train.distill.build import student_config
+
+    def refused(*overrides):
+        c = compose_config([*TINY, *overrides], cache_dir=tiny_cfg.data.cache_dir)
+        with pytest.raises(ConfigError) as err:
+            student_config(c)
+        return str(err.value)
+
+    assert "distill.teacher is required" in refused("+experiment=distill_dmd2")
+    assert "no config.yaml there" in refused("+experiment=distill_dmd2", f"distill.teacher={tmp_path}")
+    assert "distill.method=none" in refused(f"distill.teacher={teacher}")
+    # another model's weights: a copy of the teacher whose config says model.dim=48
+    other = tmp_path / "other"
+    shutil.copytree(teacher, other)
+    (other / "config.yaml").write_text((teacher / "config.yaml").read_text().replace("  dim: 32\n", "  dim: 48\n"))
+    msg = refused("+experiment=distill_dmd2", f"distill.teacher={other}")
+    assert "does not fit the model of its config.yaml" in msg and "\n" not in msg
+    # through the CLI: one line on stderr, non-zero exit, no run folder written
+    from tests.conftest import run_cli
+
+    out = tmp_path / "student"
+    res = run_cli(["+experiment=distill_dmd2", f"distill.teacher={other}", f"hydra.run.dir={out}",
+                   f"data.cache_dir={tiny_cfg.data.cache_dir}", *TINY], cwd=tmp_path)
+    assert res.returncode != 0 and res.stderr.strip().count("\n") == 0, res.stderr
+    assert res.stderr.startswith("error: distill.teacher=") and not (out / "config.yaml").exists()
+
+
+def test_the_planner_counts_the_critic_and_the_teacher(tiny_cfg):
+    from dit_train.perf.memory import model_shape
+    from dit_train.planning.planner import Workload, plan
+
+    work = Workload(global_batch=8, max_sample_tokens=1024, mean_sample_tokens=1024)
+    shape = model_shape(tiny_cfg.model)
+    distill = dataclasses.replace(tiny_cfg, distill=dataclasses.replace(tiny_cfg.distill, method="dmd2"))
+    plain, _ = plan(tiny_cfg, 2, 64 * 2 ** 30, work, backend="sdpa", shape=shape)
+    three, _ = plan(distill, 2, 64 * 2 ** 30, work, backend="sdpa", shape=shape)
+    a = {c.layout: c.memory for c in plain}
+    for c in three:
+        m = a[c.layout]
+        assert c.memory.total == pytest.approx(m.total + 2 * m.params + m.grads + m.optimizer)
