@@ -221,12 +221,12 @@ class PackedHunyuan15(nn.Module):
 
     def _text_states(self, context, context_len, context_2, context_2_len, timestep: torch.Tensor,
                      S: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Each clip's text token states [S·(L2 + Lc), dim] flattened, the valid ByT5 tokens [S]
-        and L2: clip s's row block is [ByT5 (L2 rows) | MLLM (Lc rows)], valid tokens first in each."""
+        """Each clip's text token states [S, L2 + Lc, dim], the valid ByT5 tokens [S] and L2:
+        clip s's rows are [ByT5 (L2 rows) | MLLM (Lc rows)], valid tokens first in each."""
         w = self.context_embedder.proj_in.weight
-        if context is None:
+        if context is None:  # one all-zero caption token per clip
             context = like.new_zeros(S, 1, self.diffusers_config["text_embed_dim"])
-            context_len = torch.zeros(S, dtype=torch.long, device=like.device)
+            context_len = torch.ones(S, dtype=torch.long, device=like.device)
         if context_len is None:
             context_len = torch.full((S,), context.shape[1], dtype=torch.long, device=context.device)
         mask = torch.arange(context.shape[1], device=context.device)[None] < context_len[:, None]
@@ -239,7 +239,7 @@ class PackedHunyuan15(nn.Module):
         if context_2_len is None:
             context_2_len = torch.full((S,), context_2.shape[1], dtype=torch.long, device=context_2.device)
         byt5 = self.context_embedder_2(context_2.to(w.dtype)) + self.cond_type_embed.weight[1]
-        return torch.cat([byt5, mllm.to(byt5.dtype)], dim=1).flatten(0, 1), context_2_len, context_2.shape[1]
+        return torch.cat([byt5, mllm.to(byt5.dtype)], dim=1), context_2_len, context_2.shape[1]
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, seg: torch.Tensor, t: torch.Tensor, meta: Any,
                 context: torch.Tensor | None = None, context_len: torch.Tensor | None = None,
@@ -259,19 +259,26 @@ class PackedHunyuan15(nn.Module):
         vid, txt = (~is_text).nonzero().squeeze(1), is_text.nonzero().squeeze(1)
         pw = self.x_embedder.proj.weight.flatten(1)  # [dim, C_all·vol]; the i2v channels (zero in t2v) left out
         hv = F.linear(x[vid].to(pw.dtype), pw[:, : x.shape[1]], self.x_embedder.proj.bias)
-        ht = hv.new_zeros(0, hv.shape[1])
-        if txt.numel():
+        ht, keep = hv.new_zeros(0, hv.shape[1]), None
+        if text is not None and S == 0:  # an empty pack (a rank without samples): a dummy caption, times 0
+            keep = 0.0 * self._text_states(None, None, None, None, timestep[:1], 1, x)[0].sum()
+        elif text is not None:
             states, len2, L2 = self._text_states(context, context_len, context_2, context_2_len, timestep[:S], S, x)
             s_t, j = seg[txt], text[txt] - 1  # clip and index in [valid ByT5 | valid MLLM] of each text slot
-            width = states.shape[0] // S  # L2 + Lc rows per clip
             l2 = len2[s_t]
             col = torch.where(j < l2, j, L2 + j - l2)
-            ht = states[s_t * width + col].to(hv.dtype)
+            ht = states.flatten(0, 1)[s_t * states.shape[1] + col].to(hv.dtype)
+            # a CP rank holding no text slot still runs the text modules into its graph (an exact
+            # zero), so that every rank's gradient reduction covers the same parameters (FSDP2
+            # reduce-scatters only parameters with a gradient: a mismatch hangs the collective)
+            keep = 0.0 * states.sum() if not txt.numel() else None
         inv = torch.argsort(torch.cat([vid, txt]))
         R = timestep.shape[0]
         lay = JointLayout(vid, txt, inv, row + R * is_text.to(row.dtype),
                           *hunyuan15_rope(pos[vid], self.rope_axes, self.rope_theta), meta)
         h = lay.merge(hv, ht)
+        if keep is not None:
+            h = h + keep.to(h.dtype)
         for block in self.transformer_blocks:
             h = block(h, temb, lay)
         scale, shift = self.norm_out.linear(F.silu(temb).to(h.dtype)).chunk(2, dim=-1)  # AdaLayerNormContinuous
