@@ -21,7 +21,7 @@ import torch
 from dit_train.batch import WEIGHT_ONE
 from dit_train.kernels import VarlenLayout
 from dit_train.models import build_model, init_weights, model_config
-from dit_train.models.hunyuan15 import read_pretrained, to_diffusers
+from dit_train.models.hunyuan15 import PackedHunyuan15, read_pretrained, to_diffusers
 from dit_train.tasks.joint_text import join_text_tokens
 from dit_train.tasks.video import pack_clips, patchify
 from tests.conftest import TINY, compose_config
@@ -198,7 +198,7 @@ def test_pretrained_of_another_family_or_size_is_refused_before_the_run(tmp_path
 def hy_run_cfg(data_cache):
     from dit_train.data_pipelines import prepare_data
 
-    cfg = compose_config(["model=hunyuan15_tiny", *TINY, "model.rope_axes=[2,2,4]", "model.text_len=8",
+    cfg = compose_config(["model=hunyuan15_tiny", *TINY, "model.rope_axes=[2,2,4]", "model.text_len=32",
                           "optim.max_grad_norm=0.05"], cache_dir=data_cache)
     prepare_data(cfg.data, cfg.model)
     return cfg
@@ -234,7 +234,7 @@ def _same_outputs(cfg, weights, diffusers_model):
     return float((mine - theirs).abs().max() / theirs.abs().max())
 
 
-def test_train_from_pretrained_export_and_sample(hy_run_cfg, pretrained_dir, tmp_path):
+def test_train_from_pretrained_export_and_sample(hy_run_cfg, pretrained_dir, tmp_path, monkeypatch):
     from diffusers import HunyuanVideo15Transformer3DModel
     from safetensors.torch import load_file
 
@@ -260,10 +260,15 @@ def test_train_from_pretrained_export_and_sample(hy_run_cfg, pretrained_dir, tmp
     assert _same_outputs(cfg.model, trained, hy) <= 1e-5
 
     gen = tmp_path / "gen"  # the sample tool: the flow-matching Euler scheduler with HunyuanVideo 1.5's shift
+    calls = []  # every sampler call hands the model its captions as text slots (the CFG negative's too)
+    forward = PackedHunyuan15.forward
+    monkeypatch.setattr(PackedHunyuan15, "forward", lambda self, *a, text=None, **kw: calls.append(
+        text is not None and bool((text > 0).any())) or forward(self, *a, text=text, **kw))
     assert sample.main([str(tmp_path / "run"), "--prompt", "a red square", "--frames", "2", "--height", "16",
                         "--width", "24", "--steps", "2", "--shift", "5", "--out", str(gen)]) == 0
     (x,) = load_file(gen / "samples.safetensors").values()
     assert x.shape == (3, 2, 16, 24) and bool(torch.isfinite(x).all())
+    assert len(calls) == 2 and all(calls)
 
 
 @pytest.fixture(scope="module")
@@ -314,10 +319,12 @@ def test_layout_invariance_full_training_and_lora(hy_run_cfg, hy_lora_cfg):
     lora = ["1", "dp_shard=2,grad_accum=2", "dp_shard=2,cp_ulysses=2"]
     jobs = [(hy_run_cfg, s) for s in full] + [(hy_lora_cfg, s) for s in lora]
     results = train_on_workers([apply_layout(c, parse_layout(s), "sample_mean") for c, s in jobs])
+    # 1e-5, not the 1e-4 of the other families: these layouts agree to 1.4e-6, while a rank
+    # reading a CP-split caption's slots by local position (a bug tried once) moved them 4.4e-5
     for oracle, others, specs in ((results[0], results[1:3], full[1:]), (results[3], results[4:], lora[1:])):
         for spec, got in zip(specs, others):
             rel = relative_difference(oracle, got)
-            assert rel <= 1e-4, f"{spec}: weights differ by {rel:.2e} of the update"
+            assert rel <= 1e-5, f"{spec}: weights differ by {rel:.2e} of the update"
     ref = results[3]
     assert any(".lora_" in k for k in ref)
     assert all(torch.equal(ref[k], ref[f"__init__/{k}"]) for k in ref if not k.startswith("__") and ".lora_" not in k)
