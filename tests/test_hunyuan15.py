@@ -328,3 +328,69 @@ def test_layout_invariance_full_training_and_lora(hy_run_cfg, hy_lora_cfg):
     ref = results[3]
     assert any(".lora_" in k for k in ref)
     assert all(torch.equal(ref[k], ref[f"__init__/{k}"]) for k in ref if not k.startswith("__") and ".lora_" not in k)
+
+
+# --------------------------------------------------------------------------- latent cache
+
+
+def tiny_mllm(folder) -> None:
+    """A Qwen2.5-VL text model (random, 3 layers) and a byte-level tokenizer with a chat template,
+    saved as HunyuanVideo 1.5's text_encoder/ and tokenizer/ (nothing downloaded)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    for special in ("<|endoftext|>", "<|im_start|>", "<|im_end|>"):
+        vocab[special] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<|endoftext|>", chat_template=template,
+                            additional_special_tokens=["<|im_start|>", "<|im_end|>"]).save_pretrained(folder / "tokenizer")
+    torch.manual_seed(0)
+    config = Qwen2_5_VLTextConfig(vocab_size=len(vocab), hidden_size=16, intermediate_size=32, num_hidden_layers=3,
+                                  num_attention_heads=2, num_key_value_heads=1, bos_token_id=None, eos_token_id=None,
+                                  pad_token_id=None, rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1],
+                                                                      "rope_theta": 10000.0})
+    Qwen2_5_VLTextModel(config).save_pretrained(folder / "text_encoder")
+
+
+def test_latent_cache_with_hunyuan15_vae_and_mllm_then_train(tmp_path):
+    """tools.cache_latents with HunyuanVideo 1.5's VAE (16x spatial, 4x temporal, one scaling
+    factor) and its MLLM read as the pipeline does (chat template, third-to-last layer, crop);
+    hunyuan15 trains on the cache with the cached captions as text slots."""
+    pytest.importorskip("transformers")
+    from diffusers import AutoencoderKLHunyuanVideo15, HunyuanVideo15Pipeline
+    from transformers import AutoTokenizer, Qwen2_5_VLTextModel
+
+    from dit_train.__main__ import run_from_config
+    from dit_train.data_pipelines import latent_cache as lc
+    from dit_train.tools.cache_latents import main as cache_latents
+    from tests.test_video_folder import make_video_folder
+
+    torch.manual_seed(0)
+    AutoencoderKLHunyuanVideo15(latent_channels=4, block_out_channels=(8, 8, 8, 8, 8), layers_per_block=1,
+                                scaling_factor=2.0).save_pretrained(tmp_path / "hy" / "vae")
+    tiny_mllm(tmp_path / "hy")
+    src = make_video_folder(tmp_path / "videos", tmp_path / "src", n=3)
+    out = tmp_path / "latents"
+    assert cache_latents(["--vae", str(tmp_path / "hy"), "--text-encoder", str(tmp_path / "hy"), "--max-text-len", "24",
+                          "--out", str(out), "--no-progress", "model=hunyuan15_tiny", "data=video_folder", f"data.root={src}",
+                          f"data.cache_dir={tmp_path / 'c'}", "data.max_frames=5", "data.resolution_buckets=[[32,32]]"]) == 0
+    meta = lc.read_cache_info(out)
+    assert (meta["scale_factor_temporal"], meta["scale_factor_spatial"], meta["text_dim"]) == (4, 16, 16)
+    assert meta["latents_std"] == pytest.approx([0.5] * 4)  # HunyuanVideo15Pipeline: z · scaling_factor
+    # the cached caption is the pipeline's own prompt embedding, valid tokens only
+    ds = lc.LatentCacheDataset(out, (1, 1, 1))
+    item = ds[0]
+    model = Qwen2_5_VLTextModel.from_pretrained(str(tmp_path / "hy" / "text_encoder"))
+    emb, mask = HunyuanVideo15Pipeline._get_mllm_prompt_embeds(model, AutoTokenizer.from_pretrained(str(tmp_path / "hy" / "tokenizer")),
+                                                               item.caption, "cpu", tokenizer_max_length=24)
+    torch.testing.assert_close(item.text_emb.float(), emb[0][mask[0].bool()], rtol=1e-5, atol=1e-5)
+
+    cfg = compose_config([*(o for o in TINY if not o.startswith("data.")), "model=hunyuan15_tiny", "data=latent_cache",
+                          f"data.root={out}", "model.in_channels=4", "model.text_dim=16", "model.text_len=24",
+                          "model.patch_size=[1,1,1]", "model.rope_axes=[2,2,4]", "train.steps=1", "train.global_batch=2"])
+    cfg.run_dir = str(tmp_path / "run")
+    assert run_from_config(cfg)["steps"] == 1
