@@ -229,6 +229,20 @@ def hy_run_cfg(data_cache):
     return cfg
 
 
+def test_step_plan_counts_each_samples_text_slots(hy_run_cfg):
+    """A sample's length in the step plan bounds its pack tokens, text slots included, so packs
+    stay within train.micro_batch_tokens."""
+    from dit_train.tasks import build_task
+
+    c = hy_run_cfg
+    task = build_task(c.mode, c.data, c.model, c.loss, c.train.seed, cond=c.cond)
+    video = task.dataset.lengths()
+    assert task.lengths() == [n + c.model.text_len for n in video]
+    for i in range(4):
+        batch = task.build([i], step=0)
+        assert video[i] < batch.num_tokens <= task.lengths()[i]
+
+
 @pytest.fixture(scope="module")
 def pretrained_dir(hy_run_cfg, tmp_path_factory):
     """A diffusers folder with random weights of the run's shape (nothing downloaded)."""

@@ -131,7 +131,10 @@ class VideoTask:
         self.failure_reasons: dict[int, str] = {}  # ... and why (the first few name them in errors)
 
     def lengths(self) -> list[int]:
-        return self.dataset.lengths()
+        """Tokens of each sample in a pack (what the step plan fills micro-batches with): its
+        clip's, plus up to text_len caption slots for a joint-attention model (tasks/joint_text.py)."""
+        lengths = self.dataset.lengths()
+        return [n + self.text_len for n in lengths] if self.joint_text else lengths
 
     def null_caption(self) -> torch.Tensor:
         """[Lt, text_dim] embedding of the empty caption (dropout, and the CFG negative)."""
