@@ -112,7 +112,7 @@ def hunyuan15_rope(pos: torch.Tensor, axes: tuple[int, int, int], theta: float) 
     """Per-token (cos, sin) [L, head_dim] of HunyuanVideo15RotaryPosEmbed for patch positions
     [L, 3] (t, h, w): diffusers' own `get_1d_rotary_pos_embed` per axis on each token's
     coordinate, concatenated t|h|w, so the values equal its grid's."""
-    from diffusers.models.embeddings import get_1d_rotary_pos_embed
+    from diffusers.models.embeddings import get_1d_rotary_pos_embed  # deferred: diffusers takes ~2 s to import
 
     parts = [get_1d_rotary_pos_embed(d, pos[:, a].to(torch.float32), theta, use_real=True) for a, d in enumerate(axes)]
     return torch.cat([p[0] for p in parts], dim=1), torch.cat([p[1] for p in parts], dim=1)
