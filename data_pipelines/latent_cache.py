@@ -129,9 +129,13 @@ class VaeCodec:
 
 class TextEncoder:
     """Captions -> embeddings [Lt, text_dim] float32 of the valid tokens (no padding), with a
-    transformers tokenizer and encoder from local folders (T5 / UMT5 / mT5: encoder only)."""
+    transformers tokenizer and encoder from local folders (T5 / UMT5 / mT5: encoder only).
+    HunyuanVideo 1.5's MLLM (a Qwen2.5-VL text model) is read as its pipeline does: the prompt
+    in its chat template, the third-to-last hidden layer, the template's tokens cropped
+    (`HunyuanVideo15Pipeline._get_mllm_prompt_embeds` itself); max_length counts the caption's."""
 
     ENCODER_ONLY = {"t5": "T5EncoderModel", "mt5": "MT5EncoderModel", "umt5": "UMT5EncoderModel"}
+    MLLM = ("qwen2_5_vl_text",)  # HunyuanVideo 1.5's text encoder
 
     def __init__(self, path: str, tokenizer: str = "", max_length: int = 512, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, allow_pickle: bool = False):
@@ -149,9 +153,16 @@ class TextEncoder:
             model = model.get_encoder()
         self.model = model.to(self.device).eval()
         self.text_dim = int(getattr(config, "d_model", None) or config.hidden_size)
+        self.mllm = config.model_type in self.MLLM
 
     @torch.no_grad()
     def encode(self, caption: str) -> torch.Tensor:
+        if self.mllm:
+            from diffusers import HunyuanVideo15Pipeline  # deferred: diffusers takes ~2 s to import
+
+            emb, mask = HunyuanVideo15Pipeline._get_mllm_prompt_embeds(self.model, self.tokenizer, caption.strip(),
+                                                                       self.device, tokenizer_max_length=self.max_length)
+            return emb[0][mask[0].bool()].float().cpu().contiguous()
         enc = self.tokenizer([caption.strip()], max_length=self.max_length, truncation=True,
                              padding=False, return_attention_mask=True, return_tensors="pt")
         ids, mask = enc.input_ids.to(self.device), enc.attention_mask.to(self.device)

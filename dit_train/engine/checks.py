@@ -276,7 +276,7 @@ def lora_errors(m: Any) -> list[str]:
         default = DEFAULT_TARGETS.get(spec.name, ())
         e.append(f"model.lora.targets: {', '.join(map(repr, unmatched))} {'matches' if len(unmatched) == 1 else 'match'} no linear layer of model={m.name} "
                  f"(its layers end in {', '.join(kinds[:12])}{', ...' if len(kinds) > 12 else ''}); "
-                 f"[] = the default set [{','.join(default)}]")
+                 f"[] = the default set [{default if isinstance(default, str) else ','.join(default)}]")
     return e
 
 

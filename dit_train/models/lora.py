@@ -57,12 +57,16 @@ METADATA_KEY = "lora_adapter_metadata"  # diffusers' LORA_ADAPTER_METADATA_KEY
 # projections of every block, the set DiffSynth-Studio trains for Wan ("q,k,v,o,ffn.0,ffn.2"
 # in Wan's original names); finetrainers' Wan examples adapt attention only
 # (regex "blocks.*(to_q|to_k|to_v|to_out.0)"), available as targets=WAN_ATTENTION_TARGETS.
-DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
+DEFAULT_TARGETS: dict[str, tuple[str, ...] | str] = {
     "wan": ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"),
     "dit": ("attn.qkv", "attn.proj", "cross_attn.q", "cross_attn.kv", "cross_attn.proj", "mlp.fc1", "mlp.fc2"),
     "lm": ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"),
     # LTX-Video: the same set under its names (attn1/attn2 q/k/v/out and the feed-forward `ff`)
     "ltx": ("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"),
+    # HunyuanVideo 1.5: both streams of the double-stream blocks (video q/k/v/out and feed-forward,
+    # text add_*_proj/to_add_out and ff_context); a regex, so the token refiner's to_q/ff stay frozen
+    "hunyuan15": r"transformer_blocks\.\d+\.(.*\.)?(attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)"
+                 r"|ff\.net\.(0\.proj|2)|ff_context\.net\.(0\.proj|2))",
 }
 WAN_ATTENTION_TARGETS = r"blocks.*(to_q|to_k|to_v|to_out.0)"
 

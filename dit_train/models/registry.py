@@ -87,6 +87,9 @@ class ModelSpec:
     # subfolder of an export DIR the diffusers model goes in ("" = DIR; Wan 2.2 A14B's low-noise
     # expert: transformer_2, as its pipeline folder holds it)
     diffusers_subfolder: Callable[[Any], str] = lambda cfg: ""
+    # joint text-video attention: each clip's caption tokens are slots of the pack, weight 0
+    # (tasks/joint_text.py; the model reads them through its `text` argument)
+    joint_text: bool = False
     moe: bool = False  # builds mixture-of-experts blocks from `model.moe` (models/moe.py)
     # latent compression (t, h, w) of the family's VAE: the clip planner's default (tools.plan --frames)
     vae_stride: tuple[int, int, int] = (4, 8, 8)

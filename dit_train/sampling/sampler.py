@@ -42,6 +42,7 @@ from dit_train.parallel.mesh import ParallelContext
 from dit_train.rng import sample_generator
 from dit_train.tasks.captions import pad_contexts
 from dit_train.tasks.conditioning import ClipInputs, clip_inputs, input_tokens
+from dit_train.tasks.joint_text import join_text_tokens, video_rows
 from dit_train.tasks.video import model_context, num_patches, pack_clips, unpatchify
 from dit_train.kernels import VarlenLayout
 
@@ -165,6 +166,7 @@ class VideoSampler:
         self.stochastic = stochastic
         self.shifts = [sample_shift(shift, shift_reference_tokens, num_patches(r.shape, self.patch)) for r in requests]
         self.scheduler_cls = FlowMatchEulerDiscreteScheduler
+        self.joint_text = False  # the model's caption tokens are slots of the pack (set by `sample`)
 
     def schedulers(self) -> list[Any]:
         """One diffusers scheduler per clip (each keeps its own step counter), set to `steps`.
@@ -212,7 +214,9 @@ class VideoSampler:
         if self.control:  # after the concat channels, as in training (tasks/conditioning.input_tokens)
             fields["control"] = [c.to(xs[0].dtype) for c in controls]
         dims = {name: clips[0].shape[0] * math.prod(self.patch) for name, clips in fields.items()}
-        return pack_clips(fields, self.patch, dims, samples, torch.arange(len(xs)), per_token=per_token)
+        batch = pack_clips(fields, self.patch, dims, samples, torch.arange(len(xs)), per_token=per_token)
+        # a joint-attention model's caption tokens join each clip's run (tasks/joint_text.py)
+        return join_text_tokens(batch, samples["context_len"]) if self.joint_text and ctxs is not None else batch
 
     def _start(self) -> tuple[list[torch.Tensor], bool, list[torch.Tensor] | None]:
         """Each clip's starting noise (its own seeded stream), whether guidance runs (cfg), and the
@@ -234,6 +238,7 @@ class VideoSampler:
         scheds = self.schedulers()
         sigmas = [s.sigmas.tolist() for s in scheds]  # per clip: decreasing from 1 to 0, steps + 1 values
         was_training = model.training
+        self.joint_text = bool(getattr(model, "joint_text", False))
         model.eval()
         n = len(xs)
         sizes = [math.prod(self._grid(x.shape)) for x in xs]
@@ -248,8 +253,9 @@ class VideoSampler:
                                controls + controls if cfg else controls)
             with autocast():
                 v = predict_velocity(model, batch, self.ctx).cpu()
-            t_tok = batch.samples["t"][batch.seg.clamp_min(0)]  # [L] each token's clip noise level (no padding here)
-            v = velocity_from_output(v, batch.tokens["x"], t_tok, self.prediction, self.x0_min_t)
+            video = video_rows(batch)  # the clips' tokens in clip order (text slots dropped)
+            t_tok = batch.samples["t"][batch.seg[video].clamp_min(0)]  # [L] each token's clip noise level (no padding here)
+            v = velocity_from_output(v[video], batch.tokens["x"][video], t_tok, self.prediction, self.x0_min_t)
             for k in range(n):
                 vk = v[offsets[k]:offsets[k + 1]]
                 if cfg:

@@ -14,7 +14,9 @@ from dit_train.config import LossConfig, ModelConfig
 from dit_train.objectives.flow_matching import loss_weight, noisy_sample, per_token_mse, sample_shift, velocity_from_output
 from dit_train.tasks.captions import ByteCaptionEncoder, drop_caption, pad_contexts
 from dit_train.config.schema import cond_active, cond_channels
+from dit_train.models.registry import model_spec
 from dit_train.tasks.conditioning import Conditioner, input_tokens, masked
+from dit_train.tasks.joint_text import join_text_tokens
 
 
 def patchify(x: torch.Tensor, patch: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,11 +124,17 @@ class VideoTask:
         # features per token of the concat feed's channels (mask + conditioning frames); control's follow
         concat = cond_channels(cond, model_cfg.in_channels) - (model_cfg.in_channels if self.control else 0)
         self.cond_dim = concat * self.patch[0] * self.patch[1] * self.patch[2]
+        # a model with joint text-video attention gets each clip's caption tokens as slots of the
+        # pack (weight 0, outside T_b: tasks/joint_text.py)
+        self.joint_text = bool(self.text_dim) and model_spec(model_cfg).joint_text
         self.failed: set[int] = set()  # samples whose file could not be decoded (skipped, counted)
         self.failure_reasons: dict[int, str] = {}  # ... and why (the first few name them in errors)
 
     def lengths(self) -> list[int]:
-        return self.dataset.lengths()
+        """Tokens of each sample in a pack (what the step plan fills micro-batches with): its
+        clip's, plus up to text_len caption slots for a joint-attention model (tasks/joint_text.py)."""
+        lengths = self.dataset.lengths()
+        return [n + self.text_len for n in lengths] if self.joint_text else lengths
 
     def null_caption(self) -> torch.Tensor:
         """[Lt, text_dim] embedding of the empty caption (dropout, and the CFG negative)."""
@@ -190,6 +198,12 @@ class VideoTask:
         if self.text_dim:
             samples["context"], samples["context_len"] = pad_contexts(ctx, self.text_dim)
         ids = torch.tensor(kept, dtype=torch.long)
+        batch = self._pack(xs, targets, conds, clean, controls, weights, samples, ids)
+        return join_text_tokens(batch, samples["context_len"]) if self.joint_text else batch
+
+    def _pack(self, xs, targets, conds, clean, controls, weights, samples, ids) -> PackedBatch:
+        """The clips' fields packed (pack_clips): x and target, and what conditioning, masks and
+        control add."""
         if self.conditioner is None and not self.masks and not self.control:
             return pack_clips({"x": xs, "target": targets}, self.patch, self.patch_dim, samples, ids)
         fields, dims = {"x": xs, "target": targets}, {"x": self.patch_dim, "target": self.patch_dim}
@@ -228,4 +242,6 @@ def model_context(batch: PackedBatch) -> dict[str, torch.Tensor]:
         out = {"context": batch.samples["context"], "context_len": batch.samples["context_len"]}
     if "clean" in batch.tokens:
         out["clean"] = batch.tokens["clean"]
+    if "text" in batch.tokens:  # text slots of a joint-attention model (tasks/joint_text.py)
+        out["text"] = batch.tokens["text"]
     return out

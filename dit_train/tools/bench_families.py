@@ -1,7 +1,7 @@
 """Tokens/s of a diffusers video family on our packed path vs diffusers' own forward on a padded
 batch, forward + backward, at equal parameters (the same module, the same weights):
 
-    python -m dit_train.tools.bench_families [--family ltx] [--dim 256 --depth 4 --heads 4] [--reps 5] [--out FILE] [--quick]
+    python -m dit_train.tools.bench_families [--family ltx,hunyuan15] [--dim 256 --depth 4 --heads 4] [--reps 5] [--out FILE] [--quick]
 
 Workload `mixed`: clips of several shapes (heavy-tailed lengths, as bench_wan's). diffusers'
 transformer takes no self-attention mask, so a batch of different sizes must be zero-padded to
@@ -16,6 +16,7 @@ wall time and in CPU time of the process (robust to other load on a shared machi
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -25,7 +26,8 @@ import torch
 from dit_train.kernels import VarlenLayout
 from dit_train.models import build_model, init_weights, model_config, model_spec
 from dit_train.perf.bench import add_packed_vs_diffusers_args, format_table, interleaved_wall_and_cpu, median, write_json
-from dit_train.tasks.video import patchify
+from dit_train.tasks.joint_text import join_text_tokens, video_rows
+from dit_train.tasks.video import pack_clips
 
 TEXT_LEN = 16  # caption tokens per clip
 
@@ -54,30 +56,56 @@ def _ltx_call(model: Any, x: torch.Tensor, t: torch.Tensor, text: torch.Tensor, 
                  rope_interpolation_scale=tuple(cfg.rope_scale), return_dict=False)[0]
 
 
+def _hunyuan15_call(model: Any, x: torch.Tensor, t: torch.Tensor, text: torch.Tensor, cfg: Any) -> torch.Tensor:
+    """HunyuanVideo15Pipeline's text-to-video call: zero conditioning channels, every caption token
+    valid, no ByT5 tokens (mask 0), zero image embeddings."""
+    B = x.shape[0]
+    x = torch.cat([x, x.new_zeros(B, cfg.image_cond_channels, *x.shape[2:])], dim=1)
+    return model(x, t * 1000, text, torch.ones(text.shape[:2], dtype=torch.long),
+                 encoder_hidden_states_2=x.new_zeros(B, 1, cfg.text_2_dim),
+                 encoder_attention_mask_2=torch.zeros(B, 1, dtype=torch.long),
+                 image_embeds=x.new_zeros(B, 1, cfg.image_dim), return_dict=False)[0]
+
+
+def _hunyuan15_config(dim: int, depth: int, heads: int, text_dim: int) -> Any:
+    hd = dim // heads
+    t_axis = 2 * (hd // 8)  # RoPE channels t | h | w summing to the head width (HunyuanVideo 1.5: 16 | 56 | 56 of 128)
+    return model_config("hunyuan15", dim=dim, depth=depth, heads=heads, text_dim=text_dim, text_len=TEXT_LEN,
+                        in_channels=32, image_cond_channels=33, text_2_dim=32, image_dim=32, patch_size=[1, 1, 1],
+                        rope_axes=[t_axis, (hd - t_axis) // 2, (hd - t_axis) // 2], init="normal")
+
+
+MIXED = ((2, 8, 8),) * 6 + ((4, 8, 12),) * 3 + ((8, 12, 12),) * 2 + ((12, 16, 16),)
+QUICK = ((2, 4, 4),) * 2 + ((2, 4, 6), (4, 8, 8))
+
 FAMILIES = {
     "ltx": Family(channels=128, patch=(1, 1, 1),
                   config=lambda dim, depth, heads, text_dim: model_config(
                       "ltx", dim=dim, depth=depth, heads=heads, text_dim=text_dim, text_len=TEXT_LEN, in_channels=128,
                       patch_size=[1, 1, 1], init="normal"),
-                  padded_call=_ltx_call,
-                  shapes=((2, 8, 8),) * 6 + ((4, 8, 12),) * 3 + ((8, 12, 12),) * 2 + ((12, 16, 16),),
-                  quick_shapes=((2, 4, 4),) * 2 + ((2, 4, 6), (4, 8, 8))),
+                  padded_call=_ltx_call, shapes=MIXED, quick_shapes=QUICK),
+    # joint text-video attention: ours puts each clip's caption tokens into the pack (tasks/joint_text.py)
+    "hunyuan15": Family(channels=32, patch=(1, 1, 1), config=_hunyuan15_config, padded_call=_hunyuan15_call,
+                        shapes=MIXED, quick_shapes=QUICK),
 }
 
 
-def packed_inputs(fam: Family, shapes, text_dim: int, seed: int = 0):
-    """Our packed call's arguments for `shapes` and a random target."""
+def packed_inputs(fam: Family, shapes, text_dim: int, seed: int = 0, joint_text: bool = False):
+    """Our packed call's (arguments, keyword arguments) for `shapes` and a random target; with
+    joint_text each clip's TEXT_LEN caption tokens follow it in the pack (zero target there)."""
     g = torch.Generator().manual_seed(seed)
-    xs, pos, seg = [], [], []
-    for i, shape in enumerate(shapes):
-        tok, grid = patchify(torch.randn(fam.channels, *shape, generator=g), fam.patch)
-        xs.append(tok), pos.append(grid), seg.append(torch.full((tok.shape[0],), i))
-    seg_t = torch.cat(seg)
-    meta = VarlenLayout.build(seg_t, torch.cat([torch.arange(len(s)) for s in seg]), causal=False)
-    x, S = torch.cat(xs), len(shapes)
-    args = (x, torch.cat(pos), seg_t, torch.rand(S, generator=g), meta,
+    clips = [torch.randn(fam.channels, *shape, generator=g) for shape in shapes]
+    S = len(shapes)
+    batch = pack_clips({"x": clips}, fam.patch, fam.channels * math.prod(fam.patch), {}, torch.arange(S))
+    if joint_text:
+        batch = join_text_tokens(batch, torch.full((S,), TEXT_LEN))
+    meta = VarlenLayout.build(batch.seg, batch.order, causal=False)
+    x = batch.tokens["x"]
+    args = (x, batch.pos, batch.seg, torch.rand(S, generator=g), meta,
             torch.randn(S, TEXT_LEN, text_dim, generator=g), torch.full((S,), TEXT_LEN))
-    return args, torch.randn(x.shape, generator=g)
+    kwargs = {"text": batch.tokens["text"]} if joint_text else {}
+    target = torch.randn(x.shape, generator=g) * video_rows(batch)[:, None]
+    return args, kwargs, target
 
 
 def padded_inputs(fam: Family, shapes, text_dim: int, seed: int = 0):
@@ -102,12 +130,12 @@ def bench(family: str, a: argparse.Namespace) -> dict:
     theirs = model_spec(cfg).to_diffusers(ours.state_dict(), cfg)  # the same weights in diffusers' module
     params = {"ours": sum(p.numel() for p in ours.parameters()), "diffusers": sum(p.numel() for p in theirs.parameters())}
     shapes = list(fam.quick_shapes if a.quick else fam.shapes)
-    args, target = packed_inputs(fam, shapes, a.text_dim)
+    args, kwargs, target = packed_inputs(fam, shapes, a.text_dim, joint_text=model_spec(cfg).joint_text)
     x, t, text = padded_inputs(fam, shapes, a.text_dim)
 
     def run_ours():
         ours.zero_grad(set_to_none=True)
-        ((ours(*args) - target) ** 2).mean().backward()
+        ((ours(*args, **kwargs) - target) ** 2).mean().backward()
 
     def run_padded():
         theirs.zero_grad(set_to_none=True)
