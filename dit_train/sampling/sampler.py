@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from dit_train.batch import PackedBatch
-from dit_train.objectives.flow_matching import sample_shift, velocity_from_output
+from dit_train.objectives.flow_matching import PipelineShift, sample_shift, velocity_from_output
 from dit_train.parallel.context_parallel import split_for_cp
 from dit_train.parallel.mesh import ParallelContext
 from dit_train.rng import sample_generator
@@ -110,6 +110,12 @@ def source_requests(task: Any, source: Any, num: int) -> list[SampleRequest]:
     return dataset_requests(task, num, lambda i: source.fps(inner, i), lambda i: source.is_still(inner, i))
 
 
+def pipeline_shift(model_cfg: Any) -> PipelineShift | None:
+    """The token-count schedule of the model's diffusers pipeline when its config asks to sample
+    with it (LTX: model.pipeline_shift), else None (the run's loss.timestep_shift)."""
+    return model_cfg.pipeline_schedule() if hasattr(model_cfg, "pipeline_schedule") else None
+
+
 def sampling_boundary(model_cfg: Any) -> float:
     """The flow time where a model of two experts switches (Wan 2.2 A14B's model.expert=both:
     model.boundary_ratio), 0 for a model of one transformer."""
@@ -158,13 +164,15 @@ class VideoSampler:
     control: the run trained with cond.control: every request brings its `control` video.
     boundary, guidance_scale_2: a model of two experts switching at flow time `boundary` (0 =
     one model) guides clips below it with guidance_scale_2 (0 = guidance_scale), as WanPipeline.
+    pipeline: a diffusers pipeline's token-count schedule (LTXPipeline's, `PipelineShift`)
+    instead of `shift`: each clip's sigmas are the ones that pipeline uses for its token count.
     """
 
     def __init__(self, requests: list[SampleRequest], patch: tuple[int, int, int], text_dim: int,
                  null_caption: torch.Tensor | None, ctx: ParallelContext, steps: int, guidance_scale: float,
                  seed: int, shift: float = 1.0, shift_reference_tokens: int = 0, prediction: str = "velocity",
                  x0_min_t: float = 0.05, stochastic: bool = False, cond_feed: str = "", control: bool = False,
-                 guidance_scale_2: float = 0.0, boundary: float = 0.0):
+                 guidance_scale_2: float = 0.0, boundary: float = 0.0, pipeline: PipelineShift | None = None):
         from diffusers import FlowMatchEulerDiscreteScheduler  # deferred: diffusers takes ~2 s to import
 
         self.cond_feed, self.control = cond_feed, control
@@ -175,7 +183,10 @@ class VideoSampler:
         self.prediction, self.x0_min_t = prediction, x0_min_t  # what the model outputs (model.prediction)
         self.stochastic = stochastic
         self.guidance_2, self.boundary = guidance_scale_2 or guidance_scale, boundary
-        self.shifts = [sample_shift(shift, shift_reference_tokens, num_patches(r.shape, self.patch)) for r in requests]
+        self.pipeline = pipeline
+        tokens = [num_patches(r.shape, self.patch) for r in requests]
+        self.shifts = ([math.exp(pipeline.mu(math.prod(r.shape[1:]))) for r in requests] if pipeline is not None else
+                       [sample_shift(shift, shift_reference_tokens, n) for n in tokens])
         self.scheduler_cls = FlowMatchEulerDiscreteScheduler
 
     def schedulers(self) -> list[Any]:
@@ -187,7 +198,15 @@ class VideoSampler:
         explicitly because diffusers' default `set_timesteps(n)` with shift ≠ 1 starts from an
         already shifted lower end (its sigma_min is shifted in __init__) and so shifts that end
         twice. With shift 1 the sigmas are the default ones, bit for bit.
+
+        With `pipeline` (a PipelineShift) each clip's scheduler is the pipeline's own: its config
+        and set_timesteps(sigmas=linspace(1, 1/steps, steps), mu of the clip's size), as
+        LTXPipeline calls it, so the sigmas (shift_terminal stretch included) are the pipeline's.
+        The size is LTXPipeline's `video_sequence_length`: latent frames × height × width (the
+        tokens for LTX-Video's patch 1).
         """
+        if self.pipeline is not None:
+            return [self._pipeline_scheduler(math.prod(r.shape[1:])) for r in self.requests]
         plain = self.scheduler_cls(num_train_timesteps=1000)
         plain.set_timesteps(self.steps)
         grid = plain.sigmas[:-1].tolist()  # decreasing from 1, without the final 0
@@ -202,6 +221,12 @@ class VideoSampler:
         """The guidance scale of a clip at flow time t: guidance_scale_2 below the experts'
         boundary (WanPipeline's low-noise stage), else guidance_scale."""
         return self.guidance_2 if 0 < self.boundary and t < self.boundary else self.guidance
+
+    def _pipeline_scheduler(self, positions: int) -> Any:
+        sched = self.scheduler_cls(num_train_timesteps=1000, stochastic_sampling=self.stochastic,
+                                   **self.pipeline.scheduler_config())
+        sched.set_timesteps(sigmas=np.linspace(1.0, 1 / self.steps, self.steps), mu=self.pipeline.mu(positions))
+        return sched
 
     def _grid(self, shape: torch.Size) -> tuple[int, int, int]:
         pt, ph, pw = self.patch

@@ -12,7 +12,8 @@
 Weights: the run's EMA weights (weights_ema.safetensors) when it has them, else
 weights.safetensors; `--no-ema` forces the training weights, `--ema` requires the EMA ones.
 The time grid is shifted like the run's training (loss.timestep_shift, and per clip size with
-loss.shift_reference_tokens); `--shift S` samples every clip with shift S instead.
+loss.shift_reference_tokens), or for a model sampled with its pipeline's schedule (LTX with
+model.pipeline_shift) as that pipeline does; `--shift S` samples every clip with shift S instead.
 `--stochastic` / `--no-stochastic` picks diffusers' stochastic Euler step or the deterministic
 one (default: the run's train.stochastic_sampling).
 A run dir without exported weights uses its newest checkpoint. Prompts are encoded the way the
@@ -53,7 +54,7 @@ from dit_train.models.init import load_full_weights
 from dit_train.models.wan_experts import check_pair, ExpertPair
 from dit_train.parallel.mesh import init_parallel
 from dit_train.precision import autocast
-from dit_train.sampling import sampling_boundary, scored_view, source_requests, to_pixels, VideoSampler, write_samples
+from dit_train.sampling import pipeline_shift, sampling_boundary, scored_view, source_requests, to_pixels, VideoSampler, write_samples
 from dit_train.sampling.conditioned import (condition_on_clips, control_from_file, control_on_clips, given_from_files,
                                             given_latents_from_files, given_scores, sampler_feed, validation_task)
 from dit_train.sampling.prompts import prompt_requests, prompt_space
@@ -160,14 +161,15 @@ def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, 
             r.control = args.control_clip
     # the run's training shift (per clip size with loss.shift_reference_tokens) ...
     shift, reference = cfg.loss.timestep_shift, cfg.loss.shift_reference_tokens
+    pipeline = pipeline_shift(cfg.model)  # ... or the model's pipeline schedule (LTX: model.pipeline_shift) ...
     if args.shift is not None:  # ... unless --shift names one for every clip
-        shift, reference = args.shift, 0
+        shift, reference, pipeline = args.shift, 0, None
     sampler = VideoSampler(requests, tuple(cfg.model.patch_size), getattr(cfg.model, "text_dim", 0), null, ctx,
                            args.steps, args.guidance, args.seed, shift, reference,
                            prediction=getattr(cfg.model, "prediction", "velocity"), x0_min_t=getattr(cfg.model, "x0_min_t", 0.05),
                            stochastic=cfg.train.stochastic_sampling if args.stochastic is None else args.stochastic,
                            cond_feed=sampler_feed(cfg.cond), control=bool(cfg.cond.control),
-                           guidance_scale_2=args.guidance_scale_2, boundary=args.boundary)
+                           guidance_scale_2=args.guidance_scale_2, boundary=args.boundary, pipeline=pipeline)
     clips = sampler.sample(model, lambda: autocast(cfg.train.precision, ctx.device, False))
     if not ctx.is_main:
         return None
