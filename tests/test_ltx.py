@@ -379,3 +379,41 @@ def test_bench_families_quick_is_at_equal_parameters(tmp_path):
     assert res["params"]["ours"] == res["params"]["diffusers"]  # one module's weights, two forwards
     row = res["row"]
     assert row["ours_tok_s"] > 0 and row["padded_tok_s"] > 0 and row["padded_tokens"] > row["valid_tokens"]
+
+
+def test_pipeline_shift_gives_ltx_pipelines_sigmas_per_clip_size():
+    """model.pipeline_shift: our sampler's sigmas for each clip are the ones LTXPipeline uses for
+    that size (shift e^mu from the latent frames x height x width, stretched to end at
+    shift_terminal), read off the pipeline's scheduler after it sampled; two sizes, two
+    schedules."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, LTXPipeline
+
+    from dit_train.config.schema import ParallelConfig
+    from dit_train.models.ltx import to_diffusers
+    from dit_train.parallel.mesh import init_parallel
+    from dit_train.sampling import VideoSampler, pipeline_shift
+    from dit_train.sampling.sampler import SampleRequest
+
+    cfg = tiny_ltx_cfg(pipeline_shift=True, patch_size=[1, 1, 1])  # LTX-Video's patch
+    # LTX-Video's scheduler/scheduler_config.json (the model.* defaults)
+    config = dict(base_image_seq_len=1024, max_image_seq_len=4096, base_shift=0.95, max_shift=2.05, shift_terminal=0.1,
+                  use_dynamic_shifting=True)
+    pipe = LTXPipeline(scheduler=FlowMatchEulerDiscreteScheduler(**config), vae=None, text_encoder=None, tokenizer=None,
+                       transformer=to_diffusers(random_model(cfg).state_dict(), cfg))
+    shapes, steps = [(4, 2, 4, 6), (4, 2, 16, 40)], 5  # latents (C, F, H, W): 48 and 1280 positions
+    ctx = torch.randn(1, 6, 24, generator=torch.Generator().manual_seed(0))
+    theirs = []
+    for _, f, h, w in shapes:
+        pipe(prompt_embeds=ctx, prompt_attention_mask=torch.ones(1, 6), num_frames=8 * (f - 1) + 1, height=32 * h,
+             width=32 * w, num_inference_steps=steps, guidance_scale=1.0, output_type="latent")
+        theirs.append(pipe.scheduler.sigmas.clone())
+    requests = [SampleRequest(f"p{k}", s, "", ctx[0], noise_id=k) for k, s in enumerate(shapes)]
+    sampler = VideoSampler(requests, (1, 1, 1), 24, None, init_parallel(ParallelConfig(device="cpu")), steps, 1.0, 0,
+                           shift=3.0, pipeline=pipeline_shift(cfg))
+    ours = [s.sigmas for s in sampler.schedulers()]
+    for mine, ref in zip(ours, theirs):
+        torch.testing.assert_close(mine, ref, rtol=0, atol=0)
+        assert abs(float(mine[-2]) - 0.1) < 1e-6  # shift_terminal
+    assert (theirs[0] - theirs[1]).abs().max() > 0.05  # the size sets the schedule
+    fixed = VideoSampler(requests, (1, 1, 1), 24, None, sampler.ctx, steps, 1.0, 0, shift=3.0).schedulers()
+    assert (fixed[1].sigmas - theirs[1]).abs().max() > 0.05  # not the run's loss.timestep_shift

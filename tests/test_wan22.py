@@ -48,15 +48,15 @@ def test_ti2v_per_token_timesteps_match_diffusers_expand_timesteps():
             off += n
 
 
-def _sampled(model, shape, context, steps):
+def _sampled(model, shape, context, steps, guidance=1.0, guidance_2=0.0, boundary=0.0, null=None):
     from dit_train.config.schema import ParallelConfig
     from dit_train.parallel.mesh import init_parallel
     from dit_train.sampling import VideoSampler
     from dit_train.sampling.sampler import SampleRequest
 
     req = SampleRequest("p", shape, "", context, noise_id=0)
-    sampler = VideoSampler([req], (1, 2, 2), context.shape[-1], None, init_parallel(ParallelConfig(device="cpu")),
-                           steps, 1.0, 0)
+    sampler = VideoSampler([req], (1, 2, 2), context.shape[-1], null, init_parallel(ParallelConfig(device="cpu")),
+                           steps, guidance, 0, guidance_scale_2=guidance_2, boundary=boundary)
     return sampler.sample(model)[0]
 
 
@@ -83,6 +83,34 @@ def test_expert_pair_samples_like_wan_pipeline_with_transformer_2():
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
     for alone in (high, low):
         assert (_sampled(alone, shape, ctx, steps) - theirs).abs().max() > 1e-2
+
+
+def test_guidance_scale_2_samples_like_wan_pipeline():
+    """Classifier-free guidance with guidance_scale on the high-noise expert's steps and
+    guidance_scale_2 on the low-noise expert's (diffusers' WanPipeline semantics, its
+    negative_prompt_embeds = our null caption): the same latents; one scale for both differs."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, WanPipeline
+
+    from dit_train.rng import sample_generator
+
+    cfg = tiny_wan_cfg()
+    high, low = random_model(cfg, seed=1).eval(), random_model(cfg, seed=2).eval()
+    boundary, steps, shape = 0.6, 4, (4, 2, 4, 4)
+    g = torch.Generator().manual_seed(3)
+    ctx, null = torch.randn(cfg.text_len, 32, generator=g), torch.randn(cfg.text_len, 32, generator=g)
+    pair = ExpertPair(high, low, boundary)
+    ours = _sampled(pair, shape, ctx, steps, guidance=3.0, guidance_2=1.5, boundary=boundary, null=null)
+
+    pipe = WanPipeline(tokenizer=None, text_encoder=None, vae=None, scheduler=FlowMatchEulerDiscreteScheduler(),
+                       transformer=to_diffusers(high.state_dict(), cfg), transformer_2=to_diffusers(low.state_dict(), cfg),
+                       boundary_ratio=boundary)
+    noise = torch.randn(shape, generator=sample_generator(0, 0, 0, "sampling"))[None]
+    theirs = pipe(prompt_embeds=ctx[None], negative_prompt_embeds=null[None], num_frames=4 * (shape[1] - 1) + 1,
+                  height=8 * shape[2], width=8 * shape[3], num_inference_steps=steps, guidance_scale=3.0,
+                  guidance_scale_2=1.5, latents=noise, output_type="latent").frames[0]
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    same = _sampled(pair, shape, ctx, steps, guidance=3.0, boundary=boundary, null=null)  # guidance_scale_2 = 3
+    assert (same - theirs).abs().max() > 1e-3
 
 
 def test_expert_pair_picks_each_clips_expert_in_one_pack():
@@ -171,9 +199,34 @@ def test_expert_keys_are_checked():
     from dit_train.models import model_spec
 
     cfg = tiny_wan_cfg(expert="middle")
-    assert model_spec(cfg).checks(cfg) == ["model.expert='middle' must be high, low or empty (one transformer for every t)"]
+    assert model_spec(cfg).checks(cfg) == ["model.expert='middle' must be high, low, both or empty (one transformer "
+                                           "for every t)"]
     cfg = tiny_wan_cfg(expert="low")
     assert "needs model.boundary_ratio in (0, 1)" in model_spec(cfg).checks(cfg)[0]
+
+
+def test_both_experts_refuse_what_does_not_fit(tmp_path):
+    """model.expert=both: no boundary, a single transformer folder as its pretrained weights, a
+    --low-noise partner; --guidance-scale-2 for a model of one transformer: one line each."""
+    import argparse
+
+    from dit_train.models import model_spec
+    from dit_train.tools.sample import expert_boundary
+
+    cfg = tiny_wan_cfg(expert="both")
+    assert model_spec(cfg).checks(cfg) == ["model.expert=both needs model.boundary_ratio in (0, 1) (Wan 2.2 A14B "
+                                           "T2V: 0.875), got 0.0"]
+    cfg = tiny_wan_cfg(expert="both", boundary_ratio=0.875)
+    assert model_spec(cfg).checks(cfg) == []
+    (tmp_path / "config.json").write_text(json.dumps({}))
+    with pytest.raises(ValueError, match="is one transformer, but model.expert=both trains Wan 2.2 A14B's two experts"):
+        read_pretrained(str(tmp_path), cfg)
+    with pytest.raises(ValueError, match="b trained model.expert=both: it holds both experts"):
+        check_pair(tiny_wan_cfg(expert="high", boundary_ratio=0.875), cfg, "a", "b")
+    one = argparse.Namespace(model=tiny_wan_cfg(expert="high", boundary_ratio=0.875))
+    with pytest.raises(ValueError, match="--guidance-scale-2 guides Wan 2.2 A14B's low-noise expert"):
+        expert_boundary(argparse.Namespace(low_noise=None, guidance_scale_2=2.0), one)
+    assert expert_boundary(argparse.Namespace(low_noise=None, guidance_scale_2=2.0), argparse.Namespace(model=cfg)) == 0.875
 
 
 def test_wan22_vae_compresses_16x_in_the_latent_cache_codec(tmp_path):

@@ -15,6 +15,7 @@ from dit_train.checkpoint import safe_load
 from dit_train.checkpoint.store import read_checkpoint_info
 from dit_train.compose import load_config
 from dit_train.models import build_model, model_spec
+from dit_train.models.registry import component_state
 from dit_train.models.init import initialize
 from dit_train.models.lora import apply_lora, lora_settings, merged_state_dict, save_lora
 
@@ -58,7 +59,9 @@ def export_run_weights(model: nn.Module, ema: Any, model_cfg: Any, run_dir: str 
     weights.safetensors (and weights_ema.safetensors with EMA): the plain model's full fp32
     weights — for a LoRA run the base with the adapters merged in, so every tool loads it like
     any run's; and for LoRA runs lora/pytorch_lora_weights.safetensors (lora_ema/ for the EMA
-    adapters) in diffusers' LoRA format, loadable by WanPipeline.load_lora_weights."""
+    adapters) in diffusers' LoRA format, loadable by WanPipeline.load_lora_weights — one file per
+    diffusers transformer of the model (`run_lora_dirs`: Wan 2.2 A14B's two experts of a
+    model.expert=both run in lora/transformer/ and lora/transformer_2/)."""
     run_dir = Path(run_dir)
     full = full_state_dict(model)
     ema_sd = ema.full_state_dict() if ema is not None else None
@@ -70,11 +73,19 @@ def export_run_weights(model: nn.Module, ema: Any, model_cfg: Any, run_dir: str 
         if sd is None:
             continue
         if hasattr(inner, "peft_config"):
-            out.append(save_lora(inner, run_dir / f"lora{suffix}", model_spec(model_cfg).name, state_dict=sd))
+            for prefix, sub in run_lora_dirs(model_cfg, run_dir / f"lora{suffix}").items():
+                out.append(save_lora(inner, sub, model_spec(model_cfg).name, state_dict=sd, component=prefix))
             sd = merged_state_dict(inner, sd)
         save_safetensors(sd, run_dir / f"weights{suffix}.safetensors")
         out.append(run_dir / f"weights{suffix}.safetensors")
     return out
+
+
+def run_lora_dirs(model_cfg: Any, root: str | Path) -> dict[str, Path]:
+    """{state-dict prefix: folder of its LoRA file} under a run's lora/ (or lora_ema/): root
+    itself for a model of one transformer, root/<component> for each of several."""
+    parts = model_spec(model_cfg).components(model_cfg)
+    return {prefix: Path(root) / (sub if prefix else "") for prefix, sub in parts.items()}
 
 
 def initial_weights(cfg: Any) -> dict[str, torch.Tensor]:
@@ -127,11 +138,14 @@ def export_checkpoint(path: str | Path, out: str | Path, ema: bool = False) -> P
 
 def export_diffusers(cfg: Any, state_dict: dict[str, torch.Tensor], out_dir: str | Path) -> Path:
     """Write full weights as a diffusers model folder (`save_pretrained`: config.json +
-    safetensors), loadable with `from_pretrained`, for models whose spec can (model.name=wan)."""
+    safetensors), loadable with `from_pretrained`, for models whose spec can (model.name=wan);
+    each transformer of the model into its pipeline component (an A14B expert's subfolder).
+    Returns the folder written (out_dir itself when the model holds several)."""
     spec = model_spec(cfg.model)
     if spec.to_diffusers is None:
         raise ValueError(f"--diffusers exports models with a diffusers counterpart (model.name=wan); "
                          f"this run is model.name={cfg.model.name}")
-    out_dir = Path(out_dir) / spec.diffusers_subfolder(cfg.model)  # an A14B expert: its pipeline component
-    spec.to_diffusers(state_dict, cfg.model).save_pretrained(str(out_dir))
-    return out_dir
+    parts = spec.components(cfg.model)
+    for prefix, sub in parts.items():
+        spec.to_diffusers(component_state(state_dict, prefix), cfg.model).save_pretrained(str(Path(out_dir) / sub))
+    return Path(out_dir) / next(iter(parts.values())) if len(parts) == 1 else Path(out_dir)

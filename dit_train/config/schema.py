@@ -309,6 +309,9 @@ class TrainConfig:
     num_samples: int = 2  # clips per validation (the first readable clips: their sizes and captions)
     sample_steps: int = 20  # Euler steps of the flow-matching sampler
     guidance_scale: float = 1.0  # classifier-free guidance of validation videos (needs captions); 1 = off (conf/: 2)
+    # the low-noise expert's guidance (model.expert=both: clips below model.boundary_ratio, as
+    # WanPipeline's guidance_scale_2); 0 = train.guidance_scale
+    guidance_scale_2: float = 0.0
     # validation sampler: re-noise x̂0 to the next noise level with fresh noise at every step
     # (diffusers' stochastic_sampling) instead of the deterministic Euler step (docs/quality.md)
     stochastic_sampling: bool = False

@@ -105,6 +105,8 @@ def _train(cfg: Config, e: list[str]) -> None:
     _check(t.sample_steps >= 1 and t.num_samples >= 1,
            f"train.sample_steps={t.sample_steps} and train.num_samples={t.num_samples} must be >= 1", e)
     _check(t.guidance_scale >= 1.0, f"train.guidance_scale={t.guidance_scale} must be >= 1 (1 = no guidance)", e)
+    _check(t.guidance_scale_2 == 0 or t.guidance_scale_2 >= 1.0,
+           f"train.guidance_scale_2={t.guidance_scale_2} must be 0 (= train.guidance_scale) or >= 1", e)
     _check(cfg.launcher.max_restarts >= 0, f"launcher.max_restarts={cfg.launcher.max_restarts} must be >= 0", e)
     _check(not (cfg.launcher.max_restarts > 0 and t.ckpt_every == 0),
            "launcher.max_restarts > 0 restarts from the latest checkpoint, but train.ckpt_every=0 writes none; "

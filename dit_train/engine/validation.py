@@ -9,7 +9,7 @@ from typing import Any
 from dit_train.config import Config
 from dit_train.data_pipelines import source_for
 from dit_train.engine.build import Run
-from dit_train.sampling import scored_view, source_requests, to_pixels, VideoSampler, write_samples
+from dit_train.sampling import pipeline_shift, sampling_boundary, scored_view, source_requests, to_pixels, VideoSampler, write_samples
 from dit_train.sampling.conditioned import condition_on_clips, control_on_clips, given_scores, sampler_feed, validation_task
 
 
@@ -32,7 +32,8 @@ class Validation:
                                     t.guidance_scale, t.seed, cfg.loss.timestep_shift, cfg.loss.shift_reference_tokens,
                                     prediction=task.prediction, x0_min_t=task.x0_min_t,
                                     stochastic=t.stochastic_sampling, cond_feed=sampler_feed(cfg.cond),
-                                    control=task.control)
+                                    control=task.control, guidance_scale_2=t.guidance_scale_2,
+                                    boundary=sampling_boundary(cfg.model), pipeline=pipeline_shift(cfg.model))
         # rank 0 alone decodes (it alone writes): latents with the source's decoder, pixels as they are
         self.decode = self.source.decoder(run.ctx.device) if run.ctx.is_main else None
         self.latent = self.source.latent

@@ -208,13 +208,23 @@ def init_lora_weights_from_seed(model: nn.Module, seed: int) -> None:
 # --------------------------------------------------------------------------- export / import
 
 
-def _scales(model: nn.Module) -> dict[str, float]:
-    """{plain module name: alpha / r} of every adapted layer."""
-    return {plain_name(n): layer.scaling[ADAPTER] for n, layer in _lora_layers(model).items()}
+def _scales(model: nn.Module, component: str = "") -> dict[str, float]:
+    """{plain module name: alpha / r} of every adapted layer (under `component.`, the prefix
+    removed, when given)."""
+    scales = {plain_name(n): layer.scaling[ADAPTER] for n, layer in _lora_layers(model).items()}
+    return _under(scales, component)
+
+
+def _under(named: dict, component: str) -> dict:
+    """The entries of `named` under `component.` with it removed ("" = all): one transformer's
+    adapters of a model holding several (Wan 2.2 A14B's two experts, models/wan_experts.py)."""
+    if not component:
+        return named
+    return {k[len(component) + 1:]: v for k, v in named.items() if k.startswith(component + ".")}
 
 
 def lora_state_dict(model: nn.Module, model_kind: str = "wan", state_dict: dict[str, torch.Tensor] | None = None,
-                    fold_scale: bool = False) -> dict[str, torch.Tensor]:
+                    fold_scale: bool = False, component: str = "") -> dict[str, torch.Tensor]:
     """Adapter tensors in diffusers' LoRA format: `transformer.<module>.lora_A.weight` [r, in]
     and `transformer.<module>.lora_B.weight` [out, r], <module> the original module name
     (e.g. blocks.0.attn1.to_q for Wan; our DiT and LM the same under their own names: model_kind
@@ -228,13 +238,14 @@ def lora_state_dict(model: nn.Module, model_kind: str = "wan", state_dict: dict[
     but the state dict (from get_model_state_dict) does not.
     state_dict: the full state dict of a sharded model (get_model_state_dict(..., options=
     StateDictOptions(full_state_dict=True))); None = this plain model's own. fold_scale: store
-    B·alpha/r, to be read with alpha = r (see `lora_metadata`).
+    B·alpha/r, to be read with alpha = r (see `lora_metadata`). component: only the adapters
+    under this module prefix, without it (one expert of a model holding two; "" = all).
     """
     if model_kind not in DEFAULT_TARGETS:
         raise ValueError(f"model kind {model_kind!r} must be one of {sorted(DEFAULT_TARGETS)}")
     _config(model)
     sd = model.state_dict() if state_dict is None else state_dict
-    scales = _scales(model)
+    scales = _scales(model, component)
     out = {}
     for name, value in sd.items():
         if not is_lora_name(name) or f".{ADAPTER}." not in name:
@@ -243,6 +254,9 @@ def lora_state_dict(model: nn.Module, model_kind: str = "wan", state_dict: dict[
             raise ValueError("sharded state dict: pass get_model_state_dict(model, options=StateDictOptions("
                              "full_state_dict=True)) as state_dict")
         key = plain_lora_name(name)
+        if component and not key.startswith(component + "."):
+            continue
+        key = key[len(component) + 1:] if component else key
         value = value.detach().cpu().contiguous()
         if fold_scale and ".lora_B." in key:
             value = value * scales[key.split(".lora_B.")[0]]
@@ -252,30 +266,33 @@ def lora_state_dict(model: nn.Module, model_kind: str = "wan", state_dict: dict[
     return out
 
 
-def lora_metadata(model: nn.Module, fold_scale: bool = False) -> dict[str, object]:
+def lora_metadata(model: nn.Module, fold_scale: bool = False, component: str = "") -> dict[str, object]:
     """diffusers' adapter metadata: LoraConfig kwargs, keys prefixed `transformer.` (as its
     `_save_lora_weights` packs them; `load_lora_adapter` strips the prefix and builds
     LoraConfig(**kwargs) from them). target_modules = the exact adapted module names, so the
-    adapter lands on the same layers whatever patterns chose them; lora_alpha = r if folded."""
+    adapter lands on the same layers whatever patterns chose them; lora_alpha = r if folded;
+    component: those of one transformer (see `lora_state_dict`)."""
     config = _config(model)
     if config.use_rslora or config.rank_pattern or config.alpha_pattern:
         raise ValueError("export supports one rank and alpha for every layer, without rsLoRA")
     kwargs = {"r": config.r, "lora_alpha": config.r if fold_scale else config.lora_alpha,
-              "target_modules": sorted(plain_name(n) for n in _lora_layers(model)), "lora_dropout": config.lora_dropout,
+              "target_modules": sorted(_scales(model, component)), "lora_dropout": config.lora_dropout,
               "use_dora": False, "lora_bias": False, "init_lora_weights": True}
     return {f"{PREFIX}.{k}": v for k, v in kwargs.items()}
 
 
 def save_lora(model: nn.Module, out_dir: str | Path, model_kind: str = "wan",
-              state_dict: dict[str, torch.Tensor] | None = None, fold_scale: bool = False) -> Path:
+              state_dict: dict[str, torch.Tensor] | None = None, fold_scale: bool = False,
+              component: str = "") -> Path:
     """Write out_dir/pytorch_lora_weights.safetensors (lora_state_dict + lora_metadata in the
-    header), loadable with `WanPipeline.load_lora_weights(out_dir)`. Returns the file."""
+    header), loadable with `WanPipeline.load_lora_weights(out_dir)`. Returns the file.
+    component: the adapters of one transformer of the model (see `lora_state_dict`)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / WEIGHT_NAME
     tmp = path.with_suffix(".tmp")
-    header = {"format": "pt", METADATA_KEY: json.dumps(lora_metadata(model, fold_scale), sort_keys=True)}
-    save_file(lora_state_dict(model, model_kind, state_dict, fold_scale), str(tmp), metadata=header)
+    header = {"format": "pt", METADATA_KEY: json.dumps(lora_metadata(model, fold_scale, component), sort_keys=True)}
+    save_file(lora_state_dict(model, model_kind, state_dict, fold_scale, component), str(tmp), metadata=header)
     tmp.replace(path)  # atomic: a reader never sees half a file
     return path
 

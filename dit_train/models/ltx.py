@@ -43,6 +43,7 @@ from dit_train.config.schema import VideoModelConfig
 from dit_train.kernels import LocalAttention, packed_cross_attention
 from dit_train.models.registry import ActivationModel, ModelSpec, register_model
 from dit_train.models.wan import NUM_TRAIN_TIMESTEPS, PackedContext, PackedRope
+from dit_train.objectives.flow_matching import PipelineShift
 
 DIFFUSERS_CLASS = "LTXVideoTransformer3DModel"
 # LTXVideoRotaryPosEmbed's normalisation of coordinates (fixed in LTXVideoTransformer3DModel)
@@ -65,6 +66,21 @@ class LTXConfig(VideoModelConfig):
     # model.pretrained must hold safetensors weights (a pickle can run code on load); true also
     # accepts .bin/.pt weights from a source you trust
     allow_pickle_weights: bool = False
+    # sampling (validation, tools.sample) with LTXPipeline's schedule instead of loss.timestep_shift:
+    # shift e^mu, mu linear in the clip's token count from base_shift at base_seq_len to max_shift
+    # at max_seq_len, the sigmas stretched to end at shift_terminal (LTX-Video's scheduler_config.json)
+    pipeline_shift: bool = False
+    base_shift: float = 0.95
+    max_shift: float = 2.05
+    base_seq_len: int = 1024
+    max_seq_len: int = 4096
+    shift_terminal: float = 0.1
+
+    def pipeline_schedule(self) -> PipelineShift | None:
+        """LTXPipeline's token-count schedule when model.pipeline_shift, else None."""
+        if not self.pipeline_shift:
+            return None
+        return PipelineShift(self.base_shift, self.max_shift, self.base_seq_len, self.max_seq_len, self.shift_terminal)
 
 
 # Key of our config for each LTXVideoTransformer3DModel config key (for clear mismatch errors).
@@ -295,6 +311,9 @@ def _checks(cfg: LTXConfig) -> list[str]:
         ltx_config(cfg)
     except ValueError as err:
         return [str(err)]
+    if cfg.pipeline_shift and not (0 < cfg.base_seq_len < cfg.max_seq_len and 0 <= cfg.shift_terminal < 1):
+        return [f"model.pipeline_shift needs 0 < model.base_seq_len < model.max_seq_len (got {cfg.base_seq_len}, "
+                f"{cfg.max_seq_len}) and model.shift_terminal in [0, 1) (got {cfg.shift_terminal})"]
     return pretrained_mismatch(cfg.pretrained, cfg) if cfg.pretrained else []
 
 

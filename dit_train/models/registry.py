@@ -84,9 +84,11 @@ class ModelSpec:
     pretrained: Callable[[Any], dict] | None = None
     # a diffusers model holding a full state dict (for `export_weights --diffusers`); None = not supported
     to_diffusers: Callable[[dict, Any], Any] | None = None
-    # subfolder of an export DIR the diffusers model goes in ("" = DIR; Wan 2.2 A14B's low-noise
-    # expert: transformer_2, as its pipeline folder holds it)
-    diffusers_subfolder: Callable[[Any], str] = lambda cfg: ""
+    # {state-dict prefix: subfolder of an export DIR} of the diffusers models the model holds
+    # ("" = the whole state dict / DIR itself; Wan 2.2 A14B's low-noise expert {"": "transformer_2"},
+    # as its pipeline folder holds it; both experts in one run {"transformer": "transformer",
+    # "transformer_2": "transformer_2"}): full-weight exports and LoRA files, one per component
+    components: Callable[[Any], dict[str, str]] = lambda cfg: {"": ""}
     # joint text-video attention: each clip's caption tokens are slots of the pack, weight 0
     # (tasks/joint_text.py; the model reads them through its `text` argument)
     joint_text: bool = False
@@ -106,3 +108,10 @@ def register_model(spec: ModelSpec) -> ModelSpec:
 def model_spec(cfg: Any) -> ModelSpec:
     """The spec of a model config (by its `name`)."""
     return MODELS[cfg.name]
+
+
+def component_state(state_dict: dict, prefix: str) -> dict:
+    """The entries of `state_dict` under `prefix.` with it removed ("" = all of them)."""
+    if not prefix:
+        return state_dict
+    return {k[len(prefix) + 1:]: v for k, v in state_dict.items() if k.startswith(prefix + ".")}

@@ -28,6 +28,7 @@ No parallelism here (no torch.distributed).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +41,8 @@ from torch import nn
 from dit_train.config.choices import Mode
 from dit_train.config.schema import VideoModelConfig
 from dit_train.models.registry import ActivationModel, ModelSpec, register_model
-from dit_train.models.wan_experts import diffusers_subfolder, expert_checks, pretrained_folder, timestep_range
+from dit_train.models.wan_experts import (BOTH, components, expert_blocks, expert_checks, ExpertPair, experts_of,
+                                         pretrained_folder, sampling_boundary, SUBFOLDER, timestep_range)
 from dit_train.kernels import LocalAttention, packed_cross_attention
 
 log = logging.getLogger(__name__)
@@ -70,13 +72,18 @@ class WanConfig(VideoModelConfig):
     vae_stride: List[int] = field(default_factory=lambda: [4, 8, 8])
     # Wan 2.2 A14B: which of the two experts this run trains (models/wan_experts.py). "" = one
     # transformer for every t; high = diffusers' `transformer` (t >= boundary_ratio), low =
-    # `transformer_2` (t < boundary_ratio): its flow times are drawn in that range
+    # `transformer_2` (t < boundary_ratio): its flow times are drawn in that range; both = the
+    # two in one run, each clip trained by the expert its drawn t selects
     expert: str = ""
     boundary_ratio: float = 0.0  # diffusers' WanPipeline boundary_ratio (A14B T2V: 0.875); used with model.expert
 
     def timestep_range(self) -> tuple[float, float]:
         """(lo, hi) of the flow times this model trains on (tasks/video.py draws them there)."""
         return timestep_range(self)
+
+    def sampling_boundary(self) -> float:
+        """The flow time where this model's own sampling switches experts (0 = never)."""
+        return sampling_boundary(self)
 
 # Wan's time embedding was trained on scheduler timesteps t·num_train_timesteps.
 NUM_TRAIN_TIMESTEPS = 1000.0
@@ -270,10 +277,23 @@ class PackedWan(nn.Module):
 # --------------------------------------------------------------------------- diffusers folders
 
 
+def build_wan(cfg: WanConfig, backend: str = "sdpa") -> nn.Module:
+    """PackedWan, or for model.expert=both an ExpertPair of two (models/wan_experts.py)."""
+    if cfg.expert == BOTH:
+        return ExpertPair(PackedWan(cfg, backend), PackedWan(cfg, backend), cfg.boundary_ratio)
+    return PackedWan(cfg, backend)
+
+
 def read_pretrained(path: str, cfg: WanConfig) -> dict[str, torch.Tensor]:
     """fp32 CPU state dict of the diffusers folder `path` (WanTransformer3DModel), after
-    checking its shape against `cfg` (error names the keys to set)."""
+    checking its shape against `cfg` (error names the keys to set). model.expert=both: both
+    experts' subfolders of a pipeline folder, under the prefixes transformer. / transformer_2."""
     from diffusers import WanTransformer3DModel  # deferred: diffusers takes ~2 s to import; only Wan models need it
+
+    if cfg.expert == BOTH:
+        pretrained_folder(path, cfg)  # refuses a single transformer folder and another boundary
+        return {f"{sub}.{k}": v for expert, sub in SUBFOLDER.items()
+                for k, v in read_pretrained(path, dataclasses.replace(cfg, expert=expert)).items()}
 
     folder = pretrained_folder(path, cfg)  # a whole pipeline folder: its transformer (or an A14B expert's)
     try:
@@ -343,7 +363,7 @@ def _block_linears(b: nn.Module) -> list[nn.Module]:
 
 
 register_model(ModelSpec(
-    name="wan", config=WanConfig, mode=Mode.video, build=lambda cfg, backend="sdpa": PackedWan(cfg, backend),
+    name="wan", config=WanConfig, mode=Mode.video, build=build_wan, blocks=expert_blocks,
     checks=_checks,
     # measured with saved_tensors_hooks on diffusers' WanTransformerBlock run by PackedWan at
     # d = 64 and 128 (tests/test_planner.py re-measures every registered model): its FP32LayerNorms
@@ -351,9 +371,10 @@ register_model(ModelSpec(
     activations=lambda cfg: ActivationModel(fp32_d=32.4, autocast_f32_d=16, autocast_lp_d=20.5, outside_d=6,
                                             selective_d=10.5),
     block_linears=_block_linears,
-    io_linears=lambda m: [m.patch_embedding, m.proj_out],
+    # model.expert=both runs both experts on every token (models/wan_experts.py): twice the matmuls
+    io_linears=lambda m: [lin for e in experts_of(m) for lin in (e.patch_embedding, e.proj_out)],
     io_dim=lambda cfg: (cfg.in_channels + cfg.cond_channels) * cfg.patch_size[0] * cfg.patch_size[1] * cfg.patch_size[2],
     hidden=_ffn,
     pretrained=lambda cfg: read_pretrained(cfg.pretrained, cfg), to_diffusers=to_diffusers,
-    diffusers_subfolder=diffusers_subfolder,
+    components=components,
 ))

@@ -5,6 +5,7 @@ t is the noise level (t = 1 pure noise), the same quantity as diffusers' `sigma`
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -73,6 +74,32 @@ def sample_shift(shift: float, reference_tokens: int, tokens: int) -> float:
     holds, and the sampler gives every clip the shift of its own size.
     """
     return shift * math.sqrt(tokens / reference_tokens) if reference_tokens > 0 else shift
+
+
+@dataclass(frozen=True)
+class PipelineShift:
+    """A diffusers pipeline's token-count-dependent schedule (LTXPipeline, Flux): the sigmas
+    linspace(1, 1/n, n) shifted by s = e^mu with mu linear in the clip's token count, from
+    base_shift at base_seq_len to max_shift at max_seq_len (diffusers' `calculate_shift`), then
+    stretched so that the last one is shift_terminal (0 = not stretched): the
+    FlowMatchEulerDiscreteScheduler config keys of the same names (use_dynamic_shifting)."""
+
+    base_shift: float
+    max_shift: float
+    base_seq_len: int
+    max_seq_len: int
+    shift_terminal: float = 0.0
+
+    def mu(self, tokens: int) -> float:
+        """diffusers' calculate_shift(tokens, base_seq_len, max_seq_len, base_shift, max_shift)."""
+        m = (self.max_shift - self.base_shift) / (self.max_seq_len - self.base_seq_len)
+        return tokens * m + self.base_shift - m * self.base_seq_len
+
+    def scheduler_config(self) -> dict:
+        """FlowMatchEulerDiscreteScheduler(**this) computes the schedule from set_timesteps(sigmas, mu)."""
+        return dict(use_dynamic_shifting=True, base_shift=self.base_shift, max_shift=self.max_shift,
+                    base_image_seq_len=self.base_seq_len, max_image_seq_len=self.max_seq_len,
+                    shift_terminal=self.shift_terminal or None)
 
 
 def loss_weight(t: torch.Tensor, scheme: str) -> torch.Tensor:

@@ -14,7 +14,9 @@ so it too is the same on every layout), shifted like training (`loss.timestep_sh
 with `loss.shift_reference_tokens` each clip by the shift of its own token count: see
 `schedulers`).
 With `guidance_scale` > 1 and captions, each clip is packed twice — with its caption and with
-the empty caption — and v = v_uncond + g·(v_cond − v_uncond) (classifier-free guidance).
+the empty caption — and v = v_uncond + g·(v_cond − v_uncond) (classifier-free guidance). A
+model of two experts (Wan 2.2 A14B, `boundary` > 0) takes g = `guidance_scale` while a clip's
+t >= boundary (the high-noise expert) and `guidance_scale_2` below, as diffusers' WanPipeline.
 A conditioned model (`cond_feed`, tasks/conditioning.py) gets each request's given frames at
 every step: with the timestep feed they are put back clean (x = the given frames, timestep 0)
 before every model call and in the result; with the concat feed they arrive as the extra input
@@ -36,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from dit_train.batch import PackedBatch
-from dit_train.objectives.flow_matching import sample_shift, velocity_from_output
+from dit_train.objectives.flow_matching import PipelineShift, sample_shift, velocity_from_output
 from dit_train.parallel.context_parallel import split_for_cp
 from dit_train.parallel.mesh import ParallelContext
 from dit_train.rng import sample_generator
@@ -109,6 +111,18 @@ def source_requests(task: Any, source: Any, num: int) -> list[SampleRequest]:
     return dataset_requests(task, num, lambda i: source.fps(inner, i), lambda i: source.is_still(inner, i))
 
 
+def pipeline_shift(model_cfg: Any) -> PipelineShift | None:
+    """The token-count schedule of the model's diffusers pipeline when its config asks to sample
+    with it (LTX: model.pipeline_shift), else None (the run's loss.timestep_shift)."""
+    return model_cfg.pipeline_schedule() if hasattr(model_cfg, "pipeline_schedule") else None
+
+
+def sampling_boundary(model_cfg: Any) -> float:
+    """The flow time where a model of two experts switches (Wan 2.2 A14B's model.expert=both:
+    model.boundary_ratio), 0 for a model of one transformer."""
+    return model_cfg.sampling_boundary() if hasattr(model_cfg, "sampling_boundary") else 0.0
+
+
 @torch.no_grad()
 def predict_velocity(model: torch.nn.Module, batch: PackedBatch, ctx: ParallelContext) -> torch.Tensor:
     """The model's output for every token of a full pack: [L, patch_dim] on every rank (the
@@ -149,12 +163,17 @@ class VideoSampler:
     (docs/quality.md has the measurements).
     cond_feed: the run's cond.feed when it trained conditioned ("timestep" | "concat"), "" when not.
     control: the run trained with cond.control: every request brings its `control` video.
+    boundary, guidance_scale_2: a model of two experts switching at flow time `boundary` (0 =
+    one model) guides clips below it with guidance_scale_2 (0 = guidance_scale), as WanPipeline.
+    pipeline: a diffusers pipeline's token-count schedule (LTXPipeline's, `PipelineShift`)
+    instead of `shift`: each clip's sigmas are the ones that pipeline uses for its token count.
     """
 
     def __init__(self, requests: list[SampleRequest], patch: tuple[int, int, int], text_dim: int,
                  null_caption: torch.Tensor | None, ctx: ParallelContext, steps: int, guidance_scale: float,
                  seed: int, shift: float = 1.0, shift_reference_tokens: int = 0, prediction: str = "velocity",
-                 x0_min_t: float = 0.05, stochastic: bool = False, cond_feed: str = "", control: bool = False):
+                 x0_min_t: float = 0.05, stochastic: bool = False, cond_feed: str = "", control: bool = False,
+                 guidance_scale_2: float = 0.0, boundary: float = 0.0, pipeline: PipelineShift | None = None):
         from diffusers import FlowMatchEulerDiscreteScheduler  # deferred: diffusers takes ~2 s to import
 
         self.cond_feed, self.control = cond_feed, control
@@ -164,7 +183,11 @@ class VideoSampler:
         self.ctx, self.steps, self.guidance, self.seed, self.shift = ctx, steps, guidance_scale, seed, shift
         self.prediction, self.x0_min_t = prediction, x0_min_t  # what the model outputs (model.prediction)
         self.stochastic = stochastic
-        self.shifts = [sample_shift(shift, shift_reference_tokens, num_patches(r.shape, self.patch)) for r in requests]
+        self.guidance_2, self.boundary = guidance_scale_2 or guidance_scale, boundary
+        self.pipeline = pipeline
+        tokens = [num_patches(r.shape, self.patch) for r in requests]
+        self.shifts = ([math.exp(pipeline.mu(math.prod(r.shape[1:]))) for r in requests] if pipeline is not None else
+                       [sample_shift(shift, shift_reference_tokens, n) for n in tokens])
         self.scheduler_cls = FlowMatchEulerDiscreteScheduler
         self.joint_text = False  # the model's caption tokens are slots of the pack (set by `sample`)
 
@@ -177,7 +200,15 @@ class VideoSampler:
         explicitly because diffusers' default `set_timesteps(n)` with shift ≠ 1 starts from an
         already shifted lower end (its sigma_min is shifted in __init__) and so shifts that end
         twice. With shift 1 the sigmas are the default ones, bit for bit.
+
+        With `pipeline` (a PipelineShift) each clip's scheduler is the pipeline's own: its config
+        and set_timesteps(sigmas=linspace(1, 1/steps, steps), mu of the clip's size), as
+        LTXPipeline calls it, so the sigmas (shift_terminal stretch included) are the pipeline's.
+        The size is LTXPipeline's `video_sequence_length`: latent frames × height × width (the
+        tokens for LTX-Video's patch 1).
         """
+        if self.pipeline is not None:
+            return [self._pipeline_scheduler(math.prod(r.shape[1:])) for r in self.requests]
         plain = self.scheduler_cls(num_train_timesteps=1000)
         plain.set_timesteps(self.steps)
         grid = plain.sigmas[:-1].tolist()  # decreasing from 1, without the final 0
@@ -187,6 +218,17 @@ class VideoSampler:
             sched.set_timesteps(sigmas=grid)
             out.append(sched)
         return out
+
+    def guidance_at(self, t: float) -> float:
+        """The guidance scale of a clip at flow time t: guidance_scale_2 below the experts'
+        boundary (WanPipeline's low-noise stage), else guidance_scale."""
+        return self.guidance_2 if 0 < self.boundary and t < self.boundary else self.guidance
+
+    def _pipeline_scheduler(self, positions: int) -> Any:
+        sched = self.scheduler_cls(num_train_timesteps=1000, stochastic_sampling=self.stochastic,
+                                   **self.pipeline.scheduler_config())
+        sched.set_timesteps(sigmas=np.linspace(1.0, 1 / self.steps, self.steps), mu=self.pipeline.mu(positions))
+        return sched
 
     def _grid(self, shape: torch.Size) -> tuple[int, int, int]:
         pt, ph, pw = self.patch
@@ -222,7 +264,7 @@ class VideoSampler:
         """Each clip's starting noise (its own seeded stream), whether guidance runs (cfg), and the
         contexts of one call: the captions, then the null caption per clip when guided."""
         xs = [torch.randn(r.shape, generator=sample_generator(self.seed, r.noise_id, 0, "sampling")) for r in self.requests]
-        cfg = self.guidance > 1.0 and self.text_dim > 0
+        cfg = max(self.guidance, self.guidance_2 if self.boundary > 0 else 1.0) > 1.0 and self.text_dim > 0
         ctxs = None
         if self.text_dim:
             ctxs = [r.context for r in self.requests]
@@ -260,7 +302,7 @@ class VideoSampler:
                 vk = v[offsets[k]:offsets[k + 1]]
                 if cfg:
                     vu = v[offsets[n + k]:offsets[n + k + 1]]
-                    vk = vu + self.guidance * (vk - vu)
+                    vk = vu + self.guidance_at(ts[k]) * (vk - vu)
                 vel = unpatchify(vk, self._grid(xs[k].shape), self.patch, xs[k].shape[0])
                 # step i draws its noise from step i + 1 of the stream (step 0 drew the start)
                 gen = sample_generator(self.seed, self.requests[k].noise_id, i + 1, "sampling") if self.stochastic else None

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from dit_train.checkpoint import checkpoint_weights, export_diffusers, find_checkpoint, save_safetensors
-from dit_train.checkpoint.export import checkpoint_model, initial_weights, load_safetensors
+from dit_train.checkpoint.export import checkpoint_model, initial_weights, load_safetensors, run_lora_dirs
 from dit_train.compose import load_config
 from dit_train.config.errors import CheckpointError
 from dit_train.models import model_spec
@@ -46,6 +46,15 @@ from dit_train.tools.args import ToolParser
 def _lora(cfg: Any, args: argparse.Namespace) -> bool:
     """The adapters are wanted (a LoRA run without --merge-lora)."""
     return cfg.model.lora.rank > 0 and not args.merge_lora
+
+
+def _lora_dests(cfg: Any, root: Path, args: argparse.Namespace) -> dict[str, Path]:
+    """{state-dict prefix: folder its LoRA file goes to}: with --diffusers DIR each transformer's
+    pipeline component (an A14B expert's subfolder), else root's layout of the run's own lora/."""
+    if args.diffusers:
+        parts = model_spec(cfg.model).components(cfg.model)
+        return {prefix: Path(args.diffusers) / sub for prefix, sub in parts.items()}
+    return run_lora_dirs(cfg.model, root)
 
 
 def _full_weights(cfg: Any, sd: dict, args: argparse.Namespace, default: Path) -> Path:
@@ -78,10 +87,10 @@ def _from_checkpoint(ckpt: Path, args: argparse.Namespace) -> Path:
     suffix = "_ema" if args.ema else ""
     if _lora(cfg, args):
         _, model = checkpoint_model(ckpt, args.ema)
-        out = Path(args.out) if args.out else ckpt / f"lora{suffix}"
-        if args.diffusers:  # an A14B expert's adapters go where its pipeline component goes
-            out = Path(args.diffusers) / model_spec(cfg.model).diffusers_subfolder(cfg.model)
-        return save_lora(model, out, model_spec(cfg.model).name)
+        root = Path(args.out) if args.out else ckpt / f"lora{suffix}"
+        written = [save_lora(model, out, model_spec(cfg.model).name, component=prefix)
+                   for prefix, out in _lora_dests(cfg, root, args).items()]
+        return written[0] if len(written) == 1 else root if not args.diffusers else Path(args.diffusers)
     return _full_weights(cfg, checkpoint_weights(ckpt, args.ema)[1], args, ckpt / f"weights{suffix}.safetensors")
 
 
@@ -94,20 +103,24 @@ def _from_run_files(run: Path, args: argparse.Namespace) -> Path | None:
                                 f"run's weights.safetensors with --diffusers DIR")
     cfg = load_config(run)
     suffix = "_ema" if args.ema else ""
-    src = run / (f"lora{suffix}/{WEIGHT_NAME}" if _lora(cfg, args) else f"weights{suffix}.safetensors")
-    if not src.is_file():
-        raise FileNotFoundError(f"{src} is missing" + (" (the run has no EMA weights): drop --ema" if args.ema else ""))
+    lora_dirs = run_lora_dirs(cfg.model, run / f"lora{suffix}")
+    srcs = [d / WEIGHT_NAME for d in lora_dirs.values()] if _lora(cfg, args) else [run / f"weights{suffix}.safetensors"]
+    for src in srcs:
+        if not src.is_file():
+            raise FileNotFoundError(f"{src} is missing" + (" (the run has no EMA weights): drop --ema" if args.ema else ""))
     dest = args.diffusers or args.out
     if dest is None:
-        print(f"{run} has no checkpoint; its export is already at {src} (give --out or --diffusers to write it "
+        where = srcs[0] if len(srcs) == 1 else run / f"lora{suffix}"
+        print(f"{run} has no checkpoint; its export is already at {where} (give --out or --diffusers to write it "
               f"elsewhere)")
         return None
-    if _lora(cfg, args):  # the file is already in diffusers' LoRA format: DIR/pytorch_lora_weights.safetensors
-        if args.diffusers:  # an A14B expert's adapters go where its pipeline component goes
-            dest = Path(dest) / model_spec(cfg.model).diffusers_subfolder(cfg.model)
-        Path(dest).mkdir(parents=True, exist_ok=True)
-        return Path(shutil.copyfile(src, Path(dest) / WEIGHT_NAME))
-    return _full_weights(cfg, load_safetensors(src), args, run / src.name)
+    if _lora(cfg, args):  # the files are already in diffusers' LoRA format: DIR/pytorch_lora_weights.safetensors
+        written = []
+        for prefix, out in _lora_dests(cfg, Path(dest), args).items():
+            out.mkdir(parents=True, exist_ok=True)
+            written.append(Path(shutil.copyfile(lora_dirs[prefix] / WEIGHT_NAME, out / WEIGHT_NAME)))
+        return written[0] if len(written) == 1 else Path(dest)
+    return _full_weights(cfg, load_safetensors(srcs[0]), args, run / srcs[0].name)
 
 
 def export(args: argparse.Namespace) -> tuple[Path | None, Path]:

@@ -7,11 +7,13 @@
     python -m dit_train.tools.sample RUN_DIR --prompt "..." --shift 3                   # another timestep shift
     python -m dit_train.tools.sample RUN_DIR --data-captions 48          # the run's validation, on 48 clips
     python -m dit_train.tools.sample HIGH_RUN --low-noise LOW_RUN --prompt "..."   # Wan 2.2 A14B's two experts
+    python -m dit_train.tools.sample BOTH_RUN --prompt "..." --guidance 4 --guidance-scale-2 3   # model.expert=both
 
 Weights: the run's EMA weights (weights_ema.safetensors) when it has them, else
 weights.safetensors; `--no-ema` forces the training weights, `--ema` requires the EMA ones.
 The time grid is shifted like the run's training (loss.timestep_shift, and per clip size with
-loss.shift_reference_tokens); `--shift S` samples every clip with shift S instead.
+loss.shift_reference_tokens), or for a model sampled with its pipeline's schedule (LTX with
+model.pipeline_shift) as that pipeline does; `--shift S` samples every clip with shift S instead.
 `--stochastic` / `--no-stochastic` picks diffusers' stochastic Euler step or the deterministic
 one (default: the run's train.stochastic_sampling).
 A run dir without exported weights uses its newest checkpoint. Prompts are encoded the way the
@@ -52,7 +54,7 @@ from dit_train.models.init import load_full_weights
 from dit_train.models.wan_experts import check_pair, ExpertPair
 from dit_train.parallel.mesh import init_parallel
 from dit_train.precision import autocast
-from dit_train.sampling import scored_view, source_requests, to_pixels, VideoSampler, write_samples
+from dit_train.sampling import pipeline_shift, sampling_boundary, scored_view, source_requests, to_pixels, VideoSampler, write_samples
 from dit_train.sampling.conditioned import (condition_on_clips, control_from_file, control_on_clips, given_from_files,
                                             given_latents_from_files, given_scores, sampler_feed, validation_task)
 from dit_train.sampling.prompts import prompt_requests, prompt_space
@@ -104,10 +106,11 @@ def data_requests(cfg: Any, num: int, device: Any, decoder: bool, heldout: bool 
 
 
 def run_defaults(args: argparse.Namespace, train: Any) -> None:
-    """Fill --steps/--guidance/--seed left unset: the run's validation settings with
-    --data-captions (so it reproduces the run's validation), else 30 / 3 / 0."""
+    """Fill --steps/--guidance/--guidance-scale-2/--seed left unset: the run's validation settings
+    with --data-captions (so it reproduces the run's validation), else 30 / 3 / 0 (= --guidance) / 0."""
     data = bool(args.data_captions)
-    for name, key, fallback in (("steps", "sample_steps", 30), ("guidance", "guidance_scale", 3.0), ("seed", "seed", 0)):
+    for name, key, fallback in (("steps", "sample_steps", 30), ("guidance", "guidance_scale", 3.0),
+                                ("guidance_scale_2", "guidance_scale_2", 0.0), ("seed", "seed", 0)):
         if getattr(args, name) is None:
             setattr(args, name, getattr(train, key) if data else fallback)
 
@@ -119,6 +122,18 @@ def low_noise_weights(args: argparse.Namespace, cfg: Any) -> dict | None:
         return None
     check_pair(cfg.model, load_config(args.low_noise).model, str(args.run_dir), str(args.low_noise))
     return load_weights(args.low_noise, args.ema)[0]
+
+
+def expert_boundary(args: argparse.Namespace, cfg: Any) -> float:
+    """Where sampling switches experts (and to --guidance-scale-2): model.boundary_ratio with
+    --low-noise or for a model.expert=both run, 0 for one transformer; --guidance-scale-2 with
+    one transformer is refused (ValueError), as WanPipeline refuses guidance_scale_2 without a
+    boundary_ratio."""
+    boundary = cfg.model.boundary_ratio if args.low_noise is not None else sampling_boundary(cfg.model)
+    if args.guidance_scale_2 and not boundary:
+        raise ValueError("--guidance-scale-2 guides Wan 2.2 A14B's low-noise expert: give a model.expert=both run, or "
+                         "--low-noise LOW_RUN with the high-noise expert's run")
+    return boundary
 
 
 def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, source: str,
@@ -146,13 +161,15 @@ def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, 
             r.control = args.control_clip
     # the run's training shift (per clip size with loss.shift_reference_tokens) ...
     shift, reference = cfg.loss.timestep_shift, cfg.loss.shift_reference_tokens
+    pipeline = pipeline_shift(cfg.model)  # ... or the model's pipeline schedule (LTX: model.pipeline_shift) ...
     if args.shift is not None:  # ... unless --shift names one for every clip
-        shift, reference = args.shift, 0
+        shift, reference, pipeline = args.shift, 0, None
     sampler = VideoSampler(requests, tuple(cfg.model.patch_size), getattr(cfg.model, "text_dim", 0), null, ctx,
                            args.steps, args.guidance, args.seed, shift, reference,
                            prediction=getattr(cfg.model, "prediction", "velocity"), x0_min_t=getattr(cfg.model, "x0_min_t", 0.05),
                            stochastic=cfg.train.stochastic_sampling if args.stochastic is None else args.stochastic,
-                           cond_feed=sampler_feed(cfg.cond), control=bool(cfg.cond.control))
+                           cond_feed=sampler_feed(cfg.cond), control=bool(cfg.cond.control),
+                           guidance_scale_2=args.guidance_scale_2, boundary=args.boundary, pipeline=pipeline)
     clips = sampler.sample(model, lambda: autocast(cfg.train.precision, ctx.device, False))
     if not ctx.is_main:
         return None
@@ -165,7 +182,8 @@ def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, 
         scores = {}
     info = {"weights": source, "prompts": [r.caption for r in requests] if args.data_captions else args.prompt,
             "data_captions": args.data_captions, "num": args.num, "steps": args.steps,
-            "guidance_scale": args.guidance, "seed": args.seed, "shifts": sampler.shifts,
+            "guidance_scale": args.guidance, "guidance_scale_2": sampler.guidance_2 if args.boundary else None,
+            "seed": args.seed, "shifts": sampler.shifts,
             "stochastic_sampling": sampler.stochastic, "scores": scores,
             "given": {"image": args.image, "last_image": args.last_image, "video": args.video,
                       "prefix_frames": args.prefix_frames} if given_files(args) else None,
@@ -191,6 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--guidance", type=float, default=None,
                     help="classifier-free guidance scale, 1 = off (default 3; with --data-captions the run's "
                          "train.guidance_scale)")
+    ap.add_argument("--guidance-scale-2", type=float, default=None, metavar="G2",
+                    help="Wan 2.2 A14B: the guidance of the low-noise expert's steps (below model.boundary_ratio; "
+                         "WanPipeline's guidance_scale_2; default: --guidance; with --data-captions the run's "
+                         "train.guidance_scale_2)")
     ap.add_argument("--seed", type=int, default=None,
                     help="noise seed (default 0; with --data-captions the run's train.seed)")
     ap.add_argument("--shift", type=float, default=None,
@@ -239,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
         run_defaults(args, cfg.train)
         if args.num < 1 or args.steps < 1 or args.guidance < 1:
             raise ValueError("--num and --steps must be >= 1 and --guidance >= 1")
+        if args.guidance_scale_2 and args.guidance_scale_2 < 1:
+            raise ValueError(f"--guidance-scale-2={args.guidance_scale_2} must be >= 1 (1 = no guidance)")
+        args.boundary = expert_boundary(args, cfg)
         if args.shift is not None and not args.shift > 0:
             raise ValueError(f"--shift={args.shift} must be > 0 (1 = no shift)")
         cfg = apply_layout(cfg, parse_layout(args.layout))
