@@ -98,9 +98,9 @@ def oracle(cfg, teacher_dir, steps):
     from dit_train.rng import sample_generator
     from dit_train.tasks import build_task
     from dit_train.tasks.video import patchify
-    from dit_train.tools.sample import load_weights
+    from dit_train.checkpoint.export import run_weights
 
-    weights = load_weights(teacher_dir, None)[0]
+    weights = run_weights(teacher_dir, None)[0]
     student, critic, teacher = (build_model(cfg.model) for _ in range(3))
     for m in (student, critic, teacher):
         m.load_state_dict(weights)

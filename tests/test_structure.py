@@ -24,7 +24,7 @@ LAYERS = [
     ("compose",),
     ("loss", "parallel", "tasks", "metrics", "checkpoint", "generate", "perf"),
     ("sampling",),
-    ("engine",),
+    ("engine", "distill"),
     ("planning", "posttrain"),
     ("session", "help", "__main__", "tools"),
 ]

@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from dit_train.checkpoint import safe_load
-from dit_train.checkpoint.store import read_checkpoint_info
+from dit_train.checkpoint.store import find_checkpoint, read_checkpoint_info
 from dit_train.compose import load_config
 from dit_train.models import build_model, model_spec
 from dit_train.models.registry import component_state
@@ -149,3 +149,23 @@ def export_diffusers(cfg: Any, state_dict: dict[str, torch.Tensor], out_dir: str
     for prefix, sub in parts.items():
         spec.to_diffusers(component_state(state_dict, prefix), cfg.model).save_pretrained(str(Path(out_dir) / sub))
     return Path(out_dir) / next(iter(parts.values())) if len(parts) == 1 else Path(out_dir)
+
+
+def run_weights(run_dir: Path, ema: bool | None) -> tuple[dict, str]:
+    """(full state dict, description) of a run: exported files first, else its newest checkpoint.
+    ema: True = the EMA weights (error if none), False = training weights, None = EMA if present."""
+    files = {True: run_dir / "weights_ema.safetensors", False: run_dir / "weights.safetensors"}
+    want = [ema] if ema is not None else [True, False]
+    for choice in want:
+        if files[choice].is_file():
+            return load_safetensors(files[choice]), f"{files[choice].name}"
+    ckpt = find_checkpoint(run_dir)
+    if ckpt is None:
+        raise FileNotFoundError(f"{run_dir} has no {' or '.join(files[c].name for c in want)} and no checkpoint")
+    for choice in want:
+        try:
+            return checkpoint_weights(ckpt, ema=choice)[1], f"{ckpt} ({'EMA' if choice else 'training'} weights)"
+        except ValueError:
+            if ema is not None:
+                raise
+    raise FileNotFoundError(f"no usable weights in {ckpt}")

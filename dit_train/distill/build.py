@@ -21,19 +21,22 @@ from typing import Any
 import torch
 
 from dit_train.checkpoint import training_parts
+from dit_train.checkpoint.export import run_weights
+from dit_train.compose import load_config
 from dit_train.config import Config
 from dit_train.config.errors import ConfigError
 from dit_train.config.schema import cond_active
+from dit_train.distill.task import DistillTask
+from dit_train.distill.trainer import DistillTrainer
 from dit_train.engine.build import Run, build_parallel_model, build_run
 from dit_train.engine.ema import EMA
+from dit_train.models import build_model
 from dit_train.models.init import load_full_weights
 
 
 def teacher_weights(folder: Path) -> tuple[dict[str, torch.Tensor], str]:
     """(full state dict, which file) of the teacher: its EMA weights when present."""
-    from dit_train.tools.sample import load_weights
-
-    return load_weights(folder, None)
+    return run_weights(folder, None)
 
 
 def check_distill_keys(cfg: Config) -> None:
@@ -65,9 +68,6 @@ def student_config(cfg: Config) -> Config:
     if not teacher_dir:
         raise ConfigError("distill.teacher is required by distill.method=dmd2: give the folder of a finished "
                           "training run (distill.teacher=RUN_DIR)")
-    from dit_train.compose import load_config
-    from dit_train.models import build_model
-
     folder = Path(cfg.distill.teacher)
     where = f"distill.teacher={cfg.distill.teacher}"
     if not (folder / "config.yaml").is_file():
@@ -102,9 +102,6 @@ def student_config(cfg: Config) -> Config:
 
 def build_distill_run(cfg: Config, ctx: Any = None, heldout: bool = False):
     """The distillation run of a `student_config` (see the module docstring)."""
-    from dit_train.distill.task import DistillTask
-    from dit_train.distill.trainer import DistillTrainer
-
     plain = dataclasses.replace(cfg, distill=dataclasses.replace(cfg.distill, teacher=""))
     student = build_run(plain, ctx, heldout=heldout)
     optim = dataclasses.replace(cfg.optim, lr=cfg.distill.critic_lr or cfg.optim.lr)

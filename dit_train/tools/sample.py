@@ -40,8 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dit_train.checkpoint import checkpoint_weights, find_checkpoint
-from dit_train.checkpoint.export import load_safetensors
+from dit_train.checkpoint.export import run_weights
 from dit_train.compose import load_config
 from dit_train.config.errors import CheckpointError
 from dit_train.config.schema import cond_active
@@ -60,26 +59,6 @@ from dit_train.sampling.conditioned import (condition_on_clips, control_from_fil
 from dit_train.sampling.prompts import prompt_requests, prompt_space
 from dit_train.tasks import build_task
 from dit_train.tools.args import POSITIVE_INT, ToolParser, ranged
-
-
-def load_weights(run_dir: Path, ema: bool | None) -> tuple[dict, str]:
-    """(full state dict, description) of a run: exported files first, else its newest checkpoint.
-    ema: True = the EMA weights (error if none), False = training weights, None = EMA if present."""
-    files = {True: run_dir / "weights_ema.safetensors", False: run_dir / "weights.safetensors"}
-    want = [ema] if ema is not None else [True, False]
-    for choice in want:
-        if files[choice].is_file():
-            return load_safetensors(files[choice]), f"{files[choice].name}"
-    ckpt = find_checkpoint(run_dir)
-    if ckpt is None:
-        raise FileNotFoundError(f"{run_dir} has no {' or '.join(files[c].name for c in want)} and no checkpoint")
-    for choice in want:
-        try:
-            return checkpoint_weights(ckpt, ema=choice)[1], f"{ckpt} ({'EMA' if choice else 'training'} weights)"
-        except ValueError:
-            if ema is not None:
-                raise
-    raise FileNotFoundError(f"no usable weights in {ckpt}")
 
 
 def data_requests(cfg: Any, num: int, device: Any, decoder: bool, heldout: bool = False) -> tuple[list, Any, Any]:
@@ -121,7 +100,7 @@ def low_noise_weights(args: argparse.Namespace, cfg: Any) -> dict | None:
     if args.low_noise is None:
         return None
     check_pair(cfg.model, load_config(args.low_noise).model, str(args.run_dir), str(args.low_noise))
-    return load_weights(args.low_noise, args.ema)[0]
+    return run_weights(args.low_noise, args.ema)[0]
 
 
 def expert_boundary(args: argparse.Namespace, cfg: Any) -> float:
@@ -271,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         if hasattr(cfg.model, "pretrained"):
             cfg.model.pretrained = ""  # the run's weights are loaded below
         cfg.model.lora.rank = 0  # a LoRA run's weights come merged (weights.safetensors, checkpoint_weights)
-        state_dict, source = load_weights(args.run_dir, args.ema)
+        state_dict, source = run_weights(args.run_dir, args.ema)
         low_noise = low_noise_weights(args, cfg)
     except (ValueError, FileNotFoundError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -50,7 +50,7 @@ from dit_train.posttrain import (TrainingSession, VideoDatum, diffusion_dpo_loss
 from dit_train.posttrain.rollouts import broadcast_from_rank0
 from dit_train.posttrain.session import apply_overrides
 from dit_train.sampling import frame_grid
-from dit_train.tools.sample import load_weights
+from dit_train.checkpoint.export import run_weights
 
 HELDOUT = 48
 SIZE = (8, 32, 32)  # frames, height, width of every clip (a size the quickstart trains at)
@@ -143,7 +143,7 @@ def step_batch(recipe: str, session, reference, rollouts, rewards: list[float], 
 def train(cfg, run: str, recipe: str, steps: int, out: str, reward: str, captions: int, group: int,
           eval_every: int, sample_steps: int, kl: float, max_minutes: float = 0.0, initial_eval: bool = True) -> None:
     session = TrainingSession(cfg)
-    weights, which = load_weights(Path(run), None)
+    weights, which = run_weights(Path(run), None)
     load_full_weights(session.model, weights)
     reference = None
     if recipe == "dpo" or kl:
