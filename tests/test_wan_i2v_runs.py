@@ -1,0 +1,153 @@
+"""The Wan 2.1 I2V layout end to end on a tiny latent cache (docs/wan.md#wan-21-i2v):
+
+1. tools.cache_latents --i2v first_frame --image-encoder caches, per clip, exactly what diffusers'
+   WanImageToVideoPipeline builds (prepare_latents' mask + condition latents, encode_image's CLIP
+   tokens), and the task packs them as the model's extra input channels and image context.
+2. A model=wan_i2v_tiny run trains on it; its --diffusers export loads in WanImageToVideoPipeline
+   (Wan 2.1 mode: CLIP image encoder, no expand_timesteps) and samples.
+3. Bad input: a cache without --i2v, or of the other kind, refused before the run.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from dit_train.data_pipelines import latent_cache as lc  # noqa: E402
+from tests.conftest import TEXT_DIM, TINY, Z_DIM, cache_args, compose_config  # noqa: E402
+
+CLIP_DIM, CLIP_TOKENS = 32, 17  # a 32-px image in 8-px patches: 16 + the class token
+
+
+@pytest.fixture(scope="module")
+def clip_dir(tmp_path_factory) -> Path:
+    """A tiny random CLIPVisionModel + its image processor (nothing downloaded)."""
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    d = tmp_path_factory.mktemp("clip")
+    torch.manual_seed(0)
+    CLIPVisionModel(CLIPVisionConfig(hidden_size=CLIP_DIM, intermediate_size=37, num_hidden_layers=2, num_attention_heads=2,
+                                     image_size=32, patch_size=8)).save_pretrained(d / "image_encoder")
+    CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(d / "image_processor")
+    return d
+
+
+@pytest.fixture(scope="module")
+def i2v_cache(models, source, clip_dir, tmp_path_factory) -> Path:
+    from dit_train.tools.cache_latents import main
+
+    out = tmp_path_factory.mktemp("i2v_latents")
+    assert main(cache_args(models, source, out, out.parent / "probe_cache", "--i2v", "first_frame",
+                           "--image-encoder", str(clip_dir))) == 0
+    return out
+
+
+def run_args(cache: Path) -> list[str]:
+    return ["model=wan_i2v_tiny", "data=latent_cache", f"data.root={cache}", f"model.in_channels={Z_DIM}",
+            f"model.text_dim={TEXT_DIM}", f"model.image_dim={CLIP_DIM}", "cond.kind=first_frame", "cond.feed=concat",
+            "train.steps=1", "train.global_batch=2", "train.sample_every=0"]
+
+
+def pipeline(models: Path, clip_dir: Path, transformer):
+    from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanImageToVideoPipeline
+    from transformers import CLIPImageProcessor, CLIPVisionModel
+
+    return WanImageToVideoPipeline(tokenizer=None, text_encoder=None, vae=AutoencoderKLWan.from_pretrained(str(models / "vae")),
+                                   scheduler=FlowMatchEulerDiscreteScheduler(), transformer=transformer,
+                                   image_encoder=CLIPVisionModel.from_pretrained(str(clip_dir / "image_encoder")),
+                                   image_processor=CLIPImageProcessor.from_pretrained(str(clip_dir / "image_processor")))
+
+
+def first_clip(cache: Path) -> tuple[torch.Tensor, dict]:
+    """(pixels [3, F, H, W] of the cache's first clip as the cache tool read them, its cached tensors)."""
+    from safetensors.torch import load_file
+
+    from dit_train.data_pipelines import source_for
+
+    cfg = compose_config(["data=video_folder", f"data.root={lc.read_cache_info(cache)['settings']['source']['root']}",
+                          "data.max_frames=5", "data.resolution_buckets=null"], cache_dir=str(cache.parent / "probe_cache"))
+    pixels = source_for(cfg.data, cfg.model).pixel_dataset((1, 8, 8), cache_items=0)
+    row = json.loads((cache / lc.MANIFEST).read_text().splitlines()[0])
+    x = pixels[{e.path: i for i, e in enumerate(pixels.entries)}[row["source"]]].pixels
+    return x, load_file(str(cache / row["file"]))
+
+
+def test_the_pack_holds_diffusers_i2v_mask_condition_and_image_tokens(i2v_cache, models, clip_dir):
+    """Our packed extra channels of a clip = WanImageToVideoPipeline.prepare_latents' 20 (here
+    4 + Z_DIM) condition channels, patchified; the image context = its encode_image."""
+    from dit_train.data_pipelines.i2v_cache import to_uint8_image
+    from dit_train.tasks import build_task
+    from dit_train.tasks.video import patchify
+
+    x, tensors = first_clip(i2v_cache)
+    H, W = x.shape[2:]
+    pipe = pipeline(models, clip_dir, None)
+    with torch.no_grad():
+        _, cond = pipe.prepare_latents(x[:, 0][None], 1, Z_DIM, H, W, x.shape[1], torch.float32, "cpu",
+                                       torch.Generator().manual_seed(0))
+        image = pipe.encode_image(to_uint8_image(x[:, 0]), "cpu")
+    assert cond.shape == (1, 4 + Z_DIM, 2, H // 8, W // 8)
+    torch.testing.assert_close(tensors["cond_latents"], cond[0, 4:], rtol=0, atol=1e-5)
+    torch.testing.assert_close(tensors["image_emb"], image[0], rtol=0, atol=1e-5)
+
+    cfg = compose_config(run_args(i2v_cache))
+    assert cfg.model.cond_channels == 4 + Z_DIM
+    task = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed, cond=cfg.cond)
+    row = json.loads((i2v_cache / lc.MANIFEST).read_text().splitlines()[0])
+    sid = [r["file"] for r in task.dataset.rows].index(row["file"])
+    batch = task.build([sid], step=0)
+    want, _ = patchify(cond[0], (1, 2, 2))
+    torch.testing.assert_close(batch.tokens["cond"], want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(batch.samples["image"][0], image[0], rtol=0, atol=1e-5)
+    assert int(batch.weight.min()) == lc_weight_one()  # every token a target, as Wan 2.1 I2V trains
+
+
+def lc_weight_one() -> int:
+    from dit_train.batch import WEIGHT_ONE
+
+    return WEIGHT_ONE
+
+
+def test_an_i2v_run_exports_to_wan_image_to_video_pipeline(i2v_cache, models, clip_dir, tmp_path):
+    """model=wan_i2v_tiny trains one step on the I2V cache; the --diffusers export loads in
+    WanImageToVideoPipeline (Wan 2.1 mode, CLIP image encoder) and samples a clip from the image."""
+    from diffusers import WanTransformer3DModel
+    from safetensors.torch import load_file
+
+    from dit_train.__main__ import run_from_config
+    from dit_train.data_pipelines.i2v_cache import to_uint8_image
+    from dit_train.tools.export_weights import main as export
+
+    cfg = compose_config([*run_args(i2v_cache), "model.init=normal"])
+    cfg.run_dir = str(tmp_path / "run")
+    run_from_config(cfg)
+    assert export([cfg.run_dir, "--diffusers", str(tmp_path / "dif")]) == 0
+    transformer = WanTransformer3DModel.from_pretrained(str(tmp_path / "dif"))
+    assert transformer.config.in_channels == 4 + 2 * Z_DIM and transformer.config.image_dim == CLIP_DIM
+    trained = load_file(str(Path(cfg.run_dir) / "weights.safetensors"))
+    torch.testing.assert_close(transformer.state_dict()["condition_embedder.image_embedder.ff.net.0.proj.weight"],
+                               trained["condition_embedder.image_embedder.ff.net.0.proj.weight"])
+    x, tensors = first_clip(i2v_cache)
+    H, W = x.shape[2:]
+    emb = torch.nn.functional.pad(tensors["text_emb"], (0, 0, 0, 512 - tensors["text_emb"].shape[0]))
+    with torch.no_grad():
+        out = pipeline(models, clip_dir, transformer)(
+            image=to_uint8_image(x[:, 0]), prompt_embeds=emb[None], height=H, width=W, num_frames=5, num_inference_steps=2,
+            guidance_scale=1.0, output_type="latent", generator=torch.Generator().manual_seed(0)).frames
+    assert out.shape == (1, Z_DIM, 2, H // 8, W // 8) and torch.isfinite(out).all()
+
+
+def test_i2v_runs_refuse_caches_without_their_tensors(cache, i2v_cache):
+    """A cache written without --i2v, or for first_frame when the run is first_last: one line
+    before the run, naming the flag."""
+    from dit_train.config.errors import ConfigError
+    from dit_train.tasks import check_data
+
+    with pytest.raises(ConfigError, match="has no I2V condition latents .*--i2v first_frame --image-encoder"):
+        check_data(compose_config(run_args(cache)))
+    with pytest.raises(ConfigError, match="for cond.kind=first_frame, not cond.kind=first_last"):
+        check_data(compose_config([*run_args(i2v_cache), "cond.kind=first_last"]))
