@@ -41,18 +41,26 @@ def to_uint8_image(frame: torch.Tensor):
     return Image.fromarray(((frame.float() + 1) * 127.5).round().clamp(0, 255).byte().permute(1, 2, 0).numpy())
 
 
+def processor_folder(root: Path, encoder: Path) -> str:
+    """Where the CLIP image processor of `root` is: a pipeline's image_processor/, the encoder
+    folder's sibling image_processor/, or the encoder folder itself."""
+    for p in (root / "image_processor", encoder.parent / "image_processor"):
+        if (p / "preprocessor_config.json").is_file():
+            return str(p)
+    return str(encoder)
+
+
 class ImageEncoder:
     """transformers' CLIPVisionModel + CLIPImageProcessor from a local folder (or a Wan I2V
     pipeline folder's image_encoder/ and image_processor/): images -> the penultimate hidden
     states [tokens, width] float32, as WanImageToVideoPipeline.encode_image."""
 
     def __init__(self, path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 allow_pickle: bool = False):
+                 allow_pickle: bool = False, processor: str = ""):
         from transformers import CLIPImageProcessor, CLIPVisionModel  # deferred: only I2V caches need CLIP
 
         self.path = component_path(path, "image_encoder")
-        root = Path(path).expanduser()
-        self.processor_path = str(root / "image_processor") if (root / "image_processor").is_dir() else self.path
+        self.processor_path = processor or processor_folder(Path(path).expanduser(), Path(self.path))
         self.processor = CLIPImageProcessor.from_pretrained(self.processor_path)
         self.model = CLIPVisionModel.from_pretrained(self.path, torch_dtype=dtype, use_safetensors=not allow_pickle)
         self.model = self.model.to(device).eval()

@@ -140,6 +140,37 @@ def test_an_i2v_run_exports_to_wan_image_to_video_pipeline(i2v_cache, models, cl
             guidance_scale=1.0, output_type="latent", generator=torch.Generator().manual_seed(0)).frames
     assert out.shape == (1, Z_DIM, 2, H // 8, W // 8) and torch.isfinite(out).all()
 
+    # our sampler (tools.sample --image's path: the PNG through the cache's VAE and CLIP) from the
+    # same starting noise gives the pipeline's clip
+    from PIL import Image
+
+    from dit_train.config.schema import ParallelConfig
+    from dit_train.models import build_model
+    from dit_train.models.init import load_full_weights
+    from dit_train.parallel.mesh import init_parallel
+    from dit_train.sampling.conditioned import i2v_from_files, sampler_i2v
+    from dit_train.sampling.sampler import SampleRequest, VideoSampler
+    from dit_train.rng import sample_generator
+
+    png = tmp_path / "first.png"
+    to_uint8_image(x[:, 0]).save(png)
+    shape = (Z_DIM, 2, H // 8, W // 8)
+    given, patches, cond_latents, image = i2v_from_files(cfg.cond, shape, lc.VaeCodec(str(models / "vae")),
+                                                         lc.read_cache_info(i2v_cache), str(png))
+    torch.testing.assert_close(cond_latents, tensors["cond_latents"], rtol=0, atol=1e-5)
+    request = SampleRequest("p", shape, "", tensors["text_emb"], 0, given=given, given_patches=patches,
+                            cond_latents=cond_latents, image=image)
+    model = build_model(cfg.model)
+    load_full_weights(model, trained)
+    ours = VideoSampler([request], (1, 2, 2), TEXT_DIM, None, init_parallel(ParallelConfig(device="cpu")), 2, 1.0, 0,
+                        cond_feed="concat", **sampler_i2v(cfg.model, cfg.cond)).sample(model)[0]
+    noise = torch.randn(shape, generator=sample_generator(0, 0, 0, "sampling"))
+    with torch.no_grad():
+        theirs = pipeline(models, clip_dir, transformer)(
+            image=Image.open(png), prompt_embeds=emb[None], height=H, width=W, num_frames=5, num_inference_steps=2,
+            guidance_scale=1.0, output_type="latent", latents=noise[None]).frames[0]
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
+
 
 def test_i2v_runs_refuse_caches_without_their_tensors(cache, i2v_cache):
     """A cache written without --i2v, or for first_frame when the run is first_last: one line

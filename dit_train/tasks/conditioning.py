@@ -269,7 +269,7 @@ def i2v_errors(cond: Any, model: Any, data: Any) -> list[str]:
                  f"first_last with cond.feed=concat (got cond.kind={cond.kind}, cond.feed={cond.feed})")
     if k > 1 and getattr(data, "name", "") != "latent_cache":
         e.append(f"model.mask_channels={k} reads each clip's condition latents from a latent cache written with "
-                 f"tools.cache_latents --i2v {cond.kind}: use data=latent_cache (data={getattr(data, 'name', '')})")
+                 f"tools.cache_latents --i2v first_frame (or first_last): use data=latent_cache (data={getattr(data, 'name', '')})")
     if k > 1 and (model.patch_size[0] != 1 or k != model.vae_stride[0]):
         e.append(f"model.mask_channels={k} folds the VAE's temporal stride into channels: it needs "
                  f"model.patch_size[0]=1 and model.mask_channels=model.vae_stride[0]={model.vae_stride[0]}")
