@@ -18,33 +18,7 @@ import torch
 pytest.importorskip("transformers")
 
 from dit_train.data_pipelines import latent_cache as lc  # noqa: E402
-from tests.conftest import TEXT_DIM, TINY, Z_DIM, cache_args, compose_config  # noqa: E402
-
-CLIP_DIM, CLIP_TOKENS = 32, 17  # a 32-px image in 8-px patches: 16 + the class token
-
-
-@pytest.fixture(scope="module")
-def clip_dir(tmp_path_factory) -> Path:
-    """A tiny random CLIPVisionModel + its image processor (nothing downloaded)."""
-    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
-
-    d = tmp_path_factory.mktemp("clip")
-    torch.manual_seed(0)
-    CLIPVisionModel(CLIPVisionConfig(hidden_size=CLIP_DIM, intermediate_size=37, num_hidden_layers=2, num_attention_heads=2,
-                                     image_size=32, patch_size=8)).save_pretrained(d / "image_encoder")
-    CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(d / "image_processor")
-    return d
-
-
-@pytest.fixture(scope="module")
-def i2v_cache(models, source, clip_dir, tmp_path_factory) -> Path:
-    from dit_train.tools.cache_latents import main
-
-    out = tmp_path_factory.mktemp("i2v_latents")
-    assert main(cache_args(models, source, out, out.parent / "probe_cache", "--i2v", "first_frame",
-                           "--image-encoder", str(clip_dir))) == 0
-    return out
-
+from tests.conftest import CLIP_DIM, TEXT_DIM, Z_DIM, compose_config  # noqa: E402
 
 def run_args(cache: Path) -> list[str]:
     return ["model=wan_i2v_tiny", "data=latent_cache", f"data.root={cache}", f"model.in_channels={Z_DIM}",
@@ -122,9 +96,12 @@ def test_an_i2v_run_exports_to_wan_image_to_video_pipeline(i2v_cache, models, cl
     from dit_train.data_pipelines.i2v_cache import to_uint8_image
     from dit_train.tools.export_weights import main as export
 
-    cfg = compose_config([*run_args(i2v_cache), "model.init=normal"])
+    # validation samples the clips from their cached condition latents and image tokens
+    cfg = compose_config([*run_args(i2v_cache), "model.init=normal", "train.sample_every=1", "train.num_samples=2",
+                          "train.sample_steps=2"])
     cfg.run_dir = str(tmp_path / "run")
     run_from_config(cfg)
+    assert sorted(p.name for p in (Path(cfg.run_dir) / "samples").glob("step_*/*.mp4"))[:1], "no validation videos"
     assert export([cfg.run_dir, "--diffusers", str(tmp_path / "dif")]) == 0
     transformer = WanTransformer3DModel.from_pretrained(str(tmp_path / "dif"))
     assert transformer.config.in_channels == 4 + 2 * Z_DIM and transformer.config.image_dim == CLIP_DIM
