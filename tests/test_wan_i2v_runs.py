@@ -159,3 +159,37 @@ def test_i2v_runs_refuse_caches_without_their_tensors(cache, i2v_cache):
         check_data(compose_config(run_args(cache)))
     with pytest.raises(ConfigError, match="for cond.kind=first_frame, not cond.kind=first_last"):
         check_data(compose_config([*run_args(i2v_cache), "cond.kind=first_last"]))
+
+
+def test_an_i2v_lora_run_from_a_pretrained_i2v_folder_loads_in_the_pipeline(i2v_cache, models, clip_dir, tmp_path):
+    """LoRA on a pretrained Wan 2.1 I2V folder (its 36-channel-style patch embedding already
+    reads the mask and condition: nothing is widened, so LoRA is allowed): the run's --diffusers
+    adapters load with load_lora_weights into WanImageToVideoPipeline and change its sample."""
+    from diffusers import WanTransformer3DModel
+
+    from dit_train.__main__ import run_from_config
+    from dit_train.data_pipelines.i2v_cache import to_uint8_image
+    from dit_train.models.wan import to_diffusers
+    from dit_train.tools.export_weights import main as export
+    from tests.test_wan import random_model
+
+    plain = compose_config(run_args(i2v_cache))
+    to_diffusers(random_model(plain.model).state_dict(), plain.model).save_pretrained(str(tmp_path / "pre"))
+    cfg = compose_config([*run_args(i2v_cache), f"model.pretrained={tmp_path / 'pre'}", "model.lora.rank=2", "optim.lr=0.05"])
+    cfg.run_dir = str(tmp_path / "run")
+    run_from_config(cfg)
+    assert export([cfg.run_dir, "--diffusers", str(tmp_path / "lora")]) == 0
+    x, tensors = first_clip(i2v_cache)
+    H, W = x.shape[2:]
+    emb = torch.nn.functional.pad(tensors["text_emb"], (0, 0, 0, 512 - tensors["text_emb"].shape[0]))
+    outs = []
+    for lora in (False, True):
+        pipe = pipeline(models, clip_dir, WanTransformer3DModel.from_pretrained(str(tmp_path / "pre")))
+        if lora:
+            pipe.load_lora_weights(str(tmp_path / "lora"))
+            assert any("lora" in n for n, _ in pipe.transformer.named_parameters())
+        with torch.no_grad():
+            outs.append(pipe(image=to_uint8_image(x[:, 0]), prompt_embeds=emb[None], height=H, width=W, num_frames=5,
+                             num_inference_steps=2, guidance_scale=1.0, output_type="latent",
+                             generator=torch.Generator().manual_seed(0)).frames)
+    assert torch.isfinite(outs[1]).all() and (outs[1] - outs[0]).abs().max() > 1e-4

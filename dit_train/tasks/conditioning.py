@@ -26,6 +26,7 @@ caption dropout, so every layout conditions the same samples. Nothing here commu
 """
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -229,7 +230,7 @@ def cond_errors(mode: str, cond: Any, model: Any, data: Any) -> list[str]:
     if mode == "video":
         e += i2v_errors(cond, model, data)
     rank = getattr(getattr(model, "lora", None), "rank", 0)
-    if rank and derived and getattr(model, "pretrained", ""):
+    if rank and derived and getattr(model, "pretrained", "") and not pretrained_reads_input(model, derived):
         e.append(f"model.lora.rank={rank} freezes the patch embedding, and the {derived} input channels cond adds to "
                  f"the pretrained one (cond.feed={cond.feed}, cond.control={str(cond.control).lower()}) start at zero: "
                  f"the model would never read them; train without LoRA (model.lora.rank=0)")
@@ -253,6 +254,20 @@ def cond_errors(mode: str, cond: Any, model: Any, data: Any) -> list[str]:
                      f"frames: nothing would be left to generate; raise data.max_frames above {given * pt}"
                      + (" or lower cond.prefix_frames" if str(cond.kind) == "prefix" else ""))
     return e
+
+
+def pretrained_reads_input(model: Any, derived: int) -> bool:
+    """True when model.pretrained's transformer already reads the widened input (its config.json
+    in_channels = model.in_channels + the `derived` channels: a Wan 2.1 I2V checkpoint), so LoRA
+    freezes a trained patch embedding, not zero-initialised channels; False when it would be
+    widened, or cannot be read here (model.pretrained's own check names why)."""
+    try:
+        from dit_train.models.wan_experts import pretrained_folder  # deferred: only Wan folders have one
+
+        config = json.loads((pretrained_folder(model.pretrained, model) / "config.json").read_text())
+    except (OSError, ValueError, AttributeError):
+        return False
+    return config.get("in_channels") == model.in_channels + derived
 
 
 def i2v_errors(cond: Any, model: Any, data: Any) -> list[str]:
