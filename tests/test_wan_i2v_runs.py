@@ -147,6 +147,11 @@ def test_an_i2v_run_exports_to_wan_image_to_video_pipeline(i2v_cache, models, cl
             image=Image.open(png), prompt_embeds=emb[None], height=H, width=W, num_frames=5, num_inference_steps=2,
             guidance_scale=1.0, output_type="latent", latents=noise[None]).frames[0]
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
+    from dit_train.tools.sample import main as sample  # the commands of docs/wan.md#wan-21-i2v
+
+    assert sample([cfg.run_dir, "--prompt", "a clip", "--image", str(png), "--frames", "5", "--height", str(H),
+                   "--width", str(W), "--steps", "2", "--out", str(tmp_path / "gen")]) == 0
+    assert sample([cfg.run_dir, "--data-captions", "2", "--steps", "2", "--out", str(tmp_path / "gen2")]) == 0
 
 
 def test_i2v_runs_refuse_caches_without_their_tensors(cache, i2v_cache):
