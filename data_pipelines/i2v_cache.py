@@ -18,6 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from PIL import Image
 
 from dit_train.data_pipelines.latent_cache import VaeCodec, component_path
 
@@ -36,8 +37,6 @@ def condition_clip(pixels: torch.Tensor, kind: str, usable: int) -> torch.Tensor
 
 def to_uint8_image(frame: torch.Tensor):
     """A [3, H, W] frame in [-1, 1] as the PIL image a pipeline user would pass."""
-    from PIL import Image
-
     return Image.fromarray(((frame.float() + 1) * 127.5).round().clamp(0, 255).byte().permute(1, 2, 0).numpy())
 
 

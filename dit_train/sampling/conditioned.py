@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from dit_train.data_pipelines.i2v_cache import ImageEncoder
 from dit_train.data_pipelines.shapes_metric import score_given_clips
 from dit_train.data_pipelines.sizes import resize_crop
 from dit_train.data_pipelines.video_io import is_image, probe, read_frames, to_model_range, VideoReadError
@@ -199,8 +200,6 @@ def i2v_from_files(cond: Any, shape: tuple[int, int, int, int], codec: Any, meta
     the latent grid's pixels, [image, zeros...(, last)] of the clip's 1 + t·(f − 1) frames through
     the cache's VAE (`codec`), the images through the cache's CLIP encoder (meta.json's
     settings.i2v); `given` is a placeholder (the sampler reads cond_latents)."""
-    from dit_train.data_pipelines.i2v_cache import ImageEncoder  # deferred: transformers, only I2V runs
-
     C, f, h, w = shape
     kind = str(cond.kind)
     if video or not image or (kind == "first_last") != bool(last_image):

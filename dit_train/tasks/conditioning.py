@@ -38,6 +38,7 @@ from dit_train.batch import WEIGHT_ONE
 from dit_train.config.schema import companions, cond_active, cond_channels
 from dit_train.data_pipelines import SOURCES
 from dit_train.data_pipelines.companions import KEYS
+from dit_train.models.wan_experts import pretrained_folder
 from dit_train.rng import sample_generator
 
 log = logging.getLogger(__name__)
@@ -262,8 +263,6 @@ def pretrained_reads_input(model: Any, derived: int) -> bool:
     freezes a trained patch embedding, not zero-initialised channels; False when it would be
     widened, or cannot be read here (model.pretrained's own check names why)."""
     try:
-        from dit_train.models.wan_experts import pretrained_folder  # deferred: only Wan folders have one
-
         config = json.loads((pretrained_folder(model.pretrained, model) / "config.json").read_text())
     except (OSError, ValueError, AttributeError):
         return False
@@ -282,7 +281,8 @@ def i2v_errors(cond: Any, model: Any, data: Any) -> list[str]:
     if str(cond.kind) not in ("first_frame", "first_last") or str(cond.feed) != "concat":
         e.append(f"model.mask_channels={k} is diffusers' Wan 2.1 I2V layout: it needs cond.kind=first_frame or "
                  f"first_last with cond.feed=concat (got cond.kind={cond.kind}, cond.feed={cond.feed})")
-    if k > 1 and getattr(data, "name", "") != "latent_cache":
+    source = SOURCES[data.name] if getattr(data, "name", "") in SOURCES else None
+    if k > 1 and source is not None and not source.latent:
         e.append(f"model.mask_channels={k} reads each clip's condition latents from a latent cache written with "
                  f"tools.cache_latents --i2v first_frame (or first_last): use data=latent_cache (data={getattr(data, 'name', '')})")
     if k > 1 and (model.patch_size[0] != 1 or k != model.vae_stride[0]):

@@ -119,8 +119,8 @@ class VideoTask:
         self.mask_channels = getattr(model_cfg, "mask_channels", 1)  # Wan 2.1 I2V: 4 (tasks/conditioning.py)
         self.conditioner = Conditioner(cond, self.patch, seed, self.mask_channels) if cond_active(cond) else None
         self.image_dim = getattr(model_cfg, "image_dim", 0)  # Wan 2.1 I2V's CLIP tokens per clip
-        if self.conditioner is not None and self.conditioner.i2v and hasattr(dataset, "meta"):
-            errors = i2v_data_errors(dataset.meta, cond, model_cfg, f"data.root={getattr(dataset, 'root', '')}")
+        if self.conditioner is not None and self.conditioner.i2v:  # the data must hold the I2V tensors
+            errors = i2v_data_errors(getattr(dataset, "meta", {}), cond, model_cfg, f"data.root={getattr(dataset, 'root', '')}")
             if errors:
                 raise ValueError("; ".join(errors))
         self.masks = masks  # loss weights times each clip's mask (data.masks)
