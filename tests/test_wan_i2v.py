@@ -78,3 +78,21 @@ def test_pretrained_i2v_folder_loads_and_t2v_i2v_mismatches_are_refused(tmp_path
     to_diffusers(random_model(t2v_cfg).state_dict(), t2v_cfg).save_pretrained(str(tmp_path / "t2v"))
     with pytest.raises(ValueError, match=r"image_dim=None \(model.image_dim gives 24\).*cannot start one"):
         read_pretrained(str(tmp_path / "t2v"), cfg)
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (["cond.kind=first_frame", "cond.feed=timestep"], r"model.mask_channels=4 is diffusers' Wan 2.1 I2V layout: it needs"),
+    (["cond.kind=first_frame", "cond.feed=concat", "data=synthetic_video"],
+     r"reads each clip's condition latents from a latent cache .* use data=latent_cache"),
+    (["cond.kind=first_frame", "cond.feed=concat", "model.patch_size=[2,2,2]"], r"needs model.patch_size\[0\]=1"),
+    (["cond.kind=first_frame", "cond.feed=concat", "model.mask_channels=1", "model.cond_channels=17"],
+     r"model.image_dim=32 \(the CLIP image branch\) is Wan 2.1 I2V's: it needs its input layout"),
+])
+def test_i2v_config_mistakes_are_refused_before_the_run(overrides, needle):
+    from dit_train.config.errors import ConfigError
+    from dit_train.engine.checks import check_config
+    from tests.conftest import compose_config
+
+    data = [] if "data=synthetic_video" in overrides else ["data=latent_cache", "data.root=latents/"]
+    with pytest.raises(ConfigError, match=needle):
+        check_config(compose_config(["model=wan_i2v_tiny", *data, *overrides]))
