@@ -198,3 +198,22 @@ def test_an_i2v_lora_run_from_a_pretrained_i2v_folder_loads_in_the_pipeline(i2v_
                              num_inference_steps=2, guidance_scale=1.0, output_type="latent",
                              generator=torch.Generator().manual_seed(0)).frames)
     assert torch.isfinite(outs[1]).all() and (outs[1] - outs[0]).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("kind", ["first_frame", "first_last"])
+def test_mask_and_condition_equal_prepare_latents_for_both_kinds(kind, models, clip_dir):
+    """i2v_mask and the condition clip through the VAE (what the cache stores) equal
+    WanImageToVideoPipeline.prepare_latents' 4 + C channels, with and without a last image."""
+    from dit_train.data_pipelines.i2v_cache import condition_clip
+    from dit_train.tasks.conditioning import frame_mask, i2v_mask
+
+    pixels = torch.rand(3, 9, 16, 16, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    last = pixels[:, -1][None] if kind == "first_last" else None
+    with torch.no_grad():
+        _, cond = pipeline(models, clip_dir, None).prepare_latents(pixels[:, 0][None], 1, Z_DIM, 16, 16, 9, torch.float32, "cpu",
+                                                                  torch.Generator().manual_seed(0), last_image=last)
+    patches = torch.tensor([True, False, kind == "first_last"])
+    mask = i2v_mask(frame_mask(patches, 1, 3), kind == "first_last", 4)
+    torch.testing.assert_close(mask[:, :, None, None].expand(4, 3, 2, 2), cond[0, :4], rtol=0, atol=0)
+    vae = lc.VaeCodec(str(models / "vae"))
+    torch.testing.assert_close(vae.encode(condition_clip(pixels, kind, 9)), cond[0, 4:], rtol=0, atol=1e-5)
