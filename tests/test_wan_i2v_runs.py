@@ -86,7 +86,7 @@ def lc_weight_one() -> int:
     return WEIGHT_ONE
 
 
-def test_an_i2v_run_exports_to_wan_image_to_video_pipeline(i2v_cache, models, clip_dir, tmp_path):
+def test_an_i2v_run_exports_to_wan_image_to_video_pipeline(i2v_cache, models, clip_dir, tmp_path, capsys):
     """model=wan_i2v_tiny trains one step on the I2V cache; the --diffusers export loads in
     WanImageToVideoPipeline (Wan 2.1 mode, CLIP image encoder) and samples a clip from the image."""
     from diffusers import WanTransformer3DModel
@@ -152,6 +152,9 @@ def test_an_i2v_run_exports_to_wan_image_to_video_pipeline(i2v_cache, models, cl
     assert sample([cfg.run_dir, "--prompt", "a clip", "--image", str(png), "--frames", "5", "--height", str(H),
                    "--width", str(W), "--steps", "2", "--out", str(tmp_path / "gen")]) == 0
     assert sample([cfg.run_dir, "--data-captions", "2", "--steps", "2", "--out", str(tmp_path / "gen2")]) == 0
+    capsys.readouterr()
+    assert sample([cfg.run_dir, "--prompt", "a clip", "--frames", "5", "--out", str(tmp_path / "gen3")]) == 2
+    assert "Wan 2.1 I2V layout (model.mask_channels=4): give --image first.png" in capsys.readouterr().err
 
 
 def test_i2v_runs_refuse_caches_without_their_tensors(cache, i2v_cache):
