@@ -239,10 +239,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("nothing to sample: give --prompt \"a caption\" (repeat for several) or --data-captions N")
         if args.data_captions < 0:
             raise ValueError(f"--data-captions={args.data_captions} must be >= 1")
-        check_given(args, cfg.cond)
         if sampler_i2v(cfg.model, cfg.cond) and args.prompt and not given_files(args):  # its CLIP tokens need an image
             raise ValueError(f"this run trained diffusers' Wan 2.1 I2V layout (model.mask_channels={cfg.model.mask_channels}): "
                              f"give --image first.png" + (" --last-image last.png" if str(cfg.cond.kind) == "first_last" else ""))
+        check_given(args, cfg.cond)
         args.given = read_given(args, cfg)
         args.control_clip = read_control(args, cfg)
         run_defaults(args, cfg.train)
