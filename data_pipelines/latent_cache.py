@@ -240,10 +240,11 @@ def write_null_text(out: Path, text: TextEncoder) -> None:
 
 
 def encode_shard(dataset: Any, out: Path, vae: VaeCodec, text: TextEncoder | None, rank: int = 0,
-                 world: int = 1, progress: bool = True) -> dict:
+                 world: int = 1, progress: bool = True, i2v: Any = None) -> dict:
     """Encode the clips i ≡ rank (mod world) of `dataset` (VideoClipDataset: `entries`,
     `__getitem__` -> VideoSample with pixels [3, F, H, W], H/W multiples of the VAE's factor)
-    into `out/samples/`, skipping those already there. Returns this rank's counts."""
+    into `out/samples/`, skipping those already there; with `i2v` (i2v_cache.I2VEncoder) also
+    each clip's Wan 2.1 I2V tensors. Returns this rank's counts."""
     mine = list(range(rank, len(dataset), world))
     report = {"encoded": 0, "reused": 0, "unreadable": []}
     bar = tqdm(mine, desc=f"caching latents (rank {rank}/{world})", unit="clip", position=rank, disable=not progress)
@@ -261,6 +262,8 @@ def encode_shard(dataset: Any, out: Path, vae: VaeCodec, text: TextEncoder | Non
         tensors = {"latents": vae.encode(sample.pixels)}
         if text is not None:
             tensors["text_emb"] = text.encode(entry.caption)
+        if i2v is not None:
+            tensors |= i2v.tensors(sample.pixels)
         _save_atomic(path, tensors, {"caption": entry.caption, "source": entry.path})
         report["encoded"] += 1
     bar.close()
@@ -365,7 +368,12 @@ class LatentCacheDataset:
         pt, ph, pw = self.patch
         z = z[:, : f - f % pt, : h - h % ph, : w - w % pw].contiguous()
         emb = t.get("text_emb")
-        return VideoSample(z, row["caption"], emb.float() if emb is not None else None)
+        sample = VideoSample(z, row["caption"], emb.float() if emb is not None else None)
+        if "cond_latents" in t:  # Wan 2.1 I2V (i2v_cache.py): cropped like the latents
+            sample.cond_latents = t["cond_latents"].float()[:, : z.shape[1], : z.shape[2], : z.shape[3]].contiguous()
+        if "image_emb" in t:
+            sample.image_emb = t["image_emb"].float()
+        return sample
 
     def null_text_emb(self) -> torch.Tensor:
         """[Lt0, text_dim]: the empty caption's embedding (caption dropout, classifier-free guidance)."""
@@ -392,6 +400,7 @@ class CacheSettings:
     max_text_len: int
     dtype: str
     source: dict
+    i2v: dict = None  # i2v_cache.I2VEncoder.meta(); None = no I2V tensors (and out of the fingerprint)
 
     def as_dict(self) -> dict:
-        return dict(self.__dict__)
+        return {k: v for k, v in self.__dict__.items() if k != "i2v" or v}

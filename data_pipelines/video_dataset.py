@@ -47,6 +47,10 @@ class VideoSample:
     mask: torch.Tensor | None = None
     # cond.control: [3, F, H, W] control video in [-1, 1] aligned with `pixels`
     control: torch.Tensor | None = None
+    # Wan 2.1 I2V (latent caches written with --i2v, data_pipelines/i2v_cache.py): the VAE
+    # encoding of [first frame, zeros...] [C, F, H, W], and the CLIP image tokens [Li, image_dim]
+    cond_latents: torch.Tensor | None = None
+    image_emb: torch.Tensor | None = None
 
 
 MANIFEST_SUFFIXES = (".jsonl", ".csv")

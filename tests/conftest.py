@@ -207,3 +207,32 @@ def cache(models, source, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("latents")
     assert main(cache_args(models, source, out, out.parent / "probe_cache")) == 0
     return out
+
+
+CLIP_DIM, CLIP_TOKENS = 32, 17  # a 32-px image in 8-px patches: 16 + the class token
+
+
+@pytest.fixture(scope="session")
+def clip_dir(tmp_path_factory) -> Path:
+    """A tiny random CLIPVisionModel + its image processor (nothing downloaded)."""
+    pytest.importorskip("transformers")
+    import torch
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    d = tmp_path_factory.mktemp("clip")
+    torch.manual_seed(0)
+    CLIPVisionModel(CLIPVisionConfig(hidden_size=CLIP_DIM, intermediate_size=37, num_hidden_layers=2, num_attention_heads=2,
+                                     image_size=32, patch_size=8)).save_pretrained(d / "image_encoder")
+    CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}).save_pretrained(d / "image_processor")
+    return d
+
+
+@pytest.fixture(scope="session")
+def i2v_cache(models, source, clip_dir, tmp_path_factory) -> Path:
+    """The clips of `source` cached with Wan 2.1 I2V's tensors (--i2v first_frame, the tiny CLIP)."""
+    from dit_train.tools.cache_latents import main
+
+    out = tmp_path_factory.mktemp("i2v_latents")
+    assert main(cache_args(models, source, out, out.parent / "probe_cache", "--i2v", "first_frame",
+                           "--image-encoder", str(clip_dir))) == 0
+    return out

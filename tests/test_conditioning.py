@@ -27,6 +27,22 @@ CASES = {
 }
 
 
+# diffusers' Wan 2.1 I2V layout (4 mask channels, cached condition latents, CLIP tokens per clip) on
+# the tiny I2V latent cache (tests/conftest.py): 5 clips of uneven sizes, half of them conditioned
+I2V_CASE = ("first_frame-wan21_i2v", "dp_shard=2,cp_ulysses=2")
+
+
+def i2v_cfg(i2v_cache):
+    from tests.conftest import CLIP_DIM, TEXT_DIM, TINY_MODEL, Z_DIM
+
+    cfg = compose_config([*TINY_MODEL, "model=wan_i2v_tiny", "model.heads=2", "model.patch_size=[1,2,2]", "data=latent_cache",
+                          f"data.root={i2v_cache}", f"model.in_channels={Z_DIM}", f"model.text_dim={TEXT_DIM}",
+                          f"model.image_dim={CLIP_DIM}", "cond.kind=first_frame", "cond.feed=concat", "cond.prob=0.5",
+                          "train.global_batch=4", "train.micro_batch_tokens=0", "loss.reduction=sample_mean"])
+    cfg.optim.max_grad_norm = 0.05
+    return cfg
+
+
 def cond_cfg(data_cache: str, overrides: list[str], reduction: str = "sample_mean"):
     cfg = compose_config([*overrides, *TINY, "model.text_len=16", f"loss.reduction={reduction}"], cache_dir=data_cache)
     cfg.optim.max_grad_norm = 0.05  # always clips: the global norm must be exact too
@@ -59,22 +75,24 @@ def context_only_shards(cfg) -> int:
 
 
 @pytest.fixture(scope="module")
-def layouts(data_cache, tiny_cfg):
+def layouts(data_cache, tiny_cfg, i2v_cache):
     """{case: (one-process result, layout result)}, every layout in one launch of 4 workers."""
     cfgs = {name: cond_cfg(data_cache, overrides) for name, (overrides, _) in CASES.items()}
-    jobs = [cfgs[name] for name in CASES] + [apply_layout(cfgs[name], parse_layout(spec))
-                                             for name, (_, spec) in CASES.items()]
+    cfgs[I2V_CASE[0]] = i2v_cfg(i2v_cache)
+    specs = {name: spec for name, (_, spec) in CASES.items()} | dict([I2V_CASE])
+    jobs = [cfgs[name] for name in specs] + [apply_layout(cfgs[name], parse_layout(spec)) for name, spec in specs.items()]
     results = train_on_workers(jobs)
-    n = len(CASES)
-    return {name: (results[k], results[n + k]) for k, name in enumerate(CASES)}
+    n = len(specs)
+    return {name: (results[k], results[n + k]) for k, name in enumerate(specs)}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [*CASES, I2V_CASE[0]])
 def test_conditioned_training_matches_one_process(case, layouts):
     oracle, got = layouts[case]
     rel = relative_difference(oracle, got)
-    assert rel <= TOL, f"{case} on {CASES[case][1]}: weights differ by {rel:.2e} of the update"
+    spec = CASES[case][1] if case in CASES else I2V_CASE[1]
+    assert rel <= TOL, f"{case} on {spec}: weights differ by {rel:.2e} of the update"
     norms, ref = got["__grad_norms__"], oracle["__grad_norms__"]
     assert (norms - ref).abs().max() <= 1e-5 * ref.abs().max(), (case, norms, ref)
 

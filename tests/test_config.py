@@ -32,6 +32,8 @@ def test_default_config_is_video_on_one_process():
 def test_every_option_composes(group, option):
     prefix = "+" if group == "experiment" else ""
     extra = ["mode=llm"] if group == "model" and option.startswith("lm") else []
+    if group == "model" and option.startswith("wan_i2v"):  # Wan 2.1 I2V: its conditioning and a latent cache
+        extra = ["cond.kind=first_frame", "cond.feed=concat", "data=latent_cache", "data.root=latents/"]
     cfg = compose_config([*extra, f"{prefix}{group}={option}"])
     assert isinstance(cfg, Config)
     if group not in ("data",):  # data options may need a user path (data.root=???)

@@ -222,12 +222,12 @@ def cond_active(cond: Any) -> bool:
     return cond is not None and str(cond.kind) != "none"
 
 
-def cond_channels(cond: Any, in_channels: int) -> int:
-    """Input channels added to the patch embedding: the concat feed's C conditioning channels
-    plus the mask, then C channels of the control video (cond.control); 0 for the timestep feed
-    without control, and without conditioning (model.cond_channels; the conditioning itself is
-    dit_train/tasks/conditioning.py)."""
-    concat = in_channels + MASK_CHANNELS if cond_active(cond) and str(cond.feed) == "concat" else 0
+def cond_channels(cond: Any, in_channels: int, mask_channels: int = MASK_CHANNELS) -> int:
+    """Input channels added to the patch embedding: the concat feed's mask (`mask_channels`: 1,
+    or Wan 2.1 I2V's 4) plus C conditioning channels, then C channels of the control video
+    (cond.control); 0 for the timestep feed without control, and without conditioning
+    (model.cond_channels; the conditioning itself is dit_train/tasks/conditioning.py)."""
+    concat = in_channels + mask_channels if cond_active(cond) and str(cond.feed) == "concat" else 0
     return concat + (in_channels if getattr(cond, "control", False) else 0)
 
 
@@ -370,4 +370,5 @@ class Config:
         # the model's input width follows from cond.feed (model=wan_tiny cond.feed=concat just
         # works); a value set by hand that differs is left for check_config to refuse
         if isinstance(self.model, VideoModelConfig) and self.model.cond_channels == 0:
-            self.model.cond_channels = cond_channels(self.cond, self.model.in_channels)
+            self.model.cond_channels = cond_channels(self.cond, self.model.in_channels,
+                                                     getattr(self.model, "mask_channels", MASK_CHANNELS))

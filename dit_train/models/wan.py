@@ -76,6 +76,16 @@ class WanConfig(VideoModelConfig):
     # two in one run, each clip trained by the expert its drawn t selects
     expert: str = ""
     boundary_ratio: float = 0.0  # diffusers' WanPipeline boundary_ratio (A14B T2V: 0.875); used with model.expert
+    # Wan 2.1 I2V's CLIP image branch: width of the image tokens (CLIP ViT-H penultimate hidden
+    # states: 1280); 0 = none. Adds condition_embedder.image_embedder and, per block, a second
+    # cross-attention over the clip's image tokens (attn2.add_k_proj / add_v_proj / norm_added_k)
+    image_dim: int = 0
+    # Wan 2.1 FLF2V: learnt positions of the first and last images' tokens (2 x 257 = 514); 0 = none
+    pos_embed_seq_len: int = 0
+    # channels of the concat feed's mask: 1 (one per frame), or the VAE's temporal stride
+    # vae_stride[0] = 4, diffusers' Wan 2.1 I2V layout (each latent frame's mask over its 4 video
+    # frames; the condition channels then come from the latent cache's `cond_latents`)
+    mask_channels: int = 1
 
     def timestep_range(self) -> tuple[float, float]:
         """(lo, hi) of the flow times this model trains on (tasks/video.py draws them there)."""
@@ -91,7 +101,8 @@ NUM_TRAIN_TIMESTEPS = 1000.0
 _OUR_KEY = {"patch_size": "patch_size", "num_attention_heads": "heads", "attention_head_dim": "dim / heads",
             "in_channels": "in_channels + cond_channels (cond.feed=concat)", "out_channels": "in_channels", "text_dim": "text_dim",
             "freq_dim": "freq_dim", "ffn_dim": "ffn_dim", "num_layers": "depth",
-            "cross_attn_norm": "cross_attn_norm", "eps": "norm_eps"}
+            "cross_attn_norm": "cross_attn_norm", "eps": "norm_eps", "image_dim": "image_dim",
+            "added_kv_proj_dim": "dim (with model.image_dim)", "pos_embed_seq_len": "pos_embed_seq_len"}
 
 
 def wan_config(cfg: WanConfig) -> dict[str, Any]:
@@ -104,11 +115,16 @@ def wan_config(cfg: WanConfig) -> dict[str, Any]:
         raise ValueError(f"model.patch_size={list(cfg.patch_size)} must be [t, h, w]")
     if cfg.rope_theta != 10000.0:
         raise ValueError(f"model.rope_theta={cfg.rope_theta}: Wan's RoPE is fixed at 10000; remove the override")
+    if cfg.pos_embed_seq_len and not cfg.image_dim:
+        raise ValueError(f"model.pos_embed_seq_len={cfg.pos_embed_seq_len} positions image tokens: it needs model.image_dim > 0")
     # the concat conditioning widens the input only (Wan 2.1 I2V: 36 = 16 noisy + 4 mask + 16 image latents)
     return dict(patch_size=tuple(cfg.patch_size), num_attention_heads=cfg.heads, attention_head_dim=cfg.dim // cfg.heads,
                 in_channels=cfg.in_channels + cfg.cond_channels, out_channels=cfg.in_channels, text_dim=cfg.text_dim,
                 freq_dim=cfg.freq_dim, ffn_dim=cfg.ffn_dim or int(cfg.dim * cfg.mlp_ratio), num_layers=cfg.depth,
-                cross_attn_norm=cfg.cross_attn_norm, eps=cfg.norm_eps)
+                cross_attn_norm=cfg.cross_attn_norm, eps=cfg.norm_eps,
+                # the image branch's K/V read the embedded image tokens, of width dim (Wan 2.1 I2V)
+                image_dim=cfg.image_dim or None, added_kv_proj_dim=cfg.dim if cfg.image_dim else None,
+                pos_embed_seq_len=cfg.pos_embed_seq_len or None)
 
 
 def wan_rope(pos: torch.Tensor, head_dim: int, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,21 +164,23 @@ class PackedContext:
     """What WanTransformerBlock passes untouched to attn2 as `encoder_hidden_states`.
 
     states: [S, Lc, dim] embedded captions; seg: [L] clip of each (local) token, -1 padding;
-    lengths: [S] int64 caption tokens each clip attends to.
+    lengths: [S] int64 caption tokens each clip attends to; image: [S, Li, dim] embedded image
+    tokens of each clip (Wan 2.1 I2V's CLIP branch), or None.
     """
 
-    __slots__ = ("states", "seg", "lengths")
+    __slots__ = ("states", "seg", "lengths", "image")
 
-    def __init__(self, states: torch.Tensor, seg: torch.Tensor, lengths: torch.Tensor):
-        self.states, self.seg, self.lengths = states, seg, lengths
+    def __init__(self, states: torch.Tensor, seg: torch.Tensor, lengths: torch.Tensor, image: torch.Tensor | None = None):
+        self.states, self.seg, self.lengths, self.image = states, seg, lengths, image
 
 
 class PackedWanAttnProcessor:
     """WanAttention processor for packed sequences (hidden_states [1, L, dim], batch of one).
 
     Self-attention (encoder_hidden_states None): QK-RMSNorm, RoPE, `attn.attention_fn(q, k, v,
-    meta)` with [L, H, D]. Cross-attention: each token attends to its own clip's caption.
-    Same projections and norms as diffusers' WanAttnProcessor (text-to-video; no image K/V).
+    meta)` with [L, H, D]. Cross-attention: each token attends to its own clip's caption, and
+    with the image branch (attn.add_k_proj, Wan 2.1 I2V) also to its own clip's image tokens, the
+    two outputs summed. Same projections and norms as diffusers' WanAttnProcessor.
     """
 
     def __call__(self, attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: PackedContext | None = None,
@@ -182,8 +200,19 @@ class PackedWanAttnProcessor:
             out = attn.attention_fn(q, k, v, rotary_emb.meta)
         else:
             out = packed_cross_attention(q, k, v, encoder_hidden_states.seg, encoder_hidden_states.lengths)
+            if attn.add_k_proj is not None:
+                out = out.flatten(1).type_as(q) + self._image_attention(attn, q, encoder_hidden_states)
         out = attn.to_out[1](attn.to_out[0](out.flatten(1).type_as(q)))
         return out[None]
+
+    @staticmethod
+    def _image_attention(attn: nn.Module, q: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
+        """[L, H·D]: each token's attention to its own clip's image tokens (diffusers' I2V branch)."""
+        img = ctx.image
+        k = attn.norm_added_k(attn.add_k_proj(img)).unflatten(-1, (attn.heads, -1))
+        v = attn.add_v_proj(img).unflatten(-1, (attn.heads, -1))
+        lengths = torch.full((img.shape[0],), img.shape[1], dtype=torch.long, device=img.device)
+        return packed_cross_attention(q, k, v, ctx.seg, lengths).flatten(1).type_as(q)
 
 
 class PackedWan(nn.Module):
@@ -198,6 +227,8 @@ class PackedWan(nn.Module):
       context: [S, Lc, text_dim] caption embeddings (valid tokens first); None = one all-zero token
       context_len: [S] int64 valid caption tokens
       clean: [L] bool tokens given clean (cond.feed=timestep): their clip's embedding at t = 0
+      image: [S, Li, image_dim] CLIP image tokens of each clip (model.image_dim > 0: required;
+             Wan 2.1 I2V: 257, FLF2V: 2 x 257, the first image's then the last's)
     returns [L, C·pt·ph·pw], the predicted velocity.
     """
 
@@ -246,9 +277,24 @@ class PackedWan(nn.Module):
         context = F.pad(context * valid[..., None].to(context.dtype), (0, 0, 0, self.text_len - Lc))
         return context, torch.full_like(context_len, self.text_len)
 
+    def _image(self, image: torch.Tensor | None, S: int) -> torch.Tensor | None:
+        """The image tokens [S, Li, image_dim] as the image embedder takes them (None without
+        the image branch); FLF2V's learnt positions span both images: [2S, Li/2, image_dim]."""
+        image_dim = self.diffusers_config["image_dim"]
+        if image_dim is None:
+            return None
+        if image is None or image.shape[0] != S or image.shape[-1] != image_dim:
+            got = "none" if image is None else tuple(image.shape)
+            raise ValueError(f"model.image_dim={image_dim}: the model needs each clip's CLIP image tokens "
+                             f"[{S}, Li, {image_dim}], got {got} (cache them with tools.cache_latents --image-encoder)")
+        image = image.to(self.condition_embedder.image_embedder.ff.net[0].proj.weight.dtype)
+        if self.diffusers_config["pos_embed_seq_len"]:
+            image = image.reshape(2 * S, image.shape[1] // 2, image_dim)
+        return image
+
     def forward(self, x: torch.Tensor, pos: torch.Tensor, seg: torch.Tensor, t: torch.Tensor, meta: Any,
                 context: torch.Tensor | None = None, context_len: torch.Tensor | None = None,
-                clean: torch.Tensor | None = None) -> torch.Tensor:
+                clean: torch.Tensor | None = None, image: torch.Tensor | None = None) -> torch.Tensor:
         S = t.shape[0]
         if clean is None:
             row = torch.where(seg < 0, torch.full_like(seg, S), seg)  # padding tokens use an extra time row (t=0)
@@ -258,12 +304,12 @@ class PackedWan(nn.Module):
             timestep = torch.cat([t.float(), t.new_zeros(S + 1, dtype=torch.float32)]) * NUM_TRAIN_TIMESTEPS
         context, lengths = self._context(context, context_len, S, x)
         context = context.to(self.condition_embedder.text_embedder.linear_1.weight.dtype)
-        temb, timestep_proj, states, _ = self.condition_embedder(timestep, context)  # [R, dim], [R, 6·dim]
+        temb, timestep_proj, states, image = self.condition_embedder(timestep, context, self._image(image, S))  # [R, dim], [R, 6·dim]
         w = self.patch_embedding.weight  # inputs arrive in fp32 under FSDP2 mixed precision
         h = F.linear(x.to(w.dtype), w.flatten(1), self.patch_embedding.bias)[None]  # [1, L, dim]
         temb_tok = timestep_proj.unflatten(1, (6, -1))[row][None]  # [1, L, 6, dim]
         rope = PackedRope(*wan_rope(pos, self.diffusers_config["attention_head_dim"]), meta)
-        ctx = PackedContext(states, seg, lengths)
+        ctx = PackedContext(states, seg, lengths, image)
         for block in self.blocks:
             h = block(h, ctx, temb_tok, rope)
         shift, scale = (self.scale_shift_table + temb[:, None]).unbind(1)  # [R, dim] each
@@ -313,9 +359,12 @@ def read_pretrained(path: str, cfg: WanConfig) -> dict[str, torch.Tensor]:
         theirs = wan.config[key]
         if (tuple(theirs) if isinstance(theirs, list) else theirs) != ours:
             wrong.append(f"{key}={theirs} (model.{_OUR_KEY[key]} gives {ours})")
-    for key in ("image_dim", "added_kv_proj_dim"):
-        if wan.config.get(key) is not None:
-            wrong.append(f"{key}={wan.config[key]}: image-conditioned Wan (I2V) is not supported")
+    if (wan.config.get("image_dim") is None) != (want["image_dim"] is None):
+        wrong.append("an image-to-video checkpoint (CLIP image branch) needs an I2V config: model=wan_i2v_14b "
+                     "(or model.image_dim=1280 with cond.kind=first_frame cond.feed=concat model.mask_channels=4)"
+                     if want["image_dim"] is None else
+                     "a checkpoint without the CLIP image branch cannot start one (it would be untrained): set "
+                     "model.image_dim=0 (a T2V checkpoint widens into cond.feed=concat without it)")
     if wrong:
         raise ValueError(f"model.pretrained={path} does not match the model config: " + "; ".join(wrong))
     state = {k: v.detach().float().contiguous() for k, v in wan.state_dict().items()}

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from dit_train.data_pipelines.i2v_cache import ImageEncoder
 from dit_train.data_pipelines.shapes_metric import score_given_clips
 from dit_train.data_pipelines.sizes import resize_crop
 from dit_train.data_pipelines.video_io import is_image, probe, read_frames, to_model_range, VideoReadError
@@ -48,6 +49,25 @@ def control_on_clips(requests: list[SampleRequest], task: Any) -> None:
     """Give each request its dataset clip's control video (a run trained with cond.control)."""
     for r in requests:
         r.control = task.dataset[r.noise_id].control
+
+
+def i2v_on_clips(requests: list[SampleRequest], task: Any) -> None:
+    """Give each request its dataset clip's Wan 2.1 I2V condition latents and image tokens (a
+    model with model.mask_channels > 1); an unconditioned request sees zero image tokens, as in
+    training."""
+    for r in requests:
+        item = task.dataset[r.noise_id]
+        r.cond_latents = item.cond_latents
+        if item.image_emb is not None:
+            r.image = item.image_emb if r.given is not None else item.image_emb * 0
+
+
+def sampler_i2v(model: Any, cond: Any) -> dict[str, Any]:
+    """The VideoSampler keywords of the Wan 2.1 I2V layout ({} for any other model)."""
+    k = getattr(model, "mask_channels", 1)
+    if k <= 1 or not cond_active(cond) or str(cond.feed) != "concat":
+        return {}
+    return {"i2v_mask": k, "i2v_last": str(cond.kind) == "first_last"}
 
 
 def validation_task(cfg: Any, task: Any) -> Any:
@@ -171,6 +191,35 @@ def given_latents_from_files(cond: Any, shape: tuple[int, int, int, int], pt: in
     patches = torch.zeros(f // pt, dtype=torch.bool)
     patches[: k // pt] = True
     return given, patches
+
+
+def i2v_from_files(cond: Any, shape: tuple[int, int, int, int], codec: Any, meta: dict, image: str = "",
+                   last_image: str = "", video: str = "") -> tuple:
+    """(given, given_patches, cond_latents, image tokens) of diffusers' Wan 2.1 I2V layout from
+    --image [--last-image], as WanImageToVideoPipeline builds them: the image resized to cover
+    the latent grid's pixels, [image, zeros...(, last)] of the clip's 1 + t·(f − 1) frames through
+    the cache's VAE (`codec`), the images through the cache's CLIP encoder (meta.json's
+    settings.i2v); `given` is a placeholder (the sampler reads cond_latents)."""
+    C, f, h, w = shape
+    kind = str(cond.kind)
+    if video or not image or (kind == "first_last") != bool(last_image):
+        need = "--image first.png" + (" --last-image last.png" if kind == "first_last" else "")
+        raise ValueError(f"this run trained cond.kind={kind} in Wan 2.1 I2V's layout (model.mask_channels): give {need}")
+    patches = context_patches(cond, 1, f)
+    if patches is None:
+        raise ValueError(f"--frames gives {f} latent frame(s): nothing would be left to generate after the given ones")
+    H, W = h * codec.spatial, w * codec.spatial
+    images = [resize_crop(_read_pixels(p, 1, 1), H, W, resize=True)[:, 0] for p in (image, last_image) if p]
+    clip = torch.zeros(3, 1 + codec.temporal * (f - 1), H, W)
+    clip[:, 0] = images[0]
+    if last_image:
+        clip[:, -1] = images[1]
+    cond_latents = codec.encode(clip)
+    info = (meta.get("settings") or {}).get("i2v") or {}
+    tokens = None
+    if info.get("image_encoder"):
+        tokens = ImageEncoder(info["image_encoder"], processor=info.get("image_processor", "")).encode(images)
+    return torch.zeros(shape), patches, cond_latents, tokens
 
 
 def given_scores(source: Any, requests: list[SampleRequest], pixels: list[torch.Tensor], pt: int) -> dict[str, float]:

@@ -43,7 +43,7 @@ from dit_train.parallel.context_parallel import split_for_cp
 from dit_train.parallel.mesh import ParallelContext
 from dit_train.rng import sample_generator
 from dit_train.tasks.captions import pad_contexts
-from dit_train.tasks.conditioning import ClipInputs, clip_inputs, input_tokens
+from dit_train.tasks.conditioning import ClipInputs, clip_inputs, i2v_inputs, input_tokens
 from dit_train.tasks.joint_text import join_text_tokens, video_rows
 from dit_train.tasks.video import model_context, num_patches, pack_clips, unpatchify
 from dit_train.kernels import VarlenLayout
@@ -64,6 +64,8 @@ class SampleRequest:
     given: [C, F, H, W] a clip holding the given frames (conditioning), or None (unconditioned);
     given_patches: [F/pt] bool which temporal patches of `given` are given (the rest is generated).
     control: [C, F, H, W] the control video (a model trained with cond.control), or None.
+    cond_latents: [C, F, H, W] Wan 2.1 I2V's condition latents (the VAE encoding of [image, zeros...]),
+    image: [Li, image_dim] its CLIP image tokens; None unless the model has that layout.
     """
 
     key: str
@@ -76,6 +78,8 @@ class SampleRequest:
     given: torch.Tensor | None = None
     given_patches: torch.Tensor | None = None
     control: torch.Tensor | None = None
+    cond_latents: torch.Tensor | None = None
+    image: torch.Tensor | None = None
 
 
 def dataset_requests(task: Any, num: int, fps: Callable[[int], float] | None = None,
@@ -167,16 +171,22 @@ class VideoSampler:
     one model) guides clips below it with guidance_scale_2 (0 = guidance_scale), as WanPipeline.
     pipeline: a diffusers pipeline's token-count schedule (LTXPipeline's, `PipelineShift`)
     instead of `shift`: each clip's sigmas are the ones that pipeline uses for its token count.
+    i2v_mask, i2v_last: diffusers' Wan 2.1 I2V layout (model.mask_channels > 1; first_last): the
+    requests' given frames arrive as its mask and their `cond_latents`, with their `image` tokens.
     """
 
     def __init__(self, requests: list[SampleRequest], patch: tuple[int, int, int], text_dim: int,
                  null_caption: torch.Tensor | None, ctx: ParallelContext, steps: int, guidance_scale: float,
                  seed: int, shift: float = 1.0, shift_reference_tokens: int = 0, prediction: str = "velocity",
                  x0_min_t: float = 0.05, stochastic: bool = False, cond_feed: str = "", control: bool = False,
-                 guidance_scale_2: float = 0.0, boundary: float = 0.0, pipeline: PipelineShift | None = None):
+                 guidance_scale_2: float = 0.0, boundary: float = 0.0, pipeline: PipelineShift | None = None,
+                 i2v_mask: int = 0, i2v_last: bool = False):
         from diffusers import FlowMatchEulerDiscreteScheduler  # deferred: diffusers takes ~2 s to import
 
         self.cond_feed, self.control = cond_feed, control
+        self.i2v_mask, self.i2v_last = i2v_mask, i2v_last
+        if i2v_mask and any(r.given is not None and r.cond_latents is None for r in requests):
+            raise ValueError("a Wan 2.1 I2V model needs each conditioned clip's condition latents (cond_latents)")
         if control and any(r.control is None for r in requests):
             raise ValueError("a model trained with cond.control needs a control video for every clip")
         self.requests, self.patch, self.text_dim, self.null_caption = requests, tuple(patch), text_dim, null_caption
@@ -240,6 +250,9 @@ class VideoSampler:
         if not self.cond_feed:
             return None
         r = self.requests[k]
+        if self.i2v_mask:
+            return i2v_inputs(x, r.given_patches if r.given is not None else None, self.i2v_last, self.i2v_mask,
+                              r.cond_latents, self.patch)
         given = r.given.to(x.dtype) if r.given is not None else torch.zeros_like(x)
         return clip_inputs(given, x, r.given_patches if r.given is not None else None, self.cond_feed, self.patch)
 
@@ -255,6 +268,9 @@ class VideoSampler:
             per_token = {"clean": [g.clean for g in given]}
         if self.control:  # after the concat channels, as in training (tasks/conditioning.input_tokens)
             fields["control"] = [c.to(xs[0].dtype) for c in controls]
+        if self.requests[0].image is not None:  # both CFG branches see the image, as WanImageToVideoPipeline
+            images = [r.image for r in self.requests]
+            samples["image"] = torch.stack(images * (len(xs) // len(images)))
         dims = {name: clips[0].shape[0] * math.prod(self.patch) for name, clips in fields.items()}
         batch = pack_clips(fields, self.patch, dims, samples, torch.arange(len(xs)), per_token=per_token)
         # a joint-attention model's caption tokens join each clip's run (tasks/joint_text.py)

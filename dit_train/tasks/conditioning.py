@@ -26,6 +26,7 @@ caption dropout, so every layout conditions the same samples. Nothing here commu
 """
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,7 @@ from dit_train.batch import WEIGHT_ONE
 from dit_train.config.schema import companions, cond_active, cond_channels
 from dit_train.data_pipelines import SOURCES
 from dit_train.data_pipelines.companions import KEYS
+from dit_train.models.wan_experts import pretrained_folder
 from dit_train.rng import sample_generator
 
 log = logging.getLogger(__name__)
@@ -104,6 +106,32 @@ def concat_channels(x0: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
     return torch.cat([m.expand(1, *x0.shape[1:]), x0 * m])
 
 
+def i2v_mask(frames: torch.Tensor, last: bool, k: int) -> torch.Tensor:
+    """[k, F]: diffusers' Wan 2.1 I2V mask channels of a latent clip whose context latent frames
+    are `frames` [F] bool (`last`: the last one is the FLF2V last image). Channel j of latent
+    frame f is the mask of video frame 4f + j - 3 (k = the VAE's temporal stride 4), the first
+    latent frame's one image counted k times, as WanImageToVideoPipeline.prepare_latents folds
+    it: the first frame all 1; a last image sets only the last channel of the last frame."""
+    m = frames.to(torch.float32)[None].repeat(k, 1)
+    if last:
+        m[:, -1] = 0
+        m[-1, -1] = 1
+    return m
+
+
+def i2v_inputs(xt: torch.Tensor, patches: torch.Tensor | None, last: bool, k: int,
+               cond_latents: torch.Tensor | None, patch: tuple[int, int, int]) -> ClipInputs:
+    """The inputs of one latent clip [C, F, H, W] in diffusers' Wan 2.1 I2V layout: every token a
+    target (weight 1), the extra channels [mask k | condition C] with the condition the cached
+    VAE encoding of [first, zeros...] (i2v_cache.py). Unconditioned (patches None): both zero."""
+    C, F, H, W = xt.shape
+    weight = torch.full((F // patch[0] * (H // patch[1]) * (W // patch[2]),), WEIGHT_ONE, dtype=torch.int64)
+    if patches is None:
+        return ClipInputs(xt, weight, None, xt.new_zeros(k + C, F, H, W))
+    mask = i2v_mask(frame_mask(patches, 1, F), last, k).to(xt.dtype)[:, :, None, None].expand(k, F, H, W)
+    return ClipInputs(xt, weight, None, torch.cat([mask, cond_latents.to(xt.dtype)]))
+
+
 def clip_inputs(x0: torch.Tensor, xt: torch.Tensor, patches: torch.Tensor | None, feed: str,
                 patch: tuple[int, int, int]) -> ClipInputs:
     """The inputs of one clip [C, F, H, W] given its context temporal patches ([f] bool, or
@@ -150,9 +178,11 @@ class Conditioner:
     named once in the log).
     """
 
-    def __init__(self, cond: Any, patch: tuple[int, int, int], seed: int):
+    def __init__(self, cond: Any, patch: tuple[int, int, int], seed: int, mask_channels: int = 1):
         self.cond, self.patch, self.seed = cond, tuple(patch), seed
         self.feed = str(cond.feed)
+        # > 1: diffusers' Wan 2.1 I2V layout (i2v_inputs), its condition read from the latent cache
+        self.i2v = mask_channels if self.feed == "concat" and mask_channels > 1 else 0
         self.short: set[int] = set()
 
     def context(self, sample_id: int, step: int, frames: int) -> torch.Tensor | None:
@@ -167,8 +197,13 @@ class Conditioner:
                         "trains unconditioned", sample_id, frames, self.cond.kind)
         return patches
 
-    def inputs(self, x0: torch.Tensor, xt: torch.Tensor, sample_id: int, step: int) -> ClipInputs:
-        return clip_inputs(x0, xt, self.context(sample_id, step, x0.shape[1]), self.feed, self.patch)
+    def inputs(self, x0: torch.Tensor, xt: torch.Tensor, sample_id: int, step: int,
+               cond_latents: torch.Tensor | None = None) -> ClipInputs:
+        """`cond_latents`: the clip's cached I2V condition [C, F, H, W] (the Wan 2.1 I2V layout only)."""
+        patches = self.context(sample_id, step, x0.shape[1])
+        if self.i2v:
+            return i2v_inputs(xt, patches, str(self.cond.kind) == "first_last", self.i2v, cond_latents, self.patch)
+        return clip_inputs(x0, xt, patches, self.feed, self.patch)
 
 
 def input_tokens(batch: Any) -> torch.Tensor:
@@ -188,13 +223,15 @@ def cond_errors(mode: str, cond: Any, model: Any, data: Any) -> list[str]:
         e.append(f"cond.prob={cond.prob} must be in [0, 1] (the share of samples conditioned)")
     if cond.prefix_frames < 0:
         e.append(f"cond.prefix_frames={cond.prefix_frames} must be >= 0 (0 = one temporal patch)")
-    derived = cond_channels(cond, getattr(model, "in_channels", 0)) if mode == "video" else 0
+    derived = cond_channels(cond, getattr(model, "in_channels", 0), getattr(model, "mask_channels", 1)) if mode == "video" else 0
     if getattr(model, "cond_channels", 0) != derived:
         e.append(f"model.cond_channels={model.cond_channels} is derived from cond (cond.kind={cond.kind}, "
                  f"cond.feed={cond.feed} gives {derived}); remove the override")
     e += companion_errors(mode, data, cond)
+    if mode == "video":
+        e += i2v_errors(cond, model, data)
     rank = getattr(getattr(model, "lora", None), "rank", 0)
-    if rank and derived and getattr(model, "pretrained", ""):
+    if rank and derived and getattr(model, "pretrained", "") and not pretrained_reads_input(model, derived):
         e.append(f"model.lora.rank={rank} freezes the patch embedding, and the {derived} input channels cond adds to "
                  f"the pretrained one (cond.feed={cond.feed}, cond.control={str(cond.control).lower()}) start at zero: "
                  f"the model would never read them; train without LoRA (model.lora.rank=0)")
@@ -217,6 +254,57 @@ def cond_errors(mode: str, cond: Any, model: Any, data: Any) -> list[str]:
             e.append(f"{what} gives {given * pt} frames as context, but clips have at most data.max_frames={max_frames} "
                      f"frames: nothing would be left to generate; raise data.max_frames above {given * pt}"
                      + (" or lower cond.prefix_frames" if str(cond.kind) == "prefix" else ""))
+    return e
+
+
+def pretrained_reads_input(model: Any, derived: int) -> bool:
+    """True when model.pretrained's transformer already reads the widened input (its config.json
+    in_channels = model.in_channels + the `derived` channels: a Wan 2.1 I2V checkpoint), so LoRA
+    freezes a trained patch embedding, not zero-initialised channels; False when it would be
+    widened, or cannot be read here (model.pretrained's own check names why)."""
+    try:
+        config = json.loads((pretrained_folder(model.pretrained, model) / "config.json").read_text())
+    except (OSError, ValueError, AttributeError):
+        return False
+    return config.get("in_channels") == model.in_channels + derived
+
+
+def i2v_errors(cond: Any, model: Any, data: Any) -> list[str]:
+    """The Wan 2.1 I2V layout's config-level needs (model.mask_channels > 1, model.image_dim)."""
+    k, image_dim = getattr(model, "mask_channels", 1), getattr(model, "image_dim", 0)
+    if k <= 1 and not image_dim:
+        return []
+    e = []
+    if image_dim and k <= 1:
+        e.append(f"model.image_dim={image_dim} (the CLIP image branch) is Wan 2.1 I2V's: it needs its input layout, "
+                 f"model.mask_channels={model.vae_stride[0]} (model=wan_i2v_tiny / wan_i2v_14b set both)")
+    if str(cond.kind) not in ("first_frame", "first_last") or str(cond.feed) != "concat":
+        e.append(f"model.mask_channels={k} is diffusers' Wan 2.1 I2V layout: it needs cond.kind=first_frame or "
+                 f"first_last with cond.feed=concat (got cond.kind={cond.kind}, cond.feed={cond.feed})")
+    source = SOURCES[data.name] if getattr(data, "name", "") in SOURCES else None
+    if k > 1 and source is not None and not source.latent:
+        e.append(f"model.mask_channels={k} reads each clip's condition latents from a latent cache written with "
+                 f"tools.cache_latents --i2v first_frame (or first_last): use data=latent_cache (data={getattr(data, 'name', '')})")
+    if k > 1 and (model.patch_size[0] != 1 or k != model.vae_stride[0]):
+        e.append(f"model.mask_channels={k} folds the VAE's temporal stride into channels: it needs "
+                 f"model.patch_size[0]=1 and model.mask_channels=model.vae_stride[0]={model.vae_stride[0]}")
+    return e
+
+
+def i2v_data_errors(meta: dict, cond: Any, model: Any, where: str) -> list[str]:
+    """A latent cache's I2V tensors (meta.json's settings.i2v) against the run's cond and model."""
+    i2v = (meta.get("settings") or {}).get("i2v") or {}
+    if not i2v:
+        return [f"{where} has no I2V condition latents (model.mask_channels={model.mask_channels}): write the cache "
+                f"with tools.cache_latents --i2v {cond.kind}" + (" --image-encoder FOLDER" if model.image_dim else "")]
+    e = []
+    if i2v["kind"] != str(cond.kind):
+        e.append(f"{where} holds I2V latents for cond.kind={i2v['kind']}, not cond.kind={cond.kind}: "
+                 f"set cond.kind={i2v['kind']} or cache again with --i2v {cond.kind}")
+    if model.image_dim and int(i2v.get("image_dim") or 0) != model.image_dim:
+        got = int(i2v.get("image_dim") or 0)
+        e.append(f"{where} holds {'no image tokens' if not got else f'{got}-wide image tokens'} but model.image_dim="
+                 f"{model.image_dim}: " + ("cache with --image-encoder FOLDER" if not got else f"set model.image_dim={got}"))
     return e
 
 

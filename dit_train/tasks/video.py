@@ -15,7 +15,7 @@ from dit_train.objectives.flow_matching import loss_weight, noisy_sample, per_to
 from dit_train.tasks.captions import ByteCaptionEncoder, drop_caption, pad_contexts
 from dit_train.config.schema import cond_active, cond_channels
 from dit_train.models.registry import model_spec
-from dit_train.tasks.conditioning import Conditioner, input_tokens, masked
+from dit_train.tasks.conditioning import Conditioner, i2v_data_errors, input_tokens, masked
 from dit_train.tasks.joint_text import join_text_tokens
 
 
@@ -118,11 +118,17 @@ class VideoTask:
         # the flow times this model trains on (a Wan 2.2 A14B expert: its side of the boundary)
         self.t_range = model_cfg.timestep_range() if hasattr(model_cfg, "timestep_range") else (0.0, 1.0)
         self.seed = seed
-        self.conditioner = Conditioner(cond, self.patch, seed) if cond_active(cond) else None
+        self.mask_channels = getattr(model_cfg, "mask_channels", 1)  # Wan 2.1 I2V: 4 (tasks/conditioning.py)
+        self.conditioner = Conditioner(cond, self.patch, seed, self.mask_channels) if cond_active(cond) else None
+        self.image_dim = getattr(model_cfg, "image_dim", 0)  # Wan 2.1 I2V's CLIP tokens per clip
+        if self.conditioner is not None and self.conditioner.i2v:  # the data must hold the I2V tensors
+            errors = i2v_data_errors(getattr(dataset, "meta", {}), cond, model_cfg, f"data.root={getattr(dataset, 'root', '')}")
+            if errors:
+                raise ValueError("; ".join(errors))
         self.masks = masks  # loss weights times each clip's mask (data.masks)
         self.control = bool(getattr(cond, "control", False))  # the control video as more input channels
         # features per token of the concat feed's channels (mask + conditioning frames); control's follow
-        concat = cond_channels(cond, model_cfg.in_channels) - (model_cfg.in_channels if self.control else 0)
+        concat = cond_channels(cond, model_cfg.in_channels, self.mask_channels) - (model_cfg.in_channels if self.control else 0)
         self.cond_dim = concat * self.patch[0] * self.patch[1] * self.patch[2]
         # a model with joint text-video attention gets each clip's caption tokens as slots of the
         # pack (weight 0, outside T_b: tasks/joint_text.py)
@@ -156,7 +162,7 @@ class VideoTask:
     def build(self, sample_ids: list[int], step: int) -> PackedBatch:
         """The full (un-split) pack of `sample_ids` at `step`, on the CPU."""
         xs, targets, ts, ctx = [], [], [], []
-        conds, weights, clean, controls = [], [], [], []
+        conds, weights, clean, controls, images = [], [], [], [], []
         kept = []
         lc = self.loss_cfg
         for sid in sample_ids:
@@ -177,8 +183,10 @@ class VideoTask:
             xt, v, t = noisy_sample(x0, self.seed, sid, step, lc, shift, self.t_range)
             weight = torch.full((num_patches(x0.shape, self.patch),), WEIGHT_ONE, dtype=torch.int64)
             if self.conditioner is not None:  # context frames of the clip itself (tasks/conditioning.py)
-                inputs = self.conditioner.inputs(x0, xt, sid, step)
+                inputs = self.conditioner.inputs(x0, xt, sid, step, getattr(item, "cond_latents", None))
                 xt, weight = inputs.x, inputs.weight
+                if self.image_dim:  # an unconditioned sample (cond.prob < 1) sees zero image tokens, as its zero mask
+                    images.append(item.image_emb if inputs.cond[: self.mask_channels].any() else item.image_emb * 0)
                 if inputs.clean is not None:
                     clean.append(inputs.clean)
                 else:
@@ -197,6 +205,8 @@ class VideoTask:
         samples = {"t": torch.tensor(ts, dtype=torch.float32)}
         if self.text_dim:
             samples["context"], samples["context_len"] = pad_contexts(ctx, self.text_dim)
+        if images:
+            samples["image"] = torch.stack(images)  # [S, Li, image_dim]
         ids = torch.tensor(kept, dtype=torch.long)
         batch = self._pack(xs, targets, conds, clean, controls, weights, samples, ids)
         return join_text_tokens(batch, samples["context_len"]) if self.joint_text else batch
@@ -235,8 +245,9 @@ class VideoTask:
 
 
 def model_context(batch: PackedBatch) -> dict[str, torch.Tensor]:
-    """The keyword arguments of a video model call besides the tokens: captions, and the clean
-    (timestep 0) tokens of the conditioning's timestep feed ({} for unconditional packs)."""
+    """The keyword arguments of a video model call besides the tokens: captions, the clean
+    (timestep 0) tokens of the conditioning's timestep feed, and the clips' CLIP image tokens
+    (model.image_dim) ({} for unconditional packs)."""
     out = {}
     if "context" in batch.samples:
         out = {"context": batch.samples["context"], "context_len": batch.samples["context_len"]}
@@ -244,4 +255,6 @@ def model_context(batch: PackedBatch) -> dict[str, torch.Tensor]:
         out["clean"] = batch.tokens["clean"]
     if "text" in batch.tokens:  # text slots of a joint-attention model (tasks/joint_text.py)
         out["text"] = batch.tokens["text"]
+    if "image" in batch.samples:  # Wan 2.1 I2V's CLIP image tokens, per clip
+        out["image"] = batch.samples["image"]
     return out

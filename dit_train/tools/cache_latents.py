@@ -3,6 +3,8 @@
     python -m dit_train.tools.cache_latents --vae /models/Wan2.1-T2V-1.3B-Diffusers --text-encoder /models/Wan2.1-T2V-1.3B-Diffusers \\
         --out latents/my_videos data=video_folder data.root=videos/ data.max_frames=81 'data.resolution_buckets=[[480,832]]'
     python -m dit_train.tools.cache_latents --workers 4 ...          # 4 local processes (one GPU each when there are 4)
+    python -m dit_train.tools.cache_latents --i2v first_frame --image-encoder /models/Wan2.1-I2V-14B-480P-Diffusers ...
+                                                                     # + Wan 2.1 I2V's condition latents and CLIP tokens
     torchrun --nproc-per-node 8 tools/cache_latents.py ... # or any launcher that sets RANK / WORLD_SIZE
 
 The source is chosen with the same data overrides as `python -m dit_train` (`data=video_folder
@@ -43,6 +45,7 @@ from safetensors.torch import save as safetensors_bytes
 from dit_train.compose import compose
 from dit_train.config.errors import RunFailed
 from dit_train.data_pipelines import latent_cache as lc, prepare_data, source_for
+from dit_train.data_pipelines.i2v_cache import I2V_KINDS, I2VEncoder, ImageEncoder
 from dit_train.data_pipelines.shard_index import NULL_TEXT, check_or_write_meta, fingerprint, merge_index, read_json
 from dit_train.data_pipelines.shard_store import is_remote, join, open_url, put_bytes
 from dit_train.data_pipelines.shard_writer import latent_sample, shard_count, slice_of, write_shards
@@ -93,9 +96,13 @@ def run_rank(rank: int, world: int, local_rank: int, args: argparse.Namespace, d
         bad = [b for b in data.resolution_buckets or [] if b[0] % vae.spatial or b[1] % vae.spatial]
         if bad:
             raise ValueError(f"data.resolution_buckets {bad} are not multiples of the VAE's spatial factor {vae.spatial}")
+        i2v = i2v_encoder(args, vae, device, dtype)
         settings = lc.CacheSettings(vae=vae.path, text_encoder=text.path if text else "",
                                     tokenizer=text.tokenizer_path if text else "", max_text_len=args.max_text_len if text else 0,
-                                    dtype=args.dtype, source=source.cache_settings()).as_dict()
+                                    dtype=args.dtype, source=source.cache_settings(),
+                                    i2v=i2v.meta() if i2v else None).as_dict()
+        if shards_mode(args) and i2v is not None:
+            raise ValueError("--i2v writes a cache folder; latent shards (--shards, a URL --out) do not store it yet")
         if shards_mode(args):
             return encode_shards(rank, world, args, data, source, vae, text, lc.build_meta(vae, text, settings))
         lc.check_or_write_meta(out, lc.build_meta(vae, text, settings), write=rank == 0)
@@ -106,7 +113,7 @@ def run_rank(rank: int, world: int, local_rank: int, args: argparse.Namespace, d
         if world > 1:
             dist.barrier()
         dataset = source.pixel_dataset((1, vae.spatial, vae.spatial), cache_items=0)
-        report = lc.encode_shard(dataset, out, vae, text, rank, world, progress=not args.no_progress)
+        report = lc.encode_shard(dataset, out, vae, text, rank, world, progress=not args.no_progress, i2v=i2v)
         reports = [report]
         if world > 1:
             reports = [None] * world
@@ -117,6 +124,16 @@ def run_rank(rank: int, world: int, local_rank: int, args: argparse.Namespace, d
     finally:
         if own_group:
             dist.destroy_process_group()
+
+
+def i2v_encoder(args: argparse.Namespace, vae: lc.VaeCodec, device: str, dtype: torch.dtype) -> I2VEncoder | None:
+    """--i2v: the Wan 2.1 I2V tensors of every clip (condition latents; CLIP tokens with --image-encoder)."""
+    if not args.i2v:
+        if args.image_encoder:
+            raise ValueError("--image-encoder needs --i2v first_frame|first_last (what the image tokens condition)")
+        return None
+    image = ImageEncoder(args.image_encoder, device, dtype, allow_pickle=args.allow_pickle_weights) if args.image_encoder else None
+    return I2VEncoder(vae, args.i2v, image)
 
 
 def shards_mode(args: argparse.Namespace) -> bool:
@@ -205,6 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--text-encoder", default="", help="local transformers encoder folder (T5/UMT5/...), or a pipeline folder")
     ap.add_argument("--tokenizer", default="", help="tokenizer folder (default: the text encoder's)")
     ap.add_argument("--max-text-len", type=POSITIVE_INT, default=512, help="captions are truncated to this many tokens")
+    ap.add_argument("--i2v", default="", choices=["", *I2V_KINDS],
+                    help="also cache what diffusers' Wan 2.1 I2V layout needs per clip: the VAE encoding of "
+                    "[first frame, zeros...] (first_last: [first, zeros..., last]) for model=wan_i2v_*")
+    ap.add_argument("--image-encoder", default="", help="with --i2v: CLIPVisionModel folder, or a Wan I2V pipeline folder "
+                    "(its image_encoder/ and image_processor/): caches the image tokens (model.image_dim)")
     ap.add_argument("--workers", type=POSITIVE_INT, default=1, help="local processes to start (ignored under torchrun)")
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda")
     ap.add_argument("--dtype", default="fp32", choices=sorted(["fp32", "bf16", "fp16"]), help="VAE / text encoder precision")
@@ -214,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="also read .bin/.pt weights (a pickle can run code: only from a source you trust)")
     args = ap.parse_intermixed_args(argv)
     try:
-        for flag, path in (("--vae", args.vae), ("--text-encoder", args.text_encoder), ("--tokenizer", args.tokenizer)):
+        for flag, path in (("--vae", args.vae), ("--text-encoder", args.text_encoder), ("--tokenizer", args.tokenizer),
+                           ("--image-encoder", args.image_encoder)):
             if path and not Path(path).expanduser().is_dir():  # before any worker starts: one line, not one per rank
                 raise ValueError(f"{flag} {path}: no such folder (a local diffusers / transformers folder, or a "
                                  f"pipeline folder; hub ids are not downloaded)")

@@ -55,7 +55,9 @@ from dit_train.parallel.mesh import init_parallel
 from dit_train.precision import autocast
 from dit_train.sampling import pipeline_shift, sampling_boundary, scored_view, source_requests, to_pixels, VideoSampler, write_samples
 from dit_train.sampling.conditioned import (condition_on_clips, control_from_file, control_on_clips, given_from_files,
-                                            given_latents_from_files, given_scores, sampler_feed, validation_task)
+                                            given_latents_from_files, given_scores, i2v_from_files, i2v_on_clips,
+                                            sampler_feed, sampler_i2v, validation_task)
+from dit_train.data_pipelines.latent_cache import read_cache_info
 from dit_train.sampling.prompts import prompt_requests, prompt_space
 from dit_train.tasks import build_task
 from dit_train.tools.args import POSITIVE_INT, ToolParser, ranged
@@ -80,6 +82,8 @@ def data_requests(cfg: Any, num: int, device: Any, decoder: bool, heldout: bool 
         condition_on_clips(requests, [task.dataset[r.noise_id].pixels for r in requests], cfg.cond, task.patch[0])
     if task.control:
         control_on_clips(requests, task)
+    if sampler_i2v(cfg.model, cfg.cond):
+        i2v_on_clips(requests, task)
     decode = source.decoder(device) if decoder else None
     return requests, task.null_caption() if task.text_dim else None, decode
 
@@ -136,7 +140,8 @@ def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, 
         null, decode = space.null, space.decode
         for r in requests:  # read and checked by main() before any worker started
             if args.given is not None:
-                r.given, r.given_patches = args.given
+                r.given, r.given_patches = args.given[:2]
+                r.cond_latents, r.image = args.given[2:] if len(args.given) > 2 else (None, None)
             r.control = args.control_clip
     # the run's training shift (per clip size with loss.shift_reference_tokens) ...
     shift, reference = cfg.loss.timestep_shift, cfg.loss.shift_reference_tokens
@@ -148,7 +153,8 @@ def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, 
                            prediction=getattr(cfg.model, "prediction", "velocity"), x0_min_t=getattr(cfg.model, "x0_min_t", 0.05),
                            stochastic=cfg.train.stochastic_sampling if args.stochastic is None else args.stochastic,
                            cond_feed=sampler_feed(cfg.cond), control=bool(cfg.cond.control),
-                           guidance_scale_2=args.guidance_scale_2, boundary=args.boundary, pipeline=pipeline)
+                           guidance_scale_2=args.guidance_scale_2, boundary=args.boundary, pipeline=pipeline,
+                           **sampler_i2v(cfg.model, cfg.cond))
     clips = sampler.sample(model, lambda: autocast(cfg.train.precision, ctx.device, False))
     if not ctx.is_main:
         return None
@@ -234,6 +240,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("nothing to sample: give --prompt \"a caption\" (repeat for several) or --data-captions N")
         if args.data_captions < 0:
             raise ValueError(f"--data-captions={args.data_captions} must be >= 1")
+        if sampler_i2v(cfg.model, cfg.cond) and args.prompt and not given_files(args):  # its CLIP tokens need an image
+            raise ValueError(f"this run trained diffusers' Wan 2.1 I2V layout (model.mask_channels={cfg.model.mask_channels}): "
+                             f"give --image first.png" + (" --last-image last.png" if str(cfg.cond.kind) == "first_last" else ""))
         check_given(args, cfg.cond)
         args.given = read_given(args, cfg)
         args.control_clip = read_control(args, cfg)
@@ -292,6 +301,9 @@ def read_given(args: argparse.Namespace, cfg: Any) -> tuple | None:
         return None
     space = prompt_space(cfg)
     shape = space.shape(args.frames, args.height, args.width)
+    if sampler_i2v(cfg.model, cfg.cond):  # Wan 2.1 I2V: [image, zeros...(, last)] through the VAE, CLIP tokens
+        return i2v_from_files(cfg.cond, shape, space.codec, read_cache_info(cfg.data.root), args.image, args.last_image,
+                              args.video)
     if space.codec is not None:  # a latent-cache run: the files go through the cache's VAE
         return given_latents_from_files(cfg.cond, shape, cfg.model.patch_size[0], space.codec, args.image,
                                         args.last_image, args.video, args.prefix_frames)
