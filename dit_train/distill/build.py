@@ -40,15 +40,10 @@ def teacher_weights(folder: Path) -> tuple[dict[str, torch.Tensor], str]:
 
 
 def check_distill_keys(cfg: Config) -> None:
+    """What a distillation run needs beyond each key's range (engine/checks.RANGES)."""
     d, e = cfg.distill, []
-    if d.student_steps < 1:
-        e.append(f"distill.student_steps={d.student_steps} must be >= 1")
-    if d.student_every < 1:
-        e.append(f"distill.student_every={d.student_every} must be >= 1 (critic steps per student step)")
-    if not 0.0 < d.t_min < d.t_max < 1.0:
-        e.append(f"distill.t_min={d.t_min}, distill.t_max={d.t_max}: need 0 < t_min < t_max < 1")
-    if d.critic_lr < 0 or d.teacher_guidance < 0:
-        e.append("distill.critic_lr and distill.teacher_guidance must be >= 0")
+    if not d.t_min < d.t_max:
+        e.append(f"distill.t_min={d.t_min}, distill.t_max={d.t_max}: need t_min < t_max")
     if str(cfg.train.precision) in ("fp16", "Precision.fp16"):
         e.append("train.precision=fp16: distillation has no loss scaling; use bf16 or fp32")
     if e:

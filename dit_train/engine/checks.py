@@ -174,6 +174,9 @@ RANGES: dict[str, Range] = {
     "optim.eps": Range(0, low_open=True), "optim.momentum": Range(0, 1, high_open=True),
     "optim.warmup_steps": Range(0), "optim.min_lr_ratio": Range(0, 1),
     "train.log_every": Range(1), "train.ema_decay": Range(0, 1, high_open=True, note="0 = off"),
+    "distill.student_steps": Range(1), "distill.student_every": Range(1, note="critic steps per student step"),
+    "distill.teacher_guidance": Range(0, note="1 = off"), "distill.critic_lr": Range(0, note="0 = optim.lr"),
+    "distill.t_min": Range(0, 1, low_open=True, high_open=True), "distill.t_max": Range(0, 1, low_open=True, high_open=True),
 }
 
 

@@ -271,7 +271,9 @@ def pretrained_reads_input(model: Any, derived: int) -> bool:
 
 def i2v_errors(cond: Any, model: Any, data: Any) -> list[str]:
     """The Wan 2.1 I2V layout's config-level needs (model.mask_channels > 1, model.image_dim)."""
-    k, image_dim = getattr(model, "mask_channels", 1), getattr(model, "image_dim", 0)
+    if not hasattr(model, "mask_channels"):  # the layout's keys are Wan's (HunyuanVideo 1.5's image_dim is SigLIP's)
+        return []
+    k, image_dim = model.mask_channels, getattr(model, "image_dim", 0)
     if k <= 1 and not image_dim:
         return []
     e = []
