@@ -20,7 +20,7 @@ from dit_train.config import Config, config_dir, to_config
 from dit_train.compose import register_configs
 from dit_train.config.errors import CheckpointError, ConfigError, RunFailed, WorkerFailure
 from dit_train.data_pipelines import prepare_data
-from dit_train.distill.build import student_config
+from dit_train.distill.build import build_distill_run, student_config
 from dit_train.data_pipelines.packing import plan_fingerprint
 from dit_train.engine.checks import check_config
 from dit_train.engine.hydra_outputs import HydraRecord
@@ -45,13 +45,15 @@ def run_from_config(cfg: Config, hydra_record: Any = None) -> dict:
     lengths = check_data(cfg)
     cfg = resolve_config(cfg, lengths)  # the run's config (auto budget resolved): read, never changed, from here on
     data = plan_fingerprint(lengths)
+    # a distillation run builds three models (dit_train/distill); the worker takes the builder
+    build = {"build": build_distill_run} if cfg.distill.method != "none" else {}
     if external_world_size() is not None:  # torchrun / SLURM: rank 0 claims the folder in the worker
-        return launch(cfg, functools.partial(train, hydra_record=hydra_record, data=data))
+        return launch(cfg, functools.partial(train, hydra_record=hydra_record, data=data, **build))
     folder = open_run_folder(cfg, cfg.train.resume, hydra_record, data)
     try:
         # every worker resumes from the checkpoint the folder was claimed with
         resumed = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, resume=str(folder.resume_from or "")))
-        return launch(resumed, functools.partial(train, claimed=True))
+        return launch(resumed, functools.partial(train, claimed=True, **build))
     except WorkerFailure as err:  # rank 0 may only have seen its collective fail: name the real cause
         amend_summary(folder.path, "failed", f"WorkerFailure: {err}")
         raise

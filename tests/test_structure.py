@@ -24,8 +24,8 @@ LAYERS = [
     ("compose",),
     ("loss", "parallel", "tasks", "metrics", "checkpoint", "generate", "perf"),
     ("sampling",),
-    ("engine", "distill"),
-    ("planning", "posttrain"),
+    ("engine",),
+    ("planning", "posttrain", "distill"),
     ("session", "help", "__main__", "tools"),
 ]
 

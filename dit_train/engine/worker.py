@@ -8,7 +8,7 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -16,8 +16,7 @@ from dit_train.checkpoint import load_checkpoint, resolve_checkpoint, save_check
 from dit_train.checkpoint.export import export_run_weights
 from dit_train.config import Config, to_dict, to_yaml
 from dit_train.config.errors import ConfigError, DataFailure, NonFiniteTraining, RunFolderError
-from dit_train.distill.build import build_distill_run
-from dit_train.engine.build import build_run
+from dit_train.engine.build import Run, build_run
 from dit_train.engine.resume import apply_optimizer_settings
 from dit_train.engine.run_folder import open_run_folder, run_id_of
 from dit_train.engine.sanity import nonfinite_hint, nonfinite_weights, zero_gradient_warning, zero_head_error
@@ -106,18 +105,18 @@ class DataHealth:
 
 
 def train(cfg: Config, ctx: ParallelContext | None = None, claimed: bool = False, hydra_record: Any = None,
-          data: Any = None) -> dict[str, Any]:
+          data: Any = None, build: Callable[..., Run] = build_run) -> dict[str, Any]:
     """Train for cfg.train.steps; returns a summary. Creates the process group if needed.
 
     claimed: the launching process already claimed the run folder (`open_run_folder`) and
     resolved `cfg.train.resume`; otherwise rank 0 does it here (with `hydra_record` and `data`,
-    see `open_run_folder`)."""
+    see `open_run_folder`). build: what builds the run's models, task and trainer (`build_run`;
+    the entry point passes DMD2's three-model `build_distill_run` for distill.method=dmd2)."""
     ctx = ctx or init_parallel(cfg.parallel)
     run_dir = Path(shared_run_dir(cfg.run_dir, ctx))
     cfg = dataclasses.replace(cfg, run_dir=str(run_dir))  # torchrun: rank 0's folder (a copy: cfg is only read)
     resume = claim_run_folder(cfg, ctx, claimed, hydra_record, data)
     config_yaml = to_yaml(cfg)
-    build = build_distill_run if cfg.distill.method != "none" else build_run  # three models (dit_train/distill)
     run = build(cfg, ctx, heldout=cfg.train.eval_every > 0)
     trainer, t = run.trainer, cfg.train
     parts = run.checkpoint_parts()
