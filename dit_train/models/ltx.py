@@ -42,7 +42,7 @@ from dit_train.config.choices import Mode
 from dit_train.config.schema import VideoModelConfig
 from dit_train.kernels import LocalAttention, packed_cross_attention
 from dit_train.models.registry import ActivationModel, ModelSpec, register_model
-from dit_train.models.wan import NUM_TRAIN_TIMESTEPS, PackedContext, PackedRope
+from dit_train.models.wan import NUM_TRAIN_TIMESTEPS, caption_batch, PackedContext, PackedRope
 from dit_train.objectives.flow_matching import PipelineShift
 
 DIFFUSERS_CLASS = "LTXVideoTransformer3DModel"
@@ -209,15 +209,7 @@ class PackedLTX(nn.Module):
     def _context(self, context: torch.Tensor | None, context_len: torch.Tensor | None, S: int,
                  like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Captions [S, Lc, text_dim] and the valid tokens each clip attends to [S]."""
-        text_dim = self.diffusers_config["caption_channels"]
-        if context is None:
-            context = like.new_zeros(S, 1, text_dim)
-            context_len = torch.ones(S, dtype=torch.long, device=like.device)
-        if context.shape[0] != S or context.shape[-1] != text_dim:
-            raise ValueError(f"context {tuple(context.shape)} must be [{S}, Lc, model.text_dim={text_dim}]")
-        if context_len is None:
-            context_len = torch.full((S,), context.shape[1], dtype=torch.long, device=context.device)
-        return context, context_len
+        return caption_batch(context, context_len, S, self.diffusers_config["caption_channels"], like)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, seg: torch.Tensor, t: torch.Tensor, meta: Any,
                 context: torch.Tensor | None = None, context_len: torch.Tensor | None = None,

@@ -160,6 +160,20 @@ class PackedRope:
         self.cos, self.sin, self.meta = cos, sin, meta
 
 
+def caption_batch(context: torch.Tensor | None, context_len: torch.Tensor | None, S: int, text_dim: int,
+                  like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The S clips' captions [S, Lc, text_dim] and valid lengths [S] as a diffusers text branch
+    takes them: no captions = one all-zero token per clip; no lengths = every token valid."""
+    if context is None:
+        context = like.new_zeros(S, 1, text_dim)
+        context_len = torch.ones(S, dtype=torch.long, device=like.device)
+    if context.shape[0] != S or context.shape[-1] != text_dim:
+        raise ValueError(f"context {tuple(context.shape)} must be [{S}, Lc, model.text_dim={text_dim}]")
+    if context_len is None:
+        context_len = torch.full((S,), context.shape[1], dtype=torch.long, device=context.device)
+    return context, context_len
+
+
 class PackedContext:
     """What WanTransformerBlock passes untouched to attn2 as `encoder_hidden_states`.
 
@@ -259,14 +273,7 @@ class PackedWan(nn.Module):
     def _context(self, context: torch.Tensor | None, context_len: torch.Tensor | None, S: int,
                  like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Captions [S, Lc', text_dim] and the tokens each clip attends to [S]."""
-        text_dim = self.diffusers_config["text_dim"]
-        if context is None:
-            context = like.new_zeros(S, 1, text_dim)
-            context_len = torch.ones(S, dtype=torch.long, device=like.device)
-        if context.shape[0] != S or context.shape[-1] != text_dim:
-            raise ValueError(f"context {tuple(context.shape)} must be [{S}, Lc, model.text_dim={text_dim}]")
-        if context_len is None:
-            context_len = torch.full((S,), context.shape[1], dtype=torch.long, device=context.device)
+        context, context_len = caption_batch(context, context_len, S, self.diffusers_config["text_dim"], like)
         if not self.pad_context:
             return context, context_len
         Lc = context.shape[1]
