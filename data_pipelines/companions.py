@@ -18,6 +18,11 @@ it has frames, an empty list for a frame without boxes): `[[[0, 0, 8, 8]], [], .
 A companion is read with its clip's frame indices, resized and cropped the way its clip is
 (VideoClipDataset), so the two stay aligned. Problems found here are kept as text and raised
 when the clip is read: the clip is skipped and counted like an unreadable video.
+
+A mask becomes token weights in exact integer units (mask_weight_units): a pixel clip's tokens
+from its 8-bit mask directly; a latent cache stores the mask summed over each latent voxel's
+pixels (latent_mask_sums, `tools.cache_latents --masks`), and its tokens take the same rounded
+mean over their pixels (LatentMask).
 """
 from __future__ import annotations
 
@@ -29,6 +34,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from einops import rearrange
+
+from dit_train.batch import WEIGHT_ONE
 
 KINDS = ("mask", "control")
 # what a user sets to need each kind, for messages
@@ -179,3 +187,65 @@ def none_found(kind: str) -> str:
     column = "a `mask` or `mask_boxes`" if kind == "mask" else "a `control`"
     return (f"{KEYS[kind]}=true but no clip of the data has a {kind}: put clip.{kind}.mp4 beside clip.mp4, or give "
             f"the manifest {column} column (docs/conditioning.md), or set {KEYS[kind]}=false")
+
+
+# -- masks as token weights (exact integer units of 1/WEIGHT_ONE) ----------------------------------
+
+
+def patch_unit_sums(units: torch.Tensor, patch: tuple[int, int, int]) -> torch.Tensor:
+    """[T] int64: the sum of `units` [F, H, W] (integers) over each (pt, ph, pw) patch, in
+    patchify's (t, h, w) order; each side cut down to the patch."""
+    pt, ph, pw = patch
+    F, H, W = units.shape
+    f, h, w = F // pt, H // ph, W // pw
+    m = units[: f * pt, : h * ph, : w * pw].to(torch.int64)
+    return rearrange(m, "(f pt) (h ph) (w pw) -> (f h w) (pt ph pw)", pt=pt, ph=ph, pw=pw).sum(-1)
+
+
+def rounded_mean(sums: torch.Tensor, n: int) -> torch.Tensor:
+    """sums / n rounded to the nearest integer (halves up), in integer arithmetic."""
+    return (2 * sums + n) // (2 * n)
+
+
+def mask_weight_units(mask: torch.Tensor, patch: tuple[int, int, int]) -> torch.Tensor:
+    """An 8-bit mask [F, H, W] (uint8, 255 = fully supervised) -> [T] int64 token weights in
+    units of 1/WEIGHT_ONE: each token's mean mask value over its patch, k/255 = 257·k units,
+    rounded to the nearest unit in integer arithmetic (exact, the same on every machine)."""
+    pt, ph, pw = patch
+    return rounded_mean(patch_unit_sums(mask.to(torch.int64) * (WEIGHT_ONE // 255), patch), pt * ph * pw)
+
+
+def latent_mask_sums(mask: torch.Tensor, temporal: int, spatial: int) -> torch.Tensor:
+    """int64 [f, h, w]: an 8-bit mask [F, H, W] of a clip's pixels summed in units over each latent
+    voxel's pixels — a causal video VAE's latent frame 0 is pixel frame 0 alone, latent frame j
+    frames t·j - t + 1 .. t·j; frame 0 counts t times, so every voxel sums t·s·s pixel values
+    (F = 1 + t·(f - 1): the frames the VAE encodes; H, W multiples of s)."""
+    frames = torch.cat([mask[:1].expand(temporal, *mask.shape[1:]), mask[1:]])
+    f = 1 + (mask.shape[0] - 1) // temporal
+    sums = patch_unit_sums(frames.to(torch.int64) * (WEIGHT_ONE // 255), (temporal, spatial, spatial))
+    return sums.view(f, mask.shape[1] // spatial, mask.shape[2] // spatial)
+
+
+@dataclass
+class LatentMask:
+    """A cached clip's mask on its latent grid (latent_mask_sums): `sums` [f, h, w] int64 units,
+    each over `pixels` pixel values (t·s·s). A token's weight is the rounded mean over all the
+    pixels of its patch's voxels: mask_weight_units of the pixel mask at patch (pt·t, ph·s, pw·s)
+    (latent frame 0 as its frame repeated t times), the same integers."""
+
+    sums: torch.Tensor
+    pixels: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.sums.shape
+
+    def token_units(self, patch: tuple[int, int, int]) -> torch.Tensor:
+        pt, ph, pw = patch
+        return rounded_mean(patch_unit_sums(self.sums, patch), self.pixels * pt * ph * pw)
+
+
+def token_mask_units(mask: Any, patch: tuple[int, int, int]) -> torch.Tensor:
+    """[T] int64 token weights of a clip's mask: an 8-bit pixel mask [F, H, W] (mask_weight_units)
+    or a latent cache's LatentMask."""
+    return mask.token_units(patch) if isinstance(mask, LatentMask) else mask_weight_units(mask, patch)

@@ -7,7 +7,11 @@ Layout of a cache folder:
                                 per-channel latents mean/std, text_dim, settings fingerprint
     null_text_emb.safetensors   `text_emb` [Lt0, text_dim] of the empty caption (caption dropout, CFG)
     samples/<key>.safetensors   `latents` [C, f, h, w] float32 normalized, `text_emb` [Lt, text_dim]
-                                float32 (valid tokens only); key = hash of the source path
+                                float32 (valid tokens only); key = hash of the source path. With
+                                --masks `mask_sums` [f, h, w] int32 (the clip's mask summed per
+                                latent voxel: companions.latent_mask_sums), with --control
+                                `control_latents` [C, f, h, w] (its control video encoded like the
+                                clip), with --i2v Wan 2.1 I2V's tensors (i2v_cache.py)
     manifest.jsonl              {file, caption, source, latent_shape, text_len} per encoded clip,
                                 in source order (sample id = line number)
     report.json                 counts: encoded, reused, unreadable (path, why), ...
@@ -34,6 +38,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from dit_train.data_pipelines.companions import KEYS, LatentMask, latent_mask_sums
 from dit_train.data_pipelines.records import in_heldout
 from dit_train.data_pipelines.video_dataset import VideoSample
 from dit_train.data_pipelines.video_io import VideoReadError
@@ -239,12 +244,46 @@ def write_null_text(out: Path, text: TextEncoder) -> None:
     _save_atomic(out / NULL_TEXT, {"text_emb": text.encode("")}, {"caption": ""})
 
 
+class CompanionEncoder:
+    """What a clip's mask and control video become in a cache (`tools.cache_latents --masks
+    --control`, the `kinds` "mask" / "control"): `mask_sums` [f, h, w] int32, the 8-bit mask
+    summed in weight units over each latent voxel's pixels (companions.latent_mask_sums: the
+    training reader's token weights are then the pixel mask's patch means, exactly), and
+    `control_latents` [C, f, h, w], the control video encoded by the clip's VAE."""
+
+    def __init__(self, vae: VaeCodec, kinds: tuple[str, ...]):
+        self.vae, self.kinds = vae, tuple(k for k in ("mask", "control") if k in kinds)
+
+    def tensors(self, sample: VideoSample) -> dict[str, torch.Tensor]:
+        out = {}
+        if "mask" in self.kinds:  # int32 holds t·s·s·65535 for any VAE (Wan: 4·8·8·65535 < 2^24)
+            mask = sample.mask[: self.vae.usable_frames(sample.mask.shape[0])]
+            out["mask_sums"] = latent_mask_sums(mask, self.vae.temporal, self.vae.spatial).to(torch.int32)
+        if "control" in self.kinds:
+            out["control_latents"] = self.vae.encode(sample.control)
+        return out
+
+
+def clip_tensors(sample: VideoSample, caption: str, vae: VaeCodec, text: TextEncoder | None, i2v: Any = None,
+                 companions: CompanionEncoder | None = None) -> dict[str, torch.Tensor]:
+    """Everything a cache stores of one clip (the sample file's tensors; the layout above)."""
+    tensors = {"latents": vae.encode(sample.pixels)}
+    if text is not None:
+        tensors["text_emb"] = text.encode(caption)
+    if i2v is not None:
+        tensors |= i2v.tensors(sample.pixels)
+    if companions is not None:
+        tensors |= companions.tensors(sample)
+    return tensors
+
+
 def encode_shard(dataset: Any, out: Path, vae: VaeCodec, text: TextEncoder | None, rank: int = 0,
-                 world: int = 1, progress: bool = True, i2v: Any = None) -> dict:
+                 world: int = 1, progress: bool = True, i2v: Any = None, companions: CompanionEncoder | None = None) -> dict:
     """Encode the clips i ≡ rank (mod world) of `dataset` (VideoClipDataset: `entries`,
     `__getitem__` -> VideoSample with pixels [3, F, H, W], H/W multiples of the VAE's factor)
     into `out/samples/`, skipping those already there; with `i2v` (i2v_cache.I2VEncoder) also
-    each clip's Wan 2.1 I2V tensors. Returns this rank's counts."""
+    each clip's Wan 2.1 I2V tensors, with `companions` its mask and control latents. Returns
+    this rank's counts."""
     mine = list(range(rank, len(dataset), world))
     report = {"encoded": 0, "reused": 0, "unreadable": []}
     bar = tqdm(mine, desc=f"caching latents (rank {rank}/{world})", unit="clip", position=rank, disable=not progress)
@@ -259,12 +298,8 @@ def encode_shard(dataset: Any, out: Path, vae: VaeCodec, text: TextEncoder | Non
         except VideoReadError as err:
             report["unreadable"].append([entry.path, str(err)])
             continue
-        tensors = {"latents": vae.encode(sample.pixels)}
-        if text is not None:
-            tensors["text_emb"] = text.encode(entry.caption)
-        if i2v is not None:
-            tensors |= i2v.tensors(sample.pixels)
-        _save_atomic(path, tensors, {"caption": entry.caption, "source": entry.path})
+        _save_atomic(path, clip_tensors(sample, entry.caption, vae, text, i2v, companions),
+                     {"caption": entry.caption, "source": entry.path})
         report["encoded"] += 1
     bar.close()
     return report
@@ -373,6 +408,12 @@ class LatentCacheDataset:
             sample.cond_latents = t["cond_latents"].float()[:, : z.shape[1], : z.shape[2], : z.shape[3]].contiguous()
         if "image_emb" in t:
             sample.image_emb = t["image_emb"].float()
+        crop = (slice(None, z.shape[1]), slice(None, z.shape[2]), slice(None, z.shape[3]))
+        if "mask_sums" in t:  # data.masks (CompanionEncoder): each voxel a sum over t·s·s pixels
+            pixels = int(self.meta["scale_factor_temporal"]) * int(self.meta["scale_factor_spatial"]) ** 2
+            sample.mask = LatentMask(t["mask_sums"][crop].to(torch.int64).contiguous(), pixels)
+        if "control_latents" in t:  # cond.control: the control video's latents, cropped like the clip's
+            sample.control = t["control_latents"].float()[(slice(None), *crop)].contiguous()
         return sample
 
     def null_text_emb(self) -> torch.Tensor:
@@ -401,6 +442,17 @@ class CacheSettings:
     dtype: str
     source: dict
     i2v: dict = None  # i2v_cache.I2VEncoder.meta(); None = no I2V tensors (and out of the fingerprint)
+    companions: list = None  # CompanionEncoder.kinds ("mask", "control"); None = none (and out of the fingerprint)
 
     def as_dict(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k != "i2v" or v}
+        return {k: v for k, v in self.__dict__.items() if k not in ("i2v", "companions") or v}
+
+
+def companion_errors(meta: dict, wanted: tuple[str, ...], where: str) -> list[str]:
+    """One line per companion kind the run needs (data.masks: "mask", cond.control: "control")
+    that the cache or latent shards `where` (meta.json: settings.companions) were written without."""
+    have = (meta.get("settings") or {}).get("companions") or []
+    flags = {"mask": "--masks", "control": "--control"}
+    return [f"{KEYS[k]}=true but {where} was cached without {'masks' if k == 'mask' else 'control videos'}: cache it "
+            f"again with python -m dit_train.tools.cache_latents {flags[k]} (into a new --out), or set {KEYS[k]}=false"
+            for k in wanted if k not in have]

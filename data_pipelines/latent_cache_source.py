@@ -12,6 +12,7 @@ from dit_train.data_pipelines.latent_cache import (
     LatentCacheDataset,
     TextEncoder,
     VaeCodec,
+    companion_errors,
     load_decoder,
     read_cache_info,
 )
@@ -25,9 +26,13 @@ class LatentCacheConfig(DataConfig):
     root: str = ""  # the cache folder
 
 
-def check_latent_model(meta: dict, where: str, model_cfg: Any) -> None:
-    """Refuse a model that cannot read these latents (ValueError naming the key to set). `meta`:
-    the cache's meta.json (latent_channels, text_dim); `where` names the data."""
+def check_latent_model(meta: dict, where: str, model_cfg: Any, companions: tuple[str, ...] = ()) -> None:
+    """Refuse a model that cannot read these latents, or a run that needs `companions` (mask,
+    control) the cache was written without (ValueError naming the key or the tool's flag).
+    `meta`: the cache's meta.json (latent_channels, text_dim, settings); `where` names the data."""
+    missing = companion_errors(meta, companions, where)
+    if missing:
+        raise ValueError("; ".join(missing))
     channels, text_dim = int(meta["latent_channels"]), int(meta.get("text_dim", 0))
     if model_cfg.in_channels != channels:
         raise ValueError(f"{where} holds {channels}-channel latents but "
@@ -70,6 +75,7 @@ class LatentCacheSource(DataSource):
     config = LatentCacheConfig
     mode = Mode.video
     latent = True
+    companion_kinds = ("mask", "control")  # when cached with them (tools.cache_latents --masks --control): open() checks
 
     def open(self, split: str = "train") -> Any:
         if split != "train" and self.cfg.heldout_fraction <= 0:
@@ -77,7 +83,7 @@ class LatentCacheSource(DataSource):
         root = self.cfg.root
         if not root:
             raise ValueError("data=latent_cache needs data.root=<folder written by python -m dit_train.tools.cache_latents>")
-        check_latent_model(read_cache_info(root), f"the latent cache {root}", self.model_cfg)
+        check_latent_model(read_cache_info(root), f"the latent cache {root}", self.model_cfg, self.companions)
         return LatentCacheDataset(root, tuple(self.model_cfg.patch_size), split=split,
                                   heldout_fraction=self.cfg.heldout_fraction)
 

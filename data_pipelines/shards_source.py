@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict
 import torch
 
 from dit_train.config.choices import Mode
+from dit_train.data_pipelines.companions import KEYS
 from dit_train.data_pipelines.latent_cache import VaeCodec
 from dit_train.data_pipelines.latent_cache_source import check_latent_model, latent_prompt_space
 from dit_train.data_pipelines.prompt_space import PromptSpace
@@ -59,6 +60,13 @@ class ShardsSource(DataSource):
     name = "shards"
     config = ShardsConfig
     mode = Mode.video
+    # latent shards of a cache written with --masks / --control carry them; whether these do is
+    # known once the index is read (open() of the class for_config picks refuses what they lack)
+    companion_kinds = ("mask", "control")
+
+    @classmethod
+    def may_be_latent(cls) -> bool:
+        return True  # latent shards (tools.cache_latents --shards, make_shards of a cache)
 
     @classmethod
     def for_config(cls, cfg: Any, model_cfg: Any, companions: tuple[str, ...] = ()) -> DataSource:
@@ -72,7 +80,15 @@ class PixelShardsSource(PixelVideoSource):
 
     name = "shards"
     config = ShardsConfig
-    companion_kinds = ()  # mask / control files are not written into shards (yet): refused before the run
+    companion_kinds = ()  # mask / control files are not written into pixel shards (yet): open() refuses them
+
+    def open(self, split: str = "train") -> Any:
+        if self.companions:
+            raise ValueError(f"{' and '.join(f'{KEYS[k]}=true' for k in self.companions)}: the pixel shards at "
+                             f"{self.cfg.url} hold no mask or control files; train on the folder they were made from "
+                             f"(data=video_folder), or on latent shards written by python -m dit_train.tools.cache_latents "
+                             f"--shards --masks --control")
+        return super().open(split)
 
     def cache_settings(self) -> dict:
         return {**super().cache_settings(), "url": self.cfg.url}
@@ -100,7 +116,7 @@ class LatentShardsSource(DataSource):
         if split != "train" and self.cfg.heldout_fraction <= 0:
             return None
         index = shard_index(self.cfg)
-        check_latent_model(self.meta(), f"the shards at {self.cfg.url}", self.model_cfg)
+        check_latent_model(self.meta(), f"the shards at {self.cfg.url}", self.model_cfg, self.companions)
         return ShardLatentDataset(index, shard_reader(self.cfg), tuple(self.model_cfg.patch_size), split=split,
                                   heldout_fraction=self.cfg.heldout_fraction)
 

@@ -60,6 +60,12 @@ class DataSource:
         self.cfg, self.model_cfg, self.companions = cfg, model_cfg, tuple(companions)
 
     @classmethod
+    def may_be_latent(cls) -> bool:
+        """Whether this source's data can be VAE latents (checked before any file is read): its
+        `latent`, or True for a source whose kind follows its data (shards)."""
+        return cls.latent
+
+    @classmethod
     def for_config(cls, cfg: Any, model_cfg: Any, companions: tuple[str, ...] = ()) -> "DataSource":
         """The source object of `cfg`: this class by default; a source whose behaviour follows its
         data (shards holding pixels or latents, data_pipelines/shards_source.py) returns the class

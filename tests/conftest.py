@@ -236,3 +236,35 @@ def i2v_cache(models, source, clip_dir, tmp_path_factory) -> Path:
     assert main(cache_args(models, source, out, out.parent / "probe_cache", "--i2v", "first_frame",
                            "--image-encoder", str(clip_dir))) == 0
     return out
+
+
+# clips with a soft mask and a control video beside each, at sizes the tiny VAE encodes whole
+# (multiples of 8 px; 5 or 9 frames = 2 or 3 latent frames); tests/test_cache_companions.py
+COMPANION_SIZES = [(32, 32, 9), (32, 48, 5), (48, 32, 9), (16, 32, 5)]
+
+
+@pytest.fixture(scope="session")
+def companion_folder(tmp_path_factory) -> Path:
+    from dit_train.data_pipelines.example_videos import ExampleClip, write_example_videos
+
+    root = tmp_path_factory.mktemp("companion_videos")
+    colors = ("red", "green", "blue", "yellow")
+    write_example_videos(root, [ExampleClip(f"c{i}.mp4", h, w, 8, f, colors[i], ("circle", "square")[i % 2], "navy")
+                                for i, (h, w, f) in enumerate(COMPANION_SIZES)], masks=True, control=True)
+    return root
+
+
+def companion_cache_args(models: Path, folder: Path, out: Path, *extra: str) -> list[str]:
+    return ["--vae", str(models / "vae"), "--text-encoder", str(models / "text"), "--out", str(out), "--no-progress",
+            "data=video_folder", f"data.root={folder}", f"data.cache_dir={out.parent / 'probe_cache'}",
+            "data.max_frames=9", "data.resolution_buckets=null", "--masks", "--control", *extra]
+
+
+@pytest.fixture(scope="session")
+def companion_cache(models, companion_folder, tmp_path_factory) -> Path:
+    """companion_folder cached with its masks and control videos (--masks --control)."""
+    from dit_train.tools.cache_latents import main
+
+    out = tmp_path_factory.mktemp("companion_latents")
+    assert main(companion_cache_args(models, companion_folder, out)) == 0
+    return out

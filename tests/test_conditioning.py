@@ -30,6 +30,9 @@ CASES = {
 # diffusers' Wan 2.1 I2V layout (4 mask channels, cached condition latents, CLIP tokens per clip) on
 # the tiny I2V latent cache (tests/conftest.py): 5 clips of uneven sizes, half of them conditioned
 I2V_CASE = ("first_frame-wan21_i2v", "dp_shard=2,cp_ulysses=2")
+# masks and control videos off a latent cache (--masks --control, tests/conftest.py): fractional
+# token weights from the cached mask sums, control latents appended, the first frame given
+CACHE_CASE = ("masks-control-first_frame-latent_cache", "dp_shard=2,cp_ring=2")
 
 
 def i2v_cfg(i2v_cache):
@@ -39,6 +42,17 @@ def i2v_cfg(i2v_cache):
                           f"data.root={i2v_cache}", f"model.in_channels={Z_DIM}", f"model.text_dim={TEXT_DIM}",
                           f"model.image_dim={CLIP_DIM}", "cond.kind=first_frame", "cond.feed=concat", "cond.prob=0.5",
                           "train.global_batch=4", "train.micro_batch_tokens=0", "loss.reduction=sample_mean"])
+    cfg.optim.max_grad_norm = 0.05
+    return cfg
+
+
+def cache_companions_cfg(companion_cache):
+    from tests.conftest import TEXT_DIM, TINY_MODEL, Z_DIM
+
+    cfg = compose_config([*TINY_MODEL, "model=wan_tiny", "model.heads=2", "model.patch_size=[1,2,2]", "data=latent_cache",
+                          f"data.root={companion_cache}", f"model.in_channels={Z_DIM}", f"model.text_dim={TEXT_DIM}",
+                          "data.masks=true", "cond.control=true", "cond.kind=first_frame", "train.global_batch=4",
+                          "train.micro_batch_tokens=0", "loss.reduction=sample_mean"])
     cfg.optim.max_grad_norm = 0.05
     return cfg
 
@@ -75,11 +89,12 @@ def context_only_shards(cfg) -> int:
 
 
 @pytest.fixture(scope="module")
-def layouts(data_cache, tiny_cfg, i2v_cache):
+def layouts(data_cache, tiny_cfg, i2v_cache, companion_cache):
     """{case: (one-process result, layout result)}, every layout in one launch of 4 workers."""
     cfgs = {name: cond_cfg(data_cache, overrides) for name, (overrides, _) in CASES.items()}
     cfgs[I2V_CASE[0]] = i2v_cfg(i2v_cache)
-    specs = {name: spec for name, (_, spec) in CASES.items()} | dict([I2V_CASE])
+    cfgs[CACHE_CASE[0]] = cache_companions_cfg(companion_cache)
+    specs = {name: spec for name, (_, spec) in CASES.items()} | dict([I2V_CASE, CACHE_CASE])
     jobs = [cfgs[name] for name in specs] + [apply_layout(cfgs[name], parse_layout(spec)) for name, spec in specs.items()]
     results = train_on_workers(jobs)
     n = len(specs)
@@ -87,11 +102,11 @@ def layouts(data_cache, tiny_cfg, i2v_cache):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [*CASES, I2V_CASE[0]])
+@pytest.mark.parametrize("case", [*CASES, I2V_CASE[0], CACHE_CASE[0]])
 def test_conditioned_training_matches_one_process(case, layouts):
     oracle, got = layouts[case]
     rel = relative_difference(oracle, got)
-    spec = CASES[case][1] if case in CASES else I2V_CASE[1]
+    spec = CASES[case][1] if case in CASES else dict([I2V_CASE, CACHE_CASE])[case]
     assert rel <= TOL, f"{case} on {spec}: weights differ by {rel:.2e} of the update"
     norms, ref = got["__grad_norms__"], oracle["__grad_norms__"]
     assert (norms - ref).abs().max() <= 1e-5 * ref.abs().max(), (case, norms, ref)
@@ -158,7 +173,7 @@ def fractional_pack() -> PackedBatch:
     """Three samples (112 tokens) with weights from 8-bit masks (token means, k/255 units);
     sample 0's first 56 tokens are context (weight 0): the first CP rank (of 2 or 4) holds
     nothing else."""
-    from dit_train.tasks.conditioning import mask_weight_units
+    from dit_train.data_pipelines.companions import mask_weight_units
 
     g = torch.Generator().manual_seed(3)
     patch = (1, 2, 2)
@@ -223,7 +238,7 @@ def test_fractional_weights_sync_exactly_on_every_cp_split(layout, tiny_cfg):
 
 
 def test_mask_weights_are_exact_units_of_8_bit_values():
-    from dit_train.tasks.conditioning import mask_weight_units
+    from dit_train.data_pipelines.companions import mask_weight_units
 
     full = torch.full((2, 4, 4), 255, dtype=torch.uint8)
     assert torch.equal(mask_weight_units(full, (1, 2, 2)), torch.full((8,), WEIGHT_ONE))

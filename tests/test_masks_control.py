@@ -93,7 +93,7 @@ def test_soft_mask_video_gives_fractional_weights_and_T_b_is_their_sum(folder, d
     """Each token weighs the mean of its patch of the (decoded) mask: 1 inside the shape, ~1/4 on
     the band, fractions on edges; T_b is Σ w exactly and the all-zero mask's sample is out of B."""
     from dit_train.loss import sync_counts
-    from dit_train.tasks.conditioning import mask_weight_units
+    from dit_train.data_pipelines.companions import mask_weight_units
 
     task = task_of(folder_cfg(folder, data_cache, ["data.masks=true"]))
     ids = list(range(len(task.lengths())))

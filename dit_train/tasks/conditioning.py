@@ -32,12 +32,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from einops import rearrange
 
 from dit_train.batch import WEIGHT_ONE
 from dit_train.config.schema import companions, cond_active, cond_channels
 from dit_train.data_pipelines import SOURCES
-from dit_train.data_pipelines.companions import KEYS
+from dit_train.data_pipelines.companions import KEYS, token_mask_units
 from dit_train.models.wan_experts import pretrained_folder
 from dit_train.rng import sample_generator
 
@@ -149,24 +148,11 @@ def clip_inputs(x0: torch.Tensor, xt: torch.Tensor, patches: torch.Tensor | None
     return ClipInputs(x, weight, ctx_tok, None)
 
 
-def mask_weight_units(mask: torch.Tensor, patch: tuple[int, int, int]) -> torch.Tensor:
-    """An 8-bit mask [F, H, W] (uint8, 255 = fully supervised) -> [T] int64 token weights in
-    units of 1/WEIGHT_ONE: each token's mean mask value over its patch, k/255 = 257·k units,
-    rounded to the nearest unit in integer arithmetic (exact, the same on every machine)."""
-    pt, ph, pw = patch
-    F, H, W = mask.shape
-    f, h, w = F // pt, H // ph, W // pw
-    m = mask[: f * pt, : h * ph, : w * pw].to(torch.int64) * (WEIGHT_ONE // 255)
-    sums = rearrange(m, "(f pt) (h ph) (w pw) -> (f h w) (pt ph pw)", pt=pt, ph=ph, pw=pw).sum(-1)
-    n = pt * ph * pw
-    return (2 * sums + n) // (2 * n)
-
-
-def masked(weight: torch.Tensor, mask: torch.Tensor, patch: tuple[int, int, int]) -> torch.Tensor:
-    """[T] int64 token weights (units) times the clip's 8-bit mask [F, H, W] made token weights
-    (data.masks): w·m / WEIGHT_ONE rounded to the nearest unit in integer arithmetic (exact when
+def masked(weight: torch.Tensor, mask: Any, patch: tuple[int, int, int]) -> torch.Tensor:
+    """[T] int64 token weights (units) times the clip's mask made token weights (data.masks; an
+    8-bit mask [F, H, W] of pixels, or a latent cache's LatentMask: companions.token_mask_units): w·m / WEIGHT_ONE rounded to the nearest unit in integer arithmetic (exact when
     w is 0 or a whole token, as the conditioning's weights are)."""
-    m = mask_weight_units(mask, patch)
+    m = token_mask_units(mask, patch)
     return (weight * m + WEIGHT_ONE // 2) // WEIGHT_ONE
 
 
@@ -284,9 +270,10 @@ def i2v_errors(cond: Any, model: Any, data: Any) -> list[str]:
         e.append(f"model.mask_channels={k} is diffusers' Wan 2.1 I2V layout: it needs cond.kind=first_frame or "
                  f"first_last with cond.feed=concat (got cond.kind={cond.kind}, cond.feed={cond.feed})")
     source = SOURCES[data.name] if getattr(data, "name", "") in SOURCES else None
-    if k > 1 and source is not None and not source.latent:
+    if k > 1 and source is not None and not source.may_be_latent():
         e.append(f"model.mask_channels={k} reads each clip's condition latents from a latent cache written with "
-                 f"tools.cache_latents --i2v first_frame (or first_last): use data=latent_cache (data={getattr(data, 'name', '')})")
+                 f"tools.cache_latents --i2v first_frame (or first_last): use data=latent_cache, or data=shards of latent "
+                 f"shards written with --i2v --shards (data={getattr(data, 'name', '')})")
     if k > 1 and (model.patch_size[0] != 1 or k != model.vae_stride[0]):
         e.append(f"model.mask_channels={k} folds the VAE's temporal stride into channels: it needs "
                  f"model.patch_size[0]=1 and model.mask_channels=model.vae_stride[0]={model.vae_stride[0]}")

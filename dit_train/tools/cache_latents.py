@@ -5,6 +5,8 @@
     python -m dit_train.tools.cache_latents --workers 4 ...          # 4 local processes (one GPU each when there are 4)
     python -m dit_train.tools.cache_latents --i2v first_frame --image-encoder /models/Wan2.1-I2V-14B-480P-Diffusers ...
                                                                      # + Wan 2.1 I2V's condition latents and CLIP tokens
+    python -m dit_train.tools.cache_latents --masks --control ...    # + each clip's mask and control video (data.masks,
+                                                                     #   cond.control: docs/conditioning.md)
     torchrun --nproc-per-node 8 tools/cache_latents.py ... # or any launcher that sets RANK / WORLD_SIZE
 
 The source is chosen with the same data overrides as `python -m dit_train` (`data=video_folder
@@ -16,7 +18,10 @@ and resolution buckets. Clips of `data=video_folder` are resized to the model pr
 text_encoder/, tokenizer/ are used). Without `--text-encoder` only latents are cached. Clip i
 goes to rank i % world; each clip's file is written atomically, so an interrupted run is resumed
 by running the same command again (done clips are skipped). Unreadable videos are skipped and
-listed in <out>/report.json.
+listed in <out>/report.json. `--masks` / `--control` read each clip's mask / control video as
+training does (clip.mask.mp4, clip.control.mp4 or the manifest's columns; a clip without one is
+skipped and listed) and store the mask summed over each latent voxel's pixels and the control
+video's latents, for `data.masks=true` / `cond.control=true` on the cache.
 
 With `--shards`, or an `--out` URL such as s3://bucket/latents (any fsspec URL; `--storage-options`
 JSON for its filesystem), the latents are written as indexed tar shards for `data=shards
@@ -45,6 +50,7 @@ from safetensors.torch import save as safetensors_bytes
 from dit_train.compose import compose
 from dit_train.config.errors import RunFailed
 from dit_train.data_pipelines import latent_cache as lc, prepare_data, source_for
+from dit_train.data_pipelines.companions import KINDS
 from dit_train.data_pipelines.i2v_cache import I2V_KINDS, I2VEncoder, ImageEncoder
 from dit_train.data_pipelines.shard_index import NULL_TEXT, check_or_write_meta, fingerprint, merge_index, read_json
 from dit_train.data_pipelines.shard_store import is_remote, join, open_url, put_bytes
@@ -87,7 +93,8 @@ def run_rank(rank: int, world: int, local_rank: int, args: argparse.Namespace, d
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(hours=24))  # ranks may wait long for the slowest
     try:
-        source = source_for(data, None)
+        kinds = companion_kinds(args, data)
+        source = source_for(data, None, kinds)
         out = Path(args.out).expanduser()
         device, dtype = pick_device(args.device, local_rank), lc.DTYPES[args.dtype]
         vae = lc.VaeCodec(args.vae, device, dtype, tiling=args.vae_tiling, allow_pickle=args.allow_pickle_weights)
@@ -97,14 +104,14 @@ def run_rank(rank: int, world: int, local_rank: int, args: argparse.Namespace, d
         if bad:
             raise ValueError(f"data.resolution_buckets {bad} are not multiples of the VAE's spatial factor {vae.spatial}")
         i2v = i2v_encoder(args, vae, device, dtype)
+        companions = lc.CompanionEncoder(vae, kinds) if kinds else None
         settings = lc.CacheSettings(vae=vae.path, text_encoder=text.path if text else "",
                                     tokenizer=text.tokenizer_path if text else "", max_text_len=args.max_text_len if text else 0,
                                     dtype=args.dtype, source=source.cache_settings(),
-                                    i2v=i2v.meta() if i2v else None).as_dict()
-        if shards_mode(args) and i2v is not None:
-            raise ValueError("--i2v writes a cache folder; latent shards (--shards, a URL --out) do not store it yet")
+                                    i2v=i2v.meta() if i2v else None, companions=list(kinds) or None).as_dict()
+        encoders = {"i2v": i2v, "companions": companions}
         if shards_mode(args):
-            return encode_shards(rank, world, args, data, source, vae, text, lc.build_meta(vae, text, settings))
+            return encode_shards(rank, world, args, data, source, vae, text, lc.build_meta(vae, text, settings), encoders)
         lc.check_or_write_meta(out, lc.build_meta(vae, text, settings), write=rank == 0)
         if rank == 0 and text is not None and not (out / lc.NULL_TEXT).is_file():
             lc.write_null_text(out, text)
@@ -113,7 +120,7 @@ def run_rank(rank: int, world: int, local_rank: int, args: argparse.Namespace, d
         if world > 1:
             dist.barrier()
         dataset = source.pixel_dataset((1, vae.spatial, vae.spatial), cache_items=0)
-        report = lc.encode_shard(dataset, out, vae, text, rank, world, progress=not args.no_progress, i2v=i2v)
+        report = lc.encode_shard(dataset, out, vae, text, rank, world, progress=not args.no_progress, **encoders)
         reports = [report]
         if world > 1:
             reports = [None] * world
@@ -136,14 +143,21 @@ def i2v_encoder(args: argparse.Namespace, vae: lc.VaeCodec, device: str, dtype: 
     return I2VEncoder(vae, args.i2v, image)
 
 
+def companion_kinds(args: argparse.Namespace, data) -> tuple[str, ...]:
+    """The companions to cache: --masks (or data.masks=true among the overrides) and --control."""
+    return tuple(k for k, on in zip(KINDS, (args.masks or getattr(data, "masks", False), args.control)) if on)
+
+
 def shards_mode(args: argparse.Namespace) -> bool:
     """Latent shards (not a cache folder): asked for, or the output is a URL (a folder cache is local)."""
     return args.shards or is_remote(args.out)
 
 
-def encode_shards(rank: int, world: int, args: argparse.Namespace, data, source, vae, text, cache_meta: dict) -> dict | None:
+def encode_shards(rank: int, world: int, args: argparse.Namespace, data, source, vae, text, cache_meta: dict,
+                  encoders: dict) -> dict | None:
     """This rank's shards of latent shards at args.out (shards k ≡ rank mod world; finished ones
-    skipped); rank 0 merges the index once every rank is done. Returns the report on rank 0."""
+    skipped); rank 0 merges the index once every rank is done. Returns the report on rank 0.
+    `encoders`: lc.clip_tensors' i2v and companions (what a cache folder's sample files hold too)."""
     fs, root = open_url(args.out, storage_options(args.storage_options), key="--out")
     if rank == 0:
         prepare_data(data)  # embedded clips / folder index, once
@@ -161,12 +175,10 @@ def encode_shards(rank: int, world: int, args: argparse.Namespace, data, source,
     def sample(p: int):
         entry = dataset.entries[p]
         try:
-            pixels = dataset[p].pixels
+            clip = dataset[p]
         except VideoReadError as err:
             return (entry.path, str(err))
-        tensors = {"latents": vae.encode(pixels)}
-        if text is not None:
-            tensors["text_emb"] = text.encode(entry.caption)
+        tensors = lc.clip_tensors(clip, entry.caption, vae, text, **encoders)
         raw = safetensors_bytes({k: v.contiguous() for k, v in tensors.items()}, {"caption": entry.caption, "source": entry.path})
         row = {"source": entry.path, "caption": entry.caption, "latent_shape": list(tensors["latents"].shape),
                "text_len": int(tensors["text_emb"].shape[0]) if text is not None else 0}
@@ -225,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--i2v", default="", choices=["", *I2V_KINDS],
                     help="also cache what diffusers' Wan 2.1 I2V layout needs per clip: the VAE encoding of "
                     "[first frame, zeros...] (first_last: [first, zeros..., last]) for model=wan_i2v_*")
+    ap.add_argument("--masks", action="store_true", help="also cache each clip's loss mask (clip.mask.mp4, the manifest's "
+                    "mask / mask_boxes) at the latent grid, for data.masks=true")
+    ap.add_argument("--control", action="store_true", help="also cache each clip's control video's latents "
+                    "(clip.control.mp4, the manifest's control), for cond.control=true")
     ap.add_argument("--image-encoder", default="", help="with --i2v: CLIPVisionModel folder, or a Wan I2V pipeline folder "
                     "(its image_encoder/ and image_processor/): caches the image tokens (model.image_dim)")
     ap.add_argument("--workers", type=POSITIVE_INT, default=1, help="local processes to start (ignored under torchrun)")
