@@ -255,8 +255,6 @@ def test_keys_on_without_any_file_are_refused_before_the_run(overrides, needle, 
 
 @pytest.mark.parametrize("overrides,needle", [
     (["mode=llm", "data.masks=true"], r"data.masks=true need video clips; mode=llm has none"),
-    (["data=latent_cache", "data.root=x", "cond.control=true", "model.in_channels=4"],
-     r"cond.control=true: data=latent_cache has no control files"),
     (["model=wan_tiny", "model.pretrained=/models/wan", "model.lora.rank=4", "cond.control=true"],
      r"model.lora.rank=4 freezes the patch embedding, and the 3 input channels"),
 ])
