@@ -9,14 +9,18 @@ same weights as the folder or cache they were made from.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 import zlib
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 from safetensors.torch import load as load_safetensors
 
+from dit_train.data_pipelines.companions import Companions
 from dit_train.data_pipelines.latent_cache import LatentCacheDataset
 from dit_train.data_pipelines.shard_index import NULL_TEXT, Location, ShardIndex
 from dit_train.data_pipelines.shard_store import ShardReader
@@ -53,14 +57,35 @@ class ShardEntry(ClipEntry):
 
 def pixel_entries(index: ShardIndex) -> list[ShardEntry]:
     return [ShardEntry(i["source"], i["caption"], VideoInfo(int(i["frames"]), int(i["height"]), int(i["width"]),
-                                                          float(i["fps"])), loc=loc)
+                                                          float(i["fps"])), info_companions(i), loc=loc)
             for i, loc in zip(index.infos, index.locations)]
+
+
+def info_companions(info: dict) -> Companions:
+    """A pixel sample's companions from its index info (shard_writer.companion_members): mask /
+    control are member names of the sample, not paths."""
+    boxes = info.get("mask_boxes")
+    return Companions(info.get("mask", ""), info.get("control", ""), tuple(boxes) if boxes is not None else None,
+                      info.get("companion_problem", ""))
+
+
+@contextmanager
+def member_file(media: bytes, suffix: str) -> Iterator[str]:
+    """A member's bytes as a temporary file named with `suffix` (readers pick the decoder by it)."""
+    fd, tmp = tempfile.mkstemp(prefix="dit_train_shard_", suffix=suffix)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(media)
+        yield tmp
+    finally:
+        os.unlink(tmp)
 
 
 class ShardClipDataset(VideoClipDataset):
     """VideoClipDataset over pixel shards: frames are decoded from the member bytes (written to a
     temporary file named like the source, so every reader decodes exactly what it decodes from
-    the folder)."""
+    the folder); a clip's mask and control video from its `mask.<ext>` / `control.<ext>` members
+    the same way."""
 
     def __init__(self, entries: list[ShardEntry], reader: ShardReader, **kw):
         self.reader = reader
@@ -68,18 +93,26 @@ class ShardClipDataset(VideoClipDataset):
 
     def read(self, e: ClipEntry, indices: list[int]) -> torch.Tensor:
         loc = e.loc  # type: ignore[attr-defined]
-        data = sample_bytes(self.reader, loc)
         ext = os.path.splitext(e.path)[1].lower()
-        media = member(data, loc, ext.lstrip(".") or "bin")
-        fd, tmp = tempfile.mkstemp(prefix="dit_train_shard_", suffix=ext)
+        media = member(sample_bytes(self.reader, loc), loc, ext.lstrip(".") or "bin")
         try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(media)
-            return read_frames(tmp, indices, e.info)
+            with member_file(media, ext) as tmp:
+                return read_frames(tmp, indices, e.info)
         except VideoReadError as err:
             raise VideoReadError(f"{self.reader.where(loc.shard)} ({e.path}): {err}") from err
-        finally:
-            os.unlink(tmp)
+
+    def _companion_frames(self, e: ClipEntry, kind: str, indices: list[int]) -> torch.Tensor:
+        name = getattr(e.companions, kind)
+        if not name or e.companions.problem:  # the folder's reasons (missing, a bad manifest row)
+            return super()._companion_frames(e, kind, indices)
+        loc = e.loc  # type: ignore[attr-defined]
+        media = member(sample_bytes(self.reader, loc), loc, name)
+        try:
+            with member_file(media, os.path.splitext(name)[1]) as tmp:
+                return super()._companion_frames(dataclasses.replace(e, companions=dataclasses.replace(
+                    e.companions, **{kind: tmp})), kind, indices)
+        except VideoReadError as err:
+            raise VideoReadError(f"{self.reader.where(loc.shard)} ({e.path}, its {kind}): {err}") from err
 
 
 class ShardLatentDataset(LatentCacheDataset):

@@ -133,18 +133,38 @@ def write_shards(fs: Any, root: str, total: int, per_shard: int, produce: Callab
 
 
 def pixel_sample(position: int, entry: Any) -> ShardSample | Skipped:
-    """A clip or still (a ClipEntry: path, caption, probed info) as its file's bytes, its caption
-    and its info; Skipped when the file cannot be read any more."""
+    """A clip or still (a ClipEntry: path, caption, probed info, companions) as its file's bytes,
+    its caption and its info, with its mask / control files as members `mask.<ext>` /
+    `control.<ext>` (their member names in the info; mask_boxes and a manifest row's companion
+    problem in the info too); Skipped when a file cannot be read any more."""
     path = Path(entry.path)
-    try:
-        data = path.read_bytes()
-    except OSError as err:
-        return (entry.path, f"cannot read {entry.path}: {err.strerror or err}")
     i = entry.info
     info = {"source": entry.path, "caption": entry.caption, "frames": i.frames, "height": i.height, "width": i.width,
             "fps": i.fps}
-    return ShardSample(sample_key(position), {path.suffix.lower().lstrip(".") or "bin": data, "txt": entry.caption,
-                                              "json": json.dumps(info).encode()}, info)
+    try:
+        members = {path.suffix.lower().lstrip(".") or "bin": path.read_bytes()}
+        info |= companion_members(entry.companions, members)
+    except OSError as err:
+        return (entry.path, f"cannot read {err.filename or entry.path}: {err.strerror or err}")
+    return ShardSample(sample_key(position), {**members, "txt": entry.caption, "json": json.dumps(info).encode()}, info)
+
+
+def companion_members(c: Any, members: dict) -> dict:
+    """Add a clip's companion files (companions.Companions) to `members`; returns what the
+    index info says of them (shard_datasets.pixel_entries reads it back). OSError when a file
+    cannot be read."""
+    info: dict = {}
+    for kind in ("mask", "control"):
+        file = getattr(c, kind, "")
+        if file and Path(file).is_file():  # a missing one stays missing: the reader skips its clip naming it
+            name = f"{kind}{Path(file).suffix.lower()}"
+            members[name] = Path(file).read_bytes()
+            info[kind] = name
+    if getattr(c, "boxes", None) is not None:
+        info["mask_boxes"] = [c.boxes[0], c.boxes[1]]
+    if getattr(c, "problem", ""):
+        info["companion_problem"] = c.problem
+    return info
 
 
 def latent_sample(position: int, data: bytes, row: dict) -> ShardSample:

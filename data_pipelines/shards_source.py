@@ -15,7 +15,6 @@ from typing import Any, Callable, Dict
 import torch
 
 from dit_train.config.choices import Mode
-from dit_train.data_pipelines.companions import KEYS
 from dit_train.data_pipelines.latent_cache import VaeCodec
 from dit_train.data_pipelines.latent_cache_source import check_latent_model, latent_prompt_space
 from dit_train.data_pipelines.prompt_space import PromptSpace
@@ -80,15 +79,7 @@ class PixelShardsSource(PixelVideoSource):
 
     name = "shards"
     config = ShardsConfig
-    companion_kinds = ()  # mask / control files are not written into pixel shards (yet): open() refuses them
-
-    def open(self, split: str = "train") -> Any:
-        if self.companions:
-            raise ValueError(f"{' and '.join(f'{KEYS[k]}=true' for k in self.companions)}: the pixel shards at "
-                             f"{self.cfg.url} hold no mask or control files; train on the folder they were made from "
-                             f"(data=video_folder), or on latent shards written by python -m dit_train.tools.cache_latents "
-                             f"--shards --masks --control")
-        return super().open(split)
+    companion_kinds = ("mask", "control")  # written beside each clip by tools.make_shards (shard_writer.pixel_sample)
 
     def cache_settings(self) -> dict:
         return {**super().cache_settings(), "url": self.cfg.url}

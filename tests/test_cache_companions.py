@@ -110,17 +110,44 @@ def test_a_cache_without_them_is_refused_before_the_run_naming_the_flag(flag, ke
     assert "\n" not in msg and key in msg and f"tools.cache_latents {flag}" in msg, msg
 
 
-def test_pixel_shards_refuse_masks_naming_the_way(companion_folder, tmp_path):
-    """Pixel shards (tools.make_shards of a folder) hold no mask files: refused before the run."""
+def test_pixel_shards_carry_masks_boxes_and_control_videos(companion_folder, tmp_path):
+    """tools.make_shards of a folder (and of a manifest with mask_boxes) writes each clip's mask
+    and control files beside it: packs off the shards equal the folder's, weights and control
+    tokens bit for bit; a set made without them refuses data.masks=true before the run."""
+    import json
+    import shutil
+
     from dit_train.config.errors import ConfigError
     from dit_train.tasks import check_data
     from dit_train.tools.make_shards import main
 
-    assert main(["--out", str(tmp_path / "px"), "--no-progress", "--workers", "1", "data=video_folder",
-                 f"data.root={companion_folder}", f"data.cache_dir={tmp_path / 'c'}"]) == 0
-    cfg = compose_config([*TINY_MODEL, "data=shards", f"data.url={tmp_path / 'px'}", "data.masks=true",
+    manifest = tmp_path / "boxes.jsonl"  # the same clips, the first two with boxes instead of their mask videos
+    manifest.write_text("".join(json.dumps({"path": str(companion_folder / f"c{i}.mp4"), "caption": "x",
+                                            "control": str(companion_folder / f"c{i}.control.mp4"),
+                                            **({"mask_boxes": [[0, 0, 12, 32, 0.5], [4, 8, 20, 24]]} if i < 2 else
+                                               {"mask": str(companion_folder / f"c{i}.mask.mp4")})}) + "\n"
+                            for i in range(4)))
+    for name, root in (("folder", companion_folder), ("manifest", manifest)):
+        out = tmp_path / name
+        assert main(["--out", str(out), "--no-progress", "--workers", "1", "--samples-per-shard", "3", "data=video_folder",
+                     f"data.root={root}", f"data.cache_dir={tmp_path / 'c'}"]) == 0
+        base = [*TINY_MODEL, "data.resolution_buckets=null", "data.max_frames=8", "train.global_batch=4",
+                "data.masks=true", "cond.control=true"]
+        want = task_of(compose_config([*base, "data=video_folder", f"data.root={root}"], cache_dir=str(tmp_path / "c")))
+        got = task_of(compose_config([*base, "data=shards", f"data.url={out}"], cache_dir=str(tmp_path / "c")))
+        a, b = want.build([0, 1, 2, 3], 0), got.build([0, 1, 2, 3], 0)
+        assert torch.equal(a.weight_units(), b.weight_units()) and torch.equal(a.tokens["control"], b.tokens["control"])
+        units = b.weight_units()
+        assert ((units > 0) & (units < WEIGHT_ONE)).any(), name  # fractional: the soft masks, the 0.5 box
+    plain = tmp_path / "plain_clips"  # the clips without their mask / control files
+    plain.mkdir()
+    for p in companion_folder.glob("c?.mp4"):
+        shutil.copy(p, plain / p.name)
+    assert main(["--out", str(tmp_path / "plain"), "--no-progress", "--workers", "1", "data=video_folder",
+                 f"data.root={plain}", f"data.cache_dir={tmp_path / 'c'}"]) == 0
+    cfg = compose_config([*TINY_MODEL, "data=shards", f"data.url={tmp_path / 'plain'}", "data.masks=true",
                           "data.resolution_buckets=null", "train.global_batch=2"], cache_dir=str(tmp_path / "c"))
-    with pytest.raises(ConfigError, match="pixel shards .* hold no mask"):
+    with pytest.raises(ConfigError, match="data.masks=true but no clip of the data has a mask"):
         check_data(cfg)
 
 

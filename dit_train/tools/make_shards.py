@@ -7,7 +7,8 @@
 The source is chosen with the same data overrides as training: a folder or manifest of videos and
 images (`data=video_folder data.root=...`), the embedded clips (`data=synthetic_video`) or a latent
 cache (`data=latent_cache data.root=...`). Video and image files go into the shards as they are
-(with their caption and probed size), latents as the cache stores them. `--out` is a local folder
+(with their caption and probed size, and a clip's mask and control files, clip.mask.mp4 /
+clip.control.mp4 or the manifest's columns, beside it), latents as the cache stores them. `--out` is a local folder
 or any fsspec URL; `--storage-options` (JSON) are its filesystem's options (s3fs: key, secret,
 profile, client_kwargs.endpoint_url, ...; without them s3fs finds credentials as the AWS tools
 do). `--workers` threads write shards side by side; shards already finished are skipped, so an
@@ -25,6 +26,7 @@ from pathlib import Path
 from dit_train.compose import compose
 from dit_train.config.errors import RunFailed
 from dit_train.data_pipelines import latent_cache as lc, prepare_data, source_for
+from dit_train.data_pipelines.companions import KINDS
 from dit_train.data_pipelines.latent_cache_source import LatentCacheSource
 from dit_train.data_pipelines.shard_index import NULL_TEXT, check_or_write_meta, fingerprint, merge_index
 from dit_train.data_pipelines.shard_store import join, open_url, put_bytes
@@ -57,6 +59,9 @@ def pixel_plan(source: PixelVideoSource, per_shard: int) -> tuple[dict, int, obj
     identity = {k: v for k, v in source.cache_settings().items() if k not in READ_KEYS}
     settings = {"kind": "pixels", "source": identity, "samples_per_shard": per_shard,
                 "sources": digest([e.path for e in entries])}
+    held = [k for k in KINDS if any(e.companions.has(k) for e in entries)]
+    if held:  # the clips' mask / control files go in too (data.masks, cond.control); a set without them keeps its fingerprint
+        settings["companions"] = held
     meta = {"kind": "pixels", "settings": settings, "fingerprint": fingerprint(settings)}
     return meta, len(entries), pixel_shard(entries, per_shard), [list(s) for s in skipped]
 
@@ -84,7 +89,7 @@ def latent_plan(root: Path, per_shard: int) -> tuple[dict, int, object, list]:
 
 def make_shards(overrides: list[str], out: str, options: dict, per_shard: int, workers: int, progress: bool) -> dict:
     data = compose(list(overrides)).data
-    source = source_for(data, None)
+    source = source_for(data, None, KINDS)  # a folder's entries with their mask / control files
     fs, root = open_url(out, options, key="--out")
     if isinstance(source, PixelVideoSource):
         prepare_data(data)  # the embedded clips / the folder's probe index
