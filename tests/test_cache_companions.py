@@ -172,3 +172,17 @@ def test_i2v_tensors_go_into_latent_shards(models, source, clip_dir, i2v_cache, 
     for i in range(len(folder)):
         assert torch.equal(shards[i].cond_latents, folder[i].cond_latents)
         assert torch.equal(shards[i].image_emb, folder[i].image_emb)
+
+
+def test_sample_control_on_a_latent_run_goes_through_the_cache_vae(companion_cache, companion_folder, models):
+    """tools.sample --control on a latent run: the file encoded by the cache's VAE at the latent
+    grid asked for equals the control latents the cache holds for the clip it came from."""
+    from dit_train.data_pipelines.latent_cache import LatentCacheDataset, VaeCodec
+    from dit_train.sampling.conditioned import control_from_file
+
+    ds = LatentCacheDataset(companion_cache, (1, 1, 1))
+    i = next(k for k, r in enumerate(ds.rows) if r["source"].endswith("c0.mp4"))
+    want = ds[i].control
+    got = control_from_file(str(companion_folder / "c0.control.mp4"), tuple(want.shape), VaeCodec(str(models / "vae")))
+    assert want.shape == (Z_DIM, 3, 4, 4)  # 9 frames of 32 x 32
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)

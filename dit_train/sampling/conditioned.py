@@ -98,9 +98,16 @@ def _read_pixels(path: str, frames: int, pt: int, need: str = "") -> torch.Tenso
         raise ValueError(str(err)) from None
 
 
-def control_from_file(path: str, shape: tuple[int, int, int, int]) -> torch.Tensor:
+def control_from_file(path: str, shape: tuple[int, int, int, int], codec: Any = None) -> torch.Tensor:
     """[C, F, H, W] control video for a request of `shape` from `--control`: its first F frames
-    (an image: repeated), resized to cover H x W and centre-cropped, as data buckets are."""
+    (an image: repeated), resized to cover H x W and centre-cropped, as data buckets are. On a
+    latent run (`codec`: the cache's VAE, t frames per latent frame, s pixels per latent pixel)
+    `shape` is the latent grid [C, f, h, w]: the first 1 + t·(f − 1) frames at (s·h, s·w) are
+    encoded, as `tools.cache_latents --control` encodes a clip's control video."""
+    if codec is not None:
+        C, f, h, w = shape
+        pixels = control_from_file(path, (3, 1 + codec.temporal * (f - 1), h * codec.spatial, w * codec.spatial))
+        return codec.encode(pixels)
     C, F, H, W = shape
     if C != 3:
         raise ValueError("--control needs a pixel-space run (data=synthetic_video or video_folder)")

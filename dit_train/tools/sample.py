@@ -323,7 +323,8 @@ def read_control(args: argparse.Namespace, cfg: Any) -> Any:
         raise ValueError("this run trained with a control video (cond.control=true): give --control ctrl.mp4")
     if not args.control:
         return None
-    return control_from_file(args.control, prompt_space(cfg).shape(args.frames, args.height, args.width))
+    space = prompt_space(cfg)  # a latent run's control goes through the cache's VAE (space.codec)
+    return control_from_file(args.control, space.shape(args.frames, args.height, args.width), space.codec)
 
 
 def quality_line(scores: dict[str, float] | None) -> str:
