@@ -307,3 +307,26 @@ def test_given_frames_consistency_scores_each_change_on_its_own():
     assert after(stop=True) == {**{k: 1.0 for k in GIVEN_FIGURES}, "motion_after_ok": 0.0}
     with pytest.raises(ValueError, match="both given and generated"):
         score_given(real, np.ones(8, bool), cap)
+
+
+def test_given_frames_of_the_decoded_set_keep_their_shape_real_or_frozen(data_cache):
+    """On the embedded world's decoded clips (H.264 edges, discs of every size, first temporal
+    patch of 2 frames given): the real continuation keeps everything, and a model that only froze
+    the last given frame keeps background, colour and shape kind (kept_shape 1: the fill split
+    separates real discs, fill <= 0.86, from real squares, >= 0.99) but fails motion_after_ok."""
+    import json
+
+    from dit_train.data_pipelines.shapes_metric import GIVEN_FIGURES, score_given
+
+    root = ensure_synthetic_videos(data_cache, 16, SEED)
+    rows = [json.loads(line) for line in (root / "manifest.jsonl").read_text().splitlines()]
+    kinds = set()
+    for r in rows:
+        info = probe(str(root / r["path"]))
+        real = read_frames(str(root / r["path"]), list(range(info.frames)), info).numpy()
+        given = np.arange(len(real)) < 2
+        frozen = np.concatenate([real[:2], np.repeat(real[1:2], len(real) - 2, axis=0)])
+        assert score_given(real, given, r["caption"]) == {k: 1.0 for k in GIVEN_FIGURES}, r
+        assert score_given(frozen, given, r["caption"]) == {**{k: 1.0 for k in GIVEN_FIGURES}, "motion_after_ok": 0.0}, r
+        kinds.add(parse_caption(r["caption"]).shape)
+    assert kinds == {"circle", "square"}
