@@ -448,7 +448,7 @@ class CacheSettings:
         return {k: v for k, v in self.__dict__.items() if k not in ("i2v", "companions") or v}
 
 
-def companion_errors(meta: dict, wanted: tuple[str, ...], where: str) -> list[str]:
+def uncached_companions(meta: dict, wanted: tuple[str, ...], where: str) -> list[str]:
     """One line per companion kind the run needs (data.masks: "mask", cond.control: "control")
     that the cache or latent shards `where` (meta.json: settings.companions) were written without."""
     have = (meta.get("settings") or {}).get("companions") or []

@@ -12,9 +12,9 @@ from dit_train.data_pipelines.latent_cache import (
     LatentCacheDataset,
     TextEncoder,
     VaeCodec,
-    companion_errors,
     load_decoder,
     read_cache_info,
+    uncached_companions,
 )
 from dit_train.data_pipelines.prompt_space import PromptSpace, fit_to_patch, notice_cut
 from dit_train.data_pipelines.source import DataSource, register_source
@@ -30,7 +30,7 @@ def check_latent_model(meta: dict, where: str, model_cfg: Any, companions: tuple
     """Refuse a model that cannot read these latents, or a run that needs `companions` (mask,
     control) the cache was written without (ValueError naming the key or the tool's flag).
     `meta`: the cache's meta.json (latent_channels, text_dim, settings); `where` names the data."""
-    missing = companion_errors(meta, companions, where)
+    missing = uncached_companions(meta, companions, where)
     if missing:
         raise ValueError("; ".join(missing))
     channels, text_dim = int(meta["latent_channels"]), int(meta.get("text_dim", 0))
