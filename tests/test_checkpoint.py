@@ -70,6 +70,36 @@ def test_keep_last_and_incomplete_saves_are_ignored(tmp_path):
         resolve_checkpoint(str(tmp_path / "nowhere"), tmp_path)
 
 
+def test_parameters_without_gradients_resume_without_optimizer_state(tmp_path):
+    """A parameter no gradient reached before the save (a branch the data never runs, or has
+    not run yet) has no AdamW state in the checkpoint, and none after the resume: when
+    its first gradient comes, it takes the uninterrupted run's step (moments and step count
+    start there), not one from torch's zero-initialised state."""
+    from torch import nn
+
+    from dit_train.checkpoint import ModelState, OptimizerState, load_checkpoint, save_checkpoint
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.ModuleDict({"a": nn.Linear(3, 3), "b": nn.Linear(3, 3)})
+        return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+    def step(model, optimizer, used):
+        sum(model[n](torch.ones(2, 3)).square().sum() for n in used).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    model, optimizer = build()
+    step(model, optimizer, "a")  # "b" has no gradient yet
+    ck = save_checkpoint(tmp_path, 0, {"model": ModelState(model), "optim": OptimizerState(model, optimizer)}, "", 1)
+    resumed, resumed_optimizer = build()
+    load_checkpoint(ck, {"model": ModelState(resumed), "optim": OptimizerState(resumed, resumed_optimizer)})
+    assert [n for n, p in resumed.named_parameters() if p in resumed_optimizer.state] == ["a.weight", "a.bias"]
+    for m, o in ((model, optimizer), (resumed, resumed_optimizer)):
+        step(m, o, "ab")
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), resumed.parameters()))
+
+
 @pytest.mark.slow
 def test_resume_on_a_different_layout_keeps_the_trajectory(tmp_path, data_cache):
     """Saved with dp_shard=2, resumed with cp_ulysses=2 (and on 1 process): same weights and

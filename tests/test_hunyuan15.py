@@ -20,31 +20,19 @@ import torch
 
 from dit_train.batch import WEIGHT_ONE
 from dit_train.kernels import VarlenLayout
-from dit_train.models import build_model, init_weights, model_config
+from dit_train.models import build_model, model_config
 from dit_train.models.hunyuan15 import PackedHunyuan15, read_pretrained, to_diffusers
 from dit_train.tasks.joint_text import join_text_tokens
 from dit_train.tasks.video import pack_clips, patchify
 from tests.conftest import TINY, compose_config
+from tests.families import PATCH, SHAPES, random_model
 
-PATCH = (1, 2, 2)
-SHAPES = [(2, 4, 6), (3, 2, 4)]  # (F, H, W) of the two clips: 12 and 6 tokens
 
 
 def tiny_cfg(**kw):
     base = dict(dim=32, heads=2, depth=2, text_dim=24, text_len=7, text_2_dim=20, image_dim=12, in_channels=4,
                 image_cond_channels=5, refiner_depth=2, patch_size=list(PATCH), rope_axes=[4, 6, 6], init="normal")
     return model_config("hunyuan15", **(base | kw))
-
-
-def random_model(cfg, seed: int = 0) -> torch.nn.Module:
-    """Every weight random (norm gains, modulation, cond_type_embed too), so no swap goes unseen."""
-    model = build_model(cfg)
-    init_weights(model, seed, "normal")
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.2 * torch.randn(p.shape, generator=g))
-    return model
 
 
 def diffusers_call(ref, clip, t, ctx, ctx_len, ctx2=None, ctx2_len=None, image_cond=5):

@@ -37,7 +37,8 @@ from dit_train.models.lora import (
 from dit_train.models.lora import WEIGHT_NAME as WEIGHT
 from dit_train.models.wan import to_diffusers
 from dit_train.tasks.video import unpatchify
-from tests.test_wan import PATCH, SHAPES, pack, random_model, tiny_wan_cfg
+from tests.families import PATCH, SHAPES, random_model
+from tests.test_wan import pack, tiny_wan_cfg
 
 # alpha != rank: a lost or doubled alpha/r in the export changes the outputs
 SETTINGS = LoraSettings(rank=4, alpha=8)

@@ -18,13 +18,12 @@ import torch
 
 from dit_train.engine.layout_equivalence import relative_difference, run_layouts
 from dit_train.kernels import VarlenLayout
-from dit_train.models import build_model, init_weights, model_config
+from dit_train.models import build_model, model_config
 from dit_train.models.ltx import read_pretrained, to_diffusers
 from dit_train.tasks.video import patchify
 from tests.conftest import TINY, compose_config
+from tests.families import PATCH, SHAPES, random_model
 
-PATCH = (1, 2, 2)
-SHAPES = [(2, 4, 6), (3, 2, 4)]  # (F, H, W) of the two clips: 12 and 6 tokens
 SCALE = (0.32, 32.0, 32.0)
 
 
@@ -32,17 +31,6 @@ def tiny_ltx_cfg(**kw):
     # dim 32: 32 % 6 = 2 channels RoPE leaves unrotated (diffusers' padding path is exercised)
     base = dict(dim=32, heads=2, depth=2, text_dim=24, text_len=6, in_channels=4, patch_size=list(PATCH), init="normal")
     return model_config("ltx", **(base | kw))
-
-
-def random_model(cfg, seed: int = 0) -> torch.nn.Module:
-    """Every weight random (norm gains and modulation tables too), so no swap goes unseen."""
-    model = build_model(cfg)
-    init_weights(model, seed, "normal")
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.2 * torch.randn(p.shape, generator=g))
-    return model
 
 
 def ltx_tokens(clip: torch.Tensor, patch=PATCH) -> torch.Tensor:

@@ -16,32 +16,20 @@ import pytest
 import torch
 
 from dit_train.models import WanConfig, model_config
-from dit_train.models import build_model, init_weights
+from dit_train.models import build_model
 from dit_train.models.wan import read_pretrained, to_diffusers
 from dit_train.tasks.video import patchify, unpatchify
 from dit_train.engine.layout_equivalence import relative_difference, run_layouts
 from dit_train.kernels import VarlenLayout
 from tests.conftest import REPO, TINY, compose_config
+from tests.families import PATCH, SHAPES, random_model
 
-PATCH = (1, 2, 2)
-SHAPES = [(2, 4, 6), (3, 2, 4)]  # (F, H, W) of the two clips: 12 and 6 tokens
 
 
 def tiny_wan_cfg(**kw) -> WanConfig:
     base = dict(dim=32, heads=2, depth=2, ffn_dim=64, freq_dim=32, text_dim=32, text_len=6,
                 in_channels=4, patch_size=list(PATCH), init="normal")
     return model_config("wan", **(base | kw))
-
-
-def random_model(cfg: WanConfig, seed: int = 0) -> torch.nn.Module:
-    """Every weight random (norm gains and modulation tables too), so no swap goes unseen."""
-    model = build_model(cfg)
-    init_weights(model, seed, "normal")
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.2 * torch.randn(p.shape, generator=g))
-    return model
 
 
 def pack(clips: list[torch.Tensor], pad: int = 0):

@@ -18,9 +18,9 @@ import torch
 from dit_train.models.wan import read_pretrained, to_diffusers
 from dit_train.models.wan_experts import ExpertPair, check_pair, timestep_range
 from dit_train.tasks.video import patchify, unpatchify
-from tests.test_wan import pack, random_model, tiny_wan_cfg
+from tests.families import SHAPES, random_model
+from tests.test_wan import pack, tiny_wan_cfg
 
-SHAPES = [(2, 4, 6), (3, 2, 4)]  # (F, H, W) latents of two clips, patch (1, 2, 2): 12 and 6 tokens
 
 
 def test_ti2v_per_token_timesteps_match_diffusers_expand_timesteps():

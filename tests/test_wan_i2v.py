@@ -14,7 +14,8 @@ import torch
 from dit_train.models import model_config
 from dit_train.models.wan import read_pretrained, to_diffusers
 from dit_train.tasks.video import unpatchify
-from tests.test_wan import PATCH, SHAPES, pack, random_model
+from tests.families import PATCH, SHAPES, random_model
+from tests.test_wan import pack
 
 IMAGE_DIM, IMAGE_TOKENS, TEXT_LEN = 24, 5, 512  # diffusers' I2V processor splits off 512 text tokens
 

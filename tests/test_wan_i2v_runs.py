@@ -180,7 +180,7 @@ def test_an_i2v_lora_run_from_a_pretrained_i2v_folder_loads_in_the_pipeline(i2v_
     from dit_train.data_pipelines.i2v_cache import to_uint8_image
     from dit_train.models.wan import to_diffusers
     from dit_train.tools.export_weights import main as export
-    from tests.test_wan import random_model
+    from tests.families import random_model
 
     plain = compose_config(run_args(i2v_cache))
     to_diffusers(random_model(plain.model).state_dict(), plain.model).save_pretrained(str(tmp_path / "pre"))

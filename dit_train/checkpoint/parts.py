@@ -30,6 +30,8 @@ class Part(Protocol):
     sharded: bool  # True: tensors through DCP; False: JSON written by rank 0
     optional: bool  # True: a checkpoint without this part still loads (then `missing_from_checkpoint()`
     # is called if the part has it, after every other part was loaded; else it keeps its state)
+    # A sharded part may also have `stored_only(template, stored keys) -> template`: its loading
+    # template cut to what the checkpoint holds (OptimizerState).
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -55,7 +57,11 @@ class ModelState:
 
 
 class OptimizerState:
-    """Optimizer state (moments, step counts) keyed by parameter name (layout-free)."""
+    """Optimizer state (moments, step counts) keyed by parameter name (layout-free).
+
+    A parameter that has had no gradient yet has no state (a branch the training never runs,
+    such as HunyuanVideo 1.5's image embedder, or has not run yet): the checkpoint holds none for it, and a resume must leave it without state too, so that its
+    first gradient starts its moments and step count as in the uninterrupted run."""
 
     sharded, optional = True, False
 
@@ -65,8 +71,17 @@ class OptimizerState:
     def state_dict(self) -> dict[str, Any]:
         return get_optimizer_state_dict(self.model, self.optimizer)
 
+    def stored_only(self, state: dict[str, Any], stored: set[str]) -> dict[str, Any]:
+        """`state` (this part's loading template: every parameter with state, as torch
+        initialises it) cut to the parameters the checkpoint holds state for; `stored`: the
+        checkpoint's keys of this part ("state.<parameter name>.<field>", "param_groups...")."""
+        held = {k[len("state."):].rsplit(".", 1)[0] for k in stored if k.startswith("state.")}
+        return {**state, "state": {name: v for name, v in state["state"].items() if name in held}}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_optimizer_state_dict(self.model, self.optimizer, state)
+        # not strict: the parameters stored_only() left out get no state (torch's strict load
+        # would refuse them)
+        set_optimizer_state_dict(self.model, self.optimizer, state, options=StateDictOptions(strict=False))
 
 
 class JSONState:

@@ -290,6 +290,10 @@ def load_checkpoint(path: str | Path, parts: dict[str, Part]) -> int:
     for n in missing:
         log.warning("checkpoint %s has no %s state: starting it fresh", path, n)
     sharded = {n: p.state_dict() for n, p in parts.items() if p.sharded and n in stored}
+    keys = safe_load.read_metadata(path).state_dict_metadata
+    for n in sharded:  # a part may hold less than its template (optimizer state of parameters without gradients yet)
+        if hasattr(parts[n], "stored_only"):
+            sharded[n] = parts[n].stored_only(sharded[n], {k[len(n) + 1:] for k in keys if k.startswith(f"{n}.")})
     q = _quiet()
     try:
         safe_load.load(sharded, path)

@@ -146,7 +146,8 @@ def count_collectives(names: Sequence[str] = COLLECTIVES) -> Iterator[dict[str, 
 
 def add_packed_vs_diffusers_args(ap: Any) -> None:
     """The flags the packed-vs-diffusers benchmarks share (bench_wan, bench_wan22, bench_families):
-    the model shape both sides get, our attention backend, repetitions, threads, the JSON out."""
+    the model shape both sides get, our attention backend, repetitions, threads, the JSON out,
+    --quick (the tool's smoke test)."""
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--depth", type=int, default=4)
     ap.add_argument("--heads", type=int, default=4)
@@ -155,3 +156,31 @@ def add_packed_vs_diffusers_args(ap: Any) -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--out", default="")
+    ap.add_argument("--quick", action="store_true")
+
+
+def parse_packed_vs_diffusers_args(ap: Any, argv: list[str] | None, quick: tuple[int, int, int, int]) -> Any:
+    """`ap` parsed (add_packed_vs_diffusers_args' flags and the tool's own); --quick sets the
+    shape to `quick` (dim, depth, heads, text_dim) and one repetition; --threads is applied."""
+    a = ap.parse_args(argv)
+    if a.quick:
+        (a.dim, a.depth, a.heads, a.text_dim), a.reps = quick, 1
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    return a
+
+
+def packed_vs_diffusers_header(a: Any) -> str:
+    """The line above a packed-vs-diffusers table: precision, threads, repetitions, the shape."""
+    return (f"fp32, {torch.get_num_threads()} threads, {a.reps} reps; dim {a.dim}, depth {a.depth}, heads {a.heads}, "
+            f"text_dim {a.text_dim}, our attention {a.backend}")
+
+
+def padded_batch(clips: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Clips [C, F_i, H_i, W_i] as one batch [B, C, F, H, W] zero-padded to the largest (F, H, W):
+    what a transformer without a self-attention mask runs for clips of different sizes."""
+    F, H, W = (max(c.shape[i] for c in clips) for i in (1, 2, 3))
+    x = clips[0].new_zeros(len(clips), clips[0].shape[0], F, H, W)
+    for i, c in enumerate(clips):
+        x[i, :, :c.shape[1], :c.shape[2], :c.shape[3]] = c
+    return x

@@ -25,7 +25,8 @@ import torch
 
 from dit_train.kernels import VarlenLayout
 from dit_train.models import build_model, init_weights, model_config, model_spec
-from dit_train.perf.bench import add_packed_vs_diffusers_args, format_table, interleaved_wall_and_cpu, median, write_json
+from dit_train.perf.bench import (add_packed_vs_diffusers_args, format_table, interleaved_wall_and_cpu, median,
+                                  packed_vs_diffusers_header, padded_batch, parse_packed_vs_diffusers_args, write_json)
 from dit_train.tasks.joint_text import join_text_tokens, video_rows
 from dit_train.tasks.video import pack_clips
 
@@ -111,10 +112,7 @@ def packed_inputs(fam: Family, shapes, text_dim: int, seed: int = 0, joint_text:
 def padded_inputs(fam: Family, shapes, text_dim: int, seed: int = 0):
     """All clips in one batch, zero-padded to the largest (F, H, W)."""
     g = torch.Generator().manual_seed(seed)
-    F, H, W = (max(s[i] for s in shapes) for i in range(3))
-    x = torch.zeros(len(shapes), fam.channels, F, H, W)
-    for i, (f, h, w) in enumerate(shapes):
-        x[i, :, :f, :h, :w] = torch.randn(fam.channels, f, h, w, generator=g)
+    x = padded_batch([torch.randn(fam.channels, *s, generator=g) for s in shapes])
     return x, torch.rand(len(shapes), generator=g), torch.randn(len(shapes), TEXT_LEN, text_dim, generator=g)
 
 
@@ -156,15 +154,9 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--family", default=",".join(FAMILIES), help=f"comma list of: {', '.join(FAMILIES)}")
     add_packed_vs_diffusers_args(ap)
-    ap.add_argument("--quick", action="store_true")
-    a = ap.parse_args(argv)
-    if a.quick:
-        a.dim, a.depth, a.heads, a.text_dim, a.reps = 64, 1, 2, 32, 1
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    a = parse_packed_vs_diffusers_args(ap, argv, quick=(64, 1, 2, 32))
     results = {f: bench(f, a) for f in a.family.split(",")}
-    print(f"fp32, {torch.get_num_threads()} threads, {a.reps} reps; dim {a.dim}, depth {a.depth}, heads {a.heads}, "
-          f"our attention {a.backend}, text_dim {a.text_dim}; equal parameters (one module, two forwards)")
+    print(packed_vs_diffusers_header(a) + "; equal parameters (one module, two forwards)")
     print(format_table([r["row"] for r in results.values()]))
     p = write_json(a.out, "families", {"args": vars(a), "results": results})
     print(f"wrote {p}")

@@ -35,7 +35,8 @@ from dit_train.config.schema import ModelConfig
 from dit_train.kernels import VarlenLayout
 from dit_train.models import build_model, init_weights, model_config
 from dit_train.models.recompute import set_recompute_prologues
-from dit_train.perf.bench import add_packed_vs_diffusers_args, format_table, interleaved_wall_and_cpu, median, write_json
+from dit_train.perf.bench import (add_packed_vs_diffusers_args, format_table, interleaved_wall_and_cpu, median,
+                                  packed_vs_diffusers_header, padded_batch, parse_packed_vs_diffusers_args, write_json)
 from dit_train.tasks.video import patchify
 
 PATCH = (1, 2, 2)
@@ -118,11 +119,8 @@ def wan_padded_input(shapes, text_dim, text_len=TEXT_LEN, seed=0):
     """All clips in one batch, zero-padded to the largest (F, H, W): a dense model without
     bucketing. Only the valid tokens count in tokens/s."""
     g = torch.Generator().manual_seed(seed)
-    F, H, W = (max(s[i] for s in shapes) for i in range(3))
+    x = padded_batch([torch.randn(C, *s, generator=g) for s in shapes])
     b = len(shapes)
-    x = torch.zeros(b, C, F, H, W)
-    for i, (f, h, w) in enumerate(shapes):
-        x[i, :, :f, :h, :w] = torch.randn(C, f, h, w, generator=g)
     return x, torch.randint(0, 1000, (b,), generator=g), torch.randn(b, text_len, text_dim, generator=g), torch.randn(x.shape, generator=g)
 
 
@@ -193,18 +191,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default="adaln,adaln+text", help="comma list of: adaln, adaln+text")
     ap.add_argument("--prologues-default", choices=("on", "off"), default="on" if ModelConfig.recompute_prologues else "off",
                     help="which of ours the speedup column compares with Wan (default: model.recompute_prologues' default)")
-    ap.add_argument("--quick", action="store_true")
-    a = ap.parse_args(argv)
-    if a.quick:
-        a.dim, a.depth, a.heads, a.text_dim, a.reps = 64, 2, 2, 64, 1
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    a = parse_packed_vs_diffusers_args(ap, argv, quick=(64, 2, 2, 64))
     rows, params = [], {}
     for variant in a.variants.split(","):
         params[variant], variant_rows = bench_variant(variant, a)
         rows += variant_rows
-    print(f"fp32, {torch.get_num_threads()} threads, {a.reps} reps; dim {a.dim}, depth {a.depth}, heads {a.heads}, "
-          f"our attention {a.backend}, Wan text_dim {a.text_dim}")
+    print(packed_vs_diffusers_header(a))
     print(format_table(rows))
     best = min(r["speedup"] for r in rows)
     print(f"smallest speedup {best:.2f}x (target >= 1.2x: {'met' if best >= 1.2 else 'NOT met'})")

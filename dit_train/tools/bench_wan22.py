@@ -25,7 +25,8 @@ import torch
 from dit_train.kernels import VarlenLayout
 from dit_train.models import build_model, init_weights, model_config
 from dit_train.models.wan import to_diffusers
-from dit_train.perf.bench import add_packed_vs_diffusers_args, format_table, interleaved_wall_and_cpu, median, write_json
+from dit_train.perf.bench import (add_packed_vs_diffusers_args, format_table, interleaved_wall_and_cpu, median,
+                                  packed_vs_diffusers_header, padded_batch, parse_packed_vs_diffusers_args, write_json)
 from dit_train.tasks.video import patchify
 
 PATCH = (1, 2, 2)
@@ -69,10 +70,8 @@ def bench_family(family: str, a: argparse.Namespace) -> dict:
         seq = shape[0] * (shape[1] // 2) * (shape[2] // 2)
         x = torch.stack([xs[i] for i in idx])
         buckets.append((x, timesteps(idx, seq), txt[idx], torch.randn(x.shape, generator=g)))
-    F, H, W = (max(s[i] for s in shapes) for i in range(3))
-    padded = torch.zeros(len(shapes), C, F, H, W)
-    for i, (f, h, w) in enumerate(shapes):
-        padded[i, :, :f, :h, :w] = xs[i]
+    padded = padded_batch(xs)
+    F, H, W = padded.shape[2:]
     pad_in = (padded, timesteps(list(range(len(shapes))), F * (H // 2) * (W // 2)), txt, torch.randn(padded.shape, generator=g))
 
     def run_ours():
@@ -104,20 +103,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--families", default="ti2v,a14b", help="comma list of: " + ", ".join(FAMILIES))
     add_packed_vs_diffusers_args(ap)
-    ap.add_argument("--quick", action="store_true")
-    a = ap.parse_args(argv)
-    if a.quick:
-        a.dim, a.depth, a.heads, a.text_dim, a.reps = 64, 2, 2, 64, 1
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    a = parse_packed_vs_diffusers_args(ap, argv, quick=(64, 2, 2, 64))
     bad = [f for f in a.families.split(",") if f not in FAMILIES]
     if bad:
         print(f"error: --families {','.join(bad)}: use {', '.join(FAMILIES)}", file=sys.stderr)
         return 2
     torch.manual_seed(0)
     rows = [bench_family(f, a) for f in a.families.split(",")]
-    print(f"fp32, {torch.get_num_threads()} threads, {a.reps} reps; dim {a.dim}, depth {a.depth}, heads {a.heads}, "
-          f"text_dim {a.text_dim}, our attention {a.backend}")
+    print(packed_vs_diffusers_header(a))
     print(format_table(rows))
     p = write_json(a.out, "wan22", {"args": vars(a), "rows": rows})
     print(f"wrote {p}")
