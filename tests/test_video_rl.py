@@ -11,20 +11,23 @@ import torch.nn.functional as F
 
 from dit_train.engine.layout_equivalence import apply_layout, relative_difference
 from dit_train.posttrain import (VideoDatum, diffusion_dpo_loss, diffusion_nft_loss, flow_grpo_loss,
-                                 group_advantages, transitions)
+                                 group_advantages, sft_loss, transitions)
 from tests.conftest import TINY, compose_config
 from tests.test_posttrain import plain_model
 
 TOL = 1e-4  # weights: max |Δ| relative to the largest update (see layout_equivalence)
-EXTRA = ["train.sample_steps=3", "optim.lr=0.05"]
+# no caption dropout: the oracle conditions every clip on its caption (raft's sft_loss would drop
+# 10% of them; the reward losses never drop)
+EXTRA = ["train.sample_steps=3", "optim.lr=0.05", "data.caption_dropout=0"]
 CAPTIONS = ["a red circle moving up and left on a navy background",
             "a blue square moving down and right on a black background"]
 SIZES = [(4, 32, 32), (2, 48, 32)]  # uneven clips: 32 and 24 tokens at 2x8x8 patches
 # (recipe, per-step call boundaries): several steps, calls of uneven sizes
-PLAN = {"nft": [[1, 3], []], "dpo": [[2], [4]], "grpo": [[3, 4], [5]]}
+PLAN = {"nft": [[1, 3], []], "dpo": [[2], [4]], "grpo": [[3, 4], [5]], "raft": [[2], [1, 3]]}
 LOSSES = {"nft": (diffusion_nft_loss(beta=0.7, adv_clip=1.5), "num_loss_tokens"),
           "dpo": (diffusion_dpo_loss(beta=50.0), "num_sequences"),
-          "grpo": (flow_grpo_loss(clip_range=0.02, kl_coef=0.3), "num_sequences")}
+          "grpo": (flow_grpo_loss(clip_range=0.02, kl_coef=0.3), "num_sequences"),
+          "raft": (sft_loss(agg="sequence"), "num_sequences")}
 
 
 # -- the one-process oracle ---------------------------------------------------------------------------
@@ -70,6 +73,9 @@ def oracle_loss(cfg, recipe, model, batch, step):
             total = total + (r * (pos - u).pow(2).mean(-1) + (1 - r) * (neg - u).pow(2).mean(-1)).sum()
             n += v.shape[0]
         return total / n
+    if recipe == "raft":  # the hierarchical mean: over clips of each clip's token mean of |v − u|²
+        errs = [(lambda vu: (vu[0] - vu[1]).pow(2).mean())(clip_error(cfg, model, d, step)) for d in batch]
+        return sum(errs) / len(errs)
     if recipe == "dpo":  # −log σ(−β·((m_c − ref_c) − (m_r − ref_r))), mean over pairs
         errs = [(lambda vu: (vu[0] - vu[1]).pow(2).mean())(clip_error(cfg, model, d, step)) for d in batch]
         losses = [-F.logsigmoid(-50.0 * ((errs[k] - batch[k].ref_loss) - (errs[k + 1] - batch[k + 1].ref_loss)))
@@ -100,7 +106,8 @@ def oracle_loss(cfg, recipe, model, batch, step):
 
 def make_batches(cfg):
     """nft: 5 clips (two captions, uneven sizes) with group advantages; dpo: 3 pairs with the
-    reference's errors; grpo: the transitions of 3 SDE rollouts with the reference's means."""
+    reference's errors; grpo: the transitions of 3 SDE rollouts with the reference's means;
+    raft: the accepted clips (4, then 5) without advantages."""
     from dit_train.posttrain import TrainingSession
 
     sess = TrainingSession(cfg)
@@ -121,7 +128,8 @@ def make_batches(cfg):
     g = torch.Generator().manual_seed(3)
     for t, mean in zip(grpo, sess.transition_means(grpo)):
         t.ref_mean = mean + 0.01 * torch.randn(mean.shape, generator=g)  # a reference apart from the policy
-    return {"nft": [nft] * 2, "dpo": dpo, "grpo": [grpo] * 2}, rollouts, refs[0]
+    raft = [VideoDatum(pixels=d.pixels, caption=d.caption, noise_key=40 + i) for i, d in enumerate(nft)]
+    return {"nft": [nft] * 2, "dpo": dpo, "grpo": [grpo] * 2, "raft": [raft[1:], raft]}, rollouts, refs[0]
 
 
 def session_steps(cfg, ctx, recipe, batches):
@@ -194,11 +202,12 @@ def test_one_process_matches_the_oracle(cfg, data, oracle):
 
     batches = data[0]
     ctx = init_parallel(cfg.parallel)
+    stats = {}
     for recipe in PLAN:
-        weights, stats = session_steps(cfg, ctx, recipe, batches)
+        weights, stats[recipe] = session_steps(cfg, ctx, recipe, batches)
         rel = relative_difference(oracle[recipe], weights)
         assert rel <= TOL, f"{recipe}: weights differ from the one-process oracle by {rel:.2e} of the update"
-    assert 0 < stats["clip_fraction"] < 1  # the second GRPO step is off-policy: some ratios clip
+    assert 0 < stats["grpo"]["clip_fraction"] < 1  # the second GRPO step is off-policy: some ratios clip
 
 
 @pytest.mark.slow
@@ -286,3 +295,34 @@ def test_the_recipe_tool_refuses_bad_rewards_in_one_line(cfg, tmp_path, capsys):
     assert main([str(tmp_path), "--out", str(tmp_path / "o")]) == 2
     assert "no config.yaml there" in capsys.readouterr().err
     assert not (tmp_path / "out" / "weights.safetensors").exists()
+
+
+def test_raft_keeps_exactly_the_all_ok_clips_and_every_rank_draws_the_same_batches(monkeypatch):
+    """Under the shapes reward, --keep-min 5.5 accepts a clip iff all_ok (every pass/fail pattern
+    of the figures, palette_share at its extremes); two buffers fed alike draw the same datums,
+    with distinct noise keys, and keep only the newest `capacity` clips."""
+    import itertools
+
+    from dit_train.posttrain.rollouts import VideoRollout
+    from dit_train.tools import video_rl
+
+    patterns = [dict(zip(("background_ok", "color_ok", "shape_ok", "motion_ok", "single_shape"), map(float, bits)),
+                     palette_share=p) for bits in itertools.product((0, 1), repeat=5) for p in (0.0, 0.5, 1.0)]
+    for s in patterns:
+        s["all_ok"] = float(all(s[k] for k in ("background_ok", "color_ok", "shape_ok", "motion_ok")))
+    patterns = [s for s in patterns if not (s["background_ok"] and s["palette_share"] < 0.5)]  # bg_ok: >= 50% palette
+    monkeypatch.setattr(video_rl, "score_clip", lambda clip, caption: patterns[int(clip)])
+    rewards = video_rl.shapes_reward(list(range(len(patterns))), [""] * len(patterns))
+    assert video_rl.accepted(rewards, 5.5) == [i for i, s in enumerate(patterns) if s["all_ok"]]
+
+    rollouts = [VideoRollout(f"caption {i}", i, torch.full((3, 2, 4, 4), i / 10), "run") for i in range(6)]
+    a, b = video_rl.RaftBuffer(capacity=4), video_rl.RaftBuffer(capacity=4)
+    for buf in (a, b):
+        buf.add(rollouts, [0, 2, 3])
+        buf.add(rollouts, [4, 5])
+    assert [c for _, c in a.clips] == ["caption 2", "caption 3", "caption 4", "caption 5"] and a.added == 5
+    for _ in range(3):
+        x, y = a.batch(3), b.batch(3)
+        assert [d.caption for d in x] == [d.caption for d in y] and [d.noise_key for d in x] == [0, 1, 2]
+        assert len({d.caption for d in x}) == 3 and all(torch.equal(d.pixels, e.pixels) for d, e in zip(x, y))
+    assert len(a.batch(10)) == 4

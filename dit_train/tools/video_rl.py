@@ -14,7 +14,13 @@ reward, and takes one optimizer step on them:
   grpo: Flow-GRPO's SDE sampler without guidance; the transitions of every clip; flow_grpo_loss
         (+ KL to the initial weights with --kl), normalized by num_sequences (transitions);
   dpo:  the best and the worst clip of each group as (chosen, rejected) when their rewards
-        differ; the initial weights' errors as the reference; normalized by num_sequences (pairs).
+        differ; the initial weights' errors as the reference; normalized by num_sequences (pairs);
+  raft: reward-filtered flow matching (rejection sampling): validation's ODE sampler (with
+        guidance); the clips whose reward is >= --keep-min (default 5.5: exactly the all_ok clips
+        under the shapes reward) join a buffer, and --updates optimizer steps a step train
+        sft_loss(agg="sequence") on --raft-batch clips drawn from it, normalized by
+        num_sequences (the mean over clips of their token means). No negative push: nothing
+        is trained away from, so the model cannot collapse by avoiding failures.
 The reward: the exact shapes metric, a smooth sum of its per-clip figures (palette_share +
 background_ok + color_ok + shape_ok + single_shape + motion_ok + all_ok), or --reward
 module:function taking (clips [3, F, H, W] in [-1, 1], captions) and returning one finite float
@@ -46,7 +52,7 @@ from dit_train.data_pipelines.synthetic_video import BACKGROUNDS, COLORS, SHAPES
 from dit_train.engine.launch import launch
 from dit_train.models.init import load_full_weights
 from dit_train.posttrain import (TrainingSession, VideoDatum, diffusion_dpo_loss, diffusion_nft_loss, flow_grpo_loss,
-                                 group_advantages, transitions)
+                                 group_advantages, sft_loss, transitions)
 from dit_train.posttrain.rollouts import broadcast_from_rank0
 from dit_train.posttrain.session import apply_overrides
 from dit_train.sampling import frame_grid
@@ -114,6 +120,32 @@ def evaluate(session, captions: list[str], out_dir: Path, step: int) -> dict[str
     return scores
 
 
+def accepted(rewards: list[float], keep_min: float) -> list[int]:
+    """Indices of the clips whose reward reaches keep_min (raft's rejection sampling)."""
+    return [i for i, r in enumerate(rewards) if r >= keep_min]
+
+
+class RaftBuffer:
+    """The accepted clips so far (the newest `capacity`), and minibatches drawn from them.
+
+    Every rank holds the same buffer and draws with the same seeded rng (the rollouts are
+    broadcast and the rewards deterministic), so every rank trains the same datums."""
+
+    def __init__(self, capacity: int = 512, seed: int = 0):
+        self.clips: list[tuple[torch.Tensor, str]] = []
+        self.capacity, self.rng, self.added = capacity, random.Random(seed), 0
+
+    def add(self, rollouts, indices: list[int]) -> None:
+        self.clips += [(rollouts[i].clip.clamp(-1, 1), rollouts[i].caption) for i in indices]
+        self.added += len(indices)
+        del self.clips[:-self.capacity]
+
+    def batch(self, size: int) -> list[VideoDatum]:
+        """Up to `size` distinct buffered clips; noise keys distinct within the call."""
+        picks = self.rng.sample(range(len(self.clips)), min(size, len(self.clips)))
+        return [VideoDatum(pixels=self.clips[j][0], caption=self.clips[j][1], noise_key=k) for k, j in enumerate(picks)]
+
+
 def step_batch(recipe: str, session, reference, rollouts, rewards: list[float], group: int, step: int, kl: float):
     """(datums, loss, normalization) of one step's rollouts (None when no datum carries a signal)."""
     adv = group_advantages(rewards, group)
@@ -141,7 +173,8 @@ def step_batch(recipe: str, session, reference, rollouts, rewards: list[float], 
 
 
 def train(cfg, run: str, recipe: str, steps: int, out: str, reward: str, captions: int, group: int,
-          eval_every: int, sample_steps: int, kl: float, max_minutes: float = 0.0, initial_eval: bool = True) -> None:
+          eval_every: int, sample_steps: int, kl: float, max_minutes: float = 0.0, initial_eval: bool = True,
+          keep_min: float = 5.5, updates: int = 1, raft_batch: int = 8) -> None:
     session = TrainingSession(cfg)
     weights, which = run_weights(Path(run), None)
     load_full_weights(session.model, weights)
@@ -175,21 +208,33 @@ def train(cfg, run: str, recipe: str, steps: int, out: str, reward: str, caption
     if eval_every and initial_eval:
         record(0, {})
     sde = recipe == "grpo"
+    buffer = RaftBuffer()
     for step in range(steps):
         caps = [c for c in rng.sample(pool, captions) for _ in range(group)]
         ids = [step * 10 ** 4 + i for i in range(len(caps))]
         rollouts = session.sample_videos(caps, SIZE, noise_ids=ids, steps=sample_steps, sde=sde,
                                          guidance_scale=1.0 if sde else None)
         rewards = checked_rewards(fn, name, [r.clip.clamp(-1, 1) for r in rollouts], caps)
-        batch, loss, norm = step_batch(recipe, session, reference, rollouts, rewards, group, step, kl)
-        stats = {}
-        if batch:
-            session.forward_backward(batch, loss)
-            stats = session.optim_step(norm)
-        extra = {"reward": round(sum(rewards) / len(rewards), 4), "datums": len(batch),
-                 "grad_norm": round(stats.get("grad_norm", 0.0), 4)}
-        say(f"step {step + 1}/{steps}: reward {extra['reward']:.3f}, {len(batch)} datums, "
-            f"loss {stats.get('loss', 0.0):.4f}, grad_norm {extra['grad_norm']:.3f}")
+        stats, n = {}, 0
+        if recipe == "raft":
+            keep = accepted(rewards, keep_min)
+            buffer.add(rollouts, keep)
+            for _ in range(updates if buffer.clips else 0):
+                batch = buffer.batch(raft_batch)
+                session.forward_backward(batch, sft_loss(agg="sequence"))
+                stats, n = session.optim_step("num_sequences"), n + len(batch)
+            extra_raft = {"accepted": len(keep), "buffer": buffer.added}
+        else:
+            batch, loss, norm = step_batch(recipe, session, reference, rollouts, rewards, group, step, kl)
+            if batch:
+                session.forward_backward(batch, loss)
+                stats = session.optim_step(norm)
+            n, extra_raft = len(batch), {}
+        extra = {"reward": round(sum(rewards) / len(rewards), 4), "datums": n,
+                 "grad_norm": round(stats.get("grad_norm", 0.0), 4), **extra_raft}
+        say(f"step {step + 1}/{steps}: reward {extra['reward']:.3f}, {n} datums, "
+            f"loss {stats.get('loss', 0.0):.4f}, grad_norm {extra['grad_norm']:.3f}"
+            + (f", accepted {extra_raft['accepted']} (buffer {extra_raft['buffer']})" if extra_raft else ""))
         # every rank decides on rank 0's clock (the same decision everywhere: the loop holds collectives)
         late = broadcast_from_rank0(bool(max_minutes) and time.time() - t0 > 60 * max_minutes, session.ctx.world_group,
                                     main)
@@ -205,7 +250,7 @@ def train(cfg, run: str, recipe: str, steps: int, out: str, reward: str, caption
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("run", help="a trained run's folder (config.yaml + weights)")
-    ap.add_argument("--recipe", choices=("nft", "grpo", "dpo"), default="nft")
+    ap.add_argument("--recipe", choices=("nft", "grpo", "dpo", "raft"), default="nft")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", required=True, help="write weights.safetensors, heldout.jsonl and grids here")
     ap.add_argument("--reward", default="", help="module:function (clips, captions) -> floats; default: the shapes metric")
@@ -216,13 +261,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-minutes", type=float, default=0.0, help="stop stepping after this wall time (0 = never)")
     ap.add_argument("--skip-initial-eval", action="store_true", help="no held-out figures at step 0")
     ap.add_argument("--kl", type=float, default=0.0, help="grpo: KL coefficient to the initial weights")
+    ap.add_argument("--keep-min", type=float, default=5.5,
+                    help="raft: keep clips with a reward >= this (5.5: the all_ok clips under the shapes reward)")
+    ap.add_argument("--updates", type=int, default=1, help="raft: optimizer steps a step, on clips drawn from the buffer")
+    ap.add_argument("--raft-batch", type=int, default=8, help="raft: clips a optimizer step")
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. parallel.dp_shard=2 optim.lr=1e-4")
     args = ap.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
     try:
         run = Path(args.run)
         if not (run / "config.yaml").is_file():
             raise ConfigError(f"{run}: no config.yaml there (expected a training run's folder)")
-        for flag, value in (("--steps", args.steps), ("--captions", args.captions), ("--sample-steps", args.sample_steps)):
+        for flag, value in (("--steps", args.steps), ("--captions", args.captions), ("--sample-steps", args.sample_steps),
+                            ("--updates", args.updates), ("--raft-batch", args.raft_batch)):
             if value < 1:
                 raise ConfigError(f"{flag}={value} must be >= 1")
         if args.group < 2:
@@ -238,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
         launch(cfg, functools.partial(train, run=str(run), recipe=args.recipe, steps=args.steps, out=args.out,
                                       reward=args.reward, captions=args.captions, group=args.group,
                                       eval_every=args.eval_every, sample_steps=args.sample_steps, kl=args.kl,
-                                      max_minutes=args.max_minutes, initial_eval=not args.skip_initial_eval))
+                                      max_minutes=args.max_minutes, initial_eval=not args.skip_initial_eval,
+                                      keep_min=args.keep_min, updates=args.updates, raft_batch=args.raft_batch))
     except (ConfigError, ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
