@@ -28,16 +28,16 @@ from dit_train.compose import load_config
 from dit_train.config import Config
 from dit_train.config.errors import ConfigError
 from dit_train.config.schema import cond_active
+from dit_train.distill.roles import CRITIC, Roles
 from dit_train.distill.task import DistillTask
 from dit_train.distill.trainer import DistillTrainer
-from dit_train.distill.roles import CRITIC, Roles
 from dit_train.engine.build import Run, broadcast_full_weights, build_parallel_model, build_run
 from dit_train.engine.ema import EMA
 from dit_train.engine.trainer import Trainer
 from dit_train.models import build_model
-from dit_train.parallel.mesh import ParallelDims
 from dit_train.models.lora import is_lora_name
 from dit_train.optim import build_optimizer, build_scheduler
+from dit_train.parallel.mesh import ParallelDims
 
 
 def teacher_weights(folder: Path) -> tuple[dict[str, torch.Tensor], str]:
