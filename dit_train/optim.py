@@ -9,8 +9,9 @@ from torch import nn
 from dit_train.config import OptimConfig
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    params = [p for p in model.parameters() if p.requires_grad]
+def build_optimizer(model: nn.Module, cfg: OptimConfig, params: list[nn.Parameter] | None = None) -> torch.optim.Optimizer:
+    """The optimizer of `params` (None: every parameter of `model` that requires grad)."""
+    params = [p for p in model.parameters() if p.requires_grad] if params is None else params
     if cfg.name == "adamw":
         # foreach=False: the per-tensor path is bitwise independent of how tensors are grouped,
         # so sharded and unsharded runs apply identical updates.

@@ -35,6 +35,20 @@ def cfg(tiny_cfg, teacher):
     return apply_layout(student_config(c), {})
 
 
+LORA = ["model.lora.rank=4"]  # the student and the critic: two adapters on the teacher's frozen base
+# adapters start at B = 0 and move slowly under SGD: rates that move them visibly in 3 steps; no
+# guidance, so step 0's gradient is exactly 0 (critic = teacher) instead of rounding noise
+LORA_STEPS = [*LORA, "distill.teacher_guidance=1.0", "distill.critic_lr=100", "optim.lr=20000"]
+
+
+@pytest.fixture(scope="module")
+def lora_cfg(tiny_cfg, teacher):
+    from dit_train.distill.build import student_config
+
+    c = compose_config([*TINY, *DISTILL, *LORA_STEPS, f"distill.teacher={teacher}"], cache_dir=tiny_cfg.data.cache_dir)
+    return apply_layout(student_config(c), {})
+
+
 def distill_steps(cfg, ctx, steps):
     """{student/..., critic/...: full weights} after `steps` distillation steps (rank 0)."""
     from dit_train.checkpoint import full_state_dict
@@ -46,7 +60,14 @@ def distill_steps(cfg, ctx, steps):
     student, critic = full_state_dict(run.model), full_state_dict(run.critic.model)
     if not ctx.is_main:
         return {}
-    return {f"student/{k}": v for k, v in student.items()} | {f"critic/{k}": v for k, v in critic.items()}
+    return ({f"student/{k}": v for k, v in student.items()} | {f"critic/{k}": v for k, v in critic.items()}
+            | {"teacher_offload": offload_policies(run.teacher)})
+
+
+def offload_policies(model):
+    """The FSDP2 offload policies of a model's units (none unsharded), as in test_memory_options."""
+    return sorted({type(m._get_fsdp_state()._fsdp_param_group.offload_policy).__name__
+                   for m in model.modules() if hasattr(m, "_get_fsdp_state") and m._get_fsdp_state()._fsdp_param_group})
 
 
 # -- the one-process oracle: one clip at a time, the formulas written out -------------------------------
@@ -184,30 +205,102 @@ def test_one_process_matches_the_dmd_formulas(cfg, expected):
         assert rel <= TOL, f"{who}: weights differ from the hand-written DMD2 computation by {rel:.2e} of the update"
 
 
-def _worker(cfg, layouts, steps):
+def _worker(runs, steps):
+    """{key: distill_steps} of each (config, layout) of `runs`; only rank 0 can read the teacher's
+    weights (the others' read raises), so the runs pass only if rank 0 broadcasts them."""
+    import torch.distributed as dist
+
+    from dit_train.distill import build
     from dit_train.parallel.mesh import init_parallel
 
-    out = {}
-    for key, layout in layouts.items():
-        c = apply_layout(cfg, layout)
-        out[key] = distill_steps(c, init_parallel(c.parallel), steps)
+    def unreadable(folder):
+        raise OSError(f"rank {dist.get_rank()} read the teacher's weights ({folder}): only rank 0 should")
+
+    readable, out = build.teacher_weights, {}
+    if dist.get_rank() != 0:
+        build.teacher_weights = unreadable
+    try:  # the pool's workers outlive this job: put the reader back
+        for key, (cfg, layout) in runs.items():
+            c = apply_layout(cfg, layout)
+            out[key] = distill_steps(c, init_parallel(c.parallel), steps)
+    finally:
+        build.teacher_weights = readable
     return out
 
 
 @pytest.mark.slow
-def test_layouts_match_the_dmd_formulas(cfg, expected):
+def test_layouts_match_the_dmd_formulas(cfg, lora_cfg, expected):
     """One launch of 4 workers: FSDP2 dp_shard=2 × cp_ring=2 and DDP 2 × Ulysses 2 (a sample's
     tokens, and so its DMD normaliser, split over two ranks); student and critic weights after
-    3 steps (student updates at 0 and 2) equal the oracle's."""
+    3 steps (student updates at 0 and 2) equal the oracle's; the same with the teacher's shards
+    offloaded (distill.teacher_offload). LoRA (one base, two adapters) on FSDP2 dp_shard=2 ×
+    cp_ring=2 equals the one-process LoRA run. The teacher's weights are read by rank 0 only."""
     from dit_train.engine.launch import launch_local
+    from dit_train.parallel.mesh import init_parallel
 
-    layouts = {"dp2_ring2": {"dp_shard": 2, "cp_ring": 2},
-               "ddp2_ulysses2": {"dp_shard": 2, "dp_mode": "ddp", "cp_ulysses": 2}}
-    results = launch_local(_worker, (cfg, layouts, 3), 4, cfg.launcher)
-    for key in layouts:
+    offload = dataclasses.replace(cfg, distill=dataclasses.replace(cfg.distill, teacher_offload=True))
+    dp2_ring2 = {"dp_shard": 2, "cp_ring": 2}
+    runs = {"dp2_ring2": (cfg, dp2_ring2), "ddp2_ulysses2": (cfg, {"dp_shard": 2, "dp_mode": "ddp", "cp_ulysses": 2}),
+            "dp2_ring2_offload": (offload, dp2_ring2), "lora_dp2_ring2": (lora_cfg, dp2_ring2)}
+    results = launch_local(_worker, (runs, 3), 4, cfg.launcher)
+    one = distill_steps(lora_cfg, init_parallel(lora_cfg.parallel), 3)
+    got = results[0]["lora_dp2_ring2"]
+    assert got.keys() == one.keys() and any(".lora_A.critic." in k for k in one)
+    for who in ("student", "critic"):
+        adapter = ".default." if who == "student" else ".critic."
+        mine = {k: v for k, v in one.items() if k.startswith(who) and adapter in k}
+        assert mine and max(float(v.abs().max()) for k, v in mine.items() if ".lora_B." in k) > 0  # it trained
+        rel = max(float((one[k] - got[k]).abs().max()) for k in mine) / max(float(v.abs().max()) for v in mine.values())
+        assert rel <= TOL, f"LoRA {who}: the {adapter} adapter differs from the one-process run by {rel:.2e}"
+    for key in ("dp2_ring2", "ddp2_ulysses2", "dp2_ring2_offload"):
         for who in ("student", "critic"):
             rel = relative_difference(part(expected, who), part(results[0][key], who))
             assert rel <= TOL, f"{key} {who}: weights differ from the oracle by {rel:.2e} of the update"
+    assert results[0]["dp2_ring2"]["teacher_offload"] == ["OffloadPolicy"]
+    assert results[0]["dp2_ring2_offload"]["teacher_offload"] == ["CPUOffloadPolicy"]
+
+
+def merged(weights, adapter, scale=1.0):
+    """Plain weights of a LoRA model's full state dict with `adapter` merged: W + scale·B·A."""
+    from dit_train.models.lora import is_lora_name, plain_lora_name
+
+    out = {plain_lora_name(k): v for k, v in weights.items() if not is_lora_name(k)}
+    for k, a in weights.items():
+        if f".lora_A.{adapter}." in k:
+            module = k.split(".lora_A.")[0]
+            w = f"{plain_lora_name(module)}.weight"
+            out[w] = out[w] + scale * weights[f"{module}.lora_B.{adapter}.weight"] @ a
+    return out
+
+
+def test_lora_roles_are_one_base_and_two_adapters(lora_cfg, teacher):
+    """One LoRA module after 3 distillation steps: as the teacher it computes the teacher run's
+    model (the base, adapters off), as the student the base with the student's adapter merged,
+    as the critic with the critic's; student and critic differ from the teacher and each other."""
+    from dit_train.checkpoint import full_state_dict
+    from dit_train.distill.build import build_distill_run, teacher_weights
+    from dit_train.models import build_model
+    from dit_train.parallel.mesh import init_parallel
+
+    run = build_distill_run(lora_cfg, init_parallel(lora_cfg.parallel))
+    assert run.critic.model is run.model is run.teacher  # one module: no copies
+    for step in range(3):
+        run.trainer.step(step)
+    weights = full_state_dict(run.model)
+    expected = {"teacher": teacher_weights(teacher)[0], "student": merged(weights, "default"),
+                "critic": merged(weights, "critic")}
+    x = torch.randn(3, 4, 32, 32, generator=torch.Generator().manual_seed(0))
+    caption, plain, got = "a red circle moving up", build_model(dataclasses.replace(lora_cfg.model, lora=dataclasses.replace(
+        lora_cfg.model.lora, rank=0))), {}
+    with torch.no_grad():
+        for who, sd in expected.items():
+            plain.load_state_dict(sd)
+            with run.trainer.roles.use(who) as model:
+                got[who] = clip_velocity(lora_cfg, model, x, 0.6, caption)[0]
+            want = clip_velocity(lora_cfg, plain, x, 0.6, caption)[0]
+            assert torch.allclose(got[who], want, atol=1e-5), f"{who}: {float((got[who] - want).abs().max()):.2e}"
+    for a, b in (("student", "teacher"), ("critic", "teacher"), ("student", "critic")):
+        assert float((got[a] - got[b]).abs().max()) > 1e-4, f"{a} computes the {b}"
 
 
 def test_resume_is_exact(tiny_cfg, teacher, tmp_path):
@@ -237,6 +330,43 @@ def test_resume_is_exact(tiny_cfg, teacher, tmp_path):
     assert any((tmp_path / "gen").iterdir())
 
 
+def test_lora_resumes_exactly_samples_and_exports(tiny_cfg, teacher, tmp_path):
+    """LoRA distillation with AdamW (optimizer state in both adapters' optimizers): stopped after
+    step 0, resumed: the student after step 2 (its update there takes its resumed moments and reads
+    the critic's step 1, taken with the critic's resumed moments) equals the uninterrupted run's;
+    `tools.sample --steps 4` samples it; the newest
+    checkpoint alone (the teacher's base + the student's adapter) gives the run's merged
+    weights, and `tools.export_weights` writes its adapter and merged weights."""
+    from safetensors.torch import load_file
+
+    from dit_train.checkpoint.export import run_weights
+    from dit_train.tools import export_weights, sample
+
+    base = [*TINY, *DISTILL, *LORA, f"distill.teacher={teacher}", "distill.student_steps=4", "optim=adamw",
+            "optim.lr=0.05", "distill.critic_lr=0.05"]
+    full, part = tmp_path / "full", tmp_path / "part"
+    train_in_process([*base, "train.ckpt_every=1", "train.keep_last=3"], full, cache_dir=tiny_cfg.data.cache_dir)
+    train_in_process([*base, f"train.resume={full / 'checkpoints' / 'step_00000000'}"], part,
+                     cache_dir=tiny_cfg.data.cache_dir)
+    lora = "lora/pytorch_lora_weights.safetensors"
+    a, b = load_file(full / lora), load_file(part / lora)
+    assert max(float(v.abs().max()) for k, v in a.items() if ".lora_B." in k) > 1e-4  # the student's adapter moved
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-6
+    # the newest checkpoint alone: the teacher's weights as the base, the student's adapter merged
+    merged_run = load_file(full / "weights.safetensors")
+    ckpt = full / "checkpoints" / "step_00000002"
+    out = tmp_path / "merged.safetensors"
+    assert export_weights.main([str(ckpt), "--merge-lora", "--out", str(out)]) == 0
+    for sd in (load_file(out), run_weights(ckpt, False)[0]):
+        assert max(float((sd[k] - merged_run[k]).abs().max()) for k in merged_run) < 1e-6
+    assert export_weights.main([str(ckpt), "--out", str(tmp_path / "adapter")]) == 0
+    c = load_file(tmp_path / "adapter" / "pytorch_lora_weights.safetensors")
+    assert c.keys() == a.keys() and max(float((a[k] - c[k]).abs().max()) for k in a) < 1e-6
+    assert sample.main([str(full), "--prompt", "a red circle moving up and left on a navy background", "--steps", "4",
+                        "--frames", "4", "--height", "32", "--width", "32", "--out", str(tmp_path / "gen")]) == 0
+    assert any((tmp_path / "gen").iterdir())
+
+
 def test_bad_teachers_are_refused_in_one_line_before_step_0(tiny_cfg, teacher, tmp_path):
     import shutil
 
@@ -251,6 +381,18 @@ def test_bad_teachers_are_refused_in_one_line_before_step_0(tiny_cfg, teacher, t
     assert "distill.teacher is required" in refused("+experiment=distill_dmd2")
     assert "no config.yaml there" in refused("+experiment=distill_dmd2", f"distill.teacher={tmp_path}")
     assert "distill.method=none" in refused(f"distill.teacher={teacher}")
+    dmd = ["+experiment=distill_dmd2", f"distill.teacher={teacher}"]
+    assert "DDP cannot reduce" in refused(*dmd, *LORA, "parallel.dp_shard=2", "parallel.dp_mode=ddp")
+    assert "nothing separate to offload" in refused(*dmd, *LORA, "distill.teacher_offload=true", "parallel.dp_shard=2")
+    assert "needs FSDP2 over >= 2 ranks" in refused(*dmd, "distill.teacher_offload=true")
+    assert "needs FSDP2 over >= 2 ranks" in refused(*dmd, "distill.teacher_offload=true", "parallel.dp_shard=2",
+                                                   "parallel.dp_mode=ddp")
+    lora_teacher = tmp_path / "lora_teacher"  # a LoRA run as the teacher: its config says model.lora.rank=4
+    shutil.copytree(teacher, lora_teacher)
+    text = (teacher / "config.yaml").read_text()
+    assert "    rank: 0\n" in text
+    (lora_teacher / "config.yaml").write_text(text.replace("    rank: 0\n", "    rank: 4\n", 1))
+    assert "a LoRA run (model.lora.rank=4" in refused("+experiment=distill_dmd2", f"distill.teacher={lora_teacher}", *LORA)
     # another model's weights: a copy of the teacher whose config says model.dim=48
     other = tmp_path / "other"
     shutil.copytree(teacher, other)
@@ -269,7 +411,7 @@ def test_bad_teachers_are_refused_in_one_line_before_step_0(tiny_cfg, teacher, t
 
 def test_the_planner_counts_the_critic_and_the_teacher(tiny_cfg):
     from dit_train.perf.memory import model_shape
-    from dit_train.planning.planner import Workload, plan
+    from dit_train.planning.planner import Workload, adapter_parameters, plan
 
     work = Workload(global_batch=8, max_sample_tokens=1024, mean_sample_tokens=1024)
     shape = model_shape(tiny_cfg.model)
@@ -280,3 +422,21 @@ def test_the_planner_counts_the_critic_and_the_teacher(tiny_cfg):
     for c in three:
         m = a[c.layout]
         assert c.memory.total == pytest.approx(m.total + 2 * m.params + m.grads + m.optimizer)
+    # distill.teacher_offload: the teacher's weights move from the device estimate to the host's
+    offload = dataclasses.replace(distill, distill=dataclasses.replace(distill.distill, teacher_offload=True))
+    moved, _ = plan(offload, 2, 64 * 2 ** 30, work, backend="sdpa", shape=shape)
+    b = {c.layout: c.memory for c in three}
+    for c in moved:
+        m = b[c.layout]
+        assert c.memory.total == pytest.approx(m.total - a[c.layout].params)
+        assert c.memory.host == pytest.approx(m.host + a[c.layout].params)
+    # LoRA (one base, two adapters): no teacher copy, the critic's adapter with its gradients and moments
+    lora = dataclasses.replace(distill, model=dataclasses.replace(distill.model, lora=dataclasses.replace(
+        distill.model.lora, rank=4)))
+    adapters, _ = plan(lora, 2, 64 * 2 ** 30, work, backend="sdpa", shape=shape)
+    n = adapter_parameters(lora.model)
+    assert 0 < n < shape.params / 10
+    for c in adapters:
+        m, extra = a[c.layout], c.memory.extra
+        assert "distill_teacher" not in extra and extra["distill_critic"] == pytest.approx(
+            (m.params + m.grads + m.optimizer) * n / shape.params)

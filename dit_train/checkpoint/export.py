@@ -16,7 +16,7 @@ from dit_train.checkpoint.store import find_checkpoint, read_checkpoint_info
 from dit_train.compose import load_config
 from dit_train.models import build_model, model_spec
 from dit_train.models.registry import component_state
-from dit_train.models.init import initialize
+from dit_train.models.init import init_adapters, initialize, load_full_weights
 from dit_train.models.lora import apply_lora, lora_settings, merged_state_dict, save_lora
 
 
@@ -88,26 +88,40 @@ def run_lora_dirs(model_cfg: Any, root: str | Path) -> dict[str, Path]:
     return {prefix: Path(root) / (sub if prefix else "") for prefix, sub in parts.items()}
 
 
+def initialize_run_model(model: nn.Module, cfg: Any) -> None:
+    """A run's starting weights in one process: a distillation run's teacher's (distill.teacher:
+    that run's weights, EMA when present, read again, so its folder must still be there: a LoRA
+    distillation's frozen base), else `initialize` (model.pretrained or train.seed); LoRA
+    adapters, if any, from the seed."""
+    if getattr(cfg, "distill", None) is not None and cfg.distill.method != "none" and cfg.distill.teacher:
+        load_full_weights(model, run_weights(Path(cfg.distill.teacher), None)[0])
+        init_adapters(model, cfg.train.seed)
+    else:
+        initialize(model, cfg.model, cfg.train.seed)
+
+
 def initial_weights(cfg: Any) -> dict[str, torch.Tensor]:
     """The full fp32 weights a run started from, in one process: `model.pretrained`'s when set,
-    else the initialisation from `train.seed` (the same bits on every layout). For a LoRA run
-    this is the frozen base its adapters apply to."""
+    a distillation's teacher's, else the initialisation from `train.seed` (the same bits on every
+    layout). For a LoRA run this is the frozen base its adapters apply to."""
     model = build_model(cfg.model)  # without adapters: model.lora is applied by the run's builder
-    initialize(model, cfg.model, cfg.train.seed)
+    initialize_run_model(model, cfg)
     return {k: v.float().contiguous() for k, v in model.state_dict().items()}
 
 
 def checkpoint_model(path: str | Path, ema: bool = False) -> tuple[Any, nn.Module]:
     """(Config, the plain model as trained) of a checkpoint, in one process (no GPU, no process
-    group). LoRA runs: the base from its own initialisation (pretrained folder or seed) with the
-    checkpoint's adapters injected. ema: the EMA weights instead (train.ema_decay > 0)."""
+    group). LoRA runs: the base from its own initialisation (pretrained folder, seed, or a
+    distillation's teacher) with the checkpoint's adapters injected (a LoRA distillation's
+    student: peft's `default` adapter; its critic adapter is left in the checkpoint). ema: the
+    EMA weights instead (train.ema_decay > 0)."""
     path = Path(path)
     cfg = load_config(path)
     model = build_model(cfg.model)
     lora = lora_settings(cfg.model)
     if lora is not None:
         apply_lora(model, lora, model_spec(cfg.model).name)
-        initialize(model, cfg.model, cfg.train.seed)  # the frozen base is not in the checkpoint
+        initialize_run_model(model, cfg)  # the frozen base is not in the checkpoint
     if ema and "ema" not in read_checkpoint_info(path)["sharded"]:
         raise ValueError(f"checkpoint {path} holds no EMA weights (it was trained with train.ema_decay=0)")
     sd = {k: v for k, v in model.state_dict().items() if lora is None or ".lora_" in k}

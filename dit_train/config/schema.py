@@ -335,6 +335,9 @@ class DistillConfig:
     critic_lr: float = 0.0  # the critic's learning rate; 0 = optim.lr
     t_min: float = 0.02  # the noise levels the distribution-matching gradient is taken at: uniform in [t_min, t_max]
     t_max: float = 0.98
+    # the frozen teacher's shards in host memory (FSDP2's CPUOffloadPolicy; needs FSDP2 over >= 2
+    # ranks and full models, not model.lora: there the teacher is the student's own base)
+    teacher_offload: bool = False
 
 
 # the floor of train.micro_batch_tokens=0 (auto): one micro-batch holds a whole step of the embedded

@@ -9,7 +9,9 @@ input is refused here, before anything is launched, with one line naming the key
 `build_distill_run(cfg, ctx)`: the student (the teacher's weights: EMA when present, with its
 optimizer, schedule and EMA), the critic (the teacher's weights, its own optimizer at
 distill.critic_lr) and the frozen teacher, each built and sharded by the plain recipe
-(engine/build.py), driven by a DistillTrainer.
+(engine/build.py), driven by a DistillTrainer. With model.lora on the command line, one model
+instead: the teacher's weights as the frozen base, the student's and the critic's adapters
+(distill/roles.py). The teacher's weights are read by rank 0 only and broadcast.
 """
 from __future__ import annotations
 
@@ -26,12 +28,16 @@ from dit_train.compose import load_config
 from dit_train.config import Config
 from dit_train.config.errors import ConfigError
 from dit_train.config.schema import cond_active
+from dit_train.distill.roles import CRITIC, Roles
 from dit_train.distill.task import DistillTask
 from dit_train.distill.trainer import DistillTrainer
-from dit_train.engine.build import Run, build_parallel_model, build_run
+from dit_train.engine.build import Run, broadcast_full_weights, build_parallel_model, build_run
 from dit_train.engine.ema import EMA
+from dit_train.engine.trainer import Trainer
 from dit_train.models import build_model
-from dit_train.models.init import load_full_weights
+from dit_train.models.lora import is_lora_name
+from dit_train.optim import build_optimizer, build_scheduler
+from dit_train.parallel.mesh import ParallelDims
 
 
 def teacher_weights(folder: Path) -> tuple[dict[str, torch.Tensor], str]:
@@ -41,11 +47,24 @@ def teacher_weights(folder: Path) -> tuple[dict[str, torch.Tensor], str]:
 
 def check_distill_keys(cfg: Config) -> None:
     """What a distillation run needs beyond each key's range (engine/checks.RANGES)."""
-    d, e = cfg.distill, []
+    d, p, e = cfg.distill, cfg.parallel, []
+    world = ParallelDims.from_config(p).world
     if not d.t_min < d.t_max:
         e.append(f"distill.t_min={d.t_min}, distill.t_max={d.t_max}: need t_min < t_max")
     if str(cfg.train.precision) in ("fp16", "Precision.fp16"):
         e.append("train.precision=fp16: distillation has no loss scaling; use bf16 or fp32")
+    lora = cfg.model.lora.rank > 0
+    if lora and p.dp_mode == "ddp" and world > 1:
+        e.append(f"model.lora.rank={cfg.model.lora.rank} with parallel.dp_mode=ddp: the student's and the critic's "
+                 f"adapters share one module and each backward leaves the other's unused, which DDP cannot reduce; "
+                 f"use parallel.dp_mode=fsdp2")
+    if d.teacher_offload and lora:
+        e.append(f"distill.teacher_offload=true with model.lora.rank={cfg.model.lora.rank}: the teacher is the "
+                 f"student's own frozen base there, nothing separate to offload; drop one of them")
+    elif d.teacher_offload and (p.dp_mode != "fsdp2" or world == 1):
+        e.append(f"distill.teacher_offload=true needs FSDP2 over >= 2 ranks (FSDP2's CPUOffloadPolicy; this layout: "
+                 f"parallel.dp_mode={p.dp_mode}, {world} rank{'s' if world > 1 else ''}); raise parallel.dp_shard "
+                 f"with parallel.dp_mode=fsdp2, or set distill.teacher_offload=false")
     if e:
         raise ConfigError("; ".join(e))
 
@@ -76,8 +95,9 @@ def student_config(cfg: Config) -> Config:
         raise ConfigError(f"{where}: a conditioned run (cond.kind={teacher.cond.kind}); distillation supports "
                           f"text-to-video runs only")
     if teacher.model.lora.rank > 0:
-        raise ConfigError(f"{where}: a LoRA run; distil from its merged export instead (weights.safetensors "
-                          f"of a run trained without model.lora)")
+        raise ConfigError(f"{where}: a LoRA run (model.lora.rank={teacher.model.lora.rank} in its config.yaml); "
+                          f"distil from a full-weights run (its merged weights.safetensors in a run trained without "
+                          f"model.lora); model.lora on this command line puts the student and critic on adapters")
     try:
         weights, which = teacher_weights(folder)
     except (FileNotFoundError, ValueError) as err:
@@ -91,29 +111,66 @@ def student_config(cfg: Config) -> Config:
                           f"{got.get(bad[0])}, model {shapes.get(bad[0])}); is it another model's run?")
     train = dataclasses.replace(cfg.train, sample_steps=cfg.distill.student_steps, guidance_scale=1.0,
                                 stochastic_sampling=False)
-    return dataclasses.replace(cfg, mode=teacher.mode, model=teacher.model, data=teacher.data, loss=teacher.loss,
+    model = dataclasses.replace(teacher.model, lora=cfg.model.lora)  # model.lora of the command line: LoRA distillation
+    return dataclasses.replace(cfg, mode=teacher.mode, model=model, data=teacher.data, loss=teacher.loss,
                                cond=teacher.cond, train=train)
 
 
 def build_distill_run(cfg: Config, ctx: Any = None, heldout: bool = False):
     """The distillation run of a `student_config` (see the module docstring)."""
     plain = dataclasses.replace(cfg, distill=dataclasses.replace(cfg.distill, teacher=""))
-    student = build_run(plain, ctx, heldout=heldout)
-    optim = dataclasses.replace(cfg.optim, lr=cfg.distill.critic_lr or cfg.optim.lr)
-    critic = build_run(dataclasses.replace(plain, optim=optim, train=dataclasses.replace(plain.train, ema_decay=0)),
-                       student.ctx, task=student.task)
-    teacher = build_parallel_model(critic.cfg, student.ctx)
-    teacher.requires_grad_(False)
-    weights, _ = teacher_weights(Path(cfg.distill.teacher))
-    for model in (student.model, critic.model, teacher):
-        load_full_weights(getattr(model, "module", model), weights)  # DDP: the wrapped model's names
+    lora = cfg.model.lora.rank > 0
+    student = build_run(plain, ctx, heldout=heldout, adapters=(CRITIC,) if lora else ())
+    ctx = student.ctx
+    weights = teacher_weights(Path(cfg.distill.teacher))[0] if ctx.is_main or not ctx.distributed else {}
+    if lora:  # one model: the teacher's weights as the frozen base, the student's and the critic's adapters
+        models, teacher = [student.model], student.model
+    else:
+        critic = build_run(critic_config(plain), ctx, task=student.task)
+        teacher = build_parallel_model(teacher_config(critic.cfg), ctx)
+        teacher.requires_grad_(False)
+        models = [student.model, critic.model, teacher]
+    for model in models:  # read by rank 0 only, broadcast (engine/build.py)
+        broadcast_full_weights(model, ctx, lambda: weights)
+    del weights
     if student.ema is not None:  # the EMA starts from the teacher's weights, not from the random init
         student.trainer.ema = EMA(student.model, cfg.train.ema_decay)
+    if lora:  # after the EMA: it holds the student's adapter only
+        critic = critic_adapter_run(student, critic_config(student.cfg))
     task = DistillTask(student.task, cfg.distill, student.cfg.loss, cfg.train.seed)
-    trainer = DistillTrainer(student.trainer, critic.trainer, teacher, task, cfg.distill)
-    return DistillRun(cfg=dataclasses.replace(student.cfg, distill=cfg.distill), ctx=student.ctx, task=student.task,
+    roles = Roles(student.model, critic.model, teacher)
+    trainer = DistillTrainer(student.trainer, critic.trainer, roles, task, cfg.distill)
+    return DistillRun(cfg=dataclasses.replace(student.cfg, distill=cfg.distill), ctx=ctx, task=student.task,
                       model=student.model, optimizer=student.optimizer, scheduler=student.scheduler, trainer=trainer,
                       heldout=student.heldout, ema=student.trainer.ema, critic=critic, teacher=teacher)
+
+
+def critic_config(cfg: Config) -> Config:
+    """The critic's training keys: optim.* at distill.critic_lr, no EMA."""
+    optim = dataclasses.replace(cfg.optim, lr=cfg.distill.critic_lr or cfg.optim.lr)
+    return dataclasses.replace(cfg, optim=optim, train=dataclasses.replace(cfg.train, ema_decay=0))
+
+
+def teacher_config(cfg: Config) -> Config:
+    """The frozen teacher's build keys: its shards in host memory with distill.teacher_offload
+    (FSDP2's CPUOffloadPolicy, parallel.cpu_offload's mechanism for this model alone)."""
+    if not cfg.distill.teacher_offload:
+        return cfg
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, cpu_offload=True))
+
+
+def critic_adapter_run(student: Run, cfg: Config) -> Run:
+    """The critic of a LoRA distillation: the `CRITIC` adapter of the student's model (added
+    frozen by build_run, unfrozen here), its own optimizer, schedule and Trainer."""
+    model = student.model
+    params = [p for n, p in model.named_parameters() if is_lora_name(n) and f".{CRITIC}." in n]
+    for p in params:
+        p.requires_grad_(True)
+    optimizer = build_optimizer(model, cfg.optim, params)
+    scheduler = build_scheduler(optimizer, cfg.optim, max(1, cfg.train.steps))
+    trainer = Trainer(model, student.task, optimizer, scheduler, student.ctx, cfg.train, cfg.optim, cfg.loss,
+                      cfg.parallel, cfg.model.moe)
+    return Run(cfg, student.ctx, student.task, model, optimizer, scheduler, trainer)
 
 
 @dataclass
@@ -127,5 +184,7 @@ class DistillRun(Run):
         parts = super().checkpoint_parts()
         c = self.critic
         for name, part in training_parts(c.model, c.optimizer, c.scheduler, c.trainer).items():
+            if name == "model" and c.model is self.model:
+                continue  # LoRA: the student's "model" part holds both adapters (every trainable parameter)
             parts[f"critic_{name}"] = part
         return parts

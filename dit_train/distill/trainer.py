@@ -6,7 +6,8 @@
 Both reuse the plain trainer's pieces (engine/trainer.py): the step plan, the packs split over
 CP, the metadata sync (T_b within CP, B_global across DP), the token weights of loss.reduction,
 gradient sync on the last micro-batch only (SUM over DP × CP), clipping and the optimizer. The
-teacher is frozen (no gradients, sharded like the others).
+teacher is frozen (no gradients, sharded like the others). Which module computes what is
+`roles` (distill/roles.py: three modules, or one LoRA base with two adapters).
 
 The student's loss needs one statistic of each whole sample — DMD's normaliser
 mean|x̂0 − x0_real| — while CP splits a sample's tokens over ranks: a no-grad pass computes each
@@ -21,11 +22,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from dit_train.config import DistillConfig
 from dit_train.data_pipelines.packing import plan_step
 from dit_train.distill.dmd import dmd_direction, dmd_token_loss, guided, per_token, x0_from_velocity
+from dit_train.distill.roles import Roles
 from dit_train.distill.task import DistillTask, student_index
 from dit_train.engine.trainer import MicroBatch, StepResult, Trainer
 from dit_train.loss import StepCounts, sync_sequence_sums, token_weights, weighted_loss
@@ -37,8 +38,8 @@ class DistillTrainer:
     """Quacks like engine.trainer.Trainer for the worker's loop (step, skip counters, EMA,
     state), driving the student's and the critic's Trainers and the frozen teacher."""
 
-    def __init__(self, student: Trainer, critic: Trainer, teacher: nn.Module, task: DistillTask, distill: DistillConfig):
-        self.student, self.critic, self.teacher, self.task, self.cfg = student, critic, teacher, task, distill
+    def __init__(self, student: Trainer, critic: Trainer, roles: Roles, task: DistillTask, distill: DistillConfig):
+        self.student, self.critic, self.roles, self.task, self.cfg = student, critic, roles, task, distill
         self.ctx = student.ctx
         self.loss_scale = None  # fp16 is refused for distillation (distill/config.py)
 
@@ -70,22 +71,24 @@ class DistillTrainer:
 
     # -- model calls -------------------------------------------------------------------------------
 
-    def velocity(self, model: nn.Module, mb: MicroBatch, x: torch.Tensor, t: torch.Tensor,
+    def velocity(self, who: str, mb: MicroBatch, x: torch.Tensor, t: torch.Tensor,
                  null: bool = False) -> torch.Tensor:
-        """[L, D] the velocity `model` predicts at the local tokens x, per-sample noise levels t [S];
-        with the pack's captions, or the empty caption when `null`."""
+        """[L, D] the velocity `who` (student, critic, teacher) predicts at the local tokens x,
+        per-sample noise levels t [S]; with the pack's captions, or the empty caption when `null`.
+        A differentiable call's backward must run inside `roles.use(who)` too (LoRA)."""
         b = mb.batch
         kw = {}
         if self.task.text_dim:
             key = "null_context" if null else "context"
             kw = {"context": b.samples[key], "context_len": b.samples[f"{key}_len"]}
-        out = model(x, b.pos, b.seg, t, mb.attn, **kw).float()
+        with self.roles.use(who) as model:
+            out = model(x, b.pos, b.seg, t, mb.attn, **kw).float()
         return velocity_from_output(out, x, per_token(t, b.seg)[:, 0], self.task.prediction, self.task.x0_min_t)
 
     def student_x0(self, mb: MicroBatch, x_j: torch.Tensor, j: int) -> torch.Tensor:
         """x̂0 of the student's step j from x_j (differentiable when grad is enabled)."""
         sig = mb.batch.samples["sigmas"][:, j]
-        return x0_from_velocity(x_j, self.velocity(self.student.model, mb, x_j, sig), per_token(sig, mb.batch.seg))
+        return x0_from_velocity(x_j, self.velocity("student", mb, x_j, sig), per_token(sig, mb.batch.seg))
 
     @torch.no_grad()
     def simulate(self, mb: MicroBatch, start: str, j: int) -> torch.Tensor:
@@ -94,7 +97,7 @@ class DistillTrainer:
         b = mb.batch
         x, sig = b.tokens[start].float(), b.samples["sigmas"]
         for k in range(j):
-            v = self.velocity(self.student.model, mb, x, sig[:, k])
+            v = self.velocity("student", mb, x, sig[:, k])
             x = x + (per_token(sig[:, k + 1], b.seg, 0.0) - per_token(sig[:, k], b.seg, 0.0)) * v
         return x
 
@@ -145,9 +148,9 @@ class DistillTrainer:
                 t_tok = per_token(t, b.seg)
                 x_t = (1 - t_tok) * x0_hat + t_tok * b.tokens["eps"]
                 g = self.cfg.teacher_guidance
-                v_u = self.velocity(self.teacher, mb, x_t, t, null=True) if g != 1.0 and self.task.text_dim else None
-                x0_real = x0_from_velocity(x_t, guided(self.velocity(self.teacher, mb, x_t, t), v_u, g), t_tok)
-                x0_fake = x0_from_velocity(x_t, self.velocity(self.critic.model, mb, x_t, t), t_tok)
+                v_u = self.velocity("teacher", mb, x_t, t, null=True) if g != 1.0 and self.task.text_dim else None
+                x0_real = x0_from_velocity(x_t, guided(self.velocity("teacher", mb, x_t, t), v_u, g), t_tok)
+                x0_fake = x0_from_velocity(x_t, self.velocity("critic", mb, x_t, t), t_tok)
             keep = b.seg >= 0
             if bool(keep.any()):
                 row = torch.tensor([rows[int(s)] for s in b.sample_ids], device=totals.device)[b.seg[keep]]
@@ -162,7 +165,7 @@ class DistillTrainer:
             sample_rows = torch.tensor([rows[int(s)] for s in b.sample_ids], dtype=torch.long, device=totals.device)
             normaliser = totals[sample_rows] / (counts.sample_tokens[k].to(totals.device) * D)
             direction = dmd_direction(diff, per_token(normaliser.float(), b.seg))
-            with self.student.gradient_sync(k == len(micro) - 1), self.student.autocast():
+            with self.roles.use("student"), self.student.gradient_sync(k == len(micro) - 1), self.student.autocast():
                 per_tok = dmd_token_loss(self.student_x0(mb, x_j, j), direction)
                 loss = weighted_loss(per_tok, token_weights(self.student.loss_cfg.reduction, b.seg, b.loss_weight(),
                                                             counts, k))
@@ -184,7 +187,7 @@ class DistillTrainer:
             t_tok, eps = per_token(t, b.seg), b.tokens["eps_c"]
             fm = replace(b, tokens={"x": (1 - t_tok) * x0_hat + t_tok * eps, "target": eps - x0_hat},
                          samples={**b.samples, "t": t})
-            with self.critic.gradient_sync(k == len(micro) - 1), self.critic.autocast():
+            with self.roles.use("critic"), self.critic.gradient_sync(k == len(micro) - 1), self.critic.autocast():
                 per_tok = self.critic.per_token_loss(MicroBatch(fm, mb.attn), task=self.task.base)
                 loss = weighted_loss(per_tok, token_weights(self.critic.loss_cfg.reduction, b.seg, b.loss_weight(),
                                                             counts, k))

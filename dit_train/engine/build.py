@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -24,7 +24,7 @@ from dit_train.engine.ema import EMA
 from dit_train.engine.trainer import Trainer
 from dit_train.models import build_model, model_spec
 from dit_train.models.init import init_adapters, init_weights, load_full_weights
-from dit_train.models.lora import apply_lora, base_parameters, is_lora_name, lora_settings, plain_lora_name
+from dit_train.models.lora import add_frozen_adapter, apply_lora, base_parameters, is_lora_name, lora_settings, plain_lora_name
 from dit_train.optim import build_optimizer, build_scheduler
 from dit_train.parallel.mesh import ParallelContext, init_parallel
 from dit_train.parallel.parallelize import parallelize
@@ -64,18 +64,24 @@ def set_threads(threads_per_worker: int, local_world: int) -> None:
 
 
 def load_pretrained(model: nn.Module, model_cfg: Any, ctx: ParallelContext) -> None:
-    """The model's pretrained weights, read once: by rank 0, which broadcasts each tensor while
-    every rank keeps its shard (torch.distributed.checkpoint's set_model_state_dict with
-    broadcast_from_rank0, over the default process group). Host memory: one full copy on rank 0
-    (none elsewhere with a meta-device build)."""
+    """The model's pretrained weights, read once by rank 0 (`broadcast_full_weights`)."""
     spec = model_spec(model_cfg)
+    broadcast_full_weights(model, ctx, lambda: spec.pretrained(model_cfg))
+
+
+def broadcast_full_weights(model: nn.Module, ctx: ParallelContext, read: Callable[[], dict[str, torch.Tensor]]) -> None:
+    """Fill the model's base (non-adapter) parameters with full weights `read()` returns under
+    the plain model's names, read once: by rank 0, which broadcasts each tensor while every rank
+    keeps its shard (torch.distributed.checkpoint's set_model_state_dict with
+    broadcast_from_rank0, over the default process group); plain, FSDP2 or DDP-wrapped models.
+    Host memory: one full copy on rank 0 (none elsewhere with a meta-device build)."""
     if not ctx.distributed:
-        load_full_weights(model, spec.pretrained(model_cfg))
+        load_full_weights(getattr(model, "module", model), read())  # DDP: the wrapped model's names
         return
     full: dict[str, torch.Tensor] = {}
     if ctx.is_main:
-        sd = spec.pretrained(model_cfg)
-        want = base_parameters(model)  # plain names; checks missing / unexpected keys and shapes
+        sd = read()
+        want = base_parameters(getattr(model, "module", model))  # plain names; checks missing / unexpected keys
         missing, unexpected = sorted(want.keys() - sd.keys()), sorted(sd.keys() - want.keys())
         if missing or unexpected:
             raise ValueError(f"pretrained weights do not fit the model: missing {missing[:5]}, "
@@ -87,9 +93,11 @@ def load_pretrained(model: nn.Module, model_cfg: Any, ctx: ParallelContext) -> N
                                                                strict=False))
 
 
-def build_parallel_model(cfg: Config, ctx: ParallelContext) -> nn.Module:
+def build_parallel_model(cfg: Config, ctx: ParallelContext, adapters: tuple[str, ...] = ()) -> nn.Module:
     """Plain model (+ LoRA adapters) -> initialised -> parallelized. Initial weights depend only
-    on train.seed (or the pretrained folder), never on the layout.
+    on train.seed (or the pretrained folder), never on the layout. adapters: names of more LoRA
+    adapters with model.lora's settings, added frozen and inactive (`add_frozen_adapter`: DMD2's
+    critic on the student's base).
 
     Built on the meta device (no memory until sharded) with parallel.meta_init, and whenever
     pretrained weights will fill it under FSDP2 across ranks (no rank needs a random copy)."""
@@ -102,6 +110,8 @@ def build_parallel_model(cfg: Config, ctx: ParallelContext) -> nn.Module:
         model = build_model(cfg.model, backend)
         if lora is not None:
             apply_lora(model, lora, spec.name)  # before parallelize: FSDP2 shards base and adapters together
+            for name in adapters:
+                add_frozen_adapter(model, lora, spec.name, name)
     if meta:
         model = parallelize(model, spec, ctx, cfg.parallel, cfg.model, cfg.train, backend)
         model.to_empty(device="cpu" if cfg.parallel.cpu_offload else ctx.device)  # offloaded shards live on the host
@@ -116,11 +126,14 @@ def build_parallel_model(cfg: Config, ctx: ParallelContext) -> nn.Module:
     return parallelize(model, spec, ctx, cfg.parallel, cfg.model, cfg.train, backend)
 
 
-def build_run(cfg: Config, ctx: ParallelContext | None = None, *, task: Any = None, heldout: bool = False) -> Run:
+def build_run(cfg: Config, ctx: ParallelContext | None = None, *, task: Any = None, heldout: bool = False,
+              adapters: tuple[str, ...] = ()) -> Run:
     """Build a rank's run from `cfg` inside the current process group (created if needed).
 
     task: use this task instead of the configured data's (e.g. the session's caller data).
     heldout: also build the held-out task (None when the source has none).
+    adapters: frozen extra LoRA adapters of the model (`build_parallel_model`); the optimizer and
+    the EMA hold what trains when it is built.
     The Run's cfg is `cfg` with train.micro_batch_tokens=0 (auto) resolved (resolve_config).
     """
     ctx = ctx or init_parallel(cfg.parallel)
@@ -129,7 +142,7 @@ def build_run(cfg: Config, ctx: ParallelContext | None = None, *, task: Any = No
     cfg = resolve_config(cfg, task.lengths())  # auto budget: resolved before the launch, except for direct callers
     held = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed, split="heldout",
                       cond=cfg.cond) if heldout else None
-    model = build_parallel_model(cfg, ctx)
+    model = build_parallel_model(cfg, ctx, adapters)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, max(1, cfg.train.steps))
     trainer = Trainer(model, task, optimizer, scheduler, ctx, cfg.train, cfg.optim, cfg.loss, cfg.parallel, cfg.model.moe)

@@ -32,13 +32,15 @@ No parallelism here: functions take plain models, or full (unsharded) state dict
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from safetensors import safe_open
@@ -177,6 +179,47 @@ def apply_lora(model: nn.Module, settings: LoraSettings, model_kind: str, seed: 
     if seed is not None:
         init_lora_weights_from_seed(model, seed)
     return model
+
+
+def add_frozen_adapter(model: nn.Module, settings: LoraSettings, model_kind: str, name: str) -> None:
+    """A second adapter `name` (X.lora_A.<name>.weight, ...) on the layers of a model wrapped by
+    `apply_lora`, frozen (requires_grad=False) and inactive: the `ADAPTER` stays the one the
+    model runs and trains, until its owner switches (distill/roles.py: DMD2's critic on the
+    student's base). Call it before parallelize(), like apply_lora; `init_adapters` draws it
+    from the same (seed, plain name) streams as the first adapter."""
+    from peft import inject_adapter_in_model  # deferred: peft takes ~4 s to import (transformers); only LoRA runs need it
+
+    _config(model)
+    configs = dict(model.peft_config)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    with warnings.catch_warnings():  # peft's "multiple adapters in the model": what this function is for
+        warnings.filterwarnings("ignore", message=".*multiple adapters.*")
+        inject_adapter_in_model(settings.lora_config(model_kind), model, adapter_name=name)
+    model.peft_config = {**configs, **model.peft_config}  # peft's tuner kept only the new adapter's
+    for layer in _lora_layers(model).values():
+        layer.set_adapter(ADAPTER)  # peft's: the first adapter runs again
+    for n, p in model.named_parameters():  # and only the parameters that trained before train
+        p.requires_grad_(n in trainable)
+
+
+@contextlib.contextmanager
+def adapter_in_use(model: nn.Module, name: str | None) -> Iterator[None]:
+    """Run `model` (wrapped by apply_lora, plain or sharded) with adapter `name` alone, or with
+    every adapter off (None: the base); `ADAPTER` again afterwards. Sets peft's per-layer state
+    (`_active_adapter`, `_disable_adapters`) directly: peft's set_adapter / enable_adapters
+    would also flip requires_grad, and that decides what each optimizer, the EMA and FSDP2's
+    gradient reduction hold. Enter it around a forward AND its backward (activation
+    checkpointing re-runs the forward there)."""
+    layers = list(_lora_layers(model).values())
+    try:
+        for layer in layers:
+            layer._active_adapter = [name or ADAPTER]
+            layer._disable_adapters = name is None
+        yield
+    finally:
+        for layer in layers:
+            layer._active_adapter = [ADAPTER]
+            layer._disable_adapters = False
 
 
 @torch.no_grad()

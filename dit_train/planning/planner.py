@@ -301,6 +301,7 @@ def plan(cfg: Config, world: int, capacity_bytes: float, work: Workload, *, rese
     shapes = prologue_shapes(cfg, prologue_options, shape)
     shape = next(iter(shapes.values()))
     p, t = cfg.parallel, cfg.train
+    distill = DistillShare(cfg, shape) if cfg.distill.method != "none" else None
     cands, rejected = [], []
     for dims in factorizations(world):
         for mbt, ga in micro_batch_options(work, dims.dp, max_micro_tokens):
@@ -318,8 +319,8 @@ def plan(cfg: Config, world: int, capacity_bytes: float, work: Workload, *, rese
                     backend=backend, dp_mode=p.dp_mode, cp_fsdp_mode=p.cp_fsdp_mode,
                     reshard_after_forward=p.reshard_after_forward, reserve_bytes=reserve_bytes,
                     activation_offload=act_off, cpu_offload=cpu_off, ep=ep)
-                if cfg.distill.method != "none":
-                    distill_models(mem)
+                if distill is not None:
+                    distill.add(mem)
                 comm = expert_comm_bytes(shapes[pro], layout, t.precision, dp_mode=p.dp_mode,
                                          cp_fsdp_mode=p.cp_fsdp_mode, reshard_after_forward=p.reshard_after_forward)
                 cands.append(Candidate(layout, mem, capacity_bytes, expert_comm=comm))
@@ -327,13 +328,39 @@ def plan(cfg: Config, world: int, capacity_bytes: float, work: Workload, *, rese
     return cands, rejected
 
 
-def distill_models(mem: Any) -> None:
-    """A distillation run (docs/distillation.md) holds two more models sharded like the student:
-    the critic (weights, gradients and optimizer state, as the student's) and the frozen teacher
-    (weights only). Added to the device estimate in place; with cpu_offload the three models'
-    shards live on the host and only the student's are counted there."""
-    mem.extra["distill_critic"] = mem.params + mem.grads + mem.optimizer
-    mem.extra["distill_teacher"] = mem.params
+def adapter_parameters(model_cfg: Any) -> int:
+    """Parameters of one set of model.lora's adapters on the model (built on the meta device)."""
+    from dit_train.models import build_model, model_spec
+    from dit_train.models.lora import apply_lora, is_lora_name, lora_settings
+
+    with torch.device("meta"):
+        model = apply_lora(build_model(model_cfg), lora_settings(model_cfg), model_spec(model_cfg).name)
+    return sum(p.numel() for n, p in model.named_parameters() if is_lora_name(n))
+
+
+class DistillShare:
+    """What a distillation run (docs/distillation.md) holds beyond the student's run, sharded like
+    it. Full models: the critic (weights, gradients and optimizer state, as the student's) and the
+    frozen teacher (weights; in host memory with distill.teacher_offload). LoRA (model.lora): one
+    base holds all three, so the only addition is the critic's adapter with its gradients and
+    optimizer state (the student's own terms are counted as any run's: as full training).
+    Added to the estimate in place; with parallel.cpu_offload every model's shards live on the
+    host and only the student's are counted there."""
+
+    def __init__(self, cfg: Config, shape: ModelShape):
+        self.offload = cfg.distill.teacher_offload
+        self.adapter_share = adapter_parameters(cfg.model) / shape.params if cfg.model.lora.rank > 0 else None
+
+    def add(self, mem: MemoryEstimate) -> None:
+        trained = mem.params + mem.grads + mem.optimizer
+        if self.adapter_share is not None:
+            mem.extra["distill_critic"] = trained * self.adapter_share
+            return
+        mem.extra["distill_critic"] = trained
+        if self.offload:
+            mem.host += mem.params
+        else:
+            mem.extra["distill_teacher"] = mem.params
 
 
 def workload_from_data(cfg: Config) -> Workload:
