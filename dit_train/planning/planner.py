@@ -43,6 +43,8 @@ from dit_train.data_pipelines import prepare_data
 from dit_train.engine import launch  # launch.launch_local at call time: the tests route it to their worker pool
 from dit_train.engine.build import build_run
 from dit_train.engine.checks import check_config
+from dit_train.models import build_model, model_spec
+from dit_train.models.lora import apply_lora, is_lora_name, lora_settings
 from dit_train.parallel.mesh import ParallelDims
 from dit_train.perf.memory import (DTYPE_BYTES, GIB, MemoryEstimate, ModelShape, estimate_memory, fsdp_shard_degree,
                                    model_shape)
@@ -330,9 +332,6 @@ def plan(cfg: Config, world: int, capacity_bytes: float, work: Workload, *, rese
 
 def adapter_parameters(model_cfg: Any) -> int:
     """Parameters of one set of model.lora's adapters on the model (built on the meta device)."""
-    from dit_train.models import build_model, model_spec
-    from dit_train.models.lora import apply_lora, is_lora_name, lora_settings
-
     with torch.device("meta"):
         model = apply_lora(build_model(model_cfg), lora_settings(model_cfg), model_spec(model_cfg).name)
     return sum(p.numel() for n, p in model.named_parameters() if is_lora_name(n))
