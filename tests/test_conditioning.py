@@ -30,18 +30,21 @@ CASES = {
 # diffusers' Wan 2.1 I2V layout (4 mask channels, cached condition latents, CLIP tokens per clip) on
 # the tiny I2V latent cache (tests/conftest.py): 5 clips of uneven sizes, half of them conditioned
 I2V_CASE = ("first_frame-wan21_i2v", "dp_shard=2,cp_ulysses=2")
+# the same run with LoRA (rank 4, Wan's default targets): the adapters, the base frozen
+I2V_LORA_CASE = ("first_frame-wan21_i2v-lora", "dp_shard=2,cp_ulysses=2")
 # masks and control videos off a latent cache (--masks --control, tests/conftest.py): fractional
 # token weights from the cached mask sums, control latents appended, the first frame given
 CACHE_CASE = ("masks-control-first_frame-latent_cache", "dp_shard=2,cp_ring=2")
 
 
-def i2v_cfg(i2v_cache):
+def i2v_cfg(i2v_cache, lora_rank: int = 0):
     from tests.conftest import CLIP_DIM, TEXT_DIM, TINY_MODEL, Z_DIM
 
     cfg = compose_config([*TINY_MODEL, "model=wan_i2v_tiny", "model.heads=2", "model.patch_size=[1,2,2]", "data=latent_cache",
                           f"data.root={i2v_cache}", f"model.in_channels={Z_DIM}", f"model.text_dim={TEXT_DIM}",
                           f"model.image_dim={CLIP_DIM}", "cond.kind=first_frame", "cond.feed=concat", "cond.prob=0.5",
-                          "train.global_batch=4", "train.micro_batch_tokens=0", "loss.reduction=sample_mean"])
+                          "train.global_batch=4", "train.micro_batch_tokens=0", "loss.reduction=sample_mean",
+                          f"model.lora.rank={lora_rank}", f"model.lora.alpha={2 * lora_rank}"])
     cfg.optim.max_grad_norm = 0.05
     return cfg
 
@@ -93,8 +96,9 @@ def layouts(data_cache, tiny_cfg, i2v_cache, companion_cache):
     """{case: (one-process result, layout result)}, every layout in one launch of 4 workers."""
     cfgs = {name: cond_cfg(data_cache, overrides) for name, (overrides, _) in CASES.items()}
     cfgs[I2V_CASE[0]] = i2v_cfg(i2v_cache)
+    cfgs[I2V_LORA_CASE[0]] = i2v_cfg(i2v_cache, lora_rank=4)
     cfgs[CACHE_CASE[0]] = cache_companions_cfg(companion_cache)
-    specs = {name: spec for name, (_, spec) in CASES.items()} | dict([I2V_CASE, CACHE_CASE])
+    specs = {name: spec for name, (_, spec) in CASES.items()} | dict([I2V_CASE, I2V_LORA_CASE, CACHE_CASE])
     jobs = [cfgs[name] for name in specs] + [apply_layout(cfgs[name], parse_layout(spec)) for name, spec in specs.items()]
     results = train_on_workers(jobs)
     n = len(specs)
@@ -102,11 +106,16 @@ def layouts(data_cache, tiny_cfg, i2v_cache, companion_cache):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [*CASES, I2V_CASE[0], CACHE_CASE[0]])
+@pytest.mark.parametrize("case", [*CASES, I2V_CASE[0], I2V_LORA_CASE[0], CACHE_CASE[0]])
 def test_conditioned_training_matches_one_process(case, layouts):
     oracle, got = layouts[case]
     rel = relative_difference(oracle, got)
-    spec = CASES[case][1] if case in CASES else dict([I2V_CASE, CACHE_CASE])[case]
+    spec = CASES[case][1] if case in CASES else dict([I2V_CASE, I2V_LORA_CASE, CACHE_CASE])[case]
+    if case == I2V_LORA_CASE[0]:  # adapters moved (the comparison is not vacuous), the frozen base did not
+        adapters = [k for k in oracle if ".lora_" in k and not k.startswith("__")]
+        assert adapters and any(not torch.equal(oracle[k], oracle[f"__init__/{k}"]) for k in adapters)
+        assert all(torch.equal(oracle[k], oracle[f"__init__/{k}"]) for k in oracle
+                   if not k.startswith("__") and ".lora_" not in k)
     assert rel <= TOL, f"{case} on {spec}: weights differ by {rel:.2e} of the update"
     norms, ref = got["__grad_norms__"], oracle["__grad_norms__"]
     assert (norms - ref).abs().max() <= 1e-5 * ref.abs().max(), (case, norms, ref)

@@ -1,5 +1,5 @@
 """Wan 2.2 training runs on the tiny presets: layout exactness (1 process vs dp x CP, uneven
-clips) for TI2V full training and for an A14B expert's LoRA; exports that diffusers'
+clips) for TI2V full training and LoRA and for an A14B expert's LoRA; exports that diffusers'
 WanPipeline loads and samples with; the planner's clip sizes; refused resumes.
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ from tests.conftest import TINY, compose_config, train_in_process
 SMALL = ["model.patch_size=[1,2,2]", "data.widths=[32]", "data.heights=[8,12]", "data.frames=[1,3]",
          "model.text_len=8", "train.micro_batch_tokens=300"]
 TI2V = ["model=wan22_ti2v_tiny", *TINY, *SMALL, "cond.kind=first_frame", "cond.feed=timestep", "cond.prob=0.5"]
+TI2V_LORA = [*TI2V, "model.lora.rank=4", "model.lora.alpha=8"]
 LOW = ["model=wan22_a14b_tiny", "model.expert=low", *TINY, *SMALL, "model.lora.rank=4", "model.lora.alpha=8"]
 # both experts in one run; boundary 0.5 so that the 2 x 6 clips fall on both sides and some
 # rank of dp_shard=2 holds clips of one expert only in some step (checked when the test was written)
@@ -48,20 +49,23 @@ def _check_layouts(*cases):
 def test_layouts_ti2v_full_and_a14b_expert_lora(data_cache):
     """Same weights after 2 SGD steps: TI2V full training (first frame clean at timestep 0 on
     half the samples, packs split inside clips, RoPE of each token's own position) under ring
-    CP=2; the low-noise expert's LoRA (its t drawn below the boundary) under FSDP2 dp_shard=2, the
-    frozen base unmoved; both A14B experts in one run (each clip routed by its t, uneven clips,
+    CP=2, and TI2V's LoRA on the same clips and layout (TI2V's shape: 48 channels, per-token
+    timesteps); the low-noise expert's LoRA (its t drawn below the boundary) under FSDP2
+    dp_shard=2; the frozen base of each LoRA run unmoved; both A14B experts in one run (each clip routed by its t, uneven clips,
     a rank holding clips of one expert only in the first step: both experts still run on every
     rank) under FSDP2 dp_shard=2, and their LoRA under Ulysses CP=2 (one launch of 2 workers for
     all of it; dp_shard=2,cp_ulysses=2 for both experts passed too when this was written, but
     a 4-worker launch costs about a minute more on 2 cores). (Ulysses and FSDP2 with a meta build on the same model class:
     tests/test_wan.py.)"""
-    ti2v, low, both, both_lora = _check_layouts(
+    ti2v, ti2v_lora, low, both, both_lora = _check_layouts(
         (compose_config(TI2V, cache_dir=data_cache), ["cp_ring=2"]),
+        (compose_config(TI2V_LORA, cache_dir=data_cache), ["cp_ring=2"]),
         (compose_config(LOW, cache_dir=data_cache), ["dp_shard=2"]),
         (compose_config(BOTH, cache_dir=data_cache), ["dp_shard=2"]),
         (compose_config(BOTH_LORA, cache_dir=data_cache), ["cp_ulysses=2"]))
-    for ref in (low, both_lora):
-        assert [k for k in ref if ".lora_" in k and not k.startswith("__")]
+    for ref in (ti2v_lora, low, both_lora):  # adapters moved (the comparison is not vacuous), base did not
+        adapters = [k for k in ref if ".lora_" in k and not k.startswith("__")]
+        assert adapters and any(not torch.equal(ref[k], ref[f"__init__/{k}"]) for k in adapters)
         assert all(torch.equal(ref[k], ref[f"__init__/{k}"]) for k in ref if not k.startswith("__") and ".lora_" not in k)
     for ref in (both, both_lora):  # clips on both sides: each expert trained (not a vacuous comparison)
         for expert in ("transformer.", "transformer_2."):
