@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from dit_train.batch import WEIGHT_ONE
-from dit_train.config.schema import companions, cond_active, cond_channels
+from dit_train.config.schema import companions, cond_active, cond_channels, control_channels
 from dit_train.data_pipelines import SOURCES
 from dit_train.data_pipelines.companions import KEYS, token_mask_units
 from dit_train.models.wan_experts import pretrained_folder
@@ -192,6 +192,30 @@ class Conditioner:
         return clip_inputs(x0, xt, patches, self.feed, self.patch)
 
 
+def vace_context(control: torch.Tensor, inactive: torch.Tensor | None, mask_channels: int) -> torch.Tensor:
+    """[2C + k, F, H, W]: Wan VACE's context of a control video [C, F, H, W], as WanVACEPipeline
+    builds it for a control video without mask (every pixel to generate: mask 1, so the inactive
+    video video·(1 − mask) is all zero and the reactive one video·mask the control itself):
+    [inactive C | reactive C | mask k]. `inactive`: the VAE's encoding of the all-zero video on a
+    latent run (the cache's control_inactive_latents), None on pixels (zeros); k = the model's
+    vace_mask_channels (the VAE's s·s pixels of a latent pixel, 64 for Wan; 1 on pixels)."""
+    _, F, H, W = control.shape
+    inactive = torch.zeros_like(control) if inactive is None else inactive.to(control.dtype)
+    return torch.cat([inactive, control, control.new_ones(mask_channels, F, H, W)])
+
+
+def vace_data_check(dataset: Any) -> None:
+    """A latent cache (or latent shards) for Wan VACE must hold each clip's
+    control_inactive_latents (tools.cache_latents --control writes them); ValueError naming the
+    fix otherwise, before the run (the first clip's tensors are read to see)."""
+    rows = getattr(dataset, "rows", [])
+    if rows and "control_inactive_latents" not in dataset.tensors(rows[0]):
+        raise ValueError(f"Wan VACE (model.name=wan_vace) reads each clip's control_inactive_latents (an all-zero video "
+                         f"encoded: VACE's inactive video), which {getattr(dataset, 'root', 'the latent data')} was "
+                         f"cached without: cache it again with python -m dit_train.tools.cache_latents --control "
+                         f"(into a new --out)")
+
+
 def input_tokens(batch: Any) -> torch.Tensor:
     """[L, in] the model's input tokens of a pack: x, with the concat feed's channels and the
     control video's appended per token (patchify flattens channels outermost, so appending
@@ -209,7 +233,8 @@ def cond_errors(mode: str, cond: Any, model: Any, data: Any) -> list[str]:
         e.append(f"cond.prob={cond.prob} must be in [0, 1] (the share of samples conditioned)")
     if cond.prefix_frames < 0:
         e.append(f"cond.prefix_frames={cond.prefix_frames} must be >= 0 (0 = one temporal patch)")
-    derived = cond_channels(cond, getattr(model, "in_channels", 0), getattr(model, "mask_channels", 1)) if mode == "video" else 0
+    derived = (cond_channels(cond, getattr(model, "in_channels", 0), getattr(model, "mask_channels", 1), control_channels(model))
+               if mode == "video" else 0)
     if getattr(model, "cond_channels", 0) != derived:
         e.append(f"model.cond_channels={model.cond_channels} is derived from cond (cond.kind={cond.kind}, "
                  f"cond.feed={cond.feed} gives {derived}); remove the override")
