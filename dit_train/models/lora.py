@@ -61,6 +61,9 @@ METADATA_KEY = "lora_adapter_metadata"  # diffusers' LORA_ADAPTER_METADATA_KEY
 # (regex "blocks.*(to_q|to_k|to_v|to_out.0)"), available as targets=WAN_ATTENTION_TARGETS.
 DEFAULT_TARGETS: dict[str, tuple[str, ...] | str] = {
     "wan": ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"),
+    # Wan VACE: the same suffixes, which also name the VACE blocks' attention and FFN
+    # (vace_blocks.N.attn1.to_q, ...), as DiffSynth-Studio's VACE LoRA trains them
+    "wan_vace": ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"),
     "dit": ("attn.qkv", "attn.proj", "cross_attn.q", "cross_attn.kv", "cross_attn.proj", "mlp.fc1", "mlp.fc2"),
     "lm": ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"),
     # LTX-Video: the same set under its names (attn1/attn2 q/k/v/out and the feed-forward `ff`)

@@ -390,7 +390,7 @@ def read_pretrained(path: str, cfg: WanConfig) -> dict[str, torch.Tensor]:
     wrong = []
     for key, ours in want.items():
         theirs = wan.config[key]
-        if (tuple(theirs) if isinstance(theirs, list) else theirs) != ours:
+        if _plain(theirs) != _plain(ours):
             wrong.append(f"{key}={theirs} (model.{_OUR_KEY[key]} gives {ours})")
     if (wan.config.get("image_dim") is None) != (want["image_dim"] is None):
         wrong.append("an image-to-video checkpoint (CLIP image branch) needs an I2V config: model=wan_i2v_14b "
@@ -402,6 +402,11 @@ def read_pretrained(path: str, cfg: WanConfig) -> dict[str, torch.Tensor]:
         raise ValueError(f"model.pretrained={path} does not match the model config: " + "; ".join(wrong))
     state = {k: v.detach().float().contiguous() for k, v in wan.state_dict().items()}
     return widen_patch_embedding(state, extra) if widen else state
+
+
+def _plain(value: Any) -> Any:
+    """A config value as compared: lists (JSON's) as tuples."""
+    return tuple(value) if isinstance(value, list) else value
 
 
 def widen_patch_embedding(state: dict[str, torch.Tensor], extra: int) -> dict[str, torch.Tensor]:

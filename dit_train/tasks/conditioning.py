@@ -204,16 +204,22 @@ def vace_context(control: torch.Tensor, inactive: torch.Tensor | None, mask_chan
     return torch.cat([inactive, control, control.new_ones(mask_channels, F, H, W)])
 
 
-def vace_data_check(dataset: Any) -> None:
-    """A latent cache (or latent shards) for Wan VACE must hold each clip's
+def vace_data_check(dataset: Any, mask_channels: int) -> None:
+    """A latent cache (or latent shards) for Wan VACE: its VAE's s·s pixels per latent pixel must
+    be the model's `mask_channels` (WanVACEPipeline's mask layout), and it must hold each clip's
     control_inactive_latents (tools.cache_latents --control writes them); ValueError naming the
     fix otherwise, before the run (the first clip's tensors are read to see)."""
+    where = getattr(dataset, "root", "the latent data")
+    spatial = int(dataset.meta.get("scale_factor_spatial") or 0)
+    if spatial and spatial * spatial != mask_channels:
+        raise ValueError(f"model.vace_mask_channels={mask_channels}, but the VAE of {where} folds {spatial} x {spatial} "
+                         f"pixels into a latent pixel: set model.vace_mask_channels={spatial * spatial} (VACE's mask "
+                         f"channels, WanVACEPipeline.prepare_masks)")
     rows = getattr(dataset, "rows", [])
     if rows and "control_inactive_latents" not in dataset.tensors(rows[0]):
         raise ValueError(f"Wan VACE (model.name=wan_vace) reads each clip's control_inactive_latents (an all-zero video "
-                         f"encoded: VACE's inactive video), which {getattr(dataset, 'root', 'the latent data')} was "
-                         f"cached without: cache it again with python -m dit_train.tools.cache_latents --control "
-                         f"(into a new --out)")
+                         f"encoded: VACE's inactive video), which {where} was cached without: cache it again with "
+                         f"python -m dit_train.tools.cache_latents --control (into a new --out)")
 
 
 def input_tokens(batch: Any) -> torch.Tensor:
@@ -275,9 +281,11 @@ def pretrained_reads_input(model: Any, derived: int) -> bool:
     widened, or cannot be read here (model.pretrained's own check names why)."""
     try:
         config = json.loads((pretrained_folder(model.pretrained, model) / "config.json").read_text())
+        # the patch embedding's width (Wan VACE reads the control through its own context embedding)
+        want = model.diffusers_kwargs()["in_channels"] if hasattr(model, "diffusers_kwargs") else model.in_channels + derived
     except (OSError, ValueError, AttributeError):
         return False
-    return config.get("in_channels") == model.in_channels + derived
+    return config.get("in_channels") == want
 
 
 def i2v_errors(cond: Any, model: Any, data: Any) -> list[str]:

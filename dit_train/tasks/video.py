@@ -133,7 +133,7 @@ class VideoTask:
         self.control_dim = control * self.patch[0] * self.patch[1] * self.patch[2]
         self.vace_mask = getattr(model_cfg, "vace_mask_channels", 0)  # Wan VACE: the control is its context
         if self.control and self.vace_mask and getattr(dataset, "meta", None) is not None:
-            vace_data_check(dataset)
+            vace_data_check(dataset, self.vace_mask)
         self.cond_dim = concat * self.patch[0] * self.patch[1] * self.patch[2]
         # a model with joint text-video attention gets each clip's caption tokens as slots of the
         # pack (weight 0, outside T_b: tasks/joint_text.py)
