@@ -227,7 +227,7 @@ def test_a_latent_cache_that_cannot_feed_vace_is_refused_before_the_run(companio
     ([], "model.name=wan_vace reads each clip's control video as its VACE context (7 channels): set cond.control=true"),
     (["cond.control=true", "model.vace_layers=[1]"], "model.vace_layers=[1] must be distinct block indices below "
                                                      "model.depth=2, 0 among them"),
-])
+], ids=["no_control", "vace_layers_without_0"])
 def test_vace_without_a_control_video_is_refused_before_the_run(overrides, needle):
     from dit_train.config.errors import ConfigError
     from dit_train.engine.checks import check_config
@@ -235,3 +235,16 @@ def test_vace_without_a_control_video_is_refused_before_the_run(overrides, needl
 
     with pytest.raises(ConfigError, match=re.escape(needle)):
         check_config(compose_config(["model=wan_vace_tiny", *overrides]))
+
+
+def test_a_wan_folder_without_vace_blocks_is_refused(tmp_path):
+    from dataclasses import asdict, replace
+
+    from dit_train.models.wan_vace import read_vace_pretrained
+
+    vace = tiny_vace_cfg()
+    wan = model_config("wan", **{k: v for k, v in asdict(vace).items()
+                                 if k not in ("name", "vace_layers", "vace_mask_channels", "cond_channels")})
+    to_diffusers(random_model(wan).state_dict(), wan).save_pretrained(str(tmp_path / "t2v"))
+    with pytest.raises(ValueError, match="holds a WanTransformer3DModel without VACE blocks"):
+        read_vace_pretrained(replace(vace, pretrained=str(tmp_path / "t2v")))

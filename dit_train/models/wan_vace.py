@@ -25,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, List
 
+import json
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -33,7 +35,7 @@ from dit_train.config.choices import Mode
 from dit_train.models.registry import ActivationModel, ModelSpec, register_model
 from dit_train.models.wan import (_block_linears, _checks, _ffn, PackedContext, PackedRope, PackedWan, packed_attention,
                                   read_pretrained, to_diffusers, wan_config, WanConfig)
-from dit_train.models.wan_experts import JoinedBlocks
+from dit_train.models.wan_experts import JoinedBlocks, pretrained_folder
 
 
 @dataclass
@@ -121,6 +123,18 @@ class PackedWanVACE(PackedWan):
         return h
 
 
+def read_vace_pretrained(cfg: WanVACEConfig) -> dict[str, torch.Tensor]:
+    """models/wan.read_pretrained of a WanVACETransformer3DModel folder; a folder without VACE
+    blocks (a T2V Wan) is refused first, naming what to give (its VACE blocks would be untrained)."""
+    folder = pretrained_folder(cfg.pretrained, cfg)
+    config = json.loads((folder / "config.json").read_text())
+    if "vace_layers" not in config:
+        raise ValueError(f"model.pretrained={cfg.pretrained} holds a {config.get('_class_name', 'model')} without VACE "
+                         f"blocks: model.name=wan_vace starts from a WanVACETransformer3DModel folder (Wan2.1-VACE-1.3B / "
+                         f"-14B diffusers), or from model.pretrained=''")
+    return read_pretrained(cfg.pretrained, cfg)
+
+
 def vace_blocks(model: nn.Module) -> JoinedBlocks:
     """ModelSpec.blocks: the VACE blocks, then Wan's (the order the forward runs them): FSDP2
     units, activation checkpointing and compile each take both kinds."""
@@ -143,5 +157,5 @@ register_model(ModelSpec(
     io_linears=lambda m: [m.patch_embedding, m.vace_patch_embedding, m.proj_out],
     io_dim=lambda cfg: (cfg.in_channels + cfg.cond_channels) * cfg.patch_size[0] * cfg.patch_size[1] * cfg.patch_size[2],
     hidden=_ffn,
-    pretrained=lambda cfg: read_pretrained(cfg.pretrained, cfg), to_diffusers=to_diffusers,
+    pretrained=read_vace_pretrained, to_diffusers=to_diffusers,
 ))
