@@ -248,3 +248,35 @@ def test_a_wan_folder_without_vace_blocks_is_refused(tmp_path):
     to_diffusers(random_model(wan).state_dict(), wan).save_pretrained(str(tmp_path / "t2v"))
     with pytest.raises(ValueError, match="holds a WanTransformer3DModel without VACE blocks"):
         read_vace_pretrained(replace(vace, pretrained=str(tmp_path / "t2v")))
+
+
+def test_a_latent_run_trains_and_samples_with_the_control_video(companion_cache, companion_folder, tmp_path, capsys):
+    """wan_vace on the --control latent cache trains from the command's config, and tools.sample
+    --control builds the context the cache holds: the same inactive latents (the zero video
+    through the cache's VAE) and the control video's latents."""
+    from safetensors.torch import load_file
+
+    from dit_train.__main__ import run_from_config
+    from dit_train.data_pipelines.latent_cache import VaeCodec, read_cache_info
+    from dit_train.sampling.conditioned import control_from_file
+    from dit_train.tools.sample import main
+
+    cfg = vace_cache_cfg(companion_cache, ["train.steps=1", "train.global_batch=2", "train.micro_batch_tokens=0"])
+    cfg.run_dir = str(tmp_path / "run")
+    run_from_config(cfg)
+    assert main([cfg.run_dir, "--prompt", "a red circle", "--control", str(companion_folder / "c0.control.mp4"),
+                 "--frames", "9", "--height", "32", "--width", "32", "--steps", "2", "--out", str(tmp_path / "s")]) == 0
+    assert len(list((tmp_path / "s").glob("*.mp4"))) == 1
+    row = next(r for r in read_manifest(companion_cache) if r["source"].endswith("c0.mp4"))
+    cached = load_file(str(companion_cache / row["file"]))
+    codec = VaeCodec(read_cache_info(companion_cache)["vae"])
+    ours = control_from_file(str(companion_folder / "c0.control.mp4"), tuple(cached["latents"].shape), codec, 64)
+    torch.testing.assert_close(ours[:C], cached["control_inactive_latents"], rtol=0, atol=0)
+    torch.testing.assert_close(ours[C:2 * C], cached["control_latents"], rtol=1e-4, atol=1e-4)
+    assert torch.equal(ours[2 * C:], torch.ones(64, *ours.shape[1:]))
+
+
+def read_manifest(root):
+    import json
+
+    return [json.loads(line) for line in (root / "manifest.jsonl").read_text().splitlines() if line.strip()]
