@@ -29,6 +29,7 @@ No parallelism here (no torch.distributed).
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -104,6 +105,19 @@ class WanConfig(VideoModelConfig):
     def diffusers_kwargs(self) -> dict[str, Any]:
         """diffusers_model()(**kwargs) of the same shape as this config."""
         return wan_config(self)
+
+    def widens_pretrained(self) -> bool:
+        """model.pretrained's patch embedding gets this run's new input channels (cond.feed=concat or
+        cond.control on a T2V checkpoint: widen_patch_embedding); LoRA then trains it beside the
+        adapters (models/lora.py). False without pretrained weights or when its config cannot be read
+        (read_pretrained's own check names why)."""
+        if not self.pretrained:
+            return False
+        try:
+            theirs = json.loads((pretrained_folder(self.pretrained, self) / "config.json").read_text())["in_channels"]
+            return self.diffusers_kwargs()["in_channels"] > self.in_channels == theirs
+        except (OSError, ValueError, KeyError):
+            return False
 
 # Wan's time embedding was trained on scheduler timesteps t·num_train_timesteps.
 NUM_TRAIN_TIMESTEPS = 1000.0

@@ -248,7 +248,9 @@ def cond_errors(mode: str, cond: Any, model: Any, data: Any) -> list[str]:
     if mode == "video":
         e += i2v_errors(cond, model, data)
     rank = getattr(getattr(model, "lora", None), "rank", 0)
-    if rank and derived and getattr(model, "pretrained", "") and not pretrained_reads_input(model, derived):
+    # Wan trains a widened patch embedding beside the adapters (WanConfig.widens_pretrained, models/lora.py)
+    if (rank and derived and getattr(model, "pretrained", "") and not hasattr(model, "widens_pretrained")
+            and not pretrained_reads_input(model, derived)):
         e.append(f"model.lora.rank={rank} freezes the patch embedding, and the {derived} input channels cond adds to "
                  f"the pretrained one (cond.feed={cond.feed}, cond.control={str(cond.control).lower()}) start at zero: "
                  f"the model would never read them; train without LoRA (model.lora.rank=0)")
