@@ -97,7 +97,8 @@ class VideoTask:
     tokens["clean"] [L] bool (timestep feed) or tokens["cond"] [L, (C+1)·patch] (concat feed):
     see tasks/conditioning.py. With `masks` (data.masks) each clip's loss weights are multiplied
     by its mask (`sample.mask`, token means; T_b = Σ of the weights); with cond.control packs
-    carry tokens["control"] [L, 3·patch], the clip's control video, appended to the input.
+    carry tokens["control"] [L, C'·patch], the clip's control video (C' = C; Wan VACE: its context
+    [inactive C | reactive C | mask], control_input), appended to the input.
     """
 
     causal = False
