@@ -11,7 +11,8 @@ Layout of a cache folder:
                                 --masks `mask_sums` [f, h, w] int32 (the clip's mask summed per
                                 latent voxel: companions.latent_mask_sums), with --control
                                 `control_latents` [C, f, h, w] (its control video encoded like the
-                                clip), with --i2v Wan 2.1 I2V's tensors (i2v_cache.py)
+                                clip) and `control_inactive_latents` (an all-zero video of its size
+                                encoded: Wan VACE's inactive video), with --i2v Wan 2.1 I2V's tensors (i2v_cache.py)
     manifest.jsonl              {file, caption, source, latent_shape, text_len} per encoded clip,
                                 in source order (sample id = line number)
     report.json                 counts: encoded, reused, unreadable (path, why), ...
@@ -249,10 +250,19 @@ class CompanionEncoder:
     --control`, the `kinds` "mask" / "control"): `mask_sums` [f, h, w] int32, the 8-bit mask
     summed in weight units over each latent voxel's pixels (companions.latent_mask_sums: the
     training reader's token weights are then the pixel mask's patch means, exactly), and
-    `control_latents` [C, f, h, w], the control video encoded by the clip's VAE."""
+    `control_latents` [C, f, h, w], the control video encoded by the clip's VAE, with
+    `control_inactive_latents` [C, f, h, w], the encoding of an all-zero video of its size: Wan
+    VACE's "inactive" video of a control without mask (models/wan_vace.py; encoded once per size)."""
 
     def __init__(self, vae: VaeCodec, kinds: tuple[str, ...]):
         self.vae, self.kinds = vae, tuple(k for k in ("mask", "control") if k in kinds)
+        self._zero_latents: dict[tuple[int, ...], torch.Tensor] = {}
+
+    def zero_latents(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """The VAE's encoding of an all-zero (mid-grey) video [3, F, H, W] of `shape`, once per shape."""
+        if shape not in self._zero_latents:
+            self._zero_latents[shape] = self.vae.encode(torch.zeros(shape))
+        return self._zero_latents[shape]
 
     def tensors(self, sample: VideoSample) -> dict[str, torch.Tensor]:
         out = {}
@@ -261,6 +271,7 @@ class CompanionEncoder:
             out["mask_sums"] = latent_mask_sums(mask, self.vae.temporal, self.vae.spatial).to(torch.int32)
         if "control" in self.kinds:
             out["control_latents"] = self.vae.encode(sample.control)
+            out["control_inactive_latents"] = self.zero_latents(tuple(sample.control.shape))
         return out
 
 
@@ -414,6 +425,8 @@ class LatentCacheDataset:
             sample.mask = LatentMask(t["mask_sums"][crop].to(torch.int64).contiguous(), pixels)
         if "control_latents" in t:  # cond.control: the control video's latents, cropped like the clip's
             sample.control = t["control_latents"].float()[(slice(None), *crop)].contiguous()
+        if "control_inactive_latents" in t:  # Wan VACE's inactive video of a control without mask
+            sample.control_inactive = t["control_inactive_latents"].float()[(slice(None), *crop)].contiguous()
         return sample
 
     def null_text_emb(self) -> torch.Tensor:

@@ -47,6 +47,9 @@ class VideoSample:
     mask: torch.Tensor | None = None
     # cond.control: [3, F, H, W] control video in [-1, 1] aligned with `pixels`
     control: torch.Tensor | None = None
+    # latent caches written with --control: the encoding of an all-zero video of the clip's size
+    # (Wan VACE's inactive video, models/wan_vace.py); None on pixels, where it is zeros
+    control_inactive: torch.Tensor | None = None
     # Wan 2.1 I2V (latent caches written with --i2v, data_pipelines/i2v_cache.py): the VAE
     # encoding of [first frame, zeros...] [C, F, H, W], and the CLIP image tokens [Li, image_dim]
     cond_latents: torch.Tensor | None = None

@@ -35,6 +35,9 @@ I2V_LORA_CASE = ("first_frame-wan21_i2v-lora", "dp_shard=2,cp_ulysses=2")
 # masks and control videos off a latent cache (--masks --control, tests/conftest.py): fractional
 # token weights from the cached mask sums, control latents appended, the first frame given
 CACHE_CASE = ("masks-control-first_frame-latent_cache", "dp_shard=2,cp_ring=2")
+# Wan VACE on the same cache (its control latents and inactive latents as the 72-channel VACE
+# context, hints after blocks 0 and 1): the VACE blocks' attention split by CP like Wan's
+VACE_CASE = ("control-wan_vace-latent_cache", "dp_shard=2,cp_ulysses=2")
 
 
 def i2v_cfg(i2v_cache, lora_rank: int = 0):
@@ -58,6 +61,12 @@ def cache_companions_cfg(companion_cache):
                           "train.micro_batch_tokens=0", "loss.reduction=sample_mean"])
     cfg.optim.max_grad_norm = 0.05
     return cfg
+
+
+def vace_cfg(companion_cache):
+    from tests.test_wan_vace import vace_cache_cfg
+
+    return vace_cache_cfg(companion_cache, ["train.global_batch=4", "train.micro_batch_tokens=0", "model.depth=3"])
 
 
 def cond_cfg(data_cache: str, overrides: list[str], reduction: str = "sample_mean"):
@@ -98,7 +107,8 @@ def layouts(data_cache, tiny_cfg, i2v_cache, companion_cache):
     cfgs[I2V_CASE[0]] = i2v_cfg(i2v_cache)
     cfgs[I2V_LORA_CASE[0]] = i2v_cfg(i2v_cache, lora_rank=4)
     cfgs[CACHE_CASE[0]] = cache_companions_cfg(companion_cache)
-    specs = {name: spec for name, (_, spec) in CASES.items()} | dict([I2V_CASE, I2V_LORA_CASE, CACHE_CASE])
+    cfgs[VACE_CASE[0]] = vace_cfg(companion_cache)
+    specs = {name: spec for name, (_, spec) in CASES.items()} | dict([I2V_CASE, I2V_LORA_CASE, CACHE_CASE, VACE_CASE])
     jobs = [cfgs[name] for name in specs] + [apply_layout(cfgs[name], parse_layout(spec)) for name, spec in specs.items()]
     results = train_on_workers(jobs)
     n = len(specs)
@@ -106,11 +116,11 @@ def layouts(data_cache, tiny_cfg, i2v_cache, companion_cache):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [*CASES, I2V_CASE[0], I2V_LORA_CASE[0], CACHE_CASE[0]])
+@pytest.mark.parametrize("case", [*CASES, I2V_CASE[0], I2V_LORA_CASE[0], CACHE_CASE[0], VACE_CASE[0]])
 def test_conditioned_training_matches_one_process(case, layouts):
     oracle, got = layouts[case]
     rel = relative_difference(oracle, got)
-    spec = CASES[case][1] if case in CASES else dict([I2V_CASE, I2V_LORA_CASE, CACHE_CASE])[case]
+    spec = CASES[case][1] if case in CASES else dict([I2V_CASE, I2V_LORA_CASE, CACHE_CASE, VACE_CASE])[case]
     if case == I2V_LORA_CASE[0]:  # adapters moved (the comparison is not vacuous), the frozen base did not
         adapters = [k for k in oracle if ".lora_" in k and not k.startswith("__")]
         assert adapters and any(not torch.equal(oracle[k], oracle[f"__init__/{k}"]) for k in adapters)

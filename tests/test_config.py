@@ -34,6 +34,8 @@ def test_every_option_composes(group, option):
     extra = ["mode=llm"] if group == "model" and option.startswith("lm") else []
     if group == "model" and option.startswith("wan_i2v"):  # Wan 2.1 I2V: its conditioning and a latent cache
         extra = ["cond.kind=first_frame", "cond.feed=concat", "data=latent_cache", "data.root=latents/"]
+    if group == "model" and option.startswith("wan_vace"):  # Wan VACE: a control video beside each clip
+        extra = ["cond.control=true", "data=latent_cache", "data.root=latents/"]
     cfg = compose_config([*extra, f"{prefix}{group}={option}"])
     assert isinstance(cfg, Config)
     if group not in ("data",):  # data options may need a user path (data.root=???)

@@ -46,6 +46,13 @@ def family_run(family: str, request) -> tuple[list[str], str | None, list[str]]:
                  f"model.text_dim={TEXT_DIM}", f"model.image_dim={CLIP_DIM}", "cond.kind=first_frame",
                  "cond.feed=concat", "cond.prob=0.5", "train.micro_batch_tokens=0"],
                 None, ["--data-captions", "1"])
+    if family == "wan_vace":  # Wan VACE on the --control latent cache: its context from each clip's control video
+        cache = request.getfixturevalue("companion_cache")
+        return ([*(o for o in TINY_MODEL if not o.startswith(("optim", "model.heads", "model.patch_size"))), *ADAM,
+                 "model=wan_vace_tiny", "model.heads=2", "model.patch_size=[1,2,2]", "data=latent_cache",
+                 f"data.root={cache}", f"model.in_channels={Z_DIM}", f"model.text_dim={TEXT_DIM}",
+                 "model.vace_mask_channels=64", "cond.control=true", "train.micro_batch_tokens=0"],
+                None, ["--data-captions", "1"])
     return ([*TINY_ADAM, *FAMILIES[family]], request.getfixturevalue("data_cache"),
             ["--prompt", "a red square", "--frames", "4", "--height", "32", "--width", "32"])
 
@@ -55,7 +62,7 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-@pytest.mark.parametrize("family", [*FAMILIES, "wan_i2v"])
+@pytest.mark.parametrize("family", [*FAMILIES, "wan_i2v", "wan_vace"])
 def test_each_family_resumes_exactly_and_samples(family, request, tmp_path, capsys):
     from dit_train.tools import sample
 

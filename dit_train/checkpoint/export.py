@@ -17,7 +17,7 @@ from dit_train.compose import load_config
 from dit_train.models import build_model, model_spec
 from dit_train.models.registry import component_state
 from dit_train.models.init import init_adapters, initialize, load_full_weights
-from dit_train.models.lora import apply_lora, lora_settings, merged_state_dict, save_lora
+from dit_train.models.lora import apply_lora, lora_settings, merged_state_dict, plain_lora_name, save_lora
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -124,7 +124,8 @@ def checkpoint_model(path: str | Path, ema: bool = False) -> tuple[Any, nn.Modul
         initialize_run_model(model, cfg)  # the frozen base is not in the checkpoint
     if ema and "ema" not in read_checkpoint_info(path)["sharded"]:
         raise ValueError(f"checkpoint {path} holds no EMA weights (it was trained with train.ema_decay=0)")
-    sd = {k: v for k, v in model.state_dict().items() if lora is None or ".lora_" in k}
+    trained = {plain_lora_name(n) for n, p in model.named_parameters() if p.requires_grad}  # adapters (+ train_also)
+    sd = {k: v for k, v in model.state_dict().items() if lora is None or plain_lora_name(k) in trained}
     state = {"ema": {"shadow": sd}} if ema else {"model": sd}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*")

@@ -222,13 +222,21 @@ def cond_active(cond: Any) -> bool:
     return cond is not None and str(cond.kind) != "none"
 
 
-def cond_channels(cond: Any, in_channels: int, mask_channels: int = MASK_CHANNELS) -> int:
-    """Input channels added to the patch embedding: the concat feed's mask (`mask_channels`: 1,
-    or Wan 2.1 I2V's 4) plus C conditioning channels, then C channels of the control video
-    (cond.control); 0 for the timestep feed without control, and without conditioning
-    (model.cond_channels; the conditioning itself is dit_train/tasks/conditioning.py)."""
+def cond_channels(cond: Any, in_channels: int, mask_channels: int = MASK_CHANNELS, control: int | None = None) -> int:
+    """Input channels added per token: the concat feed's mask (`mask_channels`: 1, or Wan 2.1
+    I2V's 4) plus C conditioning channels, then `control` channels of the control video
+    (cond.control; default C, a VACE model's context width: control_channels); 0 for the
+    timestep feed without control, and without conditioning (model.cond_channels; the
+    conditioning itself is dit_train/tasks/conditioning.py)."""
     concat = in_channels + mask_channels if cond_active(cond) and str(cond.feed) == "concat" else 0
-    return concat + (in_channels if getattr(cond, "control", False) else 0)
+    return concat + ((in_channels if control is None else control) if getattr(cond, "control", False) else 0)
+
+
+def control_channels(model: Any) -> int:
+    """Channels the control video adds per token with cond.control: the model's C, or for Wan
+    VACE its context [inactive C | reactive C | mask] (models/wan_vace.py, `control_channels`)."""
+    width = getattr(model, "control_channels", None)
+    return width() if callable(width) else getattr(model, "in_channels", 0)
 
 
 def companions(data: Any, cond: Any) -> tuple[str, ...]:
@@ -374,4 +382,5 @@ class Config:
         # works); a value set by hand that differs is left for check_config to refuse
         if isinstance(self.model, VideoModelConfig) and self.model.cond_channels == 0:
             self.model.cond_channels = cond_channels(self.cond, self.model.in_channels,
-                                                     getattr(self.model, "mask_channels", MASK_CHANNELS))
+                                                     getattr(self.model, "mask_channels", MASK_CHANNELS),
+                                                     control_channels(self.model))

@@ -53,6 +53,9 @@ ADAPTER = "default"  # peft's adapter name: the `default` in X.lora_A.default.we
 PREFIX = "transformer"  # component prefix of diffusers' LoRA files (WanPipeline.transformer)
 WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
 METADATA_KEY = "lora_adapter_metadata"  # diffusers' LORA_ADAPTER_METADATA_KEY
+# a LoRA run's weights trained beside the adapters (LoraSettings.train_also), the transformer's own
+# keys (patch_embedding.weight, ...): load them into the base with load_state_dict(strict=False)
+TRAINED_MODULES = "trained_modules.safetensors"
 
 # Linear layers adapted by default (peft list semantics: a module matches when its name equals
 # an entry or ends with "." + entry). Wan: self- and cross-attention q/k/v/out and both FFN
@@ -61,6 +64,9 @@ METADATA_KEY = "lora_adapter_metadata"  # diffusers' LORA_ADAPTER_METADATA_KEY
 # (regex "blocks.*(to_q|to_k|to_v|to_out.0)"), available as targets=WAN_ATTENTION_TARGETS.
 DEFAULT_TARGETS: dict[str, tuple[str, ...] | str] = {
     "wan": ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"),
+    # Wan VACE: the same suffixes, which also name the VACE blocks' attention and FFN
+    # (vace_blocks.N.attn1.to_q, ...), as DiffSynth-Studio's VACE LoRA trains them
+    "wan_vace": ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"),
     "dit": ("attn.qkv", "attn.proj", "cross_attn.q", "cross_attn.kv", "cross_attn.proj", "mlp.fc1", "mlp.fc2"),
     "lm": ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"),
     # LTX-Video: the same set under its names (attn1/attn2 q/k/v/out and the feed-forward `ff`)
@@ -85,13 +91,16 @@ class LoraSettings:
     global RNG: not layout invariant, keep 0 for exactness tests); targets: peft
     `target_modules`, a list of name suffixes or one regex string matched against whole names
     (None = DEFAULT_TARGETS[model_kind]); init: "default" (A kaiming-uniform, B = 0) or
-    "gaussian" (A ~ N(0, 1/r), B = 0)."""
+    "gaussian" (A ~ N(0, 1/r), B = 0). train_also: modules (plain names) whose own weights train
+    beside the adapters, as peft's `modules_to_save` (without its copy: the module itself trains):
+    a patch embedding widened with zero-initialised channels, which a frozen base would never read."""
 
     rank: int = 16
     alpha: float | None = None
     dropout: float = 0.0
     targets: Sequence[str] | str | None = None
     init: str = "default"
+    train_also: tuple[str, ...] = ()
 
     def lora_config(self, model_kind: str):
         from peft import LoraConfig  # deferred: peft takes ~4 s to import (transformers); only LoRA runs need it
@@ -130,6 +139,11 @@ def plain_lora_name(name: str) -> str:
     `X.lora_A.default.weight` -> `X.lora_A.weight` (the key of LoRA files). Wrapper parts
     (activation checkpointing, torch.compile) are removed too; other names are unchanged."""
     return _ADAPTER_PART.sub(r".\1.", plain_name(name)).replace(".base_layer.", ".")
+
+
+def in_modules(name: str, modules: Sequence[str]) -> bool:
+    """Whether the parameter `name` (plain) belongs to one of `modules` (plain module names)."""
+    return any(name.startswith(m + ".") for m in modules)
 
 
 def trainable_names(model: nn.Module) -> list[str]:
@@ -174,8 +188,9 @@ def apply_lora(model: nn.Module, settings: LoraSettings, model_kind: str, seed: 
         raise ValueError("the model already has LoRA adapters")
     inject_adapter_in_model(settings.lora_config(model_kind), model, adapter_name=ADAPTER)
     # inject_adapter_in_model already froze everything outside the adapters; say so explicitly
+    # (settings.train_also's modules train too)
     for name, p in model.named_parameters():
-        p.requires_grad_(is_lora_name(name))
+        p.requires_grad_(is_lora_name(name) or in_modules(plain_lora_name(name), settings.train_also))
     if seed is not None:
         init_lora_weights_from_seed(model, seed)
     return model
@@ -337,7 +352,26 @@ def save_lora(model: nn.Module, out_dir: str | Path, model_kind: str = "wan",
     header = {"format": "pt", METADATA_KEY: json.dumps(lora_metadata(model, fold_scale, component), sort_keys=True)}
     save_file(lora_state_dict(model, model_kind, state_dict, fold_scale, component), str(tmp), metadata=header)
     tmp.replace(path)  # atomic: a reader never sees half a file
+    trained = trained_modules_state(model, state_dict, component)
+    if trained:  # settings.train_also's weights: not LoRA tensors, so beside the LoRA file
+        tmp = out_dir / (TRAINED_MODULES + ".tmp")
+        save_file(trained, str(tmp))
+        tmp.replace(out_dir / TRAINED_MODULES)
     return path
+
+
+def trained_modules_state(model: nn.Module, state_dict: dict[str, torch.Tensor] | None = None,
+                          component: str = "") -> dict[str, torch.Tensor]:
+    """{plain name: tensor} of the trainable parameters outside the adapters (LoraSettings.train_also:
+    a widened patch embedding), under `component` without its prefix; {} for a plain LoRA run."""
+    sd = model.state_dict() if state_dict is None else state_dict
+    names = {plain_lora_name(n) for n, p in model.named_parameters() if p.requires_grad and not is_lora_name(n)}
+    out = {}
+    for name, value in sd.items():
+        key = plain_lora_name(name)
+        if key in names and (not component or key.startswith(component + ".")):
+            out[key[len(component) + 1:] if component else key] = value.detach().cpu().contiguous()
+    return out
 
 
 @torch.no_grad()
@@ -417,4 +451,10 @@ def settings_from(rank: int, alpha: float, dropout: float, targets: Sequence[str
 def lora_settings(model_cfg: Any) -> LoraSettings | None:
     """LoraSettings of `model.lora`, or None when model.lora.rank = 0 (full training)."""
     lo = model_cfg.lora
-    return settings_from(lo.rank, lo.alpha, lo.dropout, lo.targets, lo.init) if lo.rank > 0 else None
+    if lo.rank <= 0:
+        return None
+    settings = settings_from(lo.rank, lo.alpha, lo.dropout, lo.targets, lo.init)
+    widens = getattr(model_cfg, "widens_pretrained", None)  # Wan: a T2V checkpoint given new input channels
+    if callable(widens) and widens():
+        settings.train_also = ("patch_embedding",)
+    return settings

@@ -29,6 +29,7 @@ No parallelism here (no torch.distributed).
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,6 +96,29 @@ class WanConfig(VideoModelConfig):
         """The flow time where this model's own sampling switches experts (0 = never)."""
         return sampling_boundary(self)
 
+    def diffusers_model(self) -> type:
+        """The diffusers class whose modules (and state dict) the packed model holds."""
+        from diffusers import WanTransformer3DModel  # deferred: diffusers takes ~2 s to import; only Wan models need it
+
+        return WanTransformer3DModel
+
+    def diffusers_kwargs(self) -> dict[str, Any]:
+        """diffusers_model()(**kwargs) of the same shape as this config."""
+        return wan_config(self)
+
+    def widens_pretrained(self) -> bool:
+        """model.pretrained's patch embedding gets this run's new input channels (cond.feed=concat or
+        cond.control on a T2V checkpoint: widen_patch_embedding); LoRA then trains it beside the
+        adapters (models/lora.py). False without pretrained weights or when its config cannot be read
+        (read_pretrained's own check names why)."""
+        if not self.pretrained:
+            return False
+        try:
+            theirs = json.loads((pretrained_folder(self.pretrained, self) / "config.json").read_text())["in_channels"]
+            return self.diffusers_kwargs()["in_channels"] > self.in_channels == theirs
+        except (OSError, ValueError, KeyError):
+            return False
+
 # Wan's time embedding was trained on scheduler timesteps t·num_train_timesteps.
 NUM_TRAIN_TIMESTEPS = 1000.0
 # Key of our config for each WanTransformer3DModel config key (for clear mismatch errors).
@@ -102,7 +126,8 @@ _OUR_KEY = {"patch_size": "patch_size", "num_attention_heads": "heads", "attenti
             "in_channels": "in_channels + cond_channels (cond.feed=concat)", "out_channels": "in_channels", "text_dim": "text_dim",
             "freq_dim": "freq_dim", "ffn_dim": "ffn_dim", "num_layers": "depth",
             "cross_attn_norm": "cross_attn_norm", "eps": "norm_eps", "image_dim": "image_dim",
-            "added_kv_proj_dim": "dim (with model.image_dim)", "pos_embed_seq_len": "pos_embed_seq_len"}
+            "added_kv_proj_dim": "dim (with model.image_dim)", "pos_embed_seq_len": "pos_embed_seq_len",
+            "vace_layers": "vace_layers", "vace_in_channels": "2 in_channels + vace_mask_channels (cond.control)"}
 
 
 def wan_config(cfg: WanConfig) -> dict[str, Any]:
@@ -189,7 +214,8 @@ class PackedContext:
 
 
 class PackedWanAttnProcessor:
-    """WanAttention processor for packed sequences (hidden_states [1, L, dim], batch of one).
+    """WanAttention processor for packed sequences (hidden_states [1, L, dim], batch of one; or
+    [L, 1, dim], the L tokens as batches of one, as Wan VACE's blocks get them: models/wan_vace.py).
 
     Self-attention (encoder_hidden_states None): QK-RMSNorm, RoPE, `attn.attention_fn(q, k, v,
     meta)` with [L, H, D]. Cross-attention: each token attends to its own clip's caption, and
@@ -199,7 +225,7 @@ class PackedWanAttnProcessor:
 
     def __call__(self, attn: nn.Module, hidden_states: torch.Tensor, encoder_hidden_states: PackedContext | None = None,
                  attention_mask: torch.Tensor | None = None, rotary_emb: PackedRope | None = None) -> torch.Tensor:
-        x = hidden_states[0]
+        x = hidden_states.flatten(0, 1)
         if encoder_hidden_states is None:
             q, k, v = attn.to_q(x), attn.to_k(x), attn.to_v(x)
         else:
@@ -217,7 +243,7 @@ class PackedWanAttnProcessor:
             if attn.add_k_proj is not None:
                 out = out.flatten(1).type_as(q) + self._image_attention(attn, q, encoder_hidden_states)
         out = attn.to_out[1](attn.to_out[0](out.flatten(1).type_as(q)))
-        return out[None]
+        return out.reshape(*hidden_states.shape[:-1], -1)
 
     @staticmethod
     def _image_attention(attn: nn.Module, q: torch.Tensor, ctx: PackedContext) -> torch.Tensor:
@@ -252,23 +278,21 @@ class PackedWan(nn.Module):
 
     def __init__(self, cfg: WanConfig, backend: str = "sdpa"):
         super().__init__()
-        from diffusers import WanTransformer3DModel  # deferred: diffusers takes ~2 s to import; only Wan models need it
-
-        self.diffusers_config = wan_config(cfg)
+        self.diffusers_config = cfg.diffusers_kwargs()
         self.text_len, self.pad_context = cfg.text_len, cfg.attend_padded_context
-        wan = WanTransformer3DModel(**self.diffusers_config)
-        # the same modules under the same names: our state dict is diffusers' (its RoPE table
-        # is a non-persistent buffer we do not need: frequencies are recomputed per token)
+        self.adopt(cfg.diffusers_model()(**self.diffusers_config), backend)
+
+    def adopt(self, wan: nn.Module, backend: str) -> None:
+        """Hold the diffusers model's modules under the same names: our state dict is diffusers'
+        (its RoPE table is a non-persistent buffer we do not need: frequencies are recomputed per
+        token); their attention gets the packed processor."""
         self.patch_embedding = wan.patch_embedding
         self.condition_embedder = wan.condition_embedder
         self.blocks = wan.blocks
         self.norm_out = wan.norm_out
         self.proj_out = wan.proj_out
         self.scale_shift_table = wan.scale_shift_table
-        for block in self.blocks:
-            block.attn1.set_processor(PackedWanAttnProcessor())
-            block.attn2.set_processor(PackedWanAttnProcessor())
-            block.attn1.attention_fn = LocalAttention(backend)  # swapped for CP by parallelize()
+        packed_attention(self.blocks, backend)
 
     def _context(self, context: torch.Tensor | None, context_len: torch.Tensor | None, S: int,
                  like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -312,19 +336,36 @@ class PackedWan(nn.Module):
         context, lengths = self._context(context, context_len, S, x)
         context = context.to(self.condition_embedder.text_embedder.linear_1.weight.dtype)
         temb, timestep_proj, states, image = self.condition_embedder(timestep, context, self._image(image, S))  # [R, dim], [R, 6·dim]
-        w = self.patch_embedding.weight  # inputs arrive in fp32 under FSDP2 mixed precision
-        h = F.linear(x.to(w.dtype), w.flatten(1), self.patch_embedding.bias)[None]  # [1, L, dim]
+        h = self.embed(x)  # [1, L, dim]
         temb_tok = timestep_proj.unflatten(1, (6, -1))[row][None]  # [1, L, 6, dim]
         rope = PackedRope(*wan_rope(pos, self.diffusers_config["attention_head_dim"]), meta)
-        ctx = PackedContext(states, seg, lengths, image)
-        for block in self.blocks:
-            h = block(h, ctx, temb_tok, rope)
+        h = self.run_blocks(h, x, PackedContext(states, seg, lengths, image), temb_tok, rope)
         shift, scale = (self.scale_shift_table + temb[:, None]).unbind(1)  # [R, dim] each
         h = h[0]
         h = (self.norm_out(h.float()) * (1 + scale[row]) + shift[row]).type_as(h)
         out = self.proj_out(h)  # [L, (pt, ph, pw, c)]
         C = self.diffusers_config["out_channels"]
         return out.unflatten(-1, (-1, C)).transpose(1, 2).flatten(1)
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        """[1, L, dim]: the patch embedding of the input tokens x [L, C_in·pt·ph·pw]."""
+        w = self.patch_embedding.weight  # inputs arrive in fp32 under FSDP2 mixed precision
+        return F.linear(x.to(w.dtype), w.flatten(1), self.patch_embedding.bias)[None]
+
+    def run_blocks(self, h: torch.Tensor, x: torch.Tensor, ctx: PackedContext, temb_tok: torch.Tensor,
+                   rope: PackedRope) -> torch.Tensor:
+        """The blocks over h [1, L, dim] (x: the input tokens, for models that read more of them)."""
+        for block in self.blocks:
+            h = block(h, ctx, temb_tok, rope)
+        return h
+
+
+def packed_attention(blocks: nn.ModuleList, backend: str) -> None:
+    """Give the blocks' attention the packed processor and a swappable self-attention."""
+    for block in blocks:
+        block.attn1.set_processor(PackedWanAttnProcessor())
+        block.attn2.set_processor(PackedWanAttnProcessor())
+        block.attn1.attention_fn = LocalAttention(backend)  # swapped for CP by parallelize()
 
 
 # --------------------------------------------------------------------------- diffusers folders
@@ -341,8 +382,6 @@ def read_pretrained(path: str, cfg: WanConfig) -> dict[str, torch.Tensor]:
     """fp32 CPU state dict of the diffusers folder `path` (WanTransformer3DModel), after
     checking its shape against `cfg` (error names the keys to set). model.expert=both: both
     experts' subfolders of a pipeline folder, under the prefixes transformer. / transformer_2."""
-    from diffusers import WanTransformer3DModel  # deferred: diffusers takes ~2 s to import; only Wan models need it
-
     if cfg.expert == BOTH:
         pretrained_folder(path, cfg)  # refuses a single transformer folder and another boundary
         return {f"{sub}.{k}": v for expert, sub in SUBFOLDER.items()
@@ -350,21 +389,22 @@ def read_pretrained(path: str, cfg: WanConfig) -> dict[str, torch.Tensor]:
 
     folder = pretrained_folder(path, cfg)  # a whole pipeline folder: its transformer (or an A14B expert's)
     try:
-        wan = WanTransformer3DModel.from_pretrained(str(folder), torch_dtype=torch.float32,
+        wan = cfg.diffusers_model().from_pretrained(str(folder), torch_dtype=torch.float32,
                                                     use_safetensors=not cfg.allow_pickle_weights)
     except EnvironmentError as err:
         raise ValueError(f"model.pretrained={path}: {err} (weights must be .safetensors; "
                          f"model.allow_pickle_weights=true also reads .bin from a source you trust)") from None
-    want = wan_config(cfg)
+    want = cfg.diffusers_kwargs()
     # a text-to-video checkpoint fine-tuned into concat conditioning (Wan 2.1 I2V style): its
     # patch embedding gets the new input channels, zero-initialised (widen_patch_embedding)
-    widen = cfg.cond_channels > 0 and wan.config["in_channels"] == cfg.in_channels
+    extra = want["in_channels"] - cfg.in_channels
+    widen = extra > 0 and wan.config["in_channels"] == cfg.in_channels
     if widen:
         want["in_channels"] = cfg.in_channels
     wrong = []
     for key, ours in want.items():
         theirs = wan.config[key]
-        if (tuple(theirs) if isinstance(theirs, list) else theirs) != ours:
+        if _plain(theirs) != _plain(ours):
             wrong.append(f"{key}={theirs} (model.{_OUR_KEY[key]} gives {ours})")
     if (wan.config.get("image_dim") is None) != (want["image_dim"] is None):
         wrong.append("an image-to-video checkpoint (CLIP image branch) needs an I2V config: model=wan_i2v_14b "
@@ -375,7 +415,12 @@ def read_pretrained(path: str, cfg: WanConfig) -> dict[str, torch.Tensor]:
     if wrong:
         raise ValueError(f"model.pretrained={path} does not match the model config: " + "; ".join(wrong))
     state = {k: v.detach().float().contiguous() for k, v in wan.state_dict().items()}
-    return widen_patch_embedding(state, cfg.cond_channels) if widen else state
+    return widen_patch_embedding(state, extra) if widen else state
+
+
+def _plain(value: Any) -> Any:
+    """A config value as compared: lists (JSON's) as tuples."""
+    return tuple(value) if isinstance(value, list) else value
 
 
 def widen_patch_embedding(state: dict[str, torch.Tensor], extra: int) -> dict[str, torch.Tensor]:
@@ -389,10 +434,8 @@ def widen_patch_embedding(state: dict[str, torch.Tensor], extra: int) -> dict[st
 
 
 def to_diffusers(state_dict: dict[str, torch.Tensor], cfg: WanConfig) -> Any:
-    """A diffusers WanTransformer3DModel holding `state_dict` (our keys = diffusers' keys)."""
-    from diffusers import WanTransformer3DModel  # deferred: diffusers takes ~2 s to import; only Wan models need it
-
-    wan = WanTransformer3DModel(**wan_config(cfg))
+    """A diffusers WanTransformer3DModel (cfg.diffusers_model()) holding `state_dict` (our keys = diffusers' keys)."""
+    wan = cfg.diffusers_model()(**cfg.diffusers_kwargs())
     wan.load_state_dict(state_dict, strict=True)
     return wan
 
@@ -402,7 +445,7 @@ def _checks(cfg: WanConfig) -> list[str]:
     if len(cfg.vae_stride) != 3 or min(cfg.vae_stride) < 1:
         errors.append(f"model.vae_stride={list(cfg.vae_stride)} must be 3 positive ints [t, h, w] (the VAE's compression)")
     try:
-        wan_config(cfg)
+        cfg.diffusers_kwargs()
     except ValueError as err:
         errors.append(str(err))
     return errors

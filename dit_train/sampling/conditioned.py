@@ -22,7 +22,7 @@ from dit_train.data_pipelines.video_io import is_image, probe, read_frames, to_m
 from dit_train.sampling.sampler import SampleRequest
 from dit_train.tasks import build_task
 from dit_train.config.schema import cond_active
-from dit_train.tasks.conditioning import context_patches
+from dit_train.tasks.conditioning import context_patches, vace_context
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +46,10 @@ def condition_on_clips(requests: list[SampleRequest], clips: list[torch.Tensor],
 
 
 def control_on_clips(requests: list[SampleRequest], task: Any) -> None:
-    """Give each request its dataset clip's control video (a run trained with cond.control)."""
+    """Give each request its dataset clip's control video (a run trained with cond.control; Wan
+    VACE: the context built from it, as in training: task.control_input)."""
     for r in requests:
-        r.control = task.dataset[r.noise_id].control
+        r.control = task.control_input(task.dataset[r.noise_id])
 
 
 def i2v_on_clips(requests: list[SampleRequest], task: Any) -> None:
@@ -98,12 +99,20 @@ def _read_pixels(path: str, frames: int, pt: int, need: str = "") -> torch.Tenso
         raise ValueError(str(err)) from None
 
 
-def control_from_file(path: str, shape: tuple[int, int, int, int], codec: Any = None) -> torch.Tensor:
+def control_from_file(path: str, shape: tuple[int, int, int, int], codec: Any = None,
+                      vace_mask: int = 0) -> torch.Tensor:
     """[C, F, H, W] control video for a request of `shape` from `--control`: its first F frames
     (an image: repeated), resized to cover H x W and centre-cropped, as data buckets are. On a
     latent run (`codec`: the cache's VAE, t frames per latent frame, s pixels per latent pixel)
     `shape` is the latent grid [C, f, h, w]: the first 1 + t·(f − 1) frames at (s·h, s·w) are
-    encoded, as `tools.cache_latents --control` encodes a clip's control video."""
+    encoded, as `tools.cache_latents --control` encodes a clip's control video. `vace_mask` > 0
+    (Wan VACE, model.vace_mask_channels): the VACE context [2C + k, F, H, W] built from it, the
+    inactive video the zero video encoded as the cache encodes it (tasks/conditioning.vace_context)."""
+    if vace_mask:
+        control = control_from_file(path, shape, codec)
+        inactive = None if codec is None else codec.encode(torch.zeros(3, 1 + codec.temporal * (shape[1] - 1),
+                                                                        shape[2] * codec.spatial, shape[3] * codec.spatial))
+        return vace_context(control, inactive, vace_mask)
     if codec is not None:
         C, f, h, w = shape
         pixels = control_from_file(path, (3, 1 + codec.temporal * (f - 1), h * codec.spatial, w * codec.spatial))

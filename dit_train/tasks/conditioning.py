@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from dit_train.batch import WEIGHT_ONE
-from dit_train.config.schema import companions, cond_active, cond_channels
+from dit_train.config.schema import companions, cond_active, cond_channels, control_channels
 from dit_train.data_pipelines import SOURCES
 from dit_train.data_pipelines.companions import KEYS, token_mask_units
 from dit_train.models.wan_experts import pretrained_folder
@@ -192,6 +192,36 @@ class Conditioner:
         return clip_inputs(x0, xt, patches, self.feed, self.patch)
 
 
+def vace_context(control: torch.Tensor, inactive: torch.Tensor | None, mask_channels: int) -> torch.Tensor:
+    """[2C + k, F, H, W]: Wan VACE's context of a control video [C, F, H, W], as WanVACEPipeline
+    builds it for a control video without mask (every pixel to generate: mask 1, so the inactive
+    video video·(1 − mask) is all zero and the reactive one video·mask the control itself):
+    [inactive C | reactive C | mask k]. `inactive`: the VAE's encoding of the all-zero video on a
+    latent run (the cache's control_inactive_latents), None on pixels (zeros); k = the model's
+    vace_mask_channels (the VAE's s·s pixels of a latent pixel, 64 for Wan; 1 on pixels)."""
+    _, F, H, W = control.shape
+    inactive = torch.zeros_like(control) if inactive is None else inactive.to(control.dtype)
+    return torch.cat([inactive, control, control.new_ones(mask_channels, F, H, W)])
+
+
+def vace_data_check(dataset: Any, mask_channels: int) -> None:
+    """A latent cache (or latent shards) for Wan VACE: its VAE's s·s pixels per latent pixel must
+    be the model's `mask_channels` (WanVACEPipeline's mask layout), and it must hold each clip's
+    control_inactive_latents (tools.cache_latents --control writes them); ValueError naming the
+    fix otherwise, before the run (the first clip's tensors are read to see)."""
+    where = getattr(dataset, "root", "the latent data")
+    spatial = int(dataset.meta.get("scale_factor_spatial") or 0)
+    if spatial and spatial * spatial != mask_channels:
+        raise ValueError(f"model.vace_mask_channels={mask_channels}, but the VAE of {where} folds {spatial} x {spatial} "
+                         f"pixels into a latent pixel: set model.vace_mask_channels={spatial * spatial} (VACE's mask "
+                         f"channels, WanVACEPipeline.prepare_masks)")
+    rows = getattr(dataset, "rows", [])
+    if rows and "control_inactive_latents" not in dataset.tensors(rows[0]):
+        raise ValueError(f"Wan VACE (model.name=wan_vace) reads each clip's control_inactive_latents (an all-zero video "
+                         f"encoded: VACE's inactive video), which {where} was cached without: cache it again with "
+                         f"python -m dit_train.tools.cache_latents --control (into a new --out)")
+
+
 def input_tokens(batch: Any) -> torch.Tensor:
     """[L, in] the model's input tokens of a pack: x, with the concat feed's channels and the
     control video's appended per token (patchify flattens channels outermost, so appending
@@ -209,7 +239,8 @@ def cond_errors(mode: str, cond: Any, model: Any, data: Any) -> list[str]:
         e.append(f"cond.prob={cond.prob} must be in [0, 1] (the share of samples conditioned)")
     if cond.prefix_frames < 0:
         e.append(f"cond.prefix_frames={cond.prefix_frames} must be >= 0 (0 = one temporal patch)")
-    derived = cond_channels(cond, getattr(model, "in_channels", 0), getattr(model, "mask_channels", 1)) if mode == "video" else 0
+    derived = (cond_channels(cond, getattr(model, "in_channels", 0), getattr(model, "mask_channels", 1), control_channels(model))
+               if mode == "video" else 0)
     if getattr(model, "cond_channels", 0) != derived:
         e.append(f"model.cond_channels={model.cond_channels} is derived from cond (cond.kind={cond.kind}, "
                  f"cond.feed={cond.feed} gives {derived}); remove the override")
@@ -217,7 +248,9 @@ def cond_errors(mode: str, cond: Any, model: Any, data: Any) -> list[str]:
     if mode == "video":
         e += i2v_errors(cond, model, data)
     rank = getattr(getattr(model, "lora", None), "rank", 0)
-    if rank and derived and getattr(model, "pretrained", "") and not pretrained_reads_input(model, derived):
+    # Wan trains a widened patch embedding beside the adapters (WanConfig.widens_pretrained, models/lora.py)
+    if (rank and derived and getattr(model, "pretrained", "") and not hasattr(model, "widens_pretrained")
+            and not pretrained_reads_input(model, derived)):
         e.append(f"model.lora.rank={rank} freezes the patch embedding, and the {derived} input channels cond adds to "
                  f"the pretrained one (cond.feed={cond.feed}, cond.control={str(cond.control).lower()}) start at zero: "
                  f"the model would never read them; train without LoRA (model.lora.rank=0)")
@@ -250,9 +283,11 @@ def pretrained_reads_input(model: Any, derived: int) -> bool:
     widened, or cannot be read here (model.pretrained's own check names why)."""
     try:
         config = json.loads((pretrained_folder(model.pretrained, model) / "config.json").read_text())
+        # the patch embedding's width (Wan VACE reads the control through its own context embedding)
+        want = model.diffusers_kwargs()["in_channels"] if hasattr(model, "diffusers_kwargs") else model.in_channels + derived
     except (OSError, ValueError, AttributeError):
         return False
-    return config.get("in_channels") == model.in_channels + derived
+    return config.get("in_channels") == want
 
 
 def i2v_errors(cond: Any, model: Any, data: Any) -> list[str]:

@@ -13,9 +13,9 @@ from dit_train.batch import WEIGHT_ONE, PackedBatch
 from dit_train.config import LossConfig, ModelConfig
 from dit_train.objectives.flow_matching import loss_weight, noisy_sample, per_token_mse, sample_shift, velocity_from_output
 from dit_train.tasks.captions import ByteCaptionEncoder, drop_caption, pad_contexts
-from dit_train.config.schema import cond_active, cond_channels
+from dit_train.config.schema import cond_active, cond_channels, control_channels
 from dit_train.models.registry import model_spec
-from dit_train.tasks.conditioning import Conditioner, i2v_data_errors, input_tokens, masked
+from dit_train.tasks.conditioning import Conditioner, i2v_data_errors, input_tokens, masked, vace_context, vace_data_check
 from dit_train.tasks.joint_text import join_text_tokens
 
 
@@ -97,7 +97,8 @@ class VideoTask:
     tokens["clean"] [L] bool (timestep feed) or tokens["cond"] [L, (C+1)·patch] (concat feed):
     see tasks/conditioning.py. With `masks` (data.masks) each clip's loss weights are multiplied
     by its mask (`sample.mask`, token means; T_b = Σ of the weights); with cond.control packs
-    carry tokens["control"] [L, 3·patch], the clip's control video, appended to the input.
+    carry tokens["control"] [L, C'·patch], the clip's control video (C' = C; Wan VACE: its context
+    [inactive C | reactive C | mask], control_input), appended to the input.
     """
 
     causal = False
@@ -128,7 +129,12 @@ class VideoTask:
         self.masks = masks  # loss weights times each clip's mask (data.masks)
         self.control = bool(getattr(cond, "control", False))  # the control video as more input channels
         # features per token of the concat feed's channels (mask + conditioning frames); control's follow
-        concat = cond_channels(cond, model_cfg.in_channels, self.mask_channels) - (model_cfg.in_channels if self.control else 0)
+        control = control_channels(model_cfg)  # C, or a VACE model's context width (models/wan_vace.py)
+        concat = cond_channels(cond, model_cfg.in_channels, self.mask_channels, control) - (control if self.control else 0)
+        self.control_dim = control * self.patch[0] * self.patch[1] * self.patch[2]
+        self.vace_mask = getattr(model_cfg, "vace_mask_channels", 0)  # Wan VACE: the control is its context
+        if self.control and self.vace_mask and getattr(dataset, "meta", None) is not None:
+            vace_data_check(dataset, self.vace_mask)
         self.cond_dim = concat * self.patch[0] * self.patch[1] * self.patch[2]
         # a model with joint text-video attention gets each clip's caption tokens as slots of the
         # pack (weight 0, outside T_b: tasks/joint_text.py)
@@ -141,6 +147,13 @@ class VideoTask:
         clip's, plus up to text_len caption slots for a joint-attention model (tasks/joint_text.py)."""
         lengths = self.dataset.lengths()
         return [n + self.text_len for n in lengths] if self.joint_text else lengths
+
+    def control_input(self, item: Any) -> torch.Tensor:
+        """A clip's control input [C', F, H, W]: its control video, or Wan VACE's context built
+        from it ([inactive | reactive | mask], tasks/conditioning.vace_context)."""
+        if not self.vace_mask:
+            return item.control
+        return vace_context(item.control, getattr(item, "control_inactive", None), self.vace_mask)
 
     def null_caption(self) -> torch.Tensor:
         """[Lt, text_dim] embedding of the empty caption (dropout, and the CFG negative)."""
@@ -195,7 +208,7 @@ class VideoTask:
                 weight = masked(weight, item.mask, self.patch)
             weights.append(weight)
             if self.control:
-                controls.append(item.control)
+                controls.append(self.control_input(item))
             xs.append(xt)
             targets.append(v)
             ts.append(t)
@@ -221,7 +234,7 @@ class VideoTask:
         if feed == "concat":
             fields["cond"], dims["cond"] = conds, self.cond_dim
         if self.control:
-            fields["control"], dims["control"] = controls, self.patch_dim
+            fields["control"], dims["control"] = controls, self.control_dim
         per_token = {"clean": clean} if feed == "timestep" else None
         return pack_clips(fields, self.patch, dims, samples, ids, per_token=per_token, weights=weights)
 

@@ -324,7 +324,8 @@ def read_control(args: argparse.Namespace, cfg: Any) -> Any:
     if not args.control:
         return None
     space = prompt_space(cfg)  # a latent run's control goes through the cache's VAE (space.codec)
-    return control_from_file(args.control, space.shape(args.frames, args.height, args.width), space.codec)
+    return control_from_file(args.control, space.shape(args.frames, args.height, args.width), space.codec,
+                             getattr(cfg.model, "vace_mask_channels", 0))
 
 
 def quality_line(scores: dict[str, float] | None) -> str:
