@@ -88,10 +88,11 @@ class WorkerFailed(RuntimeError):
     """A job raised on some rank (the message holds its traceback)."""
 
 
-# What every job imports: the fork server (below) imports it once, and each worker starts as a
+# What the jobs import: the fork server (below) imports it once, and each worker starts as a
 # fork of that server with it already loaded. dit_train first: it sets GOMP_SPINCOUNT before
-# torch loads libgomp.
-PRELOAD = ["dit_train", "torch", "torch.distributed", "dit_train.engine.layout_equivalence", "tests.pool"]
+# torch loads libgomp. peft (~2 CPU-s with transformers): the suite's LoRA layouts run on every
+# worker of the 2- and 4-worker pools.
+PRELOAD = ["dit_train", "torch", "torch.distributed", "dit_train.engine.layout_equivalence", "tests.pool", "peft"]
 
 
 def _context() -> Any:
