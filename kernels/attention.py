@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+from dit_train.kernels.eager import eager
 from dit_train.kernels.runs import group_neighbours, run_starts
 
 BACKENDS = ("auto", "sdpa", "sdpa_dense", "flex", "xformers", "flash")
@@ -136,7 +136,7 @@ def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.
 # compiled block breaks its graph here anyway, and with dynamic=True inductor (torch 2.13, CPU)
 # failed on the sizes it gets (LoweringException in SDPA's backward, then a NameError for an
 # unbound size symbol). Eager, the loop is one SDPA kernel per run; the rest of the block compiles.
-@torch.compiler.disable
+@eager
 def _sdpa_loop(q, k, v, meta: VarlenLayout) -> torch.Tensor:
     """One SDPA call per run of consecutive samples of equal length (a contiguous run of n
     samples of T tokens is a free [n, T, H, D] view: one batched call instead of n).
@@ -169,6 +169,9 @@ def _sdpa_dense(q, k, v, meta: VarlenLayout) -> torch.Tensor:
 
 
 def _flex(q, k, v, meta: VarlenLayout) -> torch.Tensor:
+    # deferred: it imports torch._dynamo, ~1.8 s at every process's start (kernels/eager.py)
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
     seg, pos, causal = meta.seg, meta.pos, meta.causal
 
     def mask_mod(b, h, qi, ki):
@@ -185,7 +188,7 @@ def _flex(q, k, v, meta: VarlenLayout) -> torch.Tensor:
     return o.squeeze(0).transpose(0, 1)
 
 
-@torch.compiler.disable  # sizes from .tolist(), like _sdpa_loop
+@eager  # sizes from .tolist(), like _sdpa_loop
 def _xformers(q, k, v, meta: VarlenLayout) -> torch.Tensor:
     from xformers.ops import fmha  # deferred: optional CUDA kernels
 

@@ -15,10 +15,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dit_train.kernels.eager import eager
 from dit_train.kernels.runs import group_neighbours, run_starts
 
 
-@torch.compiler.disable  # like the self-attention `sdpa` loop (kernels/attention.py): sizes from .tolist()
+@eager  # like the self-attention `sdpa` loop (kernels/attention.py): sizes from .tolist()
 def packed_cross_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_seg: torch.Tensor,
                            kv_len: torch.Tensor) -> torch.Tensor:
     """See the module docstring. Tokens of a sample are contiguous (in packs and in contiguous

@@ -1,6 +1,7 @@
 """Shared fixtures: config composition, a tiny training setup and the embedded data cache."""
 from __future__ import annotations
 
+import copy
 import os
 import sys
 from pathlib import Path
@@ -31,8 +32,17 @@ TINY = [
 TINY_MODEL = [o for o in TINY if not o.startswith("data.")]
 
 
+_COMPOSED: dict[tuple[str, ...], Config] = {}
+
+
 def compose_config(overrides: list[str] | None = None, cache_dir: str | None = None) -> Config:
-    cfg = compose(list(overrides or []))
+    """`compose(overrides)` (a copy of it: callers change their config freely). Hydra composes
+    the same overrides once per session: a compose costs ~0.2 CPU-s, and tests ask for the same
+    configs again and again (TINY, the presets, one base per file)."""
+    key = tuple(overrides or [])
+    if key not in _COMPOSED:
+        _COMPOSED[key] = compose(list(key))
+    cfg = copy.deepcopy(_COMPOSED[key])
     if cache_dir is not None:
         cfg.data.cache_dir = cache_dir
     return cfg

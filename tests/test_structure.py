@@ -50,6 +50,7 @@ DEFERRED = {
     "xformers": "optional CUDA kernels",
     "flash_attn": "optional CUDA kernels",
     "submitit": "optional (the slurm extra)",
+    "torch.nn.attention.flex_attention": "imports torch._dynamo, ~1.8 s at every start; the flex backend only",
     "webdataset": "optional (the shards extra), ~1.2 s; writing shards only (tools.make_shards, cache_latents --shards)",
 }
 
@@ -198,7 +199,7 @@ def test_imports_inside_functions_defer_heavy_dependencies_and_say_so():
                 continue
             mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
             for m in mods:
-                top = "tensorboard" if m.startswith("torch.utils.tensorboard") else m.split(".")[0]
+                top = "tensorboard" if m.startswith("torch.utils.tensorboard") else m if m in DEFERRED else m.split(".")[0]
                 if not m or top == "dit_train" or node.__dict__.get("level"):
                     continue
                 if top not in DEFERRED:

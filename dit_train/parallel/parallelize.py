@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dit_train.config import ParallelConfig, TrainConfig
+from dit_train.kernels.eager import disable_compile
 from dit_train.models.moe import moe_layers
 from dit_train.parallel.expert_parallel import apply_expert_parallel, expert_parameters, sync_expert_grads
 from dit_train.models.registry import ModelSpec
@@ -35,6 +36,7 @@ def apply_context_parallel(model: nn.Module, spec: ModelSpec, ctx: ParallelConte
 
 
 def apply_compile(blocks: nn.ModuleList) -> None:
+    disable_compile()  # the per-run attention loops stay eager (kernels/eager.py)
     for i, block in enumerate(blocks):
         blocks[i] = torch.compile(block, dynamic=True)
 
