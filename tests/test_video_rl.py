@@ -326,3 +326,42 @@ def test_raft_keeps_exactly_the_all_ok_clips_and_every_rank_draws_the_same_batch
         assert [d.caption for d in x] == [d.caption for d in y] and [d.noise_key for d in x] == [0, 1, 2]
         assert len({d.caption for d in x}) == 3 and all(torch.equal(d.pixels, e.pixels) for d, e in zip(x, y))
     assert len(a.batch(10)) == 4
+
+
+def test_raft_best_keeps_each_groups_first_best_clip_above_the_floor():
+    """--raft-select best: one clip per caption's group, its highest reward (the first on a tie),
+    and none from a group whose best is below --keep-min; a short last group counts too."""
+    from dit_train.tools.video_rl import accepted
+
+    rewards = [1.0, 6.0, 5.8, 6.0,   # best 6.0 twice: the first (1)
+               2.0, 4.9, 4.0, 3.0,   # best 4.9 < 5.0: none
+               5.0, 0.0, 0.0, 0.0,   # best exactly the floor: kept (8)
+               0.5, 7.0]             # a short group of 2: its best (13)
+    assert accepted(rewards, 5.0, group=4, select="best") == [1, 8, 13]
+    assert accepted(rewards, 5.0, group=4, select="all") == [1, 2, 3, 8, 13]
+    assert accepted(rewards, 0.0, group=2, select="best") == [1, 3, 5, 6, 8, 10, 13]
+
+
+def test_raft_waits_for_its_buffer_and_the_sft_baseline_trains_on_the_runs_clips(cfg, tmp_path):
+    """video_rl end to end on the tiny run: raft with --raft-select best keeps one clip of a group
+    of 2 (--keep-min below any reward), so --raft-min-buffer 2 takes no optimizer step (weights
+    unchanged) and --raft-min-buffer 1 takes one; --recipe sft steps on the run's own data."""
+    from safetensors.torch import load_file
+
+    from dit_train.posttrain import TrainingSession
+    from dit_train.tools.video_rl import main
+
+    run = tmp_path / "run"
+    TrainingSession(cfg).export(run)
+    start = load_file(run / "weights.safetensors")
+    common = [str(run), "--steps", "1", "--captions", "1", "--group", "2", "--sample-steps", "1", "--eval-every", "0"]
+    raft = ["--recipe", "raft", "--raft-select", "best", "--keep-min", "-1"]
+
+    def changed(out: str, *flags: str) -> bool:
+        assert main([*common, *flags, "--out", str(tmp_path / out)]) == 0
+        after = load_file(tmp_path / out / "weights.safetensors")
+        return any(not torch.equal(after[k], start[k]) for k in start)
+
+    assert not changed("wait", *raft, "--raft-min-buffer", "2")
+    assert changed("step", *raft, "--raft-min-buffer", "1")
+    assert changed("sft", "--recipe", "sft", "--updates", "1", "--raft-batch", "2")

@@ -21,6 +21,13 @@ reward, and takes one optimizer step on them:
         sft_loss(agg="sequence") on --raft-batch clips drawn from it, normalized by
         num_sequences (the mean over clips of their token means). No negative push: nothing
         is trained away from, so the model cannot collapse by avoiding failures.
+        --raft-select best keeps only each caption's best clip (if >= --keep-min);
+        --raft-min-buffer N waits for N accepted clips before the first optimizer step;
+  sft:  the baseline, not a recipe: no rollouts, no reward; --updates optimizer steps a step of
+        sft_loss(agg="sequence") on --raft-batch clips of the run's own training data.
+--rollout-guidance sets the ODE rollouts' guidance (default: train.guidance_scale, as evaluated);
+--max-cpu-s stops once the process has used that many CPU seconds (start-up included), then
+evaluates.
 The reward: the exact shapes metric, a smooth sum of its per-clip figures (palette_share +
 background_ok + color_ok + shape_ok + single_shape + motion_ok + all_ok), or --reward
 module:function taking (clips [3, F, H, W] in [-1, 1], captions) and returning one finite float
@@ -46,7 +53,7 @@ from PIL import Image
 
 from dit_train.compose import load_config
 from dit_train.config.errors import ConfigError
-from dit_train.data_pipelines import prepare_data
+from dit_train.data_pipelines import open_dataset, prepare_data
 from dit_train.data_pipelines.shapes_metric import score_clip, score_clips
 from dit_train.data_pipelines.synthetic_video import BACKGROUNDS, COLORS, SHAPES
 from dit_train.engine.launch import launch
@@ -120,9 +127,16 @@ def evaluate(session, captions: list[str], out_dir: Path, step: int) -> dict[str
     return scores
 
 
-def accepted(rewards: list[float], keep_min: float) -> list[int]:
-    """Indices of the clips whose reward reaches keep_min (raft's rejection sampling)."""
-    return [i for i, r in enumerate(rewards) if r >= keep_min]
+def accepted(rewards: list[float], keep_min: float, group: int = 1, select: str = "all") -> list[int]:
+    """Indices of the clips raft keeps (rejection sampling), in order.
+
+    select="all": every clip whose reward reaches keep_min. select="best": of each caption's
+    group (`group` consecutive clips), the first clip of the highest reward, if it reaches
+    keep_min (relative acceptance: the floor keeps a group whose clips all fail from teaching)."""
+    if select == "all":
+        return [i for i, r in enumerate(rewards) if r >= keep_min]
+    best = (max(range(g, min(g + group, len(rewards))), key=rewards.__getitem__) for g in range(0, len(rewards), group))
+    return [i for i in best if rewards[i] >= keep_min]
 
 
 class RaftBuffer:
@@ -144,6 +158,22 @@ class RaftBuffer:
         """Up to `size` distinct buffered clips; noise keys distinct within the call."""
         picks = self.rng.sample(range(len(self.clips)), min(size, len(self.clips)))
         return [VideoDatum(pixels=self.clips[j][0], caption=self.clips[j][1], noise_key=k) for k, j in enumerate(picks)]
+
+
+class DataClips:
+    """The baseline `--recipe sft`: minibatches of the run's own training clips (plain flow
+    matching on its data, what the run would have trained on next), drawn with a seeded rng
+    that is the same on every rank."""
+
+    def __init__(self, cfg, seed: int = 0):
+        ds = open_dataset(cfg.data, cfg.model)
+        self.samples = [ds[i] for i in range(len(ds))]
+        self.rng = random.Random(seed)
+
+    def batch(self, size: int) -> list[VideoDatum]:
+        picks = self.rng.sample(range(len(self.samples)), min(size, len(self.samples)))
+        return [VideoDatum(pixels=self.samples[j].pixels, caption=self.samples[j].caption, noise_key=k)
+                for k, j in enumerate(picks)]
 
 
 def step_batch(recipe: str, session, reference, rollouts, rewards: list[float], group: int, step: int, kl: float):
@@ -174,7 +204,8 @@ def step_batch(recipe: str, session, reference, rollouts, rewards: list[float], 
 
 def train(cfg, run: str, recipe: str, steps: int, out: str, reward: str, captions: int, group: int,
           eval_every: int, sample_steps: int, kl: float, max_minutes: float = 0.0, initial_eval: bool = True,
-          keep_min: float = 5.5, updates: int = 1, raft_batch: int = 8) -> None:
+          keep_min: float = 5.5, updates: int = 1, raft_batch: int = 8, select: str = "all", min_buffer: int = 1,
+          rollout_guidance: float | None = None, max_cpu_s: float = 0.0) -> None:
     session = TrainingSession(cfg)
     weights, which = run_weights(Path(run), None)
     load_full_weights(session.model, weights)
@@ -197,10 +228,11 @@ def train(cfg, run: str, recipe: str, steps: int, out: str, reward: str, caption
     def record(step: int, extra: dict) -> None:
         scores = evaluate(session, heldout, out_dir, step)
         row = {"step": step, "wall_s": round(time.time() - t0, 1), "cpu_s_rank0": round(time.process_time() - cpu0, 1),
+               "cpu_s_process": round(time.process_time(), 1),
                **{k: round(v, 4) for k, v in scores.items()}, **extra}
         say(f"step {step}: held-out all_ok={scores['all_ok']:.3f} color_ok={scores['color_ok']:.3f} "
             f"shape_ok={scores['shape_ok']:.3f} motion_ok={scores.get('motion_ok', float('nan')):.3f} "
-            f"background_ok={scores['background_ok']:.3f} ({row['wall_s']} s)")
+            f"background_ok={scores['background_ok']:.3f} ({row['wall_s']} s, {row['cpu_s_process']} CPU s)")
         if main:
             with log.open("a") as f:
                 f.write(json.dumps(row) + "\n")
@@ -209,22 +241,30 @@ def train(cfg, run: str, recipe: str, steps: int, out: str, reward: str, caption
         record(0, {})
     sde = recipe == "grpo"
     buffer = RaftBuffer()
+    data = DataClips(session.cfg) if recipe == "sft" else None
     for step in range(steps):
-        caps = [c for c in rng.sample(pool, captions) for _ in range(group)]
-        ids = [step * 10 ** 4 + i for i in range(len(caps))]
-        rollouts = session.sample_videos(caps, SIZE, noise_ids=ids, steps=sample_steps, sde=sde,
-                                         guidance_scale=1.0 if sde else None)
-        rewards = checked_rewards(fn, name, [r.clip.clamp(-1, 1) for r in rollouts], caps)
         stats, n = {}, 0
+        if recipe == "sft":  # the baseline: no rollouts, the run's own clips
+            for _ in range(updates):
+                batch = data.batch(raft_batch)
+                session.forward_backward(batch, sft_loss(agg="sequence"))
+                stats, n = session.optim_step("num_sequences"), n + len(batch)
+            rewards, extra_raft = [0.0], {}
+        else:
+            caps = [c for c in rng.sample(pool, captions) for _ in range(group)]
+            ids = [step * 10 ** 4 + i for i in range(len(caps))]
+            rollouts = session.sample_videos(caps, SIZE, noise_ids=ids, steps=sample_steps, sde=sde,
+                                             guidance_scale=1.0 if sde else rollout_guidance)
+            rewards = checked_rewards(fn, name, [r.clip.clamp(-1, 1) for r in rollouts], caps)
         if recipe == "raft":
-            keep = accepted(rewards, keep_min)
+            keep = accepted(rewards, keep_min, group, select)
             buffer.add(rollouts, keep)
-            for _ in range(updates if buffer.clips else 0):
+            for _ in range(updates if len(buffer.clips) >= min_buffer else 0):
                 batch = buffer.batch(raft_batch)
                 session.forward_backward(batch, sft_loss(agg="sequence"))
                 stats, n = session.optim_step("num_sequences"), n + len(batch)
             extra_raft = {"accepted": len(keep), "buffer": buffer.added}
-        else:
+        elif recipe != "sft":
             batch, loss, norm = step_batch(recipe, session, reference, rollouts, rewards, group, step, kl)
             if batch:
                 session.forward_backward(batch, loss)
@@ -232,16 +272,17 @@ def train(cfg, run: str, recipe: str, steps: int, out: str, reward: str, caption
             n, extra_raft = len(batch), {}
         extra = {"reward": round(sum(rewards) / len(rewards), 4), "datums": n,
                  "grad_norm": round(stats.get("grad_norm", 0.0), 4), **extra_raft}
-        say(f"step {step + 1}/{steps}: reward {extra['reward']:.3f}, {n} datums, "
+        say(f"step {step + 1}/{steps}: reward {extra['reward']:.3f}, {n} datums, {time.process_time():.0f} CPU s, "
             f"loss {stats.get('loss', 0.0):.4f}, grad_norm {extra['grad_norm']:.3f}"
             + (f", accepted {extra_raft['accepted']} (buffer {extra_raft['buffer']})" if extra_raft else ""))
         # every rank decides on rank 0's clock (the same decision everywhere: the loop holds collectives)
-        late = broadcast_from_rank0(bool(max_minutes) and time.time() - t0 > 60 * max_minutes, session.ctx.world_group,
+        late = broadcast_from_rank0((bool(max_minutes) and time.time() - t0 > 60 * max_minutes)
+                                    or (bool(max_cpu_s) and time.process_time() > max_cpu_s), session.ctx.world_group,
                                     main)
         if eval_every and ((step + 1) % eval_every == 0 or step + 1 == steps or late):
             record(step + 1, extra)
         if late:
-            say(f"stopping after step {step + 1}: --max-minutes {max_minutes} reached")
+            say(f"stopping after step {step + 1}: --max-minutes {max_minutes} / --max-cpu-s {max_cpu_s} reached")
             break
     session.export(out_dir)
     say(f"wrote {out_dir / 'weights.safetensors'}")
@@ -250,7 +291,8 @@ def train(cfg, run: str, recipe: str, steps: int, out: str, reward: str, caption
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("run", help="a trained run's folder (config.yaml + weights)")
-    ap.add_argument("--recipe", choices=("nft", "grpo", "dpo", "raft"), default="nft")
+    ap.add_argument("--recipe", choices=("nft", "grpo", "dpo", "raft", "sft"), default="nft",
+                    help="sft: the baseline, plain flow matching on the run's own clips (no reward)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", required=True, help="write weights.safetensors, heldout.jsonl and grids here")
     ap.add_argument("--reward", default="", help="module:function (clips, captions) -> floats; default: the shapes metric")
@@ -264,7 +306,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep-min", type=float, default=5.5,
                     help="raft: keep clips with a reward >= this (5.5: the all_ok clips under the shapes reward)")
     ap.add_argument("--updates", type=int, default=1, help="raft: optimizer steps a step, on clips drawn from the buffer")
-    ap.add_argument("--raft-batch", type=int, default=8, help="raft: clips a optimizer step")
+    ap.add_argument("--raft-batch", type=int, default=8, help="raft / sft: clips an optimizer step")
+    ap.add_argument("--raft-select", choices=("all", "best"), default="all",
+                    help="raft: keep every clip >= --keep-min (all), or each caption's best clip if >= --keep-min (best)")
+    ap.add_argument("--raft-min-buffer", type=int, default=1,
+                    help="raft: no optimizer step until the buffer holds this many accepted clips")
+    ap.add_argument("--rollout-guidance", type=float, default=None,
+                    help="nft / dpo / raft: the rollouts' guidance scale (default train.guidance_scale, as evaluated)")
+    ap.add_argument("--max-cpu-s", type=float, default=0.0,
+                    help="stop stepping once this process has used this many CPU seconds, start-up included (0 = never)")
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. parallel.dp_shard=2 optim.lr=1e-4")
     args = ap.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -272,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         if not (run / "config.yaml").is_file():
             raise ConfigError(f"{run}: no config.yaml there (expected a training run's folder)")
         for flag, value in (("--steps", args.steps), ("--captions", args.captions), ("--sample-steps", args.sample_steps),
-                            ("--updates", args.updates), ("--raft-batch", args.raft_batch)):
+                            ("--updates", args.updates), ("--raft-batch", args.raft_batch),
+                            ("--raft-min-buffer", args.raft_min_buffer)):
             if value < 1:
                 raise ConfigError(f"{flag}={value} must be >= 1")
         if args.group < 2:
@@ -289,7 +340,9 @@ def main(argv: list[str] | None = None) -> int:
                                       reward=args.reward, captions=args.captions, group=args.group,
                                       eval_every=args.eval_every, sample_steps=args.sample_steps, kl=args.kl,
                                       max_minutes=args.max_minutes, initial_eval=not args.skip_initial_eval,
-                                      keep_min=args.keep_min, updates=args.updates, raft_batch=args.raft_batch))
+                                      keep_min=args.keep_min, updates=args.updates, raft_batch=args.raft_batch,
+                                      select=args.raft_select, min_buffer=args.raft_min_buffer,
+                                      rollout_guidance=args.rollout_guidance, max_cpu_s=args.max_cpu_s))
     except (ConfigError, ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
