@@ -109,6 +109,12 @@ class VaeCodec:
         return (self.latent_channels, 1 + (self.usable_frames(frames) - 1) // self.temporal,
                 height // self.spatial, width // self.spatial)
 
+    def pixel_shape(self, latent_shape: tuple[int, ...]) -> tuple[int, int, int, int]:
+        """[3, F, H, W] of the pixels whose latents have `latent_shape` [C, f, h, w]: F = 1 + t·(f − 1)
+        (the inverse of latent_shape on usable frames)."""
+        _, f, h, w = latent_shape
+        return (3, 1 + self.temporal * (f - 1), h * self.spatial, w * self.spatial)
+
     @torch.no_grad()
     def encode(self, pixels: torch.Tensor) -> torch.Tensor:
         """[3, F, H, W] in [-1, 1] (H, W multiples of s) -> normalized latents [C, f, h, w] float32

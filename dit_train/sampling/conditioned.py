@@ -110,13 +110,10 @@ def control_from_file(path: str, shape: tuple[int, int, int, int], codec: Any = 
     inactive video the zero video encoded as the cache encodes it (tasks/conditioning.vace_context)."""
     if vace_mask:
         control = control_from_file(path, shape, codec)
-        inactive = None if codec is None else codec.encode(torch.zeros(3, 1 + codec.temporal * (shape[1] - 1),
-                                                                        shape[2] * codec.spatial, shape[3] * codec.spatial))
+        inactive = None if codec is None else codec.encode(torch.zeros(codec.pixel_shape(shape)))
         return vace_context(control, inactive, vace_mask)
     if codec is not None:
-        C, f, h, w = shape
-        pixels = control_from_file(path, (3, 1 + codec.temporal * (f - 1), h * codec.spatial, w * codec.spatial))
-        return codec.encode(pixels)
+        return codec.encode(control_from_file(path, codec.pixel_shape(shape)))
     C, F, H, W = shape
     if C != 3:
         raise ValueError("--control needs a pixel-space run (data=synthetic_video or video_folder)")
@@ -226,7 +223,7 @@ def i2v_from_files(cond: Any, shape: tuple[int, int, int, int], codec: Any, meta
         raise ValueError(f"--frames gives {f} latent frame(s): nothing would be left to generate after the given ones")
     H, W = h * codec.spatial, w * codec.spatial
     images = [resize_crop(_read_pixels(p, 1, 1), H, W, resize=True)[:, 0] for p in (image, last_image) if p]
-    clip = torch.zeros(3, 1 + codec.temporal * (f - 1), H, W)
+    clip = torch.zeros(codec.pixel_shape(shape))
     clip[:, 0] = images[0]
     if last_image:
         clip[:, -1] = images[1]
