@@ -283,11 +283,9 @@ def pretrained_reads_input(model: Any, derived: int) -> bool:
     widened, or cannot be read here (model.pretrained's own check names why)."""
     try:
         config = json.loads((pretrained_folder(model.pretrained, model) / "config.json").read_text())
-        # the patch embedding's width (Wan VACE reads the control through its own context embedding)
-        want = model.diffusers_kwargs()["in_channels"] if hasattr(model, "diffusers_kwargs") else model.in_channels + derived
     except (OSError, ValueError, AttributeError):
         return False
-    return config.get("in_channels") == want
+    return config.get("in_channels") == model.in_channels + derived
 
 
 def i2v_errors(cond: Any, model: Any, data: Any) -> list[str]:
