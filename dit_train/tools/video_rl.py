@@ -160,20 +160,25 @@ class RaftBuffer:
         return [VideoDatum(pixels=self.clips[j][0], caption=self.clips[j][1], noise_key=k) for k, j in enumerate(picks)]
 
 
-class DataClips:
-    """The baseline `--recipe sft`: minibatches of the run's own training clips (plain flow
-    matching on its data, what the run would have trained on next), drawn with a seeded rng
-    that is the same on every rank."""
+def data_clips(cfg, seed: int = 0) -> RaftBuffer:
+    """The baseline `--recipe sft`'s clips: a buffer holding the run's own training clips (plain
+    flow matching on its data, what the run would have trained on next), drawn as raft draws
+    from its accepted clips (the same seeded rng on every rank)."""
+    ds = open_dataset(cfg.data, cfg.model)
+    clips = RaftBuffer(capacity=len(ds), seed=seed)
+    clips.clips = [(s.pixels, s.caption) for s in (ds[i] for i in range(len(ds)))]
+    return clips
 
-    def __init__(self, cfg, seed: int = 0):
-        ds = open_dataset(cfg.data, cfg.model)
-        self.samples = [ds[i] for i in range(len(ds))]
-        self.rng = random.Random(seed)
 
-    def batch(self, size: int) -> list[VideoDatum]:
-        picks = self.rng.sample(range(len(self.samples)), min(size, len(self.samples)))
-        return [VideoDatum(pixels=self.samples[j].pixels, caption=self.samples[j].caption, noise_key=k)
-                for k, j in enumerate(picks)]
+def sft_updates(session, clips: RaftBuffer, updates: int, size: int) -> tuple[dict, int]:
+    """`updates` optimizer steps of sft_loss(agg="sequence") on `size` clips drawn from `clips`
+    each, normalized by num_sequences: (the last step's stats, datums trained)."""
+    stats, n = {}, 0
+    for _ in range(updates):
+        batch = clips.batch(size)
+        session.forward_backward(batch, sft_loss(agg="sequence"))
+        stats, n = session.optim_step("num_sequences"), n + len(batch)
+    return stats, n
 
 
 def step_batch(recipe: str, session, reference, rollouts, rewards: list[float], group: int, step: int, kl: float):
@@ -241,14 +246,11 @@ def train(cfg, run: str, recipe: str, steps: int, out: str, reward: str, caption
         record(0, {})
     sde = recipe == "grpo"
     buffer = RaftBuffer()
-    data = DataClips(session.cfg) if recipe == "sft" else None
+    data = data_clips(session.cfg) if recipe == "sft" else None
     for step in range(steps):
         stats, n = {}, 0
         if recipe == "sft":  # the baseline: no rollouts, the run's own clips
-            for _ in range(updates):
-                batch = data.batch(raft_batch)
-                session.forward_backward(batch, sft_loss(agg="sequence"))
-                stats, n = session.optim_step("num_sequences"), n + len(batch)
+            stats, n = sft_updates(session, data, updates, raft_batch)
             rewards, extra_raft = [0.0], {}
         else:
             caps = [c for c in rng.sample(pool, captions) for _ in range(group)]
@@ -259,10 +261,7 @@ def train(cfg, run: str, recipe: str, steps: int, out: str, reward: str, caption
         if recipe == "raft":
             keep = accepted(rewards, keep_min, group, select)
             buffer.add(rollouts, keep)
-            for _ in range(updates if len(buffer.clips) >= min_buffer else 0):
-                batch = buffer.batch(raft_batch)
-                session.forward_backward(batch, sft_loss(agg="sequence"))
-                stats, n = session.optim_step("num_sequences"), n + len(batch)
+            stats, n = sft_updates(session, buffer, updates if len(buffer.clips) >= min_buffer else 0, raft_batch)
             extra_raft = {"accepted": len(keep), "buffer": buffer.added}
         elif recipe != "sft":
             batch, loss, norm = step_batch(recipe, session, reference, rollouts, rewards, group, step, kl)
