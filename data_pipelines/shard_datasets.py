@@ -89,12 +89,24 @@ class ShardClipDataset(VideoClipDataset):
 
     def __init__(self, entries: list[ShardEntry], reader: ShardReader, **kw):
         self.reader = reader
+        self._last: tuple[tuple[str, int], bytes] | None = None  # (shard, offset), the sample's bytes
         super().__init__(entries, **kw)
+
+    def _sample_bytes(self, loc: Location, fresh: bool = False) -> bytes:
+        """sample_bytes, read once for a clip and its mask / control members: they are members of
+        the same sample, read right after the clip (on object storage each read is a range GET).
+        fresh: read again (a clip's own read always is; its companions reuse those bytes)."""
+        last = self._last
+        if not fresh and last is not None and last[0] == (loc.shard, loc.offset):
+            return last[1]
+        data = sample_bytes(self.reader, loc)
+        self._last = ((loc.shard, loc.offset), data)
+        return data
 
     def read(self, e: ClipEntry, indices: list[int]) -> torch.Tensor:
         loc = e.loc  # type: ignore[attr-defined]
         ext = os.path.splitext(e.path)[1].lower()
-        media = member(sample_bytes(self.reader, loc), loc, ext.lstrip(".") or "bin")
+        media = member(self._sample_bytes(loc, fresh=True), loc, ext.lstrip(".") or "bin")
         try:
             with member_file(media, ext) as tmp:
                 return read_frames(tmp, indices, e.info)
@@ -106,7 +118,7 @@ class ShardClipDataset(VideoClipDataset):
         if not name or e.companions.problem:  # the folder's reasons (missing, a bad manifest row)
             return super()._companion_frames(e, kind, indices)
         loc = e.loc  # type: ignore[attr-defined]
-        media = member(sample_bytes(self.reader, loc), loc, name)
+        media = member(self._sample_bytes(loc), loc, name)
         try:
             with member_file(media, os.path.splitext(name)[1]) as tmp:
                 return super()._companion_frames(dataclasses.replace(e, companions=dataclasses.replace(

@@ -135,7 +135,11 @@ def test_pixel_shards_carry_masks_boxes_and_control_videos(companion_folder, tmp
                 "data.masks=true", "cond.control=true"]
         want = task_of(compose_config([*base, "data=video_folder", f"data.root={root}"], cache_dir=str(tmp_path / "c")))
         got = task_of(compose_config([*base, "data=shards", f"data.url={out}"], cache_dir=str(tmp_path / "c")))
+        reader, reads = got.dataset.reader, []
+        read = reader.read
+        reader.read = lambda *a: reads.append(a) or read(*a)
         a, b = want.build([0, 1, 2, 3], 0), got.build([0, 1, 2, 3], 0)
+        assert len(reads) == 4, name  # one range read a sample: its clip, mask and control are members of it
         assert torch.equal(a.weight_units(), b.weight_units()) and torch.equal(a.tokens["control"], b.tokens["control"])
         units = b.weight_units()
         assert ((units > 0) & (units < WEIGHT_ONE)).any(), name  # fractional: the soft masks, the 0.5 box
