@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +51,7 @@ class VarlenLayout:
     cu_seqlens: [S+1] int32 boundaries when every segment is contiguous and in order (the
         usual packed layout); None when tokens are permuted (then only dense/math paths apply).
     max_seqlen: longest segment.
+    cache: per-pack derived structures of the backends (flex's block mask).
     """
 
     seg: torch.Tensor
@@ -58,6 +59,9 @@ class VarlenLayout:
     causal: bool
     cu_seqlens: torch.Tensor | None
     max_seqlen: int
+    # what a backend derives from the layout once per pack and reuses in every layer (flex's
+    # block mask); not part of the layout's value
+    cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     @staticmethod
     def build(seg: torch.Tensor, pos: torch.Tensor, causal: bool) -> "VarlenLayout":
@@ -168,21 +172,40 @@ def _sdpa_dense(q, k, v, meta: VarlenLayout) -> torch.Tensor:
     return o.squeeze(0).transpose(0, 1)
 
 
-def _flex(q, k, v, meta: VarlenLayout) -> torch.Tensor:
+@functools.lru_cache(maxsize=None)
+def _flex_kernel(cuda: bool):
+    """flex_attention, compiled on CUDA: called eagerly it runs an unfused reference that
+    materialises every [L, L] score (memory and time of the dense mask path); compiled it is one
+    fused kernel that skips the blocks the mask leaves empty. On the CPU it stays eager (the
+    suite's small packs; compiling costs seconds per new length)."""
     # deferred: it imports torch._dynamo, ~1.8 s at every process's start (kernels/eager.py)
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
-    seg, pos, causal = meta.seg, meta.pos, meta.causal
+    return torch.compile(flex_attention) if cuda else flex_attention
 
-    def mask_mod(b, h, qi, ki):
-        m = seg[qi] == seg[ki]
-        if causal:
-            m = m & (pos[ki] <= pos[qi])
-        return m
 
-    L = q.shape[0]
-    bm = create_block_mask(mask_mod, None, None, L, L, device=q.device)
-    o = flex_attention(
+def _flex_block_mask(meta: VarlenLayout, length: int, device: torch.device):
+    """The pack's block mask, built once per layout and device: every layer of a step attends
+    over the same pack, so building it per call would repeat an O(L²/block²) pass per layer."""
+    from torch.nn.attention.flex_attention import create_block_mask  # deferred: imports torch._dynamo (~1.8 s)
+
+    key = ("flex_block_mask", length, str(device))
+    if key not in meta.cache:
+        seg, pos, causal = meta.seg.to(device), meta.pos.to(device), meta.causal
+
+        def mask_mod(b, h, qi, ki):
+            m = seg[qi] == seg[ki]
+            if causal:
+                m = m & (pos[ki] <= pos[qi])
+            return m
+
+        meta.cache[key] = create_block_mask(mask_mod, None, None, length, length, device=device)
+    return meta.cache[key]
+
+
+def _flex(q, k, v, meta: VarlenLayout) -> torch.Tensor:
+    bm = _flex_block_mask(meta, q.shape[0], q.device)
+    o = _flex_kernel(q.is_cuda)(
         q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), block_mask=bm
     )
     return o.squeeze(0).transpose(0, 1)

@@ -139,3 +139,20 @@ def test_init_depends_only_on_seed_and_names():
     zero = [n for n, p in a.named_parameters() if "adaLN_modulation" in n or n.startswith("final.linear")]
     params = dict(a.named_parameters())
     assert zero and all(float(params[n].detach().abs().max()) == 0 for n in zero)
+
+
+def test_flex_builds_one_block_mask_per_pack(monkeypatch):
+    """Every layer of a step attends over the same pack: flex's block mask is built once per
+    layout (VarlenLayout.cache), not once per attention call; the result stays the dense one's."""
+    import torch.nn.attention.flex_attention as fa
+
+    built = []
+    real = fa.create_block_mask
+    monkeypatch.setattr(fa, "create_block_mask", lambda *a, **k: built.append(1) or real(*a, **k))
+    seg = torch.tensor([0] * 5 + [1] * 11 + [2] * 3)
+    meta = VarlenLayout.build(seg, torch.cat([torch.arange(5), torch.arange(11), torch.arange(3)]), causal=False)
+    q, k, v = (torch.randn(19, 2, 8) for _ in range(3))
+    outs = [varlen_attention(q, k, v, meta, "flex") for _ in range(3)]
+    assert len(built) == 1
+    for o in outs:
+        torch.testing.assert_close(o, varlen_attention(q, k, v, meta, "sdpa_dense"))
