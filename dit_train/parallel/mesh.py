@@ -115,12 +115,14 @@ def init_parallel(cfg: ParallelConfig) -> ParallelContext:
     """Initialise the process group (if the layout needs more than one process) and the mesh.
 
     Reads the rank from the launcher's standard variables (RANK, LOCAL_RANK, WORLD_SIZE,
-    MASTER_ADDR/PORT) set by our local launcher, torchrun or the SLURM adapter.
+    MASTER_ADDR/PORT) set by our local launcher, torchrun or the SLURM adapter. One process
+    runs a plain model unless its caller already started a process group of one: then it
+    gets the mesh too, so FSDP2 wraps the model (the GPU check runs FSDP2 on NCCL that way).
     """
     dims = ParallelDims.from_config(cfg)
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = resolve_device(cfg, local_rank)
-    if dims.world == 1:
+    if dims.world == 1 and not (dist.is_initialized() and dist.get_world_size() == 1):
         return ParallelContext(dims=dims, device=device)
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -372,9 +372,9 @@ def workload_from_data(cfg: Config) -> Workload:
 # --------------------------------------------------------------------------- smoke runs
 
 
-def _smoke_worker(cfg: Config, steps: int) -> dict[str, Any]:
+def _smoke_worker(cfg: Config, steps: int, task: Any = None) -> dict[str, Any]:
     """Run `steps` optimizer steps of `cfg`'s layout on this rank; times and peak memory."""
-    run = build_run(cfg)
+    run = build_run(cfg, task=task)
     cuda = run.ctx.device.type == "cuda"
     times, tokens = [], []
     for step in range(steps):
@@ -394,20 +394,22 @@ def _smoke_worker(cfg: Config, steps: int) -> dict[str, Any]:
     return out
 
 
-def smoke(cfg: Config, candidates: list[Candidate], steps: int = 4) -> None:
+def smoke(cfg: Config, candidates: list[Candidate], steps: int = 4, task: Any = None) -> None:
     """Run `steps` steps of each candidate's layout (started like training: local workers, gloo
-    on CPU) and store the steady-state median step time in `candidate.smoke`."""
+    on CPU) and store the steady-state median step time in `candidate.smoke`.
+    task: train on this task instead of the configured data's (the GPU check's random latents)."""
     if steps < 2:
         raise ValueError("--smoke-steps must be >= 2 (step 0 is warm-up and not timed)")
-    prepare_data(cfg.data, cfg.model)
+    if task is None:
+        prepare_data(cfg.data, cfg.model)
     for cand in candidates:
         c = apply_layout(cfg, cand.layout)
         c.train.steps, c.train.progress, c.train.save_weights = steps, False, False
         check_config(c, cand.layout.world)
         if cand.layout.world == 1:
-            res = {0: _smoke_worker(c, steps)}
+            res = {0: _smoke_worker(c, steps, task)}
         else:
-            res = launch.launch_local(_smoke_worker, (c, steps), cand.layout.world, c.launcher)
+            res = launch.launch_local(_smoke_worker, (c, steps, task), cand.layout.world, c.launcher)
         # a step ends when the slowest rank ends: take the max over ranks, then the median over steps
         per_step = [max(r["step_times_s"][i] for r in res.values()) for i in range(steps)]
         steady = per_step[1:]

@@ -1,7 +1,7 @@
 """MFU of the packed DiT on one GPU, and activation memory per rank vs context-parallel degree.
 
     # one GPU (H100): ~1.5B DiT, bf16 autocast, 8k and 32k tokens, AC off/on, compile off/on
-    python -m dit_train.tools.bench_mfu --model dit_1b --tokens 8192,32768 --ac off,on --compile off,on --backend flash,xformers,sdpa
+    python -m dit_train.tools.bench_mfu --model dit_1b --tokens 8192,32768 --ac none,selective,full --compile off,on --backend flash,xformers,sdpa
     # CP activation memory vs degree (needs that many GPUs; gloo + CPU works for tiny models)
     python -m dit_train.tools.bench_mfu --model dit_1b --cp-memory 1,2,4,8 --tokens 32768
     # the same on 2 CPU processes (gloo), with model.recompute_prologues off and on (any mode: --prologues)
@@ -34,9 +34,10 @@ from dit_train.compose import compose
 from dit_train.engine import launch  # launch.launch_local at call time: the tests route it to their worker pool
 from dit_train.engine.build import build_parallel_model
 from dit_train.kernels import resolve_backend, VarlenLayout
-from dit_train.models import build_model, init_weights, model_spec
+from dit_train.models import build_model, model_spec
 from dit_train.parallel.context_parallel import split_for_cp
 from dit_train.parallel.mesh import init_parallel
+from dit_train.parallel.checkpointing import ac_policy
 from dit_train.parallel.parallelize import apply_activation_checkpointing, apply_compile
 from dit_train.perf.bench import format_table, write_json
 from dit_train.perf.flops import mfu, train_flops
@@ -69,11 +70,12 @@ def make_pack(cfg, tokens: int, sample_tokens: int, device, seed: int = 0):
 
 def run_single(cfg, tokens, sample_tokens, ac, compile_, backend, precision, device, steps, peak):
     backend = resolve_backend(backend, device)
-    model = build_model(cfg, backend)
-    init_weights(model, 0, "normal")
-    model.to(device)
-    if ac:
-        apply_activation_checkpointing(model_spec(cfg).blocks(model))
+    with torch.device(device):  # built and drawn where it runs: a 1B model's CPU init costs seconds a row
+        model = build_model(cfg, backend)
+        for p in model.parameters():  # a speed benchmark: the values need only be finite and non-degenerate
+            torch.nn.init.normal_(p, std=0.02)
+    ac = ac_policy(ac)  # a policy name (none | selective | full) or a bool alias
+    apply_activation_checkpointing(model_spec(cfg).blocks(model), ac)
     if compile_:
         apply_compile(model_spec(cfg).blocks(model))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
@@ -103,7 +105,7 @@ def run_single(cfg, tokens, sample_tokens, ac, compile_, backend, precision, dev
     t = statistics.median(times[1:]) if steps > 1 else times[0]
     est = estimate_memory(shape, dp_replicate=1, dp_shard=1, cp_ulysses=1, cp_ring=1, micro_batch_tokens=tokens,
                           checkpointing=ac, precision=precision, backend=backend, dp_mode="none")
-    row = {"tokens": tokens, "samples": len(lens), "ac": "on" if ac else "off", "compile": "on" if compile_ else "off",
+    row = {"tokens": tokens, "samples": len(lens), "ac": ac, "compile": "on" if compile_ else "off",
            "prologues": "on" if cfg.recompute_prologues else "off",
            "backend": backend, "step_s": t, "TFLOPs": flops / t / 1e12, "est_GiB": est.total / GIB}
     if peak:
@@ -172,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="dit_1b", help="a conf/model/*.yaml name")
     ap.add_argument("--tokens", default="8192,32768")
     ap.add_argument("--sample-tokens", type=int, default=0, help="tokens per sample (default: one sample per pack)")
-    ap.add_argument("--ac", default="off,on")
+    ap.add_argument("--ac", default="off,on", help="activation checkpointing: comma list of none, selective, full (on = full, off = none)")
     ap.add_argument("--compile", default="off")
     ap.add_argument("--backend", default="auto", help="comma list of kernels/attention backends")
     ap.add_argument("--precision", default="bf16", choices=("bf16", "fp32"))
@@ -197,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         name = "cp_memory"
     else:
         rows = []
-        for T, ac, comp, backend, pro in itertools.product(tokens, on(a.ac), on(a.compile), a.backend.split(","), prologues):
+        policies = [ac_policy({"on": True, "off": False}.get(x, x)) for x in a.ac.split(",")]
+        for T, ac, comp, backend, pro in itertools.product(tokens, policies, on(a.compile), a.backend.split(","), prologues):
             c = cfg if pro is None else replace(cfg, recompute_prologues=pro)
             rows.append(run_single(c, T, a.sample_tokens or T, ac, comp, backend, a.precision, device, a.steps, peak))
             print(format_table(rows[-1:]), flush=True)
