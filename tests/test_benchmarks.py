@@ -64,9 +64,26 @@ def test_bench_mfu_cpu_dry_run(tmp_path):
                  "--backend", "sdpa", "--precision", "fp32", "--steps", "2", "--peak-tflops", "1", "--prologues", "off,on",
                  "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["ac"], r["prologues"]) for r in rows] == [("off", "off"), ("off", "on"), ("on", "off"), ("on", "on")]
+    assert [(r["ac"], r["prologues"]) for r in rows] == [("none", "off"), ("none", "on"), ("full", "off"), ("full", "on")]
     assert all(r["TFLOPs"] > 0 and 0 < r["MFU"] for r in rows)
     assert rows[1]["est_GiB"] < rows[0]["est_GiB"]  # the model ran (and was costed) with the prologues on
+
+
+def test_gpu_check_cpu_dry_run(tmp_path):
+    """The GPU check's every section on tiny shapes on the CPU (gloo for its process group of
+    one): it runs end to end and every bound holds, so a GPU session spends its minutes
+    measuring, not debugging the script."""
+    from dit_train.tools.gpu_check import SECTIONS, main
+
+    assert main(["--quick", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    sections = json.loads((tmp_path / "gpu_check.json").read_text())["sections"]
+    assert list(sections) == list(SECTIONS) and not any("error" in s for s in sections.values())
+    attn = sections["attention"]["rows"]
+    assert {r["backend"] for r in attn} == {"sdpa", "sdpa_dense", "flex"} and all(r["pass"] for r in attn)
+    assert [r["precision"] for r in sections["fsdp_world1"]["rows"]] == ["fp32", "bf16"]
+    (plan,) = sections["planner"]["rows"]
+    assert plan["step_s"] > 0 and plan["micro_tokens"] >= 32  # holds the longest clip (2 x 4 x 4 patches)
+    assert {r["workload"] for r in sections["vs_diffusers"]["rows"]} == {"one_clip", "mixed"}
 
 
 @pytest.mark.slow
