@@ -48,6 +48,9 @@ Activation checkpointing (model.activation_checkpointing on every model.ac_every
 full keeps only a checkpointed block's input (d·4 per token) and recomputes one block at a
 time in backward (+ one block's full activations); selective keeps the matmul / attention
 outputs ((selective_d·d + h)·c, registry.ActivationModel) and recomputes the elementwise ops.
+Under autocast (one rank's whole weights, no FSDP2 sharding) the low-precision weight copies c·P
+live only while forward runs, the recomputed block only in backward: the larger of the two
+counts (`autocast_weight_cache` is the cache's excess over the recompute).
 Activation offload (train.activation_offload): ~2 blocks' activations stay on the device, the
 rest is in host memory (`MemoryEstimate.host`); parallel.cpu_offload moves params, grads and
 optimizer state there too.
@@ -195,11 +198,20 @@ def ac_split(depth: int, every: int) -> tuple[int, int]:
 def activation_bytes(s: ModelShape, micro_batch_tokens: int, precision: str, checkpointing: bool | str,
                      cp_ulysses: int = 1, cp_ring: int = 1, every: int = 1, offload: bool = False) -> float:
     """Activation bytes held on the device at the peak of backward on one rank for one
-    micro-batch. checkpointing: none | full | selective (bools: full / none) on every
-    `every`-th block. offload (train.activation_offload): what forward saves goes to host
-    memory as it is saved and comes back one block at a time: the device holds about two
-    blocks' activations (the one in use, the next one in flight), plus, under selective, the
-    cached matmul outputs (the checkpoint keeps them on the device)."""
+    micro-batch: `activation_parts`' saved and recomputed bytes together."""
+    return sum(activation_parts(s, micro_batch_tokens, precision, checkpointing, cp_ulysses, cp_ring, every, offload))
+
+
+def activation_parts(s: ModelShape, micro_batch_tokens: int, precision: str, checkpointing: bool | str,
+                     cp_ulysses: int = 1, cp_ring: int = 1, every: int = 1, offload: bool = False
+                     ) -> tuple[float, float]:
+    """(saved, recomputed) activation bytes of one micro-batch on one rank: what forward saves
+    for backward (held from forward's end into backward), and what backward re-materialises of
+    one checkpointed block at a time (backward only). checkpointing: none | full | selective
+    (bools: full / none) on every `every`-th block. offload (train.activation_offload): what
+    forward saves goes to host memory as it is saved and comes back one block at a time: the
+    device holds about two blocks' activations (the one in use, the next one in flight), plus,
+    under selective, the cached matmul outputs (the checkpoint keeps them on the device)."""
     policy = {True: "full", False: "none"}.get(checkpointing, checkpointing)
     local = math.ceil(micro_batch_tokens / (cp_ulysses * cp_ring))
     cp_extra = cp_block_bytes(s, micro_batch_tokens, cp_ulysses, cp_ring, precision)
@@ -215,8 +227,8 @@ def activation_bytes(s: ModelShape, micro_batch_tokens: int, precision: str, che
     # backward re-materialises one checkpointed block at a time: what it did not keep
     recompute = per_block - kept if n_ckpt else 0.0
     if offload:
-        return (n_ckpt * kept if policy == "selective" else 0.0) + 2 * per_block + outside
-    return n_plain * per_block + n_ckpt * kept + recompute + outside
+        return (n_ckpt * kept if policy == "selective" else 0.0) + 2 * per_block + outside, 0.0
+    return n_plain * per_block + n_ckpt * kept + outside, recompute
 
 
 def offloaded_activation_bytes(s: ModelShape, micro_batch_tokens: int, precision: str, checkpointing: bool | str,
@@ -312,19 +324,24 @@ def estimate_memory(s: ModelShape, *, dp_replicate: int, dp_shard: int, cp_ulyss
             fsdp = gathered + (c + 4) * block + c * s.params_other
         else:
             fsdp = 0.0
-        if precision != "fp32" and shard == 1:
-            extra["autocast_weight_cache"] = c * dense
+        autocast_cache = c * dense if precision != "fp32" and shard == 1 else 0.0
     else:
         params, grads, optim_b = 4.0 * dense, 4.0 * dense, float(opt * dense)
         fsdp = 4.0 * dense if dp_mode == "ddp" and world > 1 else 0.0  # DDP's bucket copy
-        if precision != "fp32":
-            extra["autocast_weight_cache"] = c * dense
+        autocast_cache = c * dense if precision != "fp32" else 0.0
+    saved, recompute = activation_parts(s, micro_batch_tokens, precision, checkpointing, cp_ulysses, cp_ring, ac_every,
+                                        activation_offload)
+    acts = saved + recompute
+    if autocast_cache:
+        # autocast's low-precision weight copies live while forward's autocast context is open
+        # and are freed when it closes; backward's recompute of a checkpointed block comes after.
+        # The two never coexist: only the part of the cache larger than the recompute adds to
+        # the peak (measured on an H200: dit_1b at 32k tokens, full AC, docs/performance.md)
+        extra["autocast_weight_cache"] = max(0.0, autocast_cache - recompute)
     if experts:
         params, grads, optim_b = params + 4 * experts / ep, grads + 4 * experts / ep, optim_b + opt * experts / ep
         if precision != "fp32":
             extra["expert_casts"] = c * experts / ep
-    acts = activation_bytes(s, micro_batch_tokens, precision, checkpointing, cp_ulysses, cp_ring, ac_every,
-                            activation_offload)
     host = offloaded_activation_bytes(s, micro_batch_tokens, precision, checkpointing, cp_ulysses, cp_ring,
                                       ac_every) if activation_offload else 0.0
     if cpu_offload:
