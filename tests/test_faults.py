@@ -333,3 +333,17 @@ def test_a_frozen_worker_is_named_and_every_worker_stopped(tmp_path, data_cache)
     time.sleep(1)
     assert not [v for v in victims if Path(f"/proc/{v}").exists()], "orphaned worker processes"
 
+
+
+def test_compile_on_cuda_is_refused_before_the_run(monkeypatch):
+    """train.compile on a GPU trained on wrong gradients in the GPU check (docs/performance.md):
+    refused with one line that says what to set; on the CPU it stays allowed."""
+    from dit_train.compose import compose
+    from dit_train.config.errors import ConfigError
+    from dit_train.engine.checks import COMPILE_ON_CUDA, check_config
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)  # device=auto on a GPU machine
+    with pytest.raises(ConfigError) as err:
+        check_config(compose(["train.compile=true"]))
+    assert COMPILE_ON_CUDA in str(err.value) and "train.compile=false" in str(err.value)
+    check_config(compose(["train.compile=true", "parallel.device=cpu"]))

@@ -294,7 +294,7 @@ class TrainConfig:
     # the data unless a value is given)
     micro_batch_tokens: int = 0
     precision: Precision = Precision.fp32  # fp32 | bf16 | fp16 (autocast; FSDP2 mixed precision on CUDA)
-    compile: bool = False  # torch.compile each block
+    compile: bool = False  # torch.compile each block (refused on CUDA: its gradients were wrong in the GPU check)
     # keep the tensors saved for backward in host memory (torch.autograd.graph.save_on_cpu around
     # forward + backward): device memory for activations ~ one block's, at the price of the copies
     activation_offload: bool = False
