@@ -7,6 +7,7 @@ run; `load_config` reads the config a run or checkpoint folder was trained with.
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +15,14 @@ from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from dit_train.config import Config, config_dir, to_config
+from dit_train.config.errors import ConfigError
 from dit_train.data_pipelines import SOURCES
 from dit_train.models import MODELS
+
+log = logging.getLogger(__name__)
 
 
 def register_configs() -> None:
@@ -50,15 +55,57 @@ def typed_node(kind: str, node: Any) -> Any:
     return OmegaConf.merge(OmegaConf.structured(registry[name].config), node)
 
 
+# model keys that widen what a run trusts (pickle loading runs code): a stored config never switches
+# them on, only the command line of the current invocation does (applied after load_config)
+TRUST_WIDENING = ("allow_pickle_weights",)
+
+
 def load_config(path: str | Path) -> Config:
-    """The typed Config stored as config.yaml in a run or checkpoint dir (or the file itself)."""
+    """The typed Config stored as config.yaml in a run or checkpoint dir (or the file itself).
+
+    A stored config is data from whoever wrote the folder: it is read without resolving anything
+    (a run writes its config resolved, so an interpolation such as `${oc.env:SECRET}` or a custom
+    resolver is refused, never evaluated), keys that widen trust (TRUST_WIDENING) are reset to
+    off, and a file that is not a config of this schema is one ConfigError naming it."""
     p = Path(path)
     p = p / "config.yaml" if p.is_dir() else p
     if not p.is_file():
         raise FileNotFoundError(f"{p} not found: is {path} a dit_train run or checkpoint dir?")
-    raw = OmegaConf.load(p)
+    try:
+        raw = OmegaConf.load(p)
+    except Exception as err:  # YAML syntax, unknown tags (OmegaConf's loader is a safe loader)
+        raise ConfigError(f"{p} is not a readable config ({_first_line(err)}); restore it from the run's "
+                          f"checkpoints/step_*/config.yaml or rerun") from None
+    if not isinstance(raw, DictConfig) or "model" not in raw or "data" not in raw:
+        raise ConfigError(f"{p} is not a dit_train config (no model and data sections)")
+    found = interpolations(OmegaConf.to_container(raw, resolve=False))
+    if found:
+        raise ConfigError(f"{p} holds interpolations ({', '.join(found[:3])}): a stored config is data and is "
+                          f"never resolved (a run writes its config resolved); remove them")
     register_configs()
-    root = OmegaConf.merge(OmegaConf.structured(Config), {k: v for k, v in raw.items() if k not in ("model", "data")})
-    root.model = typed_node("model", raw.model)
-    root.data = typed_node("data", raw.data)
-    return to_config(root)
+    try:
+        root = OmegaConf.merge(OmegaConf.structured(Config), {k: v for k, v in raw.items() if k not in ("model", "data")})
+        root.model = typed_node("model", raw.model)
+        root.data = typed_node("data", raw.data)
+        for key in TRUST_WIDENING:
+            if root.model.get(key):
+                log.warning("%s sets model.%s=true: ignored (a stored config cannot widen trust); give it on "
+                            "this command line if you trust the folder", p, key)
+                root.model[key] = False
+        return to_config(root)
+    except (OmegaConfBaseException, ValueError) as err:
+        raise ConfigError(f"{p} does not fit the config schema: {_first_line(err)}") from None
+
+
+def interpolations(node: Any, where: str = "") -> list[str]:
+    """Dotted keys whose string value holds an OmegaConf interpolation (`${...}`)."""
+    if isinstance(node, dict):
+        return [k for key, v in node.items() for k in interpolations(v, f"{where}.{key}" if where else str(key))]
+    if isinstance(node, list):
+        return [k for i, v in enumerate(node) for k in interpolations(v, f"{where}[{i}]")]
+    return [where] if isinstance(node, str) and "${" in node else []
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__

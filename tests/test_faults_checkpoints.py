@@ -27,8 +27,6 @@ def finished_run(tmp_path_factory, data_cache) -> Path:
 # -- forged checkpoints ----------------------------------------------------------------------------
 
 
-
-
 class _Marker:
     """Unpickling this object creates a file: the proof that loading ran code from a file."""
 
@@ -253,3 +251,70 @@ def test_summary_on_a_full_disk_is_whole_or_absent_never_empty_or_stale(tmp_path
         assert json.loads((tmp_path / "summary.json").read_text()) == {"status": "failed"}
     else:
         assert not (tmp_path / "summary.json").exists()
+
+
+# -- a run folder's config.yaml is data -------------------------------------------------------------
+
+
+def _forge_configs(run: Path, edit) -> None:
+    """Every config.yaml of `run` (the run's, each checkpoint's) rewritten by `edit`, and each
+    checkpoint's integrity record rewritten to match, as a forger would."""
+    from dit_train.checkpoint.integrity import INTEGRITY, integrity_record
+
+    for stored in run.rglob("config.yaml"):
+        stored.write_text(edit(stored.read_text()))
+        if (stored.parent / INTEGRITY).exists():
+            (stored.parent / INTEGRITY).write_text(json.dumps(integrity_record(stored.parent)))
+
+
+@pytest.mark.parametrize("open_it", [_open_export, _open_sample, _open_session],
+                         ids=["export_weights", "sample", "session_load"])
+def test_a_forged_run_config_is_never_resolved(tmp_path, data_cache, finished_run, open_it, capsys):
+    """An interpolation in a stored config.yaml (`${oc.env:SECRET}` in a data URL would send the
+    secret to a server) is refused before anything resolves it: one `error:` line naming the file."""
+    from omegaconf import OmegaConf
+
+    from dit_train.config.errors import ConfigError
+
+    resolved = []
+    OmegaConf.register_new_resolver("spy_forged", lambda *a: resolved.append(a) or "x", replace=True)
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    _forge_configs(run, lambda text: text.replace("cache_dir: ", "cache_dir: /x/${spy_forged:}${oc.env:HOME}/", 1))
+    capsys.readouterr()
+    try:
+        code, err = open_it(run, data_cache), capsys.readouterr().err.strip()
+    except ConfigError as e:  # the session API raises it
+        code, err = 1, f"error: {e}"
+    assert not resolved and code != 0
+    assert err.startswith("error: ") and "\n" not in err, err
+    assert "config.yaml holds interpolations (data.cache_dir)" in err, err
+
+
+@pytest.mark.parametrize("damage, says", [("tag", "is not a readable config"), ("unknown_key", "Key 'stpes'"),
+                                          ("not_a_config", "no model and data sections")])
+def test_a_malformed_run_config_is_one_error_naming_the_file(tmp_path, finished_run, capsys, damage, says):
+    from dit_train.tools import export_weights
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    _forge_configs(run, lambda text: {"tag": text + "\nextra: !!python/object/apply:os.system ['true']\n",
+                                      "unknown_key": text.replace("train:\n", "train:\n  stpes: 3\n", 1),
+                                      "not_a_config": "- 1\n- 2\n"}[damage])
+    capsys.readouterr()
+    assert export_weights.main([str(run / "checkpoints" / "step_00000003")]) != 0
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and "step_00000003/config.yaml" in err and says in err, err
+
+
+def test_a_stored_config_cannot_switch_pickle_loading_on(tmp_path, caplog):
+    """model.allow_pickle_weights (torch.load of a .bin runs its code) comes only from the command
+    line of the current invocation: a stored config's true is reset, with a warning."""
+    from dit_train.compose import load_config
+    from dit_train.config import to_yaml
+
+    text = to_yaml(compose_config(["model=wan_tiny"]))
+    assert "allow_pickle_weights: false" in text
+    (tmp_path / "config.yaml").write_text(text.replace("allow_pickle_weights: false", "allow_pickle_weights: true"))
+    assert load_config(tmp_path).model.allow_pickle_weights is False
+    assert "cannot widen trust" in caplog.text
