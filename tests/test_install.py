@@ -15,6 +15,7 @@ would download to resolve), and its wheels are listed per platform instead.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -71,7 +72,11 @@ def test_the_wheel_has_one_top_level_package(wheel):
     for folder in ("kernels", "data_pipelines"):
         modules = {p.name for p in (REPO / folder).glob("*.py")}
         assert modules and {n.split("/")[-1] for n in names if n.startswith(f"dit_train/{folder}/")} == modules
-    assert "dit_train/conf/config.yaml" in names
+    # every file Hydra may compose, at any depth (conf/hydra/job_logging/ was missed once)
+    shipped = {n.removeprefix("dit_train/") for n in names if n.startswith("dit_train/conf/")}
+    missing = sorted(str(p.relative_to(REPO)) for p in (REPO / "conf").rglob("*.yaml")
+                     if str(p.relative_to(REPO)) not in shipped)
+    assert not missing, missing
     # decord only where it has wheels (the resolution below checks it against the index too)
     meta = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     decord = next(Requirement(line.split(": ", 1)[1]) for line in meta.splitlines() if line.startswith("Requires-Dist: decord"))
@@ -127,6 +132,19 @@ def test_the_wheel_installs_beside_hugging_faces_kernels(wheel, tmp_path):
     checkout = subprocess.run([python, "-c", _CHECK], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert checkout.returncode == 0, checkout.stderr[-3000:]
     assert json.loads(checkout.stdout.splitlines()[-1])["ours"] == str(REPO / "dit_train" / "kernels" / "__init__.py")
+    # the installed command trains from another directory (it composes conf/ from the wheel), and a
+    # tool reads what it wrote
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # the wheel's files, not a checkout's
+    train = subprocess.run([str(venv / "bin" / "dit-train"), "train.steps=2", "train.sample_every=0", "train.progress=false",
+                            "hydra.run.dir=run", f"data.cache_dir={tmp_path / 'cache'}"],
+                           cwd=elsewhere, capture_output=True, text=True, timeout=600, env=env)
+    assert train.returncode == 0, (train.stdout + train.stderr)[-3000:]
+    assert (elsewhere / "run" / "weights.safetensors").is_file()
+    export = subprocess.run([python, "-m", "dit_train.tools.export_weights", "run", "--out", "exported.safetensors"],
+                            cwd=elsewhere, capture_output=True, text=True, timeout=300, env=env)
+    assert export.returncode == 0 and (elsewhere / "exported.safetensors").is_file(), export.stderr[-3000:]
 
 
 # -- dependencies resolve on each platform -----------------------------------------------------
