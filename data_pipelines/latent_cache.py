@@ -40,7 +40,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from dit_train.data_pipelines.companions import KEYS, LatentMask, latent_mask_sums
-from dit_train.data_pipelines.records import in_heldout
+from dit_train.data_pipelines.records import in_heldout, member_name
 from dit_train.data_pipelines.video_dataset import VideoSample
 from dit_train.data_pipelines.video_io import VideoReadError
 
@@ -364,6 +364,10 @@ class LatentCacheDataset:
         if not manifest.is_file():
             raise ValueError(f"{manifest} not found: the cache tool did not finish; run it again (it resumes)")
         rows = [json.loads(line) for line in manifest.read_text().splitlines() if line.strip()]
+        for row in rows:  # each row's file lives in this cache: checked before any is opened
+            member_name(row.get("file"), str(manifest))
+        if meta.get("null_text_emb"):
+            member_name(meta["null_text_emb"], str(self.root / META))
         self.keep_rows(meta, rows, patch, split, heldout_fraction, f"the latent cache {self.root}")
 
     def keep_rows(self, meta: dict, rows: list[dict], patch: tuple[int, int, int], split: str,

@@ -10,9 +10,23 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from pathlib import PurePosixPath
 from typing import Any, NamedTuple
 
 BOM = b"\xef\xbb\xbf"  # the UTF-8 byte-order mark some editors (Notepad, Excel) put first
+
+
+def member_name(name: Any, where: str) -> str:
+    """The name of a file that a data file (a cache manifest, a shard index) says lives in its own
+    folder, checked to stay there: relative, no `..`, no URL scheme or drive. A data file is input
+    from whoever wrote it: `"../../etc/passwd"` or an absolute path into another cache is refused
+    (ValueError naming `where`), never opened."""
+    text = name if isinstance(name, str) else ""
+    parts = PurePosixPath(text.replace("\\", "/")).parts
+    if not text or text.startswith(("/", "~")) or ".." in parts or "://" in text or text[1:2] == ":":
+        raise ValueError(f"{where} names {name!r}: a data file may only name files inside its own folder "
+                         f"(a relative path without '..'); rebuild it with the tool that made it")
+    return text
 
 
 def in_heldout(name: str, fraction: float) -> bool:

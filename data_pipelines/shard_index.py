@@ -32,6 +32,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from dit_train.data_pipelines.records import member_name
 from dit_train.data_pipelines.shard_store import Retry, join, open_url, plain, put_bytes
 
 INDEX, META, NULL_TEXT = "index.json", "meta.json", "null_text_emb.safetensors"
@@ -119,6 +120,7 @@ class ShardIndex:
     def from_json(cls, url: str, index: dict) -> "ShardIndex":
         locations, infos = [], []
         for piece in index["shardlist"]:
+            member_name(piece["url"], f"{url.rstrip('/')}/{INDEX}")  # a shard of this set, never a path out of it
             for j in range(piece["nsamples"]):
                 locations.append(Location(piece["url"], piece["size"], piece["offsets"][j], piece["sizes"][j],
                                           piece["crc32"][j], {e: tuple(v) for e, v in piece["members"][j].items()}))

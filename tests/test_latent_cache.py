@@ -325,3 +325,20 @@ def test_a_latent_i2v_wan_run_samples_in_diffusers_wan_image_to_video_pipeline(c
         assert out.shape == (1, Z_DIM, 2, H // 8, W // 8) and torch.isfinite(out).all(), name
         torch.testing.assert_close(out[0, :, :1], z[:, :1], rtol=0, atol=1e-4)  # the cached first latent frame
         assert (out[0, :, 1:] - z[:, 1:]).abs().max() > 1e-3  # the rest was generated
+
+
+@pytest.mark.parametrize("forged", ["../../../../etc/passwd", "/etc/passwd", "sub/../../outside.safetensors"])
+def test_a_manifest_entry_outside_the_cache_is_refused_before_reading(cache, tmp_path, forged):
+    """A manifest is input from whoever wrote it: an entry that leaves the cache folder (.., an
+    absolute path into another cache) is one error naming the manifest, before any file opens."""
+    import shutil
+
+    copy = tmp_path / "c"
+    shutil.copytree(cache, copy)
+    lines = (copy / lc.MANIFEST).read_text().splitlines()
+    row = json.loads(lines[1])
+    row["file"] = forged
+    (copy / lc.MANIFEST).write_text("\n".join([lines[0], json.dumps(row), *lines[2:]]) + "\n")
+    with pytest.raises(ValueError, match="a data file may only name files inside its own folder") as err:
+        lc.LatentCacheDataset(copy, patch=(1, 2, 2))
+    assert str(copy / lc.MANIFEST) in str(err.value) and repr(forged) in str(err.value)

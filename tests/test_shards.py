@@ -299,3 +299,19 @@ def test_bench_data_compares_readers_with_the_step(tiny_cfg, data_cache, tmp_pat
     assert all(r["samples/s per rank"] > 0 and r["tokens/s per rank"] > 0 for r in res["rows"])
     assert res["rows"][2]["range reads"] == 1 + 6  # a warm-up read, then a step of 6 samples: one request each
     assert len(res["bottleneck"]) == 3 and "bottleneck" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("forged", ["../../../../etc/passwd", "/etc/passwd", "file:///etc/passwd"])
+def test_an_index_naming_a_shard_outside_its_set_is_refused(tmp_path, tiny_cfg, data_cache, forged):
+    """index.json is input from whoever wrote the set: a shard url that leaves it is one error
+    naming the index, before any shard is read (only the CRC stopped such a read before)."""
+    from dit_train.data_pipelines.shard_index import load_index
+
+    out = tmp_path / "set"
+    assert _make(str(out), data_cache) == 0
+    index = json.loads((out / "index.json").read_text())
+    index["shardlist"][1]["url"] = forged
+    (out / "index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="a data file may only name files inside its own folder") as err:
+        load_index(str(out))
+    assert f"{out}/index.json" in str(err.value) and repr(forged) in str(err.value)
