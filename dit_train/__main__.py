@@ -68,7 +68,11 @@ def run_from_config(cfg: Config, hydra_record: Any = None) -> dict:
 def main(dcfg: DictConfig) -> float | None:
     interrupt_on_signals()  # a scheduler's SIGTERM ends the run like Ctrl-C
     record = HydraRecord.capture(dcfg)  # Hydra's .hydra/ files and job log, written once the folder is ours
-    cfg = dataclasses.replace(to_config(dcfg), run_dir=HydraConfig.get().runtime.output_dir)
+    try:
+        cfg = dataclasses.replace(to_config(dcfg), run_dir=HydraConfig.get().runtime.output_dir)
+    except ConfigError as err:  # a key the schema lacks (`+train.stpes=3`)
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)
     try:
         summary = run_from_config(cfg, record)
     except (ConfigError, WorkerFailure, RunFailed, CheckpointError) as err:

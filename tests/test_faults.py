@@ -347,3 +347,16 @@ def test_compile_on_cuda_is_refused_before_the_run(monkeypatch):
         check_config(compose(["train.compile=true"]))
     assert COMPILE_ON_CUDA in str(err.value) and "train.compile=false" in str(err.value)
     check_config(compose(["train.compile=true", "parallel.device=cpu"]))
+
+
+def test_an_unknown_plus_key_is_refused_naming_the_key_it_meant(tmp_path):
+    """Hydra suggests `+train.stpes=3` for a typo; the key then joined the node and the run trained
+    without the setting. Now one error line with the schema's closest key, and nothing written."""
+    proc = subprocess.run([sys.executable, "-m", "dit_train", "+train.stpes=3", f"hydra.run.dir={tmp_path / 'run'}"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    err = proc.stderr.strip().splitlines()
+    assert err == ["error: unknown config key train.stpes (did you mean train.steps?): not in the schema "
+                   "(python -m dit_train --help lists the keys)"], proc.stderr
+    run = tmp_path / "run"
+    assert not run.exists() or not any(run.iterdir())  # nothing claimed (Hydra may create the empty folder)

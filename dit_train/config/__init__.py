@@ -3,12 +3,15 @@
 run's config.yaml needs every model's and data source's node: dit_train/compose.py."""
 from __future__ import annotations
 
+import dataclasses
+import difflib
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from dit_train.config.choices import Choice, Mode
+from dit_train.config.errors import ConfigError
 from dit_train.config.schema import (
     PARALLEL_DEGREES,
     TRAIN_LAYOUT_KEYS,
@@ -35,7 +38,36 @@ def config_dir() -> Path:
 
 
 def to_config(d: DictConfig) -> Config:
-    return OmegaConf.to_object(d)
+    """The typed Config of a composed tree; a key the schema does not have is a ConfigError
+    (Hydra's `+train.stpes=3`, the fix its own message suggests for a typo, adds the key to the
+    node instead of refusing it, and the run would go on without the setting)."""
+    cfg = OmegaConf.to_object(d)
+    unknown = unknown_keys(cfg)
+    if unknown:
+        hints = [f"{k}{_did_you_mean(k, cfg)}" for k in unknown]
+        raise ConfigError(f"unknown config key{'s' if len(unknown) > 1 else ''} {', '.join(hints)}: "
+                          f"not in the schema (python -m dit_train --help lists the keys)", hints)
+    return cfg
+
+
+def unknown_keys(node: Any, prefix: str = "") -> list[str]:
+    """Dotted names of attributes of the config dataclasses that are not fields of their class."""
+    if not dataclasses.is_dataclass(node):
+        return []
+    names = {f.name for f in dataclasses.fields(node)}
+    out = [f"{prefix}{k}" for k in vars(node) if k not in names and not k.startswith("_")]
+    for f in dataclasses.fields(node):
+        out += unknown_keys(getattr(node, f.name), f"{prefix}{f.name}.")
+    return out
+
+
+def _did_you_mean(key: str, cfg: Any) -> str:
+    *parents, leaf = key.split(".")
+    node = cfg
+    for p in parents:
+        node = getattr(node, p)
+    close = difflib.get_close_matches(leaf, [f.name for f in dataclasses.fields(node)], n=1)
+    return f" (did you mean {'.'.join([*parents, close[0]])}?)" if close else ""
 
 
 def to_yaml(cfg: Config) -> str:
