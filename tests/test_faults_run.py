@@ -352,6 +352,37 @@ def test_sigterm_ends_a_run_like_ctrl_c(tmp_path, data_cache):
     _ended_like_ctrl_c(proc, run, signal.SIGTERM)
 
 
+def test_a_signal_swallowed_by_a_finalizer_still_stops_the_run(tmp_path, data_cache, monkeypatch):
+    """A SIGTERM landing while a decord VideoReader's __del__ ran was printed as "Exception ignored
+    in ... __del__" and lost: the run trained on (a scheduler sends one SIGTERM before SIGKILL).
+    The signal is remembered and the next step raises it."""
+    from dit_train.engine import launch
+
+    monkeypatch.setattr(launch, "_pending", [])
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        launch.interrupt_on_signals()
+
+        class Reader:
+            def __del__(self):  # the handler's raise lands in here, where Python can only print it
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.5)
+
+        Reader()  # dropped at once: __del__ runs, its exception is "ignored"
+        with pytest.raises(launch.Interrupted) as err:
+            launch.check_interrupted()
+        assert err.value.signum == signal.SIGTERM
+        # the training loop polls at every step: the run stops at its next step, interrupted
+        run = tmp_path / "run"
+        with pytest.raises(KeyboardInterrupt):
+            train_in_process([*TINY, "train.steps=3"], run, data_cache)
+        summary = _strict_json((run / "summary.json").read_text())
+        assert summary["status"] == "interrupted" and summary["steps_done"] == 0, summary
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
 @pytest.mark.slow
 def test_sigterm_to_the_launcher_of_local_workers_ends_like_ctrl_c(tmp_path, data_cache):
     """torch elastic turned it into a Hydra traceback and the workers died without summary.json."""

@@ -44,14 +44,30 @@ class Interrupted(KeyboardInterrupt):
         super().__init__(f"stopped by {signal.Signals(self.signum).name}")
 
 
+# The signal a handler raised for, kept until the process ends: a raise that lands in a finalizer
+# (a decord VideoReader's __del__ running at that moment) or in a C callback is printed as
+# "Exception ignored" and lost, and a scheduler sends one SIGTERM before its SIGKILL. Poll points
+# (`check_interrupted`, once per training step) raise it again, so the first signal always stops
+# the run; a second signal raises at once wherever it lands, as the first did.
+_pending: list[int] = []
+
+
 def _raise_interrupted(signum: int, frame: Any) -> None:
+    _pending.append(signum)
     raise Interrupted(signum)
+
+
+def check_interrupted() -> None:
+    """Raise `Interrupted` if a signal arrived whose exception was swallowed on its way (see
+    `_pending`); a no-op otherwise. Called at safe points: each training step, each tool loop."""
+    if _pending:
+        raise Interrupted(_pending[0])
 
 
 def interrupt_on_signals() -> None:
     """SIGTERM and SIGINT raise `Interrupted` in this process's main thread (SIGTERM would
-    otherwise kill it before summary.json is written). Call it from the main thread of a process
-    that trains or launches workers."""
+    otherwise kill it before summary.json is written), and are remembered for
+    `check_interrupted`. Call it from the main thread of a process that trains or launches workers."""
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, _raise_interrupted)

@@ -17,6 +17,7 @@ from dit_train.checkpoint.export import export_run_weights
 from dit_train.config import Config, to_dict, to_yaml
 from dit_train.config.errors import ConfigError, DataFailure, NonFiniteTraining, RunFolderError
 from dit_train.engine.build import Run, build_run
+from dit_train.engine.launch import check_interrupted
 from dit_train.engine.resume import apply_optimizer_settings
 from dit_train.engine.run_folder import open_run_folder, run_id_of
 from dit_train.engine.sanity import nonfinite_hint, nonfinite_weights, zero_gradient_warning, zero_head_error
@@ -149,6 +150,7 @@ def train(cfg: Config, ctx: ParallelContext | None = None, claimed: bool = False
     last, error, done = None, None, start
     try:
         for step in range(start, t.steps):
+            check_interrupted()  # a signal whose exception a finalizer swallowed still stops the run here
             t0 = time.perf_counter()
             res = trainer.step(step)
             dt = time.perf_counter() - t0
