@@ -360,3 +360,22 @@ def test_an_unknown_plus_key_is_refused_naming_the_key_it_meant(tmp_path):
                    "(python -m dit_train --help lists the keys)"], proc.stderr
     run = tmp_path / "run"
     assert not run.exists() or not any(run.iterdir())  # nothing claimed (Hydra may create the empty folder)
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (["model.heads=0"], "model.heads=0 must be >= 1"),  # was ZeroDivisionError in the checks themselves
+    (["train.seed=-1"], "train.seed=-1 must be >= 0"),  # was numpy's ValueError inside the run
+    (["model=wan_tiny", "model.pretrained={tmp}/missing"], "missing is not a folder"),
+    (["model=wan_tiny", "model.pretrained={tmp}"], "holds no .safetensors weights"),  # a .bin only
+])
+def test_inputs_known_before_the_run_are_refused_before_it(tmp_path, overrides, says):
+    """Each of these was a traceback from inside the run, after the run folder was claimed (so the
+    corrected rerun into that folder was refused too): now a ConfigError from check_config."""
+    from dit_train.compose import compose
+    from dit_train.config.errors import ConfigError
+    from dit_train.engine.checks import check_config
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "diffusion_pytorch_model.bin").write_bytes(b"pickle")
+    with pytest.raises(ConfigError, match=says.replace(".", r"\.")):
+        check_config(compose([o.format(tmp=tmp_path) for o in overrides]))

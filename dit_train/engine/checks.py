@@ -10,6 +10,7 @@ import functools
 import logging
 import math
 import typing
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -63,7 +64,8 @@ def _parallel(cfg: Config, world_size: int | None, e: list[str]) -> None:
         e.append(f"the launcher started {world_size} processes but {dims.describe()}; make the product of "
                  f"parallel.{'/'.join(PARALLEL_DEGREES)} equal {world_size} (e.g. parallel.dp_shard={world_size})")
     _check(p.fsdp_prefetch >= 0, f"parallel.fsdp_prefetch={p.fsdp_prefetch} must be >= 0 (0 = FSDP2's implicit prefetch)", e)
-    _check(m.dim % m.heads == 0, f"model.dim={m.dim} must be divisible by model.heads={m.heads}", e)
+    if m.heads >= 1:  # model.heads < 1 is a range error already (and the modulo would divide by zero)
+        _check(m.dim % m.heads == 0, f"model.dim={m.dim} must be divisible by model.heads={m.heads}", e)
     _check(p.cp_ulysses >= 1 and m.heads % max(1, p.cp_ulysses) == 0,
            f"model.heads={m.heads} must be divisible by parallel.cp_ulysses={p.cp_ulysses} (Ulysses splits heads)", e)
     _check(not (p.dp_mode == "ddp" and p.meta_init),
@@ -188,7 +190,8 @@ RANGES: dict[str, Range] = {
     "optim.lr": Range(0, low_open=True), "optim.weight_decay": Range(0),
     "optim.eps": Range(0, low_open=True), "optim.momentum": Range(0, 1, high_open=True),
     "optim.warmup_steps": Range(0), "optim.min_lr_ratio": Range(0, 1),
-    "train.log_every": Range(1), "train.ema_decay": Range(0, 1, high_open=True, note="0 = off"),
+    "train.log_every": Range(1), "train.seed": Range(0, note="numpy and torch generators take non-negative seeds"),
+    "data.gen_seed": Range(0), "train.ema_decay": Range(0, 1, high_open=True, note="0 = off"),
     "distill.student_steps": Range(1), "distill.student_every": Range(1, note="critic steps per student step"),
     "distill.teacher_guidance": Range(0, note="1 = off"), "distill.critic_lr": Range(0, note="0 = optim.lr"),
     "distill.t_min": Range(0, 1, low_open=True, high_open=True), "distill.t_max": Range(0, 1, low_open=True, high_open=True),
@@ -237,6 +240,7 @@ def _model_and_data(cfg: Config, e: list[str]) -> None:
     _check(spec.mode == cfg.mode, f"mode={cfg.mode} cannot train model={m.name} (a mode={spec.mode} model); "
            f"pick one of: {', '.join(n for n in MODELS.names() if MODELS[n].mode == cfg.mode)}", e)
     e.extend(spec.checks(m))
+    _pretrained(m, e)
     _moe(m, spec, e)
     if m.lora.rank > 0:
         e.extend(lora_errors(m))
@@ -255,6 +259,22 @@ def _model_and_data(cfg: Config, e: list[str]) -> None:
     _check(not (cfg.train.eval_every > 0 and d.heldout_fraction <= 0),
            f"train.eval_every={cfg.train.eval_every} scores held-out samples, but data.heldout_fraction=0 holds none "
            f"out; set data.heldout_fraction (e.g. 0.1) or train.eval_every=0", e)
+
+
+def _pretrained(m: Any, e: list[str]) -> None:
+    """A model.pretrained folder that exists and holds safetensors weights, checked before any
+    worker starts (every family; each family's checks read its config.json): a missing folder or
+    one with only pickled .bin weights failed inside the workers, after the run folder was claimed."""
+    path = getattr(m, "pretrained", "")
+    if not path:
+        return
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        e.append(f"model.pretrained={path} is not a folder: give a local diffusers folder (the transformer's, "
+                 f"or a pipeline folder holding transformer/)")
+    elif not getattr(m, "allow_pickle_weights", False) and not any(folder.rglob("*.safetensors")):
+        e.append(f"model.pretrained={path} holds no .safetensors weights (pickled .bin/.pt only?): convert them, or "
+                 f"set model.allow_pickle_weights=true on the command line if you trust the folder's source")
 
 
 def _moe(m: Any, spec: Any, e: list[str]) -> None:

@@ -448,6 +448,11 @@ def _checks(cfg: WanConfig) -> list[str]:
         cfg.diffusers_kwargs()
     except ValueError as err:
         errors.append(str(err))
+    if cfg.pretrained and Path(cfg.pretrained).expanduser().is_dir():
+        try:  # its config.json (the transformer's, or an A14B expert's) before any worker loads weights
+            pretrained_folder(cfg.pretrained, cfg)
+        except (FileNotFoundError, ValueError) as err:
+            errors.append(str(err))
     return errors
 
 
