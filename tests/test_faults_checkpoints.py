@@ -228,6 +228,60 @@ def test_a_damaged_checkpoint_without_record_or_index_falls_back_saying_why(tmp_
     assert f"skipping damaged checkpoint {latest} {why}" in caplog.text
 
 
+def _edit_trainer_json(ckpt: Path, **values) -> None:
+    meta = json.loads((ckpt / "trainer.json").read_text())
+    meta.update(values)
+    (ckpt / "trainer.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("damage, why", [
+    ("truncated_rng", "(rng_rank0.safetensors is damaged"),
+    ("rng_of_floats", "(rng_rank0.safetensors holds torch as F32, not a generator state (uint8))"),
+    ("step_abc", "(trainer.json has step='abc' (a step is an integer >= 0))"),
+    ("step_negative", "(trainer.json has step=-7 (a step is an integer >= 0))"),
+    ("integrity_list", "(integrity.json is not a record of file sizes and checksums)"),
+])
+def test_damaged_checkpoint_parts_fall_back_to_the_previous_saying_why(tmp_path, finished_run, caplog, damage, why):
+    """Each was a traceback in the middle of the resume (the truncated RNG file even with no
+    integrity record to catch it): now the checkpoint counts as damaged and the previous is used."""
+    from safetensors.torch import save_file
+
+    from dit_train.checkpoint import resolve_checkpoint
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    latest = run / "checkpoints" / "step_00000003"
+    if damage != "integrity_list":
+        (latest / "integrity.json").unlink()  # no record: the checks of the parts themselves must see it
+    rng = latest / "rng_rank0.safetensors"
+    if damage == "truncated_rng":
+        rng.write_bytes(rng.read_bytes()[:-7])
+    elif damage == "rng_of_floats":
+        save_file({"torch": torch.zeros(5000)}, str(rng))
+    elif damage.startswith("step_"):
+        _edit_trainer_json(latest, step="abc" if damage == "step_abc" else -7)
+    else:
+        (latest / "integrity.json").write_text("[1, 2]")
+    assert resolve_checkpoint("auto", run) == run / "checkpoints" / "step_00000001"
+    assert f"skipping damaged checkpoint {latest} {why}" in caplog.text, caplog.text
+
+
+def test_a_scheduler_entry_that_does_not_load_is_one_checkpoint_error(tmp_path, data_cache, finished_run):
+    from dit_train.checkpoint import load_checkpoint
+    from dit_train.config.errors import CheckpointError
+    from dit_train.engine.build import build_run
+
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    latest = run / "checkpoints" / "step_00000003"
+    meta = json.loads((latest / "trainer.json").read_text())
+    meta["parts"]["scheduler"] = {"last_epoch": "not a number", "_step_count": None}
+    (latest / "trainer.json").write_text(json.dumps(meta))
+    built = build_run(compose_config(BASE, cache_dir=data_cache))
+    with pytest.raises(CheckpointError, match=r"trainer.json: its scheduler state does not load"):
+        load_checkpoint(latest, built.checkpoint_parts())
+
+
 # -- summary.json on a full disk ---------------------------------------------------------------------
 
 

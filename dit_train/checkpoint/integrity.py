@@ -42,6 +42,9 @@ def _against_record(path: Path) -> str:
         want = json.loads((path / INTEGRITY).read_text())
     except (OSError, json.JSONDecodeError) as err:
         return f"unreadable {INTEGRITY}: {err}"
+    if not isinstance(want, dict) or not all(isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) for x in v)
+                                             for v in want.values()):
+        return f"{INTEGRITY} is not a record of file sizes and checksums"
     for name, (size, crc) in want.items():
         f = path / name
         if not f.is_file():
@@ -60,10 +63,42 @@ def _against_index(path: Path, need: dict[str, int]) -> str:
             return f"{name} is missing (its {METADATA} lists it)"
         if f.stat().st_size < size:
             return f"{name} has {f.stat().st_size} bytes, its {METADATA} needs {size} (truncated)"
+    return ""
+
+
+def _info_problem(path: Path) -> str:
+    """What is wrong with trainer.json's values ('' = nothing): its step and world size are what a
+    resume trusts first, and a damaged value there ("step": "abc") was a traceback mid-resume."""
     try:
-        json.loads((path / "trainer.json").read_text())
+        meta = json.loads((path / "trainer.json").read_text())
     except (OSError, ValueError) as err:
         return f"unreadable trainer.json: {err}"
+    if not isinstance(meta, dict):
+        return "trainer.json is not a JSON object"
+    step, world = meta.get("step"), meta.get("world_size")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        return f"trainer.json has step={step!r} (a step is an integer >= 0)"
+    if world is not None and (not isinstance(world, int) or isinstance(world, bool) or world < 1):
+        return f"trainer.json has world_size={world!r} (an integer >= 1)"
+    if "format" in meta and not isinstance(meta.get("parts"), dict):
+        return "trainer.json has no table of parts"
+    return ""
+
+
+def _rng_problem(path: Path) -> str:
+    """What is wrong with the ranks' RNG files ('' = nothing): they are not in the DCP index, so a
+    checkpoint without its integrity record is not checked for them otherwise."""
+    from safetensors import safe_open  # deferred: only resuming reads RNG files
+
+    for f in sorted(path.glob("rng_rank*.safetensors")):
+        try:
+            with safe_open(str(f), "pt") as state:
+                for key in state.keys():
+                    dtype = state.get_slice(key).get_dtype()
+                    if dtype != "U8":
+                        return f"{f.name} holds {key} as {dtype}, not a generator state (uint8)"
+        except Exception as err:  # a truncated or overwritten file: safetensors' own error types
+            return f"{f.name} is damaged ({str(err).splitlines()[0] if str(err) else type(err).__name__})"
     return ""
 
 
@@ -83,6 +118,8 @@ def verify_checkpoint(path: Path) -> str:
         raise
     except CheckpointError as err:
         return str(err)
+    if why := _info_problem(path) or _rng_problem(path):
+        return why
     if has_record:
         return ""
     why = _against_index(path, stored_files(md))

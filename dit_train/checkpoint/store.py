@@ -303,7 +303,11 @@ def load_checkpoint(path: str | Path, parts: dict[str, Part]) -> int:
         parts[n].load_state_dict(state)
     for n, p in parts.items():
         if not p.sharded and n in info["parts"]:
-            p.load_state_dict(info["parts"][n])
+            try:
+                p.load_state_dict(info["parts"][n])
+            except (KeyError, TypeError, ValueError, AttributeError) as err:  # a hand-edited or damaged entry
+                raise CheckpointError(f"{path}/trainer.json: its {n} state does not load ({type(err).__name__}: "
+                                      f"{err}); the checkpoint is damaged: resume from an earlier one") from None
     for n in missing:  # after the others: a fresh part may start from the loaded weights (EMA)
         if hasattr(parts[n], "missing_from_checkpoint"):
             parts[n].missing_from_checkpoint()
