@@ -372,3 +372,18 @@ def test_a_stored_config_cannot_switch_pickle_loading_on(tmp_path, caplog):
     (tmp_path / "config.yaml").write_text(text.replace("allow_pickle_weights: false", "allow_pickle_weights: true"))
     assert load_config(tmp_path).model.allow_pickle_weights is False
     assert "cannot widen trust" in caplog.text
+
+
+def test_a_pickle_refusal_names_what_was_refused_not_torchs_retry_advice(tmp_path):
+    """torch's message starts with "Re-running torch.load with weights_only set to False will
+    likely succeed": quoted in our refusal, it told the user to do the one unsafe thing."""
+    from dit_train.checkpoint.store import _load_rng
+    from dit_train.config.errors import CheckpointError
+
+    torch.save({"torch": torch.get_rng_state(), "x": _Marker(tmp_path / "pwned")}, tmp_path / "rng_rank0.pt")
+    with pytest.raises(CheckpointError) as err:
+        _load_rng(tmp_path)
+    msg = str(err.value)
+    assert "weights_only" not in msg and "add_safe_globals" not in msg, msg
+    assert "a reference to io.open" in msg and "was not loaded" in msg, msg
+    assert not (tmp_path / "pwned").exists()

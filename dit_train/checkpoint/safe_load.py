@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,17 @@ class MetadataUnpickler(pickle.Unpickler):
         if (module, name) in _ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
             return super().find_class(module, name)
         raise _Refused(f"{module}.{name}")
+
+
+def refusal_reason(err: BaseException) -> str:
+    """What torch's weights_only unpickler refused, without its advice: the first line of its
+    message says to retry with weights_only=False, the one thing a refusal must never suggest."""
+    text = str(err)
+    found = re.search(r"GLOBAL ([\w.]+)", text)
+    if found:  # torch names the global it refused, then suggests allow-listing it: keep the name only
+        return f"a reference to {found.group(1)}"
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and "weights_only" not in ln and "trust" not in ln]
+    return lines[0].removeprefix("WeightsUnpickler error: ") if lines else "objects other than tensors and plain data"
 
 
 def unsafe_message(path: Path, what: str) -> str:
@@ -126,7 +138,7 @@ class SafePlanner(DefaultLoadPlanner):
         except pickle.UnpicklingError as err:
             name = self.metadata.storage_data[read_item.storage_index].relative_path if self.metadata else "?"
             raise UnsafeCheckpoint(unsafe_message(self.folder / name, f"an object that is not plain data as the value "
-                                                  f"of {fqn} ({str(err).splitlines()[0]})")) from None
+                                                  f"of {fqn} ({refusal_reason(err)})")) from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:

@@ -173,7 +173,7 @@ def _load_rng(ckpt: Path) -> None:
             r = torch.load(old, weights_only=True)
         except pickle.UnpicklingError as err:
             raise CheckpointError(f"{old} holds more than tensors and was not loaded (a pickle can run code): "
-                                  f"{str(err).splitlines()[0]}; use checkpoints from trusted sources only") from None
+                                  f"{safe_load.refusal_reason(err)}; use checkpoints from trusted sources only") from None
         cuda = r.get("cuda", [])
     else:
         return
