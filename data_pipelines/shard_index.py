@@ -118,14 +118,40 @@ class ShardIndex:
 
     @classmethod
     def from_json(cls, url: str, index: dict) -> "ShardIndex":
+        """The loaded index; ValueError naming index.json and the shard when a value is missing or
+        out of its range (a hand-edited or damaged index was a traceback when the plan read it)."""
+        where = f"{url.rstrip('/')}/{INDEX}"
         locations, infos = [], []
-        for piece in index["shardlist"]:
-            member_name(piece["url"], f"{url.rstrip('/')}/{INDEX}")  # a shard of this set, never a path out of it
-            for j in range(piece["nsamples"]):
-                locations.append(Location(piece["url"], piece["size"], piece["offsets"][j], piece["sizes"][j],
-                                          piece["crc32"][j], {e: tuple(v) for e, v in piece["members"][j].items()}))
-                infos.append(piece["info"][j])
-        return cls(url, index["kind"], index.get("meta", {}), locations, infos, [tuple(s) for s in index["skipped"]])
+        try:
+            for piece in index["shardlist"]:
+                member_name(piece["url"], where)  # a shard of this set, never a path out of it
+                _counts(piece, ("nsamples", "size"), where)
+                for j in range(piece["nsamples"]):
+                    loc = Location(piece["url"], piece["size"], piece["offsets"][j], piece["sizes"][j],
+                                   piece["crc32"][j], {e: tuple(v) for e, v in piece["members"][j].items()})
+                    _counts(vars(loc), ("offset", "size", "crc32"), f"{where} ({piece['url']}, sample {j})")
+                    info = piece["info"][j]
+                    _counts(info, INFO_COUNTS[index["kind"]], f"{where} ({piece['url']}, sample {j})")
+                    locations.append(loc)
+                    infos.append(info)
+            skipped = [tuple(s) for s in index["skipped"]]
+        except (KeyError, IndexError, TypeError, AttributeError) as err:
+            raise ValueError(f"{where} is damaged ({type(err).__name__}: {err}); remake the set with "
+                             f"python -m dit_train.tools.make_shards (or tools.cache_latents --shards)") from None
+        return cls(url, index["kind"], index.get("meta", {}), locations, infos, skipped)
+
+
+# what each sample's info must hold as non-negative integers, by the set's kind (what its length and
+# its read follow from); latents: latent_shape is a list of four
+INFO_COUNTS = {"pixels": ("frames", "height", "width"), "latents": ()}
+
+
+def _counts(record: Any, keys: tuple[str, ...], where: str) -> None:
+    for key in keys:
+        v = record[key]
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"{where} has {key}={v!r} (an integer >= 0): the index is damaged; remake the set with "
+                             f"python -m dit_train.tools.make_shards (or tools.cache_latents --shards)")
 
 
 _loaded: dict[tuple[str, str], ShardIndex] = {}
@@ -154,7 +180,11 @@ def load_index(url: str, storage_options: Any = None, retries: int = 5, backoff_
     with _loading:
         if key in _loaded:
             return _loaded[key]
-    raw = retry(where, lambda: read_json(fs, join(root, INDEX))) if version is not None else None
+    try:
+        raw = retry(where, lambda: read_json(fs, join(root, INDEX))) if version is not None else None
+    except ValueError as err:  # read, and not JSON (Retry passes content errors through at once)
+        raise ValueError(f"{where} is not a readable index ({err}); remake the set with "
+                         f"python -m dit_train.tools.make_shards") from None
     if raw is None:
         raise ValueError(f"data.url={url} holds no {INDEX}: write shards with python -m dit_train.tools.make_shards "
                          f"--out {url} (or tools.cache_latents --out {url}); an interrupted run writes it when "

@@ -114,14 +114,15 @@ class Retry:
         self.retries, self.backoff_s = max(0, int(retries)), max(0.0, float(backoff_s))
 
     def __call__(self, what: str, fn: Callable[[], Any]) -> Any:
-        """fn() with retries. FileNotFoundError and a range past the end (EINVAL: the object is
-        shorter than asked) pass through at once; any other error is retried, then becomes
-        DataUnreachable naming `what`."""
+        """fn() with retries. FileNotFoundError, a range past the end (EINVAL: the object is
+        shorter than asked) and content errors (ValueError: bytes that were read but do not parse,
+        such as a corrupt index.json) pass through at once; any other error is retried, then
+        becomes DataUnreachable naming `what`."""
         waited = 0.0
         for attempt in range(self.retries + 1):
             try:
                 return fn()
-            except FileNotFoundError:
+            except (FileNotFoundError, ValueError):
                 raise
             except OSError as err:
                 if err.errno == errno.EINVAL:  # "the requested range is not satisfiable"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import threading
 import time
@@ -315,3 +316,30 @@ def test_an_index_naming_a_shard_outside_its_set_is_refused(tmp_path, tiny_cfg, 
     with pytest.raises(ValueError, match="a data file may only name files inside its own folder") as err:
         load_index(str(out))
     assert f"{out}/index.json" in str(err.value) and repr(forged) in str(err.value)
+
+
+@pytest.mark.parametrize("damage, says", [
+    ("not_json", "index.json is not a readable index"),
+    ("negative_size", "has size=-5 (an integer >= 0)"),
+    ("no_frames", "is damaged (KeyError: 'frames')"),
+])
+def test_a_damaged_index_is_one_error_at_once_not_blamed_on_the_network(tmp_path, tiny_cfg, data_cache, damage, says):
+    """A corrupt local index.json was retried for 15 s and blamed on "the endpoint, the network and
+    the credentials"; a negative size or a sample without `frames` was a traceback in the plan."""
+    from dit_train.data_pipelines.shard_index import load_index
+
+    out = tmp_path / "set"
+    assert _make(str(out), data_cache) == 0
+    index = json.loads((out / "index.json").read_text())
+    if damage == "not_json":
+        (out / "index.json").write_text('{"kind": "pixels", "shardl')
+    else:
+        if damage == "negative_size":
+            index["shardlist"][0]["size"] = -5
+        else:
+            del index["shardlist"][0]["info"][1]["frames"]
+        (out / "index.json").write_text(json.dumps(index))
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match=re.escape(says)) as err:
+        load_index(str(out))
+    assert time.perf_counter() - t0 < 2 and "network" not in str(err.value) and "make_shards" in str(err.value)
