@@ -142,5 +142,8 @@ def test_image_prompt_starts_from_the_image(cond_run, tmp_path, capsys):
     assert main([*args]) == 2
     assert main([*args, "--image", str(tmp_path / "first.png"), "--last-image", str(tmp_path / "first.png")]) == 2
     assert main([*args, "--image", str(tmp_path / "nope.png")]) == 2
+    assert main([*args, "--image", str(tmp_path)]) == 2  # a folder (it said "no such file")
     err = capsys.readouterr().err
-    assert err.count("error:") == 3 and "give --image first.png" in err and "nope.png" in err
+    assert err.count("error:") == 4 and "give --image first.png" in err and "nope.png" in err
+    assert "--last-image: this run trained cond.kind=first_frame (the first frame only); drop --last-image" in err
+    assert f"{tmp_path} is a folder: give one image or video file" in err

@@ -88,5 +88,14 @@ def test_bad_requests_are_one_error_line(trained_run, tmp_path, capsys):
     assert main([str(trained_run), "--prompt", "x", "--shift", "0"]) == 2
     assert main([str(trained_run), "--prompt", "x", "--data-captions", "2"]) == 2
     assert main([str(trained_run)]) == 2
+    # sizes that cannot fit: refused before a model is built (was a traceback deep in the sampler)
+    assert main([str(trained_run), "--prompt", "x", "--height", "100000", "--width", "100000"]) == 2
     err = capsys.readouterr().err
-    assert err.count("error:") == 5 and "not both" in err and "nothing to sample" in err and "guidance" in err and "config.yaml" in err and "--shift=0.0" in err
+    assert err.count("error:") == 6 and "not both" in err and "nothing to sample" in err and "guidance" in err and "config.yaml" in err and "--shift=0.0" in err
+    assert "1 clip(s) of 16 x 100000 x 100000 need ~" in err and "lower --height/--width/--frames or --num" in err
+
+
+def test_sampling_shows_a_progress_bar(trained_run, tmp_path, capsys):
+    """`--num 10000` printed nothing for 100 s: the steps show as a bar (stderr)."""
+    _sample(trained_run, tmp_path / "a")
+    assert "sampling 4 clip(s)" in capsys.readouterr().err

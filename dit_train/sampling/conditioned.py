@@ -85,6 +85,8 @@ def validation_task(cfg: Any, task: Any) -> Any:
 def _read_pixels(path: str, frames: int, pt: int, need: str = "") -> torch.Tensor:
     """[3, F, H, W] in [-1, 1]: an image repeated to one temporal patch, or a video's first
     `frames` frames (at its native rate); `need` names the flag asking for them (errors)."""
+    if Path(path).is_dir():
+        raise ValueError(f"{path} is a folder: give one image or video file")
     if not Path(path).is_file():
         raise ValueError(f"{path}: no such file")
     try:
@@ -148,7 +150,12 @@ def given_from_files(cond: Any, shape: tuple[int, int, int, int], pt: int, image
         patches[first_patch:first_patch + pixels.shape[1] // pt] = True
 
     if kind in ("first_frame", "first_last"):
-        if video or (kind == "first_frame" and last_image) or not image or (kind == "first_last" and not last_image):
+        if kind == "first_frame" and last_image:  # the flag it cannot use, named (it said "give --image")
+            raise ValueError("--last-image: this run trained cond.kind=first_frame (the first frame only); drop "
+                             "--last-image (cond.kind=first_last runs take both)")
+        if video:
+            raise ValueError(f"--video: this run trained cond.kind={kind}; give {need} instead")
+        if not image or (kind == "first_last" and not last_image):
             raise ValueError(f"this run trained cond.kind={kind}: give {need}")
         if f < (3 if kind == "first_last" else 2):
             raise ValueError(f"--frames={F} leaves no frame to generate after the given ones (temporal patches of "

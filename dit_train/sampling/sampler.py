@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
+from tqdm.auto import tqdm
 import torch
 import torch.distributed as dist
 
@@ -289,8 +290,11 @@ class VideoSampler:
         return xs, cfg, ctxs
 
     @torch.no_grad()
-    def sample(self, model: torch.nn.Module, autocast: Callable[[], Any] | None = None) -> list[torch.Tensor]:
-        """Run the sampler; returns the clips [C, F, H, W] (model space: pixels or latents)."""
+    def sample(self, model: torch.nn.Module, autocast: Callable[[], Any] | None = None,
+               progress: bool = False) -> list[torch.Tensor]:
+        """Run the sampler; returns the clips [C, F, H, W] (model space: pixels or latents).
+        progress: a bar over the steps (tools.sample on the writing rank; a long sampling printed
+        nothing for minutes)."""
         autocast = autocast or contextlib.nullcontext
         xs, cfg, ctxs = self._start()
         scheds = self.schedulers()
@@ -301,7 +305,7 @@ class VideoSampler:
         n = len(xs)
         sizes = [math.prod(self._grid(x.shape)) for x in xs]
         offsets = np.cumsum([0] + (sizes + sizes if cfg else sizes)).tolist()
-        for i in range(self.steps):
+        for i in tqdm(range(self.steps), desc=f"sampling {n} clip(s)", unit="step", disable=not progress):
             ts = [sig[i] for sig in sigmas]  # each clip's own noise level (they differ with per-clip shifts)
             given = [self.given(k, xs[k]) for k in range(n)]
             if self.cond_feed == "timestep":  # the given frames, clean, at every step

@@ -35,10 +35,14 @@ A conditioned run (cond.kind, docs/conditioning.md) continues given frames:
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from dit_train.checkpoint.export import run_weights
 from dit_train.compose import load_config
@@ -155,7 +159,7 @@ def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, 
                            cond_feed=sampler_feed(cfg.cond), control=bool(cfg.cond.control),
                            guidance_scale_2=args.guidance_scale_2, boundary=args.boundary, pipeline=pipeline,
                            **sampler_i2v(cfg.model, cfg.cond))
-    clips = sampler.sample(model, lambda: autocast(cfg.train.precision, ctx.device, False))
+    clips = sampler.sample(model, lambda: autocast(cfg.train.precision, ctx.device, False), progress=ctx.is_main)
     if not ctx.is_main:
         return None
     pixels = to_pixels(clips, decode)
@@ -251,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--num and --steps must be >= 1 and --guidance >= 1")
         if args.guidance_scale_2 and args.guidance_scale_2 < 1:
             raise ValueError(f"--guidance-scale-2={args.guidance_scale_2} must be >= 1 (1 = no guidance)")
+        if not args.data_captions:  # the data's own sizes need no check
+            check_memory(cfg, args)
         args.boundary = expert_boundary(args, cfg)
         if args.shift is not None and not args.shift > 0:
             raise ValueError(f"--shift={args.shift} must be > 0 (1 = no shift)")
@@ -272,6 +278,27 @@ def main(argv: list[str] | None = None) -> int:
     if line := quality_line(scores):
         print(line)
     return 0
+
+
+def check_memory(cfg: Any, args: argparse.Namespace) -> None:
+    """Refuse sizes that cannot fit before anything is built (--height 100000 --width 100000 was a
+    traceback deep in the sampler): the clips in pixels (noise, the model's input and the decoded
+    output: ~3 copies) and, for pixel-space runs, one step's pack of tokens (x2 with guidance) at
+    ~16 activations of model.dim each, against the device's memory (all of it: a busy machine may
+    still swap, but a size over the whole memory never runs)."""
+    clips = len(args.prompt) * args.num
+    pixels = clips * args.frames * args.height * args.width * 3 * 4 * 3
+    need = float(pixels)
+    if cfg.data.name != "latent_cache":  # pixel space: the model sees the pixels' patches
+        tokens = clips * 2 * args.frames * args.height * args.width / math.prod(cfg.model.patch_size)
+        need += tokens * getattr(cfg.model, "dim", 0) * 4 * 16
+    if args.device != "cpu" and torch.cuda.is_available():
+        have = float(torch.cuda.mem_get_info()[1])
+    else:
+        have = float(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    if need > have:
+        raise ValueError(f"{clips} clip(s) of {args.frames} x {args.height} x {args.width} need ~{need / 2**30:.0f} GiB "
+                         f"to sample, more than the {have / 2**30:.0f} GiB here: lower --height/--width/--frames or --num")
 
 
 def given_files(args: argparse.Namespace) -> bool:
