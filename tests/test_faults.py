@@ -75,6 +75,23 @@ def test_resume_refuses_a_different_experiment_before_writing_anything(tmp_path,
 # -- folder ownership ----------------------------------------------------------------------------
 
 
+def test_resume_auto_with_outputs_but_no_checkpoint_says_why_it_cannot_continue(tmp_path, caplog):
+    """A run stopped before its first checkpoint, then train.resume=auto: it warned "starting from
+    step 0" and then refused with "continue it with train.resume=auto" — the flag just given."""
+    from dit_train.config.errors import RunFolderError
+    from dit_train.engine.run_folder import open_run_folder
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "summary.json").write_text('{"status": "interrupted"}')
+    cfg = compose_config(BASE)
+    cfg.run_dir = str(run)
+    with pytest.raises(RunFolderError, match=r"train.resume=auto: run folder .* holds a run's outputs \(summary.json\) "
+                                             r"but no checkpoint to continue from .* train.overwrite=true"):
+        open_run_folder(cfg, "auto")
+    assert "starting from step 0" not in caplog.text
+
+
 def test_a_new_run_into_a_used_folder_is_refused_unless_overwrite(tmp_path, data_cache):
     from dit_train.config.errors import RunFolderError
 

@@ -183,10 +183,16 @@ def open_run_folder(cfg: Any, resume: str, hydra_record: Any = None, data: dict[
             ckpt = resolve_checkpoint(resume, path)
         except FileNotFoundError as err:
             raise RunFolderError(str(err)) from None
-        if resume == "auto" and ckpt is None:
-            log.warning("train.resume=auto: no checkpoint in %s, starting from step 0", checkpoint_root(path))
         found = previous_outputs(path)
+        if resume == "auto" and ckpt is None and not found:
+            log.warning("train.resume=auto: no checkpoint in %s, starting from step 0", checkpoint_root(path))
         if ckpt is None and found:
+            if resume == "auto" and not cfg.train.overwrite:  # it was told to continue: say why it cannot
+                raise RunFolderError(
+                    f"train.resume=auto: run folder {path} holds a run's outputs ({', '.join(found)}) but no checkpoint "
+                    f"to continue from (it stopped before its first one; train.ckpt_every={cfg.train.ckpt_every}); "
+                    f"start it again with train.overwrite=true (moves them to {path}/overwritten_<time>/) or pick "
+                    f"another hydra.run.dir")
             if not cfg.train.overwrite:
                 raise RunFolderError(
                     f"run folder {path} holds another run's outputs ({', '.join(found)}); continue it with "
