@@ -434,3 +434,17 @@ def test_advice_says_only_what_applies(tmp_path, caplog):
     space = prompt_space(compose_config(["model.text_dim=8", "model.text_len=64"]))
     assert space.encode("x" * 10_000).shape[0] == 64
     assert "is 10000 bytes long; the model reads the first 64 (model.text_len=64)" in caplog.text
+
+
+def test_a_worker_stopped_from_outside_is_named_by_its_signal_not_elastics_url():
+    """SIGTERM to one worker ended with "worker rank 1 failed (exit code 143): To enable traceback
+    see: https://pytorch.org/docs/stable/elastic/errors.html"."""
+    from dit_train.engine.launch import failure_line
+
+    elastic = "To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html"
+    assert failure_line(1, 143, elastic) == ("worker rank 1 was stopped by SIGTERM from outside the run (a scheduler, "
+                                             "the out-of-memory killer or kill; exit code 143); all workers were stopped")
+    assert failure_line(0, -9, "Signal 9 (SIGKILL) received by PID 27929").startswith(
+        "worker rank 0 was stopped by SIGKILL from outside the run")
+    assert failure_line(2, 1, "ValueError: boom") == "worker rank 2 failed (exit code 1): ValueError: boom"
+    assert failure_line(2, 1, elastic) == "worker rank 2 failed (exit code 1): see the traceback above"

@@ -215,14 +215,28 @@ def launch_local(fn: Callable[..., Any], args: tuple, nproc: int, cfg: LauncherC
                                 f"frozen, stopped or starved); all workers were stopped "
                                 f"(launcher.heartbeat_timeout_s={cfg.heartbeat_timeout_s:g})") from None
         msg = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
-        raise WorkerFailure(f"worker rank {rank} failed (exit code {failure.exitcode}): "
-                            f"{msg or 'see the traceback above'}") from None
+        raise WorkerFailure(failure_line(rank, failure.exitcode, msg)) from None
     finally:
         for sig, handler in handlers.items():  # the agent replaced them with its own
             signal.signal(sig, handler)
         if watchdog is not None:
             watchdog.stop()
             shutil.rmtree(beat_dir, ignore_errors=True)
+
+
+def failure_line(rank: int, exitcode: int, message: str) -> str:
+    """What a failed worker's line says. Elastic's stand-in message for a worker that left no error
+    record ("To enable traceback see: <url>") is dropped; a worker ended by a signal from outside
+    the run (128 + signal, or elastic's negative code and its "Signal 9 (SIGKILL) received by PID")
+    is named by the signal and where it came from."""
+    if message.startswith("To enable traceback see"):
+        message = ""
+    signum = exitcode - 128 if exitcode > 128 else -exitcode if exitcode < 0 else 0
+    # elastic's own words for a signal: "Signal 9 (SIGKILL) received by PID 1234"
+    if signum and (not message or message.startswith("Signal ")) and signum in signal.valid_signals():
+        return (f"worker rank {rank} was stopped by {signal.Signals(signum).name} from outside the run (a scheduler, "
+                f"the out-of-memory killer or kill; exit code {exitcode}); all workers were stopped")
+    return f"worker rank {rank} failed (exit code {exitcode}): {message or 'see the traceback above'}"
 
 
 def launch(cfg: Config, fn: Callable[[Config], Any]) -> Any:
