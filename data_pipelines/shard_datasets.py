@@ -109,9 +109,16 @@ class ShardClipDataset(VideoClipDataset):
         media = member(self._sample_bytes(loc, fresh=True), loc, ext.lstrip(".") or "bin")
         try:
             with member_file(media, ext) as tmp:
-                return read_frames(tmp, indices, e.info)
+                frames = read_frames(tmp, indices, e.info)
         except VideoReadError as err:
             raise VideoReadError(f"{self.reader.where(loc.shard)} ({e.path}): {err}") from err
+        # the plan sized this clip from the index; a clip that decodes to another size (a damaged or
+        # hand-edited index: height and width swapped) would train on other tokens than planned
+        if tuple(frames.shape[1:3]) != (e.info.height, e.info.width):
+            raise VideoReadError(f"{self.reader.where(loc.shard)} ({e.path}): decodes to {frames.shape[2]}x"
+                                 f"{frames.shape[1]} but index.json says {e.info.width}x{e.info.height}; the index "
+                                 f"is damaged: remake the set with python -m dit_train.tools.make_shards")
+        return frames
 
     def _companion_frames(self, e: ClipEntry, kind: str, indices: list[int]) -> torch.Tensor:
         name = getattr(e.companions, kind)

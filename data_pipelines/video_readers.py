@@ -150,6 +150,11 @@ class DecordReader:
             arr = vr.get_batch(indices).asnumpy()
         except Exception:
             arr = None
+        if arr is not None and arr.ndim == 4 and arr.shape[3] == 3 and arr.shape[1:3] != (info.height, info.width):
+            # three clean channels at another size: the frames are fine and `info` is wrong (a damaged
+            # shard index); resizing them to it would train on stretched frames without a word
+            raise VideoReadError(f"{path} decodes to {arr.shape[2]}x{arr.shape[1]}, not the {info.width}x{info.height} "
+                                 f"its record says")
         if arr is None or arr.shape[1:] != (info.height, info.width, 3):
             safe_w = int(math.ceil(info.width / 32) * 32)
             vr = self._open(path, width=safe_w, height=info.height)

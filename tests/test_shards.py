@@ -343,3 +343,23 @@ def test_a_damaged_index_is_one_error_at_once_not_blamed_on_the_network(tmp_path
     with pytest.raises(ValueError, match=re.escape(says)) as err:
         load_index(str(out))
     assert time.perf_counter() - t0 < 2 and "network" not in str(err.value) and "make_shards" in str(err.value)
+
+
+def test_an_index_whose_sizes_do_not_match_the_clip_skips_the_clip_naming_it(tmp_path, tiny_cfg, data_cache):
+    """index.json with a clip's height and width swapped trained with rc 0 on other tokens than
+    planned (the plan is made from the index): the decoded size is checked against it, and the
+    clip is skipped and counted like an unreadable one, naming the shard."""
+    out = tmp_path / "set"
+    assert _make(str(out), data_cache) == 0
+    index = json.loads((out / "index.json").read_text())
+    info = index["shardlist"][0]["info"][0]
+    if info["height"] == info["width"]:
+        pytest.skip("the first clip is square")
+    info["height"], info["width"] = info["width"], info["height"]
+    (out / "index.json").write_text(json.dumps(index))
+    cfg = compose([*TINY_MODEL, "data=shards", f"data.url={out}", *READ, f"data.cache_dir={data_cache}"])
+    cfg.data.num_workers = 0
+    ds = source_for(cfg.data, cfg.model).open()
+    with pytest.raises(VideoReadError, match=r"shard-000000.tar .*decodes to \d+x\d+"):
+        ds[0]
+    assert ds[1].pixels.numel()
