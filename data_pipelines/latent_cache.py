@@ -368,6 +368,7 @@ class LatentCacheDataset:
             member_name(row.get("file"), str(manifest))
         if meta.get("null_text_emb"):
             member_name(meta["null_text_emb"], str(self.root / META))
+            check_tensor_file(self.root / meta["null_text_emb"], "text_emb")
         self.keep_rows(meta, rows, patch, split, heldout_fraction, f"the latent cache {self.root}")
 
     def keep_rows(self, meta: dict, rows: list[dict], patch: tuple[int, int, int], split: str,
@@ -444,6 +445,18 @@ class LatentCacheDataset:
         if not self.meta.get("null_text_emb"):
             raise ValueError(f"the latent cache {self.root} has no text embeddings (cached without --text-encoder)")
         return load_file(str(self.root / self.meta["null_text_emb"]))["text_emb"].float()
+
+
+def check_tensor_file(path: Path, key: str) -> None:
+    """Refuse (ValueError naming the file) a safetensors file that does not open or lacks `key`:
+    read at every caption dropout, a damaged one was a traceback mid-run. Reads the header only."""
+    try:
+        with safe_open(str(path), "pt") as f:
+            if key not in f.keys():
+                raise ValueError(f"holds no {key!r}")
+    except Exception as err:  # safetensors' own error types for a truncated or foreign file
+        raise ValueError(f"{path} is damaged ({str(err).splitlines()[0] if str(err) else type(err).__name__}); run "
+                         f"tools.cache_latents into this cache again (it rewrites it)") from None
 
 
 def load_decoder(root: str | os.PathLike, device: str | torch.device = "cpu",

@@ -342,3 +342,16 @@ def test_a_manifest_entry_outside_the_cache_is_refused_before_reading(cache, tmp
     with pytest.raises(ValueError, match="a data file may only name files inside its own folder") as err:
         lc.LatentCacheDataset(copy, patch=(1, 2, 2))
     assert str(copy / lc.MANIFEST) in str(err.value) and repr(forged) in str(err.value)
+
+
+def test_a_damaged_null_caption_file_is_refused_when_the_dataset_is_built(cache, tmp_path):
+    """null_text_emb.safetensors is read at every caption dropout: damaged, it was a traceback in
+    the middle of the run; now one error naming it when the dataset is built, before step 0."""
+    import shutil
+
+    copy = tmp_path / "c"
+    shutil.copytree(cache, copy)
+    name = json.loads((copy / lc.META).read_text())["null_text_emb"]
+    (copy / name).write_bytes((copy / name).read_bytes()[:20])
+    with pytest.raises(ValueError, match=rf"{name} is damaged .*tools.cache_latents"):
+        lc.LatentCacheDataset(copy, patch=(1, 2, 2))
