@@ -409,6 +409,10 @@ class LatentCacheDataset:
     def lengths(self) -> list[int]:
         return [self.num_tokens(i) for i in range(len(self))]
 
+    def captions(self) -> list[str]:
+        """Each sample's caption, in sample order (the resume check's content fingerprint)."""
+        return [row["caption"] for row in self.rows]
+
     def tensors(self, row: dict) -> dict[str, torch.Tensor]:
         """The sample's stored tensors (`latents`, optional `text_emb`); VideoReadError when they
         cannot be read (skipped and counted by the task)."""

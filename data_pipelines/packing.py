@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from typing import Any
 from dataclasses import dataclass
 
 import numpy as np
@@ -158,12 +159,25 @@ def plan_step(step: int, lengths: list[int] | dict[int, int], global_batch: int,
     return StepPlan(step, ids, per_rank)
 
 
-def plan_fingerprint(lengths: list[int]) -> dict[str, object]:
+def plan_fingerprint(lengths: list[int], captions: list[str] | None = None) -> dict[str, object]:
     """What the step plan depends on besides (seed, step, batch settings): the number of samples
-    and their lengths, as {"samples": n, "lengths_sha256": hex digest}. Stored in checkpoints:
-    a resume on data whose fingerprint differs would draw other samples than the run it continues."""
+    and their lengths, as {"samples": n, "lengths_sha256": hex digest}; with `captions` (sources
+    that have them) also {"captions_sha256": ...}, so clips replaced by others of the same sizes
+    are seen too. Stored in checkpoints: a resume on data whose fingerprint differs would draw
+    other samples than the run it continues."""
     digest = hashlib.sha256(np.asarray(lengths, dtype=np.int64).tobytes()).hexdigest()
-    return {"samples": len(lengths), "lengths_sha256": digest}
+    out: dict[str, object] = {"samples": len(lengths), "lengths_sha256": digest}
+    if captions is not None:
+        out["captions_sha256"] = hashlib.sha256("\x00".join(captions).encode("utf-8", "surrogatepass")).hexdigest()
+    return out
+
+
+def data_fingerprint(dataset: Any, lengths: list[int]) -> dict[str, object]:
+    """What a resume compares with the checkpoint's data: plan_fingerprint of the lengths, and of
+    the captions where the dataset has them (`captions()`: clips replaced by others of the same
+    sizes change it)."""
+    captions = getattr(dataset, "captions", None)
+    return plan_fingerprint(lengths, captions() if captions is not None else None)
 
 
 def padding_efficiency(lengths: list[int], micro_batches: list[list[int]], padded_len: int) -> float:

@@ -44,6 +44,10 @@ class Prefetcher:
     def lengths(self) -> list[int]:
         return self.dataset.lengths()
 
+    def captions(self) -> list[str] | None:
+        inner = getattr(self.dataset, "captions", None)
+        return inner() if inner is not None else None
+
     def prefetch(self, ids: Iterable[int]) -> None:
         """Start decoding `ids` in the background (ids already started are not started again)."""
         with self._lock:

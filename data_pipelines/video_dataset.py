@@ -285,6 +285,10 @@ class VideoClipDataset:
     def lengths(self) -> list[int]:
         return [self.num_tokens(i) for i in range(len(self))]
 
+    def captions(self) -> list[str]:
+        """Each sample's caption, in sample order (the resume check's content fingerprint)."""
+        return [e.caption for e in self.entries]
+
     # -- decoding ---------------------------------------------------------------------------
 
     def read(self, e: ClipEntry, indices: list[int]) -> torch.Tensor:

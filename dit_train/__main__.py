@@ -21,7 +21,6 @@ from dit_train.compose import register_configs
 from dit_train.config.errors import CheckpointError, ConfigError, RunFailed, WorkerFailure
 from dit_train.data_pipelines import prepare_data
 from dit_train.distill.build import build_distill_run, student_config
-from dit_train.data_pipelines.packing import plan_fingerprint
 from dit_train.engine.checks import check_config
 from dit_train.engine.hydra_outputs import HydraRecord
 from dit_train.engine.launch import external_world_size, interrupt_on_signals, interruption, launch
@@ -29,7 +28,7 @@ from dit_train.engine.run_folder import open_run_folder
 from dit_train.engine.summary import amend_summary
 from dit_train.engine.worker import train
 from dit_train.help import help_text
-from dit_train.tasks import check_data, resolve_config
+from dit_train.tasks import checked_data, resolve_config
 
 
 def run_from_config(cfg: Config, hydra_record: Any = None) -> dict:
@@ -42,9 +41,8 @@ def run_from_config(cfg: Config, hydra_record: Any = None) -> dict:
         prepare_data(cfg.data, cfg.model)
     except (ValueError, OSError) as err:
         raise ConfigError(str(err)) from err
-    lengths = check_data(cfg)
+    lengths, data = checked_data(cfg)
     cfg = resolve_config(cfg, lengths)  # the run's config (auto budget resolved): read, never changed, from here on
-    data = plan_fingerprint(lengths)
     # a distillation run builds three models (dit_train/distill); the worker takes the builder
     build = {"build": build_distill_run} if cfg.distill.method != "none" else {}
     if external_world_size() is not None:  # torchrun / SLURM: rank 0 claims the folder in the worker

@@ -320,6 +320,24 @@ def test_resume_refuses_data_that_changed_unless_told(tmp_path, data_cache, capl
     assert f"train.resume_data_changed=true: data.root={videos} changed" in caplog.text and _steps(run) == [0, 1, 2]
 
 
+def test_resume_sees_clips_replaced_by_others_of_the_same_sizes(tmp_path, data_cache):
+    """Every clip's content and caption replaced, then train.resume=auto: it resumed without a word
+    (the fingerprint held the lengths only). The captions are in it now."""
+    from dit_train.config.errors import RunFolderError
+    from tests.conftest import TINY_MODEL
+    from tests.test_video_folder import make_video_folder
+
+    videos = make_video_folder(tmp_path / "videos", Path(data_cache), n=6)
+    base = [*TINY_MODEL, "data=video_folder", f"data.root={videos}", "data.max_frames=8", "data.num_workers=0",
+            "train.global_batch=3", "train.ckpt_every=2"]
+    run = tmp_path / "run"
+    _run([*base, "train.steps=2"], run, data_cache)
+    for i, clip in enumerate(sorted(videos.glob("*.mp4"))):
+        clip.with_suffix(".txt").write_text(f"another clip altogether {i}")
+    with pytest.raises(RunFolderError, match=r"it had 6 samples of the same lengths, now with other captions"):
+        _run([*base, "train.steps=3", "train.resume=auto"], run, data_cache)
+
+
 def _start(args: list[str], run: Path, cwd: Path, steps_seen: int = 1) -> subprocess.Popen:
     """`python -m dit_train` started, returned once `steps_seen` steps are in its metrics."""
     proc = subprocess.Popen([sys.executable, "-m", "dit_train", *args, f"hydra.run.dir={run}"], cwd=cwd,

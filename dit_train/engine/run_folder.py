@@ -150,14 +150,20 @@ def data_key(data_cfg: Any) -> str:
 
 
 def check_same_data(ckpt: Path, data: dict[str, Any] | None, cfg: Any) -> None:
-    """Refuse to resume `ckpt` on data whose plan fingerprint (packing.plan_fingerprint: sample
-    count and lengths) differs from the one it was trained on, unless train.resume_data_changed.
+    """Refuse to resume `ckpt` on data whose fingerprint (packing.data_fingerprint: sample count,
+    lengths, captions) differs from the one it was trained on, unless train.resume_data_changed.
     Checkpoints without a fingerprint (older ones) and callers without data pass."""
     saved = read_checkpoint_info(ckpt)["parts"].get("trainer", {}).get("data")
-    if data is None or not saved or saved == data:
+    # keys both have: a checkpoint from before captions were fingerprinted compares lengths only
+    if data is None or not saved or all(saved[k] == data[k] for k in saved if k in data):
         return
     n0, n1 = saved.get("samples"), data["samples"]
-    what = f"{n0} samples, now {n1}" if n0 != n1 else f"{n0} samples, now {n1} of other lengths"
+    if n0 != n1:
+        what = f"{n0} samples, now {n1}"
+    elif saved.get("lengths_sha256") != data.get("lengths_sha256"):
+        what = f"{n0} samples, now {n1} of other lengths"
+    else:
+        what = f"{n0} samples of the same lengths, now with other captions (other clips)"
     if cfg.train.resume_data_changed:
         log.warning("train.resume_data_changed=true: %s changed since %s (%s); the steps from the resumed one on "
                     "draw from the new data", data_key(cfg.data), ckpt.name, what)
@@ -171,7 +177,7 @@ def open_run_folder(cfg: Any, resume: str, hydra_record: Any = None, data: dict[
     """Check and claim `cfg.run_dir` for this launch (see the module docstring).
 
     hydra_record: a `HydraRecord` to write once the folder is claimed (None outside the CLI).
-    data: the plan fingerprint of the configured data (packing.plan_fingerprint) to compare
+    data: the fingerprint of the configured data (packing.data_fingerprint) to compare
     with a resumed checkpoint's; None = not checked."""
     path = Path(cfg.run_dir)
     _writable(path, "run folder")

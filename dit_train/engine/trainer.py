@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from dit_train.data_pipelines.packing import balanced_split, pack_ffd, plan_fingerprint, plan_step
+from dit_train.data_pipelines.packing import balanced_split, data_fingerprint, pack_ffd, plan_step
 from dit_train.batch import PackedBatch
 from dit_train.config import LossConfig, MoEConfig, OptimConfig, ParallelConfig, TrainConfig
 from dit_train.engine.offload import activation_offload
@@ -350,7 +350,7 @@ class Trainer:
         # (engine/run_folder.py): a dataset that changed would give other steps
         return {"skipped_in_a_row": self.skipped_in_a_row, "skipped_total": self.skipped_total,
                 "loss_scale": self.loss_scale.state_dict() if self.loss_scale is not None else None,
-                "data": plan_fingerprint(list(self.lengths.values()))}
+                "data": data_fingerprint(self.task.dataset, list(self.lengths.values()))}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.skipped_in_a_row = int(state.get("skipped_in_a_row", 0))

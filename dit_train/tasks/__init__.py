@@ -13,6 +13,7 @@ from dit_train.config import Config
 from dit_train.config.errors import ConfigError
 from dit_train.config.schema import AUTO_MICRO_BATCH_TOKENS, companions
 from dit_train.data_pipelines import SOURCES, open_dataset, source_for
+from dit_train.data_pipelines.packing import data_fingerprint
 from dit_train.tasks.llm import LMTask
 from dit_train.tasks.video import VideoTask
 
@@ -45,6 +46,11 @@ def check_data(cfg: Any) -> list[int]:
     (each error names the keys and values that would work). Returns the samples' lengths (what
     the step plan is made from, and what resolve_config sizes train.micro_batch_tokens=0 by);
     `cfg` is only read."""
+    return checked_data(cfg)[0]
+
+
+def checked_data(cfg: Any) -> tuple[list[int], dict[str, object]]:
+    """check_data's checks; returns the lengths and the data's fingerprint (data_fingerprint)."""
     try:
         task = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed, cond=cfg.cond)
         lengths = task.lengths()
@@ -66,7 +72,7 @@ def check_data(cfg: Any) -> list[int]:
                           f"train.micro_batch_tokens={budget}; raise train.micro_batch_tokens to at least {longest} "
                           f"(or 0 = auto: the longest sample)"
                           + (f", or make every sample fit {budget} tokens: {' or '.join(fits)}" if fits else ""))
-    return lengths
+    return lengths, data_fingerprint(task.dataset, lengths)
 
 
 def resolve_config(cfg: Config, lengths: list[int]) -> Config:
