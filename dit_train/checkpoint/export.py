@@ -7,10 +7,11 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from dit_train.atomic import save_file_atomic
 from dit_train.checkpoint import safe_load
 from dit_train.checkpoint.store import find_checkpoint, read_checkpoint_info
 from dit_train.compose import load_config
@@ -31,10 +32,9 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_safetensors(sd: dict[str, torch.Tensor], path: str | Path) -> None:
-    path = Path(path)
-    tmp = path.with_suffix(".tmp")
-    save_file(sd, str(tmp))
-    tmp.replace(path)  # atomic: a reader never sees half a file
+    """Atomic (dit_train/atomic.py): a reader never sees half a file, a failed write leaves
+    neither a half file nor a stray temporary one."""
+    save_file_atomic(sd, path)
 
 
 def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
