@@ -1,0 +1,96 @@
+"""The fault suite, tools that write what users keep (issue 43, "Data loss"): `tools.export_weights`
+never replaces a file without --overwrite, never leaves half a file or a stray temporary one,
+and never passes a damaged adapter file on; `tools.video_rl` never overwrites a run (its own
+source least of all), and a stopped post-training run keeps what it did and resumes
+(docs/checkpoints.md, "Faults and bad inputs tried")."""
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+
+
+def _one_error_line(capsys, *says: str) -> str:
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and all(s in err for s in says), err
+    return err
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder` (hidden ones too) with its bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def plain_run(tmp_path, tiny_cfg) -> Path:
+    """A finished run as tools see it: config.yaml + weights.safetensors."""
+    from dit_train.posttrain import TrainingSession
+
+    run = tmp_path / "run"
+    TrainingSession(tiny_cfg).export(run)
+    return run
+
+
+# -- export_weights: destinations -----------------------------------------------------------------
+
+
+def test_export_refuses_to_replace_a_file_unless_overwrite(tmp_path, plain_run, capsys):
+    """It replaced any existing --out file silently."""
+    from dit_train.tools import export_weights
+
+    mine = tmp_path / "mine.safetensors"
+    mine.write_bytes(b"a file the user keeps")
+    assert export_weights.main([str(plain_run), "--out", str(mine)]) == 2
+    _one_error_line(capsys, f"{mine} exists", "--overwrite")
+    assert mine.read_bytes() == b"a file the user keeps"
+
+    assert export_weights.main([str(plain_run), "--out", str(mine), "--overwrite"]) == 0
+    a, b = load_file(mine), load_file(plain_run / "weights.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.safetensors", "run"]  # no temporary file left
+
+
+def _fail_writes(monkeypatch, error: OSError, partial: bool) -> None:
+    """safetensors' writer (under `save_file`, however it was imported) failing as on a full disk
+    (after part of the file) or in a read-only folder (before writing anything): the tests may
+    run as root, where chmod stops nothing."""
+    import safetensors.torch
+
+    def serialize_file(tensors, filename, metadata=None):
+        if partial:
+            Path(filename).write_bytes(b"\0" * 4096)
+        raise error
+
+    monkeypatch.setattr(safetensors.torch, "serialize_file", serialize_file)
+
+
+@pytest.mark.parametrize("case", ["onto_a_folder", "folder_is_a_file", "disk_full", "read_only", "disk_full_overwrite"])
+def test_a_failed_export_is_one_line_and_leaves_nothing_behind(tmp_path, plain_run, capsys, monkeypatch, case):
+    """--out onto a directory left a 6 MB `videos.tmp` and a traceback; a failing write left a
+    half temporary file. Now: one line naming the file, and the folder exactly as before (an
+    existing file replaced with --overwrite is still the old one)."""
+    from dit_train.tools import export_weights
+
+    out, says, flags = tmp_path / "w.safetensors", "could not write", []
+    if case == "onto_a_folder":
+        out, says = tmp_path / "videos", "is a folder"
+        out.mkdir()
+        (out / "clip.mp4").write_bytes(b"video")
+    elif case == "folder_is_a_file":
+        (tmp_path / "a_file").write_text("x")
+        out, says = tmp_path / "a_file" / "w.safetensors", "is a file, not a folder"
+    elif case == "read_only":
+        _fail_writes(monkeypatch, PermissionError(errno.EACCES, "Permission denied"), partial=False)
+    else:
+        _fail_writes(monkeypatch, OSError(errno.ENOSPC, "No space left on device"), partial=True)
+        if case == "disk_full_overwrite":
+            out.write_bytes(b"the old export")
+            flags = ["--overwrite"]
+    before = _tree(tmp_path)
+    assert export_weights.main([str(plain_run), "--out", str(out), *flags]) == 2
+    _one_error_line(capsys, str(out), says)
+    assert _tree(tmp_path) == before
