@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
+from tests.conftest import TINY, train_in_process
 
 
 def _one_error_line(capsys, *says: str) -> str:
@@ -94,3 +95,41 @@ def test_a_failed_export_is_one_line_and_leaves_nothing_behind(tmp_path, plain_r
     assert export_weights.main([str(plain_run), "--out", str(out), *flags]) == 2
     _one_error_line(capsys, str(out), says)
     assert _tree(tmp_path) == before
+
+
+# -- export_weights: what it copies -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, data_cache) -> Path:
+    """A LoRA run without checkpoints (the default train.ckpt_every=0): lora/ + weights.safetensors."""
+    run = tmp_path_factory.mktemp("lora") / "run"
+    train_in_process([*TINY, "model.lora.rank=4", "train.steps=1"], run, cache_dir=data_cache)
+    return run
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "no_tensors", "not_adapters"])
+def test_a_damaged_adapter_file_is_refused_not_copied(tmp_path, lora_run, capsys, damage):
+    """export_weights LORARUN --diffusers D copied a corrupt adapter file and exited 0."""
+    import shutil
+
+    from dit_train.tools import export_weights
+
+    run = tmp_path / "run"
+    shutil.copytree(lora_run, run)
+    adapters = run / "lora" / "pytorch_lora_weights.safetensors"
+    good = adapters.read_bytes()
+    assert export_weights.main([str(run), "--diffusers", str(tmp_path / "ok")]) == 0  # the undamaged file passes
+    assert (tmp_path / "ok" / adapters.name).read_bytes() == good
+    if damage == "truncated":
+        adapters.write_bytes(good[:len(good) // 2])
+    elif damage == "garbage":
+        adapters.write_bytes(b"\x00not a safetensors file at all")
+    elif damage == "no_tensors":
+        save_file({}, str(adapters))
+    else:  # a readable file, but not adapters (the full weights copied over it)
+        shutil.copyfile(run / "weights.safetensors", adapters)
+    capsys.readouterr()
+    assert export_weights.main([str(run), "--diffusers", str(tmp_path / "D")]) == 2
+    _one_error_line(capsys, str(adapters), "checkpoints")
+    assert not (tmp_path / "D").exists()

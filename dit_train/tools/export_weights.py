@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from safetensors import SafetensorError
+from safetensors.torch import load_file
 
 from dit_train.atomic import copy_atomic
 from dit_train.checkpoint import checkpoint_weights, export_diffusers, find_checkpoint, save_safetensors
@@ -168,6 +169,20 @@ def _from_checkpoint(ckpt: Path, args: argparse.Namespace) -> Path:
                          ckpt / f"weights{suffix}.safetensors")
 
 
+def _checked_adapter(path: Path) -> Path:
+    """A run's LoRA file, before it is copied: it must be a readable safetensors file holding
+    LoRA tensors (a file cut short, emptied or replaced is refused, not passed on)."""
+    fix = "export the adapters from one of the run's checkpoints instead (train.ckpt_every > 0), if it has any"
+    try:
+        tensors = load_file(str(path))  # reads every tensor: a file cut short fails here
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"{path} is not a readable .safetensors file ({err}); {fix}") from None
+    if not any("lora_A" in k or "lora_B" in k for k in tensors):
+        raise ValueError(f"{path} holds no LoRA tensors ({len(tensors)} tensors, none named lora_A / lora_B), not the "
+                         f"adapters the run wrote; {fix}")
+    return path
+
+
 def _from_run_files(run: Path, args: argparse.Namespace) -> Path | None:
     """A run dir without checkpoints: what it wrote at its end. None when the wanted file is
     already where no --out/--diffusers was asked for (nothing to write)."""
@@ -191,6 +206,8 @@ def _from_run_files(run: Path, args: argparse.Namespace) -> Path | None:
     if _lora(cfg, args):  # the files are already in diffusers' LoRA format: DIR/pytorch_lora_weights.safetensors
         dests = _lora_dests(cfg, Path(dest), args)
         _check_lora_dirs(list(dests.values()), args)
+        for src in srcs:
+            _checked_adapter(src)
         written = []
         for prefix, out in dests.items():
             with _writing(out / WEIGHT_NAME):
