@@ -133,3 +133,35 @@ def test_a_damaged_adapter_file_is_refused_not_copied(tmp_path, lora_run, capsys
     assert export_weights.main([str(run), "--diffusers", str(tmp_path / "D")]) == 2
     _one_error_line(capsys, str(adapters), "checkpoints")
     assert not (tmp_path / "D").exists()
+
+
+# -- stops that keep a consistent state -----------------------------------------------------------------
+
+
+def test_a_signal_during_an_update_stops_after_it_and_a_second_one_at_once():
+    """video_rl's update runs under `signals_deferred`: the stop it saves is a step boundary, never
+    half an optimizer step; asked twice, it stops at once (the trainer's handler, not a second one)."""
+    import os
+    import signal
+
+    from dit_train.engine import launch
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        launch.interrupt_on_signals()
+        done = []
+        with pytest.raises(launch.Interrupted) as err:
+            with launch.signals_deferred():
+                os.kill(os.getpid(), signal.SIGTERM)
+                done.append("the rest of the update")
+        assert done == ["the rest of the update"] and err.value.signum == signal.SIGTERM
+        assert signal.getsignal(signal.SIGTERM) is launch._raise_interrupted  # the usual handler is back
+        with pytest.raises(launch.Interrupted) as err:
+            with launch.signals_deferred():
+                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), signal.SIGINT)
+                done.append("never")
+        assert done == ["the rest of the update"] and err.value.signum == signal.SIGINT
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
