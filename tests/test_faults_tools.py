@@ -135,6 +135,54 @@ def test_a_damaged_adapter_file_is_refused_not_copied(tmp_path, lora_run, capsys
     assert not (tmp_path / "D").exists()
 
 
+# -- video_rl: --out ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def rl_run(tmp_path, tiny_cfg) -> Path:
+    """A trained run as video_rl takes it: config.yaml, weights.safetensors and EMA weights."""
+    import dataclasses
+
+    from dit_train.posttrain import TrainingSession
+
+    run = tmp_path / "run"
+    TrainingSession(dataclasses.replace(tiny_cfg, train=dataclasses.replace(tiny_cfg.train, ema_decay=0.9))).export(run)
+    assert (run / "weights_ema.safetensors").is_file()
+    return run
+
+
+RL = ["--captions", "1", "--group", "2", "--sample-steps", "1", "--eval-every", "0"]
+
+
+def test_video_rl_never_overwrites_its_run_nor_a_folder_in_use(tmp_path, rl_run, capsys):
+    """`video_rl RUN --out RUN` replaced the run's weights and config, and its old
+    weights_ema.safetensors stayed, so tools.sample went on sampling the old model."""
+    from dit_train.checkpoint.export import run_weights
+    from dit_train.tools.video_rl import main
+
+    before = _tree(rl_run)
+    for out, flags, says in ((rl_run, [], "is the run it starts from"),
+                             (rl_run, ["--overwrite"], "is the run it starts from"),
+                             (tmp_path, ["--overwrite"], f"holds the run it starts from ({rl_run})")):
+        assert main([str(rl_run), *RL, "--steps", "1", "--out", str(out), *flags]) == 2
+        _one_error_line(capsys, f"--out {out}", "give another --out")
+    assert _tree(rl_run) == before
+
+    used = tmp_path / "used"  # a folder holding an earlier model, with EMA weights
+    used.mkdir()
+    for name in ("config.yaml", "weights.safetensors", "weights_ema.safetensors"):
+        (used / name).write_bytes((rl_run / name).read_bytes())
+    assert main([str(rl_run), *RL, "--steps", "1", "--out", str(used)]) == 2
+    _one_error_line(capsys, f"--out {used} is not empty", "--overwrite")
+    assert _tree(used) == _tree(rl_run)
+
+    assert main([str(rl_run), *RL, "--steps", "1", "--out", str(used), "--overwrite"]) == 0
+    assert not (used / "weights_ema.safetensors").exists()  # nothing stale passes for the new model
+    assert run_weights(used, None)[1] == "weights.safetensors"
+    (aside,) = used.glob("overwritten_*")  # moved aside, not lost
+    assert _tree(aside) == before
+
+
 # -- stops that keep a consistent state -----------------------------------------------------------------
 
 

@@ -33,6 +33,8 @@ background_ok + color_ok + shape_ok + single_shape + motion_ok + all_ok), or --r
 module:function taking (clips [3, F, H, W] in [-1, 1], captions) and returning one finite float
 per clip. Every --eval-every steps (and at 0 and the end) the 48 held-out captions are sampled
 like validation samples and scored: DIR/heldout.jsonl, DIR/heldout_step_XXXX.png.
+--out is a new or empty folder, never RUN nor a folder holding it: one that is not empty is
+refused unless --overwrite (its contents move to DIR/overwritten_<time>/).
 """
 from __future__ import annotations
 
@@ -64,6 +66,7 @@ from dit_train.posttrain.rollouts import broadcast_from_rank0
 from dit_train.posttrain.session import apply_overrides
 from dit_train.sampling import frame_grid
 from dit_train.checkpoint.export import run_weights
+from dit_train.tools.video_rl_state import check_out
 
 HELDOUT = 48
 SIZE = (8, 32, 32)  # frames, height, width of every clip (a size the quickstart trains at)
@@ -293,7 +296,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recipe", choices=("nft", "grpo", "dpo", "raft", "sft"), default="nft",
                     help="sft: the baseline, plain flow matching on the run's own clips (no reward)")
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--out", required=True, help="write weights.safetensors, heldout.jsonl and grids here")
+    ap.add_argument("--out", required=True, help="write weights.safetensors, heldout.jsonl and grids here (a new or "
+                                                 "empty folder, never the run itself)")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="--out is not empty: start over (what it holds moves to --out/overwritten_<time>/)")
     ap.add_argument("--reward", default="", help="module:function (clips, captions) -> floats; default: the shapes metric")
     ap.add_argument("--captions", type=int, default=4, help="captions per step")
     ap.add_argument("--group", type=int, default=4, help="clips per caption (the advantage's group)")
@@ -335,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.mode != "video":
             raise ConfigError(f"{run}: a mode={cfg.mode} run; video_rl post-trains video generators")
         prepare_data(cfg.data, cfg.model)
+        check_out(run, Path(args.out), args)  # refusals, then --overwrite moves the old contents aside
         launch(cfg, functools.partial(train, run=str(run), recipe=args.recipe, steps=args.steps, out=args.out,
                                       reward=args.reward, captions=args.captions, group=args.group,
                                       eval_every=args.eval_every, sample_steps=args.sample_steps, kl=args.kl,
