@@ -183,7 +183,64 @@ def test_video_rl_never_overwrites_its_run_nor_a_folder_in_use(tmp_path, rl_run,
     assert _tree(aside) == before
 
 
-# -- stops that keep a consistent state -----------------------------------------------------------------
+# -- video_rl: stopped, then resumed ----------------------------------------------------------------
+
+
+STOP_AT: list[int] = []  # the reward's call that a SIGTERM interrupts (empty: none)
+SEEN: list[list[str]] = []  # the captions of each step the reward scored
+
+
+def stopping_reward(clips, captions):
+    """The shapes reward, interrupted by a SIGTERM on its STOP_AT[0]-th call (from 1)."""
+    import signal
+
+    from dit_train.engine.launch import Interrupted
+    from dit_train.tools.video_rl import shapes_reward
+
+    if STOP_AT:
+        STOP_AT[0] -= 1
+        if STOP_AT[0] == 0:
+            raise Interrupted(signal.SIGTERM)
+    SEEN.append(list(captions))
+    return shapes_reward(clips, captions)
+
+
+@pytest.mark.parametrize("recipe", [["--recipe", "nft"], ["--recipe", "raft", "--keep-min", "-1", "--raft-batch", "1"]],
+                         ids=["nft", "raft"])
+def test_video_rl_stopped_keeps_its_progress_and_resumes_to_the_same_weights(tmp_path, rl_run, capsys, recipe):
+    """SIGTERM at step 2 of 3 left an empty --out and nothing to resume from. Now the first step is
+    kept (weights, config, video_rl.json, a checkpoint), and --resume takes steps 2 and 3 as an
+    uninterrupted run does: the same captions (the sampler's RNG), raft's buffer and its draws."""
+    import json
+    import signal
+
+    from dit_train.tools.video_rl import main
+
+    flags = [str(rl_run), *RL, *recipe, "--reward", "tests.test_faults_tools:stopping_reward", "--steps", "3",
+             "optim.lr=0.5"]  # TINY's SGD: steps that move the weights well above the test's tolerance
+    SEEN.clear()
+    assert main([*flags, "--out", str(tmp_path / "full")]) == 0
+    seen, SEEN[:] = list(SEEN), []
+    STOP_AT[:] = [2]
+    try:
+        assert main([*flags, "--out", str(tmp_path / "part")]) == 128 + signal.SIGTERM
+    except KeyboardInterrupt:  # not pytest's own stop: the tool let the signal through, keeping nothing
+        pytest.fail("the SIGTERM went through video_rl: nothing was kept")
+    finally:
+        STOP_AT.clear()
+    _one_error_line(capsys, "video_rl was stopped by SIGTERM", f"{tmp_path / 'part'} keeps 1 of 3 steps", "--resume")
+    record = json.loads((tmp_path / "part" / "video_rl.json").read_text())
+    assert record["status"] == "interrupted" and record["step"] == 1 and record["stopped"] == "stopped by SIGTERM"
+    assert (tmp_path / "part" / "config.yaml").is_file() and (tmp_path / "part" / "weights.safetensors").is_file()
+
+    assert main([*flags, "--out", str(tmp_path / "part"), "--resume"]) == 0
+    assert SEEN == seen and len({c for step in seen for c in step}) == 3  # each step's own caption, as uninterrupted
+    assert json.loads((tmp_path / "part" / "video_rl.json").read_text())["status"] == "completed"
+    start = load_file(rl_run / "weights_ema.safetensors")  # what video_rl starts from
+    full, part = load_file(tmp_path / "full" / "weights.safetensors"), load_file(tmp_path / "part" / "weights.safetensors")
+    moved = max(float((full[k] - start[k]).abs().max()) for k in full)
+    apart = max(float((full[k] - part[k]).abs().max()) for k in full)
+    assert full.keys() == part.keys() and moved > 1e-5 and apart <= 1e-3 * moved, (moved, apart)
 
 
 def test_a_signal_during_an_update_stops_after_it_and_a_second_one_at_once():
@@ -213,3 +270,34 @@ def test_a_signal_during_an_update_stops_after_it_and_a_second_one_at_once():
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+
+
+def test_sigterm_to_video_rl_keeps_its_steps_and_resume_goes_on(tmp_path, rl_run):
+    """The real signal, to the command line tool (its handler is the trainer's interrupt_on_signals)."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from dit_train.tools.video_rl import main
+
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "dit_train.tools.video_rl", str(rl_run), *RL, "--steps", "100000",
+                             "--out", str(out)], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        for line in proc.stdout:
+            if line.startswith("step 2/"):
+                break
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert err.count("\n") == 1 and err.startswith("error: video_rl was stopped by SIGTERM; ") and "--resume" in err, err
+    record = json.loads((out / "video_rl.json").read_text())
+    assert record["status"] == "interrupted" and record["step"] >= 2, record
+    assert main([str(rl_run), *RL, "--steps", str(record["step"] + 1), "--out", str(out), "--resume"]) == 0
+    record = json.loads((out / "video_rl.json").read_text())
+    assert record["status"] == "completed" and record["step"] == record["steps"]
