@@ -186,12 +186,12 @@ def test_video_rl_never_overwrites_its_run_nor_a_folder_in_use(tmp_path, rl_run,
 # -- video_rl: stopped, then resumed ----------------------------------------------------------------
 
 
-STOP_AT: list[int] = []  # the reward's call that a SIGTERM interrupts (empty: none)
+STOP_AT: list = []  # [the reward's call (from 1) that fails, the exception] (empty: none)
 SEEN: list[list[str]] = []  # the captions of each step the reward scored
 
 
 def stopping_reward(clips, captions):
-    """The shapes reward, interrupted by a SIGTERM on its STOP_AT[0]-th call (from 1)."""
+    """The shapes reward, failing on its STOP_AT[0]-th call with STOP_AT[1] (a SIGTERM by default)."""
     import signal
 
     from dit_train.engine.launch import Interrupted
@@ -200,7 +200,7 @@ def stopping_reward(clips, captions):
     if STOP_AT:
         STOP_AT[0] -= 1
         if STOP_AT[0] == 0:
-            raise Interrupted(signal.SIGTERM)
+            raise STOP_AT[1] if len(STOP_AT) > 1 else Interrupted(signal.SIGTERM)
     SEEN.append(list(captions))
     return shapes_reward(clips, captions)
 
@@ -241,6 +241,23 @@ def test_video_rl_stopped_keeps_its_progress_and_resumes_to_the_same_weights(tmp
     moved = max(float((full[k] - start[k]).abs().max()) for k in full)
     apart = max(float((full[k] - part[k]).abs().max()) for k in full)
     assert full.keys() == part.keys() and moved > 1e-5 and apart <= 1e-3 * moved, (moved, apart)
+
+
+def test_video_rl_failing_mid_run_keeps_the_steps_done(tmp_path, rl_run, capsys):
+    """A reward that raises at step 2 lost step 1 with the rest; now it is kept, and said so."""
+    import json
+
+    from dit_train.tools.video_rl import main
+
+    STOP_AT[:] = [2, ValueError("--reward broke on step 2")]
+    try:
+        assert main([str(rl_run), *RL, "--reward", "tests.test_faults_tools:stopping_reward", "--steps", "3",
+                     "--out", str(tmp_path / "out")]) == 2
+    finally:
+        STOP_AT.clear()
+    _one_error_line(capsys, "error: --reward broke on step 2; ", "keeps 1 of 3 steps", "--resume")
+    record = json.loads((tmp_path / "out" / "video_rl.json").read_text())
+    assert record["status"] == "failed" and record["step"] == 1 and "ValueError" in record["stopped"]
 
 
 def test_a_signal_during_an_update_stops_after_it_and_a_second_one_at_once():
