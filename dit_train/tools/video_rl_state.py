@@ -3,12 +3,15 @@
 --out holds the policy so far (weights.safetensors + config.yaml: what tools.sample and
 generate.load_run read), the held-out figures (heldout.jsonl, heldout_step_XXXX.png), a status
 record (video_rl.json: running / interrupted / completed, the step reached, how to go on) and
-the newest checkpoint (checkpoints/step_XXXXXXXX, numbered by video_rl step): the session's own
-parts (weights, optimizer, LR schedule, counters, per-rank torch RNG) plus the loop's state
-(`Progress`: the caption sampler's RNG, the session's optimizer-step count, raft's buffer of
-accepted clips and its RNG, the sft baseline's RNG) and the flags that shape the trajectory.
-Everything random in a step is a function of that state and the step (rollout noise ids are
-step * 10^4 + i), so a resumed run takes the same steps as one never stopped.
+the newest checkpoint, resume/checkpoints/step_XXXXXXXX (numbered by video_rl step): the
+session's own parts (weights, optimizer, LR schedule, counters, per-rank torch RNG) plus the
+loop's state (`Progress`: the caption sampler's RNG, the session's optimizer-step count, raft's
+buffer of accepted clips and its RNG, the sft baseline's RNG) and the flags that shape the
+trajectory. It sits under resume/, not checkpoints/, so that tools taking --out as a run
+(export_weights first) read its exported weights as before: a LoRA run's checkpoint holds only
+adapters, whose base is the source run's weights. Everything random in a step is a function of
+that state and the step (rollout noise ids are step * 10^4 + i), so a resumed run takes the same
+steps as one never stopped.
 
 The --out rules (`check_out`, before anything is built): --out is never the source run nor a
 folder holding it; a folder that is not empty is refused unless --overwrite (its entries move to
@@ -32,6 +35,7 @@ from dit_train.config.errors import ConfigError
 from dit_train.engine.run_folder import move_aside
 
 PROGRESS = "video_rl.json"
+RESUME = "resume"  # --out/resume/checkpoints/step_XXXXXXXX
 # the flags a resumed run must repeat: they decide which clips are sampled and how they train
 # (--steps may grow; --eval-every, --max-minutes, --max-cpu-s, --ckpt-every may change)
 TRAJECTORY = ("recipe", "reward", "captions", "group", "sample_steps", "kl", "keep_min", "updates", "raft_batch",
@@ -154,7 +158,7 @@ def check_out(run: Path, out: Path, args: Any) -> dict | None:
 def _resumable(run: Path, out: Path, args: Any) -> dict:
     """--resume: the newest checkpoint's loop state, after checking that it continues this run
     with the same trajectory flags."""
-    ckpt = find_checkpoint(out) if out.is_dir() else None
+    ckpt = find_checkpoint(out / RESUME) if (out / RESUME).is_dir() else None
     if ckpt is None:
         raise ConfigError(f"--resume: {out} holds no video_rl checkpoint to continue from (it was stopped before its "
                           f"first one, or is not a video_rl --out); start over with --overwrite")
@@ -176,7 +180,7 @@ def save_state(session: Any, out: Path, snap: Progress, settings: dict) -> Path:
     parts = {**session.run.checkpoint_parts(), "video_rl": _JSONPart(snap.to_json(settings))}
     if snap.buffer:
         parts["raft_buffer"] = _ClipsPart(torch.stack([c for c, _ in snap.buffer]))
-    ckpt = save_checkpoint(out, snap.step, parts, to_yaml(session.cfg), keep_last=1)
+    ckpt = save_checkpoint(out / RESUME, snap.step, parts, to_yaml(session.cfg), keep_last=1)
     session.export(out)
     return ckpt
 
