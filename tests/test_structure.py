@@ -17,7 +17,7 @@ PACKAGE = REPO / "dit_train"
 # module places it, should a package ever span two layers). The same list is in
 # docs/how-it-works.md#layers (test_the_docs_list_the_same_layers).
 LAYERS = [
-    ("config", "registry", "rng", "batch", "precision"),
+    ("config", "registry", "rng", "batch", "precision", "atomic"),
     ("kernels",),
     ("data_pipelines",),
     ("models", "objectives", "optim", "trackers"),

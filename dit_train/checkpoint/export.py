@@ -1,16 +1,19 @@
 """Full weights out of a run: safetensors (any layout, one process) and diffusers folders."""
 from __future__ import annotations
 
+import os
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from dit_train.atomic import save_file_atomic, temporary_name
 from dit_train.checkpoint import safe_load
 from dit_train.checkpoint.store import find_checkpoint, read_checkpoint_info
 from dit_train.compose import load_config
@@ -31,10 +34,9 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_safetensors(sd: dict[str, torch.Tensor], path: str | Path) -> None:
-    path = Path(path)
-    tmp = path.with_suffix(".tmp")
-    save_file(sd, str(tmp))
-    tmp.replace(path)  # atomic: a reader never sees half a file
+    """Atomic (dit_train/atomic.py): a reader never sees half a file, a failed write leaves
+    neither a half file nor a stray temporary one."""
+    save_file_atomic(sd, path)
 
 
 def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
@@ -151,10 +153,45 @@ def export_checkpoint(path: str | Path, out: str | Path, ema: bool = False) -> P
     return Path(out)
 
 
-def export_diffusers(cfg: Any, state_dict: dict[str, torch.Tensor], out_dir: str | Path) -> Path:
+DIFFUSERS_MODEL_FILES = ("config.json", "diffusion_pytorch_model*")  # what save_pretrained writes (shards too)
+
+
+def diffusers_model_dirs(cfg: Any, out_dir: str | Path) -> list[Path]:
+    """The model folders `export_diffusers` writes: out_dir itself, or each transformer's pipeline
+    component (an A14B expert's subfolder)."""
+    return [Path(out_dir) / sub for sub in model_spec(cfg.model).components(cfg.model).values()]
+
+
+def model_files(folder: Path) -> list[Path]:
+    """The diffusers model files (config.json, diffusion_pytorch_model*) already in `folder`."""
+    return sorted(p for pattern in DIFFUSERS_MODEL_FILES for p in folder.glob(pattern)) if folder.is_dir() else []
+
+
+def _save_pretrained(model: Any, dest: Path, overwrite: bool) -> None:
+    """model.save_pretrained(dest) without a half-written or mixed folder: saved into a temporary
+    folder beside dest, then its files renamed in (with overwrite, the old model files go first:
+    a smaller new model must not keep the old one's extra shards). Other files in dest (a LoRA
+    file, a README) stay. A failure removes the temporary folder and leaves dest as it was."""
+    old = model_files(dest)
+    if old and not overwrite:
+        raise FileExistsError(f"{dest} already holds a diffusers model ({', '.join(p.name for p in old)})")
+    stage = temporary_name(dest)
+    try:
+        model.save_pretrained(str(stage))
+        dest.mkdir(parents=True, exist_ok=True)
+        for p in old:
+            p.unlink()
+        for p in stage.iterdir():
+            os.replace(p, dest / p.name)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def export_diffusers(cfg: Any, state_dict: dict[str, torch.Tensor], out_dir: str | Path, overwrite: bool = False) -> Path:
     """Write full weights as a diffusers model folder (`save_pretrained`: config.json +
     safetensors), loadable with `from_pretrained`, for models whose spec can (model.name=wan);
     each transformer of the model into its pipeline component (an A14B expert's subfolder).
+    A folder already holding a model is refused (FileExistsError) unless `overwrite`.
     Returns the folder written (out_dir itself when the model holds several)."""
     spec = model_spec(cfg.model)
     if spec.to_diffusers is None:
@@ -162,7 +199,8 @@ def export_diffusers(cfg: Any, state_dict: dict[str, torch.Tensor], out_dir: str
                          f"this run is model.name={cfg.model.name}")
     parts = spec.components(cfg.model)
     for prefix, sub in parts.items():
-        spec.to_diffusers(component_state(state_dict, prefix), cfg.model).save_pretrained(str(Path(out_dir) / sub))
+        _save_pretrained(spec.to_diffusers(component_state(state_dict, prefix), cfg.model), Path(out_dir) / sub,
+                         overwrite)
     return Path(out_dir) / next(iter(parts.values())) if len(parts) == 1 else Path(out_dir)
 
 

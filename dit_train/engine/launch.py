@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -21,7 +22,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -78,6 +79,37 @@ def interruption(err: KeyboardInterrupt) -> tuple[str, int]:
     the signal stopped: 143, or 130 for Ctrl-C)."""
     signum = err.signum if isinstance(err, Interrupted) else int(signal.SIGINT)
     return f"stopped by {signal.Signals(signum).name}", 128 + signum
+
+
+@contextlib.contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Hold a SIGTERM / SIGINT that arrives inside the block and handle it as usual (`Interrupted`)
+    when the block ends: for work that must not be cut in half, such as an optimizer update with
+    the bookkeeping that records it (a stop then saves a consistent state). A second signal is
+    handled at once, wherever it lands. Only where `interrupt_on_signals` installed its handler
+    (in the main thread); a no-op elsewhere."""
+    sigs = (signal.SIGTERM, signal.SIGINT)
+    handlers = {sig: signal.getsignal(sig) for sig in sigs}
+    if threading.current_thread() is not threading.main_thread() or any(
+            h is not _raise_interrupted for h in handlers.values()):
+        yield
+        return
+    held: list[int] = []
+
+    def hold(signum: int, frame: Any) -> None:
+        if held:  # asked twice: stop now
+            handlers[signum](signum, frame)
+        held.append(signum)
+
+    for sig in sigs:
+        signal.signal(sig, hold)
+    try:
+        yield
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    if held:
+        handlers[held[0]](held[0], None)
 
 
 def under_external_launcher() -> bool:

@@ -101,11 +101,14 @@ def previous_outputs(path: Path) -> list[str]:
     return [name for name in RUN_OUTPUTS if there(name)]
 
 
-def _move_aside(path: Path, names: list[str]) -> Path:
+def move_aside(path: Path, names: list[str]) -> Path:
+    """Move path/<name> for each name into a new path/overwritten_<time>/ (returned): what an
+    overwrite replaces is kept, where no tool takes it for the new run's outputs."""
     dest = path / f"overwritten_{time.strftime('%Y%m%d-%H%M%S')}"
     dest.mkdir()
     # with the old run's Hydra record and job log (hydra_outputs.py), which the new run writes anew
-    extra = [p.name for p in [*path.glob("resume_*.yaml"), *path.glob("*.log"), path / ".hydra"] if p.exists()]
+    extra = [p.name for p in [*path.glob("resume_*.yaml"), *path.glob("*.log"), path / ".hydra"]
+             if p.exists() and p.name not in names]
     for name in names + extra:
         os.replace(path / name, dest / name)
     return dest
@@ -204,7 +207,7 @@ def open_run_folder(cfg: Any, resume: str, hydra_record: Any = None, data: dict[
                     f"run folder {path} holds another run's outputs ({', '.join(found)}); continue it with "
                     f"train.resume=auto, pick another hydra.run.dir, or set train.overwrite=true (moves them to "
                     f"{path}/overwritten_<time>/)")
-            log.warning("train.overwrite=true: moved %s to %s", ", ".join(found), _move_aside(path, found))
+            log.warning("train.overwrite=true: moved %s to %s", ", ".join(found), move_aside(path, found))
         if ckpt is not None:
             changes = config_changes(load_config(ckpt), cfg)
             refused = [c for c in changes if c.kind == "refused"]

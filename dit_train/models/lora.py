@@ -44,9 +44,10 @@ from typing import Any, Iterator, Sequence
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
+from dit_train.atomic import save_file_atomic
 from dit_train.models.params import copy_full, named_seed, plain_name
 
 ADAPTER = "default"  # peft's adapter name: the `default` in X.lora_A.default.weight
@@ -348,15 +349,12 @@ def save_lora(model: nn.Module, out_dir: str | Path, model_kind: str = "wan",
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / WEIGHT_NAME
-    tmp = path.with_suffix(".tmp")
     header = {"format": "pt", METADATA_KEY: json.dumps(lora_metadata(model, fold_scale, component), sort_keys=True)}
-    save_file(lora_state_dict(model, model_kind, state_dict, fold_scale, component), str(tmp), metadata=header)
-    tmp.replace(path)  # atomic: a reader never sees half a file
+    # atomic: a reader never sees half a file, a failed write leaves no stray temporary one
+    save_file_atomic(lora_state_dict(model, model_kind, state_dict, fold_scale, component), path, metadata=header)
     trained = trained_modules_state(model, state_dict, component)
     if trained:  # settings.train_also's weights: not LoRA tensors, so beside the LoRA file
-        tmp = out_dir / (TRAINED_MODULES + ".tmp")
-        save_file(trained, str(tmp))
-        tmp.replace(out_dir / TRAINED_MODULES)
+        save_file_atomic(trained, out_dir / TRAINED_MODULES)
     return path
 
 

@@ -25,21 +25,31 @@ Key names are those of the plain model, the same as the run's own weights.safete
 whatever layout wrote the checkpoint. With --diffusers (model.name=wan runs) full weights go
 into a WanTransformer3DModel folder (save_pretrained) that diffusers' from_pretrained and
 WanPipeline load, and that model.pretrained accepts.
+
+Nothing is replaced silently: a destination file that exists (--out FILE, a default output, a
+LoRA file), or a --diffusers folder already holding a model, is refused naming it unless
+--overwrite. Files are written under a temporary name beside their destination and renamed into
+place, so a failed or interrupted export leaves the old file (or none), never half a file.
 """
 from __future__ import annotations
 
 import argparse
-import shutil
+import contextlib
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from dit_train.atomic import copy_atomic
 from dit_train.checkpoint import checkpoint_weights, export_diffusers, find_checkpoint, save_safetensors
-from dit_train.checkpoint.export import checkpoint_model, initial_weights, load_safetensors, run_lora_dirs
+from dit_train.checkpoint.export import (checkpoint_model, diffusers_model_dirs, initial_weights, load_safetensors,
+                                         model_files, run_lora_dirs)
 from dit_train.compose import load_config
 from dit_train.config.errors import CheckpointError
 from dit_train.models import model_spec
-from dit_train.models.lora import save_lora, WEIGHT_NAME
+from dit_train.models.lora import TRAINED_MODULES, WEIGHT_NAME, save_lora
 from dit_train.tools.args import ToolParser
 
 
@@ -57,11 +67,72 @@ def _lora_dests(cfg: Any, root: Path, args: argparse.Namespace) -> dict[str, Pat
     return run_lora_dirs(cfg.model, root)
 
 
-def _full_weights(cfg: Any, sd: dict, args: argparse.Namespace, default: Path) -> Path:
+# -- where the export goes: nothing is replaced without --overwrite ---------------------------------
+
+
+def _other(args: argparse.Namespace) -> str:
+    return "--diffusers another folder" if args.diffusers else "--out another path"
+
+
+def _check_file(path: Path, args: argparse.Namespace) -> Path:
+    """A file the export writes: refused, before any work, when it is a folder, when its folder
+    is missing, or when it exists and --overwrite was not given."""
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder: --out names the .safetensors file to write "
+                         f"(e.g. {path / 'weights.safetensors'})")
+    if not path.parent.is_dir():
+        what = "is a file, not a folder" if path.parent.exists() else "does not exist"
+        raise FileNotFoundError(f"cannot write {path}: {path.parent} {what}")
+    if (path.exists() or path.is_symlink()) and not args.overwrite:
+        raise ValueError(f"{path} exists: pass --overwrite to replace it, or {_other(args)}")
+    return path
+
+
+def _check_lora_dirs(dirs: list[Path], args: argparse.Namespace) -> None:
+    """The adapters' folders: their LoRA files must not exist yet (unless --overwrite)."""
+    for d in dirs:
+        if d.exists() and not d.is_dir():
+            raise ValueError(f"{d} is a file: the adapters go into a folder ({d}/{WEIGHT_NAME})")
+        for name in (WEIGHT_NAME, TRAINED_MODULES):
+            if (d / name).exists() and not args.overwrite:
+                raise ValueError(f"{d / name} exists: pass --overwrite to replace it, or {_other(args)}")
+
+
+def _check_model_dirs(cfg: Any, args: argparse.Namespace) -> None:
+    """--diffusers DIR for full weights: no folder may hold a model already (unless --overwrite)."""
+    for d in diffusers_model_dirs(cfg, args.diffusers):
+        if d.exists() and not d.is_dir():
+            raise ValueError(f"{d} is a file: --diffusers names a folder")
+        held = model_files(d)
+        if held and not args.overwrite:
+            raise ValueError(f"{d} already holds a diffusers model ({', '.join(p.name for p in held)}): pass "
+                             f"--overwrite to replace it, or --diffusers another folder")
+
+
+@contextlib.contextmanager
+def _writing(path: Path) -> Iterator[None]:
+    """A failed write (full disk, unwritable folder) as one line naming what was being written;
+    the writers themselves leave nothing behind (dit_train/atomic.py)."""
+    try:
+        yield
+    except (OSError, SafetensorError) as err:
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        raise ValueError(f"could not write {path}: {reason}; free space, fix the folder's permissions, or "
+                         f"pick another destination") from None
+
+
+def _full_weights(cfg: Any, weights: Callable[[], dict], args: argparse.Namespace, default: Path) -> Path:
+    """Full weights into --diffusers DIR, --out FILE or `default`. weights() computes the state
+    dict once the destination was accepted: a refusal comes before the work."""
     if args.diffusers:
-        return export_diffusers(cfg, sd, args.diffusers)
-    out = Path(args.out) if args.out else default
-    save_safetensors(sd, out)
+        _check_model_dirs(cfg, args)
+        sd = weights()
+        with _writing(Path(args.diffusers)):
+            return export_diffusers(cfg, sd, args.diffusers, overwrite=args.overwrite)
+    out = _check_file(Path(args.out) if args.out else default, args)
+    sd = weights()
+    with _writing(out):
+        save_safetensors(sd, out)
     return out
 
 
@@ -73,25 +144,43 @@ def _from_weights_file(src: Path, args: argparse.Namespace) -> Path:
         raise ValueError("--ema picks weights_ema.safetensors of a run dir; with a .safetensors input pass that file")
     if not (src.parent / "config.yaml").exists():
         raise FileNotFoundError(f"{src.parent} has no config.yaml (pass a weights.safetensors inside its run dir)")
-    return export_diffusers(load_config(src.parent), load_safetensors(src), args.diffusers)
+    return _full_weights(load_config(src.parent), lambda: load_safetensors(src), args, src)
 
 
 def _base(src: Path, args: argparse.Namespace) -> Path:
     """--base: the weights the run started from (no adapters)."""
     cfg = load_config(src)
-    return _full_weights(cfg, initial_weights(cfg), args, src / "weights_base.safetensors")
+    return _full_weights(cfg, lambda: initial_weights(cfg), args, src / "weights_base.safetensors")
 
 
 def _from_checkpoint(ckpt: Path, args: argparse.Namespace) -> Path:
     cfg = load_config(ckpt)
     suffix = "_ema" if args.ema else ""
     if _lora(cfg, args):
-        _, model = checkpoint_model(ckpt, args.ema)
         root = Path(args.out) if args.out else ckpt / f"lora{suffix}"
-        written = [save_lora(model, out, model_spec(cfg.model).name, component=prefix)
-                   for prefix, out in _lora_dests(cfg, root, args).items()]
+        dests = _lora_dests(cfg, root, args)
+        _check_lora_dirs(list(dests.values()), args)
+        _, model = checkpoint_model(ckpt, args.ema)
+        with _writing(root if not args.diffusers else Path(args.diffusers)):
+            written = [save_lora(model, out, model_spec(cfg.model).name, component=prefix)
+                       for prefix, out in dests.items()]
         return written[0] if len(written) == 1 else root if not args.diffusers else Path(args.diffusers)
-    return _full_weights(cfg, checkpoint_weights(ckpt, args.ema)[1], args, ckpt / f"weights{suffix}.safetensors")
+    return _full_weights(cfg, lambda: checkpoint_weights(ckpt, args.ema)[1], args,
+                         ckpt / f"weights{suffix}.safetensors")
+
+
+def _checked_adapter(path: Path) -> Path:
+    """A run's LoRA file, before it is copied: it must be a readable safetensors file holding
+    LoRA tensors (a file cut short, emptied or replaced is refused, not passed on)."""
+    fix = "export the adapters from one of the run's checkpoints instead (train.ckpt_every > 0), if it has any"
+    try:
+        tensors = load_file(str(path))  # reads every tensor: a file cut short fails here
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"{path} is not a readable .safetensors file ({err}); {fix}") from None
+    if not any("lora_A" in k or "lora_B" in k for k in tensors):
+        raise ValueError(f"{path} holds no LoRA tensors ({len(tensors)} tensors, none named lora_A / lora_B), not the "
+                         f"adapters the run wrote; {fix}")
+    return path
 
 
 def _from_run_files(run: Path, args: argparse.Namespace) -> Path | None:
@@ -115,12 +204,17 @@ def _from_run_files(run: Path, args: argparse.Namespace) -> Path | None:
               f"elsewhere)")
         return None
     if _lora(cfg, args):  # the files are already in diffusers' LoRA format: DIR/pytorch_lora_weights.safetensors
+        dests = _lora_dests(cfg, Path(dest), args)
+        _check_lora_dirs(list(dests.values()), args)
+        for src in srcs:
+            _checked_adapter(src)
         written = []
-        for prefix, out in _lora_dests(cfg, Path(dest), args).items():
-            out.mkdir(parents=True, exist_ok=True)
-            written.append(Path(shutil.copyfile(lora_dirs[prefix] / WEIGHT_NAME, out / WEIGHT_NAME)))
+        for prefix, out in dests.items():
+            with _writing(out / WEIGHT_NAME):
+                out.mkdir(parents=True, exist_ok=True)
+                written.append(copy_atomic(lora_dirs[prefix] / WEIGHT_NAME, out / WEIGHT_NAME))
         return written[0] if len(written) == 1 else Path(dest)
-    return _full_weights(cfg, load_safetensors(srcs[0]), args, run / srcs[0].name)
+    return _full_weights(cfg, lambda: load_safetensors(srcs[0]), args, run / srcs[0].name)
 
 
 def export(args: argparse.Namespace) -> tuple[Path | None, Path]:
@@ -161,11 +255,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base", action="store_true",
                     help="the weights the run started from, without adapters: model.pretrained's, or the "
                          "initialisation from train.seed (default output <run>/weights_base.safetensors)")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace files that exist where the export goes (default: refuse, naming them)")
     args = ap.parse_args(argv)
 
     try:
         out, source = export(args)
-    except (ValueError, FileNotFoundError, CheckpointError) as e:
+    except (ValueError, OSError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if out is not None:

@@ -33,6 +33,12 @@ background_ok + color_ok + shape_ok + single_shape + motion_ok + all_ok), or --r
 module:function taking (clips [3, F, H, W] in [-1, 1], captions) and returning one finite float
 per clip. Every --eval-every steps (and at 0 and the end) the 48 held-out captions are sampled
 like validation samples and scored: DIR/heldout.jsonl, DIR/heldout_step_XXXX.png.
+--out is a new or empty folder, never RUN nor a folder holding it: one that is not empty is
+refused unless --overwrite (its contents move to DIR/overwritten_<time>/) or --resume. Ctrl-C or
+SIGTERM stops after the step's update (a second one at once) and keeps the steps done: weights,
+config, DIR/video_rl.json and a checkpoint (also at the end and every --ckpt-every steps; runs of
+several processes keep only those); --resume continues from it, with the same flags, to the same
+weights as a run never stopped (video_rl_state.py).
 """
 from __future__ import annotations
 
@@ -52,11 +58,11 @@ import torch
 from PIL import Image
 
 from dit_train.compose import load_config
-from dit_train.config.errors import ConfigError
+from dit_train.config.errors import CheckpointError, ConfigError
 from dit_train.data_pipelines import open_dataset, prepare_data
 from dit_train.data_pipelines.shapes_metric import score_clip, score_clips
 from dit_train.data_pipelines.synthetic_video import BACKGROUNDS, COLORS, SHAPES
-from dit_train.engine.launch import launch
+from dit_train.engine.launch import interrupt_on_signals, interruption, launch, signals_deferred
 from dit_train.models.init import load_full_weights
 from dit_train.posttrain import (TrainingSession, VideoDatum, diffusion_dpo_loss, diffusion_nft_loss, flow_grpo_loss,
                                  group_advantages, sft_loss, transitions)
@@ -64,6 +70,8 @@ from dit_train.posttrain.rollouts import broadcast_from_rank0
 from dit_train.posttrain.session import apply_overrides
 from dit_train.sampling import frame_grid
 from dit_train.checkpoint.export import run_weights
+from dit_train.tools.video_rl_state import (PROGRESS, Progress, check_out, read_progress, restore_state, save_state,
+                                            trajectory, write_progress)
 
 HELDOUT = 48
 SIZE = (8, 32, 32)  # frames, height, width of every clip (a size the quickstart trains at)
@@ -207,10 +215,40 @@ def step_batch(recipe: str, session, reference, rollouts, rewards: list[float], 
     return batch, diffusion_dpo_loss(), "num_sequences"
 
 
+def rl_update(recipe: str, session, reference, rollouts, rewards: list[float], group: int, step: int, kl: float,
+              buffer: RaftBuffer, data: RaftBuffer | None, keep_min: float, select: str, updates: int,
+              min_buffer: int, raft_batch: int) -> tuple[dict, int, dict]:
+    """One step's update on its rollouts (none for sft): (the last optimizer step's stats,
+    datums trained, raft's figures). Everything the loop keeps changes here and only here."""
+    if recipe == "sft":  # the baseline: no rollouts, the run's own clips
+        return (*sft_updates(session, data, updates, raft_batch), {})
+    if recipe == "raft":
+        keep = accepted(rewards, keep_min, group, select)
+        buffer.add(rollouts, keep)
+        stats, n = sft_updates(session, buffer, updates if len(buffer.clips) >= min_buffer else 0, raft_batch)
+        return stats, n, {"accepted": len(keep), "buffer": buffer.added}
+    batch, loss, norm = step_batch(recipe, session, reference, rollouts, rewards, group, step, kl)
+    stats = {}
+    if batch:
+        session.forward_backward(batch, loss)
+        stats = session.optim_step(norm)
+    return stats, len(batch), {}
+
+
+def logged_steps(log: Path) -> set[int]:
+    """The steps heldout.jsonl has figures for."""
+    if not log.is_file():
+        return set()
+    return {json.loads(line)["step"] for line in log.read_text().splitlines() if line.strip()}
+
+
 def train(cfg, run: str, recipe: str, steps: int, out: str, reward: str, captions: int, group: int,
           eval_every: int, sample_steps: int, kl: float, max_minutes: float = 0.0, initial_eval: bool = True,
           keep_min: float = 5.5, updates: int = 1, raft_batch: int = 8, select: str = "all", min_buffer: int = 1,
-          rollout_guidance: float | None = None, max_cpu_s: float = 0.0) -> None:
+          rollout_guidance: float | None = None, max_cpu_s: float = 0.0, ckpt_every: int = 0,
+          resume: dict | None = None, settings: dict | None = None) -> None:
+    """The post-training loop (every rank). resume: the loop state `check_out` read from --out's
+    checkpoint (--resume); settings: what each checkpoint records of the flags (video_rl_state)."""
     session = TrainingSession(cfg)
     weights, which = run_weights(Path(run), None)
     load_full_weights(session.model, weights)
@@ -228,6 +266,11 @@ def train(cfg, run: str, recipe: str, steps: int, out: str, reward: str, caption
     log = out_dir / "heldout.jsonl"
     say(f"{recipe}: from {run} ({which}); {captions} captions x {group} clips a step, reward {name}")
     rng = random.Random(0)  # the same on every rank
+    buffer = RaftBuffer()
+    data = data_clips(session.cfg) if recipe == "sft" else None
+    start = restore_state(session, resume, rng, buffer, data) if resume else 0
+    if resume:
+        say(f"resumed from {resume['checkpoint']}: {start} of {steps} steps done")
     t0, cpu0 = time.time(), time.process_time()
 
     def record(step: int, extra: dict) -> None:
@@ -242,48 +285,64 @@ def train(cfg, run: str, recipe: str, steps: int, out: str, reward: str, caption
             with log.open("a") as f:
                 f.write(json.dumps(row) + "\n")
 
-    if eval_every and initial_eval:
-        record(0, {})
-    sde = recipe == "grpo"
-    buffer = RaftBuffer()
-    data = data_clips(session.cfg) if recipe == "sft" else None
-    for step in range(steps):
-        stats, n = {}, 0
-        if recipe == "sft":  # the baseline: no rollouts, the run's own clips
-            stats, n = sft_updates(session, data, updates, raft_batch)
-            rewards, extra_raft = [0.0], {}
-        else:
-            caps = [c for c in rng.sample(pool, captions) for _ in range(group)]
-            ids = [step * 10 ** 4 + i for i in range(len(caps))]
-            rollouts = session.sample_videos(caps, SIZE, noise_ids=ids, steps=sample_steps, sde=sde,
-                                             guidance_scale=1.0 if sde else rollout_guidance)
-            rewards = checked_rewards(fn, name, [r.clip.clamp(-1, 1) for r in rollouts], caps)
-        if recipe == "raft":
-            keep = accepted(rewards, keep_min, group, select)
-            buffer.add(rollouts, keep)
-            stats, n = sft_updates(session, buffer, updates if len(buffer.clips) >= min_buffer else 0, raft_batch)
-            extra_raft = {"accepted": len(keep), "buffer": buffer.added}
-        elif recipe != "sft":
-            batch, loss, norm = step_batch(recipe, session, reference, rollouts, rewards, group, step, kl)
-            if batch:
-                session.forward_backward(batch, loss)
-                stats = session.optim_step(norm)
-            n, extra_raft = len(batch), {}
-        extra = {"reward": round(sum(rewards) / len(rewards), 4), "datums": n,
-                 "grad_norm": round(stats.get("grad_norm", 0.0), 4), **extra_raft}
-        say(f"step {step + 1}/{steps}: reward {extra['reward']:.3f}, {n} datums, {time.process_time():.0f} CPU s, "
-            f"loss {stats.get('loss', 0.0):.4f}, grad_norm {extra['grad_norm']:.3f}"
-            + (f", accepted {extra_raft['accepted']} (buffer {extra_raft['buffer']})" if extra_raft else ""))
-        # every rank decides on rank 0's clock (the same decision everywhere: the loop holds collectives)
-        late = broadcast_from_rank0((bool(max_minutes) and time.time() - t0 > 60 * max_minutes)
-                                    or (bool(max_cpu_s) and time.process_time() > max_cpu_s), session.ctx.world_group,
-                                    main)
-        if eval_every and ((step + 1) % eval_every == 0 or step + 1 == steps or late):
-            record(step + 1, extra)
-        if late:
-            say(f"stopping after step {step + 1}: --max-minutes {max_minutes} / --max-cpu-s {max_cpu_s} reached")
-            break
-    session.export(out_dir)
+    def keep(snap: Progress, status: str, **extra) -> None:
+        """Save the state at `snap` (every rank) and say where it is in video_rl.json."""
+        ckpt = save_state(session, out_dir, snap, {**(settings or {}), "source": str(Path(run).resolve())})
+        if main:
+            write_progress(out_dir, {"status": status, "step": snap.step, "steps": steps, "source": str(run),
+                                     "recipe": recipe, "checkpoint": str(ckpt), **extra})
+
+    # the state a stop keeps: the last step boundary (a step cut short is taken again on --resume)
+    snap, updating = Progress.capture(start, session, rng, buffer, data), False
+    try:
+        # held-out figures of the starting point (again on --resume if a stop came before they were
+        # written); rank 0's file decides for every rank (the evaluation holds collectives)
+        if eval_every and (initial_eval if start == 0 else start % eval_every == 0 and broadcast_from_rank0(
+                start not in logged_steps(log), session.ctx.world_group, main)):
+            record(start, {})
+        sde = recipe == "grpo"
+        for step in range(start, steps):
+            rollouts, rewards = None, [0.0]
+            if recipe != "sft":
+                caps = [c for c in rng.sample(pool, captions) for _ in range(group)]
+                ids = [step * 10 ** 4 + i for i in range(len(caps))]
+                rollouts = session.sample_videos(caps, SIZE, noise_ids=ids, steps=sample_steps, sde=sde,
+                                                 guidance_scale=1.0 if sde else rollout_guidance)
+                rewards = checked_rewards(fn, name, [r.clip.clamp(-1, 1) for r in rollouts], caps)
+            updating = True
+            with signals_deferred():  # an update is never cut in half: a Ctrl-C / SIGTERM in it stops after it
+                stats, n, extra_raft = rl_update(recipe, session, reference, rollouts, rewards, group, step, kl,
+                                                 buffer, data, keep_min, select, updates, min_buffer, raft_batch)
+                snap, updating = Progress.capture(step + 1, session, rng, buffer, data), False
+            extra = {"reward": round(sum(rewards) / len(rewards), 4), "datums": n,
+                     "grad_norm": round(stats.get("grad_norm", 0.0), 4), **extra_raft}
+            say(f"step {step + 1}/{steps}: reward {extra['reward']:.3f}, {n} datums, {time.process_time():.0f} CPU s, "
+                f"loss {stats.get('loss', 0.0):.4f}, grad_norm {extra['grad_norm']:.3f}"
+                + (f", accepted {extra_raft['accepted']} (buffer {extra_raft['buffer']})" if extra_raft else ""))
+            # every rank decides on rank 0's clock (the same decision everywhere: the loop holds collectives)
+            late = broadcast_from_rank0((bool(max_minutes) and time.time() - t0 > 60 * max_minutes)
+                                        or (bool(max_cpu_s) and time.process_time() > max_cpu_s),
+                                        session.ctx.world_group, main)
+            if eval_every and ((step + 1) % eval_every == 0 or step + 1 == steps or late):
+                record(step + 1, extra)
+            if late:
+                say(f"stopping after step {step + 1}: --max-minutes {max_minutes} / --max-cpu-s {max_cpu_s} reached")
+                break
+            if ckpt_every and (step + 1) % ckpt_every == 0 and step + 1 < steps:
+                keep(snap, "running")
+    except (Exception, KeyboardInterrupt) as err:
+        # one process keeps what it did (several would need every rank at one point: they keep their
+        # newest --ckpt-every checkpoint); not a step's update cut in half by a second signal
+        if session.ctx.world_group is None and not updating and snap.step > start:
+            status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
+            how = interruption(err)[0] if isinstance(err, KeyboardInterrupt) else f"{type(err).__name__}: {err}"
+            try:
+                keep(snap, status, stopped=how)
+            except Exception as failed:  # noqa: BLE001 - the first error is the one to report
+                say(f"could not save the progress after step {snap.step}: {failed}")
+        raise
+    keep(snap, "completed" if snap.step >= steps else "stopped", **({} if snap.step >= steps else {
+        "stopped": f"--max-minutes {max_minutes} / --max-cpu-s {max_cpu_s}"}))
     say(f"wrote {out_dir / 'weights.safetensors'}")
 
 
@@ -293,7 +352,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recipe", choices=("nft", "grpo", "dpo", "raft", "sft"), default="nft",
                     help="sft: the baseline, plain flow matching on the run's own clips (no reward)")
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--out", required=True, help="write weights.safetensors, heldout.jsonl and grids here")
+    ap.add_argument("--out", required=True, help="write weights.safetensors, heldout.jsonl and grids here (a new or "
+                                                 "empty folder, never the run itself)")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="--out is not empty: start over (what it holds moves to --out/overwritten_<time>/)")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue the stopped run in --out from its checkpoint (the same flags; --steps may grow)")
+    ap.add_argument("--ckpt-every", type=int, default=0,
+                    help="also checkpoint every this many steps (default 0: when stopped and at the end; "
+                         "runs of several processes keep only these when stopped)")
     ap.add_argument("--reward", default="", help="module:function (clips, captions) -> floats; default: the shapes metric")
     ap.add_argument("--captions", type=int, default=4, help="captions per step")
     ap.add_argument("--group", type=int, default=4, help="clips per caption (the advantage's group)")
@@ -316,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="stop stepping once this process has used this many CPU seconds, start-up included (0 = never)")
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. parallel.dp_shard=2 optim.lr=1e-4")
     args = ap.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
+    started = False
     try:
         run = Path(args.run)
         if not (run / "config.yaml").is_file():
@@ -325,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
                             ("--raft-min-buffer", args.raft_min_buffer)):
             if value < 1:
                 raise ConfigError(f"{flag}={value} must be >= 1")
+        if args.ckpt_every < 0:
+            raise ConfigError(f"--ckpt-every={args.ckpt_every} must be >= 0 (0 = when stopped and at the end)")
         if args.group < 2:
             raise ConfigError(f"--group={args.group} must be >= 2 (advantages compare the clips of a caption)")
         if args.reward:
@@ -335,18 +405,44 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.mode != "video":
             raise ConfigError(f"{run}: a mode={cfg.mode} run; video_rl post-trains video generators")
         prepare_data(cfg.data, cfg.model)
+        out = Path(args.out)
+        saved = check_out(run, out, args)  # refusals, then --overwrite moves the old contents aside
+        if saved is not None and saved["step"] >= args.steps:
+            print(f"{out} already took {saved['step']} steps (--steps {args.steps}): nothing to do; give a larger "
+                  f"--steps to go on")
+            return 0
+        started = True  # from here on a failure may leave progress in --out: the error line says so
         launch(cfg, functools.partial(train, run=str(run), recipe=args.recipe, steps=args.steps, out=args.out,
                                       reward=args.reward, captions=args.captions, group=args.group,
                                       eval_every=args.eval_every, sample_steps=args.sample_steps, kl=args.kl,
                                       max_minutes=args.max_minutes, initial_eval=not args.skip_initial_eval,
                                       keep_min=args.keep_min, updates=args.updates, raft_batch=args.raft_batch,
                                       select=args.raft_select, min_buffer=args.raft_min_buffer,
-                                      rollout_guidance=args.rollout_guidance, max_cpu_s=args.max_cpu_s))
-    except (ConfigError, ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
+                                      rollout_guidance=args.rollout_guidance, max_cpu_s=args.max_cpu_s,
+                                      ckpt_every=args.ckpt_every, resume=saved, settings=trajectory(args)))
+    except KeyboardInterrupt as err:  # Ctrl-C / SIGTERM (interrupt_on_signals): what was kept, how to go on
+        how, code = interruption(err)
+        print(f"error: video_rl was {how}{kept(Path(args.out), 'interrupted') if started else ''}", file=sys.stderr)
+        return code
+    except (ConfigError, ValueError, FileNotFoundError, CheckpointError) as err:
+        print(f"error: {err}{kept(Path(args.out), 'failed') if started else ''}", file=sys.stderr)
         return 2
     return 0
 
 
+def kept(out: Path, status: str) -> str:
+    """The end of a stopped run's error line: what --out keeps and how to go on (the record a
+    one-process run wrote when stopped, or the newest --ckpt-every save of several processes,
+    whose record is marked `status` here)."""
+    record = read_progress(out)
+    if not record or not record.get("step") or record.get("status") == "completed":
+        return ""
+    if record.get("status") == "running":
+        write_progress(out, {**record, "status": status})
+    return (f"; {out} keeps {record['step']} of {record['steps']} steps (weights.safetensors, {PROGRESS}, "
+            f"its checkpoint): continue with the same command and --resume")
+
+
 if __name__ == "__main__":
+    interrupt_on_signals()  # Ctrl-C / SIGTERM stop the loop like the trainer's: kept progress, one line, 130 / 143
     sys.exit(main())

@@ -1,0 +1,320 @@
+"""The fault suite, tools that write what users keep (issue 43, "Data loss"): `tools.export_weights`
+never replaces a file without --overwrite, never leaves half a file or a stray temporary one,
+and never passes a damaged adapter file on; `tools.video_rl` never overwrites a run (its own
+source least of all), and a stopped post-training run keeps what it did and resumes
+(docs/checkpoints.md, "Faults and bad inputs tried")."""
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.conftest import TINY, train_in_process
+
+
+def _one_error_line(capsys, *says: str) -> str:
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and all(s in err for s in says), err
+    return err
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder` (hidden ones too) with its bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def plain_run(tmp_path, tiny_cfg) -> Path:
+    """A finished run as tools see it: config.yaml + weights.safetensors."""
+    from dit_train.posttrain import TrainingSession
+
+    run = tmp_path / "run"
+    TrainingSession(tiny_cfg).export(run)
+    return run
+
+
+# -- export_weights: destinations -----------------------------------------------------------------
+
+
+def test_export_refuses_to_replace_a_file_unless_overwrite(tmp_path, plain_run, capsys):
+    """It replaced any existing --out file silently."""
+    from dit_train.tools import export_weights
+
+    mine = tmp_path / "mine.safetensors"
+    mine.write_bytes(b"a file the user keeps")
+    assert export_weights.main([str(plain_run), "--out", str(mine)]) == 2
+    _one_error_line(capsys, f"{mine} exists", "--overwrite")
+    assert mine.read_bytes() == b"a file the user keeps"
+
+    assert export_weights.main([str(plain_run), "--out", str(mine), "--overwrite"]) == 0
+    a, b = load_file(mine), load_file(plain_run / "weights.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.safetensors", "run"]  # no temporary file left
+
+
+def _fail_writes(monkeypatch, error: OSError, partial: bool) -> None:
+    """safetensors' writer (under `save_file`, however it was imported) failing as on a full disk
+    (after part of the file) or in a read-only folder (before writing anything): the tests may
+    run as root, where chmod stops nothing."""
+    import safetensors.torch
+
+    def serialize_file(tensors, filename, metadata=None):
+        if partial:
+            Path(filename).write_bytes(b"\0" * 4096)
+        raise error
+
+    monkeypatch.setattr(safetensors.torch, "serialize_file", serialize_file)
+
+
+@pytest.mark.parametrize("case", ["onto_a_folder", "folder_is_a_file", "disk_full", "read_only", "disk_full_overwrite"])
+def test_a_failed_export_is_one_line_and_leaves_nothing_behind(tmp_path, plain_run, capsys, monkeypatch, case):
+    """--out onto a directory left a 6 MB `videos.tmp` and a traceback; a failing write left a
+    half temporary file. Now: one line naming the file, and the folder exactly as before (an
+    existing file replaced with --overwrite is still the old one)."""
+    from dit_train.tools import export_weights
+
+    out, says, flags = tmp_path / "w.safetensors", "could not write", []
+    if case == "onto_a_folder":
+        out, says = tmp_path / "videos", "is a folder"
+        out.mkdir()
+        (out / "clip.mp4").write_bytes(b"video")
+    elif case == "folder_is_a_file":
+        (tmp_path / "a_file").write_text("x")
+        out, says = tmp_path / "a_file" / "w.safetensors", "is a file, not a folder"
+    elif case == "read_only":
+        _fail_writes(monkeypatch, PermissionError(errno.EACCES, "Permission denied"), partial=False)
+    else:
+        _fail_writes(monkeypatch, OSError(errno.ENOSPC, "No space left on device"), partial=True)
+        if case == "disk_full_overwrite":
+            out.write_bytes(b"the old export")
+            flags = ["--overwrite"]
+    before = _tree(tmp_path)
+    assert export_weights.main([str(plain_run), "--out", str(out), *flags]) == 2
+    _one_error_line(capsys, str(out), says)
+    assert _tree(tmp_path) == before
+
+
+# -- export_weights: what it copies -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, data_cache) -> Path:
+    """A LoRA run without checkpoints (the default train.ckpt_every=0): lora/ + weights.safetensors."""
+    run = tmp_path_factory.mktemp("lora") / "run"
+    train_in_process([*TINY, "model.lora.rank=4", "train.steps=1"], run, cache_dir=data_cache)
+    return run
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "no_tensors", "not_adapters"])
+def test_a_damaged_adapter_file_is_refused_not_copied(tmp_path, lora_run, capsys, damage):
+    """export_weights LORARUN --diffusers D copied a corrupt adapter file and exited 0."""
+    import shutil
+
+    from dit_train.tools import export_weights
+
+    run = tmp_path / "run"
+    shutil.copytree(lora_run, run)
+    adapters = run / "lora" / "pytorch_lora_weights.safetensors"
+    good = adapters.read_bytes()
+    assert export_weights.main([str(run), "--diffusers", str(tmp_path / "ok")]) == 0  # the undamaged file passes
+    assert (tmp_path / "ok" / adapters.name).read_bytes() == good
+    if damage == "truncated":
+        adapters.write_bytes(good[:len(good) // 2])
+    elif damage == "garbage":
+        adapters.write_bytes(b"\x00not a safetensors file at all")
+    elif damage == "no_tensors":
+        save_file({}, str(adapters))
+    else:  # a readable file, but not adapters (the full weights copied over it)
+        shutil.copyfile(run / "weights.safetensors", adapters)
+    capsys.readouterr()
+    assert export_weights.main([str(run), "--diffusers", str(tmp_path / "D")]) == 2
+    _one_error_line(capsys, str(adapters), "checkpoints")
+    assert not (tmp_path / "D").exists()
+
+
+# -- video_rl: --out ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def rl_run(tmp_path, tiny_cfg) -> Path:
+    """A trained run as video_rl takes it: config.yaml, weights.safetensors and EMA weights."""
+    import dataclasses
+
+    from dit_train.posttrain import TrainingSession
+
+    run = tmp_path / "run"
+    TrainingSession(dataclasses.replace(tiny_cfg, train=dataclasses.replace(tiny_cfg.train, ema_decay=0.9))).export(run)
+    assert (run / "weights_ema.safetensors").is_file()
+    return run
+
+
+RL = ["--captions", "1", "--group", "2", "--sample-steps", "1", "--eval-every", "0"]
+
+
+def test_video_rl_never_overwrites_its_run_nor_a_folder_in_use(tmp_path, rl_run, capsys):
+    """`video_rl RUN --out RUN` replaced the run's weights and config, and its old
+    weights_ema.safetensors stayed, so tools.sample went on sampling the old model."""
+    from dit_train.checkpoint.export import run_weights
+    from dit_train.tools.video_rl import main
+
+    before = _tree(rl_run)
+    for out, flags, says in ((rl_run, [], "is the run it starts from"),
+                             (rl_run, ["--overwrite"], "is the run it starts from"),
+                             (tmp_path, ["--overwrite"], f"holds the run it starts from ({rl_run})")):
+        assert main([str(rl_run), *RL, "--steps", "1", "--out", str(out), *flags]) == 2
+        _one_error_line(capsys, f"--out {out}", "give another --out")
+    assert _tree(rl_run) == before
+
+    used = tmp_path / "used"  # a folder holding an earlier model, with EMA weights
+    used.mkdir()
+    for name in ("config.yaml", "weights.safetensors", "weights_ema.safetensors"):
+        (used / name).write_bytes((rl_run / name).read_bytes())
+    assert main([str(rl_run), *RL, "--steps", "1", "--out", str(used)]) == 2
+    _one_error_line(capsys, f"--out {used} is not empty", "--overwrite")
+    assert _tree(used) == _tree(rl_run)
+
+    assert main([str(rl_run), *RL, "--steps", "1", "--out", str(used), "--overwrite"]) == 0
+    assert not (used / "weights_ema.safetensors").exists()  # nothing stale passes for the new model
+    assert run_weights(used, None)[1] == "weights.safetensors"
+    (aside,) = used.glob("overwritten_*")  # moved aside, not lost
+    assert _tree(aside) == before
+
+
+# -- video_rl: stopped, then resumed ----------------------------------------------------------------
+
+
+STOP_AT: list = []  # [the reward's call (from 1) that fails, the exception] (empty: none)
+SEEN: list[list[str]] = []  # the captions of each step the reward scored
+
+
+def stopping_reward(clips, captions):
+    """The shapes reward, failing on its STOP_AT[0]-th call with STOP_AT[1] (a SIGTERM by default)."""
+    import signal
+
+    from dit_train.engine.launch import Interrupted
+    from dit_train.tools.video_rl import shapes_reward
+
+    if STOP_AT:
+        STOP_AT[0] -= 1
+        if STOP_AT[0] == 0:
+            raise STOP_AT[1] if len(STOP_AT) > 1 else Interrupted(signal.SIGTERM)
+    SEEN.append(list(captions))
+    return shapes_reward(clips, captions)
+
+
+@pytest.mark.parametrize("recipe", [["--recipe", "nft"], ["--recipe", "raft", "--keep-min", "-1", "--raft-batch", "1"]],
+                         ids=["nft", "raft"])
+def test_video_rl_stopped_keeps_its_progress_and_resumes_to_the_same_weights(tmp_path, rl_run, capsys, recipe):
+    """SIGTERM at step 2 of 3 left an empty --out and nothing to resume from. Now the first step is
+    kept (weights, config, video_rl.json, a checkpoint), and --resume takes steps 2 and 3 as an
+    uninterrupted run does: the same captions (the sampler's RNG), raft's buffer and its draws."""
+    import json
+    import signal
+
+    from dit_train.tools.video_rl import main
+
+    flags = [str(rl_run), *RL, *recipe, "--reward", "tests.test_faults_tools:stopping_reward", "--steps", "3",
+             "optim.lr=0.5"]  # TINY's SGD: steps that move the weights well above the test's tolerance
+    SEEN.clear()
+    assert main([*flags, "--out", str(tmp_path / "full")]) == 0
+    seen, SEEN[:] = list(SEEN), []
+    STOP_AT[:] = [2]
+    try:
+        assert main([*flags, "--out", str(tmp_path / "part")]) == 128 + signal.SIGTERM
+    except KeyboardInterrupt:  # not pytest's own stop: the tool let the signal through, keeping nothing
+        pytest.fail("the SIGTERM went through video_rl: nothing was kept")
+    finally:
+        STOP_AT.clear()
+    _one_error_line(capsys, "video_rl was stopped by SIGTERM", f"{tmp_path / 'part'} keeps 1 of 3 steps", "--resume")
+    record = json.loads((tmp_path / "part" / "video_rl.json").read_text())
+    assert record["status"] == "interrupted" and record["step"] == 1 and record["stopped"] == "stopped by SIGTERM"
+    assert (tmp_path / "part" / "config.yaml").is_file() and (tmp_path / "part" / "weights.safetensors").is_file()
+
+    assert main([*flags, "--out", str(tmp_path / "part"), "--resume"]) == 0
+    assert SEEN == seen and len({c for step in seen for c in step}) == 3  # each step's own caption, as uninterrupted
+    assert json.loads((tmp_path / "part" / "video_rl.json").read_text())["status"] == "completed"
+    start = load_file(rl_run / "weights_ema.safetensors")  # what video_rl starts from
+    full, part = load_file(tmp_path / "full" / "weights.safetensors"), load_file(tmp_path / "part" / "weights.safetensors")
+    moved = max(float((full[k] - start[k]).abs().max()) for k in full)
+    apart = max(float((full[k] - part[k]).abs().max()) for k in full)
+    assert full.keys() == part.keys() and moved > 1e-5 and apart <= 1e-3 * moved, (moved, apart)
+
+
+def test_video_rl_failing_mid_run_keeps_the_steps_done(tmp_path, rl_run, capsys):
+    """A reward that raises at step 2 lost step 1 with the rest; now it is kept, and said so."""
+    import json
+
+    from dit_train.tools.video_rl import main
+
+    STOP_AT[:] = [2, ValueError("--reward broke on step 2")]
+    try:
+        assert main([str(rl_run), *RL, "--reward", "tests.test_faults_tools:stopping_reward", "--steps", "3",
+                     "--out", str(tmp_path / "out")]) == 2
+    finally:
+        STOP_AT.clear()
+    _one_error_line(capsys, "error: --reward broke on step 2; ", "keeps 1 of 3 steps", "--resume")
+    record = json.loads((tmp_path / "out" / "video_rl.json").read_text())
+    assert record["status"] == "failed" and record["step"] == 1 and "ValueError" in record["stopped"]
+
+
+def test_a_signal_during_an_update_stops_after_it_and_a_second_one_at_once():
+    """video_rl's update runs under `signals_deferred`: the stop it saves is a step boundary, never
+    half an optimizer step; asked twice, it stops at once (the trainer's handler, not a second one)."""
+    import os
+    import signal
+
+    from dit_train.engine import launch
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        launch.interrupt_on_signals()
+        done = []
+        with pytest.raises(launch.Interrupted) as err:
+            with launch.signals_deferred():
+                os.kill(os.getpid(), signal.SIGTERM)
+                done.append("the rest of the update")
+        assert done == ["the rest of the update"] and err.value.signum == signal.SIGTERM
+        assert signal.getsignal(signal.SIGTERM) is launch._raise_interrupted  # the usual handler is back
+        with pytest.raises(launch.Interrupted) as err:
+            with launch.signals_deferred():
+                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), signal.SIGINT)
+                done.append("never")
+        assert done == ["the rest of the update"] and err.value.signum == signal.SIGINT
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+def test_sigterm_to_video_rl_keeps_its_steps_and_resume_goes_on(tmp_path, rl_run):
+    """The real signal, to the command line tool (its handler is the trainer's interrupt_on_signals)."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from dit_train.tools.video_rl import main
+
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "dit_train.tools.video_rl", str(rl_run), *RL, "--steps", "100000",
+                             "--out", str(out)], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        for line in proc.stdout:
+            if line.startswith("step 2/"):
+                break
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert err.count("\n") == 1 and err.startswith("error: video_rl was stopped by SIGTERM; ") and "--resume" in err, err
+    record = json.loads((out / "video_rl.json").read_text())
+    assert record["status"] == "interrupted" and record["step"] >= 2, record
+    assert main([str(rl_run), *RL, "--steps", str(record["step"] + 1), "--out", str(out), "--resume"]) == 0
+    record = json.loads((out / "video_rl.json").read_text())
+    assert record["status"] == "completed" and record["step"] == record["steps"]
