@@ -62,7 +62,7 @@ from dit_train.config.errors import CheckpointError, ConfigError
 from dit_train.data_pipelines import open_dataset, prepare_data
 from dit_train.data_pipelines.shapes_metric import score_clip, score_clips
 from dit_train.data_pipelines.synthetic_video import BACKGROUNDS, COLORS, SHAPES
-from dit_train.engine.launch import interrupt_on_signals, interruption, launch, signals_deferred
+from dit_train.engine.launch import check_interrupted, interrupt_on_signals, interruption, launch, signals_deferred
 from dit_train.models.init import load_full_weights
 from dit_train.posttrain import (TrainingSession, VideoDatum, diffusion_dpo_loss, diffusion_nft_loss, flow_grpo_loss,
                                  group_advantages, sft_loss, transitions)
@@ -302,6 +302,7 @@ def train(cfg, run: str, recipe: str, steps: int, out: str, reward: str, caption
             record(start, {})
         sde = recipe == "grpo"
         for step in range(start, steps):
+            check_interrupted()  # a signal whose exception a finalizer swallowed stops here, between steps
             rollouts, rewards = None, [0.0]
             if recipe != "sft":
                 caps = [c for c in rng.sample(pool, captions) for _ in range(group)]
