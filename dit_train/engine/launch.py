@@ -70,6 +70,7 @@ def interrupt_on_signals() -> None:
     otherwise kill it before summary.json is written), and are remembered for
     `check_interrupted`. Call it from the main thread of a process that trains or launches workers."""
     if threading.current_thread() is threading.main_thread():
+        _pending.clear()  # a new run or tool call in this process (tests, the session API) starts with none
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, _raise_interrupted)
 
@@ -78,6 +79,7 @@ def interruption(err: KeyboardInterrupt) -> tuple[str, int]:
     """("stopped by SIGTERM", exit code 128 + the signal's number, as a shell reports a process
     the signal stopped: 143, or 130 for Ctrl-C)."""
     signum = err.signum if isinstance(err, Interrupted) else int(signal.SIGINT)
+    _pending.clear()  # reported: the signal reached a handler that ends the work (a later call starts clean)
     return f"stopped by {signal.Signals(signum).name}", 128 + signum
 
 
