@@ -102,7 +102,7 @@ def test_every_numeric_key_has_a_range_check():
 
 
 TOOL_FLAGS = [  # (tool, arguments, what the one error line says)
-    ("plan", ["--world", "0"], "argument --world: 0 must be >= 1"),
+    ("plan", ["--world", "0"], "argument --world: 0 must be in [1, 131072]"),
     ("plan", ["--gpu-mem-gib", "-1"], "argument --gpu-mem-gib: -1 must be > 0"),
     ("plan", ["--smoke-steps", "0"], "argument --smoke-steps: 0 must be >= 1"),
     ("sample", ["RUN", "--prompt", "x", "--frames", "0"], "argument --frames: 0 must be >= 1 (1 = a still image)"),
