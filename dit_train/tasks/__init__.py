@@ -13,6 +13,7 @@ from dit_train.config import Config
 from dit_train.config.errors import ConfigError
 from dit_train.config.schema import AUTO_MICRO_BATCH_TOKENS, companions
 from dit_train.data_pipelines import SOURCES, open_dataset, source_for
+from dit_train.data_pipelines.records import left_out_error
 from dit_train.tasks.llm import LMTask
 from dit_train.tasks.video import VideoTask
 
@@ -50,6 +51,12 @@ def check_data(cfg: Any) -> list[int]:
         lengths = task.lengths()
     except (ValueError, OSError) as err:  # data that cannot be read (a missing corpus, a bad file): one line
         raise ConfigError(str(err)) from err
+    # clips left out while the dataset was built count like clips that fail to decode later (a
+    # corpus's bad lines do not: records.py, one bad record never stops a run)
+    left_out = left_out_error(len(lengths), list(getattr(task.dataset, "skipped", [])) if cfg.mode == "video" else [],
+                              cfg.data.max_dropped_fraction, data_location(cfg.data))
+    if left_out:
+        raise ConfigError(left_out)
     if len(lengths) < cfg.train.global_batch:
         raise ConfigError(f"train.global_batch={cfg.train.global_batch} is larger than the dataset "
                           f"({len(lengths)} samples); set train.global_batch={len(lengths)} (the largest that "
@@ -67,6 +74,14 @@ def check_data(cfg: Any) -> list[int]:
                           f"(or 0 = auto: the longest sample)"
                           + (f", or make every sample fit {budget} tokens: {' or '.join(fits)}" if fits else ""))
     return lengths
+
+
+def data_location(data: Any) -> str:
+    """The configured data in a few words for a message: `data.root=...`, `data.url=...` or `data=<name>`."""
+    for key in ("root", "url"):
+        if getattr(data, key, ""):
+            return f"data.{key}={getattr(data, key)}"
+    return f"data={data.name}"
 
 
 def resolve_config(cfg: Config, lengths: list[int]) -> Config:
