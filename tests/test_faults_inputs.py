@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY_MODEL, compose_config, train_in_process
+from tests.conftest import TINY, TINY_MODEL, compose_config, train_in_process
 
 
 # -- the planner: impossible or absurd inputs ------------------------------------------------------
@@ -75,3 +75,49 @@ def test_files_left_out_when_the_dataset_is_built_count_against_max_dropped_frac
     assert not (tmp_path / "run").exists()  # before step 0: the run folder was never claimed
     # a threshold that allows it: the data check passes (the left-out files warned about and counted in the log)
     check_data(compose_config([*run, "data.max_dropped_fraction=1"], cache_dir=str(tmp_path / "cache")))
+
+
+# -- runs where no sample can be trained as asked -----------------------------------------------
+
+
+def stills_folder(root: Path, n: int = 3) -> Path:
+    """`n` captioned still images (one frame each) and nothing else."""
+    import numpy as np
+    from PIL import Image
+
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        Image.fromarray(np.full((32, 32, 3), 40 * i, np.uint8)).save(root / f"still_{i}.png")
+        (root / f"still_{i}.txt").write_text(f"a flat shade number {i}")
+    return root
+
+
+@pytest.mark.parametrize("data,cond,says", [
+    # the embedded clips have 4-8 frames: an 8-frame prefix leaves none of them a frame to generate
+    ([*TINY, "data.frames=[4,8]", "data.max_frames=16"], ["cond.kind=prefix", "cond.prefix_frames=8"],
+     "cond.prefix_frames=8 gives 8 frames as context, but the longest of the 16 samples has 8 frames"),
+    # a still is one temporal patch: first_frame leaves nothing to generate
+    ([*TINY_MODEL, "data=video_folder", "data.root=STILLS", "data.resolution_buckets=null"], ["cond.kind=first_frame"],
+     "cond.kind=first_frame gives 2 frames as context, but the longest of the 3 samples has 2 frames (all still images)"),
+], ids=["prefix_on_short_clips", "first_frame_on_stills"])
+def test_conditioning_that_fits_no_sample_is_refused_before_step_0(tmp_path, data_cache, data, cond, says):
+    """Before: every sample trained unconditioned and the run reported completed (a warning per clip)."""
+    from dit_train.config.errors import ConfigError
+
+    data = [d.replace("STILLS", str(stills_folder(tmp_path / "stills"))) for d in data]
+    run = [*data, *cond, "train.global_batch=3", "train.micro_batch_tokens=0"]
+    with pytest.raises(ConfigError) as err:
+        train_in_process(run, tmp_path / "run", cache_dir=data_cache)
+    msg = str(err.value)
+    assert "\n" not in msg and says in msg and "none would be conditioned" in msg, msg
+    assert not (tmp_path / "run").exists()
+
+
+def test_conditioning_that_fits_some_samples_runs_and_counts_the_others(data_cache, tiny_cfg, caplog):
+    """TINY's clips have 4 to 24 frames (8 at most read): a 4-frame prefix leaves the 4-frame ones nothing."""
+    from dit_train.tasks import check_data
+
+    cfg = compose_config([*TINY, "cond.kind=prefix", "cond.prefix_frames=4"], cache_dir=data_cache)
+    with caplog.at_level("WARNING"):
+        check_data(cfg)
+    assert "of the 16 samples have at most 4 frames: too short for cond.prefix_frames=4" in caplog.text, caplog.text

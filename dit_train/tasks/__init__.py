@@ -49,6 +49,9 @@ def check_data(cfg: Any) -> list[int]:
     try:
         task = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed, cond=cfg.cond)
         lengths = task.lengths()
+        if hasattr(task, "check_samples"):  # a run where no sample can be trained as asked (VideoTask)
+            source = source_for(cfg.data, cfg.model)
+            task.check_samples(lambda i: source.is_still(task.dataset, i))
     except (ValueError, OSError) as err:  # data that cannot be read (a missing corpus, a bad file): one line
         raise ConfigError(str(err)) from err
     # clips left out while the dataset was built count like clips that fail to decode later (a

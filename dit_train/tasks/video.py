@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from einops import rearrange
@@ -15,7 +15,8 @@ from dit_train.objectives.flow_matching import loss_weight, noisy_sample, per_to
 from dit_train.tasks.captions import ByteCaptionEncoder, drop_caption, pad_contexts
 from dit_train.config.schema import cond_active, cond_channels, control_channels
 from dit_train.models.registry import model_spec
-from dit_train.tasks.conditioning import Conditioner, i2v_data_errors, input_tokens, masked, vace_context, vace_data_check
+from dit_train.tasks.conditioning import (Conditioner, cond_keys, i2v_data_errors, input_tokens, masked, too_short,
+                                         unconditionable_error, vace_context, vace_data_check)
 from dit_train.tasks.joint_text import join_text_tokens
 
 
@@ -147,6 +148,23 @@ class VideoTask:
         clip's, plus up to text_len caption slots for a joint-attention model (tasks/joint_text.py)."""
         lengths = self.dataset.lengths()
         return [n + self.text_len for n in lengths] if self.joint_text else lengths
+
+    def check_samples(self, is_still: Callable[[int], bool]) -> None:
+        """Before step 0 (tasks.check_data): ValueError when no sample can be trained as the run
+        asks, a warning with the count when only some cannot. Conditioning: a sample too short to
+        leave a frame to generate after its context trains unconditioned (`is_still(i)`: whether
+        sample i is a still image, for the message)."""
+        frames = getattr(self.dataset, "frames", None)  # datasets of clips say it without decoding
+        if self.conditioner is not None and self.conditioner.cond.prob > 0 and frames is not None:
+            cond, pt = self.conditioner.cond, self.patch[0]
+            counts = [frames(i) for i in range(len(self.dataset))]
+            short = too_short(cond, pt, counts)
+            if len(short) == len(counts):
+                raise ValueError(unconditionable_error(cond, pt, counts, sum(map(is_still, short))))
+            if short:
+                log.warning("%d of the %d samples have at most %d frames: too short for %s (no frame left to "
+                            "generate); they train unconditioned", len(short), len(counts),
+                            max(counts[i] for i in short), cond_keys(cond))
 
     def control_input(self, item: Any) -> torch.Tensor:
         """A clip's control input [C', F, H, W]: its control video, or Wan VACE's context built
