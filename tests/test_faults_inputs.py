@@ -121,3 +121,23 @@ def test_conditioning_that_fits_some_samples_runs_and_counts_the_others(data_cac
     with caplog.at_level("WARNING"):
         check_data(cfg)
     assert "of the 16 samples have at most 4 frames: too short for cond.prefix_frames=4" in caplog.text, caplog.text
+
+
+def test_masks_that_weigh_nothing_on_every_sample_are_refused_before_step_0(tmp_path, data_cache):
+    """Before: all-zero masks (data.masks) completed with 0 tokens every step."""
+    import numpy as np
+
+    from dit_train.config.errors import ConfigError
+    from dit_train.data_pipelines.example_videos import ExampleClip, write_example_videos
+    from dit_train.data_pipelines.synthetic_video import write_mp4
+
+    clips = [ExampleClip(f"clip_{i}.mp4", 32, 32, 8, 4, "red", "circle", "navy") for i in range(3)]
+    for path in write_example_videos(tmp_path / "videos", clips):  # black masks: weight 0 everywhere
+        write_mp4(path.with_suffix(".mask.mp4"), np.zeros((4, 32, 32, 3), np.uint8), fps=8)
+    run = [*TINY_MODEL, "data=video_folder", f"data.root={tmp_path / 'videos'}", "data.masks=true",
+           "data.resolution_buckets=null", "data.num_workers=0", "train.global_batch=3", "train.micro_batch_tokens=0"]
+    with pytest.raises(ConfigError) as err:
+        train_in_process(run, tmp_path / "run", cache_dir=data_cache)
+    msg = str(err.value)
+    assert "\n" not in msg and "data.masks=true: the masks of all 3 samples are zero everywhere" in msg, msg
+    assert "data.masks=false" in msg and not (tmp_path / "run").exists()
