@@ -141,3 +141,43 @@ def test_masks_that_weigh_nothing_on_every_sample_are_refused_before_step_0(tmp_
     msg = str(err.value)
     assert "\n" not in msg and "data.masks=true: the masks of all 3 samples are zero everywhere" in msg, msg
     assert "data.masks=false" in msg and not (tmp_path / "run").exists()
+
+
+# -- a loss that diverges ---------------------------------------------------------------------------
+
+
+def test_a_run_whose_loss_diverges_ends_failed(tmp_path, data_cache):
+    """Before: optim.lr=1e6 ended `completed` with a final loss of 1.15e12 (no step was non-finite)."""
+    from dit_train.config.errors import RunFailed
+
+    run = tmp_path / "run"
+    with pytest.raises(RunFailed, match=r"the loss diverged: .* at step 1, above train.divergence_factor=100 x the "
+                                        r"loss of step 0 .*lower optim.lr \(now 1e\+06\)"):
+        train_in_process([*TINY, "optim.lr=1e6", "train.steps=2"], run, cache_dir=data_cache)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["status"] == "failed" and "diverged" in summary["error"] and summary["steps_done"] == 1
+    assert not (run / "weights.safetensors").exists()
+
+
+def test_the_divergence_rule_keeps_healthy_curves_and_stops_diverging_ones():
+    """The rule on loss curves (docs/checkpoints.md): 5 steps in a row above 100x the first step's loss."""
+    from dit_train.engine.sanity import Divergence
+
+    def stops_at(losses, reduction="sample_mean", tokens=None):
+        rule = Divergence(100, reduction)
+        for step, loss in enumerate(losses):
+            if rule.update(step, loss, tokens[step] if tokens else 1000, 8, last=step + 1 == len(losses)):
+                return step
+        return None
+
+    # the quickstart's first steps (`make run`: 3.1x the first loss during the LR warm-up), then trained
+    quickstart = [0.521, 1.159, 1.201, 1.386, 0.696, 0.708, 0.615, 0.624, 0.685, 1.617] + [0.07] * 200
+    assert stops_at(quickstart) is None
+    # spikes of a heavy-tailed loss (loss.weighting=sigma_sqrt): alone, or 4 in a row, and NaN steps between
+    assert stops_at([*quickstart, 60.0, 0.07, 70.0, 60.0, float("nan"), 55.0, 80.0, 0.07, 0.07]) is None
+    # measured: optim.lr=0.1 on the quickstart (it came back down by step 60); optim.lr=1e6, train.steps=2
+    assert stops_at([0.5209, 0.4969, 11.28, 81.18, 33798.4, 6693.4, 6435.1, 40804.1, 8409.0, 28156.6, 0.5]) == 7
+    assert stops_at([0.5209, 1.15e12]) == 1
+    # a `sum` loss grows with the step's tokens: 8x the tokens is not a divergence
+    assert stops_at([1.0] + [800.0] * 10, "sum", tokens=[100] + [80_000] * 10) is None
+    assert Divergence(0, "sample_mean").update(1, 1e30, 1000, 8, last=True) == ""  # 0 = off
