@@ -150,7 +150,8 @@ class DataConfig:
     # each sample's file/document name: the same split on every machine, stable as data grows
     heldout_fraction: float = 0.0
     # a run stops (and says so) when more than this share of the samples it read could not be
-    # decoded, or when a step has no readable sample at all
+    # decoded, or when a step has no readable sample at all; and is refused before step 0 when more
+    # than this share of the clips were left out while the dataset was built (missing files...)
     max_dropped_fraction: float = 0.05
     # masked loss: each clip's loss weights come from its mask (a mask video beside it, clip.mask.mp4,
     # or the manifest's `mask` / `mask_boxes` columns), fractional allowed; T_b = Σ of the sample's
