@@ -1,8 +1,9 @@
 """Tasks glue a data source, an objective and a model into per-token losses on packs: the
 mode's task (video: `VideoTask`, llm: `LMTask`) wraps the dataset a source opens, and is what
 the step planner and the trainer use (`lengths()`, `build(ids, step)`). `check_data` says,
-before training, whether the data can fill a step and each sample fit a micro-batch, and
-`resolve_config` sizes train.micro_batch_tokens=0 (auto) by it."""
+before training, whether the data can fill a step, each sample fit a micro-batch and the samples
+train the run as asked (enough of them kept, long enough for the conditioning, weighing
+something under their masks), and `resolve_config` sizes train.micro_batch_tokens=0 (auto) by it."""
 from __future__ import annotations
 
 import dataclasses
@@ -42,24 +43,17 @@ def auto_micro_batch_tokens(lengths: list[int]) -> int:
 
 
 def check_data(cfg: Any) -> list[int]:
-    """Fail before training if the data cannot fill a step or a sample cannot fit a micro-batch
-    (each error names the keys and values that would work). Returns the samples' lengths (what
+    """Fail before training if the data cannot fill a step, a sample cannot fit a micro-batch or
+    the samples cannot train the run as asked (check_samples; each error names the keys and
+    values that would work). Returns the samples' lengths (what
     the step plan is made from, and what resolve_config sizes train.micro_batch_tokens=0 by);
     `cfg` is only read."""
     try:
         task = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed, cond=cfg.cond)
         lengths = task.lengths()
-        if hasattr(task, "check_samples"):  # a run where no sample can be trained as asked (VideoTask)
-            source = source_for(cfg.data, cfg.model)
-            task.check_samples(lambda i: source.is_still(task.dataset, i))
+        check_samples(cfg, task, len(lengths))
     except (ValueError, OSError) as err:  # data that cannot be read (a missing corpus, a bad file): one line
         raise ConfigError(str(err)) from err
-    # clips left out while the dataset was built count like clips that fail to decode later (a
-    # corpus's bad lines do not: records.py, one bad record never stops a run)
-    left_out = left_out_error(len(lengths), list(getattr(task.dataset, "skipped", [])) if cfg.mode == "video" else [],
-                              cfg.data.max_dropped_fraction, data_location(cfg.data))
-    if left_out:
-        raise ConfigError(left_out)
     if len(lengths) < cfg.train.global_batch:
         raise ConfigError(f"train.global_batch={cfg.train.global_batch} is larger than the dataset "
                           f"({len(lengths)} samples); set train.global_batch={len(lengths)} (the largest that "
@@ -77,6 +71,22 @@ def check_data(cfg: Any) -> list[int]:
                           f"(or 0 = auto: the longest sample)"
                           + (f", or make every sample fit {budget} tokens: {' or '.join(fits)}" if fits else ""))
     return lengths
+
+
+def check_samples(cfg: Any, task: Any, kept: int) -> None:
+    """ValueError when the `kept` samples of `task` cannot train the run as asked: more clips left
+    out while the dataset was built than data.max_dropped_fraction allows (they count like clips
+    that fail to decode later; a corpus's bad lines do not: records.py, one bad record never stops
+    a run), then the task's own check (VideoTask.check_samples: no sample long enough for its
+    conditioning, every mask zero), which may read samples."""
+    if cfg.mode == "video":
+        left_out = left_out_error(kept, list(getattr(task.dataset, "skipped", [])), cfg.data.max_dropped_fraction,
+                                  data_location(cfg.data))
+        if left_out:
+            raise ValueError(left_out)
+    if hasattr(task, "check_samples"):
+        source = source_for(cfg.data, cfg.model)
+        task.check_samples(lambda i: source.is_still(task.dataset, i))
 
 
 def data_location(data: Any) -> str:
