@@ -307,7 +307,8 @@ def test_resume_refuses_data_that_changed_unless_told(tmp_path, data_cache, capl
 
     videos = make_video_folder(tmp_path / "videos", Path(data_cache), n=8)
     base = [*TINY_MODEL, "data=video_folder", f"data.root={videos}", "data.max_frames=8", "data.num_workers=0",
-            "train.global_batch=3", "train.ckpt_every=2"]
+            "train.global_batch=3", "train.ckpt_every=2",
+            "data.max_dropped_fraction=0.2"]  # the folder's corrupt file is 1 of 9 (above 0.05: refused)
     run = tmp_path / "run"
     _run([*base, "train.steps=2"], run, data_cache)
     (videos / "video_0.mp4").unlink()
