@@ -41,7 +41,6 @@ def test_the_planner_refuses_impossible_inputs_in_one_line_at_once(args, message
     assert time.perf_counter() - t0 < 30
 
 
-
 # -- data left out when the dataset is built --------------------------------------------------------
 
 
