@@ -413,6 +413,11 @@ class LatentCacheDataset:
         """Each sample's caption, in sample order (the resume check's content fingerprint)."""
         return [row["caption"] for row in self.rows]
 
+    def frames(self, i: int) -> int:
+        """Latent frames sample i is trained with (cropped to a multiple of the temporal patch, as read)."""
+        f = self.rows[i]["latent_shape"][1]
+        return f - f % self.patch[0]
+
     def tensors(self, row: dict) -> dict[str, torch.Tensor]:
         """The sample's stored tensors (`latents`, optional `text_emb`); VideoReadError when they
         cannot be read (skipped and counted by the task)."""

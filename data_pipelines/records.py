@@ -105,6 +105,21 @@ def describe(skips: list[Skip], unit: str, first: int = 3) -> str:
     return f"skipped {len(skips)} {unit}(s) of {skips[0].file}: {named}{more}"
 
 
+def left_out_error(kept: int, left_out: list, max_fraction: float, where: str, first: int = 3) -> str:
+    """The error when more than `max_fraction` of a dataset's samples were left out while it was
+    built (`left_out`: its (file, why) pairs: files missing or unreadable, unusable manifest rows,
+    clips too small for a patch), else "". The same share data.max_dropped_fraction allows for
+    clips that fail to decode during training: 3 clips left of 1,000,003 is no training set."""
+    total = kept + len(left_out)
+    if not left_out or len(left_out) <= max_fraction * total:
+        return ""
+    named = "; ".join(f"{file}: {why}" for file, why, *_ in left_out[:first])
+    more = f"; and {len(left_out) - first} more" if len(left_out) > first else ""
+    return (f"{len(left_out)} of the {total} samples of {where} were left out when the dataset was built "
+            f"({len(left_out) / total:.1%} > data.max_dropped_fraction={max_fraction:g}), e.g. {named}{more}; fix or "
+            f"remove them, or raise data.max_dropped_fraction")
+
+
 _warned: set[str] = set()
 
 

@@ -102,7 +102,7 @@ def test_every_numeric_key_has_a_range_check():
 
 
 TOOL_FLAGS = [  # (tool, arguments, what the one error line says)
-    ("plan", ["--world", "0"], "argument --world: 0 must be >= 1"),
+    ("plan", ["--world", "0"], "argument --world: 0 must be in [1, 131072]"),
     ("plan", ["--gpu-mem-gib", "-1"], "argument --gpu-mem-gib: -1 must be > 0"),
     ("plan", ["--smoke-steps", "0"], "argument --smoke-steps: 0 must be >= 1"),
     ("sample", ["RUN", "--prompt", "x", "--frames", "0"], "argument --frames: 0 must be >= 1 (1 = a still image)"),
@@ -307,7 +307,8 @@ def test_resume_refuses_data_that_changed_unless_told(tmp_path, data_cache, capl
 
     videos = make_video_folder(tmp_path / "videos", Path(data_cache), n=8)
     base = [*TINY_MODEL, "data=video_folder", f"data.root={videos}", "data.max_frames=8", "data.num_workers=0",
-            "train.global_batch=3", "train.ckpt_every=2"]
+            "train.global_batch=3", "train.ckpt_every=2",
+            "data.max_dropped_fraction=0.2"]  # the folder's corrupt file is 1 of 9 (above 0.05: refused)
     run = tmp_path / "run"
     _run([*base, "train.steps=2"], run, data_cache)
     (videos / "video_0.mp4").unlink()

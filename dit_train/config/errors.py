@@ -38,6 +38,10 @@ class NonFiniteTraining(RunFailed):
     """Too many consecutive steps with non-finite gradients."""
 
 
+class LossDiverged(RunFailed):
+    """The loss stayed far above its first value (train.divergence_factor): the run diverged."""
+
+
 class DataFailure(RunFailed):
     """Too much of the data could not be read (or none of a step's)."""
 

@@ -150,7 +150,8 @@ class DataConfig:
     # each sample's file/document name: the same split on every machine, stable as data grows
     heldout_fraction: float = 0.0
     # a run stops (and says so) when more than this share of the samples it read could not be
-    # decoded, or when a step has no readable sample at all
+    # decoded, or when a step has no readable sample at all; and is refused before step 0 when more
+    # than this share of the clips were left out while the dataset was built (missing files...)
     max_dropped_fraction: float = 0.05
     # masked loss: each clip's loss weights come from its mask (a mask video beside it, clip.mask.mp4,
     # or the manifest's `mask` / `mask_boxes` columns), fractional allowed; T_b = Σ of the sample's
@@ -309,6 +310,10 @@ class TrainConfig:
     # the steps from the resumed one on draw from the new data); false = such a resume is refused
     resume_data_changed: bool = False
     max_skipped_steps: int = 5  # stop after more non-finite steps in a row
+    # a run whose loss stays above this many times its first step's loss (per token) for 5 steps
+    # in a row, or for every step after the first in a shorter run, ends failed (the loss
+    # diverged: engine/sanity.py); 0 = off
+    divergence_factor: float = 100.0
     # EMA of the trainable weights (0 = off): shadow <- d·shadow + (1-d)·w after every step taken,
     # d = min(ema_decay, (1 + n)/(10 + n)) for the n-th update (dit_train/engine/ema.py)
     ema_decay: float = 0.0

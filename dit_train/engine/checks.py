@@ -114,6 +114,9 @@ def _train(cfg: Config, e: list[str]) -> None:
     for key, low in (("steps", 0), ("global_batch", 1), ("grad_accum", 1), ("micro_batch_tokens", 0), ("keep_last", 1),
                      ("max_skipped_steps", 0), ("eval_every", 0)):
         _check(getattr(t, key) >= low, f"train.{key}={getattr(t, key)} must be >= {low}", e)
+    # a factor <= 1 would call a loss that merely stops falling diverged (RANGES refuses < 0)
+    _check(not 0 < t.divergence_factor <= 1, f"train.divergence_factor={t.divergence_factor:g} must be 0 (off) or > 1 "
+           f"(times the first step's loss; default 100)", e)
     _check(t.ckpt_every >= 0, f"train.ckpt_every={t.ckpt_every} must be >= 0 (0 = no checkpoints)", e)
     _check(t.sample_every >= 0, f"train.sample_every={t.sample_every} must be >= 0 (0 = no validation videos)", e)
     _check(not (t.sample_every > 0 and cfg.mode != "video"),
@@ -192,6 +195,7 @@ RANGES: dict[str, Range] = {
     "optim.warmup_steps": Range(0), "optim.min_lr_ratio": Range(0, 1),
     "train.log_every": Range(1), "train.seed": Range(0, note="numpy and torch generators take non-negative seeds"),
     "data.gen_seed": Range(0), "train.ema_decay": Range(0, 1, high_open=True, note="0 = off"),
+    "train.divergence_factor": Range(0, note="0 = off; else > 1, times the first step's loss"),
     "distill.student_steps": Range(1), "distill.student_every": Range(1, note="critic steps per student step"),
     "distill.teacher_guidance": Range(0, note="1 = off"), "distill.critic_lr": Range(0, note="0 = optim.lr"),
     "distill.t_min": Range(0, 1, low_open=True, high_open=True), "distill.t_max": Range(0, 1, low_open=True, high_open=True),

@@ -23,6 +23,7 @@ from typing import Any
 ALLOWED = (
     "run_dir", "train.steps", "train.log_every", "train.progress", "train.save_weights", "train.ckpt_every",
     "train.keep_last", "train.resume", "train.overwrite", "train.resume_data_changed", "train.max_skipped_steps",
+    "train.divergence_factor",
     "train.sample_every",
     "train.num_samples", "train.sample_steps", "train.compile", "train.grad_accum",
     "train.micro_batch_tokens", "train.loggers", "train.wandb_project", "train.wandb_mode", "parallel.*",

@@ -15,12 +15,13 @@ import torch.distributed as dist
 from dit_train.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
 from dit_train.checkpoint.export import export_run_weights
 from dit_train.config import Config, to_dict, to_yaml
-from dit_train.config.errors import ConfigError, DataFailure, NonFiniteTraining, RunFolderError
+from dit_train.config.errors import ConfigError, DataFailure, LossDiverged, NonFiniteTraining, RunFolderError
 from dit_train.engine.build import Run, build_run
 from dit_train.engine.launch import check_interrupted
 from dit_train.engine.resume import apply_optimizer_settings
 from dit_train.engine.run_folder import open_run_folder, run_id_of
-from dit_train.engine.sanity import nonfinite_hint, nonfinite_weights, zero_gradient_warning, zero_head_error
+from dit_train.engine.sanity import (Divergence, nonfinite_hint, nonfinite_weights, zero_gradient_warning,
+                                     zero_head_error)
 from dit_train.engine.summary import write_summary
 from dit_train.engine.validation import Validation, format_scores
 from dit_train.metrics import MetricsLogger
@@ -147,6 +148,7 @@ def train(cfg: Config, ctx: ParallelContext | None = None, claimed: bool = False
     if validation is not None and validation.reference:
         logger.write(f"quality of the real validation clips (the reference): {format_scores(validation.reference)}")
     health = DataHealth(cfg.data.max_dropped_fraction, run.task)
+    divergence = Divergence(t.divergence_factor, cfg.loss.reduction)
     last, error, done = None, None, start
     try:
         for step in range(start, t.steps):
@@ -185,6 +187,10 @@ def train(cfg: Config, ctx: ParallelContext | None = None, claimed: bool = False
             if res.skipped and nonfinite_weights(run.model, ctx.device, ctx.world_group):
                 raise NonFiniteTraining(f"step {step}: the weights are no longer finite (an earlier update made them "
                                         f"NaN or inf); {nonfinite_hint(cfg.optim, t)}")
+            # before this step's checkpoint: the diverged weights are not kept, the earlier checkpoints are
+            if diverged := divergence.update(step, res.loss, res.tokens, res.samples, last=step + 1 == t.steps):
+                raise LossDiverged(f"{diverged}; {nonfinite_hint(cfg.optim, t)} (train.divergence_factor=0 turns "
+                                   f"this check off)")
             if t.ckpt_every > 0 and ((step + 1) % t.ckpt_every == 0 or step + 1 == t.steps):
                 path = save_checkpoint(run_dir, step, parts, config_yaml, t.keep_last, run_id)
                 logger.write(f"checkpoint of step {step}: {path}")

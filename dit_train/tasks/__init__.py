@@ -1,8 +1,9 @@
 """Tasks glue a data source, an objective and a model into per-token losses on packs: the
 mode's task (video: `VideoTask`, llm: `LMTask`) wraps the dataset a source opens, and is what
 the step planner and the trainer use (`lengths()`, `build(ids, step)`). `check_data` says,
-before training, whether the data can fill a step and each sample fit a micro-batch, and
-`resolve_config` sizes train.micro_batch_tokens=0 (auto) by it."""
+before training, whether the data can fill a step, each sample fit a micro-batch and the samples
+train the run as asked (enough of them kept, long enough for the conditioning, weighing
+something under their masks), and `resolve_config` sizes train.micro_batch_tokens=0 (auto) by it."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,6 +15,7 @@ from dit_train.config.errors import ConfigError
 from dit_train.config.schema import AUTO_MICRO_BATCH_TOKENS, companions
 from dit_train.data_pipelines import SOURCES, open_dataset, source_for
 from dit_train.data_pipelines.packing import data_fingerprint
+from dit_train.data_pipelines.records import left_out_error
 from dit_train.tasks.llm import LMTask
 from dit_train.tasks.video import VideoTask
 
@@ -42,8 +44,9 @@ def auto_micro_batch_tokens(lengths: list[int]) -> int:
 
 
 def check_data(cfg: Any) -> list[int]:
-    """Fail before training if the data cannot fill a step or a sample cannot fit a micro-batch
-    (each error names the keys and values that would work). Returns the samples' lengths (what
+    """Fail before training if the data cannot fill a step, a sample cannot fit a micro-batch or
+    the samples cannot train the run as asked (check_samples; each error names the keys and
+    values that would work). Returns the samples' lengths (what
     the step plan is made from, and what resolve_config sizes train.micro_batch_tokens=0 by);
     `cfg` is only read."""
     return checked_data(cfg)[0]
@@ -54,6 +57,7 @@ def checked_data(cfg: Any) -> tuple[list[int], dict[str, object]]:
     try:
         task = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed, cond=cfg.cond)
         lengths = task.lengths()
+        check_samples(cfg, task, len(lengths))
     except (ValueError, OSError) as err:  # data that cannot be read (a missing corpus, a bad file): one line
         raise ConfigError(str(err)) from err
     if len(lengths) < cfg.train.global_batch:
@@ -73,6 +77,30 @@ def checked_data(cfg: Any) -> tuple[list[int], dict[str, object]]:
                           f"(or 0 = auto: the longest sample)"
                           + (f", or make every sample fit {budget} tokens: {' or '.join(fits)}" if fits else ""))
     return lengths, data_fingerprint(task.dataset, lengths)
+
+
+def check_samples(cfg: Any, task: Any, kept: int) -> None:
+    """ValueError when the `kept` samples of `task` cannot train the run as asked: more clips left
+    out while the dataset was built than data.max_dropped_fraction allows (they count like clips
+    that fail to decode later; a corpus's bad lines do not: records.py, one bad record never stops
+    a run), then the task's own check (VideoTask.check_samples: no sample long enough for its
+    conditioning, every mask zero), which may read samples."""
+    if cfg.mode == "video":
+        left_out = left_out_error(kept, list(getattr(task.dataset, "skipped", [])), cfg.data.max_dropped_fraction,
+                                  data_location(cfg.data))
+        if left_out:
+            raise ValueError(left_out)
+    if hasattr(task, "check_samples"):
+        source = source_for(cfg.data, cfg.model)
+        task.check_samples(lambda i: source.is_still(task.dataset, i))
+
+
+def data_location(data: Any) -> str:
+    """The configured data in a few words for a message: `data.root=...`, `data.url=...` or `data=<name>`."""
+    for key in ("root", "url"):
+        if getattr(data, key, ""):
+            return f"data.{key}={getattr(data, key)}"
+    return f"data={data.name}"
 
 
 def resolve_config(cfg: Config, lengths: list[int]) -> Config:

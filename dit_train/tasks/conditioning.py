@@ -64,6 +64,32 @@ def context_patches(cond: Any, pt: int, num_patches: int) -> torch.Tensor | None
     return mask
 
 
+def cond_keys(cond: Any) -> str:
+    """The key that sets how much context `cond` takes: cond.prefix_frames for prefix, else cond.kind."""
+    return f"cond.prefix_frames={cond.prefix_frames}" if str(cond.kind) == "prefix" else f"cond.kind={cond.kind}"
+
+
+def too_short(cond: Any, pt: int, frames: list[int]) -> list[int]:
+    """Ids of the samples (of `frames[i]` frames each) that leave no temporal patch to generate
+    after their context: they train unconditioned (context_patches is None)."""
+    return [i for i, f in enumerate(frames) if context_patches(cond, pt, f // pt) is None]
+
+
+def unconditionable_error(cond: Any, pt: int, frames: list[int], stills: int) -> str:
+    """The error when no sample is long enough for `cond` (every one would train unconditioned
+    and the run would report completed): the context it takes, the longest sample, and what
+    to change. `stills`: how many of the samples are still images."""
+    given = (context_patch_count(cond, pt) + (1 if str(cond.kind) == "first_last" else 0)) * pt
+    longest = max(frames)
+    kind = " (all still images)" if stills == len(frames) else ""
+    fix = (f"lower cond.prefix_frames to {longest - pt} or less, or train on clips of more than {given} frames"
+           if str(cond.kind) == "prefix" and longest > pt else
+           f"train on clips of more than {given} frames, or set cond.kind=none")
+    return (f"{cond_keys(cond)} gives {given} frames as context, but the longest of the {len(frames)} samples has "
+            f"{longest} frames{kind}: no sample leaves a frame to generate, so none would be conditioned (each would "
+            f"train unconditioned); {fix}")
+
+
 def is_conditioned(seed: int, sample_id: int, step: int, prob: float) -> bool:
     """True when sample `sample_id` is conditioned at `step` (probability prob), from the
     "conditioning" stream of (seed, id, step): the same on every layout."""

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from einops import rearrange
 from torch import nn
 
+from dit_train.data_pipelines.companions import token_mask_units
 from dit_train.data_pipelines.video_io import VideoReadError
 from dit_train.batch import WEIGHT_ONE, PackedBatch
 from dit_train.config import LossConfig, ModelConfig
@@ -15,7 +16,8 @@ from dit_train.objectives.flow_matching import loss_weight, noisy_sample, per_to
 from dit_train.tasks.captions import ByteCaptionEncoder, drop_caption, pad_contexts
 from dit_train.config.schema import cond_active, cond_channels, control_channels
 from dit_train.models.registry import model_spec
-from dit_train.tasks.conditioning import Conditioner, i2v_data_errors, input_tokens, masked, vace_context, vace_data_check
+from dit_train.tasks.conditioning import (Conditioner, cond_keys, i2v_data_errors, input_tokens, masked, too_short,
+                                         unconditionable_error, vace_context, vace_data_check)
 from dit_train.tasks.joint_text import join_text_tokens
 
 
@@ -85,6 +87,8 @@ def pack_clips(clips: dict[str, list[torch.Tensor]], patch: tuple[int, int, int]
 
 log = logging.getLogger(__name__)
 
+MASK_PROBE = 256  # samples data.masks reads at most before step 0 to find one whose mask weighs something
+
 
 class VideoTask:
     """Builds packs of noisy video patches and scores the DiT's velocity prediction.
@@ -147,6 +151,51 @@ class VideoTask:
         clip's, plus up to text_len caption slots for a joint-attention model (tasks/joint_text.py)."""
         lengths = self.dataset.lengths()
         return [n + self.text_len for n in lengths] if self.joint_text else lengths
+
+    def check_samples(self, is_still: Callable[[int], bool]) -> None:
+        """Before step 0 (tasks.check_data): ValueError when no sample can be trained as the run
+        asks, a warning with the count when only some cannot. Conditioning: a sample too short to
+        leave a frame to generate after its context trains unconditioned (`is_still(i)`: whether
+        sample i is a still image, for the message)."""
+        frames = getattr(self.dataset, "frames", None)  # datasets of clips say it without decoding
+        if self.conditioner is not None and self.conditioner.cond.prob > 0 and frames is not None:
+            cond, pt = self.conditioner.cond, self.patch[0]
+            counts = [frames(i) for i in range(len(self.dataset))]
+            short = too_short(cond, pt, counts)
+            if len(short) == len(counts):
+                raise ValueError(unconditionable_error(cond, pt, counts, sum(map(is_still, short))))
+            if short:
+                log.warning("%d of the %d samples have at most %d frames: too short for %s (no frame left to "
+                            "generate); they train unconditioned", len(short), len(counts),
+                            max(counts[i] for i in short), cond_keys(cond))
+        if self.masks:
+            self._check_masks()
+
+    def _check_masks(self) -> None:
+        """data.masks: ValueError when every sample's mask is zero everywhere (T_b = 0 for all: each
+        step would train on nothing and the run report completed). Samples are read until one
+        weighs something (the first, on healthy data), at most MASK_PROBE of them spread over the
+        data: beyond that a set whose samples read all weigh nothing is warned about, not refused."""
+        n = len(self.dataset)
+        ids = sorted({k * n // MASK_PROBE for k in range(MASK_PROBE)}) if n > MASK_PROBE else range(n)
+        read = 0
+        for i in ids:
+            try:
+                mask = self.dataset[i].mask
+            except VideoReadError:  # counted when a step reads it (data.max_dropped_fraction)
+                continue
+            if bool(token_mask_units(mask, self.patch).any()):
+                return
+            read += 1
+        what = ("the masks (clip.mask.mp4 beside each clip, or the manifest's mask / mask_boxes columns: white = "
+                "weight 1, black = 0)")
+        if read == n:
+            raise ValueError(f"data.masks=true: the masks of all {n} samples are zero everywhere, so no token would "
+                             f"carry loss (T_b = 0) and every step would train on nothing; check {what}, or set "
+                             f"data.masks=false")
+        if read:
+            log.warning("data.masks=true: the masks of the %d samples read before step 0 (spread over %d) are zero "
+                        "everywhere: most steps would train on nothing; check %s", read, n, what)
 
     def control_input(self, item: Any) -> torch.Tensor:
         """A clip's control input [C', F, H, W]: its control video, or Wan VACE's context built

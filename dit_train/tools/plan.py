@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from dit_train.compose import compose
+from dit_train.config import PARALLEL_DEGREES
 from dit_train.config.schema import AUTO_MICRO_BATCH_TOKENS
 from dit_train.engine.checks import Range
 from dit_train.models import model_spec
@@ -29,14 +30,29 @@ from dit_train.parallel.mesh import ParallelDims
 from dit_train.perf.bench import dumps_records, format_table
 from dit_train.planning.clips import clip_options, clip_tokens, latent_grid
 from dit_train.perf.memory import GIB, calibrate_block, model_shape
-from dit_train.planning.planner import Workload, plan, resolve_plan_backend, smoke, workload_from_data
+from dit_train.planning.planner import MAX_PLAN_WORLD, Workload, plan, resolve_plan_backend, smoke, workload_from_data
 from dit_train.tools.args import POSITIVE_FLOAT, POSITIVE_INT, ToolParser, ranged
+
+
+def vae_stride(text: str) -> tuple[int, ...]:
+    """An argparse `type=` for --vae-stride: "t,h,w", three integers >= 1 ("" = the model's)."""
+    if not text:
+        return ()
+    try:
+        stride = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        stride = ()
+    if len(stride) != 3 or min(stride) < 1:  # a 0 divided the latent grid by zero
+        raise argparse.ArgumentTypeError(f"{text!r} must be three integers >= 1 (t,h,w), e.g. 4,8,8")
+    return stride
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = ToolParser(prog="python -m dit_train.tools.plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. +experiment=video_cp8 model=dit_1b")
-    ap.add_argument("--world", type=POSITIVE_INT, default=0, help="ranks (default: the config's layout)")
+    ap.add_argument("--world", type=ranged(int, Range(1, MAX_PLAN_WORLD, note="every split of it into the parallel "
+                                                       "degrees is checked")),
+                    default=0, help="ranks (default: the config's layout)")
     ap.add_argument("--gpu-mem-gib", type=POSITIVE_FLOAT, default=80.0, help="memory per rank (default 80, an H100)")
     ap.add_argument("--reserve-gib", type=ranged(float, Range(0)), default=2.0,
                     help="kept free for the CUDA context, NCCL buffers and allocator fragmentation")
@@ -56,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--frames", type=ranged(int, Range(0, note="0 = no clip question")), default=0, help="pixel frames of one clip: answer which options fit it")
     ap.add_argument("--height", type=POSITIVE_INT, default=480, help="pixel height of the clip (with --frames)")
     ap.add_argument("--width", type=POSITIVE_INT, default=832, help="pixel width of the clip (with --frames)")
-    ap.add_argument("--vae-stride", default="", help="VAE compression t,h,w (default: the model's model.vae_stride where it has one, e.g. 4,16,16 for wan22_ti2v_5b; else the family's VAE: Wan 4,8,8, LTX-Video 8,32,32)")
+    ap.add_argument("--vae-stride", type=vae_stride, default="", help="VAE compression t,h,w (default: the model's model.vae_stride where it has one, e.g. 4,16,16 for wan22_ti2v_5b; else the family's VAE: Wan 4,8,8, LTX-Video 8,32,32)")
     ap.add_argument("--host-mem-gib", type=POSITIVE_FLOAT, default=128.0, help="host memory per rank for the offload options")
     ap.add_argument("--max-frames", type=POSITIVE_INT, default=4001, help="upper end of the longest-clip search")
     ap.add_argument("--top", type=POSITIVE_INT, default=12, help="rows to print")
@@ -70,11 +86,19 @@ def main(argv: list[str] | None = None) -> int:
 
     cfg = compose(args.overrides)
     world = args.world or ParallelDims.from_config(cfg.parallel).world
+    if world > MAX_PLAN_WORLD:  # the config's own layout (--world is checked by its type)
+        degrees = " ".join(f"parallel.{k}={getattr(cfg.parallel, k)}" for k in PARALLEL_DEGREES if getattr(cfg.parallel, k) > 1)
+        ap.error(f"{degrees} asks for {world} ranks; the planner plans for at most {MAX_PLAN_WORLD}: give --world")
     shape = model_shape(cfg.model)
     if args.from_data:
         work = workload_from_data(cfg)
     else:
         mx = args.max_sample_tokens or cfg.train.micro_batch_tokens or AUTO_MICRO_BATCH_TOKENS
+        if args.mean_sample_tokens > mx:  # an impossible workload: a plan for it would mean nothing
+            longest = (f"--max-sample-tokens={args.max_sample_tokens}" if args.max_sample_tokens else
+                       f"train.micro_batch_tokens={cfg.train.micro_batch_tokens or f'0 = auto: {mx}'}")
+            ap.error(f"--mean-sample-tokens={args.mean_sample_tokens:.15g} is above the longest sample ({longest}): a "
+                     f"mean cannot exceed the maximum; lower --mean-sample-tokens or raise --max-sample-tokens")
         work = Workload(cfg.train.global_batch, mx, args.mean_sample_tokens or mx)
     backend = args.backend or resolve_plan_backend(cfg, args.device)
     prologues = {"both": (False, True), "on": (True,), "off": (False,), "config": ()}[args.prologues]
@@ -140,7 +164,7 @@ def clip_main(args, cfg, world: int, shape, backend: str, prologues: tuple[bool,
     if cfg.mode != "video":
         raise SystemExit(f"--frames needs a video model (model.name={cfg.model.name} is {cfg.mode})")
     if args.vae_stride:
-        stride = tuple(int(x) for x in args.vae_stride.split(","))
+        stride = args.vae_stride
     else:  # the VAE the model's latents come from: a preset's own (Wan 2.2 TI2V: 16x spatial), else its family's
         stride = tuple(getattr(cfg.model, "vae_stride", None) or model_spec(cfg.model).vae_stride)
     tokens = clip_tokens(cfg.model, args.frames, args.height, args.width, stride)
