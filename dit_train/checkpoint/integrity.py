@@ -16,6 +16,8 @@ import logging
 import zlib
 from pathlib import Path
 
+from safetensors import safe_open
+
 from dit_train.checkpoint.safe_load import METADATA, read_metadata, stored_files
 from dit_train.config.errors import CheckpointError, UnsafeCheckpoint
 
@@ -88,8 +90,6 @@ def _info_problem(path: Path) -> str:
 def _rng_problem(path: Path) -> str:
     """What is wrong with the ranks' RNG files ('' = nothing): they are not in the DCP index, so a
     checkpoint without its integrity record is not checked for them otherwise."""
-    from safetensors import safe_open  # deferred: only resuming reads RNG files
-
     for f in sorted(path.glob("rng_rank*.safetensors")):
         try:
             with safe_open(str(f), "pt") as state:

@@ -48,7 +48,7 @@ from dit_train.checkpoint.export import run_weights
 from dit_train.compose import load_config
 from dit_train.config.errors import CheckpointError
 from dit_train.config.schema import cond_active
-from dit_train.data_pipelines import source_for
+from dit_train.data_pipelines import SOURCES, source_for
 from dit_train.engine.build import build_parallel_model
 from dit_train.engine.checks import Range
 from dit_train.engine import launch  # launch.launch_local at call time: the tests route it to their worker pool
@@ -289,7 +289,7 @@ def check_memory(cfg: Any, args: argparse.Namespace) -> None:
     clips = len(args.prompt) * args.num
     pixels = clips * args.frames * args.height * args.width * 3 * 4 * 3
     need = float(pixels)
-    if cfg.data.name != "latent_cache":  # pixel space: the model sees the pixels' patches
+    if not SOURCES[cfg.data.name].may_be_latent():  # pixel space: the model sees the pixels' patches
         tokens = clips * 2 * args.frames * args.height * args.width / math.prod(cfg.model.patch_size)
         need += tokens * getattr(cfg.model, "dim", 0) * 4 * 16
     if args.device != "cpu" and torch.cuda.is_available():
