@@ -319,3 +319,24 @@ def test_sigterm_to_video_rl_keeps_its_steps_and_resume_goes_on(tmp_path, rl_run
     assert main([str(rl_run), *RL, "--steps", str(record["step"] + 1), "--out", str(out), "--resume"]) == 0
     record = json.loads((out / "video_rl.json").read_text())
     assert record["status"] == "completed" and record["step"] == record["steps"]
+
+
+def never_returning_reward(clips, captions):
+    """A reward stuck for good (a remote scorer that never answers)."""
+    import threading
+
+    threading.Event().wait()
+
+
+def test_a_reward_that_never_returns_is_one_error_after_its_timeout(tmp_path, rl_run, capsys):
+    """It hung tools.video_rl for good; --reward-timeout (default 600 s) ends it with one line."""
+    import time
+
+    from dit_train.tools.video_rl import main
+
+    t0 = time.perf_counter()
+    assert main([str(rl_run), *RL, "--reward", "tests.test_faults_tools:never_returning_reward", "--steps", "2",
+                 "--reward-timeout", "0.5", "--out", str(tmp_path / "out")]) == 2
+    assert time.perf_counter() - t0 < 120
+    _one_error_line(capsys, "error: --reward tests.test_faults_tools:never_returning_reward gave no answer within 0.5 s "
+                            "(--reward-timeout)")

@@ -50,6 +50,7 @@ import json
 import math
 import random
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -106,6 +107,35 @@ def load_reward(spec: str) -> Callable:
     if not callable(fn):
         raise ConfigError(f"--reward {spec}: {name} is not callable")
     return fn
+
+
+def with_timeout(fn: Callable, timeout_s: float, what: str) -> Callable:
+    """fn, answered within `timeout_s` seconds (0 = no limit) or a ValueError naming `what`: a
+    reward that never returns hung the tool. It runs in a daemon thread, which the process leaves
+    behind when it ends; its exceptions reach the caller."""
+    if timeout_s <= 0:
+        return fn
+
+    def call(*args: Any) -> Any:
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["out"] = fn(*args)
+            except BaseException as err:  # handed to the caller, whatever it is
+                box["err"] = err
+
+        worker = threading.Thread(target=run, name="video_rl-reward", daemon=True)
+        worker.start()
+        worker.join(timeout_s)
+        if worker.is_alive():
+            raise ValueError(f"{what} gave no answer within {timeout_s:g} s (--reward-timeout); make it faster, or "
+                             f"raise --reward-timeout (0 = no limit)")
+        if "err" in box:
+            raise box["err"]
+        return box["out"]
+
+    return call
 
 
 def checked_rewards(fn: Callable, name: str, clips: list[torch.Tensor], captions: list[str]) -> list[float]:
@@ -246,7 +276,7 @@ def train(cfg, run: str, recipe: str, steps: int, out: str, reward: str, caption
           eval_every: int, sample_steps: int, kl: float, max_minutes: float = 0.0, initial_eval: bool = True,
           keep_min: float = 5.5, updates: int = 1, raft_batch: int = 8, select: str = "all", min_buffer: int = 1,
           rollout_guidance: float | None = None, max_cpu_s: float = 0.0, ckpt_every: int = 0,
-          resume: dict | None = None, settings: dict | None = None) -> None:
+          resume: dict | None = None, settings: dict | None = None, reward_timeout_s: float = 0.0) -> None:
     """The post-training loop (every rank). resume: the loop state `check_out` read from --out's
     checkpoint (--resume); settings: what each checkpoint records of the flags (video_rl_state)."""
     session = TrainingSession(cfg)
@@ -259,6 +289,7 @@ def train(cfg, run: str, recipe: str, steps: int, out: str, reward: str, caption
     main = session.ctx.is_main
     say = (lambda s: print(s, flush=True)) if main else (lambda s: None)
     fn, name = (load_reward(reward), reward) if reward else (shapes_reward, "shapes")
+    fn = with_timeout(fn, reward_timeout_s, f"--reward {name}")
     pool, heldout = caption_split()
     out_dir = Path(out)
     if main:
@@ -363,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="also checkpoint every this many steps (default 0: when stopped and at the end; "
                          "runs of several processes keep only these when stopped)")
     ap.add_argument("--reward", default="", help="module:function (clips, captions) -> floats; default: the shapes metric")
+    ap.add_argument("--reward-timeout", type=float, default=600.0, metavar="S",
+                    help="seconds a reward call may take before the run stops with an error (0 = no limit)")
     ap.add_argument("--captions", type=int, default=4, help="captions per step")
     ap.add_argument("--group", type=int, default=4, help="clips per caption (the advantage's group)")
     ap.add_argument("--eval-every", type=int, default=5, help="held-out figures every this many steps (0 = never)")
@@ -420,7 +453,8 @@ def main(argv: list[str] | None = None) -> int:
                                       keep_min=args.keep_min, updates=args.updates, raft_batch=args.raft_batch,
                                       select=args.raft_select, min_buffer=args.raft_min_buffer,
                                       rollout_guidance=args.rollout_guidance, max_cpu_s=args.max_cpu_s,
-                                      ckpt_every=args.ckpt_every, resume=saved, settings=trajectory(args)))
+                                      ckpt_every=args.ckpt_every, resume=saved, settings=trajectory(args),
+                                      reward_timeout_s=args.reward_timeout))
     except KeyboardInterrupt as err:  # Ctrl-C / SIGTERM (interrupt_on_signals): what was kept, how to go on
         how, code = interruption(err)
         print(f"error: video_rl was {how}{kept(Path(args.out), 'interrupted') if started else ''}", file=sys.stderr)
