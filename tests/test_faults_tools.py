@@ -340,3 +340,18 @@ def test_a_reward_that_never_returns_is_one_error_after_its_timeout(tmp_path, rl
     assert time.perf_counter() - t0 < 120
     _one_error_line(capsys, "error: --reward tests.test_faults_tools:never_returning_reward gave no answer within 0.5 s "
                             "(--reward-timeout)")
+
+
+def test_ctrl_c_in_cache_latents_is_one_line_saying_how_to_go_on(tmp_path, models, source, monkeypatch, capsys):
+    """Ctrl-C while encoding was a traceback; the clips written stay and a rerun encodes the rest."""
+    from dit_train.tools import cache_latents
+    from tests.conftest import cache_args
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cache_latents, "run_rank", interrupted)
+    out = tmp_path / "cache"
+    assert cache_latents.main(cache_args(models, source, out, tmp_path / "c")) == 130
+    _one_error_line(capsys, "error: cache_latents was stopped by SIGINT; the clips encoded so far are kept in",
+                    "run the same command again to go on")

@@ -57,6 +57,7 @@ from dit_train.data_pipelines.shard_store import is_remote, join, open_url, put_
 from dit_train.data_pipelines.shard_writer import latent_sample, shard_count, slice_of, write_shards
 from dit_train.data_pipelines.video_io import VideoReadError
 from dit_train.data_pipelines.video_source import PixelVideoSource
+from dit_train.engine.launch import interrupt_on_signals, interruption
 from dit_train.tools.args import POSITIVE_INT, ToolParser
 from dit_train.tools.make_shards import digest, storage_options
 
@@ -271,6 +272,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, RunFailed) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt as err:  # Ctrl-C / SIGTERM: a traceback before; the samples written are kept
+        how, code = interruption(err)
+        print(f"error: cache_latents was {how}; the clips encoded so far are kept in {args.out}: run the same "
+              f"command again to go on (it encodes only what is missing)", file=sys.stderr)
+        return code
     if report is not None:
         print(f"{report['samples']} clips in {args.out} ({report['encoded']} encoded now, {report['reused']} already there); "
               f"{len(report['unreadable'])} unreadable, {len(report['skipped_by_source'])} skipped by the source "
@@ -280,4 +286,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    interrupt_on_signals()  # SIGTERM ends it like Ctrl-C: one line, exit 143
     sys.exit(main())
