@@ -467,3 +467,22 @@ def test_a_worker_stopped_from_outside_is_named_by_its_signal_not_elastics_url()
         "worker rank 0 was stopped by SIGKILL from outside the run")
     assert failure_line(2, 1, "ValueError: boom") == "worker rank 2 failed (exit code 1): ValueError: boom"
     assert failure_line(2, 1, elastic) == "worker rank 2 failed (exit code 1): see the traceback above"
+
+
+def test_a_full_disk_at_the_final_weights_is_one_line_saying_where_they_still_are(tmp_path, data_cache, monkeypatch):
+    """ENOSPC while writing weights.safetensors at the end was a traceback (an OSError no handler
+    took): now RunFailed naming the folder and the export command, summary.json status failed."""
+    import errno
+
+    from dit_train.config.errors import RunFailed
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("dit_train.checkpoint.export.save_file_atomic", full)
+    run = tmp_path / "run"
+    with pytest.raises(RunFailed, match=r"the final weights could not be written into .*No space left on device.*"
+                                        r"tools.export_weights"):
+        train_in_process([*TINY, "train.steps=2", "train.ckpt_every=2"], run, data_cache)
+    assert _strict_json((run / "summary.json").read_text())["status"] == "failed"
+    assert not list(run.glob("weights*.safetensors*"))  # no half file, no stray temporary

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from dit_train.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
 from dit_train.checkpoint.export import export_run_weights
 from dit_train.config import Config, to_dict, to_yaml
-from dit_train.config.errors import ConfigError, DataFailure, LossDiverged, NonFiniteTraining, RunFolderError
+from dit_train.config.errors import ConfigError, DataFailure, LossDiverged, NonFiniteTraining, RunFailed, RunFolderError
 from dit_train.engine.build import Run, build_run
 from dit_train.engine.launch import check_interrupted
 from dit_train.engine.resume import apply_optimizer_settings
@@ -200,7 +200,12 @@ def train(cfg: Config, ctx: ParallelContext | None = None, claimed: bool = False
         if done > start and nonfinite_weights(run.model, ctx.device, ctx.world_group):
             raise NonFiniteTraining(f"the weights after step {done - 1} are not finite; {nonfinite_hint(cfg.optim, t)}")
         if t.save_weights:
-            export_run_weights(run.model, run.ema, cfg.model, run_dir, ctx.is_main)
+            try:
+                export_run_weights(run.model, run.ema, cfg.model, run_dir, ctx.is_main)
+            except OSError as err:  # a full disk at the very end: one line, and where the weights still are
+                raise RunFailed(f"the final weights could not be written into {run_dir} ({err.strerror or err}); "
+                                f"the run's checkpoints (train.ckpt_every) still hold them: free space, then "
+                                f"python -m dit_train.tools.export_weights {run_dir}") from None
     except BaseException as err:
         error = err
         raise
