@@ -72,7 +72,12 @@ class VaeCodec:
         self.path = component_path(path, "vae")
         self.device, self.dtype = torch.device(device), dtype
         # safetensors only unless asked: pickled weights (.bin) can run code when loaded
-        self.vae = AutoModel.from_pretrained(self.path, torch_dtype=dtype, use_safetensors=not allow_pickle)
+        try:
+            self.vae = AutoModel.from_pretrained(self.path, torch_dtype=dtype, use_safetensors=not allow_pickle)
+        except (OSError, ValueError) as err:  # no weights there, .bin only, a damaged file: one line naming it
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ValueError(f"the VAE folder {self.path} cannot be loaded ({first}); it must hold a diffusers VAE in "
+                             f"safetensors (the one the latent cache was made with)") from None
         self.vae = self.vae.to(self.device).eval()
         if tiling and hasattr(self.vae, "enable_tiling"):
             self.vae.enable_tiling()

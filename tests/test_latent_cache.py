@@ -355,3 +355,16 @@ def test_a_damaged_null_caption_file_is_refused_when_the_dataset_is_built(cache,
     (copy / name).write_bytes((copy / name).read_bytes()[:20])
     with pytest.raises(ValueError, match=rf"{name} is damaged .*tools.cache_latents"):
         lc.LatentCacheDataset(copy, patch=(1, 2, 2))
+
+
+def test_a_vae_folder_without_safetensors_is_one_error_naming_it(models, tmp_path):
+    """tools.sample --image on a latent run whose cache VAE folder held no safetensors was a
+    diffusers EnvironmentError traceback."""
+    import shutil
+
+    vae = tmp_path / "vae"
+    shutil.copytree(models / "vae", vae)
+    for f in vae.glob("*.safetensors"):
+        f.rename(f.with_suffix(".bin"))
+    with pytest.raises(ValueError, match=rf"the VAE folder {vae} cannot be loaded .*safetensors"):
+        lc.VaeCodec(str(vae))
