@@ -166,7 +166,9 @@ def index_clips(clips: list[tuple[str, str]], index_file: Path | None = None, wo
     for path, _ in clips:
         old = cached.get(path)
         key = _stat_key(path)
-        if old is not None and key is not None and (old["size"], old["mtime_ns"]) == key:
+        # a file still missing keeps its cached row too: a manifest of a million missing files was
+        # probed again, and its index rewritten, at every dataset build of every launch
+        if old is not None and (old["size"], old["mtime_ns"]) == (key or (-1, -1)):
             rows[path] = old
         else:
             todo.append(path)

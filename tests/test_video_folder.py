@@ -71,6 +71,22 @@ def test_probe_index_is_reused_and_refreshed(folder, tmp_path, monkeypatch):
     assert calls == [str(victim)]
 
 
+def test_missing_files_are_not_probed_again_nor_the_index_rewritten(folder, tmp_path, monkeypatch):
+    """A manifest naming many missing files stat-ed and rewrote its index at every dataset build
+    (a million rows: 160 s per launch); a file still missing now keeps its cached row."""
+    import dit_train.data_pipelines.video_folder as vf
+
+    clips = list_clips(folder) + [(str(tmp_path / f"gone_{i}.mp4"), "a gone clip") for i in range(3)]
+    index_file = tmp_path / "index.jsonl"
+    first = index_clips(clips, index_file, progress=False)
+    assert sum(why == "file not found" for _, why in first.skipped) == 3  # (the folder also holds a broken clip)
+    stamp = index_file.stat().st_mtime_ns
+    calls = []
+    monkeypatch.setattr(vf, "_probe_row", lambda p: calls.append(p) or {})
+    again = index_clips(clips, index_file, progress=False)
+    assert calls == [] and index_file.stat().st_mtime_ns == stamp and again.skipped == first.skipped
+
+
 def test_csv_and_jsonl_manifests(folder, tmp_path):
     clips = [(p, c) for p, c in list_clips(folder)]
     rel = [(str(Path(p).relative_to(folder)), c) for p, c in clips]
