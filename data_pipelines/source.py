@@ -38,6 +38,15 @@ class Dataset(Protocol):
     def lengths(self) -> list[int]: ...
 
 
+def data_location(data_cfg: Any) -> str:
+    """The configured data in a few words for a message: the key naming where its samples come
+    from with its value (`data.root=...`, `data.url=...`, `data.text_path=...`), or `data=<name>`."""
+    for key in ("root", "url", "text_path"):
+        if getattr(data_cfg, key, ""):
+            return f"data.{key}={getattr(data_cfg, key)}"
+    return f"data={data_cfg.name}"
+
+
 class DataSource:
     """A registered source of samples for one mode.
 

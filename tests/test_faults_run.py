@@ -330,7 +330,7 @@ def test_resume_sees_clips_replaced_by_others_of_the_same_sizes(tmp_path, data_c
 
     videos = make_video_folder(tmp_path / "videos", Path(data_cache), n=6)
     base = [*TINY_MODEL, "data=video_folder", f"data.root={videos}", "data.max_frames=8", "data.num_workers=0",
-            "train.global_batch=3", "train.ckpt_every=2"]
+            "train.global_batch=3", "train.ckpt_every=2", "data.max_dropped_fraction=0.2"]  # the folder's corrupt clip
     run = tmp_path / "run"
     _run([*base, "train.steps=2"], run, data_cache)
     for i, clip in enumerate(sorted(videos.glob("*.mp4"))):

@@ -36,6 +36,7 @@ from dit_train.checkpoint import checkpoint_root, read_checkpoint_info, resolve_
 from dit_train.compose import load_config
 from dit_train.config import to_yaml
 from dit_train.config.errors import RunFolderError
+from dit_train.data_pipelines import data_location
 from dit_train.engine.resume import config_changes, refusal_message
 from dit_train.perf.memory import model_shape, optimizer_bytes_per_param
 
@@ -144,14 +145,6 @@ def _space(path: Path, cfg: Any, leftovers: list[Path]) -> None:
                              f"needs ~{need / 2**30:.2f} GiB; free space, lower train.keep_last or train.ckpt_every=0")
 
 
-def data_key(data_cfg: Any) -> str:
-    """The key naming where a source's samples come from, with its value (for messages)."""
-    for key in ("root", "text_path"):
-        if getattr(data_cfg, key, ""):
-            return f"data.{key}={getattr(data_cfg, key)}"
-    return f"data={data_cfg.name}"
-
-
 def check_same_data(ckpt: Path, data: dict[str, Any] | None, cfg: Any) -> None:
     """Refuse to resume `ckpt` on data whose fingerprint (packing.data_fingerprint: sample count,
     lengths, captions) differs from the one it was trained on, unless train.resume_data_changed.
@@ -169,9 +162,9 @@ def check_same_data(ckpt: Path, data: dict[str, Any] | None, cfg: Any) -> None:
         what = f"{n0} samples of the same lengths, now with other captions (other clips)"
     if cfg.train.resume_data_changed:
         log.warning("train.resume_data_changed=true: %s changed since %s (%s); the steps from the resumed one on "
-                    "draw from the new data", data_key(cfg.data), ckpt.name, what)
+                    "draw from the new data", data_location(cfg.data), ckpt.name, what)
         return
-    raise RunFolderError(f"{data_key(cfg.data)} changed since {ckpt}: it had {what}, so the resumed steps would draw "
+    raise RunFolderError(f"{data_location(cfg.data)} changed since {ckpt}: it had {what}, so the resumed steps would draw "
                          f"other samples than the run did; put the data back, start a new run folder "
                          f"(hydra.run.dir=...), or continue on the new data with train.resume_data_changed=true")
 

@@ -13,7 +13,7 @@ from typing import Any
 from dit_train.config import Config
 from dit_train.config.errors import ConfigError
 from dit_train.config.schema import AUTO_MICRO_BATCH_TOKENS, companions
-from dit_train.data_pipelines import SOURCES, open_dataset, source_for
+from dit_train.data_pipelines import SOURCES, data_location, open_dataset, source_for
 from dit_train.data_pipelines.packing import data_fingerprint
 from dit_train.data_pipelines.records import left_out_error
 from dit_train.tasks.llm import LMTask
@@ -93,14 +93,6 @@ def check_samples(cfg: Any, task: Any, kept: int) -> None:
     if hasattr(task, "check_samples"):
         source = source_for(cfg.data, cfg.model)
         task.check_samples(lambda i: source.is_still(task.dataset, i))
-
-
-def data_location(data: Any) -> str:
-    """The configured data in a few words for a message: `data.root=...`, `data.url=...` or `data=<name>`."""
-    for key in ("root", "url"):
-        if getattr(data, key, ""):
-            return f"data.{key}={getattr(data, key)}"
-    return f"data={data.name}"
 
 
 def resolve_config(cfg: Config, lengths: list[int]) -> Config:
