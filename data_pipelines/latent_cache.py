@@ -29,16 +29,16 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from tqdm import tqdm
 
+from dit_train.atomic import save_file_atomic, write_atomic
 from dit_train.data_pipelines.companions import KEYS, LatentMask, latent_mask_sums
 from dit_train.data_pipelines.records import in_heldout, member_name
 from dit_train.data_pipelines.video_dataset import VideoSample
@@ -201,22 +201,12 @@ def fingerprint(settings: dict) -> str:
 
 def _save_atomic(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    save_file_atomic({k: v.contiguous() for k, v in tensors.items()}, path, metadata=metadata)
 
 
 def _write_text_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    write_atomic(path, lambda tmp: tmp.write_text(text))
 
 
 def read_cache_info(root: str | os.PathLike) -> dict:
