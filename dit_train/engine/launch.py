@@ -45,17 +45,28 @@ class Interrupted(KeyboardInterrupt):
         super().__init__(f"stopped by {signal.Signals(self.signum).name}")
 
 
-# The signal a handler raised for, kept until the process ends: a raise that lands in a finalizer
-# (a decord VideoReader's __del__ running at that moment) or in a C callback is printed as
-# "Exception ignored" and lost, and a scheduler sends one SIGTERM before its SIGKILL. Poll points
-# (`check_interrupted`, once per training step) raise it again, so the first signal always stops
-# the run; a second signal raises at once wherever it lands, as the first did.
+# The signal a handler saw, kept until it is reported: a raise that lands in a finalizer (a decord
+# VideoReader's __del__ running at that moment) or in a C callback is printed as "Exception ignored"
+# and lost, and a scheduler sends one SIGTERM before its SIGKILL. Inside a finalizer the handler does
+# not raise at all (no traceback on stderr); poll points (`check_interrupted`, once per training step)
+# raise what is pending, so the first signal always stops the run.
 _pending: list[int] = []
 
 
 def _raise_interrupted(signum: int, frame: Any) -> None:
     _pending.append(signum)
+    if _in_finalizer(frame):  # raised there, Python prints "Exception ignored ..." and drops it: the poll raises it
+        return
     raise Interrupted(signum)
+
+
+def _in_finalizer(frame: Any) -> bool:
+    """Whether the interrupted code runs inside a finalizer (`__del__`, at any depth)."""
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def check_interrupted() -> None:
