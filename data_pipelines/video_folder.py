@@ -17,13 +17,13 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
+from dit_train.atomic import write_atomic
 from dit_train.data_pipelines.companions import companion_files, folder_companions, row_companions, row_path
 from dit_train.data_pipelines.records import decode_utf8, normalize_newlines, warn_once
 from dit_train.data_pipelines.video_dataset import MANIFEST_SUFFIXES, ClipEntry, scan_manifest
@@ -185,7 +185,9 @@ def index_clips(clips: list[tuple[str, str]], index_file: Path | None = None, wo
                 bar.update()
         bar.close()
         if index_file is not None:
-            _write_atomic(index_file, "".join(json.dumps(rows[p]) + "\n" for p, _ in clips))
+            text = "".join(json.dumps(rows[p]) + "\n" for p, _ in clips)
+            index_file.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(index_file, lambda tmp: tmp.write_text(text))
     entries, skipped, uncaptioned = [], [], 0
     for path, caption in clips:
         row = rows[path]
@@ -229,15 +231,3 @@ def with_companions(entries: list[ClipEntry], root: str | os.PathLike) -> list[C
         by_path = folder_companions([e.path for e in entries])
     return [dataclasses.replace(e, companions=by_path[e.path]) if e.path in by_path else e for e in entries]
 
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Write to a temporary file beside `path`, then rename: readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
