@@ -10,8 +10,10 @@ set is written into a temporary directory and renamed into place, so concurrent 
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
+import random
 import shutil
 import tempfile
 from pathlib import Path
@@ -33,23 +35,58 @@ COLORS = {
 }
 BACKGROUNDS = {"black": (10, 10, 10), "gray": (110, 110, 110), "navy": (20, 20, 70), "olive": (80, 90, 30)}
 SHAPES = ("circle", "square")
+DIRECTIONS = (("up", "down"), ("left", "right"))  # the caption's vertical and horizontal words
+HELDOUT = 48  # compositions kept out of the clips (data.heldout_compositions) and scored by tools.evaluate --heldout
 IMAGE_STREAM = 0x1A6E  # seeds image k as [gen_seed, IMAGE_STREAM, k], apart from the clips' [gen_seed, k]
 
 
+def world_captions() -> list[str]:
+    """Every caption of the shapes world: 8 colours x 2 shapes x 2 x 2 directions x 4 backgrounds = 256."""
+    return [caption_of(c, s, v, h, b) for c, s, v, h, b in itertools.product(COLORS, SHAPES, *DIRECTIONS, BACKGROUNDS)]
+
+
+def caption_of(color: str, shape: str, vert: str, horiz: str, background: str) -> str:
+    return f"a {color} {shape} moving {vert} and {horiz} on a {background} background"
+
+
+def caption_split(seed: int = 0) -> tuple[list[str], list[str]]:
+    """(training compositions, the HELDOUT evaluation compositions): a fixed shuffle of the
+    world's captions. The same split for every gen_seed, so every run (and video RL's reward
+    captions) is scored on the same 48 compositions."""
+    caps = world_captions()
+    random.Random(seed).shuffle(caps)
+    return caps[HELDOUT:], caps[:HELDOUT]
+
+
+def training_compositions() -> list[tuple[str, ...]]:
+    """The 208 (colour, shape, vertical, horizontal, background) tuples clips may show, in the
+    world's order (clip i shows the (i mod 208)-th of a per-gen_seed shuffle: every composition
+    gets num_clips / 208 clips, +-1)."""
+    train = set(caption_split()[0])
+    return [t for t in itertools.product(COLORS, SHAPES, *DIRECTIONS, BACKGROUNDS) if caption_of(*t) in train]
+
+
 def _render(rng: np.random.Generator, widths: Sequence[int] = WIDTHS, heights: Sequence[int] = HEIGHTS,
-            frames: Sequence[int] = FRAMES) -> tuple[np.ndarray, str]:
+            frames: Sequence[int] = FRAMES, composition: tuple[str, ...] | None = None) -> tuple[np.ndarray, str]:
     """One clip as uint8 [F, H, W, 3] and its caption; W, H drawn from `widths`, `heights`,
-    F from frames[0]..frames[1] (inclusive)."""
+    F from frames[0]..frames[1] (inclusive); the colour, shape, direction and background drawn,
+    or those of `composition` (colour, shape, vertical, horizontal, background)."""
     W, H = int(rng.choice(list(widths))), int(rng.choice(list(heights)))
     F = int(rng.integers(frames[0], frames[1] + 1))
-    bg_name = str(rng.choice(list(BACKGROUNDS)))
-    color_name = str(rng.choice(list(COLORS)))
-    shape = str(rng.choice(SHAPES))
+    if composition is None:
+        bg_name = str(rng.choice(list(BACKGROUNDS)))
+        color_name = str(rng.choice(list(COLORS)))
+        shape = str(rng.choice(SHAPES))
+    else:
+        color_name, shape, _, _, bg_name = composition
     r = float(rng.uniform(0.12, 0.25)) * min(H, W)
     x, y = float(rng.uniform(r, W - r)), float(rng.uniform(r, H - r))
     speed = float(rng.uniform(1.0, 3.0))
     angle = float(rng.uniform(0, 2 * np.pi))
     vx, vy = speed * np.cos(angle), speed * np.sin(angle)
+    if composition is not None:  # the same angle distribution, folded into the composition's quadrant
+        vx = abs(vx) if composition[3] == "right" else -abs(vx)
+        vy = abs(vy) if composition[2] == "down" else -abs(vy)
     # the caption states the direction of the motion at the start: cutting a clip to its first
     # data.max_frames frames (what training sees) keeps it true; bounces may reverse it later
     horiz = "right" if vx > 0 else "left"
@@ -125,10 +162,11 @@ def _sizes(widths: Sequence[int], heights: Sequence[int], frames: Sequence[int])
 
 
 def dataset_dir(cache_dir: str | os.PathLike, num_clips: int, gen_seed: int, num_images: int = 0,
-                widths: Sequence[int] = WIDTHS, heights: Sequence[int] = HEIGHTS, frames: Sequence[int] = FRAMES) -> Path:
+                widths: Sequence[int] = WIDTHS, heights: Sequence[int] = HEIGHTS, frames: Sequence[int] = FRAMES,
+                heldout_compositions: bool = False) -> Path:
     """Where a set lives. Sizes other than the defaults get their own name (`_w.._h.._f..`), and
-    so does a set with images (`_img<k>`): a set written without them (same clips, older code)
-    must never be taken for one that has them."""
+    so does a set with images (`_img<k>`) or without the held-out compositions (`_ho48`): a set
+    written without them (same seed, older code) must never be taken for one that has them."""
     w, h, f = _sizes(widths, heights, frames)
     # v2: captions state the starting direction (v1: the direction at the end of the clip)
     name = f"synthetic_video_v2_n{num_clips}_seed{gen_seed}"
@@ -136,29 +174,37 @@ def dataset_dir(cache_dir: str | os.PathLike, num_clips: int, gen_seed: int, num
         name += "_w" + "-".join(map(str, w)) + "_h" + "-".join(map(str, h)) + "_f" + "-".join(map(str, f))
     if num_images:
         name += f"_img{num_images}"
+    if heldout_compositions:
+        name += f"_ho{HELDOUT}"
     return Path(cache_dir).expanduser() / name
 
 
 def ensure_synthetic_videos(cache_dir: str | os.PathLike, num_clips: int, gen_seed: int, num_images: int = 0,
                             widths: Sequence[int] = WIDTHS, heights: Sequence[int] = HEIGHTS,
-                            frames: Sequence[int] = FRAMES) -> Path:
+                            frames: Sequence[int] = FRAMES, heldout_compositions: bool = False) -> Path:
     """Write the set if it is not there yet; return its directory (holding manifest.jsonl).
 
     manifest.jsonl lists the clips (clip_XXXX.mp4) first, then the images (image_XXXX.png,
     frames=1, no fps), so sample ids of clips do not depend on num_images. Images take the
-    clips' sizes (`widths`, `heights`).
+    clips' sizes (`widths`, `heights`). `heldout_compositions`: the clips cover the 208 training
+    compositions in turn (caption_split), none of the 48 held-out ones; otherwise each clip
+    draws its own (all 256 possible).
     """
     if num_images < 0 or num_clips < 0:
         raise ValueError(f"data.num_clips={num_clips} and data.num_images={num_images} must be >= 0")
-    out = dataset_dir(cache_dir, num_clips, gen_seed, num_images, widths, heights, frames)
+    out = dataset_dir(cache_dir, num_clips, gen_seed, num_images, widths, heights, frames, heldout_compositions)
     if (out / "manifest.jsonl").exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".tmp", dir=out.parent))
     try:
         lines = []
+        compositions = training_compositions() if heldout_compositions else None
+        if compositions:
+            random.Random(gen_seed).shuffle(compositions)
         for i in range(num_clips):
-            clip, caption = _render(np.random.default_rng([gen_seed, i]), widths, heights, frames)
+            chosen = compositions[i % len(compositions)] if compositions else None
+            clip, caption = _render(np.random.default_rng([gen_seed, i]), widths, heights, frames, chosen)
             name = f"clip_{i:04d}.mp4"
             write_mp4(tmp / name, clip)
             lines.append(json.dumps({"path": name, "caption": caption, "frames": int(clip.shape[0]),

@@ -25,6 +25,9 @@ class SyntheticVideoConfig(VideoReadConfig):
     frames: List[int] = field(default_factory=lambda: [4, 24])
     # still PNG images of shapes trained next to the clips (one frame each; 0 = clips only)
     num_images: int = 0
+    # the 48 compositions tools.evaluate --heldout scores (synthetic_video.caption_split) are in
+    # no clip: the clips cycle through the other 208; false: every clip draws its own of all 256
+    heldout_compositions: bool = True
 
 
 @register_source
@@ -34,12 +37,14 @@ class SyntheticVideoSource(PixelVideoSource):
 
     def directory(self) -> Path:
         c = self.cfg
-        return dataset_dir(c.cache_dir, c.num_clips, c.gen_seed, c.num_images, c.widths, c.heights, c.frames)
+        return dataset_dir(c.cache_dir, c.num_clips, c.gen_seed, c.num_images, c.widths, c.heights, c.frames,
+                           c.heldout_compositions)
 
     def prepare(self) -> None:
         super().prepare()
         c = self.cfg
-        ensure_synthetic_videos(c.cache_dir, c.num_clips, c.gen_seed, c.num_images, c.widths, c.heights, c.frames)
+        ensure_synthetic_videos(c.cache_dir, c.num_clips, c.gen_seed, c.num_images, c.widths, c.heights, c.frames,
+                                c.heldout_compositions)
 
     def score(self, pixels: list, captions: list[str]) -> dict[str, float]:
         """The shapes world's exact metric (data_pipelines/shapes_metric.py)."""
@@ -49,6 +54,8 @@ class SyntheticVideoSource(PixelVideoSource):
         settings = {**super().cache_settings(), "num_clips": self.cfg.num_clips, "gen_seed": self.cfg.gen_seed}
         if self.cfg.num_images:  # only when set: caches written before images existed keep their fingerprint
             settings["num_images"] = self.cfg.num_images
+        if self.cfg.heldout_compositions:  # likewise for caches of sets written before the split
+            settings["heldout_compositions"] = True
         return settings
 
     def entries(self) -> tuple[list, list]:

@@ -298,7 +298,8 @@ def test_corrupt_and_truncated_videos_are_skipped_and_counted(tmp_path, tiny_cfg
     from dit_train.tasks.video import VideoTask
 
     c = tiny_cfg.data
-    src = dataset_dir(c.cache_dir, c.num_clips, c.gen_seed, c.num_images, c.widths, c.heights, c.frames)
+    src = dataset_dir(c.cache_dir, c.num_clips, c.gen_seed, c.num_images, c.widths, c.heights, c.frames,
+                      c.heldout_compositions)
     rows = [json.loads(x) for x in (src / "manifest.jsonl").read_text().splitlines()][:4]
     for r in rows:
         r["path"] = str(src / r["path"])

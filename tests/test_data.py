@@ -15,7 +15,8 @@ from dit_train.data_pipelines.video_io import VideoInfo, frame_indices, probe, r
 
 def test_generator_writes_clips_that_decord_reads_back(tiny_cfg):
     c = tiny_cfg.data
-    d = dataset_dir(c.cache_dir, c.num_clips, c.gen_seed, c.num_images, c.widths, c.heights, c.frames)
+    d = dataset_dir(c.cache_dir, c.num_clips, c.gen_seed, c.num_images, c.widths, c.heights, c.frames,
+                      c.heldout_compositions)
     rows = [json.loads(line) for line in (d / "manifest.jsonl").read_text().splitlines()]
     assert len(rows) == c.num_clips
     sizes = {(r["frames"], r["height"], r["width"]) for r in rows}
@@ -140,3 +141,23 @@ def test_generator_sizes_are_config_keys(tmp_path):
     assert all(r["width"] == 64 and r["height"] in (24, 40) and 3 <= r["frames"] <= 5 for r in rows), rows
     with pytest.raises(ValueError, match="multiples of 32"):
         dataset_dir(tmp_path, 4, 3, widths=[48], heights=[24], frames=[4, 8])
+
+
+def test_heldout_compositions_are_in_no_clip_and_captions_stay_true(tmp_path):
+    """data.heldout_compositions: the clips cycle through the 208 training compositions and
+    never show one of the 48 that tools.evaluate --heldout scores; each clip still moves the way
+    its caption says (the direction is folded into the composition's quadrant)."""
+    from dit_train.data_pipelines.shapes_metric import score_clip
+    from dit_train.data_pipelines.synthetic_video import caption_split
+
+    d = ensure_synthetic_videos(tmp_path, 216, 5, widths=[32], heights=[32], frames=[8, 8], heldout_compositions=True)
+    rows = [json.loads(line) for line in (d / "manifest.jsonl").read_text().splitlines()]
+    train, held = caption_split()
+    captions = [r["caption"] for r in rows]
+    assert not set(captions) & set(held)
+    assert set(captions) == set(train)  # 216 >= 208 clips: every training composition, once or twice
+    assert d != dataset_dir(tmp_path, 216, 5, 0, [32], [32], [8, 8])  # never taken for a set of all 256
+    for r in rows[:12]:
+        info = probe(str(d / r["path"]))
+        clip = read_frames(str(d / r["path"]), list(range(info.frames)), info).permute(3, 0, 1, 2).float() / 127.5 - 1
+        assert score_clip(clip, r["caption"])["all_ok"] == 1.0, r["caption"]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -99,3 +100,25 @@ def test_sampling_shows_a_progress_bar(trained_run, tmp_path, capsys):
     """`--num 10000` printed nothing for 100 s: the steps show as a bar (stderr)."""
     _sample(trained_run, tmp_path / "a")
     assert "sampling 4 clip(s)" in capsys.readouterr().err
+
+
+def test_evaluate_scores_the_heldout_compositions_and_training_captions(trained_run, tmp_path):
+    """tools.evaluate: --heldout samples the compositions the data keeps out, --train-captions
+    the run's first training clips (as --data-captions does); each writes evaluate.json and a
+    grid and appends a row to RUN/eval/evaluations.jsonl."""
+    from dit_train.data_pipelines.synthetic_video import caption_split
+    from dit_train.tools.evaluate import main
+    from dit_train.tools.sample import main as sample
+
+    assert main([str(trained_run), "--n", "3", "--steps", "2", "--out", str(tmp_path / "h")]) == 0
+    held = json.loads((tmp_path / "h" / "evaluate.json").read_text())
+    assert held["which"] == "heldout" and held["n"] == 3 and "all_ok" in held["scores"]
+    assert list(json.loads((tmp_path / "h" / "captions.json").read_text()).values()) == caption_split()[1][:3]
+    assert (tmp_path / "h" / "grid.png").exists()
+    assert main([str(trained_run), "--train-captions", "--n", "3", "--steps", "2", "--out", str(tmp_path / "t")]) == 0
+    assert sample([str(trained_run), "--data-captions", "3", "--steps", "2", "--out", str(tmp_path / "s")]) == 0
+    same = load_file(str(tmp_path / "s" / "samples.safetensors"))
+    got = load_file(str(tmp_path / "t" / "samples.safetensors"))
+    assert sorted(got) == sorted(same) and all(torch.equal(got[k], same[k]) for k in got)
+    rows = [json.loads(line) for line in (Path(trained_run) / "eval" / "evaluations.jsonl").read_text().splitlines()]
+    assert [r["which"] for r in rows[-2:]] == ["heldout", "train"]

@@ -98,7 +98,8 @@ def test_the_embedded_clips_read_the_same(tiny_cfg):
     from dit_train.data_pipelines.synthetic_video import dataset_dir
 
     c = tiny_cfg.data
-    clips = sorted(dataset_dir(c.cache_dir, c.num_clips, c.gen_seed, c.num_images, c.widths, c.heights, c.frames).glob("*.mp4"))
+    clips = sorted(dataset_dir(c.cache_dir, c.num_clips, c.gen_seed, c.num_images, c.widths, c.heights, c.frames,
+                      c.heldout_compositions).glob("*.mp4"))
     assert len(clips) == c.num_clips
     for clip in clips[:8]:
         (info_d, frames_d), (info_a, frames_a) = _both(str(clip))

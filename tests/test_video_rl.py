@@ -304,14 +304,14 @@ def test_raft_keeps_exactly_the_all_ok_clips_and_every_rank_draws_the_same_batch
     import itertools
 
     from dit_train.posttrain.rollouts import VideoRollout
-    from dit_train.tools import video_rl
+    from dit_train.tools import video_rl, video_rl_rewards
 
     patterns = [dict(zip(("background_ok", "color_ok", "shape_ok", "motion_ok", "single_shape"), map(float, bits)),
                      palette_share=p) for bits in itertools.product((0, 1), repeat=5) for p in (0.0, 0.5, 1.0)]
     for s in patterns:
         s["all_ok"] = float(all(s[k] for k in ("background_ok", "color_ok", "shape_ok", "motion_ok")))
     patterns = [s for s in patterns if not (s["background_ok"] and s["palette_share"] < 0.5)]  # bg_ok: >= 50% palette
-    monkeypatch.setattr(video_rl, "score_clip", lambda clip, caption: patterns[int(clip)])
+    monkeypatch.setattr(video_rl_rewards, "score_clip", lambda clip, caption: patterns[int(clip)])
     rewards = video_rl.shapes_reward(list(range(len(patterns))), [""] * len(patterns))
     assert video_rl.accepted(rewards, 5.5) == [i for i, s in enumerate(patterns) if s["all_ok"]]
 

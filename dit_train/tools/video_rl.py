@@ -29,9 +29,10 @@ reward, and takes one optimizer step on them:
 --max-cpu-s stops once the process has used that many CPU seconds (start-up included), then
 evaluates.
 The reward: the exact shapes metric, a smooth sum of its per-clip figures (palette_share +
-background_ok + color_ok + shape_ok + single_shape + motion_ok + all_ok), or --reward
-module:function taking (clips [3, F, H, W] in [-1, 1], captions) and returning one finite float
-per clip. Every --eval-every steps (and at 0 and the end) the 48 held-out captions are sampled
+background_ok + color_ok + shape_ok + single_shape + motion_ok + all_ok; --reward shapes, the
+default), --reward brightness (the mean brightness of the clip, 0 .. 1: the sanity check every
+recipe must raise fast), or --reward module:function taking (clips [3, F, H, W] in [-1, 1],
+captions) and returning one finite float per clip. Every --eval-every steps (and at 0 and the end) the 48 held-out captions are sampled
 like validation samples and scored: DIR/heldout.jsonl, DIR/heldout_step_XXXX.png.
 --out is a new or empty folder, never RUN nor a folder holding it: one that is not empty is
 refused unless --overwrite (its contents move to DIR/overwritten_<time>/) or --resume. Ctrl-C or
@@ -44,16 +45,11 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib
-import itertools
 import json
-import math
 import random
 import sys
-import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
 
 import torch
 from PIL import Image
@@ -61,8 +57,8 @@ from PIL import Image
 from dit_train.compose import load_config
 from dit_train.config.errors import CheckpointError, ConfigError
 from dit_train.data_pipelines import open_dataset, prepare_data
-from dit_train.data_pipelines.shapes_metric import score_clip, score_clips
-from dit_train.data_pipelines.synthetic_video import BACKGROUNDS, COLORS, SHAPES
+from dit_train.data_pipelines.shapes_metric import score_clips
+from dit_train.data_pipelines.synthetic_video import caption_split
 from dit_train.engine.launch import check_interrupted, interrupt_on_signals, interruption, launch, signals_deferred
 from dit_train.models.init import load_full_weights
 from dit_train.posttrain import (TrainingSession, VideoDatum, diffusion_dpo_loss, diffusion_nft_loss, flow_grpo_loss,
@@ -71,86 +67,11 @@ from dit_train.posttrain.rollouts import broadcast_from_rank0
 from dit_train.posttrain.session import apply_overrides
 from dit_train.sampling import frame_grid
 from dit_train.checkpoint.export import run_weights
+from dit_train.tools.video_rl_rewards import checked_rewards, load_reward, shapes_reward, with_timeout  # noqa: F401 (shapes_reward: API)
 from dit_train.tools.video_rl_state import (PROGRESS, Progress, check_out, read_progress, restore_state, save_state,
                                             trajectory, write_progress)
 
-HELDOUT = 48
 SIZE = (8, 32, 32)  # frames, height, width of every clip (a size the quickstart trains at)
-
-
-def world_captions() -> list[str]:
-    """Every caption of the shapes world (8 colours × 2 shapes × 4 directions × 4 backgrounds)."""
-    return [f"a {c} {s} moving {v} and {h} on a {b} background"
-            for c, s, v, h, b in itertools.product(COLORS, SHAPES, ("up", "down"), ("left", "right"), BACKGROUNDS)]
-
-
-def caption_split(seed: int = 0) -> tuple[list[str], list[str]]:
-    """(reward captions, 48 held-out captions): a fixed shuffle of the world's captions."""
-    caps = world_captions()
-    random.Random(seed).shuffle(caps)
-    return caps[HELDOUT:], caps[:HELDOUT]
-
-
-def shapes_reward(clips: list[torch.Tensor], captions: list[str]) -> list[float]:
-    """The default reward: the sum of the exact metric's figures of each clip (0 .. 7)."""
-    return [float(sum(score_clip(c, p).values())) for c, p in zip(clips, captions)]
-
-
-def load_reward(spec: str) -> Callable:
-    if ":" not in spec:
-        raise ConfigError(f"--reward {spec}: expected module:function (e.g. my_rewards:score)")
-    module, name = spec.split(":", 1)
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as err:
-        raise ConfigError(f"--reward {spec}: cannot load it ({err})") from None
-    if not callable(fn):
-        raise ConfigError(f"--reward {spec}: {name} is not callable")
-    return fn
-
-
-def with_timeout(fn: Callable, timeout_s: float, what: str) -> Callable:
-    """fn, answered within `timeout_s` seconds (0 = no limit) or a ValueError naming `what`: a
-    reward that never returns hung the tool. It runs in a daemon thread, which the process leaves
-    behind when it ends; its exceptions reach the caller."""
-    if timeout_s <= 0:
-        return fn
-
-    def call(*args: Any) -> Any:
-        box: dict[str, Any] = {}
-
-        def run() -> None:
-            try:
-                box["out"] = fn(*args)
-            except BaseException as err:  # handed to the caller, whatever it is
-                box["err"] = err
-
-        worker = threading.Thread(target=run, name="video_rl-reward", daemon=True)
-        worker.start()
-        worker.join(timeout_s)
-        if worker.is_alive():
-            raise ValueError(f"{what} gave no answer within {timeout_s:g} s (--reward-timeout); make it faster, or "
-                             f"raise --reward-timeout (0 = no limit)")
-        if "err" in box:
-            raise box["err"]
-        return box["out"]
-
-    return call
-
-
-def checked_rewards(fn: Callable, name: str, clips: list[torch.Tensor], captions: list[str]) -> list[float]:
-    """fn(clips, captions) as floats; ValueError naming the clip for a wrong count or a non-finite value."""
-    out = fn(clips, captions)
-    try:
-        values = [float(v) for v in out]
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"--reward {name} returned {type(out).__name__} ({err}); expected one float per clip") from None
-    if len(values) != len(clips):
-        raise ValueError(f"--reward {name} returned {len(values)} values for {len(clips)} clips: expected one per clip")
-    for i, v in enumerate(values):
-        if not math.isfinite(v):
-            raise ValueError(f"--reward {name} returned {v} for clip {i} ({captions[i]!r}): rewards must be finite")
-    return values
 
 
 def evaluate(session, captions: list[str], out_dir: Path, step: int) -> dict[str, float]:
@@ -288,7 +209,7 @@ def train(cfg, run: str, recipe: str, steps: int, out: str, reward: str, caption
         load_full_weights(reference.model, weights)
     main = session.ctx.is_main
     say = (lambda s: print(s, flush=True)) if main else (lambda s: None)
-    fn, name = (load_reward(reward), reward) if reward else (shapes_reward, "shapes")
+    fn, name = load_reward(reward or "shapes"), reward or "shapes"
     fn = with_timeout(fn, reward_timeout_s, f"--reward {name}")
     pool, heldout = caption_split()
     out_dir = Path(out)
@@ -393,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ckpt-every", type=int, default=0,
                     help="also checkpoint every this many steps (default 0: when stopped and at the end; "
                          "runs of several processes keep only these when stopped)")
-    ap.add_argument("--reward", default="", help="module:function (clips, captions) -> floats; default: the shapes metric")
+    ap.add_argument("--reward", default="", help="shapes (the default: the exact metric), brightness (the sanity check) "
+                    "or module:function (clips, captions) -> floats")
     ap.add_argument("--reward-timeout", type=float, default=600.0, metavar="S",
                     help="seconds a reward call may take before the run stops with an error (0 = no limit)")
     ap.add_argument("--captions", type=int, default=4, help="captions per step")

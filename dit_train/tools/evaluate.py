@@ -1,0 +1,121 @@
+"""Score a trained shapes-world run: one JSON and one grid, the figures the docs' tables quote.
+
+    python -m dit_train.tools.evaluate RUN                      # the 48 held-out compositions (default)
+    python -m dit_train.tools.evaluate RUN --train-captions     # the captions of its first 48 training clips
+    python -m dit_train.tools.evaluate RUN --heldout --n 96 --steps 30 --guidance 2
+
+RUN is any folder `tools.sample` reads: a training run, a `tools.video_rl --out` folder, a
+distilled student. `--heldout` samples the 48 compositions (colour, shape, direction,
+background) that the embedded world keeps out of its clips (`data.heldout_compositions`,
+synthetic_video.caption_split) at 8 frames x 32 x 32, one clip each (`--n 96`: two clips
+each, other noise); `--train-captions` samples the first `--n` training clips' captions and
+sizes, as the run's validation does. The sampler is the run's validation sampler
+(train.sample_steps, train.guidance_scale, train.stochastic_sampling, train.seed) unless
+`--steps`, `--guidance`, `--(no-)stochastic` or `--seed` say otherwise; the EMA weights when
+the run has them. Writes OUT/evaluate.json (the figures, the settings, the weights) beside the
+clips and grid.png, appends the same row to RUN/eval/evaluations.jsonl, and prints one line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from dit_train.compose import load_config
+from dit_train.data_pipelines.synthetic_video import caption_split
+from dit_train.tools import sample
+from dit_train.tools.args import POSITIVE_INT, ToolParser
+
+SIZE = (8, 32, 32)  # frames, height, width of a held-out clip (a size the embedded world trains at)
+
+
+def sampler_settings(args: argparse.Namespace, train) -> dict:
+    """The run's validation sampler, with the flags given on top."""
+    return {"steps": args.steps or train.sample_steps,
+            "guidance": train.guidance_scale if args.guidance is None else args.guidance,
+            "stochastic": train.stochastic_sampling if args.stochastic is None else args.stochastic,
+            "seed": train.seed if args.seed is None else args.seed}
+
+
+def sample_argv(args: argparse.Namespace, settings: dict, out: Path) -> list[str]:
+    """tools.sample's command line for this evaluation."""
+    argv = [str(args.run_dir), "--out", str(out), "--steps", str(settings["steps"]), "--guidance",
+            str(settings["guidance"]), "--seed", str(settings["seed"]),
+            "--stochastic" if settings["stochastic"] else "--no-stochastic", "--device", args.device]
+    if args.ema is not None:
+        argv.append("--ema" if args.ema else "--no-ema")
+    if args.train_captions:
+        return argv + ["--data-captions", str(args.n)]
+    heldout = caption_split()[1]
+    frames, height, width = SIZE
+    argv += ["--frames", str(frames), "--height", str(height), "--width", str(width)]
+    for i in range(args.n):  # --n beyond 48: each composition again, with the next noise ids
+        argv += ["--prompt", heldout[i % len(heldout)]]
+    return argv
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = ToolParser(prog="python -m dit_train.tools.evaluate", description=__doc__,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run_dir", type=Path, help="a run folder (config.yaml + weights or checkpoints)")
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument("--heldout", action="store_true", help="the 48 held-out compositions (the default)")
+    which.add_argument("--train-captions", action="store_true", help="the captions and sizes of its first N training clips")
+    ap.add_argument("--n", type=POSITIVE_INT, default=48, help="clips to sample (default 48)")
+    ap.add_argument("--steps", type=POSITIVE_INT, default=None, help="sampler steps (default: the run's train.sample_steps)")
+    ap.add_argument("--guidance", type=float, default=None, help="guidance scale (default: the run's train.guidance_scale)")
+    ap.add_argument("--stochastic", action=argparse.BooleanOptionalAction, default=None,
+                    help="the stochastic sampler step (default: the run's train.stochastic_sampling)")
+    ap.add_argument("--seed", type=int, default=None, help="noise seed (default: the run's train.seed)")
+    ema = ap.add_mutually_exclusive_group()
+    ema.add_argument("--ema", dest="ema", action="store_true", default=None, help="require the EMA weights")
+    ema.add_argument("--no-ema", dest="ema", action="store_false", help="use the training weights")
+    ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    ap.add_argument("--out", type=Path, default=None, help="output folder (default RUN/eval/<which>_<time>)")
+    args = ap.parse_args(argv)
+
+    try:
+        cfg = load_config(args.run_dir)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    kind = "train" if args.train_captions else "heldout"
+    if cfg.mode != "video":
+        print(f"error: {args.run_dir} trained mode={cfg.mode}; tools.evaluate scores video runs", file=sys.stderr)
+        return 2
+    if kind == "heldout" and not hasattr(cfg.data, "heldout_compositions"):
+        print(f"error: --heldout samples the embedded shapes world's held-out compositions, but {args.run_dir} trained "
+              f"on data={cfg.data.name}; use --train-captions, or python -m dit_train.tools.sample", file=sys.stderr)
+        return 2
+    if kind == "heldout" and not cfg.data.heldout_compositions:
+        print(f"warning: {args.run_dir} trained with data.heldout_compositions=false: its clips may show the held-out "
+              f"compositions, so these figures are not generalisation", file=sys.stderr)
+    settings = sampler_settings(args, cfg.train)
+    out = args.out or args.run_dir / "eval" / f"{kind}_{time.strftime('%Y%m%d-%H%M%S')}"
+    code = sample.main(sample_argv(args, settings, out))
+    if code:
+        return code
+    info = json.loads((out / "info.json").read_text())
+    scores = {k[5:]: v for k, v in info.get("scores", {}).items() if k.startswith("eval/")}
+    if not scores:
+        print(f"error: data={cfg.data.name} has no exact metric to score the clips with (the embedded shapes world "
+              f"has); the clips are in {out}", file=sys.stderr)
+        return 2
+    row = {"run": str(args.run_dir), "which": kind, "n": args.n, **settings, "weights": info.get("weights"),
+           "scores": scores, "grid": str(out / "grid.png")}
+    (out / "evaluate.json").write_text(json.dumps(row, indent=2) + "\n")
+    log = args.run_dir / "eval" / "evaluations.jsonl"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "a") as f:
+        f.write(json.dumps(row) + "\n")
+    figures = " ".join(f"{k}={v:.2f}" for k, v in scores.items() if not k.startswith("num"))
+    print(f"{kind} ({args.n} clips, {settings['steps']} steps, guidance {settings['guidance']:g}"
+          f"{', stochastic' if settings['stochastic'] else ''}): {figures}")
+    print(f"wrote {out / 'evaluate.json'} and {out / 'grid.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
