@@ -2,12 +2,15 @@
 # The embedded world's recipe ablation (issue 44) on a lent GPU: several training runs at once on
 # one GPU (each a plain `python -m dit_train` with its overrides), then `tools.evaluate` of each on
 # the 48 held-out compositions and on 48 training captions. Runs that are not done by the deadline
-# are stopped (SIGTERM: they save and exit) and evaluated from what they saved.
+# are stopped (SIGTERM) and evaluated from their newest checkpoint (train.ckpt_every=500).
 #   bash benchmarks/gpu/fetch_wheels.sh          # here: diffusers, Hydra, OmegaConf, ANTLR, PyAV wheels
 #   device run: bash benchmarks/gpu/quality_sweep.sh [deadline_s]     (carry [".whl"])
 # Results: $OUT/sweep.tgz (metrics.jsonl, evaluate.json, grids of every run) and
 # $OUT/weights_{0,2,4,6}.tgz (EMA weights + config of every run); one summary table on stdout.
 # GPU figures choose the recipe; the CPU run of the chosen recipe is what the docs report.
+# Measured on an H200 (2026-11-26, benchmarks/results/quality_sweep_h200.txt): eight runs at once
+# each trained ~6400 tokens/s, no faster than one run on 2 CPU cores: the tiny DiT's steps are
+# bound by kernel launches and Python, so the GPU buys breadth (variants at once), not speed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 deadline=${1:-420}
@@ -21,7 +24,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONUNBUFFERED=1
 device=$(python3 -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")
-common="train.progress=false parallel.threads_per_worker=1 data.cache_dir=/tmp/dit_cache data.decoder=pyav"
+common="train.progress=false train.ckpt_every=500 parallel.threads_per_worker=1 data.cache_dir=/tmp/dit_cache data.decoder=pyav"
 sq="+experiment=shapes_quality"
 # name | overrides (the quickstart's defaults unless +experiment)
 jobs=(
