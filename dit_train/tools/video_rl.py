@@ -50,6 +50,7 @@ import random
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from PIL import Image
@@ -74,11 +75,15 @@ from dit_train.tools.video_rl_state import (PROGRESS, Progress, check_out, read_
 SIZE = (8, 32, 32)  # frames, height, width of every clip (a size the quickstart trains at)
 
 
-def evaluate(session, captions: list[str], out_dir: Path, step: int) -> dict[str, float]:
-    """The held-out figures: one clip per caption, validation's sampler, the exact metric (rank 0 writes)."""
+def evaluate(session, captions: list[str], out_dir: Path, step: int, reward: Callable | None = None) -> dict[str, float]:
+    """The held-out figures: one clip per caption, validation's sampler, the exact metric (rank 0
+    writes), and `reward`'s mean on the same clips ("reward_heldout": the reward on fixed prompts and
+    noise, so its curve shows the policy, not which captions a step happened to draw)."""
     rollouts = session.sample_videos(captions, SIZE, noise_ids=range(10 ** 6, 10 ** 6 + len(captions)))
     clips = [r.clip.clamp(-1, 1) for r in rollouts]
     scores = {k.removeprefix("eval/"): v for k, v in score_clips(clips, captions).items()}
+    if reward is not None:
+        scores["reward_heldout"] = sum(reward(clips, captions)) / len(clips)
     if session.ctx.is_main:
         grid = frame_grid([((c + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 3, 0).numpy() for c in clips[:16]],
                           captions[:16])
@@ -226,13 +231,14 @@ def train(cfg, run: str, recipe: str, steps: int, out: str, reward: str, caption
     t0, cpu0 = time.time(), time.process_time()
 
     def record(step: int, extra: dict) -> None:
-        scores = evaluate(session, heldout, out_dir, step)
+        scores = evaluate(session, heldout, out_dir, step, fn)
         row = {"step": step, "wall_s": round(time.time() - t0, 1), "cpu_s_rank0": round(time.process_time() - cpu0, 1),
                "cpu_s_process": round(time.process_time(), 1),
                **{k: round(v, 4) for k, v in scores.items()}, **extra}
         say(f"step {step}: held-out all_ok={scores['all_ok']:.3f} color_ok={scores['color_ok']:.3f} "
             f"shape_ok={scores['shape_ok']:.3f} motion_ok={scores.get('motion_ok', float('nan')):.3f} "
-            f"background_ok={scores['background_ok']:.3f} ({row['wall_s']} s, {row['cpu_s_process']} CPU s)")
+            f"background_ok={scores['background_ok']:.3f} reward={scores['reward_heldout']:.3f} "
+            f"({row['wall_s']} s, {row['cpu_s_process']} CPU s)")
         if main:
             with log.open("a") as f:
                 f.write(json.dumps(row) + "\n")
