@@ -317,7 +317,8 @@ def test_resume_is_exact(tiny_cfg, teacher, tmp_path):
     a, b = load_file(full / "weights.safetensors"), load_file(part / "weights.safetensors")
     t = load_file(teacher / "weights_ema.safetensors") if (teacher / "weights_ema.safetensors").exists() else \
         load_file(teacher / "weights.safetensors")
-    assert max(float((a[k] - t[k]).abs().max()) for k in a) > 1e-4  # the student moved
+    # the student moved: 10x the exactness tolerance below, so a and b agreeing says something
+    assert max(float((a[k] - t[k]).abs().max()) for k in a) > 1e-5
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-6
     # the run samples like the student trained: its steps, no guidance, the Euler ODE
     from dit_train.compose import load_config
