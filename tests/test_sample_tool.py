@@ -122,3 +122,24 @@ def test_evaluate_scores_the_heldout_compositions_and_training_captions(trained_
     assert sorted(got) == sorted(same) and all(torch.equal(got[k], same[k]) for k in got)
     rows = [json.loads(line) for line in (Path(trained_run) / "eval" / "evaluations.jsonl").read_text().splitlines()]
     assert [r["which"] for r in rows[-2:]] == ["heldout", "train"]
+
+
+def test_evaluate_refuses_runs_it_cannot_score_in_one_line(trained_run, tmp_path, capsys):
+    """tools.evaluate on a folder that is no run, and on a text run: one `error:` line, exit 2,
+    nothing written."""
+    import shutil
+
+    from dit_train.tools.evaluate import main
+
+    assert main([str(tmp_path / "nothing"), "--out", str(tmp_path / "o1")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:"), err
+    text_run = tmp_path / "text_run"
+    shutil.copytree(trained_run, text_run)
+    cfg = (text_run / "config.yaml").read_text()
+    assert "mode: video" in cfg
+    (text_run / "config.yaml").write_text(cfg.replace("mode: video", "mode: llm"))
+    assert main([str(text_run), "--out", str(tmp_path / "o2")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:"), err
+    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
