@@ -10,6 +10,8 @@ from dit_train.posttrain import TrainingSession, transitions, flow_grpo_loss, gr
 from dit_train.posttrain.session import apply_overrides
 from dit_train.models.init import load_full_weights
 from dit_train.checkpoint.export import run_weights
+from dit_train.tools.video_rl_rewards import brightness_reward
+
 run = sys.argv[1]; flip = float(sys.argv[2]); lr = sys.argv[3]
 cfg = apply_overrides(load_config(run), ["optim.name=sgd", f"optim.lr={lr}", "optim.max_grad_norm=0",
       "optim.warmup_steps=0", "optim.schedule=constant", "train.ema_decay=0"])
@@ -17,7 +19,9 @@ s = TrainingSession(cfg)
 load_full_weights(s.model, run_weights(Path(run), None)[0])
 caps = ["a red circle moving up and left on a gray background"] * 8 + ["a blue square moving down and right on a navy background"] * 8
 ids = list(range(16))
-bright = lambda rs: [float((r.clip.clamp(-1, 1).mean() + 1) / 2) for r in rs]
+def bright(rs):
+    return brightness_reward([r.clip for r in rs], [r.caption for r in rs])
+
 for it in range(3):
     rs = s.sample_videos(caps, (8, 32, 32), noise_ids=[100 * it + i for i in ids], steps=10, sde=True, guidance_scale=1.0)
     rew = bright(rs)

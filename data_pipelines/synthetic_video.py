@@ -37,12 +37,18 @@ BACKGROUNDS = {"black": (10, 10, 10), "gray": (110, 110, 110), "navy": (20, 20, 
 SHAPES = ("circle", "square")
 DIRECTIONS = (("up", "down"), ("left", "right"))  # the caption's vertical and horizontal words
 HELDOUT = 48  # compositions kept out of the clips (data.heldout_compositions) and scored by tools.evaluate --heldout
+EVAL_SIZE = (8, 32, 32)  # frames, height, width at which the tools sample the world's captions (a training size)
 IMAGE_STREAM = 0x1A6E  # seeds image k as [gen_seed, IMAGE_STREAM, k], apart from the clips' [gen_seed, k]
 
 
+def compositions() -> list[tuple[str, ...]]:
+    """Every (colour, shape, vertical, horizontal, background) of the shapes world: 8 x 2 x 2 x 2 x 4 = 256."""
+    return list(itertools.product(COLORS, SHAPES, *DIRECTIONS, BACKGROUNDS))
+
+
 def world_captions() -> list[str]:
-    """Every caption of the shapes world: 8 colours x 2 shapes x 2 x 2 directions x 4 backgrounds = 256."""
-    return [caption_of(c, s, v, h, b) for c, s, v, h, b in itertools.product(COLORS, SHAPES, *DIRECTIONS, BACKGROUNDS)]
+    """Every caption of the shapes world, in compositions()' order."""
+    return [caption_of(*t) for t in compositions()]
 
 
 def caption_of(color: str, shape: str, vert: str, horiz: str, background: str) -> str:
@@ -63,7 +69,7 @@ def training_compositions() -> list[tuple[str, ...]]:
     world's order (clip i shows the (i mod 208)-th of a per-gen_seed shuffle: every composition
     gets num_clips / 208 clips, +-1)."""
     train = set(caption_split()[0])
-    return [t for t in itertools.product(COLORS, SHAPES, *DIRECTIONS, BACKGROUNDS) if caption_of(*t) in train]
+    return [t for t in compositions() if caption_of(*t) in train]
 
 
 def _render(rng: np.random.Generator, widths: Sequence[int] = WIDTHS, heights: Sequence[int] = HEIGHTS,

@@ -50,7 +50,7 @@ for job in "${jobs[@]}"; do
     ( python3 -m dit_train $over $common $extra hydra.run.dir=$runs/$name > $runs/$name.log 2>&1 ) &
     pids+=($!)
 done
-# stop what is still running at the deadline (SIGTERM: the run saves its weights and exits)
+# stop what is still running at the deadline (SIGTERM; evaluated from its newest train.ckpt_every checkpoint)
 while (( $(date +%s) - start < deadline )); do
     alive=0; for p in "${pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
     (( alive )) || break

@@ -24,12 +24,9 @@ import time
 from pathlib import Path
 
 from dit_train.compose import load_config
-from dit_train.data_pipelines.synthetic_video import caption_split
+from dit_train.data_pipelines.synthetic_video import EVAL_SIZE, caption_split
 from dit_train.tools import sample
 from dit_train.tools.args import POSITIVE_INT, ToolParser
-
-SIZE = (8, 32, 32)  # frames, height, width of a held-out clip (a size the embedded world trains at)
-
 
 def sampler_settings(args: argparse.Namespace, train) -> dict:
     """The run's validation sampler, with the flags given on top."""
@@ -49,7 +46,7 @@ def sample_argv(args: argparse.Namespace, settings: dict, out: Path) -> list[str
     if args.train_captions:
         return argv + ["--data-captions", str(args.n)]
     heldout = caption_split()[1]
-    frames, height, width = SIZE
+    frames, height, width = EVAL_SIZE
     argv += ["--frames", str(frames), "--height", str(height), "--width", str(width)]
     for i in range(args.n):  # --n beyond 48: each composition again, with the next noise ids
         argv += ["--prompt", heldout[i % len(heldout)]]

@@ -59,7 +59,7 @@ from dit_train.compose import load_config
 from dit_train.config.errors import CheckpointError, ConfigError
 from dit_train.data_pipelines import open_dataset, prepare_data
 from dit_train.data_pipelines.shapes_metric import score_clips
-from dit_train.data_pipelines.synthetic_video import caption_split
+from dit_train.data_pipelines.synthetic_video import EVAL_SIZE, caption_split
 from dit_train.engine.launch import check_interrupted, interrupt_on_signals, interruption, launch, signals_deferred
 from dit_train.models.init import load_full_weights
 from dit_train.posttrain import (TrainingSession, VideoDatum, diffusion_dpo_loss, diffusion_nft_loss, flow_grpo_loss,
@@ -72,14 +72,11 @@ from dit_train.tools.video_rl_rewards import checked_rewards, load_reward, shape
 from dit_train.tools.video_rl_state import (PROGRESS, Progress, check_out, read_progress, restore_state, save_state,
                                             trajectory, write_progress)
 
-SIZE = (8, 32, 32)  # frames, height, width of every clip (a size the quickstart trains at)
-
-
 def evaluate(session, captions: list[str], out_dir: Path, step: int, reward: Callable | None = None) -> dict[str, float]:
     """The held-out figures: one clip per caption, validation's sampler, the exact metric (rank 0
     writes), and `reward`'s mean on the same clips ("reward_heldout": the reward on fixed prompts and
     noise, so its curve shows the policy, not which captions a step happened to draw)."""
-    rollouts = session.sample_videos(captions, SIZE, noise_ids=range(10 ** 6, 10 ** 6 + len(captions)))
+    rollouts = session.sample_videos(captions, EVAL_SIZE, noise_ids=range(10 ** 6, 10 ** 6 + len(captions)))
     clips = [r.clip.clamp(-1, 1) for r in rollouts]
     scores = {k.removeprefix("eval/"): v for k, v in score_clips(clips, captions).items()}
     if reward is not None:
@@ -231,7 +228,7 @@ def train(cfg, run: str, recipe: str, steps: int, out: str, reward: str, caption
     t0, cpu0 = time.time(), time.process_time()
 
     def record(step: int, extra: dict) -> None:
-        scores = evaluate(session, heldout, out_dir, step, fn)
+        scores = evaluate(session, heldout, out_dir, step, functools.partial(checked_rewards, fn, name))
         row = {"step": step, "wall_s": round(time.time() - t0, 1), "cpu_s_rank0": round(time.process_time() - cpu0, 1),
                "cpu_s_process": round(time.process_time(), 1),
                **{k: round(v, 4) for k, v in scores.items()}, **extra}
@@ -265,7 +262,7 @@ def train(cfg, run: str, recipe: str, steps: int, out: str, reward: str, caption
             if recipe != "sft":
                 caps = [c for c in rng.sample(pool, captions) for _ in range(group)]
                 ids = [step * 10 ** 4 + i for i in range(len(caps))]
-                rollouts = session.sample_videos(caps, SIZE, noise_ids=ids, steps=sample_steps, sde=sde,
+                rollouts = session.sample_videos(caps, EVAL_SIZE, noise_ids=ids, steps=sample_steps, sde=sde,
                                                  guidance_scale=1.0 if sde else rollout_guidance)
                 rewards = checked_rewards(fn, name, [r.clip.clamp(-1, 1) for r in rollouts], caps)
             updating = True
