@@ -338,7 +338,7 @@ def test_a_text_to_video_wan_checkpoint_widens_into_concat_conditioning(tmp_path
     from dit_train.kernels import VarlenLayout
     from dit_train.models import build_model, model_config
     from dit_train.models.init import load_full_weights
-    from dit_train.models.wan import read_pretrained, to_diffusers
+    from dit_train.models.diffusers_family import read_pretrained, to_diffusers
 
     base = dict(dim=32, heads=2, depth=1, ffn_dim=64, freq_dim=32, text_dim=32, text_len=6, in_channels=3,
                 patch_size=[1, 2, 2], init="normal")

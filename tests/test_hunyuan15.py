@@ -21,7 +21,8 @@ import torch
 from dit_train.batch import WEIGHT_ONE
 from dit_train.kernels import VarlenLayout
 from dit_train.models import build_model, model_config
-from dit_train.models.hunyuan15 import PackedHunyuan15, read_pretrained, to_diffusers
+from dit_train.models.diffusers_family import read_pretrained, to_diffusers
+from dit_train.models.hunyuan15 import PackedHunyuan15
 from dit_train.tasks.joint_text import join_text_tokens
 from dit_train.tasks.video import pack_clips, patchify
 from tests.conftest import TINY, compose_config
@@ -160,7 +161,7 @@ def test_pretrained_of_another_family_or_size_is_refused_before_the_run(tmp_path
     """One line naming what does not fit, from check_config (config.json only, before step 0)."""
     from dit_train.config.errors import ConfigError
     from dit_train.engine.checks import check_config
-    from dit_train.models.ltx import to_diffusers as ltx_to_diffusers
+    from dit_train.models.diffusers_family import to_diffusers as ltx_to_diffusers
 
     cfg = tiny_cfg()
     to_diffusers(random_model(cfg).state_dict(), cfg).save_pretrained(str(tmp_path / "hy" / "transformer"))

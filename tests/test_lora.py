@@ -17,11 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dit_train.models import model_config
+from dit_train.models import MODELS, model_config
 from dit_train.models import build_model, init_weights
 from dit_train.models.params import copy_full
 from dit_train.models.lora import (
-    DEFAULT_TARGETS,
     LoraSettings,
     apply_lora,
     base_parameters,
@@ -35,7 +34,7 @@ from dit_train.models.lora import (
     trainable_names,
 )
 from dit_train.models.lora import WEIGHT_NAME as WEIGHT
-from dit_train.models.wan import to_diffusers
+from dit_train.models.diffusers_family import to_diffusers
 from dit_train.tasks.video import unpatchify
 from tests.families import PATCH, SHAPES, random_model
 from tests.test_wan import pack, tiny_wan_cfg
@@ -155,7 +154,7 @@ def test_wan_merged_weights_equal_the_adapted_model(trained_wan):
     sd = merged.state_dict()
     assert sd.keys() == base.keys()
     changed = {k for k in base if not torch.equal(sd[k], base[k])}
-    assert changed == {k for k in base if any(f".{m}.weight" in f".{k}" for m in DEFAULT_TARGETS["wan"])}
+    assert changed == {k for k in base if any(f".{m}.weight" in f".{k}" for m in MODELS["wan"].lora_targets)}
     with torch.no_grad():
         adapted = model(*args)
         assert _rel(merged(*args), adapted) <= RTOL
@@ -184,7 +183,7 @@ def test_dit_lora_trains_with_frozen_base_and_merges(tmp_path):
     args = (x, pos, seg, torch.tensor([0.3, 0.7]), meta, torch.randn(2, 5, 8, generator=g), torch.tensor([5, 2]))
     target = torch.randn(x.shape, generator=g)
     apply_lora(model, SETTINGS, "dit", seed=0)
-    expected = {f"blocks.{i}.{m}.lora_{ab}.weight" for i in range(2) for m in DEFAULT_TARGETS["dit"] for ab in "AB"}
+    expected = {f"blocks.{i}.{m}.lora_{ab}.weight" for i in range(2) for m in MODELS["dit"].lora_targets for ab in "AB"}
     assert {plain_lora_name(n) for n in trainable_names(model)} == expected
 
     losses = sgd_steps(model, args, target, 6, lr=0.03)

@@ -19,7 +19,7 @@ import torch
 from dit_train.engine.layout_equivalence import relative_difference, run_layouts
 from dit_train.kernels import VarlenLayout
 from dit_train.models import build_model, model_config
-from dit_train.models.ltx import read_pretrained, to_diffusers
+from dit_train.models.diffusers_family import read_pretrained, to_diffusers
 from dit_train.tasks.video import patchify
 from tests.conftest import TINY, compose_config
 from tests.families import PATCH, SHAPES, random_model
@@ -135,7 +135,7 @@ def test_pretrained_of_another_family_or_size_is_refused_before_the_run(tmp_path
     """One line naming what does not fit, from check_config (config.json only, before step 0)."""
     from dit_train.config.errors import ConfigError
     from dit_train.engine.checks import check_config
-    from dit_train.models.wan import to_diffusers as wan_to_diffusers
+    from dit_train.models.diffusers_family import to_diffusers as wan_to_diffusers
 
     cfg = tiny_ltx_cfg()
     to_diffusers(random_model(cfg).state_dict(), cfg).save_pretrained(str(tmp_path / "ltx"))
@@ -377,7 +377,7 @@ def test_pipeline_shift_gives_ltx_pipelines_sigmas_per_clip_size():
     from diffusers import FlowMatchEulerDiscreteScheduler, LTXPipeline
 
     from dit_train.config.schema import ParallelConfig
-    from dit_train.models.ltx import to_diffusers
+    from dit_train.models.diffusers_family import to_diffusers
     from dit_train.parallel.mesh import init_parallel
     from dit_train.sampling import VideoSampler, pipeline_shift
     from dit_train.sampling.sampler import SampleRequest

@@ -17,7 +17,7 @@ import torch
 
 from dit_train.models import WanConfig, model_config
 from dit_train.models import build_model
-from dit_train.models.wan import read_pretrained, to_diffusers
+from dit_train.models.diffusers_family import read_pretrained, to_diffusers
 from dit_train.tasks.video import patchify, unpatchify
 from dit_train.engine.layout_equivalence import relative_difference, run_layouts
 from dit_train.kernels import VarlenLayout
@@ -109,6 +109,24 @@ def test_pretrained_shape_mismatch_names_the_keys(tmp_path):
         read_pretrained(str(tmp_path / "wan"), tiny_wan_cfg(depth=3))
     with pytest.raises(FileNotFoundError, match="no config.json"):
         read_pretrained(str(tmp_path), cfg)
+
+
+def test_a_folder_of_another_size_or_family_is_refused_before_any_worker_starts(tmp_path):
+    """check_config reads the folder's config.json (no weights, no worker): one line naming what differs."""
+    from dit_train.config.errors import ConfigError
+    from dit_train.engine.checks import check_config
+
+    run = compose_config(["model=wan_tiny", "model.text_len=16"])
+    bigger = replace(run.model, depth=run.model.depth + 1)
+    to_diffusers(build_model(bigger).state_dict(), bigger).save_pretrained(str(tmp_path / "wan" / "transformer"))
+    ltx = model_config("ltx", dim=32, heads=2, depth=1, text_dim=24, in_channels=4, patch_size=list(PATCH))
+    to_diffusers(build_model(ltx).state_dict(), ltx).save_pretrained(str(tmp_path / "ltx"))
+    for folder, want in (("wan", fr"num_layers={bigger.depth} \(model.depth gives {run.model.depth}\)"),
+                         ("ltx", "holds a LTXVideoTransformer3DModel, not a WanTransformer3DModel")):
+        run.model.pretrained = str(tmp_path / folder)
+        with pytest.raises(ConfigError, match=want) as err:
+            check_config(run)
+        assert "\n" not in str(err.value)
 
 
 # --------------------------------------------------------------------------- training runs

@@ -15,7 +15,7 @@ import json
 import pytest
 import torch
 
-from dit_train.models.wan import read_pretrained, to_diffusers
+from dit_train.models.diffusers_family import read_pretrained, to_diffusers
 from dit_train.models.wan_experts import ExpertPair, check_pair, timestep_range
 from dit_train.tasks.video import patchify, unpatchify
 from tests.families import SHAPES, random_model

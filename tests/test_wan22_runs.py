@@ -110,7 +110,7 @@ def test_a14b_expert_lora_loads_into_transformer_2(data_cache, tmp_path, capsys)
     from safetensors.torch import load_file
 
     from dit_train.models import build_model
-    from dit_train.models.wan import to_diffusers
+    from dit_train.models.diffusers_family import to_diffusers
     from dit_train.tasks.video import patchify, unpatchify
     from dit_train.kernels import VarlenLayout
     from dit_train.tools import export_weights

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dit_train.models import model_config
-from dit_train.models.wan import read_pretrained, to_diffusers
+from dit_train.models.diffusers_family import read_pretrained, to_diffusers
 from dit_train.tasks.video import unpatchify
 from tests.families import PATCH, SHAPES, random_model
 from tests.test_wan import pack

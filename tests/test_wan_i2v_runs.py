@@ -178,7 +178,7 @@ def test_an_i2v_lora_run_from_a_pretrained_i2v_folder_loads_in_the_pipeline(i2v_
 
     from dit_train.__main__ import run_from_config
     from dit_train.data_pipelines.i2v_cache import to_uint8_image
-    from dit_train.models.wan import to_diffusers
+    from dit_train.models.diffusers_family import to_diffusers
     from dit_train.tools.export_weights import main as export
     from tests.families import random_model
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dit_train.models import model_config
-from dit_train.models.wan import to_diffusers
+from dit_train.models.diffusers_family import read_pretrained, to_diffusers
 from dit_train.tasks.conditioning import vace_context
 from dit_train.tasks.video import patchify, unpatchify
 from tests.families import PATCH, SHAPES, random_model
@@ -238,16 +238,14 @@ def test_vace_without_a_control_video_is_refused_before_the_run(overrides, needl
 
 
 def test_a_wan_folder_without_vace_blocks_is_refused(tmp_path):
-    from dataclasses import asdict, replace
-
-    from dit_train.models.wan_vace import read_vace_pretrained
+    from dataclasses import asdict
 
     vace = tiny_vace_cfg()
     wan = model_config("wan", **{k: v for k, v in asdict(vace).items()
                                  if k not in ("name", "vace_layers", "vace_mask_channels", "cond_channels")})
     to_diffusers(random_model(wan).state_dict(), wan).save_pretrained(str(tmp_path / "t2v"))
     with pytest.raises(ValueError, match="holds a WanTransformer3DModel without VACE blocks"):
-        read_vace_pretrained(replace(vace, pretrained=str(tmp_path / "t2v")))
+        read_pretrained(str(tmp_path / "t2v"), vace)
 
 
 def test_a_latent_run_trains_and_samples_with_the_control_video(companion_cache, companion_folder, tmp_path, capsys):

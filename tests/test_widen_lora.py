@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from dit_train.engine.layout_equivalence import apply_layout, parse_layout, relative_difference, train_on_workers
-from dit_train.models.wan import read_pretrained, to_diffusers
+from dit_train.models.diffusers_family import read_pretrained, to_diffusers
 from tests.conftest import TINY, compose_config
 from tests.families import random_model
 

@@ -21,7 +21,6 @@ from dit_train.config.choices import ActivationCheckpointing, Choice
 from dit_train.config.errors import ConfigError
 from dit_train.data_pipelines import SOURCES
 from dit_train.models import build_model, model_spec, MODELS
-from dit_train.models.lora import DEFAULT_TARGETS
 from dit_train.parallel.mesh import ParallelDims
 from dit_train.tasks.conditioning import cond_errors
 from dit_train.trackers import tracker_errors
@@ -320,7 +319,7 @@ def lora_errors(m: Any) -> list[str]:
     unmatched = [t for t in lo.targets if not any(n == t or n.endswith("." + t) for n in linears)]
     if unmatched:
         kinds = sorted({".".join(n.split(".")[-2:]) for n in linears})
-        default = DEFAULT_TARGETS.get(spec.name, ())
+        default = spec.lora_targets
         e.append(f"model.lora.targets: {', '.join(map(repr, unmatched))} {'matches' if len(unmatched) == 1 else 'match'} no linear layer of model={m.name} "
                  f"(its layers end in {', '.join(kinds[:12])}{', ...' if len(kinds) > 12 else ''}); "
                  f"[] = the default set [{default if isinstance(default, str) else ','.join(default)}]")

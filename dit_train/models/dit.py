@@ -170,4 +170,5 @@ register_model(ModelSpec(
     block_linears=lambda b: [b.attn.qkv, b.attn.proj, *feed_forward_linears(b.mlp)],
     io_linears=lambda m: [m.x_embedder, m.final.linear],
     io_dim=input_dim, hidden=lambda cfg: int(cfg.dim * cfg.mlp_ratio),
+    lora_targets=("attn.qkv", "attn.proj", "cross_attn.q", "cross_attn.kv", "cross_attn.proj", "mlp.fc1", "mlp.fc2"),
 ))

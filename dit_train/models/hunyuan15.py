@@ -33,9 +33,7 @@ but not run: text-to-video masks its tokens out entirely. No parallelism here.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, List
 
 import torch
@@ -45,10 +43,9 @@ from torch import nn
 from dit_train.config.choices import Mode
 from dit_train.config.schema import VideoModelConfig
 from dit_train.kernels import LocalAttention
-from dit_train.models.registry import ActivationModel, ModelSpec, register_model
-from dit_train.models.wan import NUM_TRAIN_TIMESTEPS
-
-DIFFUSERS_CLASS = "HunyuanVideo15Transformer3DModel"
+from dit_train.models.diffusers_family import DiffusersFamily
+from dit_train.models.family_forward import take_modules, time_rows
+from dit_train.models.registry import ActivationModel, register_model
 
 
 @dataclass
@@ -106,6 +103,11 @@ def hunyuan15_config(cfg: Hunyuan15Config) -> dict[str, Any]:
                 patch_size_t=cfg.patch_size[0], text_embed_dim=cfg.text_dim, text_embed_2_dim=cfg.text_2_dim,
                 image_embed_dim=cfg.image_dim, rope_theta=cfg.rope_theta, rope_axes_dim=tuple(cfg.rope_axes),
                 target_size=cfg.target_size, task_type=cfg.task_type)
+
+
+# target_size and task_type are written back on export but not compared (not in _OUR_KEY)
+HUNYUAN15 = DiffusersFamily(class_name="HunyuanVideo15Transformer3DModel", kwargs=hunyuan15_config, our_keys=_OUR_KEY,
+                            fixed=_FIXED, folder_kind="a HunyuanVideo 1.5 folder")
 
 
 def hunyuan15_rope(pos: torch.Tensor, axes: tuple[int, int, int], theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,14 +211,11 @@ class PackedHunyuan15(nn.Module):
 
     def __init__(self, cfg: Hunyuan15Config, backend: str = "sdpa"):
         super().__init__()
-        from diffusers import HunyuanVideo15Transformer3DModel  # deferred: diffusers takes ~2 s to import
-
         self.diffusers_config = hunyuan15_config(cfg)
         self.rope_axes, self.rope_theta = tuple(cfg.rope_axes), float(cfg.rope_theta)
-        ref = HunyuanVideo15Transformer3DModel(**self.diffusers_config)
-        for name in ("x_embedder", "image_embedder", "context_embedder", "context_embedder_2", "time_embed",
-                     "cond_type_embed", "norm_out", "proj_out"):
-            setattr(self, name, getattr(ref, name))
+        ref = HUNYUAN15.model_class()(**self.diffusers_config)
+        take_modules(self, ref, ("x_embedder", "image_embedder", "context_embedder", "context_embedder_2", "time_embed",
+                                 "cond_type_embed", "norm_out", "proj_out"))
         self.transformer_blocks = nn.ModuleList(PackedHunyuan15Block(b, backend) for b in ref.transformer_blocks)
 
     def _text_states(self, context, context_len, context_2, context_2_len, timestep: torch.Tensor,
@@ -247,12 +246,8 @@ class PackedHunyuan15(nn.Module):
                 context_2: torch.Tensor | None = None, context_2_len: torch.Tensor | None = None) -> torch.Tensor:
         S = t.shape[0]
         is_text = (text > 0) & (seg >= 0) if text is not None else torch.zeros_like(seg, dtype=torch.bool)
-        if clean is None:
-            row = torch.where(seg < 0, torch.full_like(seg, S), seg)  # padding tokens use an extra time row (t=0)
-            timestep = torch.cat([t.float(), t.new_zeros(1, dtype=torch.float32)]) * NUM_TRAIN_TIMESTEPS
-        else:  # rows S..2S-1: each clip at t = 0, read by its clean context tokens; 2S: padding
-            row = torch.where(seg < 0, torch.full_like(seg, 2 * S), seg + S * (clean & ~is_text).to(seg.dtype))
-            timestep = torch.cat([t.float(), t.new_zeros(S + 1, dtype=torch.float32)]) * NUM_TRAIN_TIMESTEPS
+        # text slots read their clip's time row even when given clean
+        row, timestep = time_rows(t, seg, None if clean is None else clean & ~is_text)  # [L], [R]
         te = self.time_embed
         w = te.timestep_embedder.linear_1.weight  # inputs arrive in fp32 under FSDP2 mixed precision
         temb = te.timestep_embedder(te.time_proj(timestep).to(w.dtype))  # [R, dim]
@@ -287,73 +282,7 @@ class PackedHunyuan15(nn.Module):
         return torch.where(is_text[:, None], torch.zeros_like(out), out)
 
 
-# --------------------------------------------------------------------------- diffusers folders
-
-
-def transformer_folder(path: str) -> Path:
-    """The folder holding the transformer's config.json: `path`, or `path/transformer`."""
-    folder = Path(path).expanduser()
-    if not (folder / "config.json").exists() and (folder / "transformer" / "config.json").exists():
-        return folder / "transformer"
-    if not (folder / "config.json").exists():
-        raise FileNotFoundError(f"model.pretrained={path}: no config.json there (expected a diffusers {DIFFUSERS_CLASS} "
-                                f"folder, or a pipeline folder with transformer/)")
-    return folder
-
-
-def pretrained_mismatch(path: str, cfg: Hunyuan15Config) -> list[str]:
-    """What in the folder `path` does not fit `cfg`, from its config.json alone: a model of
-    another family (its class), or of another size (each key, with ours). [] = fits."""
-    try:
-        folder = transformer_folder(path)
-    except FileNotFoundError as err:
-        return [str(err)]
-    theirs = json.loads((folder / "config.json").read_text())
-    held = theirs.get("_class_name", "")
-    if held != DIFFUSERS_CLASS:
-        return [f"model.pretrained={path} holds a {held or 'model without _class_name'}, not a {DIFFUSERS_CLASS} "
-                f"(model.name=hunyuan15): choose the model preset of its family, or a HunyuanVideo 1.5 folder"]
-    ours = hunyuan15_config(cfg)
-    norm = lambda v: list(v) if isinstance(v, (list, tuple)) else v  # noqa: E731
-    wrong = [f"{key}={theirs.get(key)} (model.{_OUR_KEY[key]} gives {norm(ours[key])})"
-             for key in _OUR_KEY if norm(theirs.get(key, ours[key])) != norm(ours[key])]
-    wrong += [f"{key}={theirs[key]} (only {fixed!r} is supported)" for key, fixed in _FIXED.items()
-              if theirs.get(key, fixed) != fixed]
-    return [f"model.pretrained={path} does not match the model config: " + "; ".join(wrong)] if wrong else []
-
-
-def read_pretrained(path: str, cfg: Hunyuan15Config) -> dict[str, torch.Tensor]:
-    """fp32 CPU state dict of the diffusers folder `path`, after checking its class and shape."""
-    from diffusers import HunyuanVideo15Transformer3DModel  # deferred: diffusers takes ~2 s to import
-
-    problems = pretrained_mismatch(path, cfg)
-    if problems:
-        raise ValueError(problems[0])
-    try:
-        model = HunyuanVideo15Transformer3DModel.from_pretrained(str(transformer_folder(path)), torch_dtype=torch.float32,
-                                                                 use_safetensors=not cfg.allow_pickle_weights)
-    except EnvironmentError as err:
-        raise ValueError(f"model.pretrained={path}: {err} (weights must be .safetensors; "
-                         f"model.allow_pickle_weights=true also reads .bin from a source you trust)") from None
-    return {k: v.detach().float().contiguous() for k, v in model.state_dict().items()}
-
-
-def to_diffusers(state_dict: dict[str, torch.Tensor], cfg: Hunyuan15Config) -> Any:
-    """A diffusers HunyuanVideo15Transformer3DModel holding `state_dict` (our keys = diffusers')."""
-    from diffusers import HunyuanVideo15Transformer3DModel  # deferred: diffusers takes ~2 s to import
-
-    model = HunyuanVideo15Transformer3DModel(**hunyuan15_config(cfg))
-    model.load_state_dict(state_dict, strict=True)
-    return model
-
-
-def _checks(cfg: Hunyuan15Config) -> list[str]:
-    """Shape errors, and a model.pretrained folder that does not fit (before the run starts)."""
-    try:
-        hunyuan15_config(cfg)
-    except ValueError as err:
-        return [str(err)]
-    return pretrained_mismatch(cfg.pretrained, cfg) if cfg.pretrained else []
+# --------------------------------------------------------------------------- the family
 
 
 def _block_linears(b: nn.Module) -> list[nn.Module]:
@@ -361,10 +290,9 @@ def _block_linears(b: nn.Module) -> list[nn.Module]:
     return [b.attn.to_q, b.attn.to_k, b.attn.to_v, b.attn.to_out[0], b.ff.net[0].proj, b.ff.net[2]]
 
 
-register_model(ModelSpec(
+register_model(HUNYUAN15.spec(
     name="hunyuan15", config=Hunyuan15Config, mode=Mode.video,
     build=lambda cfg, backend="sdpa": PackedHunyuan15(cfg, backend),
-    checks=_checks,
     # measured with saved_tensors_hooks on PackedHunyuan15Block over video tokens at d = 64
     # (perf/memory.py calibrate_block: 8516 B/token fp32, 5050 B/token under bf16 autocast;
     # tests/test_planner.py re-measures every registered model). Text slots add their own
@@ -377,7 +305,10 @@ register_model(ModelSpec(
     io_linears=lambda m: [m.x_embedder.proj, m.proj_out],
     io_dim=lambda cfg: cfg.in_channels * cfg.patch_size[0] * cfg.patch_size[1] * cfg.patch_size[2],
     hidden=lambda cfg: int(cfg.dim * cfg.mlp_ratio),
-    pretrained=lambda cfg: read_pretrained(cfg.pretrained, cfg), to_diffusers=to_diffusers,
+    # both streams of the double-stream blocks (video q/k/v/out and feed-forward, text
+    # add_*_proj/to_add_out and ff_context); a regex, so the token refiner's to_q/ff stay frozen
+    lora_targets=r"transformer_blocks\.\d+\.(.*\.)?(attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)"
+                 r"|ff\.net\.(0\.proj|2)|ff_context\.net\.(0\.proj|2))",
     joint_text=True,
     vae_stride=(4, 16, 16),  # HunyuanVideo 1.5's VAE: 4x in time (plus the first frame), 16x in height and width
 ))

@@ -73,4 +73,5 @@ register_model(ModelSpec(
     block_linears=lambda b: [b.attn.qkv, b.attn.proj, *feed_forward_linears(b.mlp)],
     io_linears=lambda m: [m.output],  # the embedding is a lookup, not a matmul
     io_dim=lambda cfg: cfg.vocab_size, hidden=lambda cfg: int(cfg.dim * cfg.mlp_ratio),
+    lora_targets=("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"),
 ))

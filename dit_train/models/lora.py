@@ -49,6 +49,7 @@ from torch import nn
 
 from dit_train.atomic import save_file_atomic
 from dit_train.models.params import copy_full, named_seed, plain_name
+from dit_train.models.registry import MODELS
 
 ADAPTER = "default"  # peft's adapter name: the `default` in X.lora_A.default.weight
 PREFIX = "transformer"  # component prefix of diffusers' LoRA files (WanPipeline.transformer)
@@ -58,25 +59,8 @@ METADATA_KEY = "lora_adapter_metadata"  # diffusers' LORA_ADAPTER_METADATA_KEY
 # keys (patch_embedding.weight, ...): load them into the base with load_state_dict(strict=False)
 TRAINED_MODULES = "trained_modules.safetensors"
 
-# Linear layers adapted by default (peft list semantics: a module matches when its name equals
-# an entry or ends with "." + entry). Wan: self- and cross-attention q/k/v/out and both FFN
-# projections of every block, the set DiffSynth-Studio trains for Wan ("q,k,v,o,ffn.0,ffn.2"
-# in Wan's original names); finetrainers' Wan examples adapt attention only
-# (regex "blocks.*(to_q|to_k|to_v|to_out.0)"), available as targets=WAN_ATTENTION_TARGETS.
-DEFAULT_TARGETS: dict[str, tuple[str, ...] | str] = {
-    "wan": ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"),
-    # Wan VACE: the same suffixes, which also name the VACE blocks' attention and FFN
-    # (vace_blocks.N.attn1.to_q, ...), as DiffSynth-Studio's VACE LoRA trains them
-    "wan_vace": ("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"),
-    "dit": ("attn.qkv", "attn.proj", "cross_attn.q", "cross_attn.kv", "cross_attn.proj", "mlp.fc1", "mlp.fc2"),
-    "lm": ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2"),
-    # LTX-Video: the same set under its names (attn1/attn2 q/k/v/out and the feed-forward `ff`)
-    "ltx": ("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"),
-    # HunyuanVideo 1.5: both streams of the double-stream blocks (video q/k/v/out and feed-forward,
-    # text add_*_proj/to_add_out and ff_context); a regex, so the token refiner's to_q/ff stay frozen
-    "hunyuan15": r"transformer_blocks\.\d+\.(.*\.)?(attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)"
-                 r"|ff\.net\.(0\.proj|2)|ff_context\.net\.(0\.proj|2))",
-}
+# Linear layers adapted by default: each model's `ModelSpec.lora_targets` (models/registry.py).
+# finetrainers' Wan examples adapt attention only: targets=WAN_ATTENTION_TARGETS.
 WAN_ATTENTION_TARGETS = r"blocks.*(to_q|to_k|to_v|to_out.0)"
 
 # peft's init_lora_weights values we accept. Both start with B = 0 (the adapted model equals the
@@ -91,7 +75,7 @@ class LoraSettings:
     """rank r; alpha (None = r, i.e. scale 1); dropout on the adapter input (drawn from torch's
     global RNG: not layout invariant, keep 0 for exactness tests); targets: peft
     `target_modules`, a list of name suffixes or one regex string matched against whole names
-    (None = DEFAULT_TARGETS[model_kind]); init: "default" (A kaiming-uniform, B = 0) or
+    (None = the model's ModelSpec.lora_targets); init: "default" (A kaiming-uniform, B = 0) or
     "gaussian" (A ~ N(0, 1/r), B = 0). train_also: modules (plain names) whose own weights train
     beside the adapters, as peft's `modules_to_save` (without its copy: the module itself trains):
     a patch embedding widened with zero-initialised channels, which a frozen base would never read."""
@@ -111,16 +95,20 @@ class LoraSettings:
         if self.init not in _PEFT_INIT:
             raise ValueError(f"lora init={self.init!r} must be one of {sorted(_PEFT_INIT)} (PiSSA/OLoRA-style inits "
                              f"rewrite the base weights, so the adapter would not export on its own)")
-        targets = self.targets
-        if targets is None:
-            if model_kind not in DEFAULT_TARGETS:
-                raise ValueError(f"model kind {model_kind!r} has no default LoRA targets ({sorted(DEFAULT_TARGETS)}); "
-                                 f"give targets explicitly")
-            targets = DEFAULT_TARGETS[model_kind]
+        targets = default_targets(model_kind) if self.targets is None else self.targets
         targets = targets if isinstance(targets, str) else list(targets)
         return LoraConfig(r=self.rank, lora_alpha=self.rank if self.alpha is None else self.alpha,
                           lora_dropout=self.dropout, target_modules=targets, init_lora_weights=_PEFT_INIT[self.init],
                           bias="none")
+
+
+def default_targets(model_kind: str) -> tuple[str, ...] | str:
+    """The LoRA targets of model `model_kind` when none are given (its ModelSpec.lora_targets)."""
+    targets = MODELS[model_kind].lora_targets if model_kind in MODELS else ()
+    if not targets:
+        have = sorted(n for n in MODELS.names() if MODELS[n].lora_targets)
+        raise ValueError(f"model kind {model_kind!r} has no default LoRA targets ({have}); give targets explicitly")
+    return targets
 
 
 # --------------------------------------------------------------------------- names
@@ -300,8 +288,8 @@ def lora_state_dict(model: nn.Module, model_kind: str = "wan", state_dict: dict[
     B·alpha/r, to be read with alpha = r (see `lora_metadata`). component: only the adapters
     under this module prefix, without it (one expert of a model holding two; "" = all).
     """
-    if model_kind not in DEFAULT_TARGETS:
-        raise ValueError(f"model kind {model_kind!r} must be one of {sorted(DEFAULT_TARGETS)}")
+    if model_kind not in MODELS:
+        raise ValueError(f"model kind {model_kind!r} must be one of {sorted(MODELS.names())}")
     _config(model)
     sd = model.state_dict() if state_dict is None else state_dict
     scales = _scales(model, component)

@@ -29,10 +29,8 @@ No parallelism here (no torch.distributed).
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, List
 
 import torch
@@ -40,12 +38,13 @@ from torch import nn
 
 from dit_train.config.choices import Mode
 from dit_train.config.schema import VideoModelConfig
-from dit_train.kernels import LocalAttention, packed_cross_attention
-from dit_train.models.registry import ActivationModel, ModelSpec, register_model
-from dit_train.models.wan import NUM_TRAIN_TIMESTEPS, caption_batch, PackedContext, PackedRope
+from dit_train.kernels import packed_cross_attention
+from dit_train.models.diffusers_family import DiffusersFamily
+from dit_train.models.family_forward import (caption_batch, cross_attention_linears, PackedContext, packed_processors,
+                                             PackedRope, take_modules, time_rows)
+from dit_train.models.registry import ActivationModel, register_model
 from dit_train.objectives.flow_matching import PipelineShift
 
-DIFFUSERS_CLASS = "LTXVideoTransformer3DModel"
 # LTXVideoRotaryPosEmbed's normalisation of coordinates (fixed in LTXVideoTransformer3DModel)
 ROPE_BASE = (20.0, 2048.0, 2048.0)
 
@@ -114,6 +113,10 @@ def ltx_config(cfg: LTXConfig) -> dict[str, Any]:
                 caption_channels=cfg.text_dim, norm_eps=cfg.norm_eps)
 
 
+LTX = DiffusersFamily(class_name="LTXVideoTransformer3DModel", kwargs=ltx_config, our_keys=_OUR_KEY, fixed=_FIXED,
+                      folder_kind="an LTX-Video folder", article="an")
+
+
 def ltx_rope(pos: torch.Tensor, dim: int, scale: tuple[float, float, float], patch: tuple[int, int, int],
              theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token (cos, sin) [L, dim] of LTXVideoRotaryPosEmbed for patch positions [L, 3] (t, h, w).
@@ -168,16 +171,9 @@ class PackedLTXAttnProcessor:
 class PackedLTX(nn.Module):
     """Packed-sequence forward over a diffusers LTXVideoTransformer3DModel's modules.
 
-    forward(x, pos, seg, t, meta, context=None, context_len=None, clean=None):
-      x:    [L, C_in·pt·ph·pw]  noisy patches (+ concat conditioning channels), features (c, pt, ph, pw)
-      pos:  [L, 3]           (t, h, w) patch coordinates inside each clip
-      seg:  [L]              clip of each token (-1 = padding)
-      t:    [S]              flow time of each clip in [0, 1]
-      meta: attention metadata for `attention_fn` (VarlenLayout, or CPAttnLayout under CP)
-      context: [S, Lc, text_dim] caption embeddings (valid tokens first); None = one all-zero token
-      context_len: [S] int64 valid caption tokens
-      clean: [L] bool tokens given clean (cond.feed=timestep): their clip's embedding at t = 0
-    returns [L, C·pt·ph·pw], the predicted velocity.
+    forward(x [L, C_in·pt·ph·pw], pos [L, 3], seg [L], t [S], meta, context [S, Lc, text_dim] = None,
+    context_len [S] = None, clean [L] = None) -> [L, C·pt·ph·pw], the predicted velocity: the packed
+    forward of models/family_forward.py (what each argument holds is said there).
     """
 
     # zero output head when trained from scratch (a random LTX has none: ours starts at rest,
@@ -187,24 +183,14 @@ class PackedLTX(nn.Module):
 
     def __init__(self, cfg: LTXConfig, backend: str = "sdpa"):
         super().__init__()
-        from diffusers import LTXVideoTransformer3DModel  # deferred: diffusers takes ~2 s to import
-
         self.diffusers_config = ltx_config(cfg)
         self.patch, self.rope_scale = tuple(cfg.patch_size), tuple(float(s) for s in cfg.rope_scale)
-        ltx = LTXVideoTransformer3DModel(**self.diffusers_config)
         # the same modules under the same names: our state dict is diffusers' (its `rope`
         # holds no weights: the rotation is computed per token from positions)
-        self.proj_in = ltx.proj_in
-        self.scale_shift_table = ltx.scale_shift_table
-        self.time_embed = ltx.time_embed
-        self.caption_projection = ltx.caption_projection
-        self.transformer_blocks = ltx.transformer_blocks
-        self.norm_out = ltx.norm_out
-        self.proj_out = ltx.proj_out
-        for block in self.transformer_blocks:
-            block.attn1.set_processor(PackedLTXAttnProcessor())
-            block.attn2.set_processor(PackedLTXAttnProcessor())
-            block.attn1.attention_fn = LocalAttention(backend)  # swapped for CP by parallelize()
+        take_modules(self, LTX.model_class()(**self.diffusers_config),
+                     ("proj_in", "scale_shift_table", "time_embed", "caption_projection", "transformer_blocks", "norm_out",
+                      "proj_out"))
+        packed_processors(self.transformer_blocks, PackedLTXAttnProcessor, backend)
 
     def _context(self, context: torch.Tensor | None, context_len: torch.Tensor | None, S: int,
                  like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,12 +201,7 @@ class PackedLTX(nn.Module):
                 context: torch.Tensor | None = None, context_len: torch.Tensor | None = None,
                 clean: torch.Tensor | None = None) -> torch.Tensor:
         S = t.shape[0]
-        if clean is None:
-            row = torch.where(seg < 0, torch.full_like(seg, S), seg)  # padding tokens use an extra time row (t=0)
-            timestep = torch.cat([t.float(), t.new_zeros(1, dtype=torch.float32)]) * NUM_TRAIN_TIMESTEPS
-        else:  # rows S..2S-1: each clip at t = 0, read by its clean context tokens; 2S: padding
-            row = torch.where(seg < 0, torch.full_like(seg, 2 * S), seg + S * clean.to(seg.dtype))
-            timestep = torch.cat([t.float(), t.new_zeros(S + 1, dtype=torch.float32)]) * NUM_TRAIN_TIMESTEPS
+        row, timestep = time_rows(t, seg, clean)  # [L], [R]
         w = self.proj_in.weight  # inputs arrive in fp32 under FSDP2 mixed precision
         h = self.proj_in(x.to(w.dtype))[None]  # [1, L, dim]
         temb, embedded = self.time_embed(timestep, batch_size=timestep.shape[0], hidden_dtype=h.dtype)  # [R, 6·dim], [R, dim]
@@ -236,86 +217,18 @@ class PackedLTX(nn.Module):
         return self.proj_out(h)  # [L, (c, pt, ph, pw)], LTX's token features
 
 
-# --------------------------------------------------------------------------- diffusers folders
-
-
-def transformer_folder(path: str, cls: str) -> Path:
-    """The folder holding the transformer's config.json: `path`, or `path/transformer` of a
-    pipeline folder."""
-    folder = Path(path).expanduser()
-    if not (folder / "config.json").exists() and (folder / "transformer" / "config.json").exists():
-        return folder / "transformer"  # a whole pipeline folder: its transformer
-    if not (folder / "config.json").exists():
-        raise FileNotFoundError(f"model.pretrained={path}: no config.json there (expected a diffusers {cls} "
-                                f"folder, or a pipeline folder with transformer/)")
-    return folder
-
-
-def pretrained_mismatch(path: str, cfg: LTXConfig) -> list[str]:
-    """What in the folder `path` does not fit `cfg`, from its config.json alone (no weights read):
-    a model of another family (its class), or of another size (each key, with ours). [] = fits."""
-    try:
-        folder = transformer_folder(path, DIFFUSERS_CLASS)
-    except FileNotFoundError as err:
-        return [str(err)]
-    theirs = json.loads((folder / "config.json").read_text())
-    held = theirs.get("_class_name", "")
-    if held != DIFFUSERS_CLASS:
-        return [f"model.pretrained={path} holds a {held or 'model without _class_name'}, not an {DIFFUSERS_CLASS} "
-                f"(model.name=ltx): choose the model preset of its family, or an LTX-Video folder"]
-    wrong = [f"{key}={theirs.get(key)} (model.{_OUR_KEY[key]} gives {ours})"
-             for key, ours in ltx_config(cfg).items() if theirs.get(key, ours) != ours]
-    wrong += [f"{key}={theirs[key]} (only {fixed!r} is supported)" for key, fixed in _FIXED.items()
-              if theirs.get(key, fixed) != fixed]
-    return [f"model.pretrained={path} does not match the model config: " + "; ".join(wrong)] if wrong else []
-
-
-def read_pretrained(path: str, cfg: LTXConfig) -> dict[str, torch.Tensor]:
-    """fp32 CPU state dict of the diffusers folder `path` (LTXVideoTransformer3DModel), after
-    checking its class and shape against `cfg` (the error names the keys to set)."""
-    from diffusers import LTXVideoTransformer3DModel  # deferred: diffusers takes ~2 s to import
-
-    problems = pretrained_mismatch(path, cfg)
-    if problems:
-        raise ValueError(problems[0])
-    try:
-        ltx = LTXVideoTransformer3DModel.from_pretrained(str(transformer_folder(path, DIFFUSERS_CLASS)),
-                                                         torch_dtype=torch.float32,
-                                                         use_safetensors=not cfg.allow_pickle_weights)
-    except EnvironmentError as err:
-        raise ValueError(f"model.pretrained={path}: {err} (weights must be .safetensors; "
-                         f"model.allow_pickle_weights=true also reads .bin from a source you trust)") from None
-    return {k: v.detach().float().contiguous() for k, v in ltx.state_dict().items()}
-
-
-def to_diffusers(state_dict: dict[str, torch.Tensor], cfg: LTXConfig) -> Any:
-    """A diffusers LTXVideoTransformer3DModel holding `state_dict` (our keys = diffusers' keys)."""
-    from diffusers import LTXVideoTransformer3DModel  # deferred: diffusers takes ~2 s to import
-
-    ltx = LTXVideoTransformer3DModel(**ltx_config(cfg))
-    ltx.load_state_dict(state_dict, strict=True)
-    return ltx
+# --------------------------------------------------------------------------- the family
 
 
 def _checks(cfg: LTXConfig) -> list[str]:
-    """Shape errors, and a model.pretrained folder that does not fit (checked before the run starts)."""
-    try:
-        ltx_config(cfg)
-    except ValueError as err:
-        return [str(err)]
+    """LTX's own checks, before the family's (shape, then model.pretrained's config.json)."""
     if cfg.pipeline_shift and not (0 < cfg.base_seq_len < cfg.max_seq_len and 0 <= cfg.shift_terminal < 1):
         return [f"model.pipeline_shift needs 0 < model.base_seq_len < model.max_seq_len (got {cfg.base_seq_len}, "
                 f"{cfg.max_seq_len}) and model.shift_terminal in [0, 1) (got {cfg.shift_terminal})"]
-    return pretrained_mismatch(cfg.pretrained, cfg) if cfg.pretrained else []
+    return []
 
 
-def _block_linears(b: nn.Module) -> list[nn.Module]:
-    """Matmuls a block applies to every video token (attn2's to_k/to_v act on caption tokens only)."""
-    return [b.attn1.to_q, b.attn1.to_k, b.attn1.to_v, b.attn1.to_out[0], b.attn2.to_q, b.attn2.to_out[0],
-            b.ff.net[0].proj, b.ff.net[2]]
-
-
-register_model(ModelSpec(
+register_model(LTX.spec(
     name="ltx", config=LTXConfig, mode=Mode.video, build=lambda cfg, backend="sdpa": PackedLTX(cfg, backend),
     checks=_checks,
     # measured with saved_tensors_hooks on LTXVideoTransformerBlock run by PackedLTX at d = 64
@@ -326,10 +239,11 @@ register_model(ModelSpec(
     activations=lambda cfg: ActivationModel(fp32_d=31.3, autocast_f32_d=16, autocast_lp_d=19.4, outside_d=6,
                                             selective_d=10.5),
     blocks=lambda m: m.transformer_blocks,
-    block_linears=_block_linears,
+    block_linears=lambda b: cross_attention_linears(b, b.ff),
     io_linears=lambda m: [m.proj_in, m.proj_out],
     io_dim=lambda cfg: (cfg.in_channels + cfg.cond_channels) * cfg.patch_size[0] * cfg.patch_size[1] * cfg.patch_size[2],
     hidden=lambda cfg: 4 * cfg.dim,
-    pretrained=lambda cfg: read_pretrained(cfg.pretrained, cfg), to_diffusers=to_diffusers,
+    # the attention (attn1/attn2 q/k/v/out) and feed-forward set of Wan's default, under LTX's names
+    lora_targets=("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"),
     vae_stride=(8, 32, 32),  # LTX-Video's VAE: 8x in time (plus the first frame), 32x in height and width
 ))

@@ -95,6 +95,12 @@ class ModelSpec:
     moe: bool = False  # builds mixture-of-experts blocks from `model.moe` (models/moe.py)
     # latent compression (t, h, w) of the family's VAE: the clip planner's default (tools.plan --frames)
     vae_stride: tuple[int, int, int] = (4, 8, 8)
+    # Linear layers LoRA adapts when model.lora.targets is empty (peft `target_modules`: name
+    # suffixes, or one regex matched against whole names); () = none, the targets must be given
+    lora_targets: tuple[str, ...] | str = ()
+    # a diffusers transformer family: its models/diffusers_family.DiffusersFamily (folders, checks,
+    # export); None = ours alone. Typed Any: that module builds specs, so it imports this one
+    diffusers: Any = None
     notes: dict = field(default_factory=dict)
 
 

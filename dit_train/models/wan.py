@@ -28,11 +28,7 @@ No parallelism here (no torch.distributed).
 """
 from __future__ import annotations
 
-import dataclasses
-import json
-import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, List
 
 import torch
@@ -41,12 +37,13 @@ from torch import nn
 
 from dit_train.config.choices import Mode
 from dit_train.config.schema import VideoModelConfig
-from dit_train.models.registry import ActivationModel, ModelSpec, register_model
-from dit_train.models.wan_experts import (BOTH, components, expert_blocks, expert_checks, ExpertPair, experts_of,
-                                         pretrained_folder, sampling_boundary, SUBFOLDER, timestep_range)
-from dit_train.kernels import LocalAttention, packed_cross_attention
-
-log = logging.getLogger(__name__)
+from dit_train.kernels import packed_cross_attention
+from dit_train.models.diffusers_family import DiffusersFamily
+from dit_train.models.family_forward import (caption_batch, cross_attention_linears, PackedContext, packed_processors,
+                                             PackedRope, take_modules, time_rows)
+from dit_train.models.registry import ActivationModel, model_spec, ModelSpec, register_model
+from dit_train.models.wan_experts import (BOTH, components, expert_blocks, expert_checks, expert_folders, ExpertPair,
+                                         experts_of, sampling_boundary, timestep_range)
 
 
 @dataclass
@@ -96,38 +93,18 @@ class WanConfig(VideoModelConfig):
         """The flow time where this model's own sampling switches experts (0 = never)."""
         return sampling_boundary(self)
 
-    def diffusers_model(self) -> type:
-        """The diffusers class whose modules (and state dict) the packed model holds."""
-        from diffusers import WanTransformer3DModel  # deferred: diffusers takes ~2 s to import; only Wan models need it
-
-        return WanTransformer3DModel
-
-    def diffusers_kwargs(self) -> dict[str, Any]:
-        """diffusers_model()(**kwargs) of the same shape as this config."""
-        return wan_config(self)
-
     def widens_pretrained(self) -> bool:
         """model.pretrained's patch embedding gets this run's new input channels (cond.feed=concat or
-        cond.control on a T2V checkpoint: widen_patch_embedding); LoRA then trains it beside the
-        adapters (models/lora.py). False without pretrained weights or when its config cannot be read
-        (read_pretrained's own check names why)."""
-        if not self.pretrained:
-            return False
-        try:
-            theirs = json.loads((pretrained_folder(self.pretrained, self) / "config.json").read_text())["in_channels"]
-            return self.diffusers_kwargs()["in_channels"] > self.in_channels == theirs
-        except (OSError, ValueError, KeyError):
-            return False
+        cond.control on a T2V checkpoint); LoRA then trains it beside the adapters (models/lora.py)."""
+        return model_spec(self).diffusers.widens(self)
 
-# Wan's time embedding was trained on scheduler timesteps t·num_train_timesteps.
-NUM_TRAIN_TIMESTEPS = 1000.0
+
 # Key of our config for each WanTransformer3DModel config key (for clear mismatch errors).
 _OUR_KEY = {"patch_size": "patch_size", "num_attention_heads": "heads", "attention_head_dim": "dim / heads",
             "in_channels": "in_channels + cond_channels (cond.feed=concat)", "out_channels": "in_channels", "text_dim": "text_dim",
             "freq_dim": "freq_dim", "ffn_dim": "ffn_dim", "num_layers": "depth",
             "cross_attn_norm": "cross_attn_norm", "eps": "norm_eps", "image_dim": "image_dim",
-            "added_kv_proj_dim": "dim (with model.image_dim)", "pos_embed_seq_len": "pos_embed_seq_len",
-            "vace_layers": "vace_layers", "vace_in_channels": "2 in_channels + vace_mask_channels (cond.control)"}
+            "added_kv_proj_dim": "dim (with model.image_dim)", "pos_embed_seq_len": "pos_embed_seq_len"}
 
 
 def wan_config(cfg: WanConfig) -> dict[str, Any]:
@@ -152,6 +129,25 @@ def wan_config(cfg: WanConfig) -> dict[str, Any]:
                 pos_embed_seq_len=cfg.pos_embed_seq_len or None)
 
 
+def _image_branch(theirs: dict, want: dict) -> list[str]:
+    """DiffusersFamily.notes: a folder with Wan 2.1 I2V's CLIP image branch for a config without it, or the reverse."""
+    if (theirs.get("image_dim") is None) == (want["image_dim"] is None):
+        return []
+    if want["image_dim"] is None:
+        return ["an image-to-video checkpoint (CLIP image branch) needs an I2V config: model=wan_i2v_14b "
+                "(or model.image_dim=1280 with cond.kind=first_frame cond.feed=concat model.mask_channels=4)"]
+    return ["a checkpoint without the CLIP image branch cannot start one (it would be untrained): set "
+            "model.image_dim=0 (a T2V checkpoint widens into cond.feed=concat without it)"]
+
+
+WAN = DiffusersFamily(
+    class_name="WanTransformer3DModel", kwargs=wan_config, our_keys=_OUR_KEY, folder_kind="a Wan folder",
+    folders=expert_folders, notes=_image_branch,
+    # a text-to-video checkpoint fine-tuned into concat conditioning (Wan 2.1 I2V style): its patch
+    # embedding gets the new input channels, zero-initialised
+    widen_key="patch_embedding.weight")
+
+
 def wan_rope(pos: torch.Tensor, head_dim: int, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token (cos, sin) [L, head_dim/2] of WanRotaryPosEmbed for positions [L, 3] (t, h, w).
 
@@ -172,45 +168,6 @@ def apply_wan_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
     c, s = cos[:, None], sin[:, None]
     return torch.stack([x1 * c - x2 * s, x1 * s + x2 * c], dim=-1).flatten(-2).type_as(x)
-
-
-class PackedRope:
-    """What WanTransformerBlock passes untouched to attn1 as `rotary_emb`: the per-token
-    rotation and the attention metadata. A plain class, not a dataclass, so FSDP's input cast
-    leaves the fp32 angles alone (diffusers keeps RoPE in fp32 too)."""
-
-    __slots__ = ("cos", "sin", "meta")
-
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, meta: Any):
-        self.cos, self.sin, self.meta = cos, sin, meta
-
-
-def caption_batch(context: torch.Tensor | None, context_len: torch.Tensor | None, S: int, text_dim: int,
-                  like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The S clips' captions [S, Lc, text_dim] and valid lengths [S] as a diffusers text branch
-    takes them: no captions = one all-zero token per clip; no lengths = every token valid."""
-    if context is None:
-        context = like.new_zeros(S, 1, text_dim)
-        context_len = torch.ones(S, dtype=torch.long, device=like.device)
-    if context.shape[0] != S or context.shape[-1] != text_dim:
-        raise ValueError(f"context {tuple(context.shape)} must be [{S}, Lc, model.text_dim={text_dim}]")
-    if context_len is None:
-        context_len = torch.full((S,), context.shape[1], dtype=torch.long, device=context.device)
-    return context, context_len
-
-
-class PackedContext:
-    """What WanTransformerBlock passes untouched to attn2 as `encoder_hidden_states`.
-
-    states: [S, Lc, dim] embedded captions; seg: [L] clip of each (local) token, -1 padding;
-    lengths: [S] int64 caption tokens each clip attends to; image: [S, Li, dim] embedded image
-    tokens of each clip (Wan 2.1 I2V's CLIP branch), or None.
-    """
-
-    __slots__ = ("states", "seg", "lengths", "image")
-
-    def __init__(self, states: torch.Tensor, seg: torch.Tensor, lengths: torch.Tensor, image: torch.Tensor | None = None):
-        self.states, self.seg, self.lengths, self.image = states, seg, lengths, image
 
 
 class PackedWanAttnProcessor:
@@ -258,41 +215,31 @@ class PackedWanAttnProcessor:
 class PackedWan(nn.Module):
     """Packed-sequence forward over a diffusers WanTransformer3DModel's modules.
 
-    forward(x, pos, seg, t, meta, context=None, context_len=None, clean=None):
-      x:    [L, C_in·pt·ph·pw]  noisy patches (+ concat conditioning channels), features (c, pt, ph, pw)
-      pos:  [L, 3]           (t, h, w) patch coordinates inside each clip
-      seg:  [L]              clip of each token (-1 = padding)
-      t:    [S]              flow time of each clip in [0, 1]
-      meta: attention metadata for `attention_fn` (VarlenLayout, or CPAttnLayout under CP)
-      context: [S, Lc, text_dim] caption embeddings (valid tokens first); None = one all-zero token
-      context_len: [S] int64 valid caption tokens
-      clean: [L] bool tokens given clean (cond.feed=timestep): their clip's embedding at t = 0
+    forward(x [L, C_in·pt·ph·pw], pos [L, 3], seg [L], t [S], meta, context [S, Lc, text_dim] = None,
+    context_len [S] = None, clean [L] = None, image=None) -> [L, C·pt·ph·pw], the predicted velocity:
+    the packed forward of models/family_forward.py (what each argument holds is said there), and
       image: [S, Li, image_dim] CLIP image tokens of each clip (model.image_dim > 0: required;
              Wan 2.1 I2V: 257, FLF2V: 2 x 257, the first image's then the last's)
-    returns [L, C·pt·ph·pw], the predicted velocity.
     """
 
     # Wan zero-initialises its output head when trained from scratch.
     zero_init = ("proj_out",)
     output_head = "proj_out"  # LoRA on a base where it is all zero cannot learn (engine/sanity.py)
+    family = WAN  # the diffusers class whose modules it holds (Wan VACE: its own)
 
     def __init__(self, cfg: WanConfig, backend: str = "sdpa"):
         super().__init__()
-        self.diffusers_config = cfg.diffusers_kwargs()
+        self.diffusers_config = self.family.kwargs(cfg)
         self.text_len, self.pad_context = cfg.text_len, cfg.attend_padded_context
-        self.adopt(cfg.diffusers_model()(**self.diffusers_config), backend)
+        self.adopt(self.family.model_class()(**self.diffusers_config), backend)
 
     def adopt(self, wan: nn.Module, backend: str) -> None:
         """Hold the diffusers model's modules under the same names: our state dict is diffusers'
         (its RoPE table is a non-persistent buffer we do not need: frequencies are recomputed per
         token); their attention gets the packed processor."""
-        self.patch_embedding = wan.patch_embedding
-        self.condition_embedder = wan.condition_embedder
-        self.blocks = wan.blocks
-        self.norm_out = wan.norm_out
-        self.proj_out = wan.proj_out
-        self.scale_shift_table = wan.scale_shift_table
-        packed_attention(self.blocks, backend)
+        take_modules(self, wan, ("patch_embedding", "condition_embedder", "blocks", "norm_out", "proj_out",
+                                 "scale_shift_table"))
+        packed_processors(self.blocks, PackedWanAttnProcessor, backend)
 
     def _context(self, context: torch.Tensor | None, context_len: torch.Tensor | None, S: int,
                  like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -327,12 +274,7 @@ class PackedWan(nn.Module):
                 context: torch.Tensor | None = None, context_len: torch.Tensor | None = None,
                 clean: torch.Tensor | None = None, image: torch.Tensor | None = None) -> torch.Tensor:
         S = t.shape[0]
-        if clean is None:
-            row = torch.where(seg < 0, torch.full_like(seg, S), seg)  # padding tokens use an extra time row (t=0)
-            timestep = torch.cat([t.float(), t.new_zeros(1, dtype=torch.float32)]) * NUM_TRAIN_TIMESTEPS
-        else:  # rows S..2S-1: each clip at t = 0, read by its clean context tokens; 2S: padding
-            row = torch.where(seg < 0, torch.full_like(seg, 2 * S), seg + S * clean.to(seg.dtype))
-            timestep = torch.cat([t.float(), t.new_zeros(S + 1, dtype=torch.float32)]) * NUM_TRAIN_TIMESTEPS
+        row, timestep = time_rows(t, seg, clean)  # [L], [R]
         context, lengths = self._context(context, context_len, S, x)
         context = context.to(self.condition_embedder.text_embedder.linear_1.weight.dtype)
         temb, timestep_proj, states, image = self.condition_embedder(timestep, context, self._image(image, S))  # [R, dim], [R, 6·dim]
@@ -360,15 +302,7 @@ class PackedWan(nn.Module):
         return h
 
 
-def packed_attention(blocks: nn.ModuleList, backend: str) -> None:
-    """Give the blocks' attention the packed processor and a swappable self-attention."""
-    for block in blocks:
-        block.attn1.set_processor(PackedWanAttnProcessor())
-        block.attn2.set_processor(PackedWanAttnProcessor())
-        block.attn1.attention_fn = LocalAttention(backend)  # swapped for CP by parallelize()
-
-
-# --------------------------------------------------------------------------- diffusers folders
+# --------------------------------------------------------------------------- the family
 
 
 def build_wan(cfg: WanConfig, backend: str = "sdpa") -> nn.Module:
@@ -378,107 +312,40 @@ def build_wan(cfg: WanConfig, backend: str = "sdpa") -> nn.Module:
     return PackedWan(cfg, backend)
 
 
-def read_pretrained(path: str, cfg: WanConfig) -> dict[str, torch.Tensor]:
-    """fp32 CPU state dict of the diffusers folder `path` (WanTransformer3DModel), after
-    checking its shape against `cfg` (error names the keys to set). model.expert=both: both
-    experts' subfolders of a pipeline folder, under the prefixes transformer. / transformer_2."""
-    if cfg.expert == BOTH:
-        pretrained_folder(path, cfg)  # refuses a single transformer folder and another boundary
-        return {f"{sub}.{k}": v for expert, sub in SUBFOLDER.items()
-                for k, v in read_pretrained(path, dataclasses.replace(cfg, expert=expert)).items()}
-
-    folder = pretrained_folder(path, cfg)  # a whole pipeline folder: its transformer (or an A14B expert's)
-    try:
-        wan = cfg.diffusers_model().from_pretrained(str(folder), torch_dtype=torch.float32,
-                                                    use_safetensors=not cfg.allow_pickle_weights)
-    except EnvironmentError as err:
-        raise ValueError(f"model.pretrained={path}: {err} (weights must be .safetensors; "
-                         f"model.allow_pickle_weights=true also reads .bin from a source you trust)") from None
-    want = cfg.diffusers_kwargs()
-    # a text-to-video checkpoint fine-tuned into concat conditioning (Wan 2.1 I2V style): its
-    # patch embedding gets the new input channels, zero-initialised (widen_patch_embedding)
-    extra = want["in_channels"] - cfg.in_channels
-    widen = extra > 0 and wan.config["in_channels"] == cfg.in_channels
-    if widen:
-        want["in_channels"] = cfg.in_channels
-    wrong = []
-    for key, ours in want.items():
-        theirs = wan.config[key]
-        if _plain(theirs) != _plain(ours):
-            wrong.append(f"{key}={theirs} (model.{_OUR_KEY[key]} gives {ours})")
-    if (wan.config.get("image_dim") is None) != (want["image_dim"] is None):
-        wrong.append("an image-to-video checkpoint (CLIP image branch) needs an I2V config: model=wan_i2v_14b "
-                     "(or model.image_dim=1280 with cond.kind=first_frame cond.feed=concat model.mask_channels=4)"
-                     if want["image_dim"] is None else
-                     "a checkpoint without the CLIP image branch cannot start one (it would be untrained): set "
-                     "model.image_dim=0 (a T2V checkpoint widens into cond.feed=concat without it)")
-    if wrong:
-        raise ValueError(f"model.pretrained={path} does not match the model config: " + "; ".join(wrong))
-    state = {k: v.detach().float().contiguous() for k, v in wan.state_dict().items()}
-    return widen_patch_embedding(state, extra) if widen else state
-
-
-def _plain(value: Any) -> Any:
-    """A config value as compared: lists (JSON's) as tuples."""
-    return tuple(value) if isinstance(value, list) else value
-
-
-def widen_patch_embedding(state: dict[str, torch.Tensor], extra: int) -> dict[str, torch.Tensor]:
-    """A T2V state dict for a model whose patch embedding reads `extra` more input channels
-    (cond.feed=concat: mask and conditioning frames, after the noisy ones): the new channels'
-    weights start at zero, so the widened model computes exactly what the T2V one did until
-    training teaches it to read them (as diffusers-based I2V fine-tuning scripts do)."""
-    w = state["patch_embedding.weight"]  # [dim, C, pt, ph, pw]
-    log.info("model.pretrained: the patch embedding gets %d zero-initialised input channels (cond.feed=concat)", extra)
-    return state | {"patch_embedding.weight": torch.cat([w, w.new_zeros(w.shape[0], extra, *w.shape[2:])], dim=1)}
-
-
-def to_diffusers(state_dict: dict[str, torch.Tensor], cfg: WanConfig) -> Any:
-    """A diffusers WanTransformer3DModel (cfg.diffusers_model()) holding `state_dict` (our keys = diffusers' keys)."""
-    wan = cfg.diffusers_model()(**cfg.diffusers_kwargs())
-    wan.load_state_dict(state_dict, strict=True)
-    return wan
-
-
 def _checks(cfg: WanConfig) -> list[str]:
+    """Wan's own checks, before the family's (shape, then model.pretrained's config.json)."""
     errors = expert_checks(cfg)
     if len(cfg.vae_stride) != 3 or min(cfg.vae_stride) < 1:
         errors.append(f"model.vae_stride={list(cfg.vae_stride)} must be 3 positive ints [t, h, w] (the VAE's compression)")
-    try:
-        cfg.diffusers_kwargs()
-    except ValueError as err:
-        errors.append(str(err))
-    if cfg.pretrained and Path(cfg.pretrained).expanduser().is_dir():
-        try:  # its config.json (the transformer's, or an A14B expert's) before any worker loads weights
-            pretrained_folder(cfg.pretrained, cfg)
-        except (FileNotFoundError, ValueError) as err:
-            errors.append(str(err))
     return errors
 
 
-def _ffn(cfg: WanConfig) -> int:
-    return cfg.ffn_dim or int(cfg.dim * cfg.mlp_ratio)
+def block_linears(b: nn.Module) -> list[nn.Module]:
+    """ModelSpec.block_linears of a Wan block (models/family_forward.cross_attention_linears)."""
+    return cross_attention_linears(b, b.ffn)
 
 
-def _block_linears(b: nn.Module) -> list[nn.Module]:
-    """Matmuls a block applies to every video token (attn2's to_k/to_v act on caption tokens only)."""
-    return [b.attn1.to_q, b.attn1.to_k, b.attn1.to_v, b.attn1.to_out[0], b.attn2.to_q, b.attn2.to_out[0],
-            b.ffn.net[0].proj, b.ffn.net[2]]
+def wan_spec(family: DiffusersFamily, **fields: Any) -> ModelSpec:
+    """The ModelSpec of a Wan-architecture family (`fields`: what differs: name, config, build, blocks...)."""
+    return family.spec(
+        checks=_checks, mode=Mode.video,
+        # measured with saved_tensors_hooks on diffusers' WanTransformerBlock run by PackedWan at
+        # d = 64 and 128 (tests/test_planner.py re-measures every registered model): its FP32LayerNorms
+        # and `.float()` residual/modulation keep ~16·d in fp32 under autocast
+        activations=lambda cfg: ActivationModel(fp32_d=32.4, autocast_f32_d=16, autocast_lp_d=20.5, outside_d=6,
+                                                selective_d=10.5),
+        io_dim=lambda cfg: (cfg.in_channels + cfg.cond_channels) * cfg.patch_size[0] * cfg.patch_size[1] * cfg.patch_size[2],
+        hidden=lambda cfg: cfg.ffn_dim or int(cfg.dim * cfg.mlp_ratio),
+        # self- and cross-attention q/k/v/out and both FFN projections of every block, the set
+        # DiffSynth-Studio trains for Wan ("q,k,v,o,ffn.0,ffn.2" in Wan's original names);
+        # finetrainers' Wan examples adapt attention only (model.lora.targets=[to_q,to_k,to_v,to_out.0])
+        lora_targets=("to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"),
+        **fields)
 
 
-register_model(ModelSpec(
-    name="wan", config=WanConfig, mode=Mode.video, build=build_wan, blocks=expert_blocks,
-    checks=_checks,
-    # measured with saved_tensors_hooks on diffusers' WanTransformerBlock run by PackedWan at
-    # d = 64 and 128 (tests/test_planner.py re-measures every registered model): its FP32LayerNorms
-    # and `.float()` residual/modulation keep ~16·d in fp32 under autocast
-    activations=lambda cfg: ActivationModel(fp32_d=32.4, autocast_f32_d=16, autocast_lp_d=20.5, outside_d=6,
-                                            selective_d=10.5),
-    block_linears=_block_linears,
+register_model(wan_spec(
+    WAN, name="wan", config=WanConfig, build=build_wan, blocks=expert_blocks, block_linears=block_linears,
     # model.expert=both runs both experts on every token (models/wan_experts.py): twice the matmuls
     io_linears=lambda m: [lin for e in experts_of(m) for lin in (e.patch_embedding, e.proj_out)],
-    io_dim=lambda cfg: (cfg.in_channels + cfg.cond_channels) * cfg.patch_size[0] * cfg.patch_size[1] * cfg.patch_size[2],
-    hidden=_ffn,
-    pretrained=lambda cfg: read_pretrained(cfg.pretrained, cfg), to_diffusers=to_diffusers,
     components=components,
 ))

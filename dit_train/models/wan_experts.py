@@ -23,6 +23,7 @@ No parallelism here.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,16 @@ def pretrained_folder(path: str, cfg: Any) -> Path:
                                 f"low-noise expert, transformer_2/ of a Wan 2.2 A14B pipeline folder)")
     raise FileNotFoundError(f"model.pretrained={path}: no config.json there (expected a diffusers "
                             f"WanTransformer3DModel folder, or a pipeline folder with {sub}/)")
+
+
+def expert_folders(path: str, cfg: Any) -> dict[str, Path]:
+    """DiffusersFamily.folders of Wan: {state-dict prefix: folder} of `model.pretrained=path`: the
+    one transformer's (`pretrained_folder`), or for model.expert=both each expert's subfolder of an
+    A14B pipeline folder under its component's prefix (transformer. / transformer_2.)."""
+    if cfg.expert != BOTH:
+        return {"": pretrained_folder(path, cfg)}
+    pretrained_folder(path, cfg)  # refuses a single transformer folder and another boundary
+    return {sub: pretrained_folder(path, dataclasses.replace(cfg, expert=expert)) for expert, sub in SUBFOLDER.items()}
 
 
 def check_pair(high: Any, low: Any, high_name: str, low_name: str) -> None:

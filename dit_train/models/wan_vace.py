@@ -22,20 +22,19 @@ No parallelism here (no torch.distributed).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, List
-
-import json
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dit_train.config.choices import Mode
-from dit_train.models.registry import ActivationModel, ModelSpec, register_model
-from dit_train.models.wan import (_block_linears, _checks, _ffn, PackedContext, PackedRope, PackedWan, packed_attention,
-                                  read_pretrained, to_diffusers, wan_config, WanConfig)
-from dit_train.models.wan_experts import JoinedBlocks, pretrained_folder
+from dit_train.models.family_forward import PackedContext, packed_processors, PackedRope
+from dit_train.models.registry import register_model
+from dit_train.models.wan import (block_linears, PackedWan, PackedWanAttnProcessor, WAN, wan_config, wan_spec,
+                                  WanConfig)
+from dit_train.models.wan_experts import JoinedBlocks
 
 
 @dataclass
@@ -53,14 +52,6 @@ class WanVACEConfig(WanConfig):
     def control_channels(self) -> int:
         """The VACE context's channels per token (cond.control): [inactive C | reactive C | mask]."""
         return 2 * self.in_channels + self.vace_mask_channels
-
-    def diffusers_model(self) -> type:
-        from diffusers import WanVACETransformer3DModel  # deferred: diffusers takes ~2 s to import
-
-        return WanVACETransformer3DModel
-
-    def diffusers_kwargs(self) -> dict[str, Any]:
-        return vace_config(self)
 
 
 def vace_config(cfg: WanVACEConfig) -> dict[str, Any]:
@@ -82,6 +73,23 @@ def vace_config(cfg: WanVACEConfig) -> dict[str, Any]:
     return kwargs | dict(in_channels=kwargs["in_channels"] - vace_in, vace_layers=layers, vace_in_channels=vace_in)
 
 
+def _needs_vace_blocks(theirs: dict, cfg: WanVACEConfig, path: str) -> list[str]:
+    """DiffusersFamily.refuse: a folder without VACE blocks (a T2V Wan), naming what to give (its
+    VACE blocks would be untrained)."""
+    if "vace_layers" in theirs:
+        return []
+    return [f"model.pretrained={path} holds a {theirs.get('_class_name', 'model')} without VACE blocks: "
+            f"model.name=wan_vace starts from a WanVACETransformer3DModel folder (Wan2.1-VACE-1.3B / -14B diffusers), "
+            f"or from model.pretrained=''"]
+
+
+VACE = dataclasses.replace(
+    WAN, class_name="WanVACETransformer3DModel", kwargs=vace_config, folder_kind="a Wan VACE folder",
+    our_keys=WAN.our_keys | {"vace_layers": "vace_layers",
+                             "vace_in_channels": "2 in_channels + vace_mask_channels (cond.control)"},
+    refuse=_needs_vace_blocks)
+
+
 class PackedWanVACE(PackedWan):
     """PackedWan plus Wan VACE's context branch (the module docstring).
 
@@ -90,11 +98,13 @@ class PackedWanVACE(PackedWan):
     last). Returns [L, C·pt·ph·pw], the predicted velocity.
     """
 
+    family = VACE
+
     def adopt(self, wan: nn.Module, backend: str) -> None:
         super().adopt(wan, backend)
         self.vace_patch_embedding = wan.vace_patch_embedding
         self.vace_blocks = wan.vace_blocks
-        packed_attention(self.vace_blocks, backend)
+        packed_processors(self.vace_blocks, PackedWanAttnProcessor, backend)
         # hint j is added after the j-th smallest VACE layer, as diffusers pops them in block order
         self.hint_after = {layer: j for j, layer in enumerate(sorted(self.diffusers_config["vace_layers"]))}
 
@@ -123,18 +133,6 @@ class PackedWanVACE(PackedWan):
         return h
 
 
-def read_vace_pretrained(cfg: WanVACEConfig) -> dict[str, torch.Tensor]:
-    """models/wan.read_pretrained of a WanVACETransformer3DModel folder; a folder without VACE
-    blocks (a T2V Wan) is refused first, naming what to give (its VACE blocks would be untrained)."""
-    folder = pretrained_folder(cfg.pretrained, cfg)
-    config = json.loads((folder / "config.json").read_text())
-    if "vace_layers" not in config:
-        raise ValueError(f"model.pretrained={cfg.pretrained} holds a {config.get('_class_name', 'model')} without VACE "
-                         f"blocks: model.name=wan_vace starts from a WanVACETransformer3DModel folder (Wan2.1-VACE-1.3B / "
-                         f"-14B diffusers), or from model.pretrained=''")
-    return read_pretrained(cfg.pretrained, cfg)
-
-
 def vace_blocks(model: nn.Module) -> JoinedBlocks:
     """ModelSpec.blocks: the VACE blocks, then Wan's (the order the forward runs them): FSDP2
     units, activation checkpointing and compile each take both kinds."""
@@ -143,19 +141,14 @@ def vace_blocks(model: nn.Module) -> JoinedBlocks:
 
 def _vace_block_linears(b: nn.Module) -> list[nn.Module]:
     """A Wan block's per-token matmuls, and a VACE block's proj_in / proj_out."""
-    return _block_linears(b) + [m for m in (getattr(b, "proj_in", None), getattr(b, "proj_out", None)) if m is not None]
+    return block_linears(b) + [m for m in (getattr(b, "proj_in", None), getattr(b, "proj_out", None)) if m is not None]
 
 
-register_model(ModelSpec(
-    name="wan_vace", config=WanVACEConfig, mode=Mode.video, build=lambda cfg, backend="sdpa": PackedWanVACE(cfg, backend),
-    blocks=vace_blocks, checks=_checks,
+register_model(wan_spec(
+    VACE, name="wan_vace", config=WanVACEConfig, build=lambda cfg, backend="sdpa": PackedWanVACE(cfg, backend),
     # Wan's block figures (tests/test_planner.py re-measures them); a VACE block saves what a Wan
-    # block does, its proj_in/proj_out outputs aside
-    activations=lambda cfg: ActivationModel(fp32_d=32.4, autocast_f32_d=16, autocast_lp_d=20.5, outside_d=6,
-                                            selective_d=10.5),
-    block_linears=_vace_block_linears,
+    # block does, its proj_in/proj_out outputs aside. The LoRA targets' suffixes also name the VACE
+    # blocks' attention and FFN (vace_blocks.N.attn1.to_q, ...), as DiffSynth-Studio's VACE LoRA trains them
+    blocks=vace_blocks, block_linears=_vace_block_linears,
     io_linears=lambda m: [m.patch_embedding, m.vace_patch_embedding, m.proj_out],
-    io_dim=lambda cfg: (cfg.in_channels + cfg.cond_channels) * cfg.patch_size[0] * cfg.patch_size[1] * cfg.patch_size[2],
-    hidden=_ffn,
-    pretrained=read_vace_pretrained, to_diffusers=to_diffusers,
 ))

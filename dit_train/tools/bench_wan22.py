@@ -24,7 +24,7 @@ import torch
 
 from dit_train.kernels import VarlenLayout
 from dit_train.models import build_model, init_weights, model_config
-from dit_train.models.wan import to_diffusers
+from dit_train.models.diffusers_family import to_diffusers
 from dit_train.perf.bench import (add_packed_vs_diffusers_args, format_table, interleaved_wall_and_cpu, median,
                                   packed_vs_diffusers_header, padded_batch, parse_packed_vs_diffusers_args, write_json)
 from dit_train.tasks.video import patchify
