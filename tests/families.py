@@ -1,11 +1,13 @@
 """Helpers the model-family tests share (tests/test_wan*.py, test_ltx.py, test_hunyuan15.py,
-test_lora.py): the two clips the packed-vs-diffusers comparisons run, and a model whose every
-weight is random."""
+test_lora.py, test_diffusers_families.py): the two clips the packed-vs-diffusers comparisons run,
+a model whose every weight is random, a family's tiny run and a pretrained folder for it."""
 from __future__ import annotations
 
 import torch
 
 from dit_train.models import build_model, init_weights
+from dit_train.models.diffusers_family import to_diffusers
+from tests.conftest import compose_config, TINY
 
 PATCH = (1, 2, 2)
 SHAPES = [(2, 4, 6), (3, 2, 4)]  # (F, H, W) of the two clips: 12 and 6 tokens
@@ -21,3 +23,20 @@ def random_model(cfg, seed: int = 0) -> torch.nn.Module:
         for p in model.parameters():
             p.add_(0.2 * torch.randn(p.shape, generator=g))
     return model
+
+
+def family_run_cfg(overrides: list[str], data_cache: str):
+    """A family's tiny training run on the embedded clips (TINY, then `overrides`), data prepared."""
+    from dit_train.data_pipelines import prepare_data
+
+    cfg = compose_config([*overrides[:1], *TINY, *overrides[1:], "optim.max_grad_norm=0.05"], cache_dir=data_cache)
+    prepare_data(cfg.data, cfg.model)
+    return cfg
+
+
+def pretrained_folder(cfg, folder):
+    """`folder`/transformer: a diffusers folder with random weights of the model `cfg`'s shape
+    (nothing downloaded), inside a pipeline-like folder `folder`."""
+    path = folder / "transformer"
+    to_diffusers(random_model(cfg, seed=7).state_dict(), cfg).save_pretrained(str(path))
+    return path

@@ -4,9 +4,9 @@
 1. The packed model (text slots from tasks/joint_text.py) equals diffusers' own forward run
    clip by clip: forward and every weight gradient, MLLM captions of uneven valid length, ByT5
    tokens, padding tokens.
-2. Diffusers folders: load (model.pretrained), train, export (tools.export_weights --diffusers),
-   load back with equal outputs; a LoRA run's file loads with load_lora_adapter; the sample tool
-   runs with its shift. A folder of another family or size is refused before the run, in one line.
+2. Diffusers folders: a LoRA run's file loads with load_lora_adapter; a folder of another family
+   or size is refused before the run, in one line (load, train, export, the sample tool with
+   text slots: tests/test_diffusers_families.py).
 3. Layout invariance, full training and LoRA, in one launch per world size: 1 process vs
    Ulysses, ring × FSDP2 (meta init), FSDP2 × grad_accum, Ulysses × FSDP2; uneven clips, packs
    and CP splits inside clips and inside their text.
@@ -22,11 +22,10 @@ from dit_train.batch import WEIGHT_ONE
 from dit_train.kernels import VarlenLayout
 from dit_train.models import build_model, model_config
 from dit_train.models.diffusers_family import read_pretrained, to_diffusers
-from dit_train.models.hunyuan15 import PackedHunyuan15
 from dit_train.tasks.joint_text import join_text_tokens
 from dit_train.tasks.video import pack_clips, patchify
 from tests.conftest import TINY, compose_config
-from tests.families import PATCH, SHAPES, random_model
+from tests.families import family_run_cfg, PATCH, pretrained_folder, random_model, SHAPES
 
 
 
@@ -210,12 +209,7 @@ def test_exported_model_runs_in_hunyuan_video15_pipeline(tmp_path):
 
 @pytest.fixture(scope="module")
 def hy_run_cfg(data_cache):
-    from dit_train.data_pipelines import prepare_data
-
-    cfg = compose_config(["model=hunyuan15_tiny", *TINY, "model.rope_axes=[2,2,4]", "model.text_len=32",
-                          "optim.max_grad_norm=0.05"], cache_dir=data_cache)
-    prepare_data(cfg.data, cfg.model)
-    return cfg
+    return family_run_cfg(["model=hunyuan15_tiny", "model.rope_axes=[2,2,4]", "model.text_len=32"], data_cache)
 
 
 def test_step_plan_counts_each_samples_text_slots(hy_run_cfg):
@@ -235,12 +229,10 @@ def test_step_plan_counts_each_samples_text_slots(hy_run_cfg):
 @pytest.fixture(scope="module")
 def pretrained_dir(hy_run_cfg, tmp_path_factory):
     """A diffusers folder with random weights of the run's shape (nothing downloaded)."""
-    path = tmp_path_factory.mktemp("hy_pretrained") / "transformer"
-    to_diffusers(random_model(hy_run_cfg.model, seed=7).state_dict(), hy_run_cfg.model).save_pretrained(str(path))
-    return path
+    return pretrained_folder(hy_run_cfg.model, tmp_path_factory.mktemp("hy_pretrained"))
 
 
-def _same_outputs(cfg, weights, diffusers_model):
+def same_outputs(cfg, weights, diffusers_model):
     """Our packed model with `weights` vs `diffusers_model` on one 2x16x24 pixel clip with a
     5-token caption of 8 slots: max |diff| / max."""
     ours = build_model(replace(cfg, lora=replace(cfg.lora, rank=0)))
@@ -260,43 +252,6 @@ def _same_outputs(cfg, weights, diffusers_model):
                                  image_embeds=torch.zeros(1, 2, cfg.image_dim)).sample[0]
     theirs = patchify(theirs, tuple(cfg.patch_size))[0]
     return float((mine - theirs).abs().max() / theirs.abs().max())
-
-
-def test_train_from_pretrained_export_and_sample(hy_run_cfg, pretrained_dir, tmp_path, monkeypatch):
-    from diffusers import HunyuanVideo15Transformer3DModel
-    from safetensors.torch import load_file
-
-    from dit_train.engine.worker import train as run
-    from dit_train.tools import export_weights, sample
-
-    # model.pretrained = the pipeline dir holding transformer/; one step, a checkpoint, and
-    # validation videos (the sampler runs the joint text slots with CFG)
-    cfg = replace(hy_run_cfg, model=replace(hy_run_cfg.model, pretrained=str(pretrained_dir.parent)),
-                  train=replace(hy_run_cfg.train, steps=1, ckpt_every=1, sample_every=1, sample_steps=2,
-                                num_samples=2, guidance_scale=2.0),
-                  run_dir=str(tmp_path / "run"))
-    run(cfg)
-    assert (tmp_path / "run" / "samples" / "step_000001" / "sample_1.mp4").exists()
-    start = read_pretrained(str(pretrained_dir), cfg.model)
-    trained = load_file(str(tmp_path / "run" / "weights.safetensors"))
-    assert trained.keys() == start.keys()
-    assert max(float((trained[k] - start[k]).abs().max()) for k in start) > 0  # it trained from there
-
-    assert export_weights.main([str(tmp_path / "run"), "--diffusers", str(tmp_path / "from_ckpt")]) == 0
-    hy = HunyuanVideo15Transformer3DModel.from_pretrained(str(tmp_path / "from_ckpt"))
-    assert all(torch.equal(hy.state_dict()[k], trained[k]) for k in trained)
-    assert _same_outputs(cfg.model, trained, hy) <= 1e-5
-
-    gen = tmp_path / "gen"  # the sample tool: the flow-matching Euler scheduler with HunyuanVideo 1.5's shift
-    calls = []  # every sampler call hands the model its captions as text slots (the CFG negative's too)
-    forward = PackedHunyuan15.forward
-    monkeypatch.setattr(PackedHunyuan15, "forward", lambda self, *a, text=None, **kw: calls.append(
-        text is not None and bool((text > 0).any())) or forward(self, *a, text=text, **kw))
-    assert sample.main([str(tmp_path / "run"), "--prompt", "a red square", "--frames", "2", "--height", "16",
-                        "--width", "24", "--steps", "2", "--shift", "5", "--out", str(gen)]) == 0
-    (x,) = load_file(gen / "samples.safetensors").values()
-    assert x.shape == (3, 2, 16, 24) and bool(torch.isfinite(x).all())
-    assert len(calls) == 2 and all(calls)
 
 
 @pytest.fixture(scope="module")
@@ -327,9 +282,9 @@ def test_lora_run_loads_in_diffusers_with_matching_outputs(hy_lora_cfg, pretrain
 
     hy = HunyuanVideo15Transformer3DModel.from_pretrained(str(pretrained_dir))
     hy.load_lora_adapter(str(tmp_path / "run" / "lora"), prefix="transformer", weight_name="pytorch_lora_weights.safetensors")
-    assert _same_outputs(cfg.model, merged, hy) <= 1e-5
+    assert same_outputs(cfg.model, merged, hy) <= 1e-5
     base = HunyuanVideo15Transformer3DModel.from_pretrained(str(pretrained_dir))
-    assert _same_outputs(cfg.model, merged, base) > 1e-3  # the adapters matter
+    assert same_outputs(cfg.model, merged, base) > 1e-3  # the adapters matter
 
 
 # --------------------------------------------------------------------------- layouts

@@ -2,9 +2,9 @@
 
 1. The packed model equals diffusers' own forward run clip by clip on LTXPipeline's tokens
    (forward and every weight gradient; masked captions; per-token timesteps of clean tokens).
-2. Diffusers folders: load (model.pretrained), train, export (tools.export_weights --diffusers),
-   load back; a LoRA run's file loads in LTXVideoTransformer3DModel and LTXPipeline; the sample
-   tool runs. A folder of another family or size is refused before the run, in one line.
+2. Diffusers folders: a LoRA run's file loads in LTXVideoTransformer3DModel and LTXPipeline; a
+   folder of another family or size is refused before the run, in one line (load, train, export,
+   sample: tests/test_diffusers_families.py).
 3. Layout invariance (full training and LoRA): 1 process vs dp × CP layouts, uneven clips.
 4. Latent cache with LTX-Video's VAE (statistics in buffers) and a T5 text encoder, trained on.
 """
@@ -22,7 +22,7 @@ from dit_train.models import build_model, model_config
 from dit_train.models.diffusers_family import read_pretrained, to_diffusers
 from dit_train.tasks.video import patchify
 from tests.conftest import TINY, compose_config
-from tests.families import PATCH, SHAPES, random_model
+from tests.families import family_run_cfg, PATCH, pretrained_folder, random_model, SHAPES
 
 SCALE = (0.32, 32.0, 32.0)
 
@@ -157,22 +157,16 @@ def test_pretrained_of_another_family_or_size_is_refused_before_the_run(tmp_path
 
 @pytest.fixture(scope="module")
 def ltx_run_cfg(data_cache):
-    from dit_train.data_pipelines import prepare_data
-
-    cfg = compose_config(["model=ltx_tiny", *TINY, "model.text_len=16", "optim.max_grad_norm=0.05"], cache_dir=data_cache)
-    prepare_data(cfg.data, cfg.model)
-    return cfg
+    return family_run_cfg(["model=ltx_tiny", "model.text_len=16"], data_cache)
 
 
 @pytest.fixture(scope="module")
 def pretrained_dir(ltx_run_cfg, tmp_path_factory):
     """A diffusers folder with random weights of ltx_tiny's shape (nothing downloaded)."""
-    path = tmp_path_factory.mktemp("ltx_pretrained") / "transformer"
-    to_diffusers(random_model(ltx_run_cfg.model, seed=7).state_dict(), ltx_run_cfg.model).save_pretrained(str(path))
-    return path
+    return pretrained_folder(ltx_run_cfg.model, tmp_path_factory.mktemp("ltx_pretrained"))
 
 
-def _same_outputs(cfg, weights, diffusers_model, ctx=None):
+def same_outputs(cfg, weights, diffusers_model, ctx=None):
     """Our packed model with `weights` vs `diffusers_model` on one 2x16x24 pixel clip: max |diff| / max."""
     ours = build_model(replace(cfg, lora=replace(cfg.lora, rank=0)))
     ours.load_state_dict(weights)
@@ -187,37 +181,6 @@ def _same_outputs(cfg, weights, diffusers_model, ctx=None):
                                  torch.ones(1, ctx.shape[1]), num_frames=1, height=2, width=3,
                                  rope_interpolation_scale=tuple(cfg.rope_scale)).sample[0]
     return float((mine - theirs).abs().max() / theirs.abs().max())
-
-
-def test_train_from_pretrained_export_and_sample(ltx_run_cfg, pretrained_dir, tmp_path):
-    from diffusers import LTXVideoTransformer3DModel
-    from safetensors.torch import load_file
-
-    from dit_train.engine.worker import train as run
-    from dit_train.tools import export_weights, sample
-
-    # model.pretrained = the pipeline dir holding transformer/; one step, a checkpoint, and
-    # validation videos (the sampler runs LTX with CFG)
-    cfg = replace(ltx_run_cfg, model=replace(ltx_run_cfg.model, pretrained=str(pretrained_dir.parent)),
-                  train=replace(ltx_run_cfg.train, steps=1, ckpt_every=1, sample_every=1, sample_steps=2,
-                                num_samples=2, guidance_scale=2.0),
-                  run_dir=str(tmp_path / "run"))
-    run(cfg)
-    assert (tmp_path / "run" / "samples" / "step_000001" / "sample_1.mp4").exists()
-    start = read_pretrained(str(pretrained_dir), cfg.model)
-    trained = load_file(str(tmp_path / "run" / "weights.safetensors"))
-    assert trained.keys() == start.keys()
-    assert max(float((trained[k] - start[k]).abs().max()) for k in start) > 0  # it trained from there
-
-    assert export_weights.main([str(tmp_path / "run"), "--diffusers", str(tmp_path / "from_ckpt")]) == 0
-    ltx = LTXVideoTransformer3DModel.from_pretrained(str(tmp_path / "from_ckpt"))
-    assert all(torch.equal(ltx.state_dict()[k], trained[k]) for k in trained)
-    assert _same_outputs(cfg.model, trained, ltx) <= 1e-5
-
-    gen = tmp_path / "gen"  # the sample tool: LTX's flow-matching Euler scheduler with the run's shift
-    assert sample.main([str(tmp_path / "run"), "--prompt", "a red square", "--frames", "2", "--height", "16",
-                        "--width", "24", "--steps", "2", "--shift", "3", "--out", str(gen)]) == 0
-    assert (gen / "samples.safetensors").is_file()
 
 
 @pytest.fixture(scope="module")
@@ -252,13 +215,13 @@ def test_lora_run_loads_in_diffusers_with_matching_outputs(ltx_lora_run, pretrai
 
     ltx = LTXVideoTransformer3DModel.from_pretrained(str(pretrained_dir))
     ltx.load_lora_adapter(str(ltx_lora_run / "lora"), prefix="transformer", weight_name="pytorch_lora_weights.safetensors")
-    assert _same_outputs(cfg.model, merged, ltx) <= 1e-5
+    assert same_outputs(cfg.model, merged, ltx) <= 1e-5
     pipe = LTXPipeline(scheduler=None, vae=None, text_encoder=None, tokenizer=None,
                        transformer=LTXVideoTransformer3DModel.from_pretrained(str(pretrained_dir)))
     pipe.load_lora_weights(str(ltx_lora_run / "lora"))
-    assert _same_outputs(cfg.model, merged, pipe.transformer) <= 1e-5
+    assert same_outputs(cfg.model, merged, pipe.transformer) <= 1e-5
     base = LTXVideoTransformer3DModel.from_pretrained(str(pretrained_dir))
-    assert _same_outputs(cfg.model, merged, base) > 1e-3  # the adapters matter
+    assert same_outputs(cfg.model, merged, base) > 1e-3  # the adapters matter
 
     assert export_weights.main([str(ltx_lora_run), "--diffusers", str(tmp_path / "lora")]) == 0
     again = load_file(str(tmp_path / "lora" / "pytorch_lora_weights.safetensors"))
