@@ -221,22 +221,22 @@ def test_wan_lora_run_loads_in_diffusers_with_matching_outputs(data_cache, pretr
 def _count_reads(cfg):
     """Build the run with pretrained weights; how often this rank read the folder, and the
     full weights it ended with (rank 0)."""
-    import dit_train.models.wan as wan_module
     from dit_train.checkpoint import full_state_dict
     from dit_train.engine.build import build_run
+    from dit_train.models.diffusers_family import DiffusersFamily
 
     reads = {"n": 0}
-    original = wan_module.read_pretrained
+    original = DiffusersFamily.read  # what every family's ModelSpec.pretrained calls
 
-    def counting(*a, **kw):
+    def counting(self, *a, **kw):
         reads["n"] += 1
-        return original(*a, **kw)
+        return original(self, *a, **kw)
 
-    wan_module.read_pretrained = counting
+    DiffusersFamily.read = counting
     try:
         run = build_run(cfg)
     finally:
-        wan_module.read_pretrained = original  # the worker may serve later jobs (tests/pool.py)
+        DiffusersFamily.read = original  # the worker may serve later jobs (tests/pool.py)
     return {"reads": reads["n"], "weights": full_state_dict(run.model)}
 
 
