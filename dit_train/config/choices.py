@@ -99,6 +99,7 @@ class CondFeed(Choice):
 
 class OptimName(Choice):
     adamw = "adamw"
+    muon = "muon"
     sgd = "sgd"
 
 

@@ -267,12 +267,14 @@ class CondConfig:
 
 @dataclass
 class OptimConfig:
-    name: OptimName = OptimName.adamw  # adamw | sgd
+    # adamw | muon (Muon on the blocks' 2-D weights, AdamW on the rest: dit_train/optim/muon.py) | sgd
+    name: OptimName = OptimName.adamw
     lr: float = 1e-3  # peak learning rate
     weight_decay: float = 0.0  # decoupled (AdamW) / L2 (SGD) weight decay
     betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8  # AdamW epsilon
     momentum: float = 0.0  # SGD momentum
+    muon_momentum: float = 0.95  # Muon's Nesterov momentum (optim.name=muon)
     max_grad_norm: float = 1.0  # 0 disables clipping
     schedule: Schedule = Schedule.constant  # LR after warm-up: constant | cosine | linear (to min_lr_ratio)
     warmup_steps: int = 0  # linear LR warm-up steps

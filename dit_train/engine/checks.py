@@ -191,6 +191,7 @@ RANGES: dict[str, Range] = {
     "loss.logit_mean": Range(), "loss.logit_std": Range(0, low_open=True),
     "optim.lr": Range(0, low_open=True), "optim.weight_decay": Range(0),
     "optim.eps": Range(0, low_open=True), "optim.momentum": Range(0, 1, high_open=True),
+    "optim.muon_momentum": Range(0, 1, high_open=True),
     "optim.warmup_steps": Range(0), "optim.min_lr_ratio": Range(0, 1),
     "train.log_every": Range(1), "train.seed": Range(0, note="numpy and torch generators take non-negative seeds"),
     "data.gen_seed": Range(0), "train.ema_decay": Range(0, 1, high_open=True, note="0 = off"),

@@ -20,6 +20,8 @@ import dataclasses
 from fnmatch import fnmatch
 from typing import Any
 
+from dit_train.optim.muon import MUON_EPS
+
 ALLOWED = (
     "run_dir", "train.steps", "train.log_every", "train.progress", "train.save_weights", "train.ckpt_every",
     "train.keep_last", "train.resume", "train.overwrite", "train.resume_data_changed", "train.max_skipped_steps",
@@ -155,6 +157,8 @@ def apply_optimizer_settings(optimizer: Any, scheduler: Any, optim_cfg: Any) -> 
         for key in ("weight_decay", "eps", "momentum"):
             if key in group and hasattr(optim_cfg, key):
                 group[key] = getattr(optim_cfg, key)
+        if group.get("kind") == "muon":  # optim.name=muon's matrices: their own momentum (and Muon's eps)
+            group["momentum"], group["eps"] = optim_cfg.muon_momentum, MUON_EPS
         if "betas" in group:
             group["betas"] = tuple(optim_cfg.betas)
         group["initial_lr"] = optim_cfg.lr

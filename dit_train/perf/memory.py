@@ -293,9 +293,11 @@ def fsdp_shard_degree(dp_shard: int, cp: int, cp_fsdp_mode: str) -> int:
 def optimizer_bytes_per_param(optimizer: str, momentum: float = 0.0) -> int:
     if optimizer == "adamw":
         return 8
+    if optimizer == "muon":  # an upper bound: the blocks' matrices keep one momentum buffer (4), the rest AdamW's two
+        return 8
     if optimizer == "sgd":
         return 4 if momentum > 0 else 0
-    raise ValueError(f"optim.name={optimizer!r} must be adamw or sgd")
+    raise ValueError(f"optim.name={optimizer!r} must be adamw, muon or sgd")
 
 
 def estimate_memory(s: ModelShape, *, dp_replicate: int, dp_shard: int, cp_ulysses: int, cp_ring: int,

@@ -7,6 +7,8 @@ import torch
 from torch import nn
 
 from dit_train.config import OptimConfig
+from dit_train.models.registry import blocks_of
+from dit_train.optim.muon import MuonAdamW, muon_split
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, params: list[nn.Parameter] | None = None) -> torch.optim.Optimizer:
@@ -17,9 +19,14 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, params: list[nn.Paramete
         # so sharded and unsharded runs apply identical updates.
         return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
                                  weight_decay=cfg.weight_decay, foreach=False)
+    if cfg.name == "muon":
+        # DDP wraps the model: its blocks are the wrapped module's
+        muon, adamw = muon_split(blocks_of(getattr(model, "module", model)), params)
+        return MuonAdamW(muon, adamw, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum,
+                         betas=tuple(cfg.betas), eps=cfg.eps)
     if cfg.name == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, foreach=False)
-    raise ValueError(f"optim.name={cfg.name!r} must be adamw or sgd")
+    raise ValueError(f"optim.name={cfg.name!r} must be adamw, muon or sgd")
 
 
 def lr_factor(step: int, total: int, cfg: OptimConfig) -> float:
