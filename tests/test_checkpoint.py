@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from dit_train.engine.layout_equivalence import apply_layout
 from tests.conftest import TINY, run_cli, train_in_process
 
-ADAM_TINY = [o for o in TINY if not o.startswith("optim")] + ["optim.lr=3e-3", "optim.warmup_steps=2",
+ADAM_TINY = [o for o in TINY if not o.startswith("optim")] + ["optim=adamw", "optim.lr=3e-3", "optim.warmup_steps=2",
                                                               "optim.schedule=cosine", "train.ema_decay=0.9"]
 
 

@@ -16,7 +16,7 @@ from tests.conftest import CLIP_DIM, TEXT_DIM, TINY, TINY_MODEL, Z_DIM, train_in
 
 # AdamW (its moments and bias correction are state a resume must restore; SGD's is none),
 # warm-up and cosine (the schedule's position), EMA (its update count sets its decay)
-ADAM = ["optim.lr=3e-3", "optim.warmup_steps=2", "optim.schedule=cosine", "train.ema_decay=0.9", "train.steps=2",
+ADAM = ["optim=adamw", "optim.lr=3e-3", "optim.warmup_steps=2", "optim.schedule=cosine", "train.ema_decay=0.9", "train.steps=2",
         "train.global_batch=2"]  # 2 steps of 2 clips: each step on other clips (the data position comes back too)
 TINY_ADAM = [o for o in TINY if not o.startswith("optim")] + ADAM
 
