@@ -1,34 +1,103 @@
-"""Does one Flow-GRPO step move the brightness of samples toward the reward? (docs/video-rl.md,
-"Sanity check"). Usage: python benchmarks/grpo_sign_probe.py RUN FLIP LR  -- FLIP 1 rewards
-brightness, -1 darkness (the advantages negated); SGD at LR, three steps on 16 rollouts (2
-captions x 8), each followed by the mean brightness of 16 fixed-noise ODE and SDE samples."""
+"""Which way does one Flow-GRPO batch pull the model? (docs/video-rl.md, "Sanity check").
+
+Usage: python benchmarks/grpo_sign_probe.py RUN [BATCHES]  (default 16; ~20 CPU-s a batch at 1 thread)
+
+First the exact gradient of the held-out brightness (24 held-out captions, validation's 20-step
+ODE sampler from fixed noise, differentiated through every step). Then BATCHES independent batches
+like `tools.video_rl --recipe grpo --reward brightness`'s (4 reward captions x 4 clips, the 10-step
+SDE, group advantages); for each, Flow-GRPO's ascent direction trained on every transition but the
+last (flow_grpo_steps: what the tool trains) and on every transition (the code before), from the
+same rollouts, against the exact gradient:
+  cos     the cosine of the two directions in weight space (SGD's step);
+  sign    sum_j gradB_j sign(g_j) / sum_j |gradB_j|: the brightness the first AdamW step (lr
+          times the gradient's sign) buys, as a share of the most any step of that size could;
+  offset  the ascent along the model's output offset (final.linear.bias summed: a brighter x0).
+Darkness (advantages negated) flips every figure. Then the mean +- standard error over batches,
+and the norm of each transition's part of the gradient (the last one's is the largest)."""
+import math
+import random
 import sys
 from pathlib import Path
 
-from dit_train.compose import load_config
-from dit_train.posttrain import TrainingSession, transitions, flow_grpo_loss, group_advantages
-from dit_train.posttrain.session import apply_overrides
-from dit_train.models.init import load_full_weights
+import torch
+
 from dit_train.checkpoint.export import run_weights
+from dit_train.compose import load_config
+from dit_train.data_pipelines.synthetic_video import EVAL_SIZE, caption_split
+from dit_train.kernels import VarlenLayout
+from dit_train.models.init import load_full_weights
+from dit_train.objectives.flow_matching import velocity_from_output
+from dit_train.posttrain import TrainingSession, flow_grpo_loss, flow_grpo_steps, group_advantages, transitions
+from dit_train.posttrain.session import apply_overrides
+from dit_train.sampling.sampler import VideoSampler
+from dit_train.tasks.video import model_context, unpatchify
 from dit_train.tools.video_rl_rewards import brightness_reward
 
-run = sys.argv[1]; flip = float(sys.argv[2]); lr = sys.argv[3]
-cfg = apply_overrides(load_config(run), ["optim.name=sgd", f"optim.lr={lr}", "optim.max_grad_norm=0",
-      "optim.warmup_steps=0", "optim.schedule=constant", "train.ema_decay=0"])
+run = sys.argv[1]
+batches = int(sys.argv[2]) if len(sys.argv) > 2 else 16
+cfg = apply_overrides(load_config(run), ["optim.name=sgd", "optim.lr=1e-30", "optim.max_grad_norm=0",
+                                         "optim.warmup_steps=0", "optim.schedule=constant", "train.ema_decay=0"])
 s = TrainingSession(cfg)
 load_full_weights(s.model, run_weights(Path(run), None)[0])
-caps = ["a red circle moving up and left on a gray background"] * 8 + ["a blue square moving down and right on a navy background"] * 8
-ids = list(range(16))
-def bright(rs):
-    return brightness_reward([r.clip for r in rs], [r.caption for r in rs])
+params = [p for p in s.model.parameters() if p.requires_grad]
+names = [n for n, p in s.model.named_parameters() if p.requires_grad]
+at = names.index("final.linear.bias")
+offset = slice(sum(p.numel() for p in params[:at]), sum(p.numel() for p in params[:at + 1]))
+pool, heldout = caption_split()
 
-for it in range(3):
-    rs = s.sample_videos(caps, (8, 32, 32), noise_ids=[100 * it + i for i in ids], steps=10, sde=True, guidance_scale=1.0)
-    rew = bright(rs)
-    adv = [flip * a for a in group_advantages(rew, 8)]
-    batch = [t for r, a in zip(rs, adv) for t in transitions(r, a)]
-    s.forward_backward(batch, flow_grpo_loss())
-    st = s.optim_step("num_sequences")
-    ode = bright(s.sample_videos(caps, (8, 32, 32), noise_ids=[1000 + i for i in ids], steps=20))
-    sde = bright(s.sample_videos(caps, (8, 32, 32), noise_ids=[1000 + i for i in ids], steps=10, sde=True, guidance_scale=1.0))
-    print(f"flip {flip} it {it}: rollout {sum(rew)/16:.4f}  ode-eval {sum(ode)/16:.4f}  sde-eval {sum(sde)/16:.4f} gn {st['grad_norm']:.3f}", flush=True)
+
+def heldout_gradient() -> torch.Tensor:
+    """d(mean held-out brightness)/d(weights) through validation's ODE sampler (fixed noise)."""
+    caps = heldout[:24]
+    requests, space = s._requests(caps, EVAL_SIZE, [90000 + i for i in range(len(caps))])
+    task, t = s.task, s.cfg.train
+    smp = VideoSampler(requests, task.patch, task.text_dim, space.null, s.ctx, 20, 1.0, t.seed,
+                       s.cfg.loss.timestep_shift, s.cfg.loss.shift_reference_tokens, prediction=task.prediction,
+                       x0_min_t=task.x0_min_t)
+    xs, guided, ctxs = smp._start()
+    assert not guided
+    sig = smp.schedulers()[0].sigmas.tolist()
+    ends = [0] + torch.tensor([math.prod(smp._grid(x.shape)) for x in xs]).cumsum(0).tolist()
+    s.model.eval()
+    for i in range(len(sig) - 1):
+        b = smp._pack(xs, [sig[i]] * len(xs), ctxs, [None] * len(xs), [None] * len(xs))
+        out = s.model(b.tokens["x"], b.pos, b.seg, b.samples["t"], VarlenLayout.build(b.seg, b.order, False),
+                      **model_context(b)).float()
+        v = velocity_from_output(out, b.tokens["x"], b.samples["t"][b.seg], task.prediction, task.x0_min_t)
+        xs = [x + (sig[i + 1] - sig[i]) * unpatchify(v[ends[k]:ends[k + 1]], smp._grid(x.shape), smp.patch, x.shape[0])
+              for k, x in enumerate(xs)]
+    s.model.train()
+    bright = sum((x.clamp(-1, 1).mean() + 1) / 2 for x in xs) / len(xs)
+    print(f"held-out brightness (ODE, 24 captions): {float(bright.detach()):.4f}", flush=True)
+    return torch.cat([g.reshape(-1) for g in torch.autograd.grad(bright, params)])
+
+
+gB = heldout_gradient()
+rng = random.Random(4)
+rows, norms = [], None
+for b in range(batches):
+    caps = [c for c in rng.sample(pool, 4) for _ in range(4)]
+    rs = s.sample_videos(caps, EVAL_SIZE, noise_ids=[80000 + 100 * b + i for i in range(16)], steps=10, sde=True,
+                         guidance_scale=1.0)
+    adv = group_advantages(brightness_reward([r.clip for r in rs], caps), 4)
+    parts = []
+    for k in range(len(rs[0].log_probs)):  # one transition at a time: its part of the gradient
+        s.forward_backward([t for r, a in zip(rs, adv) if a != 0 for t in transitions(r, a, [k])], flow_grpo_loss())
+        parts.append(torch.cat([-p.grad.reshape(-1) for p in params]))
+        s.optim_step("num_sequences")  # lr 1e-30: clears the gradient
+    part_norms = torch.stack([p.norm() for p in parts])
+    norms = part_norms if norms is None else norms + part_norms
+    fixed = sum(parts[k] for k in flow_grpo_steps(rs[0]))
+    row = []
+    for g in (fixed, sum(parts)):
+        row += [float(g @ gB / (g.norm() * gB.norm())), float((gB * torch.sign(g)).sum() / gB.abs().sum()),
+                float(g[offset].sum() / len(parts) / len(rs))]
+    rows.append(row)
+    print(f"batch {b}: without the last transition cos {row[0]:+.4f} sign {row[1]:+.4f} offset {row[2]:+.4f} | "
+          f"every transition cos {row[3]:+.4f} sign {row[4]:+.4f} offset {row[5]:+.4f}", flush=True)
+R = torch.tensor(rows)
+mean, se = R.mean(0), R.std(0) / len(rows) ** 0.5
+for j, name in enumerate(("cos", "sign", "offset")):
+    print(f"{name:6s}: without the last {mean[j]:+.4f} +- {se[j]:.4f} ({int((R[:, j] > 0).sum())}/{len(rows)} > 0);"
+          f"  every transition {mean[3 + j]:+.4f} +- {se[3 + j]:.4f} ({int((R[:, 3 + j] > 0).sum())}/{len(rows)} > 0)")
+print("mean norm of each transition's part:", " ".join(f"{x:.3f}" for x in (norms / batches).tolist()))

@@ -58,13 +58,32 @@ class VideoTransition:
 
 def transitions(rollout: VideoRollout, advantage: float, steps: list[int] | None = None) -> list[VideoTransition]:
     """The transitions of an SDE rollout (steps: which ones; default all), each with the clip's
-    advantage."""
+    advantage. Flow-GRPO trains on `flow_grpo_steps(rollout)`: all but the last."""
     if not rollout.log_probs:
         raise ValueError(f"rollout of {rollout.caption!r} has no trajectory: sample it with sde=True")
     chosen = range(len(rollout.log_probs)) if steps is None else steps
     return [VideoTransition(rollout.latents[k], rollout.latents[k + 1], rollout.sigmas[k], rollout.sigmas[k + 1],
                             _s_of(rollout, k), rollout.stds[k], rollout.caption, rollout.log_probs[k], advantage,
                             rollout.run) for k in chosen]
+
+
+def flow_grpo_steps(rollout: VideoRollout) -> list[int]:
+    """The transitions Flow-GRPO trains on: every one but the last (σ_{K−1} → 0), as Flow-GRPO's
+    own trainer does (its timestep_fraction 0.99 keeps int(0.99·K) = K − 1 of K steps); all of
+    a one-step rollout.
+
+    The last transition starts at the grid's smallest σ (1/1000 on diffusers' grid), so its std
+    is tiny (7e-4 at 10 steps) and its noise leaves no trace in any reward: its term of the policy
+    gradient, A·∇log p, has expectation ~0 but a variance ∝ 1/std². For a model predicting x̂0
+    (v = (x − x̂0)/max(σ, x0_min_t)) it is the largest term of all — ∂μ/∂x̂0 = 0.025 over std 7e-4,
+    36 per element against 15 at the step before — so it alone decides the update's direction
+    (docs/video-rl.md, "Sanity check": 80% of the gradient's variance, no signal; on the tiny
+    model the gradient's pull on the model's output offset had the wrong sign in 4 of 6 batches
+    with it, 0 of 6 without)."""
+    k = len(rollout.log_probs)
+    if not k:
+        raise ValueError(f"rollout of {rollout.caption!r} has no trajectory: sample it with sde=True")
+    return list(range(k - 1 if k > 1 else k))
 
 
 def _s_of(rollout: VideoRollout, k: int) -> float:

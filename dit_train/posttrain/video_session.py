@@ -1,7 +1,7 @@
 """The video side of TrainingSession (mode=video): rollouts, and the calls of the reward losses.
 
     rollouts = session.sample_videos(captions, size=(8, 32, 32), noise_ids=ids, sde=True)
-    batch = [t for r, a in zip(rollouts, advantages) for t in transitions(r, a)]
+    batch = [t for r, a in zip(rollouts, advantages) for t in transitions(r, a, flow_grpo_steps(r))]
     session.forward_backward(batch, flow_grpo_loss())
     session.optim_step("num_sequences")
 

@@ -11,8 +11,9 @@ reward captions (every caption of the shapes world but the 48 held-out ones), sc
 reward, and takes one optimizer step on them:
   nft:  validation's ODE sampler (with guidance); group-normalized advantages; diffusion_nft_loss,
         normalized by num_loss_tokens;
-  grpo: Flow-GRPO's SDE sampler without guidance; the transitions of every clip; flow_grpo_loss
-        (+ KL to the initial weights with --kl), normalized by num_sequences (transitions);
+  grpo: Flow-GRPO's SDE sampler without guidance; the transitions of every clip but its last
+        (flow_grpo_steps, as Flow-GRPO trains); flow_grpo_loss (+ KL to the initial weights with
+        --kl), normalized by num_sequences (transitions);
   dpo:  the best and the worst clip of each group as (chosen, rejected) when their rewards
         differ; the initial weights' errors as the reference; normalized by num_sequences (pairs);
   raft: reward-filtered flow matching (rejection sampling): validation's ODE sampler (with
@@ -63,7 +64,7 @@ from dit_train.data_pipelines.synthetic_video import EVAL_SIZE, caption_split
 from dit_train.engine.launch import check_interrupted, interrupt_on_signals, interruption, launch, signals_deferred
 from dit_train.models.init import load_full_weights
 from dit_train.posttrain import (TrainingSession, VideoDatum, diffusion_dpo_loss, diffusion_nft_loss, flow_grpo_loss,
-                                 group_advantages, sft_loss, transitions)
+                                 flow_grpo_steps, group_advantages, sft_loss, transitions)
 from dit_train.posttrain.rollouts import broadcast_from_rank0
 from dit_train.posttrain.session import apply_overrides
 from dit_train.sampling import frame_grid
@@ -150,7 +151,7 @@ def step_batch(recipe: str, session, reference, rollouts, rewards: list[float], 
                  for i, (r, a) in enumerate(zip(rollouts, adv)) if a != 0]
         return batch, diffusion_nft_loss(), "num_loss_tokens"
     if recipe == "grpo":
-        batch = [t for r, a in zip(rollouts, adv) if a != 0 for t in transitions(r, a)]
+        batch = [t for r, a in zip(rollouts, adv) if a != 0 for t in transitions(r, a, flow_grpo_steps(r))]
         if kl and batch:
             for t, mean in zip(batch, reference.transition_means(batch)):
                 t.ref_mean = mean
