@@ -213,7 +213,7 @@ def test_weighting_gives_the_gradient_of_the_weighted_sum(tiny_cfg, reduction):
     from dit_train.engine.layout_equivalence import apply_layout
     from dit_train.loss import token_weights
     from dit_train.objectives.flow_matching import per_token_mse
-    from dit_train.tasks.video import model_context
+    from dit_train.batch import video_forward
 
     cfg = apply_layout(tiny_cfg, {"micro_batch_tokens": 4096, "global_batch": 4}, reduction)
     cfg.loss = replace(cfg.loss, timestep_shift=3.0, shift_reference_tokens=128, weighting="cosmap")
@@ -232,7 +232,7 @@ def test_weighting_gives_the_gradient_of_the_weighted_sum(tiny_cfg, reduction):
 
     def grad(weighted: bool) -> dict[str, torch.Tensor]:
         model.zero_grad(set_to_none=True)
-        pred = model(b.tokens["x"], b.pos, b.seg, b.samples["t"], mb.attn, **model_context(b))
+        pred = video_forward(model, b, mb.attn)
         rl = r * per_token_mse(pred, b.tokens["target"])
         loss = sum((w[k] if weighted else 1.0) * rl[b.seg == k].sum() for k in range(b.num_samples))
         loss.backward()

@@ -38,15 +38,15 @@ from tqdm.auto import tqdm
 import torch
 import torch.distributed as dist
 
-from dit_train.batch import PackedBatch
+from dit_train.batch import PackedBatch, video_forward
 from dit_train.objectives.flow_matching import PipelineShift, sample_shift, velocity_from_output
 from dit_train.parallel.context_parallel import split_for_cp
 from dit_train.parallel.mesh import ParallelContext
 from dit_train.rng import sample_generator
 from dit_train.tasks.captions import pad_contexts
-from dit_train.tasks.conditioning import ClipInputs, clip_inputs, i2v_inputs, input_tokens
+from dit_train.tasks.conditioning import ClipInputs, clip_inputs, i2v_inputs
 from dit_train.tasks.joint_text import join_text_tokens, video_rows
-from dit_train.tasks.video import model_context, num_patches, pack_clips, unpatchify
+from dit_train.tasks.video import num_patches, pack_clips, unpatchify
 from dit_train.kernels import VarlenLayout
 
 log = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ def predict_velocity(model: torch.nn.Module, batch: PackedBatch, ctx: ParallelCo
         local, attn = split_for_cp(batch, cp, ctx.cp_rank, "contiguous")
         attn = attn.to(ctx.device)
         local = local.to(ctx.device)
-        out = model(input_tokens(local), local.pos, local.seg, local.samples["t"], attn, **model_context(local)).float()
+        out = video_forward(model, local, attn).float()
         shares = [torch.empty_like(out) for _ in range(cp)]
         dist.all_gather(shares, out.contiguous(), group=ctx.cp_group)
         full = torch.empty((attn.seg.numel(), out.shape[-1]), dtype=out.dtype, device=out.device)
@@ -152,7 +152,7 @@ def predict_velocity(model: torch.nn.Module, batch: PackedBatch, ctx: ParallelCo
         return full[:L]
     b = batch.to(ctx.device)
     attn = VarlenLayout.build(b.seg, b.order, False)
-    return model(input_tokens(b), b.pos, b.seg, b.samples["t"], attn, **model_context(b)).float()
+    return video_forward(model, b, attn).float()
 
 
 class VideoSampler:
@@ -267,7 +267,7 @@ class VideoSampler:
             fields["cond"] = [g.cond for g in given]
         elif self.cond_feed == "timestep":
             per_token = {"clean": [g.clean for g in given]}
-        if self.control:  # after the concat channels, as in training (tasks/conditioning.input_tokens)
+        if self.control:  # after the concat channels, as in training (batch.input_tokens)
             fields["control"] = [c.to(xs[0].dtype) for c in controls]
         if self.requests[0].image is not None:  # both CFG branches see the image, as WanImageToVideoPipeline
             images = [r.image for r in self.requests]

@@ -248,16 +248,6 @@ def vace_data_check(dataset: Any, mask_channels: int) -> None:
                          f"python -m dit_train.tools.cache_latents --control (into a new --out)")
 
 
-def input_tokens(batch: Any) -> torch.Tensor:
-    """[L, in] the model's input tokens of a pack: x, with the concat feed's channels and the
-    control video's appended per token (patchify flattens channels outermost, so appending
-    features per token is the channel concatenation [noisy | mask | conditioning | control] of
-    the patch)."""
-    x = batch.tokens["x"]
-    extra = [batch.tokens[k].to(x.dtype) for k in ("cond", "control") if k in batch.tokens]
-    return torch.cat([x, *extra], dim=-1) if extra else x
-
-
 def cond_errors(mode: str, cond: Any, model: Any, data: Any) -> list[str]:
     """One line per problem of the `cond` keys against the mode, model and data (check_config)."""
     e: list[str] = []

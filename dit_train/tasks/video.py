@@ -10,14 +10,14 @@ from torch import nn
 
 from dit_train.data_pipelines.companions import token_mask_units
 from dit_train.data_pipelines.video_io import VideoReadError
-from dit_train.batch import WEIGHT_ONE, PackedBatch
+from dit_train.batch import WEIGHT_ONE, PackedBatch, video_forward
 from dit_train.config import LossConfig, ModelConfig
 from dit_train.objectives.flow_matching import loss_weight, noisy_sample, per_token_mse, sample_shift, velocity_from_output
 from dit_train.tasks.captions import ByteCaptionEncoder, drop_caption, pad_contexts
 from dit_train.config.schema import cond_active, cond_channels, control_channels
 from dit_train.models.registry import model_spec
-from dit_train.tasks.conditioning import (Conditioner, cond_keys, i2v_data_errors, input_tokens, masked, too_short,
-                                         unconditionable_error, vace_context, vace_data_check)
+from dit_train.tasks.conditioning import (Conditioner, cond_keys, i2v_data_errors, masked, too_short, unconditionable_error,
+                                         vace_context, vace_data_check)
 from dit_train.tasks.joint_text import join_text_tokens
 
 
@@ -293,7 +293,7 @@ class VideoTask:
         reduction's weights, so the reduction and its exactness are unchanged. A model with
         model.prediction=x0 outputs x̂0, turned into the velocity it stands for first."""
         t = batch.samples["t"]
-        out = model(input_tokens(batch), batch.pos, batch.seg, t, attn_meta, **model_context(batch))
+        out = video_forward(model, batch, attn_meta)
         if self.prediction != "velocity":
             # per token; padding (seg -1, also a rank's empty pack) picks the appended 1
             t_tok = torch.cat([t.float(), t.new_ones(1, dtype=torch.float32)]).to(batch.seg.device)[batch.seg]
@@ -305,18 +305,3 @@ class VideoTask:
         w = torch.cat([loss_weight(t, self.loss_cfg.weighting).to(loss.device), loss.new_ones(1)])
         return loss * w[batch.seg]
 
-
-def model_context(batch: PackedBatch) -> dict[str, torch.Tensor]:
-    """The keyword arguments of a video model call besides the tokens: captions, the clean
-    (timestep 0) tokens of the conditioning's timestep feed, and the clips' CLIP image tokens
-    (model.image_dim) ({} for unconditional packs)."""
-    out = {}
-    if "context" in batch.samples:
-        out = {"context": batch.samples["context"], "context_len": batch.samples["context_len"]}
-    if "clean" in batch.tokens:
-        out["clean"] = batch.tokens["clean"]
-    if "text" in batch.tokens:  # text slots of a joint-attention model (tasks/joint_text.py)
-        out["text"] = batch.tokens["text"]
-    if "image" in batch.samples:  # Wan 2.1 I2V's CLIP image tokens, per clip
-        out["image"] = batch.samples["image"]
-    return out
