@@ -121,9 +121,10 @@ SHAPES = [(3, 2, 16, 16), (3, 4, 16, 32), (3, 8, 32, 32)]  # 4, 16 and 64 tokens
 
 def _sampler(shift: float, reference: int, steps: int = 8, ctx=None):
     from dit_train.sampling import SampleRequest, VideoSampler
+    from dit_train.tasks.video_inputs import VideoInputs
 
     requests = [SampleRequest(f"c{k}", shape, "", None, k) for k, shape in enumerate(SHAPES)]
-    return VideoSampler(requests, PATCH, 0, None, ctx, steps, 1.0, 0, shift, reference)
+    return VideoSampler(requests, VideoInputs(PATCH), None, ctx, steps, 1.0, 0, shift, reference)
 
 
 @pytest.mark.parametrize("shift,reference", [(3.0, 0), (3.0, 16), (1.0, 16)])
@@ -175,6 +176,7 @@ def test_stochastic_sampler_draws_fresh_noise_from_the_clips_own_stream():
     from dit_train.config import ParallelConfig
     from dit_train.parallel.mesh import init_parallel
     from dit_train.sampling import SampleRequest, VideoSampler
+    from dit_train.tasks.video_inputs import VideoInputs
 
     ctx = init_parallel(ParallelConfig(device="cpu"))
 
@@ -186,7 +188,7 @@ def test_stochastic_sampler_draws_fresh_noise_from_the_clips_own_stream():
 
     def run(shapes, stochastic):
         requests = [SampleRequest(f"c{k}", shape, "", None, k) for k, shape in enumerate(shapes)]
-        return VideoSampler(requests, PATCH, 0, None, ctx, 6, 1.0, 0, stochastic=stochastic).sample(model)
+        return VideoSampler(requests, VideoInputs(PATCH), None, ctx, 6, 1.0, 0, stochastic=stochastic).sample(model)
 
     det, sto = run(SHAPES, False), run(SHAPES, True)
     assert all((a - b).abs().max() > 1e-2 for a, b in zip(det, sto))
