@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -115,6 +116,48 @@ class PackedBatch:
         keep = self.seg >= 0
         out = torch.zeros(self.num_samples, dtype=torch.int64, device=self.seg.device)
         return out.index_add_(0, self.seg[keep], self.weight_units()[keep])
+
+
+def input_tokens(batch: PackedBatch) -> torch.Tensor:
+    """[L, in] a video model's input tokens of a pack: x, with the concat feed's channels and the
+    control video's appended per token (patchify flattens channels outermost, so appending
+    features per token is the channel concatenation [noisy | mask | conditioning | control] of
+    the patch)."""
+    x = batch.tokens["x"]
+    extra = [batch.tokens[k].to(x.dtype) for k in ("cond", "control") if k in batch.tokens]
+    return torch.cat([x, *extra], dim=-1) if extra else x
+
+
+def model_context(batch: PackedBatch, captions: str = "context") -> dict[str, torch.Tensor]:
+    """The keyword arguments of a video model call besides the tokens: captions
+    (samples[captions] [S, Lc, text_dim] and its "_len" [S]; distillation's teacher also reads
+    "null_context"), the clean (timestep 0) tokens of the conditioning's timestep feed
+    (tokens["clean"] [L] bool), a joint-attention model's text slots (tokens["text"] [L]) and the
+    clips' CLIP image tokens (samples["image"] [S, Li, image_dim]); {} for unconditional packs."""
+    out = {}
+    if captions in batch.samples:
+        out = {"context": batch.samples[captions], "context_len": batch.samples[f"{captions}_len"]}
+    if "clean" in batch.tokens:
+        out["clean"] = batch.tokens["clean"]
+    if "text" in batch.tokens:  # text slots of a joint-attention model (tasks/joint_text.py)
+        out["text"] = batch.tokens["text"]
+    if "image" in batch.samples:  # Wan 2.1 I2V's CLIP image tokens, per clip
+        out["image"] = batch.samples["image"]
+    return out
+
+
+def video_forward(model: Any, batch: PackedBatch, attn: Any, x: torch.Tensor | None = None,
+                  t: torch.Tensor | None = None, captions: str = "context") -> torch.Tensor:
+    """The one call of a video model on a pack (training, validation, sampling, RL, distillation):
+    its output [L, out] for the pack's L tokens, in the model's dtype.
+
+    attn: the pack's attention layout (VarlenLayout, or CP's split of it). x: [L, in] input
+    tokens in place of the pack's own (`input_tokens`; distillation's simulated x_j); t: [S]
+    noise levels in place of samples["t"]; captions: which per-sample captions the model reads
+    ("context", or the empty caption "null_context" of the teacher's guidance)."""
+    x = input_tokens(batch) if x is None else x
+    t = batch.samples["t"] if t is None else t
+    return model(x, batch.pos, batch.seg, t, attn, **model_context(batch, captions))
 
 
 def cp_token_index(L: int, cp: int, rank: int, layout: str) -> torch.Tensor:

@@ -274,7 +274,7 @@ def test_clean_tokens_read_their_sample_at_timestep_zero(model, data_cache, tiny
     from dit_train.engine.build import build_parallel_model
     from dit_train.kernels import VarlenLayout
     from dit_train.parallel.mesh import init_parallel
-    from dit_train.tasks.video import model_context
+    from dit_train.batch import model_context
 
     cfg = cond_cfg(data_cache, ["cond.kind=first_frame"] + (["model=wan_tiny"] if model == "wan" else []))
     _, task, _, pack = _pack_with_context(data_cache, ["cond.kind=first_frame"]

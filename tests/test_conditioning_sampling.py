@@ -31,13 +31,14 @@ def _sample(feed: str, given: bool = True):
     from dit_train.config import ParallelConfig
     from dit_train.parallel.mesh import init_parallel
     from dit_train.sampling import SampleRequest, VideoSampler
+    from dit_train.tasks.video_inputs import VideoInputs
 
     frames = torch.rand(SHAPE, generator=torch.Generator().manual_seed(1)) * 2 - 1
     patches = torch.tensor([True, False, False])
     r = SampleRequest("c0", SHAPE, "", None, 0, given=frames if given else None, given_patches=patches if given else None)
     model = Recording()
-    out = VideoSampler([r], PATCH, 0, None, init_parallel(ParallelConfig(device="cpu")), 3, 1.0, 0,
-                       cond_feed=feed).sample(model)
+    inputs = VideoInputs(PATCH, concat=feed == "concat", clean=feed == "timestep")
+    out = VideoSampler([r], inputs, None, init_parallel(ParallelConfig(device="cpu")), 3, 1.0, 0).sample(model)
     return frames, out[0], model.calls
 
 

@@ -121,9 +121,10 @@ SHAPES = [(3, 2, 16, 16), (3, 4, 16, 32), (3, 8, 32, 32)]  # 4, 16 and 64 tokens
 
 def _sampler(shift: float, reference: int, steps: int = 8, ctx=None):
     from dit_train.sampling import SampleRequest, VideoSampler
+    from dit_train.tasks.video_inputs import VideoInputs
 
     requests = [SampleRequest(f"c{k}", shape, "", None, k) for k, shape in enumerate(SHAPES)]
-    return VideoSampler(requests, PATCH, 0, None, ctx, steps, 1.0, 0, shift, reference)
+    return VideoSampler(requests, VideoInputs(PATCH), None, ctx, steps, 1.0, 0, shift, reference)
 
 
 @pytest.mark.parametrize("shift,reference", [(3.0, 0), (3.0, 16), (1.0, 16)])
@@ -175,6 +176,7 @@ def test_stochastic_sampler_draws_fresh_noise_from_the_clips_own_stream():
     from dit_train.config import ParallelConfig
     from dit_train.parallel.mesh import init_parallel
     from dit_train.sampling import SampleRequest, VideoSampler
+    from dit_train.tasks.video_inputs import VideoInputs
 
     ctx = init_parallel(ParallelConfig(device="cpu"))
 
@@ -186,7 +188,7 @@ def test_stochastic_sampler_draws_fresh_noise_from_the_clips_own_stream():
 
     def run(shapes, stochastic):
         requests = [SampleRequest(f"c{k}", shape, "", None, k) for k, shape in enumerate(shapes)]
-        return VideoSampler(requests, PATCH, 0, None, ctx, 6, 1.0, 0, stochastic=stochastic).sample(model)
+        return VideoSampler(requests, VideoInputs(PATCH), None, ctx, 6, 1.0, 0, stochastic=stochastic).sample(model)
 
     det, sto = run(SHAPES, False), run(SHAPES, True)
     assert all((a - b).abs().max() > 1e-2 for a, b in zip(det, sto))
@@ -213,7 +215,7 @@ def test_weighting_gives_the_gradient_of_the_weighted_sum(tiny_cfg, reduction):
     from dit_train.engine.layout_equivalence import apply_layout
     from dit_train.loss import token_weights
     from dit_train.objectives.flow_matching import per_token_mse
-    from dit_train.tasks.video import model_context
+    from dit_train.batch import video_forward
 
     cfg = apply_layout(tiny_cfg, {"micro_batch_tokens": 4096, "global_batch": 4}, reduction)
     cfg.loss = replace(cfg.loss, timestep_shift=3.0, shift_reference_tokens=128, weighting="cosmap")
@@ -232,7 +234,7 @@ def test_weighting_gives_the_gradient_of_the_weighted_sum(tiny_cfg, reduction):
 
     def grad(weighted: bool) -> dict[str, torch.Tensor]:
         model.zero_grad(set_to_none=True)
-        pred = model(b.tokens["x"], b.pos, b.seg, b.samples["t"], mb.attn, **model_context(b))
+        pred = video_forward(model, b, mb.attn)
         rl = r * per_token_mse(pred, b.tokens["target"])
         loss = sum((w[k] if weighted else 1.0) * rl[b.seg == k].sum() for k in range(b.num_samples))
         loss.backward()

@@ -343,6 +343,7 @@ def test_pipeline_shift_gives_ltx_pipelines_sigmas_per_clip_size():
     from dit_train.models.diffusers_family import to_diffusers
     from dit_train.parallel.mesh import init_parallel
     from dit_train.sampling import VideoSampler, pipeline_shift
+    from dit_train.tasks.video_inputs import VideoInputs
     from dit_train.sampling.sampler import SampleRequest
 
     cfg = tiny_ltx_cfg(pipeline_shift=True, patch_size=[1, 1, 1])  # LTX-Video's patch
@@ -359,12 +360,12 @@ def test_pipeline_shift_gives_ltx_pipelines_sigmas_per_clip_size():
              width=32 * w, num_inference_steps=steps, guidance_scale=1.0, output_type="latent")
         theirs.append(pipe.scheduler.sigmas.clone())
     requests = [SampleRequest(f"p{k}", s, "", ctx[0], noise_id=k) for k, s in enumerate(shapes)]
-    sampler = VideoSampler(requests, (1, 1, 1), 24, None, init_parallel(ParallelConfig(device="cpu")), steps, 1.0, 0,
+    sampler = VideoSampler(requests, VideoInputs((1, 1, 1), text_dim=24), None, init_parallel(ParallelConfig(device="cpu")), steps, 1.0, 0,
                            shift=3.0, pipeline=pipeline_shift(cfg))
     ours = [s.sigmas for s in sampler.schedulers()]
     for mine, ref in zip(ours, theirs):
         torch.testing.assert_close(mine, ref, rtol=0, atol=0)
         assert abs(float(mine[-2]) - 0.1) < 1e-6  # shift_terminal
     assert (theirs[0] - theirs[1]).abs().max() > 0.05  # the size sets the schedule
-    fixed = VideoSampler(requests, (1, 1, 1), 24, None, sampler.ctx, steps, 1.0, 0, shift=3.0).schedulers()
+    fixed = VideoSampler(requests, VideoInputs((1, 1, 1), text_dim=24), None, sampler.ctx, steps, 1.0, 0, shift=3.0).schedulers()
     assert (fixed[1].sigmas - theirs[1]).abs().max() > 0.05  # not the run's loss.timestep_shift

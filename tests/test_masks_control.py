@@ -151,7 +151,7 @@ def test_control_is_aligned_and_appended_after_the_concat_channels(tmp_path, dat
     """A control video equal to its clip decodes to the clip's own pixels (same frames, resize and
     crop); one at half the size (same aspect) is resized to match; the model's input is
     [noisy | mask | conditioning | control] per token."""
-    from dit_train.tasks.conditioning import input_tokens
+    from dit_train.batch import input_tokens
     from dit_train.tasks.video import patchify
 
     clips = [ExampleClip("a.mp4", 44, 64, 8, 4, "red", "circle", "navy"),

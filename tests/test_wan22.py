@@ -52,10 +52,11 @@ def _sampled(model, shape, context, steps, guidance=1.0, guidance_2=0.0, boundar
     from dit_train.config.schema import ParallelConfig
     from dit_train.parallel.mesh import init_parallel
     from dit_train.sampling import VideoSampler
+    from dit_train.tasks.video_inputs import VideoInputs
     from dit_train.sampling.sampler import SampleRequest
 
     req = SampleRequest("p", shape, "", context, noise_id=0)
-    sampler = VideoSampler([req], (1, 2, 2), context.shape[-1], null, init_parallel(ParallelConfig(device="cpu")),
+    sampler = VideoSampler([req], VideoInputs((1, 2, 2), text_dim=context.shape[-1]), null, init_parallel(ParallelConfig(device="cpu")),
                            steps, guidance, 0, guidance_scale_2=guidance_2, boundary=boundary)
     return sampler.sample(model)[0]
 

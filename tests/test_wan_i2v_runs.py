@@ -125,8 +125,9 @@ def test_an_i2v_run_exports_to_wan_image_to_video_pipeline(i2v_cache, models, cl
     from dit_train.models import build_model
     from dit_train.models.init import load_full_weights
     from dit_train.parallel.mesh import init_parallel
-    from dit_train.sampling.conditioned import i2v_from_files, sampler_i2v
+    from dit_train.sampling.conditioned import i2v_from_files
     from dit_train.sampling.sampler import SampleRequest, VideoSampler
+    from dit_train.tasks.video_inputs import video_inputs
     from dit_train.rng import sample_generator
 
     png = tmp_path / "first.png"
@@ -139,8 +140,9 @@ def test_an_i2v_run_exports_to_wan_image_to_video_pipeline(i2v_cache, models, cl
                             cond_latents=cond_latents, image=image)
     model = build_model(cfg.model)
     load_full_weights(model, trained)
-    ours = VideoSampler([request], (1, 2, 2), TEXT_DIM, None, init_parallel(ParallelConfig(device="cpu")), 2, 1.0, 0,
-                        cond_feed="concat", **sampler_i2v(cfg.model, cfg.cond)).sample(model)[0]
+    inputs = video_inputs(cfg.model, cfg.cond)  # the tiny I2V model's: patch (1, 2, 2), TEXT_DIM, the concat feed
+    assert inputs.patch == (1, 2, 2) and inputs.text_dim == TEXT_DIM and inputs.i2v_mask
+    ours = VideoSampler([request], inputs, None, init_parallel(ParallelConfig(device="cpu")), 2, 1.0, 0).sample(model)[0]
     noise = torch.randn(shape, generator=sample_generator(0, 0, 0, "sampling"))
     with torch.no_grad():
         theirs = pipeline(models, clip_dir, transformer)(

@@ -212,7 +212,7 @@ def test_a_latent_cache_that_cannot_feed_vace_is_refused_before_the_run(companio
     def task(cfg):
         return build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed, cond=cfg.cond)
 
-    assert task(vace_cache_cfg(companion_cache)).control_dim == (2 * 4 + 64) * 4
+    assert task(vace_cache_cfg(companion_cache)).inputs.control_dim == (2 * 4 + 64) * 4
     with pytest.raises(ValueError, match=r"set model.vace_mask_channels=64"):
         task(vace_cache_cfg(companion_cache, ["model.vace_mask_channels=1"]))
     old = tmp_path / "old"

@@ -220,7 +220,8 @@ MASK_CHANNELS = 1
 
 
 def cond_active(cond: Any) -> bool:
-    return cond is not None and str(cond.kind) != "none"
+    """`cond` conditions clips on their own frames (None, as a task built without one: no)."""
+    return cond is not None and cond.active
 
 
 def cond_channels(cond: Any, in_channels: int, mask_channels: int = MASK_CHANNELS, control: int | None = None) -> int:
@@ -229,7 +230,7 @@ def cond_channels(cond: Any, in_channels: int, mask_channels: int = MASK_CHANNEL
     (cond.control; default C, a VACE model's context width: control_channels); 0 for the
     timestep feed without control, and without conditioning (model.cond_channels; the
     conditioning itself is dit_train/tasks/conditioning.py)."""
-    concat = in_channels + mask_channels if cond_active(cond) and str(cond.feed) == "concat" else 0
+    concat = in_channels + mask_channels if cond is not None and cond.concat_feed else 0
     return concat + ((in_channels if control is None else control) if getattr(cond, "control", False) else 0)
 
 
@@ -263,6 +264,49 @@ class CondConfig:
     # manifest's `control` column) given as C more input channels after the concat feed's, on
     # every sample; works with any kind, none included (docs/conditioning.md#control)
     control: bool = False
+
+    # What the code asks of a cond, answered here only: elsewhere no code compares cond.kind or
+    # cond.feed to a name, so a new kind or feed is one change in this class.
+    @property
+    def active(self) -> bool:
+        """Clips are conditioned on their own frames (kind is not none)."""
+        return self.kind != CondKind.none
+
+    @property
+    def concat_feed(self) -> bool:
+        """Conditioned through input channels: [mask | conditioning frames] after the noisy ones
+        (Wan 2.1 I2V); every token stays a target."""
+        return self.active and self.feed == CondFeed.concat
+
+    @property
+    def timestep_feed(self) -> bool:
+        """Conditioned through clean context tokens at timestep 0 (Wan 2.2 TI2V): weight 0, out of T_b."""
+        return self.active and self.feed == CondFeed.timestep
+
+    @property
+    def active_feed(self) -> str:
+        """cond.feed when the run is conditioned, "" when not."""
+        return str(self.feed) if self.active else ""
+
+    @property
+    def gives_last(self) -> bool:
+        """The last temporal patch is given too (FLF2V: first_last)."""
+        return self.kind == CondKind.first_last
+
+    @property
+    def from_prefix(self) -> bool:
+        """The first prefix_frames frames are given (continue a video: prefix)."""
+        return self.kind == CondKind.prefix
+
+    @property
+    def from_images(self) -> bool:
+        """The given frames are images: the first (first_frame), or the first and last (first_last)."""
+        return self.kind in (CondKind.first_frame, CondKind.first_last)
+
+    @property
+    def context_key(self) -> str:
+        """The key that sets how much context is given: cond.prefix_frames for prefix, else cond.kind."""
+        return f"cond.prefix_frames={self.prefix_frames}" if self.from_prefix else f"cond.kind={self.kind}"
 
 
 @dataclass

@@ -21,14 +21,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from dit_train.batch import PackedBatch
+from dit_train.batch import PackedBatch, video_forward
 from dit_train.config import DistillConfig, LossConfig
 from dit_train.data_pipelines.video_io import VideoReadError
 from dit_train.distill.dmd import student_sigmas
 from dit_train.objectives.flow_matching import sample_shift, sample_timestep, shift_timestep
 from dit_train.rng import sample_generator
 from dit_train.tasks.captions import pad_contexts
-from dit_train.tasks.video import model_context, num_patches, pack_clips
+from dit_train.tasks.video import num_patches, pack_clips
 
 log = logging.getLogger(__name__)
 
@@ -100,5 +100,5 @@ class DistillTask:
     def per_token_loss(self, model: nn.Module, batch: PackedBatch, attn: Any) -> torch.Tensor:
         """[L] a plain forward's mean output per token: what the trainer's gradient flush runs
         (an empty pack, times 0) to make the DP wrapper reduce the step's gradients."""
-        out = model(batch.tokens["x"], batch.pos, batch.seg, batch.samples["t"], attn, **model_context(batch))
+        out = video_forward(model, batch, attn)
         return out.float().mean(dim=-1)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dit_train.batch import video_forward
 from dit_train.config import DistillConfig
 from dit_train.data_pipelines.packing import plan_step
 from dit_train.distill.dmd import dmd_direction, dmd_token_loss, guided, per_token, x0_from_velocity
@@ -77,12 +78,8 @@ class DistillTrainer:
         per-sample noise levels t [S]; with the pack's captions, or the empty caption when `null`.
         A differentiable call's backward must run inside `roles.use(who)` too (LoRA)."""
         b = mb.batch
-        kw = {}
-        if self.task.text_dim:
-            key = "null_context" if null else "context"
-            kw = {"context": b.samples[key], "context_len": b.samples[f"{key}_len"]}
         with self.roles.use(who) as model:
-            out = model(x, b.pos, b.seg, t, mb.attn, **kw).float()
+            out = video_forward(model, b, mb.attn, x=x, t=t, captions="null_context" if null else "context").float()
         return velocity_from_output(out, x, per_token(t, b.seg)[:, 0], self.task.prediction, self.task.x0_min_t)
 
     def student_x0(self, mb: MicroBatch, x_j: torch.Tensor, j: int) -> torch.Tensor:

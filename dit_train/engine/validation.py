@@ -10,8 +10,7 @@ from dit_train.config import Config
 from dit_train.data_pipelines import source_for
 from dit_train.engine.build import Run
 from dit_train.sampling import pipeline_shift, sampling_boundary, scored_view, source_requests, to_pixels, VideoSampler, write_samples
-from dit_train.sampling.conditioned import (condition_on_clips, control_on_clips, given_scores, i2v_on_clips, sampler_feed,
-                                            sampler_i2v, validation_task)
+from dit_train.sampling.conditioned import condition_on_clips, control_on_clips, given_scores, i2v_on_clips, validation_task
 
 
 class Validation:
@@ -23,21 +22,18 @@ class Validation:
         task = validation_task(cfg, run.task)  # conditioned runs: held-out clips when there are
         self.source = source_for(cfg.data, cfg.model)
         requests = source_requests(task, self.source, t.num_samples)
-        if sampler_feed(cfg.cond):  # conditioned: from the clips' own first frames (tasks/conditioning.py)
+        if cfg.cond.active:  # conditioned: from the clips' own first frames (tasks/conditioning.py)
             condition_on_clips(requests, [task.dataset[r.noise_id].pixels for r in requests], cfg.cond, task.patch[0])
         if task.control:  # cond.control: each clip's own control video
             control_on_clips(requests, task)
-        i2v = sampler_i2v(cfg.model, cfg.cond)
-        if i2v:  # Wan 2.1 I2V: each clip's cached condition latents and image tokens
+        if task.inputs.i2v_mask:  # Wan 2.1 I2V: each clip's cached condition latents and image tokens
             i2v_on_clips(requests, task)
         null = task.null_caption() if task.text_dim else None
         # the training shift: validation samples from the noise levels the model was trained on
-        self.sampler = VideoSampler(requests, task.patch, task.text_dim, null, run.ctx, t.sample_steps,
-                                    t.guidance_scale, t.seed, cfg.loss.timestep_shift, cfg.loss.shift_reference_tokens,
-                                    prediction=task.prediction, x0_min_t=task.x0_min_t,
-                                    stochastic=t.stochastic_sampling, cond_feed=sampler_feed(cfg.cond),
-                                    control=task.control, guidance_scale_2=t.guidance_scale_2,
-                                    boundary=sampling_boundary(cfg.model), pipeline=pipeline_shift(cfg.model), **i2v)
+        self.sampler = VideoSampler(requests, task.inputs, null, run.ctx, t.sample_steps, t.guidance_scale, t.seed,
+                                    cfg.loss.timestep_shift, cfg.loss.shift_reference_tokens,
+                                    stochastic=t.stochastic_sampling, guidance_scale_2=t.guidance_scale_2,
+                                    boundary=sampling_boundary(cfg.model), pipeline=pipeline_shift(cfg.model))
         # rank 0 alone decodes (it alone writes): latents with the source's decoder, pixels as they are
         self.decode = self.source.decoder(run.ctx.device) if run.ctx.is_main else None
         self.latent = self.source.latent

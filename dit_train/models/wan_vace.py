@@ -94,7 +94,7 @@ class PackedWanVACE(PackedWan):
     """PackedWan plus Wan VACE's context branch (the module docstring).
 
     forward(x, ...) as PackedWan's, x [L, (C_in + vace_in)·pt·ph·pw]: the patch embedding's
-    input features, then the VACE context's (tasks/conditioning.input_tokens appends the control
+    input features, then the VACE context's (batch.input_tokens appends the control
     last). Returns [L, C·pt·ph·pw], the predicted velocity.
     """
 

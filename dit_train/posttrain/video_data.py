@@ -19,14 +19,13 @@ from typing import Any
 
 import torch
 
-from dit_train.batch import PackedBatch
+from dit_train.batch import PackedBatch, video_forward
 from dit_train.objectives.flow_matching import per_token_mse, velocity_from_output
 from dit_train.posttrain.datums import DatumVideoTask, _Clip, _fail, check_video_datum
 from dit_train.posttrain.losses import TokenInputs
 from dit_train.posttrain.rollouts import VideoRollout
 from dit_train.tasks.captions import pad_contexts
-from dit_train.tasks.conditioning import input_tokens
-from dit_train.tasks.video import VideoTask, model_context, pack_clips
+from dit_train.tasks.video import VideoTask, pack_clips
 
 CLIP_FIELDS = ("advantages", "ref_loss")  # per-clip floats a VideoDatum may carry
 
@@ -147,7 +146,7 @@ class RLVideoTask(DatumVideoTask):
         """nll = the per-token flow-matching MSE (times w(t), as in training); fields: velocity
         [L, D] (grad flows), target [L, D], and the clips' scalars [L]."""
         t = batch.samples["t"]
-        out = model(input_tokens(batch), batch.pos, batch.seg, t, attn_meta, **model_context(batch)).float()
+        out = video_forward(model, batch, attn_meta).float()
         t_tok = torch.cat([t.float(), t.new_ones(1, dtype=torch.float32)]).to(batch.seg.device)[batch.seg]
         v = velocity_from_output(out, batch.tokens["x"], t_tok, self.prediction, self.x0_min_t)
         mse = per_token_mse(v, batch.tokens["target"])
@@ -215,7 +214,7 @@ class TransitionTask(VideoTask):
         """fields: velocity [L, D] (grad flows), x, next (and ref_mean) [L, D], sigma and the
         step's scalars [L]; nll is unused by the transition losses (zeros)."""
         t = batch.samples["t"]
-        out = model(input_tokens(batch), batch.pos, batch.seg, t, attn_meta, **model_context(batch)).float()
+        out = video_forward(model, batch, attn_meta).float()
         t_tok = torch.cat([t.float(), t.new_ones(1, dtype=torch.float32)]).to(batch.seg.device)[batch.seg]
         v = velocity_from_output(out, batch.tokens["x"], t_tok, self.prediction, self.x0_min_t)
         fields = {"velocity": v, "sigma": t_tok.double()}

@@ -76,15 +76,15 @@ class VideoSessionMixin:
         requests, space = self._requests(captions, size, noise_ids)
         t, task = self.cfg.train, self.task
         g = t.guidance_scale if guidance_scale is None else float(guidance_scale)
-        args = (requests, task.patch, task.text_dim, space.null, self.ctx, steps or t.sample_steps, g, t.seed,
+        # an unconditioned run (_video_only): the task's inputs feed no given frames and no control
+        args = (requests, task.inputs, space.null, self.ctx, steps or t.sample_steps, g, t.seed,
                 self.cfg.loss.timestep_shift, self.cfg.loss.shift_reference_tokens)
-        kw = {"prediction": task.prediction, "x0_min_t": task.x0_min_t}
         rid = self.run_id
         if sde:
-            trajs = SDESampler(*args, eta=eta, **kw).trajectories(self.model, self._trainer.autocast)
+            trajs = SDESampler(*args, eta=eta).trajectories(self.model, self._trainer.autocast)
             out = [VideoRollout(r.caption, r.noise_id, tr["latents"][-1], rid, **tr) for r, tr in zip(requests, trajs)]
         else:
-            clips = VideoSampler(*args, **kw).sample(self.model, self._trainer.autocast)
+            clips = VideoSampler(*args).sample(self.model, self._trainer.autocast)
             out = [VideoRollout(r.caption, r.noise_id, c, rid) for r, c in zip(requests, clips)]
         return broadcast_from_rank0(out, self.ctx.world_group, self.ctx.is_main)
 

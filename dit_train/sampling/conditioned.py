@@ -27,9 +27,11 @@ from dit_train.tasks.conditioning import context_patches, vace_context
 log = logging.getLogger(__name__)
 
 
-def sampler_feed(cond: Any) -> str:
-    """The sampler's cond_feed of a run: its cond.feed when it trained conditioned, else ""."""
-    return str(cond.feed) if cond_active(cond) else ""
+def given_flags(cond: Any) -> str:
+    """The flags (with example files) that give a conditioned run's frames to `tools.sample`."""
+    if cond.from_prefix:
+        return "--video clip.mp4"
+    return "--image first.png" + (" --last-image last.png" if cond.gives_last else "")
 
 
 def condition_on_clips(requests: list[SampleRequest], clips: list[torch.Tensor], cond: Any, pt: int) -> int:
@@ -61,14 +63,6 @@ def i2v_on_clips(requests: list[SampleRequest], task: Any) -> None:
         r.cond_latents = item.cond_latents
         if item.image_emb is not None:
             r.image = item.image_emb if r.given is not None else item.image_emb * 0
-
-
-def sampler_i2v(model: Any, cond: Any) -> dict[str, Any]:
-    """The VideoSampler keywords of the Wan 2.1 I2V layout ({} for any other model)."""
-    k = getattr(model, "mask_channels", 1)
-    if k <= 1 or not cond_active(cond) or str(cond.feed) != "concat":
-        return {}
-    return {"i2v_mask": k, "i2v_last": str(cond.kind) == "first_last"}
 
 
 def validation_task(cfg: Any, task: Any) -> Any:
@@ -138,9 +132,8 @@ def given_from_files(cond: Any, shape: tuple[int, int, int, int], pt: int, image
         raise ValueError("conditioning files need a pixel-space run (data=synthetic_video or video_folder); "
                          "latent-cache runs do not encode them yet")
     f = F // pt
-    kind = str(cond.kind)
-    need = {"first_frame": "--image", "first_last": "--image and --last-image",
-            "prefix": "--video and --prefix-frames"}[kind]
+    kind, last = cond.kind, cond.gives_last
+    need = "--video and --prefix-frames" if cond.from_prefix else "--image" + (" and --last-image" if last else "")
     given = torch.zeros(shape)
     patches = torch.zeros(f, dtype=torch.bool)
 
@@ -149,19 +142,19 @@ def given_from_files(cond: Any, shape: tuple[int, int, int, int], pt: int, image
         given[:, first_patch * pt:first_patch * pt + pixels.shape[1]] = pixels
         patches[first_patch:first_patch + pixels.shape[1] // pt] = True
 
-    if kind in ("first_frame", "first_last"):
-        if kind == "first_frame" and last_image:  # the flag it cannot use, named (it said "give --image")
+    if cond.from_images:
+        if not last and last_image:  # the flag it cannot use, named (it said "give --image")
             raise ValueError("--last-image: this run trained cond.kind=first_frame (the first frame only); drop "
                              "--last-image (cond.kind=first_last runs take both)")
         if video:
             raise ValueError(f"--video: this run trained cond.kind={kind}; give {need} instead")
-        if not image or (kind == "first_last" and not last_image):
+        if not image or (last and not last_image):
             raise ValueError(f"this run trained cond.kind={kind}: give {need}")
-        if f < (3 if kind == "first_last" else 2):
+        if f < (3 if last else 2):
             raise ValueError(f"--frames={F} leaves no frame to generate after the given ones (temporal patches of "
                              f"{pt} frames); raise --frames")
         put(image, 0, pt)
-        if kind == "first_last":
+        if last:
             put(last_image, f - 1, pt)
     else:
         k = prefix_frames or cond.prefix_frames or pt
@@ -187,21 +180,22 @@ def given_latents_from_files(cond: Any, shape: tuple[int, int, int, int], pt: in
     equal what the cache holds for a clip that starts with them. The last latent frame is not the
     last image on its own: first_last is refused (ValueError naming --last-image)."""
     C, f, h, w = shape
-    kind = str(cond.kind)
-    if kind == "first_last" or last_image:
+    kind, prefix = cond.kind, cond.from_prefix
+    if cond.gives_last or last_image:
         raise ValueError("--last-image on a latent-cache run: the VAE encodes a clip's last latent frame from its "
                          f"last {codec.temporal} frames and their past, not from one image; sample a pixel-space "
                          "run, or train cond.kind=first_frame")
-    k = pt if kind == "first_frame" else (prefix_frames or cond.prefix_frames or pt)
-    flag = "--image" if kind == "first_frame" else "--video and --prefix-frames"
-    if (kind == "first_frame" and (video or not image)) or (kind == "prefix" and (image or not video)):
+    # first_last is refused above: the kind is first_frame or prefix
+    k = (prefix_frames or cond.prefix_frames or pt) if prefix else pt
+    flag = "--video and --prefix-frames" if prefix else "--image"
+    if (not prefix and (video or not image)) or (prefix and (image or not video)):
         raise ValueError(f"this run trained cond.kind={kind}: give {flag}")
     if k % pt or k >= f:
-        raise ValueError(f"{'--prefix-frames' if kind == 'prefix' else '--image'} gives {k} latent frame(s) (temporal "
+        raise ValueError(f"{'--prefix-frames' if prefix else '--image'} gives {k} latent frame(s) (temporal "
                          f"patches of {pt}); --frames must leave latent frames to generate: {f} now")
     frames = 1 + codec.temporal * (k - 1)
     H, W = h * codec.spatial, w * codec.spatial
-    if kind == "first_frame":
+    if not prefix:
         pixels = _read_pixels(image, 1, 1).expand(-1, frames, -1, -1)
     else:
         pixels = _read_pixels(video, frames, 1)
@@ -221,10 +215,9 @@ def i2v_from_files(cond: Any, shape: tuple[int, int, int, int], codec: Any, meta
     the cache's VAE (`codec`), the images through the cache's CLIP encoder (meta.json's
     settings.i2v); `given` is a placeholder (the sampler reads cond_latents)."""
     C, f, h, w = shape
-    kind = str(cond.kind)
-    if video or not image or (kind == "first_last") != bool(last_image):
-        need = "--image first.png" + (" --last-image last.png" if kind == "first_last" else "")
-        raise ValueError(f"this run trained cond.kind={kind} in Wan 2.1 I2V's layout (model.mask_channels): give {need}")
+    if video or not image or cond.gives_last != bool(last_image):
+        raise ValueError(f"this run trained cond.kind={cond.kind} in Wan 2.1 I2V's layout (model.mask_channels): give "
+                         f"{given_flags(cond)}")
     patches = context_patches(cond, 1, f)
     if patches is None:
         raise ValueError(f"--frames gives {f} latent frame(s): nothing would be left to generate after the given ones")

@@ -17,7 +17,7 @@ With `guidance_scale` > 1 and captions, each clip is packed twice — with its c
 the empty caption — and v = v_uncond + g·(v_cond − v_uncond) (classifier-free guidance). A
 model of two experts (Wan 2.2 A14B, `boundary` > 0) takes g = `guidance_scale` while a clip's
 t >= boundary (the high-noise expert) and `guidance_scale_2` below, as diffusers' WanPipeline.
-A conditioned model (`cond_feed`, tasks/conditioning.py) gets each request's given frames at
+A conditioned model (`inputs.feed`, tasks/conditioning.py) gets each request's given frames at
 every step: with the timestep feed they are put back clean (x = the given frames, timestep 0)
 before every model call and in the result; with the concat feed they arrive as the extra input
 channels (zeros and an all-zero mask for a request without given frames). Both CFG branches
@@ -38,15 +38,16 @@ from tqdm.auto import tqdm
 import torch
 import torch.distributed as dist
 
-from dit_train.batch import PackedBatch
+from dit_train.batch import PackedBatch, video_forward
 from dit_train.objectives.flow_matching import PipelineShift, sample_shift, velocity_from_output
 from dit_train.parallel.context_parallel import split_for_cp
 from dit_train.parallel.mesh import ParallelContext
 from dit_train.rng import sample_generator
 from dit_train.tasks.captions import pad_contexts
-from dit_train.tasks.conditioning import ClipInputs, clip_inputs, i2v_inputs, input_tokens
+from dit_train.tasks.conditioning import ClipInputs, clip_inputs, i2v_inputs
 from dit_train.tasks.joint_text import join_text_tokens, video_rows
-from dit_train.tasks.video import model_context, num_patches, pack_clips, unpatchify
+from dit_train.tasks.video import num_patches, pack_clips, unpatchify
+from dit_train.tasks.video_inputs import VideoInputs
 from dit_train.kernels import VarlenLayout
 
 log = logging.getLogger(__name__)
@@ -143,7 +144,7 @@ def predict_velocity(model: torch.nn.Module, batch: PackedBatch, ctx: ParallelCo
         local, attn = split_for_cp(batch, cp, ctx.cp_rank, "contiguous")
         attn = attn.to(ctx.device)
         local = local.to(ctx.device)
-        out = model(input_tokens(local), local.pos, local.seg, local.samples["t"], attn, **model_context(local)).float()
+        out = video_forward(model, local, attn).float()
         shares = [torch.empty_like(out) for _ in range(cp)]
         dist.all_gather(shares, out.contiguous(), group=ctx.cp_group)
         full = torch.empty((attn.seg.numel(), out.shape[-1]), dtype=out.dtype, device=out.device)
@@ -152,13 +153,18 @@ def predict_velocity(model: torch.nn.Module, batch: PackedBatch, ctx: ParallelCo
         return full[:L]
     b = batch.to(ctx.device)
     attn = VarlenLayout.build(b.seg, b.order, False)
-    return model(input_tokens(b), b.pos, b.seg, b.samples["t"], attn, **model_context(b)).float()
+    return video_forward(model, b, attn).float()
 
 
 class VideoSampler:
     """Generates `requests` with the model (see the module docstring).
 
-    patch: the model's (pt, ph, pw); text_dim: caption width (0 = unconditional);
+    inputs: what the model receives (tasks/video_inputs.py): its patch (pt, ph, pw), caption width
+    text_dim (0 = unconditional), what it outputs (prediction, x0_min_t), its conditioning's feed
+    ("" when it trained unconditioned), whether every request brings a `control` video
+    (cond.control), and diffusers' Wan 2.1 I2V layout (i2v_mask > 0; gives_last: first_last),
+    where the requests' given frames arrive as its mask and their `cond_latents`, with their
+    `image` tokens.
     null_caption: [Lt, text_dim] embedding of the empty caption (the CFG negative).
     shift, shift_reference_tokens: the run's loss.timestep_shift and loss.shift_reference_tokens;
     clip k samples with shifts[k] = sample_shift(shift, shift_reference_tokens, its tokens).
@@ -166,33 +172,26 @@ class VideoSampler:
     step lets later steps correct what the deterministic path fixes at high noise (a square
     drawn with round corners stays round along an ODE path); it needs a well-trained model
     (docs/quality.md has the measurements).
-    cond_feed: the run's cond.feed when it trained conditioned ("timestep" | "concat"), "" when not.
-    control: the run trained with cond.control: every request brings its `control` video.
     boundary, guidance_scale_2: a model of two experts switching at flow time `boundary` (0 =
     one model) guides clips below it with guidance_scale_2 (0 = guidance_scale), as WanPipeline.
     pipeline: a diffusers pipeline's token-count schedule (LTXPipeline's, `PipelineShift`)
     instead of `shift`: each clip's sigmas are the ones that pipeline uses for its token count.
-    i2v_mask, i2v_last: diffusers' Wan 2.1 I2V layout (model.mask_channels > 1; first_last): the
-    requests' given frames arrive as its mask and their `cond_latents`, with their `image` tokens.
     """
 
-    def __init__(self, requests: list[SampleRequest], patch: tuple[int, int, int], text_dim: int,
-                 null_caption: torch.Tensor | None, ctx: ParallelContext, steps: int, guidance_scale: float,
-                 seed: int, shift: float = 1.0, shift_reference_tokens: int = 0, prediction: str = "velocity",
-                 x0_min_t: float = 0.05, stochastic: bool = False, cond_feed: str = "", control: bool = False,
-                 guidance_scale_2: float = 0.0, boundary: float = 0.0, pipeline: PipelineShift | None = None,
-                 i2v_mask: int = 0, i2v_last: bool = False):
+    def __init__(self, requests: list[SampleRequest], inputs: VideoInputs, null_caption: torch.Tensor | None,
+                 ctx: ParallelContext, steps: int, guidance_scale: float, seed: int, shift: float = 1.0,
+                 shift_reference_tokens: int = 0, stochastic: bool = False, guidance_scale_2: float = 0.0,
+                 boundary: float = 0.0, pipeline: PipelineShift | None = None):
         from diffusers import FlowMatchEulerDiscreteScheduler  # deferred: diffusers takes ~2 s to import
 
-        self.cond_feed, self.control = cond_feed, control
-        self.i2v_mask, self.i2v_last = i2v_mask, i2v_last
-        if i2v_mask and any(r.given is not None and r.cond_latents is None for r in requests):
+        self.inputs, self.control = inputs, inputs.control
+        if inputs.i2v_mask and any(r.given is not None and r.cond_latents is None for r in requests):
             raise ValueError("a Wan 2.1 I2V model needs each conditioned clip's condition latents (cond_latents)")
-        if control and any(r.control is None for r in requests):
+        if self.control and any(r.control is None for r in requests):
             raise ValueError("a model trained with cond.control needs a control video for every clip")
-        self.requests, self.patch, self.text_dim, self.null_caption = requests, tuple(patch), text_dim, null_caption
+        self.requests, self.patch, self.text_dim, self.null_caption = requests, inputs.patch, inputs.text_dim, null_caption
         self.ctx, self.steps, self.guidance, self.seed, self.shift = ctx, steps, guidance_scale, seed, shift
-        self.prediction, self.x0_min_t = prediction, x0_min_t  # what the model outputs (model.prediction)
+        self.prediction, self.x0_min_t = inputs.prediction, inputs.x0_min_t  # what the model outputs (model.prediction)
         self.stochastic = stochastic
         self.guidance_2, self.boundary = guidance_scale_2 or guidance_scale, boundary
         self.pipeline = pipeline
@@ -248,14 +247,14 @@ class VideoSampler:
     def given(self, k: int, x: torch.Tensor) -> ClipInputs | None:
         """Request k's conditioned inputs around its current x (None for an unconditioned model):
         x with the given frames put back (timestep feed), the clean flags or the concat channels."""
-        if not self.cond_feed:
+        if not self.inputs.feed:
             return None
         r = self.requests[k]
-        if self.i2v_mask:
-            return i2v_inputs(x, r.given_patches if r.given is not None else None, self.i2v_last, self.i2v_mask,
-                              r.cond_latents, self.patch)
+        if self.inputs.i2v_mask:
+            return i2v_inputs(x, r.given_patches if r.given is not None else None, self.inputs.gives_last,
+                              self.inputs.i2v_mask, r.cond_latents, self.patch)
         given = r.given.to(x.dtype) if r.given is not None else torch.zeros_like(x)
-        return clip_inputs(given, x, r.given_patches if r.given is not None else None, self.cond_feed, self.patch)
+        return clip_inputs(given, x, r.given_patches if r.given is not None else None, self.inputs.concat, self.patch)
 
     def _pack(self, xs: list[torch.Tensor], ts: list[float], ctxs: list[torch.Tensor] | None,
               given: list[ClipInputs | None], controls: list[torch.Tensor | None]) -> PackedBatch:
@@ -263,11 +262,11 @@ class VideoSampler:
         if ctxs is not None:
             samples["context"], samples["context_len"] = pad_contexts(ctxs, self.text_dim)
         fields, per_token = {"x": xs}, None
-        if self.cond_feed == "concat":
+        if self.inputs.concat:
             fields["cond"] = [g.cond for g in given]
-        elif self.cond_feed == "timestep":
+        elif self.inputs.clean:
             per_token = {"clean": [g.clean for g in given]}
-        if self.control:  # after the concat channels, as in training (tasks/conditioning.input_tokens)
+        if self.control:  # after the concat channels, as in training (batch.input_tokens)
             fields["control"] = [c.to(xs[0].dtype) for c in controls]
         if self.requests[0].image is not None:  # both CFG branches see the image, as WanImageToVideoPipeline
             images = [r.image for r in self.requests]
@@ -308,7 +307,7 @@ class VideoSampler:
         for i in tqdm(range(self.steps), desc=f"sampling {n} clip(s)", unit="step", disable=not progress):
             ts = [sig[i] for sig in sigmas]  # each clip's own noise level (they differ with per-clip shifts)
             given = [self.given(k, xs[k]) for k in range(n)]
-            if self.cond_feed == "timestep":  # the given frames, clean, at every step
+            if self.inputs.clean:  # the given frames, clean, at every step
                 xs = [g.x for g in given]
             controls = [r.control for r in self.requests]
             batch = self._pack(xs + xs if cfg else xs, ts + ts if cfg else ts, ctxs, given + given if cfg else given,
@@ -328,6 +327,6 @@ class VideoSampler:
                 gen = sample_generator(self.seed, self.requests[k].noise_id, i + 1, "sampling") if self.stochastic else None
                 xs[k] = scheds[k].step(vel, scheds[k].timesteps[i], xs[k], generator=gen).prev_sample
         model.train(was_training)
-        if self.cond_feed == "timestep":  # the result shows the given frames as they were given
+        if self.inputs.clean:  # the result shows the given frames as they were given
             xs = [self.given(k, xs[k]).x for k in range(n)]
         return xs

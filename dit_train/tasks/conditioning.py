@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 def context_patch_count(cond: Any, pt: int) -> int:
     """Temporal patches at the start of a clip given as context (the first one for first_frame
     and first_last; cond.prefix_frames / pt for prefix, at least one)."""
-    if str(cond.kind) == "prefix":
+    if cond.from_prefix:
         return max(1, cond.prefix_frames // pt)
     return 1
 
@@ -54,7 +54,7 @@ def context_patches(cond: Any, pt: int, num_patches: int) -> torch.Tensor | None
     """[f] bool: which of a clip's f temporal patches are context. None when no patch would be
     left to generate (a clip too short for its conditioning: it trains unconditioned)."""
     first = context_patch_count(cond, pt)
-    last = 1 if str(cond.kind) == "first_last" else 0
+    last = 1 if cond.gives_last else 0
     if num_patches <= first + last:
         return None
     mask = torch.zeros(num_patches, dtype=torch.bool)
@@ -64,9 +64,9 @@ def context_patches(cond: Any, pt: int, num_patches: int) -> torch.Tensor | None
     return mask
 
 
-def cond_keys(cond: Any) -> str:
-    """The key that sets how much context `cond` takes: cond.prefix_frames for prefix, else cond.kind."""
-    return f"cond.prefix_frames={cond.prefix_frames}" if str(cond.kind) == "prefix" else f"cond.kind={cond.kind}"
+def given_patch_count(cond: Any, pt: int) -> int:
+    """Temporal patches a clip gives as context: its first ones, and its last one for first_last."""
+    return context_patch_count(cond, pt) + (1 if cond.gives_last else 0)
 
 
 def too_short(cond: Any, pt: int, frames: list[int]) -> list[int]:
@@ -79,13 +79,13 @@ def unconditionable_error(cond: Any, pt: int, frames: list[int], stills: int) ->
     """The error when no sample is long enough for `cond` (every one would train unconditioned
     and the run would report completed): the context it takes, the longest sample, and what
     to change. `stills`: how many of the samples are still images."""
-    given = (context_patch_count(cond, pt) + (1 if str(cond.kind) == "first_last" else 0)) * pt
+    given = given_patch_count(cond, pt) * pt
     longest = max(frames)
     kind = " (all still images)" if stills == len(frames) else ""
     fix = (f"lower cond.prefix_frames to {longest - pt} or less, or train on clips of more than {given} frames"
-           if str(cond.kind) == "prefix" and longest > pt else
+           if cond.from_prefix and longest > pt else
            f"train on clips of more than {given} frames, or set cond.kind=none")
-    return (f"{cond_keys(cond)} gives {given} frames as context, but the longest of the {len(frames)} samples has "
+    return (f"{cond.context_key} gives {given} frames as context, but the longest of the {len(frames)} samples has "
             f"{longest} frames{kind}: no sample leaves a frame to generate, so none would be conditioned (each would "
             f"train unconditioned); {fix}")
 
@@ -157,16 +157,17 @@ def i2v_inputs(xt: torch.Tensor, patches: torch.Tensor | None, last: bool, k: in
     return ClipInputs(xt, weight, None, torch.cat([mask, cond_latents.to(xt.dtype)]))
 
 
-def clip_inputs(x0: torch.Tensor, xt: torch.Tensor, patches: torch.Tensor | None, feed: str,
+def clip_inputs(x0: torch.Tensor, xt: torch.Tensor, patches: torch.Tensor | None, concat: bool,
                 patch: tuple[int, int, int]) -> ClipInputs:
     """The inputs of one clip [C, F, H, W] given its context temporal patches ([f] bool, or
-    None when the sample is not conditioned at this step). Token order is patchify's (t, h, w)."""
+    None when the sample is not conditioned at this step), through the concat feed (`concat`)
+    or the timestep feed. Token order is patchify's (t, h, w)."""
     pt, ph, pw = patch
     _, F, H, W = x0.shape
     f, per_patch = F // pt, (H // ph) * (W // pw)
     ctx_tok = (patches if patches is not None else torch.zeros(f, dtype=torch.bool)).repeat_interleave(per_patch)
     frames = frame_mask(patches, pt, F)
-    if feed == "concat":  # every token stays a target; the context arrives as channels
+    if concat:  # every token stays a target; the context arrives as channels
         weight = torch.full((f * per_patch,), WEIGHT_ONE, dtype=torch.int64)
         return ClipInputs(xt, weight, None, concat_channels(x0, frames))
     x = torch.where(frames[None, :, None, None], x0.to(xt.dtype), xt)  # context frames clean
@@ -192,9 +193,9 @@ class Conditioner:
 
     def __init__(self, cond: Any, patch: tuple[int, int, int], seed: int, mask_channels: int = 1):
         self.cond, self.patch, self.seed = cond, tuple(patch), seed
-        self.feed = str(cond.feed)
+        self.concat = cond.concat_feed
         # > 1: diffusers' Wan 2.1 I2V layout (i2v_inputs), its condition read from the latent cache
-        self.i2v = mask_channels if self.feed == "concat" and mask_channels > 1 else 0
+        self.i2v = mask_channels if self.concat and mask_channels > 1 else 0
         self.short: set[int] = set()
 
     def context(self, sample_id: int, step: int, frames: int) -> torch.Tensor | None:
@@ -214,8 +215,8 @@ class Conditioner:
         """`cond_latents`: the clip's cached I2V condition [C, F, H, W] (the Wan 2.1 I2V layout only)."""
         patches = self.context(sample_id, step, x0.shape[1])
         if self.i2v:
-            return i2v_inputs(xt, patches, str(self.cond.kind) == "first_last", self.i2v, cond_latents, self.patch)
-        return clip_inputs(x0, xt, patches, self.feed, self.patch)
+            return i2v_inputs(xt, patches, self.cond.gives_last, self.i2v, cond_latents, self.patch)
+        return clip_inputs(x0, xt, patches, self.concat, self.patch)
 
 
 def vace_context(control: torch.Tensor, inactive: torch.Tensor | None, mask_channels: int) -> torch.Tensor:
@@ -248,16 +249,6 @@ def vace_data_check(dataset: Any, mask_channels: int) -> None:
                          f"python -m dit_train.tools.cache_latents --control (into a new --out)")
 
 
-def input_tokens(batch: Any) -> torch.Tensor:
-    """[L, in] the model's input tokens of a pack: x, with the concat feed's channels and the
-    control video's appended per token (patchify flattens channels outermost, so appending
-    features per token is the channel concatenation [noisy | mask | conditioning | control] of
-    the patch)."""
-    x = batch.tokens["x"]
-    extra = [batch.tokens[k].to(x.dtype) for k in ("cond", "control") if k in batch.tokens]
-    return torch.cat([x, *extra], dim=-1) if extra else x
-
-
 def cond_errors(mode: str, cond: Any, model: Any, data: Any) -> list[str]:
     """One line per problem of the `cond` keys against the mode, model and data (check_config)."""
     e: list[str] = []
@@ -287,18 +278,17 @@ def cond_errors(mode: str, cond: Any, model: Any, data: Any) -> list[str]:
                  f"set cond.kind=none")
         return e
     pt = model.patch_size[0]
-    if str(cond.kind) == "prefix" and cond.prefix_frames % pt:
+    if cond.from_prefix and cond.prefix_frames % pt:
         lower = max(pt, cond.prefix_frames - cond.prefix_frames % pt)
         e.append(f"cond.prefix_frames={cond.prefix_frames} must be a multiple of model.patch_size[0]={pt} (the "
                  f"model's temporal patch): use {lower} or {lower + pt}")
     max_frames = getattr(data, "max_frames", None)
     if max_frames is not None:
-        given = context_patch_count(cond, pt) + (1 if str(cond.kind) == "first_last" else 0)
+        given = given_patch_count(cond, pt)
         if max_frames // pt <= given:
-            what = f"cond.prefix_frames={cond.prefix_frames}" if str(cond.kind) == "prefix" else f"cond.kind={cond.kind}"
-            e.append(f"{what} gives {given * pt} frames as context, but clips have at most data.max_frames={max_frames} "
+            e.append(f"{cond.context_key} gives {given * pt} frames as context, but clips have at most data.max_frames={max_frames} "
                      f"frames: nothing would be left to generate; raise data.max_frames above {given * pt}"
-                     + (" or lower cond.prefix_frames" if str(cond.kind) == "prefix" else ""))
+                     + (" or lower cond.prefix_frames" if cond.from_prefix else ""))
     return e
 
 
@@ -325,7 +315,7 @@ def i2v_errors(cond: Any, model: Any, data: Any) -> list[str]:
     if image_dim and k <= 1:
         e.append(f"model.image_dim={image_dim} (the CLIP image branch) is Wan 2.1 I2V's: it needs its input layout, "
                  f"model.mask_channels={model.vae_stride[0]} (model=wan_i2v_tiny / wan_i2v_14b set both)")
-    if str(cond.kind) not in ("first_frame", "first_last") or str(cond.feed) != "concat":
+    if not (cond.from_images and cond.concat_feed):
         e.append(f"model.mask_channels={k} is diffusers' Wan 2.1 I2V layout: it needs cond.kind=first_frame or "
                  f"first_last with cond.feed=concat (got cond.kind={cond.kind}, cond.feed={cond.feed})")
     source = SOURCES[data.name] if getattr(data, "name", "") in SOURCES else None

@@ -10,15 +10,15 @@ from torch import nn
 
 from dit_train.data_pipelines.companions import token_mask_units
 from dit_train.data_pipelines.video_io import VideoReadError
-from dit_train.batch import WEIGHT_ONE, PackedBatch
+from dit_train.batch import WEIGHT_ONE, PackedBatch, video_forward
 from dit_train.config import LossConfig, ModelConfig
 from dit_train.objectives.flow_matching import loss_weight, noisy_sample, per_token_mse, sample_shift, velocity_from_output
 from dit_train.tasks.captions import ByteCaptionEncoder, drop_caption, pad_contexts
-from dit_train.config.schema import cond_active, cond_channels, control_channels
-from dit_train.models.registry import model_spec
-from dit_train.tasks.conditioning import (Conditioner, cond_keys, i2v_data_errors, input_tokens, masked, too_short,
-                                         unconditionable_error, vace_context, vace_data_check)
+from dit_train.config.schema import cond_active
+from dit_train.tasks.conditioning import (Conditioner, i2v_data_errors, masked, too_short, unconditionable_error, vace_context,
+                                         vace_data_check)
 from dit_train.tasks.joint_text import join_text_tokens
+from dit_train.tasks.video_inputs import video_inputs
 
 
 def patchify(x: torch.Tensor, patch: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,38 +111,26 @@ class VideoTask:
     def __init__(self, dataset: Any, model_cfg: ModelConfig, loss_cfg: LossConfig, seed: int,
                  caption_dropout: float = 0.0, cond: Any = None, masks: bool = False):
         self.dataset = dataset
-        self.text_dim, self.text_len = model_cfg.text_dim, model_cfg.text_len
+        self.inputs = inputs = video_inputs(model_cfg, cond)  # what the model receives, read once
+        self.text_dim, self.text_len = inputs.text_dim, inputs.text_len
         self.caption_dropout = caption_dropout
-        self._bytes = (ByteCaptionEncoder(self.text_dim, self.text_len, words=getattr(model_cfg, "caption_words", False))
-                       if self.text_dim else None)
-        self.patch = tuple(model_cfg.patch_size)
-        self.patch_dim = model_cfg.in_channels * self.patch[0] * self.patch[1] * self.patch[2]
+        self._bytes = ByteCaptionEncoder(self.text_dim, self.text_len, words=inputs.caption_words) if self.text_dim else None
+        self.patch, self.patch_dim = inputs.patch, inputs.patch_dim
         self.loss_cfg = loss_cfg
-        self.prediction = getattr(model_cfg, "prediction", "velocity")  # what the model outputs
-        self.x0_min_t = getattr(model_cfg, "x0_min_t", 0.05)
-        # the flow times this model trains on (a Wan 2.2 A14B expert: its side of the boundary)
-        self.t_range = model_cfg.timestep_range() if hasattr(model_cfg, "timestep_range") else (0.0, 1.0)
+        self.prediction, self.x0_min_t = inputs.prediction, inputs.x0_min_t  # what the model outputs
         self.seed = seed
-        self.mask_channels = getattr(model_cfg, "mask_channels", 1)  # Wan 2.1 I2V: 4 (tasks/conditioning.py)
-        self.conditioner = Conditioner(cond, self.patch, seed, self.mask_channels) if cond_active(cond) else None
-        self.image_dim = getattr(model_cfg, "image_dim", 0)  # Wan 2.1 I2V's CLIP tokens per clip
-        if self.conditioner is not None and self.conditioner.i2v:  # the data must hold the I2V tensors
+        self.conditioner = Conditioner(cond, self.patch, seed, inputs.mask_channels) if cond_active(cond) else None
+        if inputs.i2v_mask:  # the data must hold the I2V tensors
             errors = i2v_data_errors(getattr(dataset, "meta", {}), cond, model_cfg, f"data.root={getattr(dataset, 'root', '')}")
             if errors:
                 raise ValueError("; ".join(errors))
         self.masks = masks  # loss weights times each clip's mask (data.masks)
-        self.control = bool(getattr(cond, "control", False))  # the control video as more input channels
-        # features per token of the concat feed's channels (mask + conditioning frames); control's follow
-        control = control_channels(model_cfg)  # C, or a VACE model's context width (models/wan_vace.py)
-        concat = cond_channels(cond, model_cfg.in_channels, self.mask_channels, control) - (control if self.control else 0)
-        self.control_dim = control * self.patch[0] * self.patch[1] * self.patch[2]
-        self.vace_mask = getattr(model_cfg, "vace_mask_channels", 0)  # Wan VACE: the control is its context
-        if self.control and self.vace_mask and getattr(dataset, "meta", None) is not None:
-            vace_data_check(dataset, self.vace_mask)
-        self.cond_dim = concat * self.patch[0] * self.patch[1] * self.patch[2]
+        self.control = inputs.control  # the control video as more input channels
+        if self.control and inputs.vace_mask and getattr(dataset, "meta", None) is not None:
+            vace_data_check(dataset, inputs.vace_mask)  # Wan VACE: the control is its context
         # a model with joint text-video attention gets each clip's caption tokens as slots of the
         # pack (weight 0, outside T_b: tasks/joint_text.py)
-        self.joint_text = bool(self.text_dim) and model_spec(model_cfg).joint_text
+        self.joint_text = inputs.joint_text
         self.failed: set[int] = set()  # samples whose file could not be decoded (skipped, counted)
         self.failure_reasons: dict[int, str] = {}  # ... and why (the first few name them in errors)
 
@@ -167,7 +155,7 @@ class VideoTask:
             if short:
                 log.warning("%d of the %d samples have at most %d frames: too short for %s (no frame left to "
                             "generate); they train unconditioned", len(short), len(counts),
-                            max(counts[i] for i in short), cond_keys(cond))
+                            max(counts[i] for i in short), cond.context_key)
         if self.masks:
             self._check_masks()
 
@@ -200,9 +188,9 @@ class VideoTask:
     def control_input(self, item: Any) -> torch.Tensor:
         """A clip's control input [C', F, H, W]: its control video, or Wan VACE's context built
         from it ([inactive | reactive | mask], tasks/conditioning.vace_context)."""
-        if not self.vace_mask:
+        if not self.inputs.vace_mask:
             return item.control
-        return vace_context(item.control, getattr(item, "control_inactive", None), self.vace_mask)
+        return vace_context(item.control, getattr(item, "control_inactive", None), self.inputs.vace_mask)
 
     def null_caption(self) -> torch.Tensor:
         """[Lt, text_dim] embedding of the empty caption (dropout, and the CFG negative)."""
@@ -242,13 +230,13 @@ class VideoTask:
             kept.append(sid)
             # the shift of this sample follows from its own size (never the pack's): exact
             shift = sample_shift(lc.timestep_shift, lc.shift_reference_tokens, num_patches(x0.shape, self.patch))
-            xt, v, t = noisy_sample(x0, self.seed, sid, step, lc, shift, self.t_range)
+            xt, v, t = noisy_sample(x0, self.seed, sid, step, lc, shift, self.inputs.t_range)
             weight = torch.full((num_patches(x0.shape, self.patch),), WEIGHT_ONE, dtype=torch.int64)
             if self.conditioner is not None:  # context frames of the clip itself (tasks/conditioning.py)
                 inputs = self.conditioner.inputs(x0, xt, sid, step, getattr(item, "cond_latents", None))
                 xt, weight = inputs.x, inputs.weight
-                if self.image_dim:  # an unconditioned sample (cond.prob < 1) sees zero image tokens, as its zero mask
-                    images.append(item.image_emb if inputs.cond[: self.mask_channels].any() else item.image_emb * 0)
+                if self.inputs.image_dim:  # an unconditioned sample (cond.prob < 1) sees zero image tokens, as its zero mask
+                    images.append(item.image_emb if inputs.cond[: self.inputs.mask_channels].any() else item.image_emb * 0)
                 if inputs.clean is not None:
                     clean.append(inputs.clean)
                 else:
@@ -279,12 +267,11 @@ class VideoTask:
         if self.conditioner is None and not self.masks and not self.control:
             return pack_clips({"x": xs, "target": targets}, self.patch, self.patch_dim, samples, ids)
         fields, dims = {"x": xs, "target": targets}, {"x": self.patch_dim, "target": self.patch_dim}
-        feed = self.conditioner.feed if self.conditioner is not None else ""
-        if feed == "concat":
-            fields["cond"], dims["cond"] = conds, self.cond_dim
+        if self.inputs.concat:
+            fields["cond"], dims["cond"] = conds, self.inputs.cond_dim
         if self.control:
-            fields["control"], dims["control"] = controls, self.control_dim
-        per_token = {"clean": clean} if feed == "timestep" else None
+            fields["control"], dims["control"] = controls, self.inputs.control_dim
+        per_token = {"clean": clean} if self.inputs.clean else None
         return pack_clips(fields, self.patch, dims, samples, ids, per_token=per_token, weights=weights)
 
     def per_token_loss(self, model: nn.Module, batch: PackedBatch, attn_meta: Any) -> torch.Tensor:
@@ -293,7 +280,7 @@ class VideoTask:
         reduction's weights, so the reduction and its exactness are unchanged. A model with
         model.prediction=x0 outputs x̂0, turned into the velocity it stands for first."""
         t = batch.samples["t"]
-        out = model(input_tokens(batch), batch.pos, batch.seg, t, attn_meta, **model_context(batch))
+        out = video_forward(model, batch, attn_meta)
         if self.prediction != "velocity":
             # per token; padding (seg -1, also a rank's empty pack) picks the appended 1
             t_tok = torch.cat([t.float(), t.new_ones(1, dtype=torch.float32)]).to(batch.seg.device)[batch.seg]
@@ -305,18 +292,3 @@ class VideoTask:
         w = torch.cat([loss_weight(t, self.loss_cfg.weighting).to(loss.device), loss.new_ones(1)])
         return loss * w[batch.seg]
 
-
-def model_context(batch: PackedBatch) -> dict[str, torch.Tensor]:
-    """The keyword arguments of a video model call besides the tokens: captions, the clean
-    (timestep 0) tokens of the conditioning's timestep feed, and the clips' CLIP image tokens
-    (model.image_dim) ({} for unconditional packs)."""
-    out = {}
-    if "context" in batch.samples:
-        out = {"context": batch.samples["context"], "context_len": batch.samples["context_len"]}
-    if "clean" in batch.tokens:
-        out["clean"] = batch.tokens["clean"]
-    if "text" in batch.tokens:  # text slots of a joint-attention model (tasks/joint_text.py)
-        out["text"] = batch.tokens["text"]
-    if "image" in batch.samples:  # Wan 2.1 I2V's CLIP image tokens, per clip
-        out["image"] = batch.samples["image"]
-    return out

@@ -29,7 +29,7 @@ from dataclasses import replace
 
 import torch
 
-from dit_train.batch import PackedBatch
+from dit_train.batch import PackedBatch, video_forward
 from dit_train.compose import compose
 from dit_train.engine import launch  # launch.launch_local at call time: the tests route it to their worker pool
 from dit_train.engine.build import build_parallel_model
@@ -42,7 +42,6 @@ from dit_train.parallel.parallelize import apply_activation_checkpointing, apply
 from dit_train.perf.bench import format_table, write_json
 from dit_train.perf.flops import mfu, train_flops
 from dit_train.perf.memory import estimate_memory, GIB, model_shape, saved_activation_bytes
-from dit_train.tasks.video import model_context
 
 
 def model_cfg(name: str):
@@ -92,7 +91,7 @@ def run_single(cfg, tokens, sample_tokens, ac, compile_, backend, precision, dev
                 torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         with amp:
-            pred = model(batch.tokens["x"], batch.pos, batch.seg, batch.samples["t"], meta, **model_context(batch))
+            pred = video_forward(model, batch, meta)
             loss = ((pred.float() - batch.tokens["target"]) ** 2).mean()
         loss.backward()
         opt.step()
@@ -138,7 +137,7 @@ def _cp_worker(cfg, tokens, sample_tokens, precision, backend):
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
     with amp:
-        fwd = lambda: model(local.tokens["x"], local.pos, local.seg, local.samples["t"], meta, **model_context(local))  # noqa: E731
+        fwd = lambda: video_forward(model, local, meta)  # noqa: E731
         saved, pred = saved_activation_bytes(fwd, exclude=list(model.parameters()))
     out = {"saved_bytes": saved, "local_tokens": int(local.seg.numel())}
     if cuda:

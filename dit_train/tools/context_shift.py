@@ -22,7 +22,6 @@ import torch
 
 from dit_train.batch import WEIGHT_ONE, PackedBatch
 from dit_train.compose import compose
-from dit_train.config.schema import cond_active
 from dit_train.data_pipelines import prepare_data
 from dit_train.engine.layout_equivalence import relative_difference, train_weights
 from dit_train.tasks import check_data, resolve_config
@@ -57,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="Hydra overrides (key=value), also accepted after `--`")
     args = ap.parse_args(argv)
     cfg = compose([f"train.steps={args.steps}", "train.progress=false", *args.overrides, *overrides])
-    if not cond_active(cfg.cond) or str(cfg.cond.feed) != "timestep":
+    if not cfg.cond.timestep_feed:
         print(f"error: cond.kind={cfg.cond.kind} cond.feed={cfg.cond.feed} has no context tokens to count: set "
               "cond.kind=first_frame|first_last|prefix with cond.feed=timestep (e.g. +experiment=shapes_i2v)",
               file=sys.stderr)

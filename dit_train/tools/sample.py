@@ -59,11 +59,12 @@ from dit_train.parallel.mesh import init_parallel
 from dit_train.precision import autocast
 from dit_train.sampling import pipeline_shift, sampling_boundary, scored_view, source_requests, to_pixels, VideoSampler, write_samples
 from dit_train.sampling.conditioned import (condition_on_clips, control_from_file, control_on_clips, given_from_files,
-                                            given_latents_from_files, given_scores, i2v_from_files, i2v_on_clips,
-                                            sampler_feed, sampler_i2v, validation_task)
+                                            given_flags, given_latents_from_files, given_scores, i2v_from_files, i2v_on_clips,
+                                            validation_task)
 from dit_train.data_pipelines.latent_cache import read_cache_info
 from dit_train.sampling.prompts import prompt_requests, prompt_space
 from dit_train.tasks import build_task
+from dit_train.tasks.video_inputs import video_inputs
 from dit_train.tools.args import POSITIVE_INT, ToolParser, ranged
 
 
@@ -82,11 +83,11 @@ def data_requests(cfg: Any, num: int, device: Any, decoder: bool, heldout: bool 
         task = validation_task(cfg, task)
     source = source_for(cfg.data, cfg.model)
     requests = source_requests(task, source, num)
-    if sampler_feed(cfg.cond):
+    if cfg.cond.active:
         condition_on_clips(requests, [task.dataset[r.noise_id].pixels for r in requests], cfg.cond, task.patch[0])
     if task.control:
         control_on_clips(requests, task)
-    if sampler_i2v(cfg.model, cfg.cond):
+    if task.inputs.i2v_mask:
         i2v_on_clips(requests, task)
     decode = source.decoder(device) if decoder else None
     return requests, task.null_caption() if task.text_dim else None, decode
@@ -152,13 +153,10 @@ def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, 
     pipeline = pipeline_shift(cfg.model)  # ... or the model's pipeline schedule (LTX: model.pipeline_shift) ...
     if args.shift is not None:  # ... unless --shift names one for every clip
         shift, reference, pipeline = args.shift, 0, None
-    sampler = VideoSampler(requests, tuple(cfg.model.patch_size), getattr(cfg.model, "text_dim", 0), null, ctx,
-                           args.steps, args.guidance, args.seed, shift, reference,
-                           prediction=getattr(cfg.model, "prediction", "velocity"), x0_min_t=getattr(cfg.model, "x0_min_t", 0.05),
+    sampler = VideoSampler(requests, video_inputs(cfg.model, cfg.cond), null, ctx, args.steps, args.guidance, args.seed,
+                           shift, reference,
                            stochastic=cfg.train.stochastic_sampling if args.stochastic is None else args.stochastic,
-                           cond_feed=sampler_feed(cfg.cond), control=bool(cfg.cond.control),
-                           guidance_scale_2=args.guidance_scale_2, boundary=args.boundary, pipeline=pipeline,
-                           **sampler_i2v(cfg.model, cfg.cond))
+                           guidance_scale_2=args.guidance_scale_2, boundary=args.boundary, pipeline=pipeline)
     clips = sampler.sample(model, lambda: autocast(cfg.train.precision, ctx.device, False), progress=ctx.is_main)
     if not ctx.is_main:
         return None
@@ -244,9 +242,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("nothing to sample: give --prompt \"a caption\" (repeat for several) or --data-captions N")
         if args.data_captions < 0:
             raise ValueError(f"--data-captions={args.data_captions} must be >= 1")
-        if sampler_i2v(cfg.model, cfg.cond) and args.prompt and not given_files(args):  # its CLIP tokens need an image
+        if video_inputs(cfg.model, cfg.cond).i2v_mask and args.prompt and not given_files(args):  # its CLIP tokens need an image
             raise ValueError(f"this run trained diffusers' Wan 2.1 I2V layout (model.mask_channels={cfg.model.mask_channels}): "
-                             f"give --image first.png" + (" --last-image last.png" if str(cfg.cond.kind) == "first_last" else ""))
+                             f"give {given_flags(cfg.cond)}")
         check_given(args, cfg.cond)
         args.given = read_given(args, cfg)
         args.control_clip = read_control(args, cfg)
@@ -316,9 +314,7 @@ def check_given(args: argparse.Namespace, cond: Any) -> None:
     if args.prefix_frames and not args.video:
         raise ValueError("--prefix-frames goes with --video")
     if cond_active(cond) and cond.prob >= 1 and args.prompt and not given_files(args):
-        need = {"first_frame": "--image first.png", "first_last": "--image first.png --last-image last.png",
-                "prefix": "--video clip.mp4"}[str(cond.kind)]
-        raise ValueError(f"this run trained every sample with cond.kind={cond.kind} (cond.prob=1): give {need}")
+        raise ValueError(f"this run trained every sample with cond.kind={cond.kind} (cond.prob=1): give {given_flags(cond)}")
 
 
 def read_given(args: argparse.Namespace, cfg: Any) -> tuple | None:
@@ -328,7 +324,7 @@ def read_given(args: argparse.Namespace, cfg: Any) -> tuple | None:
         return None
     space = prompt_space(cfg)
     shape = space.shape(args.frames, args.height, args.width)
-    if sampler_i2v(cfg.model, cfg.cond):  # Wan 2.1 I2V: [image, zeros...(, last)] through the VAE, CLIP tokens
+    if video_inputs(cfg.model, cfg.cond).i2v_mask:  # Wan 2.1 I2V: [image, zeros...(, last)] through the VAE, CLIP tokens
         return i2v_from_files(cfg.cond, shape, space.codec, read_cache_info(cfg.data.root), args.image, args.last_image,
                               args.video)
     if space.codec is not None:  # a latent-cache run: the files go through the cache's VAE

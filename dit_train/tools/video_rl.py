@@ -58,17 +58,17 @@ from PIL import Image
 
 from dit_train.compose import load_config
 from dit_train.config.errors import CheckpointError, ConfigError
-from dit_train.data_pipelines import open_dataset, prepare_data
+from dit_train.data_pipelines import prepare_data
 from dit_train.data_pipelines.shapes_metric import score_clips
 from dit_train.data_pipelines.synthetic_video import EVAL_SIZE, caption_split
 from dit_train.engine.launch import check_interrupted, interrupt_on_signals, interruption, launch, signals_deferred
 from dit_train.models.init import load_full_weights
-from dit_train.posttrain import (TrainingSession, VideoDatum, diffusion_dpo_loss, diffusion_nft_loss, flow_grpo_loss,
-                                 flow_grpo_steps, group_advantages, sft_loss, transitions)
+from dit_train.posttrain import TrainingSession
 from dit_train.posttrain.rollouts import broadcast_from_rank0
 from dit_train.posttrain.session import apply_overrides
 from dit_train.sampling import frame_grid
 from dit_train.checkpoint.export import run_weights
+from dit_train.tools.video_rl_recipes import RECIPES, RaftBuffer, StepInputs, accepted, data_clips  # noqa: F401 (accepted: API)
 from dit_train.tools.video_rl_rewards import checked_rewards, load_reward, shapes_reward, with_timeout  # noqa: F401 (shapes_reward: API)
 from dit_train.tools.video_rl_state import (PROGRESS, Progress, check_out, read_progress, restore_state, save_state,
                                             trajectory, write_progress)
@@ -89,106 +89,6 @@ def evaluate(session, captions: list[str], out_dir: Path, step: int, reward: Cal
     return scores
 
 
-def accepted(rewards: list[float], keep_min: float, group: int = 1, select: str = "all") -> list[int]:
-    """Indices of the clips raft keeps (rejection sampling), in order.
-
-    select="all": every clip whose reward reaches keep_min. select="best": of each caption's
-    group (`group` consecutive clips), the first clip of the highest reward, if it reaches
-    keep_min (relative acceptance: the floor keeps a group whose clips all fail from teaching)."""
-    if select == "all":
-        return [i for i, r in enumerate(rewards) if r >= keep_min]
-    best = (max(range(g, min(g + group, len(rewards))), key=rewards.__getitem__) for g in range(0, len(rewards), group))
-    return [i for i in best if rewards[i] >= keep_min]
-
-
-class RaftBuffer:
-    """The accepted clips so far (the newest `capacity`), and minibatches drawn from them.
-
-    Every rank holds the same buffer and draws with the same seeded rng (the rollouts are
-    broadcast and the rewards deterministic), so every rank trains the same datums."""
-
-    def __init__(self, capacity: int = 512, seed: int = 0):
-        self.clips: list[tuple[torch.Tensor, str]] = []
-        self.capacity, self.rng, self.added = capacity, random.Random(seed), 0
-
-    def add(self, rollouts, indices: list[int]) -> None:
-        self.clips += [(rollouts[i].clip.clamp(-1, 1), rollouts[i].caption) for i in indices]
-        self.added += len(indices)
-        del self.clips[:-self.capacity]
-
-    def batch(self, size: int) -> list[VideoDatum]:
-        """Up to `size` distinct buffered clips; noise keys distinct within the call."""
-        picks = self.rng.sample(range(len(self.clips)), min(size, len(self.clips)))
-        return [VideoDatum(pixels=self.clips[j][0], caption=self.clips[j][1], noise_key=k) for k, j in enumerate(picks)]
-
-
-def data_clips(cfg, seed: int = 0) -> RaftBuffer:
-    """The baseline `--recipe sft`'s clips: a buffer holding the run's own training clips (plain
-    flow matching on its data, what the run would have trained on next), drawn as raft draws
-    from its accepted clips (the same seeded rng on every rank)."""
-    ds = open_dataset(cfg.data, cfg.model)
-    clips = RaftBuffer(capacity=len(ds), seed=seed)
-    clips.clips = [(s.pixels, s.caption) for s in (ds[i] for i in range(len(ds)))]
-    return clips
-
-
-def sft_updates(session, clips: RaftBuffer, updates: int, size: int) -> tuple[dict, int]:
-    """`updates` optimizer steps of sft_loss(agg="sequence") on `size` clips drawn from `clips`
-    each, normalized by num_sequences: (the last step's stats, datums trained)."""
-    stats, n = {}, 0
-    for _ in range(updates):
-        batch = clips.batch(size)
-        session.forward_backward(batch, sft_loss(agg="sequence"))
-        stats, n = session.optim_step("num_sequences"), n + len(batch)
-    return stats, n
-
-
-def step_batch(recipe: str, session, reference, rollouts, rewards: list[float], group: int, step: int, kl: float):
-    """(datums, loss, normalization) of one step's rollouts (None when no datum carries a signal)."""
-    adv = group_advantages(rewards, group)
-    if recipe == "nft":
-        batch = [VideoDatum(pixels=r.clip.clamp(-1, 1), caption=r.caption, noise_key=i, advantages=a)
-                 for i, (r, a) in enumerate(zip(rollouts, adv)) if a != 0]
-        return batch, diffusion_nft_loss(), "num_loss_tokens"
-    if recipe == "grpo":
-        batch = [t for r, a in zip(rollouts, adv) if a != 0 for t in transitions(r, a, flow_grpo_steps(r))]
-        if kl and batch:
-            for t, mean in zip(batch, reference.transition_means(batch)):
-                t.ref_mean = mean
-        return batch, flow_grpo_loss(kl_coef=kl), "num_sequences"
-    pairs = []
-    for g in range(0, len(rollouts), group):
-        rs = rewards[g:g + group]
-        best, worst = max(range(group), key=rs.__getitem__), min(range(group), key=rs.__getitem__)
-        if rs[best] > rs[worst]:
-            pairs += [rollouts[g + best], rollouts[g + worst]]
-    batch = [VideoDatum(pixels=r.clip.clamp(-1, 1), caption=r.caption, noise_key=i) for i, r in enumerate(pairs)]
-    if batch:
-        for d, ref in zip(batch, reference.clip_losses(batch, step=session.step_count)):
-            d.ref_loss = ref
-    return batch, diffusion_dpo_loss(), "num_sequences"
-
-
-def rl_update(recipe: str, session, reference, rollouts, rewards: list[float], group: int, step: int, kl: float,
-              buffer: RaftBuffer, data: RaftBuffer | None, keep_min: float, select: str, updates: int,
-              min_buffer: int, raft_batch: int) -> tuple[dict, int, dict]:
-    """One step's update on its rollouts (none for sft): (the last optimizer step's stats,
-    datums trained, raft's figures). Everything the loop keeps changes here and only here."""
-    if recipe == "sft":  # the baseline: no rollouts, the run's own clips
-        return (*sft_updates(session, data, updates, raft_batch), {})
-    if recipe == "raft":
-        keep = accepted(rewards, keep_min, group, select)
-        buffer.add(rollouts, keep)
-        stats, n = sft_updates(session, buffer, updates if len(buffer.clips) >= min_buffer else 0, raft_batch)
-        return stats, n, {"accepted": len(keep), "buffer": buffer.added}
-    batch, loss, norm = step_batch(recipe, session, reference, rollouts, rewards, group, step, kl)
-    stats = {}
-    if batch:
-        session.forward_backward(batch, loss)
-        stats = session.optim_step(norm)
-    return stats, len(batch), {}
-
-
 def logged_steps(log: Path) -> set[int]:
     """The steps heldout.jsonl has figures for."""
     if not log.is_file():
@@ -203,11 +103,12 @@ def train(cfg, run: str, recipe: str, steps: int, out: str, reward: str, caption
           resume: dict | None = None, settings: dict | None = None, reward_timeout_s: float = 0.0) -> None:
     """The post-training loop (every rank). resume: the loop state `check_out` read from --out's
     checkpoint (--resume); settings: what each checkpoint records of the flags (video_rl_state)."""
+    how = RECIPES[recipe]
     session = TrainingSession(cfg)
     weights, which = run_weights(Path(run), None)
     load_full_weights(session.model, weights)
     reference = None
-    if recipe == "dpo" or kl:
+    if how.reference or kl:
         reference = TrainingSession(cfg, ctx=session.ctx)  # the initial weights, frozen
         load_full_weights(reference.model, weights)
     main = session.ctx.is_main
@@ -222,7 +123,7 @@ def train(cfg, run: str, recipe: str, steps: int, out: str, reward: str, caption
     say(f"{recipe}: from {run} ({which}); {captions} captions x {group} clips a step, reward {name}")
     rng = random.Random(0)  # the same on every rank
     buffer = RaftBuffer()
-    data = data_clips(session.cfg) if recipe == "sft" else None
+    data = data_clips(session.cfg) if not how.rollouts else None
     start = restore_state(session, resume, rng, buffer, data) if resume else 0
     if resume:
         say(f"resumed from {resume['checkpoint']}: {start} of {steps} steps done")
@@ -256,11 +157,11 @@ def train(cfg, run: str, recipe: str, steps: int, out: str, reward: str, caption
         if eval_every and (initial_eval if start == 0 else start % eval_every == 0 and broadcast_from_rank0(
                 start not in logged_steps(log), session.ctx.world_group, main)):
             record(start, {})
-        sde = recipe == "grpo"
+        sde = how.sde
         for step in range(start, steps):
             check_interrupted()  # a signal whose exception a finalizer swallowed stops here, between steps
             rollouts, rewards = None, [0.0]
-            if recipe != "sft":
+            if how.rollouts:
                 caps = [c for c in rng.sample(pool, captions) for _ in range(group)]
                 ids = [step * 10 ** 4 + i for i in range(len(caps))]
                 rollouts = session.sample_videos(caps, EVAL_SIZE, noise_ids=ids, steps=sample_steps, sde=sde,
@@ -268,8 +169,8 @@ def train(cfg, run: str, recipe: str, steps: int, out: str, reward: str, caption
                 rewards = checked_rewards(fn, name, [r.clip.clamp(-1, 1) for r in rollouts], caps)
             updating = True
             with signals_deferred():  # an update is never cut in half: a Ctrl-C / SIGTERM in it stops after it
-                stats, n, extra_raft = rl_update(recipe, session, reference, rollouts, rewards, group, step, kl,
-                                                 buffer, data, keep_min, select, updates, min_buffer, raft_batch)
+                stats, n, extra_raft = how.update(StepInputs(session, reference, rollouts, rewards, group, step, kl, buffer,
+                                                             data, keep_min, select, updates, min_buffer, raft_batch))
                 snap, updating = Progress.capture(step + 1, session, rng, buffer, data), False
             extra = {"reward": round(sum(rewards) / len(rewards), 4), "datums": n,
                      "grad_norm": round(stats.get("grad_norm", 0.0), 4), **extra_raft}
@@ -306,7 +207,7 @@ def train(cfg, run: str, recipe: str, steps: int, out: str, reward: str, caption
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("run", help="a trained run's folder (config.yaml + weights)")
-    ap.add_argument("--recipe", choices=("nft", "grpo", "dpo", "raft", "sft"), default="nft",
+    ap.add_argument("--recipe", choices=tuple(RECIPES), default="nft",
                     help="sft: the baseline, plain flow matching on the run's own clips (no reward)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", required=True, help="write weights.safetensors, heldout.jsonl and grids here (a new or "

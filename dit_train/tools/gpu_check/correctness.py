@@ -14,12 +14,12 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from dit_train.batch import video_forward
 from dit_train.compose import compose
 from dit_train.engine.build import build_run
 from dit_train.kernels import VarlenLayout, attention_mask, attention_with_lse, resolve_backend, varlen_attention
 from dit_train.models import build_model, init_weights, model_spec
 from dit_train.parallel.parallelize import apply_compile
-from dit_train.tasks.video import model_context
 from dit_train.tools.bench_mfu import make_pack
 from dit_train.tools.gpu_check.synthetic import latent_task
 
@@ -183,7 +183,7 @@ def compiled_blocks(device: torch.device, name: str = "dit_tiny", tokens: int = 
             m.to(device)
             if compiled:
                 apply_compile(model_spec(cfg).blocks(m))
-            out = m(batch.tokens["x"], batch.pos, batch.seg, batch.samples["t"], meta, **model_context(batch))
+            out = video_forward(m, batch, meta)
             ((out.float() - batch.tokens["target"]) ** 2).mean().backward()
             # a compiled block's parameters are named through its wrapper: blocks.0._orig_mod.*
             outs.append((out.detach(), {n.replace("._orig_mod", ""): p.grad for n, p in m.named_parameters()}))
