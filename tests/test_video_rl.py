@@ -406,13 +406,13 @@ def offset_gradients(cfg, sess, rollouts, batch):
 @pytest.mark.parametrize("prediction", ["x0", "velocity"])
 def test_flow_grpo_pulls_the_output_offset_the_way_brightness_rises(tiny_cfg, prediction):
     """The sanity check (docs/video-rl.md) in seconds: on each of 4 batches of the tool's grpo
-    (32 SDE rollouts of 3 steps, groups of 8, brightness advantages, `step_batch`), Flow-GRPO's
+    (32 SDE rollouts of 3 steps, groups of 8, brightness advantages, `grpo_batch`), Flow-GRPO's
     gradient pulls the model's output offset the way the exact gradient of the rollouts' mean
     brightness does (up for x̂0, down for a velocity), for both predictions. Training on the last
     transition too (σ 1/1000 → 0; its std 7e-4) fails for x0: its pure-noise term outweighs the
     rest and the sign came out wrong in 3 of the 4 batches."""
     from dit_train.posttrain import TrainingSession
-    from dit_train.tools.video_rl import step_batch
+    from dit_train.tools.video_rl_recipes import RaftBuffer, StepInputs, grpo_batch
     from dit_train.tools.video_rl_rewards import brightness_reward
 
     cfg = compose_config([*TINY, "optim.lr=1e-30", "data.caption_dropout=0", f"model.prediction={prediction}"],
@@ -423,7 +423,8 @@ def test_flow_grpo_pulls_the_output_offset_the_way_brightness_rises(tiny_cfg, pr
         rollouts = sess.sample_videos(caps, (2, 8, 8), noise_ids=[1000 * b + i for i in range(32)], steps=3, sde=True,
                                       guidance_scale=1.0)
         rewards = brightness_reward([r.clip for r in rollouts], caps)
-        batch, _, _ = step_batch("grpo", sess, None, rollouts, rewards, 8, 0, 0.0)
+        batch, _, _ = grpo_batch(StepInputs(sess, None, rollouts, rewards, group=8, step=0, kl=0.0, buffer=RaftBuffer(),
+                                            data=None, keep_min=0.0, select="all", updates=1, min_buffer=0, raft_batch=0))
         ascent, exact = offset_gradients(cfg, sess, rollouts, batch)
         assert ascent * exact > 0, (f"batch {b}: Flow-GRPO moves the output offset by {ascent:+.3e}, against the "
                                     f"brightness gradient's {exact:+.3e}")
