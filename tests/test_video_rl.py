@@ -409,8 +409,9 @@ def test_flow_grpo_pulls_the_output_offset_the_way_brightness_rises(tiny_cfg, pr
     (32 SDE rollouts of 3 steps, groups of 8, brightness advantages, `grpo_batch`), Flow-GRPO's
     gradient pulls the model's output offset the way the exact gradient of the rollouts' mean
     brightness does (up for x̂0, down for a velocity), for both predictions. Training on the last
-    transition too (σ 1/1000 → 0; its std 7e-4) fails for x0: its pure-noise term outweighs the
-    rest and the sign came out wrong in 3 of the 4 batches."""
+    transition too (σ 1/1000 → 0, std 7e-4: `flow_grpo_steps` returning every step) fails: its
+    pure-noise term outweighs the rest, and the sign came out wrong in 3 of the 4 batches for x̂0,
+    in 1 for a velocity; so does flipping the advantages' sign."""
     from dit_train.posttrain import TrainingSession
     from dit_train.tools.video_rl_recipes import RaftBuffer, StepInputs, grpo_batch
     from dit_train.tools.video_rl_rewards import brightness_reward
