@@ -1,6 +1,6 @@
 """Which way does one Flow-GRPO batch pull the model? (docs/video-rl.md, "Sanity check").
 
-Usage: python benchmarks/grpo_sign_probe.py RUN [BATCHES]  (default 16; ~20 CPU-s a batch at 1 thread)
+Usage: python benchmarks/grpo_sign_probe.py RUN [BATCHES]  (default 16; ~30 s a batch on one thread)
 
 First the exact gradient of the held-out brightness (24 held-out captions, validation's 20-step
 ODE sampler from fixed noise, differentiated through every step). Then BATCHES independent batches
@@ -12,6 +12,7 @@ same rollouts, against the exact gradient:
   sign    sum_j gradB_j sign(g_j) / sum_j |gradB_j|: the brightness the first AdamW step (lr
           times the gradient's sign) buys, as a share of the most any step of that size could;
   offset  the ascent along the model's output offset (final.linear.bias summed: a brighter x0).
+and, for scale, DiffusionNFT's (the tool's nft batch: the ODE sampler's clips of the same captions).
 Darkness (advantages negated) flips every figure. Then the mean +- standard error over batches,
 and the norm of each transition's part of the gradient (the last one's is the largest)."""
 import math
@@ -24,13 +25,15 @@ import torch
 from dit_train.checkpoint.export import run_weights
 from dit_train.compose import load_config
 from dit_train.data_pipelines.synthetic_video import EVAL_SIZE, caption_split
+from dit_train.batch import video_forward
 from dit_train.kernels import VarlenLayout
 from dit_train.models.init import load_full_weights
 from dit_train.objectives.flow_matching import velocity_from_output
-from dit_train.posttrain import TrainingSession, flow_grpo_loss, flow_grpo_steps, group_advantages, transitions
+from dit_train.posttrain import (TrainingSession, VideoDatum, diffusion_nft_loss, flow_grpo_loss, flow_grpo_steps,
+                                 group_advantages, transitions)
 from dit_train.posttrain.session import apply_overrides
 from dit_train.sampling.sampler import VideoSampler
-from dit_train.tasks.video import model_context, unpatchify
+from dit_train.tasks.video import unpatchify
 from dit_train.tools.video_rl_rewards import brightness_reward
 
 run = sys.argv[1]
@@ -51,9 +54,9 @@ def heldout_gradient() -> torch.Tensor:
     caps = heldout[:24]
     requests, space = s._requests(caps, EVAL_SIZE, [90000 + i for i in range(len(caps))])
     task, t = s.task, s.cfg.train
-    smp = VideoSampler(requests, task.patch, task.text_dim, space.null, s.ctx, 20, 1.0, t.seed,
-                       s.cfg.loss.timestep_shift, s.cfg.loss.shift_reference_tokens, prediction=task.prediction,
-                       x0_min_t=task.x0_min_t)
+    smp = VideoSampler(requests, task.inputs, space.null, s.ctx, 20, 1.0, t.seed, s.cfg.loss.timestep_shift,
+                       s.cfg.loss.shift_reference_tokens)
+    prediction, x0_min_t = task.inputs.prediction, task.inputs.x0_min_t
     xs, guided, ctxs = smp._start()
     assert not guided
     sig = smp.schedulers()[0].sigmas.tolist()
@@ -61,9 +64,8 @@ def heldout_gradient() -> torch.Tensor:
     s.model.eval()
     for i in range(len(sig) - 1):
         b = smp._pack(xs, [sig[i]] * len(xs), ctxs, [None] * len(xs), [None] * len(xs))
-        out = s.model(b.tokens["x"], b.pos, b.seg, b.samples["t"], VarlenLayout.build(b.seg, b.order, False),
-                      **model_context(b)).float()
-        v = velocity_from_output(out, b.tokens["x"], b.samples["t"][b.seg], task.prediction, task.x0_min_t)
+        out = video_forward(s.model, b, VarlenLayout.build(b.seg, b.order, False)).float()
+        v = velocity_from_output(out, b.tokens["x"], b.samples["t"][b.seg], prediction, x0_min_t)
         xs = [x + (sig[i + 1] - sig[i]) * unpatchify(v[ends[k]:ends[k + 1]], smp._grid(x.shape), smp.patch, x.shape[0])
               for k, x in enumerate(xs)]
     s.model.train()
@@ -77,8 +79,8 @@ rng = random.Random(4)
 rows, norms = [], None
 for b in range(batches):
     caps = [c for c in rng.sample(pool, 4) for _ in range(4)]
-    rs = s.sample_videos(caps, EVAL_SIZE, noise_ids=[80000 + 100 * b + i for i in range(16)], steps=10, sde=True,
-                         guidance_scale=1.0)
+    ids = [80000 + 100 * b + i for i in range(16)]  # the SDE rollouts' and nft's ODE clips' starting noise
+    rs = s.sample_videos(caps, EVAL_SIZE, noise_ids=ids, steps=10, sde=True, guidance_scale=1.0)
     adv = group_advantages(brightness_reward([r.clip for r in rs], caps), 4)
     parts = []
     for k in range(len(rs[0].log_probs)):  # one transition at a time: its part of the gradient
@@ -88,16 +90,24 @@ for b in range(batches):
     part_norms = torch.stack([p.norm() for p in parts])
     norms = part_norms if norms is None else norms + part_norms
     fixed = sum(parts[k] for k in flow_grpo_steps(rs[0]))
+    clips = [r.clip.clamp(-1, 1) for r in s.sample_videos(caps, EVAL_SIZE, noise_ids=ids, steps=10, guidance_scale=1.0)]
+    nft_adv = group_advantages(brightness_reward(clips, caps), 4)
+    s.forward_backward([VideoDatum(pixels=c, caption=p, noise_key=i, advantages=a)
+                        for i, (c, p, a) in enumerate(zip(clips, caps, nft_adv)) if a != 0], diffusion_nft_loss())
+    nft = torch.cat([-p.grad.reshape(-1) for p in params])
+    s.optim_step("num_loss_tokens")
     row = []
-    for g in (fixed, sum(parts)):
+    for g in (fixed, sum(parts), nft):
         row += [float(g @ gB / (g.norm() * gB.norm())), float((gB * torch.sign(g)).sum() / gB.abs().sum()),
                 float(g[offset].sum() / len(parts) / len(rs))]
     rows.append(row)
-    print(f"batch {b}: without the last transition cos {row[0]:+.4f} sign {row[1]:+.4f} offset {row[2]:+.4f} | "
-          f"every transition cos {row[3]:+.4f} sign {row[4]:+.4f} offset {row[5]:+.4f}", flush=True)
+    print(f"batch {b}: grpo without the last transition cos {row[0]:+.4f} sign {row[1]:+.4f} offset {row[2]:+.4f} | "
+          f"every transition cos {row[3]:+.4f} sign {row[4]:+.4f} offset {row[5]:+.4f} | nft cos {row[6]:+.4f} "
+          f"sign {row[7]:+.4f}", flush=True)
 R = torch.tensor(rows)
 mean, se = R.mean(0), R.std(0) / len(rows) ** 0.5
 for j, name in enumerate(("cos", "sign", "offset")):
-    print(f"{name:6s}: without the last {mean[j]:+.4f} +- {se[j]:.4f} ({int((R[:, j] > 0).sum())}/{len(rows)} > 0);"
-          f"  every transition {mean[3 + j]:+.4f} +- {se[3 + j]:.4f} ({int((R[:, 3 + j] > 0).sum())}/{len(rows)} > 0)")
+    cells = [f"{what} {mean[i + j]:+.4f} +- {se[i + j]:.4f} ({int((R[:, i + j] > 0).sum())}/{len(rows)} > 0)"
+             for i, what in ((0, "grpo without the last"), (3, "every transition"), (6, "nft"))]
+    print(f"{name:6s}: " + ";  ".join(cells))
 print("mean norm of each transition's part:", " ".join(f"{x:.3f}" for x in (norms / batches).tolist()))

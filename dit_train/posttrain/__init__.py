@@ -32,5 +32,5 @@ from dit_train.posttrain.video_losses import (
 __all__ = ["NORMALIZATIONS", "VERL_LOSS_AGG_MODES", "DPOLoss", "Datum", "DiffusionDPOLoss", "DiffusionNFTLoss",
            "DoubleNormalizationError", "FlowGRPOLoss", "LossFn", "PolicyGradientLoss", "SFTLoss", "TrainingSession",
            "VideoDatum", "VideoRollout", "VideoTransition", "diffusion_dpo_loss", "diffusion_nft_loss", "dpo_loss",
-           "flow_grpo_loss", "flow_grpo_steps", "group_advantages", "grpo_loss", "sequence_mean_sum_loss", "sft_loss", "token_mean_loss",
-           "token_sum_loss", "transitions", "verl_loss_agg_mode"]
+           "flow_grpo_loss", "flow_grpo_steps", "group_advantages", "grpo_loss", "sequence_mean_sum_loss", "sft_loss",
+           "token_mean_loss", "token_sum_loss", "transitions", "verl_loss_agg_mode"]

@@ -78,8 +78,9 @@ def flow_grpo_steps(rollout: VideoRollout) -> list[int]:
     36 per element against 15 at the step before (a velocity model: 1.8 against 1.7): 83% of the
     gradient's variance on the 10-step shapes run, with no measurable signal (docs/video-rl.md,
     "Sanity check"). Without it a 12-step run rewarding brightness ended brighter than the same
-    seed's run rewarding darkness on 6 of 6 seeds (4 of 6 with it), and on the tiny model the gradient's pull on the output offset
-    had the right sign in 6 of 6 batches (2 of 6 with it, for x̂0)."""
+    seed's run rewarding darkness on 6 of 6 seeds (4 of 6 with it), and on the tiny model the
+    gradient's pull on the output offset had the right sign in 6 of 6 batches (2 of 6 with it,
+    for x̂0)."""
     k = len(rollout.log_probs)
     if not k:
         raise ValueError(f"rollout of {rollout.caption!r} has no trajectory: sample it with sde=True")
