@@ -82,3 +82,21 @@ def test_muon_resumes_on_the_same_trajectory(tmp_path, data_cache):
     assert [json.loads(x)["step"] for x in (part / "metrics.jsonl").read_text().splitlines()] == [2, 3, 4]
     a, b = load_file(full / "weights.safetensors"), load_file(part / "weights.safetensors")
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-6
+
+
+def test_one_sided_muon_adamw_steps_and_reloads():
+    """A run whose trained parameters are all Muon's (or all AdamW's, e.g. LoRA adapters outside
+    the blocks) gets an optimizer of that side alone; it steps, and its state dict reloads."""
+    for muon_side in (True, False):
+        w = torch.nn.Parameter(torch.randn(4, 3))
+        opt = MuonAdamW([w] if muon_side else [], [] if muon_side else [w], lr=1e-2, weight_decay=0.0,
+                        momentum=0.95, betas=(0.9, 0.999), eps=1e-8)
+        assert [g["kind"] for g in opt.param_groups] == ["muon" if muon_side else "adamw"]
+        before = w.detach().clone()
+        w.grad = torch.ones_like(w)
+        opt.step()
+        assert not torch.equal(w, before)
+        again = MuonAdamW([w] if muon_side else [], [] if muon_side else [w], lr=1e-2, weight_decay=0.0,
+                          momentum=0.95, betas=(0.9, 0.999), eps=1e-8)
+        again.load_state_dict(opt.state_dict())
+        assert list(again.inner.values())[0].state is again.state and len(again.state) == 1

@@ -20,7 +20,7 @@ import dataclasses
 from fnmatch import fnmatch
 from typing import Any
 
-from dit_train.optim.muon import MUON_EPS
+from dit_train.optim import configured_group
 
 ALLOWED = (
     "run_dir", "train.steps", "train.log_every", "train.progress", "train.save_weights", "train.ckpt_every",
@@ -154,14 +154,7 @@ def apply_optimizer_settings(optimizer: Any, scheduler: Any, optim_cfg: Any) -> 
     """After loading a checkpoint: the optimizer's param groups and the scheduler's base LRs come
     back with the checkpoint's values; set the configured ones (see NOTICE for how they act)."""
     for group in optimizer.param_groups:
-        for key in ("weight_decay", "eps", "momentum"):
-            if key in group and hasattr(optim_cfg, key):
-                group[key] = getattr(optim_cfg, key)
-        if group.get("kind") == "muon":  # optim.name=muon's matrices: their own momentum (and Muon's eps)
-            group["momentum"], group["eps"] = optim_cfg.muon_momentum, MUON_EPS
-        if "betas" in group:
-            group["betas"] = tuple(optim_cfg.betas)
-        group["initial_lr"] = optim_cfg.lr
+        group.update(configured_group(group, optim_cfg))
     scheduler.base_lrs = [optim_cfg.lr for _ in scheduler.base_lrs]
     # the LambdaLR's factor functions are the new config's (a state dict holds no functions):
     # the LR of the resumed step from the new peak and the new schedule

@@ -8,7 +8,7 @@ from torch import nn
 
 from dit_train.config import OptimConfig
 from dit_train.models.registry import blocks_of
-from dit_train.optim.muon import MuonAdamW, muon_split
+from dit_train.optim.muon import MUON_EPS, MuonAdamW, muon_split
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, params: list[nn.Parameter] | None = None) -> torch.optim.Optimizer:
@@ -27,6 +27,18 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, params: list[nn.Paramete
     if cfg.name == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, foreach=False)
     raise ValueError(f"optim.name={cfg.name!r} must be adamw, muon or sgd")
+
+
+def configured_group(group: dict, cfg: OptimConfig) -> dict:
+    """The hyperparameters of one param group that `cfg` sets (a resumed run applies them over
+    the checkpoint's): Muon's matrices take optim.muon_momentum and Muon's own eps, AdamW's and
+    SGD's groups optim.eps / optim.momentum / optim.betas where the group has them."""
+    own = {"momentum": cfg.muon_momentum, "eps": MUON_EPS} if group.get("kind") == "muon" else \
+        {"eps": cfg.eps, "momentum": cfg.momentum, "betas": tuple(cfg.betas)}
+    values = {k: v for k, v in own.items() if k in group}
+    if "weight_decay" in group:
+        values["weight_decay"] = cfg.weight_decay
+    return {**values, "initial_lr": cfg.lr}
 
 
 def lr_factor(step: int, total: int, cfg: OptimConfig) -> float:

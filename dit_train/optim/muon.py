@@ -61,20 +61,23 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def __init__(self, muon_params: list[nn.Parameter], adamw_params: list[nn.Parameter], lr: float,
                  weight_decay: float, momentum: float, betas: tuple[float, float], eps: float):
-        # match_rms_adamw: Muon's update scaled to AdamW's RMS, so one optim.lr serves both kinds
-        self.muon = ShardedMuon(muon_params or [torch.zeros(1, 1)], lr=lr, weight_decay=weight_decay,
-                                momentum=momentum, eps=MUON_EPS, adjust_lr_fn="match_rms_adamw")
-        # foreach=False: the per-tensor path is bitwise independent of how tensors are grouped
-        self.adamw = torch.optim.AdamW(adamw_params or [torch.zeros(1)], lr=lr, betas=betas, eps=eps,
-                                       weight_decay=weight_decay, foreach=False)
-        groups = [dict(g, kind="muon") for g in self.muon.param_groups if muon_params]
-        groups += [dict(g, kind="adamw") for g in self.adamw.param_groups if adamw_params]
-        super().__init__(groups, defaults={})
+        # a side without parameters has no inner optimizer (torch's refuse an empty list)
+        self.inner: dict[str, torch.optim.Optimizer] = {}
+        if muon_params:
+            # match_rms_adamw: Muon's update scaled to AdamW's RMS, so one optim.lr serves both kinds
+            self.inner["muon"] = ShardedMuon(muon_params, lr=lr, weight_decay=weight_decay, momentum=momentum,
+                                             eps=MUON_EPS, adjust_lr_fn="match_rms_adamw")
+        if adamw_params:
+            # foreach=False: the per-tensor path is bitwise independent of how tensors are grouped
+            self.inner["adamw"] = torch.optim.AdamW(adamw_params, lr=lr, betas=betas, eps=eps,
+                                                    weight_decay=weight_decay, foreach=False)
+        super().__init__([dict(g, kind=kind) for kind, opt in self.inner.items() for g in opt.param_groups],
+                         defaults={})
         self._link()
 
     def _link(self) -> None:
         """Point the inner optimizers at this one's groups and state."""
-        for inner, kind in ((self.muon, "muon"), (self.adamw, "adamw")):
+        for kind, inner in self.inner.items():
             inner.param_groups = [g for g in self.param_groups if g["kind"] == kind]
             inner.state = self.state
 
@@ -84,9 +87,8 @@ class MuonAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
-        for inner in (self.muon, self.adamw):
-            if inner.param_groups:
-                inner.step()
+        for inner in self.inner.values():
+            inner.step()
 
 
 def muon_split(blocks: nn.Module, params: list[nn.Parameter]) -> tuple[list, list]:
