@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from dit_train.engine.layout_equivalence import apply_layout, parse_layout, relative_difference, train_on_workers
 from dit_train.models.diffusers_family import read_pretrained, to_diffusers
+from dit_train.models.registry import widens_pretrained
 from tests.conftest import TINY, compose_config
 from tests.families import random_model
 
@@ -40,7 +41,7 @@ def test_lora_trains_the_widened_patch_embedding_and_exports_it(data_cache, t2v_
 
     cfg = widen_cfg(data_cache, t2v_folder, ["train.ckpt_every=2"])
     check_config(cfg)  # accepted: LoRA reads the new channels through the trained patch embedding
-    assert cfg.model.widens_pretrained()
+    assert widens_pretrained(cfg.model)
     cfg.run_dir = str(tmp_path / "run")
     run_from_config(cfg)
     start = read_pretrained(str(t2v_folder), cfg.model)  # widened: channels 3.. zero

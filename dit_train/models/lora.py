@@ -49,7 +49,7 @@ from torch import nn
 
 from dit_train.atomic import save_file_atomic
 from dit_train.models.params import copy_full, named_seed, plain_name
-from dit_train.models.registry import MODELS
+from dit_train.models.registry import MODELS, widens_pretrained
 
 ADAPTER = "default"  # peft's adapter name: the `default` in X.lora_A.default.weight
 PREFIX = "transformer"  # component prefix of diffusers' LoRA files (WanPipeline.transformer)
@@ -59,9 +59,8 @@ METADATA_KEY = "lora_adapter_metadata"  # diffusers' LORA_ADAPTER_METADATA_KEY
 # keys (patch_embedding.weight, ...): load them into the base with load_state_dict(strict=False)
 TRAINED_MODULES = "trained_modules.safetensors"
 
-# Linear layers adapted by default: each model's `ModelSpec.lora_targets` (models/registry.py).
-# finetrainers' Wan examples adapt attention only: targets=WAN_ATTENTION_TARGETS.
-WAN_ATTENTION_TARGETS = r"blocks.*(to_q|to_k|to_v|to_out.0)"
+# Linear layers adapted by default: each model's `ModelSpec.lora_targets` (models/registry.py);
+# attention only, as finetrainers' Wan examples: model.lora.targets=[to_q,to_k,to_v,to_out.0] (docs/wan.md).
 
 # peft's init_lora_weights values we accept. Both start with B = 0 (the adapted model equals the
 # base at step 0) and leave the base weights alone. Not offered: pissa/olora/corda/eva/loftq
@@ -440,7 +439,6 @@ def lora_settings(model_cfg: Any) -> LoraSettings | None:
     if lo.rank <= 0:
         return None
     settings = settings_from(lo.rank, lo.alpha, lo.dropout, lo.targets, lo.init)
-    widens = getattr(model_cfg, "widens_pretrained", None)  # Wan: a T2V checkpoint given new input channels
-    if callable(widens) and widens():
+    if widens_pretrained(model_cfg):  # e.g. a Wan T2V checkpoint given new input channels
         settings.train_also = ("patch_embedding",)
     return settings

@@ -116,6 +116,20 @@ def model_spec(cfg: Any) -> ModelSpec:
     return MODELS[cfg.name]
 
 
+def can_widen(cfg: Any) -> bool:
+    """The family can widen a text-to-video folder's input for cond.feed=concat / cond.control
+    (new channels start at zero), so LoRA on such a run trains that input layer too."""
+    family = model_spec(cfg).diffusers
+    return family is not None and bool(family.widen_key)
+
+
+def widens_pretrained(cfg: Any) -> bool:
+    """model.pretrained's input gets this run's new channels; LoRA then trains the input layer
+    beside the adapters (models/lora.py: LoraSettings.train_also)."""
+    family = model_spec(cfg).diffusers
+    return family is not None and family.widens(cfg)
+
+
 def component_state(state_dict: dict, prefix: str) -> dict:
     """The entries of `state_dict` under `prefix.` with it removed ("" = all of them)."""
     if not prefix:

@@ -93,11 +93,6 @@ class WanConfig(VideoModelConfig):
         """The flow time where this model's own sampling switches experts (0 = never)."""
         return sampling_boundary(self)
 
-    def widens_pretrained(self) -> bool:
-        """model.pretrained's patch embedding gets this run's new input channels (cond.feed=concat or
-        cond.control on a T2V checkpoint); LoRA then trains it beside the adapters (models/lora.py)."""
-        return model_spec(self).diffusers.widens(self)
-
 
 # Key of our config for each WanTransformer3DModel config key (for clear mismatch errors).
 _OUR_KEY = {"patch_size": "patch_size", "num_attention_heads": "heads", "attention_head_dim": "dim / heads",

@@ -37,6 +37,7 @@ from dit_train.batch import WEIGHT_ONE
 from dit_train.config.schema import companions, cond_active, cond_channels, control_channels
 from dit_train.data_pipelines import SOURCES
 from dit_train.data_pipelines.companions import KEYS, token_mask_units
+from dit_train.models.registry import can_widen
 from dit_train.models.wan_experts import pretrained_folder
 from dit_train.rng import sample_generator
 
@@ -265,8 +266,8 @@ def cond_errors(mode: str, cond: Any, model: Any, data: Any) -> list[str]:
     if mode == "video":
         e += i2v_errors(cond, model, data)
     rank = getattr(getattr(model, "lora", None), "rank", 0)
-    # Wan trains a widened patch embedding beside the adapters (WanConfig.widens_pretrained, models/lora.py)
-    if (rank and derived and getattr(model, "pretrained", "") and not hasattr(model, "widens_pretrained")
+    # a family that widens a folder's input (Wan) trains it beside the adapters (models/lora.py)
+    if (rank and derived and getattr(model, "pretrained", "") and not can_widen(model)
             and not pretrained_reads_input(model, derived)):
         e.append(f"model.lora.rank={rank} freezes the patch embedding, and the {derived} input channels cond adds to "
                  f"the pretrained one (cond.feed={cond.feed}, cond.control={str(cond.control).lower()}) start at zero: "
