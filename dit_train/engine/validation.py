@@ -9,7 +9,7 @@ from typing import Any
 from dit_train.config import Config
 from dit_train.data_pipelines import source_for
 from dit_train.engine.build import Run
-from dit_train.sampling import pipeline_shift, sampling_boundary, scored_view, source_requests, to_pixels, VideoSampler, write_samples
+from dit_train.sampling import run_sampling, scored_view, source_requests, to_pixels, VideoSampler, write_samples
 from dit_train.sampling.conditioned import condition_on_clips, control_on_clips, given_scores, i2v_on_clips, validation_task
 
 
@@ -31,9 +31,7 @@ class Validation:
         null = task.null_caption() if task.text_dim else None
         # the training shift: validation samples from the noise levels the model was trained on
         self.sampler = VideoSampler(requests, task.inputs, null, run.ctx, t.sample_steps, t.guidance_scale, t.seed,
-                                    cfg.loss.timestep_shift, cfg.loss.shift_reference_tokens,
-                                    stochastic=t.stochastic_sampling, guidance_scale_2=t.guidance_scale_2,
-                                    boundary=sampling_boundary(cfg.model), pipeline=pipeline_shift(cfg.model))
+                                    **run_sampling(cfg))
         # rank 0 alone decodes (it alone writes): latents with the source's decoder, pixels as they are
         self.decode = self.source.decoder(run.ctx.device) if run.ctx.is_main else None
         self.latent = self.source.latent

@@ -23,7 +23,7 @@ from dit_train.posttrain.video_data import (CLIP_FIELDS, TransitionTask, VideoTr
                                             rl_video_task)
 from dit_train.posttrain.video_losses import DiffusionNFTLoss, FlowGRPOLoss, transition_token_logprob
 from dit_train.sampling.prompts import prompt_space
-from dit_train.sampling.sampler import SampleRequest, VideoSampler
+from dit_train.sampling.sampler import SampleRequest, VideoSampler, run_sampling
 from dit_train.tasks.video import unpatchify
 
 
@@ -67,7 +67,8 @@ class VideoSessionMixin:
         size: (frames, height, width) in pixels; noise_ids: one per caption (default 0, 1, ...):
         clip i starts from the "sampling" stream of (train.seed, noise_ids[i]) — the same clip
         on every rank and layout. steps / guidance_scale: default train.sample_steps /
-        train.guidance_scale. sde=False: validation's Euler ODE sampler; sde=True: Flow-GRPO's
+        train.guidance_scale. sde=False: the run's validation sampler (Euler ODE, or the stochastic step
+        with train.stochastic_sampling); sde=True: Flow-GRPO's
         SDE with noise level eta, recording latents, sigmas, stds and log-probs of each
         transition (rollouts.py). All ranks sample (FSDP / CP need them all); rank 0's result
         is broadcast, so every rank returns identical tensors.
@@ -77,14 +78,14 @@ class VideoSessionMixin:
         t, task = self.cfg.train, self.task
         g = t.guidance_scale if guidance_scale is None else float(guidance_scale)
         # an unconditioned run (_video_only): the task's inputs feed no given frames and no control
-        args = (requests, task.inputs, space.null, self.ctx, steps or t.sample_steps, g, t.seed,
-                self.cfg.loss.timestep_shift, self.cfg.loss.shift_reference_tokens)
+        args = (requests, task.inputs, space.null, self.ctx, steps or t.sample_steps, g, t.seed)
         rid = self.run_id
         if sde:
-            trajs = SDESampler(*args, eta=eta).trajectories(self.model, self._trainer.autocast)
+            trajs = SDESampler(*args, self.cfg.loss.timestep_shift, self.cfg.loss.shift_reference_tokens,
+                               eta=eta).trajectories(self.model, self._trainer.autocast)
             out = [VideoRollout(r.caption, r.noise_id, tr["latents"][-1], rid, **tr) for r, tr in zip(requests, trajs)]
-        else:
-            clips = VideoSampler(*args).sample(self.model, self._trainer.autocast)
+        else:  # the run's validation sampler (its stochastic step, experts, schedule)
+            clips = VideoSampler(*args, **run_sampling(self.cfg)).sample(self.model, self._trainer.autocast)
             out = [VideoRollout(r.caption, r.noise_id, c, rid) for r, c in zip(requests, clips)]
         return broadcast_from_rank0(out, self.ctx.world_group, self.ctx.is_main)
 

@@ -129,6 +129,14 @@ def sampling_boundary(model_cfg: Any) -> float:
     return model_cfg.sampling_boundary() if hasattr(model_cfg, "sampling_boundary") else 0.0
 
 
+def run_sampling(cfg: Any) -> dict[str, Any]:
+    """The VideoSampler keywords of a run's own sampler (its validation's): the training shift,
+    the stochastic step, the second expert's guidance and boundary, the pipeline's schedule."""
+    return dict(shift=cfg.loss.timestep_shift, shift_reference_tokens=cfg.loss.shift_reference_tokens,
+                stochastic=cfg.train.stochastic_sampling, guidance_scale_2=cfg.train.guidance_scale_2,
+                boundary=sampling_boundary(cfg.model), pipeline=pipeline_shift(cfg.model))
+
+
 @torch.no_grad()
 def predict_velocity(model: torch.nn.Module, batch: PackedBatch, ctx: ParallelContext) -> torch.Tensor:
     """The model's output for every token of a full pack: [L, patch_dim] on every rank (the
