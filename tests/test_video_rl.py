@@ -367,6 +367,29 @@ def test_raft_waits_for_its_buffer_and_the_sft_baseline_trains_on_the_runs_clips
     assert changed("sft", "--recipe", "sft", "--updates", "1", "--raft-batch", "2")
 
 
+def test_the_tool_post_trains_a_muon_run_with_adamw(cfg, tmp_path):
+    """A from-scratch run trained with Muon (the default) is post-trained with AdamW, the optimizer
+    the recipes' learning rates are for; optim.name=muon after the flags keeps Muon."""
+    import copy
+
+    from omegaconf import OmegaConf
+
+    from dit_train.config.choices import OptimName
+    from dit_train.posttrain import TrainingSession
+    from dit_train.tools.video_rl import main
+
+    muon = copy.deepcopy(cfg)
+    muon.optim.name = OptimName.muon
+    run = tmp_path / "run"
+    TrainingSession(muon).export(run)
+    assert OmegaConf.load(run / "config.yaml").optim.name == "muon"
+    common = [str(run), "--steps", "1", "--recipe", "sft", "--updates", "1", "--raft-batch", "2", "--eval-every", "0"]
+    assert main([*common, "--out", str(tmp_path / "a")]) == 0
+    assert OmegaConf.load(tmp_path / "a" / "config.yaml").optim.name == "adamw"
+    assert main([*common, "--out", str(tmp_path / "m"), "optim.name=muon"]) == 0
+    assert OmegaConf.load(tmp_path / "m" / "config.yaml").optim.name == "muon"
+
+
 # -- Flow-GRPO's direction: the sanity check's property on the tiny model ---------------------------------
 
 

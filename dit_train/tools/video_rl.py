@@ -260,7 +260,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--group={args.group} must be >= 2 (advantages compare the clips of a caption)")
         if args.reward:
             load_reward(args.reward)  # refused before anything is built
-        base = ["train.ema_decay=0", "train.progress=false", "optim.lr=1e-4", "optim.warmup_steps=0",
+        # AdamW whatever the run trained with (a from-scratch run's Muon is for pre-training; the
+        # recipes' learning rates are AdamW's): optim.name=muon after the flags chooses it again
+        base = ["train.ema_decay=0", "train.progress=false", "optim.name=adamw", "optim.lr=1e-4", "optim.warmup_steps=0",
                 f"train.steps={args.steps}", "optim.schedule=constant"]
         cfg = apply_overrides(load_config(run / "config.yaml"), [*base, *args.overrides])
         if cfg.mode != "video":
