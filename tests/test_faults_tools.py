@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.conftest import TINY, train_in_process
+from tests.conftest import TINY, TINY_MODEL, train_in_process
 
 
 def _one_error_line(capsys, *says: str) -> str:
@@ -355,3 +355,43 @@ def test_ctrl_c_in_cache_latents_is_one_line_saying_how_to_go_on(tmp_path, model
     assert cache_latents.main(cache_args(models, source, out, tmp_path / "c")) == 130
     _one_error_line(capsys, "error: cache_latents was stopped by SIGINT; the clips encoded so far are kept in",
                     "run the same command again to go on")
+
+
+# -- tools.sample: a shards run whose shards moved ----------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["pixels", "latents"])
+def test_sampling_prompts_of_a_shards_run_needs_no_shards(tmp_path, data_cache, request, capsys, kind):
+    """`tools.sample --prompt` on a run trained on shards read the shard index (the set's kind and,
+    for latents, the VAE and text encoder live there): once the shards moved, no prompt could be
+    sampled. The run folder keeps what sampling needs (run.json, written when the run is claimed):
+    the same samples as before the move; --data-captions reads the training clips, so it is one
+    line saying where they were."""
+    pytest.importorskip("webdataset")
+    from dit_train.tools import sample
+    from dit_train.tools.make_shards import main as make_shards
+
+    if kind == "pixels":
+        data = [o for o in TINY if o.startswith("data.")] + ["data=synthetic_video", f"data.cache_dir={data_cache}"]
+        model, read = TINY_MODEL, ["data.max_frames=8", "data.resolution_buckets=[]", f"data.cache_dir={data_cache}"]
+        size = ["--frames", "4", "--height", "32", "--width", "32"]
+    else:
+        pytest.importorskip("transformers")
+        from tests.conftest import TEXT_DIM, Z_DIM
+
+        data = ["data=latent_cache", f"data.root={request.getfixturevalue('cache')}"]
+        model, read = [*TINY_MODEL, f"model.in_channels={Z_DIM}", f"model.text_dim={TEXT_DIM}", "model.patch_size=[1,2,2]"], []
+        size = ["--frames", "5", "--height", "32", "--width", "32"]
+    shards, run = tmp_path / "shards", tmp_path / "run"
+    assert make_shards(["--out", str(shards), "--samples-per-shard", "4", "--no-progress", *data]) == 0
+    train_in_process([*model, "data=shards", f"data.url={shards}", *read, "train.steps=1", "train.global_batch=3"], run)
+    prompt = [str(run), "--prompt", "a red circle moving up and left on a navy background", *size, "--steps", "2"]
+    assert sample.main([*prompt, "--out", str(tmp_path / "before")]) == 0
+    shards.rename(tmp_path / "moved")
+    capsys.readouterr()
+    assert sample.main([*prompt, "--out", str(tmp_path / "after")]) == 0, capsys.readouterr().err
+    a, b = load_file(tmp_path / "before" / "samples.safetensors"), load_file(tmp_path / "after" / "samples.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    capsys.readouterr()
+    assert sample.main([str(run), "--data-captions", "2", "--steps", "1", "--out", str(tmp_path / "data")]) == 2
+    _one_error_line(capsys, "--data-captions", f"data.url={shards}", "--prompt")

@@ -15,7 +15,9 @@ under torchrun / SLURM), before any step:
    anything is written;
 5. the config is recorded: `config.yaml` for a new run, `resume_<step>.yaml` for each resumed
    segment (never overwritten), `run.json` holds the run's id (checkpoints carry it, and
-   pruning only removes this run's own), and Hydra's `.hydra/` files and job log
+   pruning only removes this run's own) and what sampling needs to know of the data beyond the
+   config (`DataSource.run_record`: a shard set's kind and a latent set's VAE and text encoder,
+   so `tools.sample --prompt` works once the data moved), and Hydra's `.hydra/` files and job log
    (hydra_outputs.py) are written now, not before the folder was ours.
 """
 from __future__ import annotations
@@ -36,7 +38,7 @@ from dit_train.checkpoint import checkpoint_root, read_checkpoint_info, resolve_
 from dit_train.compose import load_config
 from dit_train.config import to_yaml
 from dit_train.config.errors import RunFolderError
-from dit_train.data_pipelines import data_location
+from dit_train.data_pipelines import data_location, source_for
 from dit_train.engine.resume import config_changes, refusal_message
 from dit_train.perf.memory import model_shape, optimizer_bytes_per_param
 
@@ -63,6 +65,21 @@ class RunFolder:
 def run_id_of(run_dir: str | Path) -> str | None:
     p = Path(run_dir) / "run.json"
     return json.loads(p.read_text()).get("run_id") if p.is_file() else None
+
+
+def data_record_of(run_dir: str | Path) -> dict:
+    """What the run folder kept of its data for sampling (run.json's "data"; {} for a folder
+    without one: an export, an older run). ValueError naming the file when it is not a record."""
+    p = Path(run_dir) / "run.json"
+    if not p.is_file():
+        return {}
+    try:
+        record = json.loads(p.read_text()).get("data", {})
+    except (ValueError, AttributeError, OSError) as err:
+        raise ValueError(f"{p} is not a run record dit_train wrote ({err}); remove it to sample without it") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{p}: its \"data\" is not a record dit_train writes; remove it to sample without it")
+    return record
 
 
 def _writable(path: Path, what: str) -> None:
@@ -176,6 +193,7 @@ def open_run_folder(cfg: Any, resume: str, hydra_record: Any = None, data: dict[
     data: the fingerprint of the configured data (packing.data_fingerprint) to compare
     with a resumed checkpoint's; None = not checked."""
     path = Path(cfg.run_dir)
+    record = source_for(cfg.data, cfg.model).run_record()  # (the data was read already: checked_data)
     _writable(path, "run folder")
     if cfg.train.ckpt_every > 0:
         _writable(checkpoint_root(path), "checkpoint folder")
@@ -229,7 +247,8 @@ def open_run_folder(cfg: Any, resume: str, hydra_record: Any = None, data: dict[
         (path / f"resume_{step:08d}.yaml").write_text(to_yaml(cfg))
         if not (path / "config.yaml").exists():
             (path / "config.yaml").write_text(to_yaml(cfg))
-    (path / "run.json").write_text(json.dumps({"run_id": run_id, "resumed_from": str(ckpt) if ckpt else None}, indent=2))
+    (path / "run.json").write_text(json.dumps({"run_id": run_id, "resumed_from": str(ckpt) if ckpt else None,
+                                               "data": record}, indent=2))
     if hydra_record is not None:
         hydra_record.write(path)
     return RunFolder(path, run_id, ckpt, lock)
