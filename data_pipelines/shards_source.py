@@ -81,8 +81,9 @@ class ShardsSource(DataSource):
             return cls.for_config(cfg, model_cfg)
         kind, latent = record.get("kind"), record.get("latent")
         if kind not in KINDS or (kind == "latents") != isinstance(latent, dict):
-            raise ValueError(f"the run folder's record of its shards ({record!r:.80}) is not one dit_train writes "
-                             f"(kind: one of {', '.join(KINDS)}; latents with their meta)")
+            raise ValueError(f"the run folder's run.json records its shards as {record!r:.80}, not a record dit_train "
+                             f"writes (kind: one of {', '.join(KINDS)}; latents with their meta); remove its \"data\" to "
+                             f"read the shard index at data.url instead")
         return LatentShardsSource(cfg, model_cfg, recorded=latent) if kind == "latents" else PixelShardsSource(cfg, model_cfg)
 
 

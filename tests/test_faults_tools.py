@@ -367,6 +367,8 @@ def test_sampling_prompts_of_a_shards_run_needs_no_shards(tmp_path, data_cache, 
     sampled. The run folder keeps what sampling needs (run.json, written when the run is claimed):
     the same samples as before the move; --data-captions reads the training clips, so it is one
     line saying where they were."""
+    import json
+
     pytest.importorskip("webdataset")
     from dit_train.tools import sample
     from dit_train.tools.make_shards import main as make_shards
@@ -395,3 +397,7 @@ def test_sampling_prompts_of_a_shards_run_needs_no_shards(tmp_path, data_cache, 
     capsys.readouterr()
     assert sample.main([str(run), "--data-captions", "2", "--steps", "1", "--out", str(tmp_path / "data")]) == 2
     _one_error_line(capsys, "--data-captions", f"data.url={shards}", "--prompt")
+    record = json.loads((run / "run.json").read_text())
+    (run / "run.json").write_text(json.dumps({**record, "data": {"kind": "latents"}}))  # hand-edited: no meta
+    assert sample.main([*prompt, "--out", str(tmp_path / "forged")]) == 2
+    _one_error_line(capsys, "run.json records its shards", "not a record dit_train writes")

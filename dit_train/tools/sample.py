@@ -246,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--data-captions={args.data_captions} must be >= 1")
         if args.data_captions:
             check_data_at_hand(cfg)
+        else:  # the source as the run folder recorded it: a record it cannot use is this line, not a worker's traceback
+            run_source(cfg.data, cfg.model, args.record)
         if video_inputs(cfg.model, cfg.cond).i2v_mask and args.prompt and not given_files(args):  # its CLIP tokens need an image
             raise ValueError(f"this run trained diffusers' Wan 2.1 I2V layout (model.mask_channels={cfg.model.mask_channels}): "
                              f"give {given_flags(cfg.cond)}")
