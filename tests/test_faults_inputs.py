@@ -210,6 +210,51 @@ def test_a_run_whose_loss_diverges_ends_failed(tmp_path, data_cache):
     assert not (run / "weights.safetensors").exists()
 
 
+def _losses_scaled_from(monkeypatch, step: int, factor: float) -> None:
+    """Every step's reported loss from `step` on multiplied by `factor` (what the divergence rule sees)."""
+    import dataclasses
+
+    from dit_train.engine.trainer import Trainer
+
+    real = Trainer.step
+
+    def step_(self, s):
+        res = real(self, s)
+        return dataclasses.replace(res, loss=res.loss * factor) if s >= step else res
+
+    monkeypatch.setattr(Trainer, "step", step_)
+
+
+def test_a_resumed_run_keeps_the_divergence_reference_of_its_first_step(tmp_path, data_cache, monkeypatch, caplog):
+    """The divergence rule compared each launch with its own first step: a run whose loss rose 1000x
+    between two launches resumed onto the high loss as its new reference and completed. The
+    reference (and the streak) now ride in the checkpoint: the resumed launch fails as an
+    uninterrupted run would, naming step 0. A checkpoint from before (no divergence state) falls
+    back to the resumed launch's first step, saying so."""
+    import shutil
+
+    from dit_train.config.errors import RunFailed
+
+    first = [*TINY, "train.steps=2", "train.ckpt_every=1", "train.keep_last=2"]
+    train_in_process(first, tmp_path / "run", cache_dir=data_cache)
+    shutil.copytree(tmp_path / "run", tmp_path / "old")
+    _losses_scaled_from(monkeypatch, 2, 1000.0)
+    resumed = [*TINY, "train.steps=8", "train.ckpt_every=1", "train.keep_last=2", "train.resume=auto"]
+    with pytest.raises(RunFailed, match=r"the loss diverged: .* at step 6 \(since step 2\), above "
+                                        r"train.divergence_factor=100 x the loss of step 0 "):
+        train_in_process(resumed, tmp_path / "run", cache_dir=data_cache)
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "failed"
+
+    old = tmp_path / "old" / "checkpoints" / "step_00000001"  # as written before the reference was kept
+    meta = json.loads((old / "trainer.json").read_text())
+    meta["parts"].pop("divergence", None)
+    (old / "trainer.json").write_text(json.dumps(meta))
+    (old / "integrity.json").unlink(missing_ok=True)
+    summary = train_in_process(resumed, tmp_path / "old", cache_dir=data_cache)
+    assert summary["status"] == "completed" and summary["steps_done"] == 8
+    assert f"checkpoint {old} has no divergence state: starting it fresh" in caplog.text
+
+
 def test_the_divergence_rule_keeps_healthy_curves_and_stops_diverging_ones():
     """The rule on loss curves (docs/checkpoints.md): 5 steps in a row above 100x the first step's loss."""
     from dit_train.engine.sanity import Divergence
@@ -232,3 +277,17 @@ def test_the_divergence_rule_keeps_healthy_curves_and_stops_diverging_ones():
     # a `sum` loss grows with the step's tokens: 8x the tokens is not a divergence
     assert stops_at([1.0] + [800.0] * 10, "sum", tokens=[100] + [80_000] * 10) is None
     assert Divergence(0, "sample_mean").update(1, 1e30, 1000, 8, last=True) == ""  # 0 = off
+    # its checkpoint state: a rule restored mid-streak decides as the uninterrupted one
+    losses = [0.5, 0.6, 70.0, 80.0, 90.0, 60.0, 75.0]
+    whole, half = Divergence(100, "sample_mean"), Divergence(100, "sample_mean")
+    for step, loss in enumerate(losses[:4]):
+        whole.update(step, loss, 1000, 8, last=False)
+    half.load_state_dict(json.loads(json.dumps(whole.state_dict())))
+    said = [half.update(s, v, 1000, 8, last=False) for s, v in enumerate(losses) if s >= 4]
+    assert said == [whole.update(s, v, 1000, 8, last=False) for s, v in enumerate(losses) if s >= 4]
+    assert said[:2] == ["", ""] and "75 at step 6 (since step 2), above train.divergence_factor=100 x the loss of " \
+                                   "step 0 (0.5) for 5 step(s)" in said[2]
+    for bad in ({"reference": [0, -1.0], "compared": 0, "streak": []}, {"reference": ["0", 1.0], "compared": 0, "streak": []},
+                {"reference": [0, 1.0], "compared": "3", "streak": []}, {"reference": None}):
+        with pytest.raises((ValueError, KeyError)):  # load_checkpoint: one CheckpointError naming trainer.json
+            Divergence(100, "sample_mean").load_state_dict(bad)
