@@ -86,8 +86,9 @@ def nonfinite_hint(optim: Any, train: Any) -> str:
 # Steps in a row the loss must stay above train.divergence_factor x its first value. The rule is
 # meant never to trip on a healthy run: the quickstart's (make run, 1200 steps, batch 8) per-step
 # loss peaks at 3.1x its first step's during the LR warm-up; from any step after the 100th (the
-# reference of a resume from an old checkpoint) later steps reach at most 5.5x it, 2.8x for 3 steps in a row. Several
-# steps in a row spare the spikes of a heavy-tailed loss (loss.weighting=sigma_sqrt: 1/t^2).
+# reference of a resume from an old checkpoint) later steps reach at most 5.5x it, 2.8x for 3
+# steps in a row. Several steps in a row spare the spikes of a heavy-tailed loss
+# (loss.weighting=sigma_sqrt: 1/t^2).
 DIVERGENCE_STEPS = 5
 
 
