@@ -183,6 +183,54 @@ def test_video_rl_never_overwrites_its_run_nor_a_folder_in_use(tmp_path, rl_run,
     assert _tree(aside) == before
 
 
+def test_video_rl_refuses_an_out_another_process_holds(tmp_path, rl_run, capsys):
+    """tools.video_rl took no lock on --out: a second one with --overwrite (or --resume) moved a
+    running one's files aside under it. Now it takes the trainer's run-folder lock: one line
+    naming the holder, the folder untouched."""
+    import fcntl
+
+    from dit_train.tools.video_rl import main
+
+    out = tmp_path / "out"
+    assert main([str(rl_run), *RL, "--steps", "1", "--out", str(out)]) == 0
+    holder = open(out / ".lock", "a+")  # now another process (a video_rl going on with --resume) holds it
+    fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    holder.truncate(0)
+    holder.write("pid 4242 on another-host since 2026-01-01 00:00:00\n")
+    holder.flush()
+    try:
+        before = _tree(out)
+        capsys.readouterr()
+        for flags in (["--overwrite"], ["--resume"]):
+            assert main([str(rl_run), *RL, "--steps", "2", "--out", str(out), *flags]) == 2
+            _one_error_line(capsys, f"{out} is in use by pid 4242 on another-host", "give another --out")
+            assert _tree(out) == before
+    finally:
+        holder.close()
+    assert main([str(rl_run), *RL, "--steps", "2", "--out", str(out), "--resume"]) == 0  # released: it goes on
+
+
+def test_video_rl_resume_refuses_a_run_whose_weights_changed(tmp_path, rl_run, capsys):
+    """--resume checked RUN's path, not its weights: a run trained on (or replaced) since went on
+    from the new weights with the old optimizer state and reference. Now the weights it started
+    from are fingerprinted in the checkpoint and a change is one line."""
+    from dit_train.tools.video_rl import main
+
+    out = tmp_path / "out"
+    flags = [str(rl_run), *RL, "--out", str(out)]
+    assert main([*flags, "--steps", "1"]) == 0
+    ema = load_file(rl_run / "weights_ema.safetensors")
+    save_file({k: v * 1.5 for k, v in ema.items()}, str(rl_run / "weights_ema.safetensors"))  # trained on since
+    capsys.readouterr()
+    before = _tree(out)
+    assert main([*flags, "--steps", "2", "--resume"]) == 2
+    _one_error_line(capsys, f"--resume: {out} was started from other weights of RUN", "weights_ema.safetensors",
+                    "--overwrite")
+    assert _tree(out).keys() == before.keys() and all(_tree(out)[k] == v for k, v in before.items() if k != ".lock")
+    save_file(ema, str(rl_run / "weights_ema.safetensors"))  # the same weights again: it goes on
+    assert main([*flags, "--steps", "2", "--resume"]) == 0
+
+
 # -- video_rl: stopped, then resumed ----------------------------------------------------------------
 
 

@@ -44,6 +44,7 @@ from dit_train.perf.memory import model_shape, optimizer_bytes_per_param
 
 log = logging.getLogger(__name__)
 
+LOCK = ".lock"  # the folder's lock file (lock_folder): held by the running process, left behind after it
 # what a finished or running training leaves in its folder (Hydra's own .hydra/ and logs don't count)
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tb", "wandb", "samples", "weights.safetensors",
                "weights_ema.safetensors", "summary.json", "config.yaml", "run.json", "lora", "lora_ema")
@@ -93,16 +94,18 @@ def _writable(path: Path, what: str) -> None:
                              f"or fix its permissions") from None
 
 
-def _lock(path: Path) -> Any:
-    f = open(path / ".lock", "a+")
+def lock_folder(path: Path, instead: str = "pick another hydra.run.dir") -> Any:
+    """Hold `path`'s lock (LOCK, an OS file lock: a dead process holds none) for as long as the
+    returned file stays open; RunFolderError naming the holder, and `instead` as the other way
+    out, while another process holds it (a training run, `tools.video_rl` on its --out)."""
+    f = open(path / LOCK, "a+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         f.seek(0)
         holder = f.read().strip() or "another process"
         f.close()
-        raise RunFolderError(f"run folder {path} is in use by {holder}; wait for it to finish or pick another "
-                             f"hydra.run.dir") from None
+        raise RunFolderError(f"run folder {path} is in use by {holder}; wait for it to finish or {instead}") from None
     f.seek(0)
     f.truncate()
     f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
@@ -197,7 +200,7 @@ def open_run_folder(cfg: Any, resume: str, hydra_record: Any = None, data: dict[
     _writable(path, "run folder")
     if cfg.train.ckpt_every > 0:
         _writable(checkpoint_root(path), "checkpoint folder")
-    lock = _lock(path)
+    lock = lock_folder(path)
     try:
         try:
             ckpt = resolve_checkpoint(resume, path)
