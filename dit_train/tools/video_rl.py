@@ -70,8 +70,8 @@ from dit_train.sampling import frame_grid
 from dit_train.checkpoint.export import run_weights
 from dit_train.tools.video_rl_recipes import RECIPES, RaftBuffer, StepInputs, accepted, data_clips  # noqa: F401 (accepted: API)
 from dit_train.tools.video_rl_rewards import checked_rewards, load_reward, shapes_reward, with_timeout  # noqa: F401 (shapes_reward: API)
-from dit_train.tools.video_rl_state import (PROGRESS, Progress, check_out, read_progress, restore_state, save_state,
-                                            source_weights, trajectory, write_progress)
+from dit_train.tools.video_rl_state import (PROGRESS, Progress, check_out, check_source_weights, read_progress,
+                                            restore_state, save_state, source_weights, trajectory, write_progress)
 
 def evaluate(session, captions: list[str], out_dir: Path, step: int, reward: Callable | None = None) -> dict[str, float]:
     """The held-out figures: one clip per caption, validation's sampler, the exact metric (rank 0
@@ -267,8 +267,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"{run}: a mode={cfg.mode} run; video_rl post-trains video generators")
         prepare_data(cfg.data, cfg.model)
         out = Path(args.out)
-        weights = source_weights(run)  # what it starts from: a --resume onto changed weights is refused
-        saved, lock = check_out(run, out, args, weights)  # refusals, --out's lock, then --overwrite moves things aside
+        saved, lock = check_out(run, out, args)  # refusals, --out's lock, then --overwrite moves things aside
+        weights = source_weights(run)  # what it starts from, kept in its checkpoints: --resume onto other weights refused
+        check_source_weights(saved, weights, run, out)
         if saved is not None and saved["step"] >= args.steps:
             print(f"{out} already took {saved['step']} steps (--steps {args.steps}): nothing to do; give a larger "
                   f"--steps to go on")

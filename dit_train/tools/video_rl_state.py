@@ -144,12 +144,11 @@ def source_weights(run: Path) -> str:
     return f"{source.name} sha256:{digest.hexdigest()[:16]}"
 
 
-def check_out(run: Path, out: Path, args: Any, weights: str) -> tuple[dict | None, Any]:
+def check_out(run: Path, out: Path, args: Any) -> tuple[dict | None, Any]:
     """Refuse an --out that would lose work (module doc), before anything is built; then hold
     --out's lock (the trainer's run-folder lock: one process at a time) and, with --overwrite,
     move what it holds aside. Returns (the checkpoint's saved loop state with --resume, else
-    None; the lock, held until it is closed). weights: source_weights(run), which --resume
-    checks against the checkpoint's."""
+    None; the lock, held until it is closed)."""
     src, dst = run.resolve(), out.resolve()
     if src == dst or src.is_relative_to(dst):
         what = "is the run it starts from" if src == dst else f"holds the run it starts from ({run})"
@@ -172,7 +171,7 @@ def check_out(run: Path, out: Path, args: Any, weights: str) -> tuple[dict | Non
     lock = lock_folder(out, "give another --out")  # before anything in it is read or moved
     try:
         if args.resume:
-            return _resumable(run, out, args, weights), lock
+            return _resumable(run, out, args), lock
         moving = [e for e in entries if not e.startswith("overwritten_")]
         if moving:
             print(f"--overwrite: moved {', '.join(moving)} to {move_aside(out, moving)}", flush=True)
@@ -186,9 +185,9 @@ _NOTHING_TO_RESUME = ("--resume: {out} holds no video_rl checkpoint to continue 
                       "one, or is not a video_rl --out); start over with --overwrite")
 
 
-def _resumable(run: Path, out: Path, args: Any, weights: str) -> dict:
+def _resumable(run: Path, out: Path, args: Any) -> dict:
     """--resume: the newest checkpoint's loop state, after checking that it continues this run
-    (its path and the weights it started from) with the same trajectory flags."""
+    with the same trajectory flags."""
     ckpt = find_checkpoint(out / RESUME)
     if ckpt is None:
         raise ConfigError(_NOTHING_TO_RESUME.format(out=out))
@@ -201,11 +200,17 @@ def _resumable(run: Path, out: Path, args: Any, weights: str) -> dict:
             flag = "RUN" if key == "source" else "overrides" if key == "overrides" else "--" + key.replace("_", "-")
             raise ConfigError(f"--resume: {out} was started with {flag} {saved.get(key)!r}, now {value!r}; resume "
                               f"with the same {flag}, or start over with --overwrite")
-    if saved.get("source_weights", weights) != weights:  # (checkpoints from before it was kept: not checked)
-        raise ConfigError(f"--resume: {out} was started from other weights of RUN {run} ({saved['source_weights']}, now "
-                          f"{weights}): they changed since (trained on or replaced); resume onto the weights it started "
-                          f"from, or start over with --overwrite")
     return {**state, "checkpoint": str(ckpt)}
+
+
+def check_source_weights(saved: dict | None, weights: str, run: Path, out: Path) -> None:
+    """--resume (`saved`: check_out's loop state): RUN's weights must be those the run started from
+    (`weights`: source_weights(run) now; checkpoints from before the digest was kept pass)."""
+    started = (saved or {}).get("settings", {}).get("source_weights", weights)
+    if started != weights:
+        raise ConfigError(f"--resume: {out} was started from other weights of RUN {run} ({started}, now {weights}): "
+                          f"they changed since (trained on or replaced); resume onto the weights it started from, or "
+                          f"start over with --overwrite")
 
 
 def save_state(session: Any, out: Path, snap: Progress, settings: dict) -> Path:
