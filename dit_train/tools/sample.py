@@ -141,7 +141,7 @@ def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, 
         requests, null, decode = data_requests(cfg, args.data_captions, ctx.device, decoder=ctx.is_main,
                                                heldout=args.heldout)
     else:
-        space = prompt_space(cfg, ctx.device, run_source(cfg.data, cfg.model, args.record))
+        space = prompt_space(cfg, ctx.device, recorded_source(args, cfg))
         requests = prompt_requests(space, args.prompt, args.num, args.frames, args.height, args.width)
         null, decode = space.null, space.decode
         for r in requests:  # read and checked by main() before any worker started
@@ -163,7 +163,7 @@ def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, 
         return None
     pixels = to_pixels(clips, decode)
     try:
-        data_source = run_source(cfg.data, cfg.model, args.record)
+        data_source = recorded_source(args, cfg)
         scores = data_source.score(scored_view(requests, pixels), [r.caption for r in requests]) or {}
         scores |= given_scores(data_source, requests, pixels, cfg.model.patch_size[0]) if scores else {}
     except ValueError:
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.data_captions:
             check_data_at_hand(cfg)
         else:  # the source as the run folder recorded it: a record it cannot use is this line, not a worker's traceback
-            run_source(cfg.data, cfg.model, args.record)
+            recorded_source(args, cfg)
         if video_inputs(cfg.model, cfg.cond).i2v_mask and args.prompt and not given_files(args):  # its CLIP tokens need an image
             raise ValueError(f"this run trained diffusers' Wan 2.1 I2V layout (model.mask_channels={cfg.model.mask_channels}): "
                              f"give {given_flags(cfg.cond)}")
@@ -305,6 +305,12 @@ def check_memory(cfg: Any, args: argparse.Namespace) -> None:
                          f"to sample, more than the {have / 2**30:.0f} GiB here: lower --height/--width/--frames or --num")
 
 
+def recorded_source(args: argparse.Namespace, cfg: Any) -> Any:
+    """The run's data source as its folder recorded it (main reads run.json into args.record; a
+    caller without one gets the data's own source)."""
+    return run_source(cfg.data, cfg.model, getattr(args, "record", {}))
+
+
 def check_data_at_hand(cfg: Any) -> None:
     """--data-captions samples the run's training clips: a source that must read its data to know
     what it is (a shard set's index) says here, in one line, that it cannot, not in a worker."""
@@ -338,7 +344,7 @@ def read_given(args: argparse.Namespace, cfg: Any) -> tuple | None:
     prompts sample (None without them); ValueError naming the flag when they do not fit."""
     if not given_files(args):
         return None
-    space = prompt_space(cfg, source=run_source(cfg.data, cfg.model, args.record))
+    space = prompt_space(cfg, source=recorded_source(args, cfg))
     shape = space.shape(args.frames, args.height, args.width)
     if video_inputs(cfg.model, cfg.cond).i2v_mask:  # Wan 2.1 I2V: [image, zeros...(, last)] through the VAE, CLIP tokens
         return i2v_from_files(cfg.cond, shape, space.codec, read_cache_info(cfg.data.root), args.image, args.last_image,
@@ -363,7 +369,7 @@ def read_control(args: argparse.Namespace, cfg: Any) -> Any:
     if not args.control:
         return None
     # a latent run's control goes through the cache's VAE (space.codec)
-    space = prompt_space(cfg, source=run_source(cfg.data, cfg.model, args.record))
+    space = prompt_space(cfg, source=recorded_source(args, cfg))
     return control_from_file(args.control, space.shape(args.frames, args.height, args.width), space.codec,
                              getattr(cfg.model, "vace_mask_channels", 0))
 
