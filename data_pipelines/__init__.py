@@ -17,7 +17,8 @@ from typing import Any
 from dit_train.data_pipelines import (  # noqa: F401  (register)
     latent_cache_source, shards_source, synthetic_video_source, text_source, video_folder_source)
 from dit_train.data_pipelines.prefetch import Prefetcher
-from dit_train.data_pipelines.source import SOURCES, DataSource, Dataset, data_location, register_source, source_for
+from dit_train.data_pipelines.source import (SOURCES, DataSource, Dataset, data_location, register_source, run_source,
+                                           source_for)
 
 
 def prepare_data(data_cfg: Any, model_cfg: Any = None) -> None:
@@ -35,4 +36,4 @@ def open_dataset(data_cfg: Any, model_cfg: Any, split: str = "train", companions
 
 
 __all__ = ["SOURCES", "DataSource", "Dataset", "data_location", "open_dataset", "prepare_data", "register_source",
-           "source_for"]
+           "run_source", "source_for"]

@@ -40,7 +40,7 @@ from tqdm import tqdm
 
 from dit_train.atomic import save_file_atomic, write_atomic
 from dit_train.data_pipelines.companions import KEYS, LatentMask, latent_mask_sums
-from dit_train.data_pipelines.records import in_heldout, member_name
+from dit_train.data_pipelines.records import in_heldout, member_name, parsed_once
 from dit_train.data_pipelines.video_dataset import VideoSample
 from dit_train.data_pipelines.video_io import VideoReadError
 
@@ -344,6 +344,12 @@ def write_manifest(out: Path, dataset: Any, reports: list[dict]) -> dict:
 # -- reading it back -------------------------------------------------------------------------
 
 
+def _manifest_rows(manifest: Path) -> list[dict]:
+    """A manifest's rows (shared: read only), each row's file checked to be the cache's before any is opened."""
+    rows = [json.loads(line) for line in manifest.read_text().splitlines() if line.strip()]
+    return [row for row in rows if member_name(row.get("file"), str(manifest))]  # (it raises for any other file)
+
+
 class LatentCacheDataset:
     """Cached latents as VideoSample (pixels = normalized latents [C, f, h, w] cropped to
     multiples of `patch`, text_emb [Lt, text_dim] or None); token counts from the manifest.
@@ -358,9 +364,7 @@ class LatentCacheDataset:
         manifest = self.root / MANIFEST
         if not manifest.is_file():
             raise ValueError(f"{manifest} not found: the cache tool did not finish; run it again (it resumes)")
-        rows = [json.loads(line) for line in manifest.read_text().splitlines() if line.strip()]
-        for row in rows:  # each row's file lives in this cache: checked before any is opened
-            member_name(row.get("file"), str(manifest))
+        rows = parsed_once(manifest, _manifest_rows)  # once per process while unchanged: every dataset build asks
         if meta.get("null_text_emb"):
             member_name(meta["null_text_emb"], str(self.root / META))
             check_tensor_file(self.root / meta["null_text_emb"], "text_emb")

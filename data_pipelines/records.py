@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from pathlib import PurePosixPath
-from typing import Any, NamedTuple
+import os
+import threading
+from pathlib import Path, PurePosixPath
+from typing import Any, Callable, NamedTuple, TypeVar
+
+T = TypeVar("T")
 
 BOM = b"\xef\xbb\xbf"  # the UTF-8 byte-order mark some editors (Notepad, Excel) put first
 
@@ -129,3 +133,30 @@ def warn_once(log: logging.Logger, message: str) -> None:
     if message and message not in _warned:
         _warned.add(message)
         log.warning(message)
+
+
+_parsed: dict[tuple[str, str], tuple[tuple[int, int], Any]] = {}
+_parsing = threading.Lock()
+
+
+def parsed_once(path: str | os.PathLike, parse: Callable[[Path], T]) -> T:
+    """`parse(path)`, kept per process while the file keeps its size and mtime: a launch builds
+    its dataset several times (the data check, the training set, the held-out split), and a
+    manifest of a million lines costs ~5 CPU-s to parse (1 CPU-s measured for 200k rows) at
+    each build. The result is shared: callers copy what they change. A file that cannot be
+    stat'ed is parsed (its error is parse's)."""
+    path = Path(path)
+    try:
+        st = os.stat(path)
+    except OSError:
+        return parse(path)
+    key, version = (str(path.resolve()), f"{parse.__module__}.{parse.__qualname__}"), (st.st_size, st.st_mtime_ns)
+    with _parsing:
+        hit = _parsed.get(key)
+    if hit is not None and hit[0] == version:
+        return hit[1]
+    value = parse(path)
+    with _parsing:
+        _parsed[key] = (version, value)  # one version per file: a rewritten one replaces it
+    return value
+

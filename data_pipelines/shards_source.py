@@ -19,7 +19,7 @@ from dit_train.data_pipelines.latent_cache import VaeCodec
 from dit_train.data_pipelines.latent_cache_source import check_latent_model, latent_prompt_space
 from dit_train.data_pipelines.prompt_space import PromptSpace
 from dit_train.data_pipelines.shard_datasets import ShardClipDataset, ShardLatentDataset, pixel_entries
-from dit_train.data_pipelines.shard_index import ShardIndex, load_index
+from dit_train.data_pipelines.shard_index import KINDS, ShardIndex, load_index
 from dit_train.data_pipelines.shard_store import ShardCache, ShardReader, is_remote
 from dit_train.data_pipelines.source import DataSource, register_source
 from dit_train.data_pipelines.video_source import PixelVideoSource, VideoReadConfig
@@ -72,6 +72,20 @@ class ShardsSource(DataSource):
         kind = shard_index(cfg).kind
         return (LatentShardsSource if kind == "latents" else PixelShardsSource)(cfg, model_cfg, companions)
 
+    @classmethod
+    def for_run(cls, cfg: Any, model_cfg: Any, record: dict) -> DataSource:
+        """The kind (and a latent set's meta: its VAE and text encoder) the run trained on, from its
+        folder's record: sampling its prompts needs no shards (they may have moved since). A run
+        folder from before the record: the index says, as for_config."""
+        if not record:
+            return cls.for_config(cfg, model_cfg)
+        kind, latent = record.get("kind"), record.get("latent")
+        if kind not in KINDS or (kind == "latents") != isinstance(latent, dict):
+            raise ValueError(f"the run folder's run.json records its shards as {record!r:.80}, not a record dit_train "
+                             f"writes (kind: one of {', '.join(KINDS)}; latents with their meta); remove its \"data\" to "
+                             f"read the shard index at data.url instead")
+        return LatentShardsSource(cfg, model_cfg, recorded=latent) if kind == "latents" else PixelShardsSource(cfg, model_cfg)
+
 
 class PixelShardsSource(PixelVideoSource):
     """Shards of video files and stills: the folder's behaviour (read settings, buckets, held-out
@@ -83,6 +97,9 @@ class PixelShardsSource(PixelVideoSource):
 
     def cache_settings(self) -> dict:
         return {**super().cache_settings(), "url": self.cfg.url}
+
+    def run_record(self) -> dict:
+        return {"kind": "pixels"}
 
     def entries(self) -> tuple[list, list]:
         index = shard_index(self.cfg)
@@ -100,8 +117,16 @@ class LatentShardsSource(DataSource):
     mode = Mode.video
     latent = True
 
+    def __init__(self, cfg: Any, model_cfg: Any, companions: tuple[str, ...] = (), recorded: dict | None = None):
+        """recorded: the latent meta a run folder kept (ShardsSource.for_run), used instead of the index's."""
+        super().__init__(cfg, model_cfg, companions)
+        self.recorded = recorded
+
     def meta(self) -> dict:
-        return shard_index(self.cfg).meta["latent"]
+        return self.recorded if self.recorded is not None else shard_index(self.cfg).meta["latent"]
+
+    def run_record(self) -> dict:
+        return {"kind": "latents", "latent": self.meta()}
 
     def open(self, split: str = "train") -> Any:
         if split != "train" and self.cfg.heldout_fraction <= 0:

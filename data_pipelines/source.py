@@ -81,6 +81,19 @@ class DataSource:
         that fits what it finds."""
         return cls(cfg, model_cfg, companions)
 
+    @classmethod
+    def for_run(cls, cfg: Any, model_cfg: Any, record: dict) -> "DataSource":
+        """The source of a trained run, for sampling it: `record` is what the run's folder kept of
+        this source when the run was claimed (its `run_record()`, run.json's "data"), so that a
+        source which learns what it is from its data (shards) needs no data to sample prompts;
+        {} for a run folder without one. By default `for_config`."""
+        return cls.for_config(cfg, model_cfg)
+
+    def run_record(self) -> dict:
+        """What sampling a run needs from this source beyond its config, kept in the run folder
+        when the run is claimed (JSON; given back to `for_run`): {} by default."""
+        return {}
+
     def prepare(self) -> None:
         """Nothing to do by default."""
 
@@ -132,3 +145,8 @@ def register_source(cls: type[DataSource]) -> type[DataSource]:
 
 def source_for(cfg: Any, model_cfg: Any, companions: tuple[str, ...] = ()) -> DataSource:
     return SOURCES[cfg.name].for_config(cfg, model_cfg, companions)
+
+
+def run_source(cfg: Any, model_cfg: Any, record: dict) -> DataSource:
+    """The source of a trained run as its folder recorded it (`DataSource.for_run`)."""
+    return SOURCES[cfg.name].for_run(cfg, model_cfg, record)

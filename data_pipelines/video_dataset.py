@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from dit_train.data_pipelines.companions import NONE, Companions, box_frames, missing, none_found, row_companions, row_path
-from dit_train.data_pipelines.records import Skip, decode_utf8, describe, json_kind, normalize_newlines, unencodable, warn_once
+from dit_train.data_pipelines.records import (Skip, decode_utf8, describe, json_kind, normalize_newlines, parsed_once,
+                                              unencodable, warn_once)
 from dit_train.data_pipelines.sizes import resize_crop, slab_tokens, target_size
 from dit_train.data_pipelines.video_io import (VideoInfo, VideoReadError, frame_indices, is_image, probe, read_frames, still_indices,
                                      to_model_range)
@@ -60,6 +61,14 @@ MANIFEST_SUFFIXES = (".jsonl", ".csv")
 
 
 def scan_manifest(path: Path) -> tuple[list[dict], list[tuple[str, str]]]:
+    """_scan_manifest's (rows, left out), read and parsed once per process while the file is
+    unchanged (records.parsed_once): each dataset build of a launch asks again. The lists are
+    the caller's; the rows are shared (read them, do not change them)."""
+    rows, skipped = parsed_once(path, _scan_manifest)
+    return list(rows), list(skipped)
+
+
+def _scan_manifest(path: Path) -> tuple[list[dict], list[tuple[str, str]]]:
     """Usable rows of a .jsonl or .csv manifest (extension in any case), and (`<manifest>:<line>`,
     why) of each row left out (warned about once, with the first few named).
 

@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from dit_train.atomic import write_atomic
 from dit_train.data_pipelines.companions import companion_files, folder_companions, row_companions, row_path
-from dit_train.data_pipelines.records import decode_utf8, normalize_newlines, warn_once
+from dit_train.data_pipelines.records import decode_utf8, normalize_newlines, parsed_once, warn_once
 from dit_train.data_pipelines.video_dataset import MANIFEST_SUFFIXES, ClipEntry, scan_manifest
 from dit_train.data_pipelines.video_io import IMAGE_EXTENSIONS, VideoInfo, VideoReadError, probe
 
@@ -147,20 +147,26 @@ def _probe_row(path: str) -> dict:
     return {**row, "frames": info.frames, "height": info.height, "width": info.width, "fps": info.fps}
 
 
+def _probe_index(index_file: Path) -> dict[str, dict]:
+    """The probe rows of an index file by path (lines that are not JSON are probed again)."""
+    cached: dict[str, dict] = {}
+    for line in index_file.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        cached[row["path"]] = row
+    return cached
+
+
 def index_clips(clips: list[tuple[str, str]], index_file: Path | None = None, workers: int = 0,
                 progress: bool = True) -> ClipIndex:
     """Probe `clips` (reusing `index_file` where size and mtime still match) -> ClipIndex.
 
     workers: probe threads (decord releases the GIL while it decodes); 0 = in this thread.
     """
-    cached: dict[str, dict] = {}
-    if index_file is not None and index_file.exists():
-        for line in index_file.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            cached[row["path"]] = row
+    # read once per process while unchanged (each dataset build of a launch asks); shared: only read here
+    cached = parsed_once(index_file, _probe_index) if index_file is not None and index_file.exists() else {}
     rows: dict[str, dict] = {}
     todo = []
     for path, _ in clips:

@@ -11,6 +11,7 @@ from typing import Any, Sequence
 import numpy as np
 from tqdm.auto import tqdm
 
+from dit_train.atomic import write_atomic
 from dit_train.trackers import Clip, Tracker, scalar_tags
 
 log = logging.getLogger(__name__)
@@ -105,9 +106,8 @@ def drop_rows_from(path: Path, step: int) -> None:
                 keep.append(line)
         except (json.JSONDecodeError, KeyError, TypeError):
             continue  # a line cut by a crash
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    tmp.replace(path)
+    text = "".join(line + "\n" for line in keep)
+    write_atomic(path, lambda tmp: tmp.write_text(text))  # a failed write leaves the old file and no stray one
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

@@ -307,6 +307,33 @@ def test_summary_on_a_full_disk_is_whole_or_absent_never_empty_or_stale(tmp_path
         assert not (tmp_path / "summary.json").exists()
 
 
+def test_metrics_rows_dropped_on_resume_on_a_full_disk_leave_no_stray_file(tmp_path, monkeypatch):
+    """A resume rewrites metrics.jsonl without the replayed steps' rows. It wrote a fixed
+    `metrics.tmp` beside it, left behind half-written when the write failed; now through
+    dit_train/atomic.py like every other writer: the old file intact, no temporary file left."""
+    from dit_train.metrics import drop_rows_from
+
+    path = tmp_path / "metrics.jsonl"
+    rows = "".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(6))
+    path.write_text(rows)
+    real_write = Path.write_text
+
+    def write_text(self, text, *args, **kwargs):
+        if self != path:  # the rewrite's temporary file: half of it, then the disk is full
+            real_write(self, text[:5], *args, **kwargs)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+    with pytest.raises(OSError):
+        drop_rows_from(path, 3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"] and path.read_text() == rows
+    monkeypatch.undo()
+    drop_rows_from(path, 3)
+    assert [json.loads(r)["step"] for r in path.read_text().splitlines()] == [0, 1, 2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+
+
 # -- a run folder's config.yaml is data -------------------------------------------------------------
 
 

@@ -76,6 +76,58 @@ def test_files_left_out_when_the_dataset_is_built_count_against_max_dropped_frac
     check_data(compose_config([*run, "data.max_dropped_fraction=1"], cache_dir=str(tmp_path / "cache")))
 
 
+def _count_reads(monkeypatch) -> dict[str, int]:
+    """How often each file (by name) is read whole through pathlib from here on."""
+    reads: dict[str, int] = {}
+    real_bytes, real_text = Path.read_bytes, Path.read_text
+
+    def read_bytes(self):
+        reads[self.name] = reads.get(self.name, 0) + 1
+        return real_bytes(self)
+
+    def read_text(self, *args, **kwargs):
+        reads[self.name] = reads.get(self.name, 0) + 1
+        return real_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_bytes", read_bytes)
+    monkeypatch.setattr(Path, "read_text", read_text)
+    return reads
+
+
+@pytest.mark.parametrize("kind", ["video_folder", "latent_cache"])
+def test_a_manifest_is_read_once_per_launch(tmp_path, request, monkeypatch, kind):
+    """A 1e6-line manifest (a video folder's .jsonl, a latent cache's manifest.jsonl) and the
+    folder's probe index were read and parsed again at each dataset build of a launch (the data
+    check, the training set, the held-out split): ~5 CPU-s for the manifest alone at that size
+    (0.98 CPU-s measured for 200k rows), each time. Now once while the file is unchanged (its
+    path, size and mtime); a rewritten file is read again."""
+    if kind == "video_folder":
+        manifest = manifest_with_missing(tmp_path, real=6, missing=2)
+        run = [*TINY_MODEL, "data=video_folder", f"data.root={manifest}", "data.resolution_buckets=null",
+               "data.max_dropped_fraction=0.5", "data.max_frames=8"]
+    else:
+        pytest.importorskip("transformers")
+        from tests.conftest import TEXT_DIM, Z_DIM
+
+        import shutil
+
+        manifest = Path(shutil.copytree(request.getfixturevalue("cache"), tmp_path / "latents")) / "manifest.jsonl"
+        run = [*TINY_MODEL, f"model.in_channels={Z_DIM}", f"model.text_dim={TEXT_DIM}", "model.patch_size=[1,2,2]",
+               "data=latent_cache", f"data.root={manifest.parent}"]
+    run += ["data.num_workers=0", "data.heldout_fraction=0.3", "train.micro_batch_tokens=0", "train.global_batch=2",
+            "train.steps=1"]
+    cache = str(tmp_path / "cache")
+    from dit_train.tasks import check_data
+
+    check_data(compose_config(run, cache_dir=cache))  # (the folder's probe index written once, outside the count)
+    with manifest.open("a") as f:  # a file written since is read again (a blank line: its size changes): once below
+        f.write("\n")
+    reads = _count_reads(monkeypatch)
+    train_in_process(run, tmp_path / "run", cache_dir=cache)
+    files = {n: c for n, c in reads.items() if n.endswith(".jsonl")}  # the manifest, the folder's probe index
+    assert files.get(manifest.name) == 1 and max(files.values()) == 1, files
+
+
 # -- runs where no sample can be trained as asked -----------------------------------------------
 
 
@@ -158,6 +210,51 @@ def test_a_run_whose_loss_diverges_ends_failed(tmp_path, data_cache):
     assert not (run / "weights.safetensors").exists()
 
 
+def _losses_scaled_from(monkeypatch, step: int, factor: float) -> None:
+    """Every step's reported loss from `step` on multiplied by `factor` (what the divergence rule sees)."""
+    import dataclasses
+
+    from dit_train.engine.trainer import Trainer
+
+    real = Trainer.step
+
+    def step_(self, s):
+        res = real(self, s)
+        return dataclasses.replace(res, loss=res.loss * factor) if s >= step else res
+
+    monkeypatch.setattr(Trainer, "step", step_)
+
+
+def test_a_resumed_run_keeps_the_divergence_reference_of_its_first_step(tmp_path, data_cache, monkeypatch, caplog):
+    """The divergence rule compared each launch with its own first step: a run whose loss rose 1000x
+    between two launches resumed onto the high loss as its new reference and completed. The
+    reference (and the streak) now ride in the checkpoint: the resumed launch fails as an
+    uninterrupted run would, naming step 0. A checkpoint from before (no divergence state) falls
+    back to the resumed launch's first step, saying so."""
+    import shutil
+
+    from dit_train.config.errors import RunFailed
+
+    first = [*TINY, "train.steps=2", "train.ckpt_every=1", "train.keep_last=2"]
+    train_in_process(first, tmp_path / "run", cache_dir=data_cache)
+    shutil.copytree(tmp_path / "run", tmp_path / "old")
+    _losses_scaled_from(monkeypatch, 2, 1000.0)
+    resumed = [*TINY, "train.steps=8", "train.ckpt_every=1", "train.keep_last=2", "train.resume=auto"]
+    with pytest.raises(RunFailed, match=r"the loss diverged: .* at step 6 \(since step 2\), above "
+                                        r"train.divergence_factor=100 x the loss of step 0 "):
+        train_in_process(resumed, tmp_path / "run", cache_dir=data_cache)
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "failed"
+
+    old = tmp_path / "old" / "checkpoints" / "step_00000001"  # as written before the reference was kept
+    meta = json.loads((old / "trainer.json").read_text())
+    meta["parts"].pop("divergence", None)
+    (old / "trainer.json").write_text(json.dumps(meta))
+    (old / "integrity.json").unlink(missing_ok=True)
+    summary = train_in_process(resumed, tmp_path / "old", cache_dir=data_cache)
+    assert summary["status"] == "completed" and summary["steps_done"] == 8
+    assert f"checkpoint {old} has no divergence state: starting it fresh" in caplog.text
+
+
 def test_the_divergence_rule_keeps_healthy_curves_and_stops_diverging_ones():
     """The rule on loss curves (docs/checkpoints.md): 5 steps in a row above 100x the first step's loss."""
     from dit_train.engine.sanity import Divergence
@@ -180,3 +277,17 @@ def test_the_divergence_rule_keeps_healthy_curves_and_stops_diverging_ones():
     # a `sum` loss grows with the step's tokens: 8x the tokens is not a divergence
     assert stops_at([1.0] + [800.0] * 10, "sum", tokens=[100] + [80_000] * 10) is None
     assert Divergence(0, "sample_mean").update(1, 1e30, 1000, 8, last=True) == ""  # 0 = off
+    # its checkpoint state: a rule restored mid-streak decides as the uninterrupted one
+    losses = [0.5, 0.6, 70.0, 80.0, 90.0, 60.0, 75.0]
+    whole, half = Divergence(100, "sample_mean"), Divergence(100, "sample_mean")
+    for step, loss in enumerate(losses[:4]):
+        whole.update(step, loss, 1000, 8, last=False)
+    half.load_state_dict(json.loads(json.dumps(whole.state_dict())))
+    said = [half.update(s, v, 1000, 8, last=False) for s, v in enumerate(losses) if s >= 4]
+    assert said == [whole.update(s, v, 1000, 8, last=False) for s, v in enumerate(losses) if s >= 4]
+    assert said[:2] == ["", ""] and "75 at step 6 (since step 2), above train.divergence_factor=100 x the loss of " \
+                                   "step 0 (0.5) for 5 step(s)" in said[2]
+    for bad in ({"reference": [0, -1.0], "compared": 0, "streak": []}, {"reference": ["0", 1.0], "compared": 0, "streak": []},
+                {"reference": [0, 1.0], "compared": "3", "streak": []}, {"reference": None}):
+        with pytest.raises((ValueError, KeyError)):  # load_checkpoint: one CheckpointError naming trainer.json
+            Divergence(100, "sample_mean").load_state_dict(bad)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tests.conftest import TINY, train_in_process
+from tests.conftest import TINY, TINY_MODEL, train_in_process
 
 
 def _one_error_line(capsys, *says: str) -> str:
@@ -181,6 +181,54 @@ def test_video_rl_never_overwrites_its_run_nor_a_folder_in_use(tmp_path, rl_run,
     assert run_weights(used, None)[1] == "weights.safetensors"
     (aside,) = used.glob("overwritten_*")  # moved aside, not lost
     assert _tree(aside) == before
+
+
+def test_video_rl_refuses_an_out_another_process_holds(tmp_path, rl_run, capsys):
+    """tools.video_rl took no lock on --out: a second one with --overwrite (or --resume) moved a
+    running one's files aside under it. Now it takes the trainer's run-folder lock: one line
+    naming the holder, the folder untouched."""
+    import fcntl
+
+    from dit_train.tools.video_rl import main
+
+    out = tmp_path / "out"
+    assert main([str(rl_run), *RL, "--steps", "1", "--out", str(out)]) == 0
+    holder = open(out / ".lock", "a+")  # now another process (a video_rl going on with --resume) holds it
+    fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    holder.truncate(0)
+    holder.write("pid 4242 on another-host since 2026-01-01 00:00:00\n")
+    holder.flush()
+    try:
+        before = _tree(out)
+        capsys.readouterr()
+        for flags in (["--overwrite"], ["--resume"]):
+            assert main([str(rl_run), *RL, "--steps", "2", "--out", str(out), *flags]) == 2
+            _one_error_line(capsys, f"{out} is in use by pid 4242 on another-host", "give another --out")
+            assert _tree(out) == before
+    finally:
+        holder.close()
+    assert main([str(rl_run), *RL, "--steps", "2", "--out", str(out), "--resume"]) == 0  # released: it goes on
+
+
+def test_video_rl_resume_refuses_a_run_whose_weights_changed(tmp_path, rl_run, capsys):
+    """--resume checked RUN's path, not its weights: a run trained on (or replaced) since went on
+    from the new weights with the old optimizer state and reference. Now the weights it started
+    from are fingerprinted in the checkpoint and a change is one line."""
+    from dit_train.tools.video_rl import main
+
+    out = tmp_path / "out"
+    flags = [str(rl_run), *RL, "--out", str(out)]
+    assert main([*flags, "--steps", "1"]) == 0
+    ema = load_file(rl_run / "weights_ema.safetensors")
+    save_file({k: v * 1.5 for k, v in ema.items()}, str(rl_run / "weights_ema.safetensors"))  # trained on since
+    capsys.readouterr()
+    before = _tree(out)
+    assert main([*flags, "--steps", "2", "--resume"]) == 2
+    _one_error_line(capsys, f"--resume: {out} was started from other weights of RUN", "weights_ema.safetensors",
+                    "--overwrite")
+    assert _tree(out).keys() == before.keys() and all(_tree(out)[k] == v for k, v in before.items() if k != ".lock")
+    save_file(ema, str(rl_run / "weights_ema.safetensors"))  # the same weights again: it goes on
+    assert main([*flags, "--steps", "2", "--resume"]) == 0
 
 
 # -- video_rl: stopped, then resumed ----------------------------------------------------------------
@@ -355,3 +403,49 @@ def test_ctrl_c_in_cache_latents_is_one_line_saying_how_to_go_on(tmp_path, model
     assert cache_latents.main(cache_args(models, source, out, tmp_path / "c")) == 130
     _one_error_line(capsys, "error: cache_latents was stopped by SIGINT; the clips encoded so far are kept in",
                     "run the same command again to go on")
+
+
+# -- tools.sample: a shards run whose shards moved ----------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["pixels", "latents"])
+def test_sampling_prompts_of_a_shards_run_needs_no_shards(tmp_path, data_cache, request, capsys, kind):
+    """`tools.sample --prompt` on a run trained on shards read the shard index (the set's kind and,
+    for latents, the VAE and text encoder live there): once the shards moved, no prompt could be
+    sampled. The run folder keeps what sampling needs (run.json, written when the run is claimed):
+    the same samples as before the move; --data-captions reads the training clips, so it is one
+    line saying where they were."""
+    import json
+
+    pytest.importorskip("webdataset")
+    from dit_train.tools import sample
+    from dit_train.tools.make_shards import main as make_shards
+
+    if kind == "pixels":
+        data = [o for o in TINY if o.startswith("data.")] + ["data=synthetic_video", f"data.cache_dir={data_cache}"]
+        model, read = TINY_MODEL, ["data.max_frames=8", "data.resolution_buckets=[]", f"data.cache_dir={data_cache}"]
+        size = ["--frames", "4", "--height", "32", "--width", "32"]
+    else:
+        pytest.importorskip("transformers")
+        from tests.conftest import TEXT_DIM, Z_DIM
+
+        data = ["data=latent_cache", f"data.root={request.getfixturevalue('cache')}"]
+        model, read = [*TINY_MODEL, f"model.in_channels={Z_DIM}", f"model.text_dim={TEXT_DIM}", "model.patch_size=[1,2,2]"], []
+        size = ["--frames", "5", "--height", "32", "--width", "32"]
+    shards, run = tmp_path / "shards", tmp_path / "run"
+    assert make_shards(["--out", str(shards), "--samples-per-shard", "4", "--no-progress", *data]) == 0
+    train_in_process([*model, "data=shards", f"data.url={shards}", *read, "train.steps=1", "train.global_batch=3"], run)
+    prompt = [str(run), "--prompt", "a red circle moving up and left on a navy background", *size, "--steps", "2"]
+    assert sample.main([*prompt, "--out", str(tmp_path / "before")]) == 0
+    shards.rename(tmp_path / "moved")
+    capsys.readouterr()
+    assert sample.main([*prompt, "--out", str(tmp_path / "after")]) == 0, capsys.readouterr().err
+    a, b = load_file(tmp_path / "before" / "samples.safetensors"), load_file(tmp_path / "after" / "samples.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    capsys.readouterr()
+    assert sample.main([str(run), "--data-captions", "2", "--steps", "1", "--out", str(tmp_path / "data")]) == 2
+    _one_error_line(capsys, "--data-captions", f"data.url={shards}", "--prompt")
+    record = json.loads((run / "run.json").read_text())
+    (run / "run.json").write_text(json.dumps({**record, "data": {"kind": "latents"}}))  # hand-edited: no meta
+    assert sample.main([*prompt, "--out", str(tmp_path / "forged")]) == 2
+    _one_error_line(capsys, "run.json records its shards", "not a record dit_train writes")

@@ -55,6 +55,16 @@ def test_lora_trains_the_widened_patch_embedding_and_exports_it(data_cache, t2v_
     assert torch.equal(trained["patch_embedding.weight"], merged["patch_embedding.weight"])
     _, model = checkpoint_model(tmp_path / "run" / "checkpoints" / "step_00000001")  # an export from the checkpoint keeps it
     assert torch.equal(model.patch_embedding.weight.detach(), merged["patch_embedding.weight"])
+    # so does an export of the files a run without checkpoints wrote (it copied only the adapters)
+    import shutil
+
+    from dit_train.tools import export_weights
+
+    plain = tmp_path / "plain"
+    shutil.copytree(tmp_path / "run", plain, ignore=shutil.ignore_patterns("checkpoints"))
+    assert export_weights.main([str(plain), "--diffusers", str(tmp_path / "D")]) == 0
+    for name in ("pytorch_lora_weights.safetensors", "trained_modules.safetensors"):
+        assert (tmp_path / "D" / name).read_bytes() == (plain / "lora" / name).read_bytes(), name
 
 
 @pytest.mark.slow

@@ -204,17 +204,26 @@ def export_diffusers(cfg: Any, state_dict: dict[str, torch.Tensor], out_dir: str
     return Path(out_dir) / next(iter(parts.values())) if len(parts) == 1 else Path(out_dir)
 
 
-def run_weights(run_dir: Path, ema: bool | None) -> tuple[dict, str]:
-    """(full state dict, description) of a run: exported files first, else its newest checkpoint.
-    ema: True = the EMA weights (error if none), False = training weights, None = EMA if present."""
+def weights_source(run_dir: Path, ema: bool | None) -> Path:
+    """Where run_weights reads a run's weights: an exported file, else the newest checkpoint's folder."""
     files = {True: run_dir / "weights_ema.safetensors", False: run_dir / "weights.safetensors"}
     want = [ema] if ema is not None else [True, False]
     for choice in want:
         if files[choice].is_file():
-            return load_safetensors(files[choice]), f"{files[choice].name}"
+            return files[choice]
     ckpt = find_checkpoint(run_dir)
     if ckpt is None:
         raise FileNotFoundError(f"{run_dir} has no {' or '.join(files[c].name for c in want)} and no checkpoint")
+    return ckpt
+
+
+def run_weights(run_dir: Path, ema: bool | None) -> tuple[dict, str]:
+    """(full state dict, description) of a run: exported files first, else its newest checkpoint.
+    ema: True = the EMA weights (error if none), False = training weights, None = EMA if present."""
+    source = weights_source(run_dir, ema)
+    if source.is_file():
+        return load_safetensors(source), source.name
+    ckpt, want = source, [ema] if ema is not None else [True, False]
     for choice in want:
         try:
             return checkpoint_weights(ckpt, ema=choice)[1], f"{ckpt} ({'EMA' if choice else 'training'} weights)"

@@ -15,7 +15,9 @@ under torchrun / SLURM), before any step:
    anything is written;
 5. the config is recorded: `config.yaml` for a new run, `resume_<step>.yaml` for each resumed
    segment (never overwritten), `run.json` holds the run's id (checkpoints carry it, and
-   pruning only removes this run's own), and Hydra's `.hydra/` files and job log
+   pruning only removes this run's own) and what sampling needs to know of the data beyond the
+   config (`DataSource.run_record`: a shard set's kind and a latent set's VAE and text encoder,
+   so `tools.sample --prompt` works once the data moved), and Hydra's `.hydra/` files and job log
    (hydra_outputs.py) are written now, not before the folder was ours.
 """
 from __future__ import annotations
@@ -36,12 +38,13 @@ from dit_train.checkpoint import checkpoint_root, read_checkpoint_info, resolve_
 from dit_train.compose import load_config
 from dit_train.config import to_yaml
 from dit_train.config.errors import RunFolderError
-from dit_train.data_pipelines import data_location
+from dit_train.data_pipelines import data_location, source_for
 from dit_train.engine.resume import config_changes, refusal_message
 from dit_train.perf.memory import model_shape, optimizer_bytes_per_param
 
 log = logging.getLogger(__name__)
 
+LOCK = ".lock"  # the folder's lock file (lock_folder): held by the running process, left behind after it
 # what a finished or running training leaves in its folder (Hydra's own .hydra/ and logs don't count)
 RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "tb", "wandb", "samples", "weights.safetensors",
                "weights_ema.safetensors", "summary.json", "config.yaml", "run.json", "lora", "lora_ema")
@@ -65,6 +68,21 @@ def run_id_of(run_dir: str | Path) -> str | None:
     return json.loads(p.read_text()).get("run_id") if p.is_file() else None
 
 
+def data_record_of(run_dir: str | Path) -> dict:
+    """What the run folder kept of its data for sampling (run.json's "data"; {} for a folder
+    without one: an export, an older run). ValueError naming the file when it is not a record."""
+    p = Path(run_dir) / "run.json"
+    if not p.is_file():
+        return {}
+    try:
+        record = json.loads(p.read_text()).get("data", {})
+    except (ValueError, AttributeError, OSError) as err:
+        raise ValueError(f"{p} is not a run record dit_train wrote ({err}); remove it to sample without it") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{p}: its \"data\" is not a record dit_train writes; remove it to sample without it")
+    return record
+
+
 def _writable(path: Path, what: str) -> None:
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -76,16 +94,18 @@ def _writable(path: Path, what: str) -> None:
                              f"or fix its permissions") from None
 
 
-def _lock(path: Path) -> Any:
-    f = open(path / ".lock", "a+")
+def lock_folder(path: Path, instead: str = "pick another hydra.run.dir") -> Any:
+    """Hold `path`'s lock (LOCK, an OS file lock: a dead process holds none) for as long as the
+    returned file stays open; RunFolderError naming the holder, and `instead` as the other way
+    out, while another process holds it (a training run, `tools.video_rl` on its --out)."""
+    f = open(path / LOCK, "a+")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         f.seek(0)
         holder = f.read().strip() or "another process"
         f.close()
-        raise RunFolderError(f"run folder {path} is in use by {holder}; wait for it to finish or pick another "
-                             f"hydra.run.dir") from None
+        raise RunFolderError(f"run folder {path} is in use by {holder}; wait for it to finish or {instead}") from None
     f.seek(0)
     f.truncate()
     f.write(f"pid {os.getpid()} on {socket.gethostname()} since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
@@ -176,10 +196,11 @@ def open_run_folder(cfg: Any, resume: str, hydra_record: Any = None, data: dict[
     data: the fingerprint of the configured data (packing.data_fingerprint) to compare
     with a resumed checkpoint's; None = not checked."""
     path = Path(cfg.run_dir)
+    record = source_for(cfg.data, cfg.model).run_record()  # (the data was read already: checked_data)
     _writable(path, "run folder")
     if cfg.train.ckpt_every > 0:
         _writable(checkpoint_root(path), "checkpoint folder")
-    lock = _lock(path)
+    lock = lock_folder(path)
     try:
         try:
             ckpt = resolve_checkpoint(resume, path)
@@ -229,7 +250,8 @@ def open_run_folder(cfg: Any, resume: str, hydra_record: Any = None, data: dict[
         (path / f"resume_{step:08d}.yaml").write_text(to_yaml(cfg))
         if not (path / "config.yaml").exists():
             (path / "config.yaml").write_text(to_yaml(cfg))
-    (path / "run.json").write_text(json.dumps({"run_id": run_id, "resumed_from": str(ckpt) if ckpt else None}, indent=2))
+    (path / "run.json").write_text(json.dumps({"run_id": run_id, "resumed_from": str(ckpt) if ckpt else None,
+                                               "data": record}, indent=2))
     if hydra_record is not None:
         hydra_record.write(path)
     return RunFolder(path, run_id, ckpt, lock)

@@ -85,20 +85,23 @@ def nonfinite_hint(optim: Any, train: Any) -> str:
 
 # Steps in a row the loss must stay above train.divergence_factor x its first value. The rule is
 # meant never to trip on a healthy run: the quickstart's (make run, 1200 steps, batch 8) per-step
-# loss peaks at 3.1x its first step's during the LR warm-up; from any step after the 100th (a
-# resumed launch's first) later steps reach at most 5.5x it, 2.8x for 3 steps in a row. Several
-# steps in a row spare the spikes of a heavy-tailed loss (loss.weighting=sigma_sqrt: 1/t^2).
+# loss peaks at 3.1x its first step's during the LR warm-up; from any step after the 100th (the
+# reference of a resume from an old checkpoint) later steps reach at most 5.5x it, 2.8x for 3
+# steps in a row. Several steps in a row spare the spikes of a heavy-tailed loss
+# (loss.weighting=sigma_sqrt: 1/t^2).
 DIVERGENCE_STEPS = 5
 
 
 class Divergence:
-    """Whether the loss diverged: above `factor` x the first finite loss of this launch (the
-    reference) for DIVERGENCE_STEPS steps in a row, or, at the last step of a run with fewer steps
-    after the reference, for every one of them (`optim.lr=1e6 train.steps=2`). The loss is
-    compared per token: a `sum` reduction's loss grows with the step's tokens, `sample_sum`'s with
-    its samples' lengths. Non-finite losses are train.max_skipped_steps' business: they neither
-    count nor break a streak. factor 0 = off. Each rank sees the same global loss and counts, so
-    every rank decides alike (no communication)."""
+    """Whether the loss diverged: above `factor` x the run's first finite loss (the reference)
+    for DIVERGENCE_STEPS steps in a row, or, at the last step of a run with fewer steps after the
+    reference, for every one of them (`optim.lr=1e6 train.steps=2`). The loss is compared per
+    token: a `sum` reduction's loss grows with the step's tokens, `sample_sum`'s with its samples'
+    lengths. Non-finite losses are train.max_skipped_steps' business: they neither count nor
+    break a streak. factor 0 = off. Each rank sees the same global loss and counts, so every rank
+    decides alike (no communication). Its state (the reference, the steps compared, the streak)
+    is a checkpoint part: a resumed run judges as the uninterrupted one (a checkpoint without it,
+    from before: the resumed launch's first step becomes the reference)."""
 
     def __init__(self, factor: float, reduction: str):
         self.factor, self.reduction = factor, str(reduction)
@@ -133,3 +136,23 @@ class Divergence:
         since = f"at step {at}" if first == at else f"at step {at} (since step {first})"
         return (f"the loss diverged: {now:.4g} {since}, above train.divergence_factor={self.factor:g} x the loss of "
                 f"step {self.reference[0]} ({self.reference[1]:.4g}) for {len(self.streak)} step(s) in a row")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"reference": list(self.reference) if self.reference else None, "compared": self.compared,
+                "streak": [list(p) for p in self.streak]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """ValueError for a hand-edited or damaged state (load_checkpoint names trainer.json)."""
+        reference, compared, streak = state["reference"], state["compared"], state["streak"]
+
+        def point(p: Any) -> tuple[int, float]:
+            if not (isinstance(p, list) and len(p) == 2 and type(p[0]) is int and p[0] >= 0
+                    and isinstance(p[1], (int, float)) and math.isfinite(p[1]) and p[1] > 0):
+                raise ValueError(f"{p!r:.40} is not [step, loss per token > 0]")
+            return p[0], float(p[1])
+
+        if type(compared) is not int or compared < 0 or not isinstance(streak, list):
+            raise ValueError(f"compared={compared!r:.20}, streak={streak!r:.40}: not a count and a list")
+        self.reference = point(reference) if reference is not None else None
+        self.compared, self.streak = compared, [point(p) for p in streak]
+

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from dit_train.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
 from dit_train.checkpoint.export import export_run_weights
+from dit_train.checkpoint.parts import JSONState
 from dit_train.config import Config, to_dict, to_yaml
 from dit_train.config.errors import ConfigError, DataFailure, LossDiverged, NonFiniteTraining, RunFailed, RunFolderError
 from dit_train.engine.build import Run, build_run
@@ -121,7 +122,9 @@ def train(cfg: Config, ctx: ParallelContext | None = None, claimed: bool = False
     config_yaml = to_yaml(cfg)
     run = build(cfg, ctx, heldout=cfg.train.eval_every > 0)
     trainer, t = run.trainer, cfg.train
-    parts = run.checkpoint_parts()
+    divergence = Divergence(t.divergence_factor, cfg.loss.reduction)
+    # its reference step rides in trainer.json: a resumed launch judges against the run's first step
+    parts = {**run.checkpoint_parts(), "divergence": JSONState(divergence, optional=True)}
     start = 0
     ckpt = resolve_checkpoint(resume, run_dir)
     if ckpt is not None:
@@ -148,7 +151,6 @@ def train(cfg: Config, ctx: ParallelContext | None = None, claimed: bool = False
     if validation is not None and validation.reference:
         logger.write(f"quality of the real validation clips (the reference): {format_scores(validation.reference)}")
     health = DataHealth(cfg.data.max_dropped_fraction, run.task)
-    divergence = Divergence(t.divergence_factor, cfg.loss.reduction)
     last, error, done = None, None, start
     try:
         for step in range(start, t.steps):

@@ -12,17 +12,18 @@ from __future__ import annotations
 
 import torch
 
-from dit_train.data_pipelines import source_for
+from dit_train.data_pipelines import DataSource, source_for
 from dit_train.data_pipelines.prompt_space import PromptSpace, fit_to_patch, notice_cut
 from dit_train.sampling.sampler import SampleRequest
 from dit_train.tasks.captions import ByteCaptionEncoder
 
 
-def prompt_space(cfg, device: str | torch.device = "cpu") -> PromptSpace:
-    """The PromptSpace of a run's config (data and model nodes)."""
+def prompt_space(cfg, device: str | torch.device = "cpu", source: DataSource | None = None) -> PromptSpace:
+    """The PromptSpace of a run's config (data and model nodes); `source`: the run's data source
+    when the caller has it (data_pipelines.run_source: as the run folder recorded it)."""
     m, d = cfg.model, cfg.data
     pt, ph, pw = m.patch_size
-    space = source_for(d, m).prompt_space(device)
+    space = (source or source_for(d, m)).prompt_space(device)
     if space is not None:  # a source whose samples are not pixels maps prompts itself (a latent cache)
         return space
     # the training task's encoder (the same word vectors with model.caption_words)

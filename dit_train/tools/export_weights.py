@@ -183,6 +183,20 @@ def _checked_adapter(path: Path) -> Path:
     return path
 
 
+def _checked_trained(path: Path) -> Path:
+    """A run's lora/trained_modules.safetensors, before it is copied: readable, holding tensors."""
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError) as err:
+        tensors, why = {}, f"not a readable .safetensors file ({err})"
+    else:
+        why = "it holds no tensor"
+    if not tensors:
+        raise ValueError(f"{path}: {why}; export from one of the run's checkpoints instead (train.ckpt_every > 0), "
+                         f"if it has any")
+    return path
+
+
 def _from_run_files(run: Path, args: argparse.Namespace) -> Path | None:
     """A run dir without checkpoints: what it wrote at its end. None when the wanted file is
     already where no --out/--diffusers was asked for (nothing to write)."""
@@ -208,11 +222,16 @@ def _from_run_files(run: Path, args: argparse.Namespace) -> Path | None:
         _check_lora_dirs(list(dests.values()), args)
         for src in srcs:
             _checked_adapter(src)
+        # and the weights trained beside the adapters (a widened patch embedding: train_also), as save_lora writes them
+        extra = {prefix: [_checked_trained(d / TRAINED_MODULES)] if (d / TRAINED_MODULES).is_file() else []
+                 for prefix, d in lora_dirs.items()}
         written = []
         for prefix, out in dests.items():
             with _writing(out / WEIGHT_NAME):
                 out.mkdir(parents=True, exist_ok=True)
                 written.append(copy_atomic(lora_dirs[prefix] / WEIGHT_NAME, out / WEIGHT_NAME))
+                for src in extra[prefix]:
+                    copy_atomic(src, out / src.name)
         return written[0] if len(written) == 1 else Path(dest)
     return _full_weights(cfg, lambda: load_safetensors(srcs[0]), args, run / srcs[0].name)
 

@@ -48,11 +48,12 @@ from dit_train.checkpoint.export import run_weights
 from dit_train.compose import load_config
 from dit_train.config.errors import CheckpointError
 from dit_train.config.schema import cond_active
-from dit_train.data_pipelines import SOURCES, source_for
+from dit_train.data_pipelines import SOURCES, run_source, source_for
 from dit_train.engine.build import build_parallel_model
 from dit_train.engine.checks import Range
 from dit_train.engine import launch  # launch.launch_local at call time: the tests route it to their worker pool
 from dit_train.engine.layout_equivalence import apply_layout, parse_layout, world_of
+from dit_train.engine.run_folder import data_record_of
 from dit_train.models.init import load_full_weights
 from dit_train.models.wan_experts import check_pair, ExpertPair
 from dit_train.parallel.mesh import init_parallel
@@ -140,7 +141,7 @@ def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, 
         requests, null, decode = data_requests(cfg, args.data_captions, ctx.device, decoder=ctx.is_main,
                                                heldout=args.heldout)
     else:
-        space = prompt_space(cfg, ctx.device)
+        space = prompt_space(cfg, ctx.device, recorded_source(args, cfg))
         requests = prompt_requests(space, args.prompt, args.num, args.frames, args.height, args.width)
         null, decode = space.null, space.decode
         for r in requests:  # read and checked by main() before any worker started
@@ -162,7 +163,7 @@ def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, 
         return None
     pixels = to_pixels(clips, decode)
     try:
-        data_source = source_for(cfg.data, cfg.model)
+        data_source = recorded_source(args, cfg)
         scores = data_source.score(scored_view(requests, pixels), [r.caption for r in requests]) or {}
         scores |= given_scores(data_source, requests, pixels, cfg.model.patch_size[0]) if scores else {}
     except ValueError:
@@ -234,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         cfg = load_config(args.run_dir)
+        args.record = data_record_of(args.run_dir)  # what the run kept of its data: prompts need no data
         if cfg.mode != "video":
             raise ValueError(f"{args.run_dir} trained mode={cfg.mode}; for text use python -m dit_train.tools.generate")
         if args.prompt and args.data_captions:
@@ -242,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("nothing to sample: give --prompt \"a caption\" (repeat for several) or --data-captions N")
         if args.data_captions < 0:
             raise ValueError(f"--data-captions={args.data_captions} must be >= 1")
+        if args.data_captions:
+            check_data_at_hand(cfg)
+        else:  # the source as the run folder recorded it: a record it cannot use is this line, not a worker's traceback
+            recorded_source(args, cfg)
         if video_inputs(cfg.model, cfg.cond).i2v_mask and args.prompt and not given_files(args):  # its CLIP tokens need an image
             raise ValueError(f"this run trained diffusers' Wan 2.1 I2V layout (model.mask_channels={cfg.model.mask_channels}): "
                              f"give {given_flags(cfg.cond)}")
@@ -299,6 +305,22 @@ def check_memory(cfg: Any, args: argparse.Namespace) -> None:
                          f"to sample, more than the {have / 2**30:.0f} GiB here: lower --height/--width/--frames or --num")
 
 
+def recorded_source(args: argparse.Namespace, cfg: Any) -> Any:
+    """The run's data source as its folder recorded it (main reads run.json into args.record; a
+    caller without one gets the data's own source)."""
+    return run_source(cfg.data, cfg.model, getattr(args, "record", {}))
+
+
+def check_data_at_hand(cfg: Any) -> None:
+    """--data-captions samples the run's training clips: a source that must read its data to know
+    what it is (a shard set's index) says here, in one line, that it cannot, not in a worker."""
+    try:
+        source_for(cfg.data, cfg.model)
+    except (ValueError, OSError) as err:
+        raise ValueError(f"--data-captions samples the run's training clips, which cannot be read ({err}); put the data "
+                         f"back, or sample --prompt captions (they need no data)") from None
+
+
 def given_files(args: argparse.Namespace) -> bool:
     return bool(args.image or args.last_image or args.video)
 
@@ -322,7 +344,7 @@ def read_given(args: argparse.Namespace, cfg: Any) -> tuple | None:
     prompts sample (None without them); ValueError naming the flag when they do not fit."""
     if not given_files(args):
         return None
-    space = prompt_space(cfg)
+    space = prompt_space(cfg, source=recorded_source(args, cfg))
     shape = space.shape(args.frames, args.height, args.width)
     if video_inputs(cfg.model, cfg.cond).i2v_mask:  # Wan 2.1 I2V: [image, zeros...(, last)] through the VAE, CLIP tokens
         return i2v_from_files(cfg.cond, shape, space.codec, read_cache_info(cfg.data.root), args.image, args.last_image,
@@ -346,7 +368,8 @@ def read_control(args: argparse.Namespace, cfg: Any) -> Any:
         raise ValueError("this run trained with a control video (cond.control=true): give --control ctrl.mp4")
     if not args.control:
         return None
-    space = prompt_space(cfg)  # a latent run's control goes through the cache's VAE (space.codec)
+    # a latent run's control goes through the cache's VAE (space.codec)
+    space = prompt_space(cfg, source=recorded_source(args, cfg))
     return control_from_file(args.control, space.shape(args.frames, args.height, args.width), space.codec,
                              getattr(cfg.model, "vace_mask_channels", 0))
 

@@ -70,8 +70,8 @@ from dit_train.sampling import frame_grid
 from dit_train.checkpoint.export import run_weights
 from dit_train.tools.video_rl_recipes import RECIPES, RaftBuffer, StepInputs, accepted, data_clips  # noqa: F401 (accepted: API)
 from dit_train.tools.video_rl_rewards import checked_rewards, load_reward, shapes_reward, with_timeout  # noqa: F401 (shapes_reward: API)
-from dit_train.tools.video_rl_state import (PROGRESS, Progress, check_out, read_progress, restore_state, save_state,
-                                            trajectory, write_progress)
+from dit_train.tools.video_rl_state import (PROGRESS, Progress, check_out, check_source_weights, read_progress,
+                                            restore_state, save_state, source_weights, trajectory, write_progress)
 
 def evaluate(session, captions: list[str], out_dir: Path, step: int, reward: Callable | None = None) -> dict[str, float]:
     """The held-out figures: one clip per caption, validation's sampler, the exact metric (rank 0
@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="stop stepping once this process has used this many CPU seconds, start-up included (0 = never)")
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. parallel.dp_shard=2 optim.lr=1e-4")
     args = ap.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
-    started = False
+    started, lock = False, None
     try:
         run = Path(args.run)
         if not (run / "config.yaml").is_file():
@@ -269,7 +269,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"{run}: a mode={cfg.mode} run; video_rl post-trains video generators")
         prepare_data(cfg.data, cfg.model)
         out = Path(args.out)
-        saved = check_out(run, out, args)  # refusals, then --overwrite moves the old contents aside
+        saved, lock = check_out(run, out, args)  # refusals, --out's lock, then --overwrite moves things aside
+        weights = source_weights(run)  # what it starts from, kept in its checkpoints: --resume onto other weights refused
+        check_source_weights(saved, weights, run, out)
         if saved is not None and saved["step"] >= args.steps:
             print(f"{out} already took {saved['step']} steps (--steps {args.steps}): nothing to do; give a larger "
                   f"--steps to go on")
@@ -282,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
                                       keep_min=args.keep_min, updates=args.updates, raft_batch=args.raft_batch,
                                       select=args.raft_select, min_buffer=args.raft_min_buffer,
                                       rollout_guidance=args.rollout_guidance, max_cpu_s=args.max_cpu_s,
-                                      ckpt_every=args.ckpt_every, resume=saved, settings=trajectory(args),
+                                      ckpt_every=args.ckpt_every, resume=saved,
+                                      settings={**trajectory(args), "source_weights": weights},
                                       reward_timeout_s=args.reward_timeout))
     except KeyboardInterrupt as err:  # Ctrl-C / SIGTERM (interrupt_on_signals): what was kept, how to go on
         how, code = interruption(err)
@@ -291,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError, FileNotFoundError, CheckpointError) as err:
         print(f"error: {err}{kept(Path(args.out), 'failed') if started else ''}", file=sys.stderr)
         return 2
+    finally:
+        if lock is not None:  # --out is free for the next process (a --resume)
+            lock.close()
     return 0
 
 

@@ -16,10 +16,13 @@ steps as one never stopped.
 The --out rules (`check_out`, before anything is built): --out is never the source run nor a
 folder holding it; a folder that is not empty is refused unless --overwrite (its entries move to
 --out/overwritten_<time>/, so no stale weights_ema.safetensors is taken for the new model) or
---resume (continue the run it holds, with the same trajectory flags).
+--resume (continue the run it holds, with the same trajectory flags, from the same weights of
+RUN: their digest is in each checkpoint); one process at a time holds --out's lock (the
+trainer's run-folder lock, `.lock`), from before anything in it is read or moved to the end.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from dataclasses import dataclass, field
@@ -30,9 +33,10 @@ import torch
 
 from dit_train.atomic import write_atomic
 from dit_train.checkpoint import find_checkpoint, load_checkpoint, read_checkpoint_info, save_checkpoint
+from dit_train.checkpoint.export import weights_source
 from dit_train.config import to_yaml
 from dit_train.config.errors import ConfigError
-from dit_train.engine.run_folder import move_aside
+from dit_train.engine.run_folder import LOCK, lock_folder, move_aside
 
 PROGRESS = "video_rl.json"
 RESUME = "resume"  # --out/resume/checkpoints/step_XXXXXXXX
@@ -125,10 +129,26 @@ def write_progress(out: Path, record: dict) -> None:
     write_atomic(out / PROGRESS, lambda tmp: tmp.write_text(json.dumps(record, indent=2) + "\n"))
 
 
-def check_out(run: Path, out: Path, args: Any) -> dict | None:
-    """Refuse an --out that would lose work (module doc), before anything is built; with
-    --overwrite move what it holds aside. Returns the checkpoint's saved loop state with
-    --resume (None otherwise)."""
+def source_weights(run: Path) -> str:
+    """The weights of RUN the post-training starts from (what run_weights reads: the EMA weights
+    when it has them) and a digest of their bytes, kept in each checkpoint: a --resume onto a RUN
+    whose weights changed since (trained on, replaced) is refused. FileNotFoundError without any."""
+    source = weights_source(run, None)
+    files = [source] if source.is_file() else sorted(p for p in source.rglob("*") if p.is_file())
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(path.name.encode())
+        with path.open("rb") as f:
+            for chunk in iter(lambda: f.read(1 << 24), b""):
+                digest.update(chunk)
+    return f"{source.name} sha256:{digest.hexdigest()[:16]}"
+
+
+def check_out(run: Path, out: Path, args: Any) -> tuple[dict | None, Any]:
+    """Refuse an --out that would lose work (module doc), before anything is built; then hold
+    --out's lock (the trainer's run-folder lock: one process at a time) and, with --overwrite,
+    move what it holds aside. Returns (the checkpoint's saved loop state with --resume, else
+    None; the lock, held until it is closed)."""
     src, dst = run.resolve(), out.resolve()
     if src == dst or src.is_relative_to(dst):
         what = "is the run it starts from" if src == dst else f"holds the run it starts from ({run})"
@@ -137,31 +157,40 @@ def check_out(run: Path, out: Path, args: Any) -> dict | None:
         raise ConfigError("--resume continues the run in --out, --overwrite starts it over: give one of them")
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file: give a folder")
-    entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
-    if args.resume:
-        return _resumable(run, out, args)
-    if not entries:
-        return None
-    if not args.overwrite:
+    entries = sorted(p.name for p in out.iterdir() if p.name != LOCK) if out.is_dir() else []
+    if args.resume and not (out / RESUME).is_dir():
+        raise ConfigError(_NOTHING_TO_RESUME.format(out=out))
+    if entries and not args.resume and not args.overwrite:
         record = read_progress(out)
         held = (f"a video_rl run, {record.get('status')} at step {record.get('step')} of {record.get('steps')}"
                 if record else ", ".join(entries[:4]) + (", ..." if len(entries) > 4 else ""))
         raise ConfigError(f"--out {out} is not empty ({held}): {'continue it with --resume, ' if record else ''}pass "
                           f"--overwrite to start over (what it holds moves to {out}/overwritten_<time>/), or give "
                           f"another --out")
-    moving = [e for e in entries if not e.startswith("overwritten_")]
-    if moving:
-        print(f"--overwrite: moved {', '.join(moving)} to {move_aside(out, moving)}", flush=True)
-    return None
+    out.mkdir(parents=True, exist_ok=True)
+    lock = lock_folder(out, "give another --out")  # before anything in it is read or moved
+    try:
+        if args.resume:
+            return _resumable(run, out, args), lock
+        moving = [e for e in entries if not e.startswith("overwritten_")]
+        if moving:
+            print(f"--overwrite: moved {', '.join(moving)} to {move_aside(out, moving)}", flush=True)
+        return None, lock
+    except BaseException:
+        lock.close()
+        raise
+
+
+_NOTHING_TO_RESUME = ("--resume: {out} holds no video_rl checkpoint to continue from (it was stopped before its first "
+                      "one, or is not a video_rl --out); start over with --overwrite")
 
 
 def _resumable(run: Path, out: Path, args: Any) -> dict:
     """--resume: the newest checkpoint's loop state, after checking that it continues this run
     with the same trajectory flags."""
-    ckpt = find_checkpoint(out / RESUME) if (out / RESUME).is_dir() else None
+    ckpt = find_checkpoint(out / RESUME)
     if ckpt is None:
-        raise ConfigError(f"--resume: {out} holds no video_rl checkpoint to continue from (it was stopped before its "
-                          f"first one, or is not a video_rl --out); start over with --overwrite")
+        raise ConfigError(_NOTHING_TO_RESUME.format(out=out))
     state = read_checkpoint_info(ckpt)["parts"].get("video_rl")
     if not isinstance(state, dict) or "settings" not in state:
         raise ConfigError(f"--resume: {ckpt} is not a video_rl checkpoint (no video_rl state in its trainer.json)")
@@ -172,6 +201,16 @@ def _resumable(run: Path, out: Path, args: Any) -> dict:
             raise ConfigError(f"--resume: {out} was started with {flag} {saved.get(key)!r}, now {value!r}; resume "
                               f"with the same {flag}, or start over with --overwrite")
     return {**state, "checkpoint": str(ckpt)}
+
+
+def check_source_weights(saved: dict | None, weights: str, run: Path, out: Path) -> None:
+    """--resume (`saved`: check_out's loop state): RUN's weights must be those the run started from
+    (`weights`: source_weights(run) now; checkpoints from before the digest was kept pass)."""
+    started = (saved or {}).get("settings", {}).get("source_weights", weights)
+    if started != weights:
+        raise ConfigError(f"--resume: {out} was started from other weights of RUN {run} ({started}, now {weights}): "
+                          f"they changed since (trained on or replaced); resume onto the weights it started from, or "
+                          f"start over with --overwrite")
 
 
 def save_state(session: Any, out: Path, snap: Progress, settings: dict) -> Path:
