@@ -437,9 +437,17 @@ def test_sampling_prompts_of_a_shards_run_needs_no_shards(tmp_path, data_cache, 
     train_in_process([*model, "data=shards", f"data.url={shards}", *read, "train.steps=1", "train.global_batch=3"], run)
     prompt = [str(run), "--prompt", "a red circle moving up and left on a navy background", *size, "--steps", "2"]
     assert sample.main([*prompt, "--out", str(tmp_path / "before")]) == 0
+    if kind == "pixels":  # a tools.video_rl --out of the run keeps the run's record too
+        from dit_train.tools.video_rl import main as video_rl
+
+        assert video_rl([str(run), "--steps", "1", "--recipe", "sft", "--updates", "1", "--raft-batch", "2",
+                         "--eval-every", "0", "--out", str(tmp_path / "rl")]) == 0
     shards.rename(tmp_path / "moved")
     capsys.readouterr()
     assert sample.main([*prompt, "--out", str(tmp_path / "after")]) == 0, capsys.readouterr().err
+    if kind == "pixels":
+        rl_prompt = [str(tmp_path / "rl"), *prompt[1:], "--out", str(tmp_path / "rl_after")]
+        assert sample.main(rl_prompt) == 0, capsys.readouterr().err
     a, b = load_file(tmp_path / "before" / "samples.safetensors"), load_file(tmp_path / "after" / "samples.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     capsys.readouterr()

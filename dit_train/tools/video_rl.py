@@ -70,8 +70,8 @@ from dit_train.sampling import frame_grid
 from dit_train.checkpoint.export import run_weights
 from dit_train.tools.video_rl_recipes import RECIPES, RaftBuffer, StepInputs, accepted, data_clips  # noqa: F401 (accepted: API)
 from dit_train.tools.video_rl_rewards import checked_rewards, load_reward, shapes_reward, with_timeout  # noqa: F401 (shapes_reward: API)
-from dit_train.tools.video_rl_state import (PROGRESS, Progress, check_out, check_source_weights, read_progress,
-                                            restore_state, save_state, source_weights, trajectory, write_progress)
+from dit_train.tools.video_rl_state import (PROGRESS, Progress, check_out, check_source_weights, keep_data_record,
+                                            read_progress, restore_state, save_state, source_weights, trajectory, write_progress)
 
 def evaluate(session, captions: list[str], out_dir: Path, step: int, reward: Callable | None = None) -> dict[str, float]:
     """The held-out figures: one clip per caption, validation's sampler, the exact metric (rank 0
@@ -276,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{out} already took {saved['step']} steps (--steps {args.steps}): nothing to do; give a larger "
                   f"--steps to go on")
             return 0
+        keep_data_record(run, out)
         started = True  # from here on a failure may leave progress in --out: the error line says so
         launch(cfg, functools.partial(train, run=str(run), recipe=args.recipe, steps=args.steps, out=args.out,
                                       reward=args.reward, captions=args.captions, group=args.group,

@@ -36,7 +36,7 @@ from dit_train.checkpoint import find_checkpoint, load_checkpoint, read_checkpoi
 from dit_train.checkpoint.export import weights_source
 from dit_train.config import to_yaml
 from dit_train.config.errors import ConfigError
-from dit_train.engine.run_folder import LOCK, lock_folder, move_aside
+from dit_train.engine.run_folder import LOCK, data_record_of, lock_folder, move_aside
 
 PROGRESS = "video_rl.json"
 RESUME = "resume"  # --out/resume/checkpoints/step_XXXXXXXX
@@ -211,6 +211,15 @@ def check_source_weights(saved: dict | None, weights: str, run: Path, out: Path)
         raise ConfigError(f"--resume: {out} was started from other weights of RUN {run} ({started}, now {weights}): "
                           f"they changed since (trained on or replaced); resume onto the weights it started from, or "
                           f"start over with --overwrite")
+
+
+def keep_data_record(run: Path, out: Path) -> None:
+    """--out keeps what RUN's folder kept of its data (run.json's "data"): `tools.sample --prompt`
+    on --out then needs no data, as on RUN (a shards run's shards may move)."""
+    record = data_record_of(run)
+    if record:
+        text = json.dumps({"data": record}, indent=2)
+        write_atomic(out / "run.json", lambda tmp: tmp.write_text(text))
 
 
 def save_state(session: Any, out: Path, snap: Progress, settings: dict) -> Path:
