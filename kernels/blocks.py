@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dit_train.kernels.eager import eager
+
 KINDS = ("full", "causal", "masked")
 
 
@@ -96,6 +98,7 @@ def _sorted_by_sample(seg: torch.Tensor, pos: torch.Tensor, span: int) -> tuple[
     return order, key[order]
 
 
+@eager  # host-side planning (.tolist(), data-dependent sizes): never traced by torch.compile
 def sample_blocks(seg_q: torch.Tensor, pos_q: torch.Tensor, seg_k: torch.Tensor, pos_k: torch.Tensor,
                   causal: bool) -> SampleBlocks:
     """The per-sample blocks of queries (seg_q, pos_q: [Lq]) against keys (seg_k, pos_k: [Lk]).
