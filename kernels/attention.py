@@ -8,11 +8,12 @@ computes exactly that from the same `VarlenLayout`:
 
 Backends:
   sdpa        per-sample loop over torch SDPA (no mask materialised); CPU default.
-  sdpa_dense  one SDPA call with a dense [L, L] boolean mask: the reference, the only path
-              whose memory grows with L² (ring attention under it also uses the dense
-              `lse.attention_with_lse`); select it only to check the others.
+  sdpa_dense  one SDPA call with a dense [L, L] boolean mask: the reference, whose memory grows
+              with L² (ring attention under it also uses the dense `lse.attention_with_lse`);
+              select it only to check the others.
   flex        torch flex_attention with a block mask built from the sample ids (compiled on
-              CUDA; eager on the CPU, where it materialises the scores and has no backward).
+              CUDA; eager on the CPU, where torch materialises its scores and has no backward:
+              a forward-only path there).
   xformers    xformers `BlockDiagonalMask` + memory_efficient_attention (CUDA only, optional).
   flash       flash-attn `flash_attn_varlen_func` (CUDA only, optional).
   auto        flash > xformers > sdpa on CUDA; sdpa on CPU.
@@ -45,6 +46,7 @@ from dit_train.kernels.lse import attention_mask
 from dit_train.kernels.runs import group_neighbours, run_starts
 
 BACKENDS = ("auto", "sdpa", "sdpa_dense", "flex", "xformers", "flash")
+
 
 @dataclass
 class VarlenLayout:
