@@ -8,18 +8,26 @@ computes exactly that from the same `VarlenLayout`:
 
 Backends:
   sdpa        per-sample loop over torch SDPA (no mask materialised); CPU default.
-  sdpa_dense  one SDPA call with a dense [L, L] boolean mask (reference; O(L^2) memory).
-  flex        torch flex_attention with a block mask built from the sample ids.
+  sdpa_dense  one SDPA call with a dense [L, L] boolean mask: the reference, whose memory grows
+              with L² (ring attention under it also uses the dense `lse.attention_with_lse`);
+              select it only to check the others.
+  flex        torch flex_attention with a block mask built from the sample ids (compiled on
+              CUDA; eager on the CPU, where torch materialises its scores and has no backward:
+              a forward-only path there).
   xformers    xformers `BlockDiagonalMask` + memory_efficient_attention (CUDA only, optional).
   flash       flash-attn `flash_attn_varlen_func` (CUDA only, optional).
   auto        flash > xformers > sdpa on CUDA; sdpa on CPU.
+
+A permuted layout (a sample's tokens not contiguous, e.g. after a zigzag CP split) cannot use
+the contiguous kernels (sdpa, xformers, flash): it runs through the per-sample blocks of
+`block_attention.py` (tokens gathered by index), never through a dense mask.
 
 Padding tokens carry sample id -1 and in-order positions; they form their own segment (they
 attend to each other) so that no query row is empty and no NaN appears. Their outputs get
 loss weight 0.
 
-`attention_with_lse` is the differentiable math kernel used by ring attention: it also returns
-the log-sum-exp of each query row so that partial results over KV blocks can be merged.
+Ring attention's partial results with log-sum-exp: `block_attention.block_attention_with_lse`
+(per-sample blocks) and the dense reference `lse.attention_with_lse`, merged by `lse.merge_partials`.
 """
 from __future__ import annotations
 
@@ -30,15 +38,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from dit_train.kernels.block_attention import block_attention_with_lse
+from dit_train.kernels.blocks import sample_blocks
 from dit_train.kernels.eager import eager
+from dit_train.kernels.flex import flex_kernel
+from dit_train.kernels.lse import attention_mask
 from dit_train.kernels.runs import group_neighbours, run_starts
 
 BACKENDS = ("auto", "sdpa", "sdpa_dense", "flex", "xformers", "flash")
-
-# Masked logits are set to this finite value instead of -inf, so a query row that sees no key
-# in one ring block yields a finite LSE (its merge weight is then exp(-1e30) = 0) and no NaN
-# ever enters the backward pass. Scores are always computed in fp32.
-_MASKED = -1e30
 
 
 @dataclass
@@ -49,7 +56,8 @@ class VarlenLayout:
     pos: [L] int64, position of the token inside its sample (causal order).
     causal: mask keys that come after the query inside the same sample.
     cu_seqlens: [S+1] int32 boundaries when every segment is contiguous and in order (the
-        usual packed layout); None when tokens are permuted (then only dense/math paths apply).
+        usual packed layout); None when tokens are permuted (then the per-sample gather path of
+        `block_attention.py` serves the contiguous backends).
     max_seqlen: longest segment.
     cache: per-pack derived structures of the backends (flex's block mask).
     """
@@ -85,52 +93,6 @@ def contiguous_segments(seg: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Ten
         return None, 0
     cu = torch.cat([starts, torch.tensor([L], device=seg.device)]).to(torch.int32)
     return cu, int((cu[1:] - cu[:-1]).max())
-
-
-def attention_mask(
-    seg_q: torch.Tensor, pos_q: torch.Tensor, seg_k: torch.Tensor, pos_k: torch.Tensor, causal: bool
-) -> torch.Tensor:
-    """Boolean [Lq, Lk]: True where query i may attend to key j."""
-    m = seg_q[:, None] == seg_k[None, :]
-    if causal:
-        m &= pos_k[None, :] <= pos_q[:, None]
-    return m
-
-
-def attention_with_lse(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor,
-    scale: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Masked softmax attention that also returns each row's log-sum-exp.
-
-    q: [Lq, H, D], k/v: [Lk, H, D], mask: [Lq, Lk] bool.
-    Returns out [Lq, H, D] (dtype of q) and lse [H, Lq] (fp32, or fp64 for fp64 inputs).
-    Differentiable; computed in at least fp32.
-    """
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    acc = torch.promote_types(q.dtype, torch.float32)  # fp32 for bf16/fp16 inputs, fp64 stays fp64
-    s = torch.einsum("qhd,khd->hqk", q.to(acc), k.to(acc)) * scale
-    s = s.masked_fill(~mask[None], _MASKED)
-    lse = torch.logsumexp(s, dim=-1)  # [H, Lq]
-    p = torch.exp(s - lse[..., None])
-    out = torch.einsum("hqk,khd->qhd", p, v.to(acc))
-    return out.to(q.dtype), lse
-
-
-def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
-    """Combine attention over disjoint key blocks: out = Σ_i exp(lse_i - lse) out_i.
-
-    outs: list of [Lq, H, D]; lses: list of [H, Lq] (fp32/fp64). Exact, differentiable.
-    """
-    lse = torch.logsumexp(torch.stack(lses), dim=0)  # [H, Lq]
-    total = 0
-    for o, l in zip(outs, lses):
-        w = torch.exp(l - lse).transpose(0, 1)[..., None]  # [Lq, H, 1]
-        total = total + w * o.to(lse.dtype)
-    return total.to(outs[0].dtype)
 
 
 # --------------------------------------------------------------------------- backends
@@ -172,18 +134,6 @@ def _sdpa_dense(q, k, v, meta: VarlenLayout) -> torch.Tensor:
     return o.squeeze(0).transpose(0, 1)
 
 
-@functools.lru_cache(maxsize=None)
-def _flex_kernel(cuda: bool):
-    """flex_attention, compiled on CUDA: called eagerly it runs an unfused reference that
-    materialises every [L, L] score (memory and time of the dense mask path); compiled it is one
-    fused kernel that skips the blocks the mask leaves empty. On the CPU it stays eager (the
-    suite's small packs; compiling costs seconds per new length)."""
-    # deferred: it imports torch._dynamo, ~1.8 s at every process's start (kernels/eager.py)
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return torch.compile(flex_attention) if cuda else flex_attention
-
-
 def _flex_block_mask(meta: VarlenLayout, length: int, device: torch.device):
     """The pack's block mask, built once per layout and device: every layer of a step attends
     over the same pack, so building it per call would repeat an O(L²/block²) pass per layer."""
@@ -205,7 +155,7 @@ def _flex_block_mask(meta: VarlenLayout, length: int, device: torch.device):
 
 def _flex(q, k, v, meta: VarlenLayout) -> torch.Tensor:
     bm = _flex_block_mask(meta, q.shape[0], q.device)
-    o = _flex_kernel(q.is_cuda)(
+    o = flex_kernel(q.is_cuda)(
         q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0), block_mask=bm
     )
     return o.squeeze(0).transpose(0, 1)
@@ -265,11 +215,22 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Va
     """Block-diagonal (optionally causal) attention over a packed sequence.
 
     q, k, v: [L, H, D]; returns [L, H, D]. `backend` must be resolved (not "auto").
-    Falls back to the dense mask when the layout is not contiguous (a permuted sequence).
+    A layout that is not contiguous (a permuted sequence) sends the contiguous backends (sdpa,
+    xformers, flash) through per-sample blocks gathered by index (`block_attention.py`): memory
+    Σ over samples, never [L, L].
     """
     if meta.cu_seqlens is None and backend in _NEEDS_CONTIGUOUS:
-        backend = "sdpa_dense"
+        return _permuted(q, k, v, meta, backend)
     return _IMPLS[backend](q, k, v, meta)
+
+
+def _permuted(q, k, v, meta: VarlenLayout, backend: str) -> torch.Tensor:
+    """Per-sample attention of a permuted pack; its plan is built once per layout (meta.cache)."""
+    key = ("sample_blocks", str(q.device))
+    if key not in meta.cache:
+        meta.cache[key] = sample_blocks(meta.seg, meta.pos, meta.seg, meta.pos, meta.causal).to(q.device)
+    out, _ = block_attention_with_lse(q, k, v, meta.cache[key], backend)
+    return out
 
 
 class LocalAttention:

@@ -97,3 +97,17 @@ def test_bench_collectives_quick(tmp_path):
     # the gradient reductions of one step do not grow with the accumulation
     assert rows[0]["reduce_scatter"] == rows[1]["reduce_scatter"] > 0
     assert rows[0]["all_reduce"] == rows[1]["all_reduce"]
+
+
+@pytest.mark.slow
+def test_bench_cp_quick(tmp_path):
+    """One process, Ulysses 2, ring 2 and the dense reference ring on one pack of 8 clips (2
+    workers): every variant has a time and a peak, the ring rows their ratios."""
+    from dit_train.tools.bench_cp import VARIANTS, main
+
+    out = tmp_path / "cp.json"
+    assert main(["--quick", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["layout"] for r in rows] == list(VARIANTS)
+    assert all(r["step_s"] > 0 and r["peak_MiB"] > 0 and r["clips"] == 8 for r in rows)
+    assert all("time / ulysses 2" in r for r in rows if r["layout"].startswith("ring"))

@@ -342,3 +342,73 @@ def test_memory_estimate_is_within_10pct_of_peaks_measured_on_a_gpu():
                               precision=cfg.train.precision, optimizer=cfg.optim.name, backend=row["backend"],
                               dp_mode=cfg.parallel.dp_mode)
         assert abs(est.total / GIB - row["peak_GiB"]) <= 0.10 * row["peak_GiB"], (row["config"], est.total / GIB)
+
+
+def _ring_rank_saved_bytes(lens: list[int], R: int, dtype, backend: str, monkeypatch) -> int:
+    """Bytes ring rank 0's attention saves for backward (`ContextParallelAttention._ring` as
+    it runs, in one process: the K/V shift returns the next ring position's K/V)."""
+    import torch
+
+    import dit_train.parallel.context_parallel as cp_module
+    from dit_train.batch import cp_token_index
+    from dit_train.parallel.context_parallel import ContextParallelAttention, CPAttnLayout
+    from dit_train.perf.memory import saved_activation_bytes
+
+    L, H, D = sum(lens), 4, 32
+    seg = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])
+    order = torch.cat([torch.arange(n) for n in lens])
+    index = [cp_token_index(L, R, r, "contiguous") for r in range(R)]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(L, H, D, generator=g).to(dtype).requires_grad_() for _ in range(3))
+    shifts = iter(range(1, R))
+    # rank 0 receives from R-1, then R-2, ...: the K/V of ring position -step
+    monkeypatch.setattr(cp_module, "_ring_shift", lambda kv, *a: torch.stack([k, v])[:, index[-next(shifts)]])
+    attn = ContextParallelAttention(None, 1, 0, None, R, 0, backend)
+    meta = CPAttnLayout(seg=seg, order=order, causal=False, index=index)
+    saved, _ = saved_activation_bytes(lambda: attn(q[index[0]], k[index[0]], v[index[0]], meta), exclude=[q, k, v])
+    return saved
+
+
+MIXED = [40, 200, 7, 300, 120, 64, 64, 64, 150, 250, 90, 33, 300, 113, 117, 88]  # 2048 tokens
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("lens", [[2048], [66] * 31 + [2], MIXED], ids=["one_clip", "32_clips", "mixed"])
+def test_ring_memory_term_follows_the_block_kernel(lens, precision, monkeypatch):
+    """`ring_block_bytes` (the planner's ring term) against what a ring rank's attention saves:
+    one clip within 5%; short clips an upper bound within 40%; linear in the tokens, where the
+    dense reference (sdpa_dense) keeps R·L_r² scores (within 15% of its term). Both terms count
+    every ring step: a sample crosses the ranks' boundary, as in these packs (where none does,
+    the step is skipped and the terms over-estimate)."""
+    import torch
+
+    from dit_train.perf.memory import ring_block_bytes
+
+    s = model_shape(model_config("dit", dim=128, depth=1, heads=4, patch_size=[1, 2, 2], in_channels=16))
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    L, R = sum(lens), 2
+    measured = _ring_rank_saved_bytes(lens, R, dtype, "sdpa", monkeypatch)
+    est = ring_block_bytes(s, L, 1, R, precision, "sdpa", max(lens))
+    if len(lens) == 1:
+        assert abs(est - measured) <= 0.05 * measured, (est, measured)
+    else:
+        assert measured <= est <= 1.4 * measured, (est, measured)
+    dense = _ring_rank_saved_bytes(lens, R, dtype, "sdpa_dense", monkeypatch)
+    dense_est = ring_block_bytes(s, L, 1, R, precision, "sdpa_dense", max(lens))
+    assert abs(dense_est - dense) <= 0.15 * dense, (dense_est, dense)
+    # the block kernel's term grows with the tokens, the dense one with their square
+    assert ring_block_bytes(s, 4 * L, 1, R, precision, "sdpa", max(lens)) <= 4 * est
+    assert ring_block_bytes(s, 4 * L, 1, R, precision, "sdpa_dense", max(lens)) == 16 * dense_est
+
+
+def test_planner_gives_ring_the_memory_of_its_longest_sample(tiny_cfg):
+    """The planner passes the workload's longest sample to the ring term: short clips make a
+    ring layout's activations smaller than one clip filling the micro-batch does."""
+    s = model_shape(model_config("dit", dim=256, depth=4, heads=4, patch_size=[1, 2, 2], in_channels=16))
+    kw = dict(dp_replicate=1, dp_shard=1, cp_ulysses=1, cp_ring=2, micro_batch_tokens=32768, checkpointing=False,
+              precision="bf16", backend="flash")
+    short, long = (estimate_memory(s, sample_tokens=t, **kw).activations for t in (1024, 32768))
+    assert short < long
+    assert estimate_memory(s, **kw).activations == long  # default: one sample fills the micro-batch
+    dense = estimate_memory(s, sample_tokens=32768, **dict(kw, backend="sdpa_dense")).activations
+    assert dense > 10 * long  # the reference's [L_r, L_r] scores

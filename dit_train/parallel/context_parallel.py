@@ -7,6 +7,11 @@ rank c = r·cp_ulysses + u holds chunk c. Inside every attention layer:
    sequence, so each rank holds H/cp_ulysses heads of the tokens of all its group's chunks.
 2. Ring (group of the cp_ring ranks sharing u): queries stay, K/V blocks travel around the
    ring; each block's partial attention and log-sum-exp are merged exactly (online softmax).
+   A ring step computes only the sample-diagonal blocks (each sample's local queries against
+   the visiting keys of the same sample, gathered by index, `kernels.sample_blocks`), so it
+   costs Σ over samples, not (L/cp_ring)²; a step in which no query sees a key is skipped.
+   `model.attn_backend=sdpa_dense` selects the dense [Lq, Lk] mask per step instead (the
+   reference; its memory grows with the pack's length squared).
    With cp_ring = 1 the whole pack is local after step 1 and the fast varlen kernel runs.
 3. The inverse all-to-all restores the rank's tokens with all heads.
 
@@ -24,7 +29,8 @@ import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from dit_train.batch import PackedBatch, cp_token_index
-from dit_train.kernels import VarlenLayout, attention_mask, attention_with_lse, merge_partials, varlen_attention
+from dit_train.kernels import (SampleBlocks, VarlenLayout, attention_mask, attention_with_lse, block_attention_with_lse,
+                               merge_partials, sample_blocks, varlen_attention)
 
 
 @dataclass
@@ -38,9 +44,10 @@ class CPAttnLayout:
     order: torch.Tensor
     causal: bool
     index: list[torch.Tensor]
-    # (query ring rank, key ring rank) -> may any query see any key: filled by the first
-    # attention layer (one host sync per block), reused by the others
-    visible: dict[tuple[int, int], bool] = field(default_factory=dict, repr=False, compare=False)
+    # what the first attention layer derives from the layout (host syncs) and the others reuse:
+    # ("blocks", query ring rank, key ring rank) -> SampleBlocks of that ring step;
+    # ("visible", ...) -> bool, for the dense reference; ("local", ...) -> the Ulysses VarlenLayout
+    cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     def to(self, device: torch.device | str) -> "CPAttnLayout":
         return CPAttnLayout(self.seg.to(device), self.order.to(device), self.causal, [i.to(device) for i in self.index])
@@ -114,36 +121,61 @@ class ContextParallelAttention:
         return out
 
     def _local(self, q, k, v, meta: CPAttnLayout, idx: torch.Tensor) -> torch.Tensor:
-        """Whole pack local (cp_ring = 1): restore pack order, run the varlen kernel, undo."""
+        """Whole pack local (cp_ring = 1): restore pack order, run the varlen kernel, undo.
+        q, k, v: [L, H/cp_ulysses, D] in the order of `idx` (pack indices) -> [L, H/cp_ulysses, D]."""
         perm = torch.argsort(idx)
-        sorted_idx = idx[perm]
-        vm = VarlenLayout.build(meta.seg[sorted_idx], meta.order[sorted_idx], meta.causal)
-        out_sorted = varlen_attention(q[perm], k[perm], v[perm], vm, self.backend)
+        key = ("local", self.r, str(q.device))
+        if key not in meta.cache:  # one layout per pack, not per layer (it syncs with the host)
+            sorted_idx = idx[perm]
+            meta.cache[key] = VarlenLayout.build(meta.seg[sorted_idx], meta.order[sorted_idx], meta.causal)
+        out_sorted = varlen_attention(q[perm], k[perm], v[perm], meta.cache[key], self.backend)
         out = torch.empty_like(out_sorted)
         out[perm] = out_sorted
         return out
 
+    def _blocks(self, meta: CPAttnLayout, idx_q: torch.Tensor, src: int, device: torch.device) -> SampleBlocks:
+        """The per-sample blocks of this rank's queries against ring position `src`'s keys,
+        planned by the first layer of the pack and reused by the others."""
+        key = ("blocks", self.r, src, str(device))
+        if key not in meta.cache:
+            idx_k = self._ring_tokens(meta, src)
+            meta.cache[key] = sample_blocks(meta.seg[idx_q], meta.order[idx_q], meta.seg[idx_k], meta.order[idx_k],
+                                            meta.causal).to(device)
+        return meta.cache[key]
+
+    def _dense_step(self, q, kv, meta: CPAttnLayout, idx_q: torch.Tensor, src: int):
+        """The reference ring step (model.attn_backend=sdpa_dense): one [Lq, Lk] mask and score
+        block over the whole local chunk. Returns (out, lse), or None when no query sees a key."""
+        idx_k = self._ring_tokens(meta, src)
+        mask = attention_mask(meta.seg[idx_q], meta.order[idx_q], meta.seg[idx_k], meta.order[idx_k], meta.causal)
+        key = ("visible", self.r, src)
+        if key not in meta.cache:
+            meta.cache[key] = bool(mask.any())
+        # step 0 (own keys) holds each query's own token
+        return attention_with_lse(q, kv[0], kv[1], mask) if src == self.r or meta.cache[key] else None
+
     def _ring(self, q, k, v, meta: CPAttnLayout, idx_q: torch.Tensor) -> torch.Tensor:
-        """Queries stay; K/V (with their ring origin) rotate R-1 times; merge by LSE."""
-        seg_q, ord_q = meta.seg[idx_q], meta.order[idx_q]
+        """Queries stay; K/V (with their ring origin) rotate R-1 times; merge by LSE.
+        q, k, v: [Lq, H/cp_ulysses, D] (this ring position's tokens, `idx_q` their pack indices).
+        The K/V shifts are all-to-alls over the ring group (self.rg)."""
         kv = torch.stack([k, v])
         outs, lses = [], []
         for step in range(self.R):
             src = (self.r - step) % self.R
-            idx_k = self._ring_tokens(meta, src)
-            mask = attention_mask(seg_q, ord_q, meta.seg[idx_k], meta.order[idx_k], meta.causal)
-            if (self.r, src) not in meta.visible:
-                meta.visible[(self.r, src)] = bool(mask.any())
-            if step == 0 or meta.visible[(self.r, src)]:  # step 0 (own keys) holds each query's own token
-                o, lse = attention_with_lse(q, kv[0], kv[1], mask)
-                outs.append(o)
-                lses.append(lse)
+            if self.backend == "sdpa_dense":
+                part = self._dense_step(q, kv, meta, idx_q, src)
+            else:
+                plan = self._blocks(meta, idx_q, src, q.device)
+                part = None if plan.empty else block_attention_with_lse(q, kv[0], kv[1], plan, self.backend)
+            if part is not None:  # never None at step 0: each query sees its own token
+                outs.append(part[0])
+                lses.append(part[1])
                 self.ring_blocks["computed"] += 1
             else:
                 # No query may see this block (other samples, or later in causal order): skip
-                # the O(Lq·Lk) block. Its K/V still enter the graph through an exact zero, so
-                # every rank's backward ring issues the same collectives as its neighbours'
-                # (a block left out of the graph on some ranks only deadlocked the ring).
+                # it. Its K/V still enter the graph through an exact zero, so every rank's
+                # backward ring issues the same collectives as its neighbours' (a block left out
+                # of the graph on some ranks only deadlocked the ring).
                 outs[-1] = outs[-1] + 0.0 * kv.sum()
                 self.ring_blocks["skipped"] += 1
             if step < self.R - 1:

@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
 
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
@@ -57,6 +58,20 @@ def interleaved_wall_and_cpu(fns: dict[str, Callable[[], Any]], reps: int, warmu
         for k in d:
             d[k] = d[k][warmup:]
     return wall, cpu
+
+
+def peak_allocated_bytes(fn: Callable[[], Any]) -> int:
+    """Peak bytes that torch allocated on the CPU while `fn` ran, above what was allocated
+    before it (torch keeps no peak statistic for the CPU, as it does for CUDA): the running sum
+    of the profiler's allocation and free records. Profiling slows `fn`: time it separately."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    records = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    now = peak = 0
+    for _, nbytes in records:
+        now += nbytes
+        peak = max(peak, now)
+    return peak
 
 
 def median(xs: Sequence[float]) -> float:

@@ -31,9 +31,16 @@ Activations saved for backward, per token per block, read off the autograd graph
       stream stays fp32 (the embedding's output is): 2·d fp32 + (7·d + h)·c; + 2·d + h in the
       compute dtype with model.recompute_prologues=false.
     Ulysses (cp_ulysses > 1): + 4·d·c for the all-to-all'd q, k, v and output.
-    Ring (cp_ring > 1): the ring kernel materialises fp32 scores and probabilities for every
-      KV block some query may see: at most + cp_ring · (L_r)² · (8·H/u + 1) bytes per block,
-      L_r = micro_batch_tokens/cp_ring (fully masked blocks are skipped; the bound assumes none).
+    Ring (cp_ring > 1; L_r = micro_batch_tokens/cp_ring queries per ring rank, T the longest
+      sample, h = H/u): each ring step attends only the sample-diagonal blocks through a fused
+      kernel with LSE (kernels/block_attention.py) and saves the gathered q, k, v and the
+      kernel's output (c each) of the rows of samples present on both sides — over all steps at
+      most min(R·L_r, L_r + 2·T) rows (a query meets its own sample's keys only) — plus the
+      step's output for the merge in fp32 and the LSEs, counted for every step:
+      + R·L_r·(4·d/u + 12·h) + min(R·L_r, L_r + 2·T)·(4·c·d/u + 16·h) bytes per block
+      (`ring_block_bytes`; measured per ring step in tests/test_planner.py). Linear in the
+      tokens: no score block is kept. model.attn_backend=sdpa_dense (the dense reference) keeps
+      fp32 scores and probabilities of every [L_r, L_r] step: + R·L_r²·(8·h + 1).
 Mixture-of-experts blocks (model.moe): each expert's weights count as parameters (sharded by
 FSDP like the rest); a token runs k experts, so the FLOPs count k MLPs plus the router; saved
 per token k·(3·d + 2·h)·c + 8·E + 16·k more than a dense block (`moe_block_extra_bytes_per_token`),
@@ -169,17 +176,33 @@ def outside_activation_bytes_per_token(s: ModelShape, precision: str) -> float:
     return s.activations.outside_d * s.dim * c + 2 * s.io_dim * 4 + s.head_dim * 4
 
 
-def cp_block_bytes(s: ModelShape, micro_batch_tokens: int, cp_ulysses: int, cp_ring: int, precision: str) -> float:
+def ring_block_bytes(s: ModelShape, micro_batch_tokens: int, cp_ulysses: int, cp_ring: int, precision: str,
+                     backend: str = "flash", sample_tokens: int | None = None) -> float:
+    """Saved bytes of one block's ring attention on one rank (module docstring): linear in the
+    tokens for the per-sample block kernels, the dense reference's [L_r, L_r] scores for
+    backend sdpa_dense. sample_tokens: the longest sample (default: one sample fills the
+    micro-batch, the most a ring rank's queries can meet)."""
+    if cp_ring <= 1:
+        return 0.0
+    c = DTYPE_BYTES[precision]
+    lr = micro_batch_tokens / cp_ring
+    h = s.heads / cp_ulysses
+    if backend == "sdpa_dense":
+        return cp_ring * lr * lr * (8 * h + 1)
+    longest = min(sample_tokens or micro_batch_tokens, micro_batch_tokens)
+    rows = min(cp_ring * lr, lr + 2 * longest)  # gathered rows over all steps
+    return cp_ring * lr * (4 * s.dim / cp_ulysses + 12 * h) + rows * (4 * c * s.dim / cp_ulysses + 16 * h)
+
+
+def cp_block_bytes(s: ModelShape, micro_batch_tokens: int, cp_ulysses: int, cp_ring: int, precision: str,
+                   backend: str = "flash", sample_tokens: int | None = None) -> float:
     """Extra saved bytes per block on one rank caused by context parallelism (whole micro-batch)."""
     c = DTYPE_BYTES[precision]
     local = micro_batch_tokens / (cp_ulysses * cp_ring)
     extra = 0.0
     if cp_ulysses > 1:
         extra += 4 * s.dim * c * local
-    if cp_ring > 1:
-        lr = micro_batch_tokens / cp_ring
-        extra += cp_ring * lr * lr * (8 * s.heads / cp_ulysses + 1)
-    return extra
+    return extra + ring_block_bytes(s, micro_batch_tokens, cp_ulysses, cp_ring, precision, backend, sample_tokens)
 
 
 def selective_block_bytes_per_token(s: ModelShape, precision: str) -> float:
@@ -196,25 +219,28 @@ def ac_split(depth: int, every: int) -> tuple[int, int]:
 
 
 def activation_bytes(s: ModelShape, micro_batch_tokens: int, precision: str, checkpointing: bool | str,
-                     cp_ulysses: int = 1, cp_ring: int = 1, every: int = 1, offload: bool = False) -> float:
+                     cp_ulysses: int = 1, cp_ring: int = 1, every: int = 1, offload: bool = False,
+                     backend: str = "flash", sample_tokens: int | None = None) -> float:
     """Activation bytes held on the device at the peak of backward on one rank for one
     micro-batch: `activation_parts`' saved and recomputed bytes together."""
-    return sum(activation_parts(s, micro_batch_tokens, precision, checkpointing, cp_ulysses, cp_ring, every, offload))
+    return sum(activation_parts(s, micro_batch_tokens, precision, checkpointing, cp_ulysses, cp_ring, every, offload,
+                                backend, sample_tokens))
 
 
 def activation_parts(s: ModelShape, micro_batch_tokens: int, precision: str, checkpointing: bool | str,
-                     cp_ulysses: int = 1, cp_ring: int = 1, every: int = 1, offload: bool = False
-                     ) -> tuple[float, float]:
+                     cp_ulysses: int = 1, cp_ring: int = 1, every: int = 1, offload: bool = False,
+                     backend: str = "flash", sample_tokens: int | None = None) -> tuple[float, float]:
     """(saved, recomputed) activation bytes of one micro-batch on one rank: what forward saves
     for backward (held from forward's end into backward), and what backward re-materialises of
     one checkpointed block at a time (backward only). checkpointing: none | full | selective
     (bools: full / none) on every `every`-th block. offload (train.activation_offload): what
     forward saves goes to host memory as it is saved and comes back one block at a time: the
     device holds about two blocks' activations (the one in use, the next one in flight), plus,
-    under selective, the cached matmul outputs (the checkpoint keeps them on the device)."""
+    under selective, the cached matmul outputs (the checkpoint keeps them on the device).
+    backend / sample_tokens (the longest sample): what ring attention keeps (`ring_block_bytes`)."""
     policy = {True: "full", False: "none"}.get(checkpointing, checkpointing)
     local = math.ceil(micro_batch_tokens / (cp_ulysses * cp_ring))
-    cp_extra = cp_block_bytes(s, micro_batch_tokens, cp_ulysses, cp_ring, precision)
+    cp_extra = cp_block_bytes(s, micro_batch_tokens, cp_ulysses, cp_ring, precision, backend, sample_tokens)
     per_block = block_activation_bytes_per_token(s, precision) * local + cp_extra
     outside = outside_activation_bytes_per_token(s, precision) * local
     n_ckpt, n_plain = ac_split(s.depth, every) if policy != "none" else (0, s.depth)
@@ -232,9 +258,11 @@ def activation_parts(s: ModelShape, micro_batch_tokens: int, precision: str, che
 
 
 def offloaded_activation_bytes(s: ModelShape, micro_batch_tokens: int, precision: str, checkpointing: bool | str,
-                               cp_ulysses: int = 1, cp_ring: int = 1, every: int = 1) -> float:
+                               cp_ulysses: int = 1, cp_ring: int = 1, every: int = 1, backend: str = "flash",
+                               sample_tokens: int | None = None) -> float:
     """Host bytes train.activation_offload needs on one rank: what the device would keep without it."""
-    return activation_bytes(s, micro_batch_tokens, precision, checkpointing, cp_ulysses, cp_ring, every)
+    return activation_bytes(s, micro_batch_tokens, precision, checkpointing, cp_ulysses, cp_ring, every,
+                            backend=backend, sample_tokens=sample_tokens)
 
 
 def attention_workspace_bytes(s: ModelShape, backend: str, micro_batch_tokens: int, precision: str,
@@ -304,11 +332,14 @@ def estimate_memory(s: ModelShape, *, dp_replicate: int, dp_shard: int, cp_ulyss
                     micro_batch_tokens: int, checkpointing: bool | str, precision: str = "fp32", optimizer: str = "adamw",
                     momentum: float = 0.0, backend: str = "flash", dp_mode: str = "fsdp2", cp_fsdp_mode: str = "all",
                     reshard_after_forward: bool = True, reserve_bytes: float = 0.0, ac_every: int = 1,
-                    activation_offload: bool = False, cpu_offload: bool = False, ep: int = 1) -> MemoryEstimate:
+                    activation_offload: bool = False, cpu_offload: bool = False, ep: int = 1,
+                    sample_tokens: int | None = None) -> MemoryEstimate:
     """Peak bytes of one rank for one layout (see the module docstring for every term).
     cpu_offload (FSDP2 CPUOffloadPolicy): the sharded parameters, gradients and optimizer state
     move to `host`; the device keeps the FSDP buffers (gathered blocks, one block's gradient).
-    ep (parallel.ep): the expert weights are split over ep ranks instead of FSDP / DDP."""
+    ep (parallel.ep): the expert weights are split over ep ranks instead of FSDP / DDP.
+    sample_tokens: the longest sample of a micro-batch (ring attention's saved bytes grow with
+    it; default: one sample fills the micro-batch)."""
     cp = cp_ulysses * cp_ring
     world = dp_replicate * dp_shard * cp
     c = DTYPE_BYTES[precision]
@@ -332,7 +363,7 @@ def estimate_memory(s: ModelShape, *, dp_replicate: int, dp_shard: int, cp_ulyss
         fsdp = 4.0 * dense if dp_mode == "ddp" and world > 1 else 0.0  # DDP's bucket copy
         autocast_cache = c * dense if precision != "fp32" else 0.0
     saved, recompute = activation_parts(s, micro_batch_tokens, precision, checkpointing, cp_ulysses, cp_ring, ac_every,
-                                        activation_offload)
+                                        activation_offload, backend, sample_tokens)
     acts = saved + recompute
     if autocast_cache:
         # autocast's low-precision weight copies live while forward's autocast context is open
@@ -345,7 +376,7 @@ def estimate_memory(s: ModelShape, *, dp_replicate: int, dp_shard: int, cp_ulyss
         if precision != "fp32":
             extra["expert_casts"] = c * experts / ep
     host = offloaded_activation_bytes(s, micro_batch_tokens, precision, checkpointing, cp_ulysses, cp_ring,
-                                      ac_every) if activation_offload else 0.0
+                                      ac_every, backend, sample_tokens) if activation_offload else 0.0
     if cpu_offload:
         host += params + grads + optim_b
         params = grads = optim_b = 0.0

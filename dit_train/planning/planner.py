@@ -332,7 +332,7 @@ def plan(cfg: Config, world: int, capacity_bytes: float, work: Workload, *, rese
                     checkpointing=ac, precision=t.precision, optimizer=cfg.optim.name, momentum=cfg.optim.momentum,
                     backend=backend, dp_mode=p.dp_mode, cp_fsdp_mode=p.cp_fsdp_mode,
                     reshard_after_forward=p.reshard_after_forward, reserve_bytes=reserve_bytes,
-                    activation_offload=act_off, cpu_offload=cpu_off, ep=ep)
+                    activation_offload=act_off, cpu_offload=cpu_off, ep=ep, sample_tokens=work.max_sample_tokens)
                 if distill is not None:
                     distill.add(mem)
                 comm = expert_comm_bytes(shapes[pro], layout, t.precision, dp_mode=p.dp_mode,

@@ -51,9 +51,15 @@ def model_cfg(name: str):
 
 def make_pack(cfg, tokens: int, sample_tokens: int, device, seed: int = 0):
     """A packed micro-batch of `tokens` tokens made of samples of `sample_tokens` tokens."""
+    lens = [sample_tokens] * (tokens // sample_tokens) + ([tokens % sample_tokens] if tokens % sample_tokens else [])
+    return pack_of_lengths(cfg, lens, seed), lens
+
+
+def pack_of_lengths(cfg, lens: list[int], seed: int = 0) -> PackedBatch:
+    """A packed micro-batch of random clips with `lens` tokens each (CPU tensors)."""
     g = torch.Generator().manual_seed(seed)
     pd = cfg.in_channels * cfg.patch_size[0] * cfg.patch_size[1] * cfg.patch_size[2]
-    lens = [sample_tokens] * (tokens // sample_tokens) + ([tokens % sample_tokens] if tokens % sample_tokens else [])
+    tokens = sum(lens)
     seg = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])
     order = torch.cat([torch.arange(n) for n in lens])
     side = 64  # (t, h, w) coordinates of a 64x64-token frame grid
@@ -64,7 +70,7 @@ def make_pack(cfg, tokens: int, sample_tokens: int, device, seed: int = 0):
     if cfg.text_dim:  # text-conditioned model: full-length captions for every clip
         batch.samples["context"] = torch.randn(len(lens), cfg.text_len, cfg.text_dim, generator=g)
         batch.samples["context_len"] = torch.full((len(lens),), cfg.text_len, dtype=torch.long)
-    return batch, lens
+    return batch
 
 
 def run_single(cfg, tokens, sample_tokens, ac, compile_, backend, precision, device, steps, peak):

@@ -13,6 +13,8 @@ Sections, in order (each a function of dit_train/tools/gpu_check/{correctness,sp
   attention        every varlen backend present (sdpa, sdpa_dense, flex compiled; xformers, flash
                    where installed) vs an fp64 masked-softmax reference, uneven clips, forward and
                    backward, bidirectional and causal, fp32 and bf16
+  ring_blocks      ring attention's per-sample block kernel with LSE (fused, flex, math) on a
+                   zigzag split vs the fp64 dense reference: out, lse and gradients through both
   train_steps      two real trainer steps of the tiny DiT / Wan / LTX / HunyuanVideo presets on random
                    latents, bf16 vs fp32
   fsdp_world1      the trainer with FSDP2 over a process group of one (NCCL) vs the plain model
@@ -40,7 +42,7 @@ import torch
 from dit_train.perf.bench import environment, format_table
 from dit_train.tools.gpu_check import correctness, planner_check, speed
 
-SECTIONS = ("env", "matmul", "attention", "train_steps", "fsdp_world1", "compiled_blocks", "mfu_eager", "vs_diffusers",
+SECTIONS = ("env", "matmul", "attention", "ring_blocks", "train_steps", "fsdp_world1", "compiled_blocks", "mfu_eager", "vs_diffusers",
             "planner", "mfu_compile")
 
 
@@ -161,6 +163,7 @@ def sections(device: torch.device, s: Sizes, report: Report) -> dict[str, Callab
         "env": lambda: device_env(device),
         "matmul": lambda: speed.matmul_ceiling(device, s.matmul_n),
         "attention": lambda: correctness.attention(device, list(s.attn_lens), s.attn_heads, s.attn_head_dim),
+        "ring_blocks": lambda: correctness.ring_blocks(device, list(s.attn_lens), s.attn_heads, s.attn_head_dim),
         "train_steps": lambda: correctness.train_steps(device, list(s.presets)),
         "fsdp_world1": lambda: correctness.fsdp_world1(device),
         "compiled_blocks": lambda: (correctness.compiled_blocks(device) if s.compile_check

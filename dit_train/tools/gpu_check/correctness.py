@@ -14,10 +14,11 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from dit_train.batch import video_forward
+from dit_train.batch import cp_token_index, video_forward
 from dit_train.compose import compose
 from dit_train.engine.build import build_run
-from dit_train.kernels import VarlenLayout, attention_mask, attention_with_lse, resolve_backend, varlen_attention
+from dit_train.kernels import (VarlenLayout, attention_mask, attention_with_lse, block_attention_with_lse,
+                               resolve_backend, sample_blocks, varlen_attention)
 from dit_train.models import build_model, init_weights, model_spec
 from dit_train.parallel.parallelize import apply_compile
 from dit_train.tools.bench_mfu import make_pack
@@ -78,6 +79,49 @@ def attention(device: torch.device, lens: list[int], heads: int, head_dim: int) 
                              "bound": f"{b_out:g}/{b_grad:g}", "pass": ok((e_out, b_out), (e_grad, b_grad))})
     return rows
 
+
+
+def ring_blocks(device: torch.device, lens: list[int], heads: int, head_dim: int) -> list[dict[str, Any]]:
+    """Ring attention's per-sample block kernel (kernels/block_attention.py) on the device, as a
+    ring of 2 zigzag ranks visits it (every query rank against every key rank), vs the fp64 dense
+    reference: out and lse of the queries that see a key, and the gradients of q, k, v through
+    both (the fused kernels' LSE gradient is this module's own trick). Kernels: the fused one
+    (`sdpa`: torch's memory-efficient CUDA kernel, or the CPU flash kernel), flex (CUDA only:
+    no flex backward on the CPU) and the math reference."""
+    seg = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])
+    pos = torch.cat([torch.arange(n) for n in lens])
+    L = len(seg) - len(seg) % 4
+    seg, pos = seg[:L], pos[:L]
+    sets = [cp_token_index(L, 2, r, "zigzag") for r in range(2)]
+    kernels = ["sdpa", "math"] + (["flex"] if device.type == "cuda" else [])
+    rows = []
+    for causal in (False, True):
+        g = torch.Generator().manual_seed(21 + causal)
+        q, k, v, dout = (torch.randn(L, heads, head_dim, generator=g, dtype=torch.float64) for _ in range(4))
+        dlse = torch.randn(heads, L, generator=g, dtype=torch.float64)
+        for iq, ik in ((a, b) for a in sets for b in sets):
+            mask = attention_mask(seg[iq], pos[iq], seg[ik], pos[ik], causal)
+            seen = mask.any(dim=1)
+            if not seen.any():
+                continue  # the ring skips this step
+            leaves = [t.clone().requires_grad_() for t in (q[iq], k[ik], v[ik])]
+            out, lse = attention_with_lse(*leaves, mask)
+            ((out * dout[iq])[seen].sum() + (lse * dlse[:, iq])[:, seen].sum()).backward()
+            ref = [out.detach()[seen], lse.detach()[:, seen]] + [t.grad for t in leaves]
+            plan = sample_blocks(seg[iq], pos[iq], seg[ik], pos[ik], causal).to(device)
+            for kernel, dtype in ((n, d) for n in kernels for d in (torch.float32, torch.bfloat16)):
+                xs = [t.to(device, dtype).requires_grad_() for t in (q[iq], k[ik], v[ik])]
+                o, l = block_attention_with_lse(*xs, plan, kernel)
+                s = seen.to(device)
+                ((o * dout[iq].to(device, dtype))[s].float().sum() + (l * dlse[:, iq].to(device))[:, s].sum()).backward()
+                e_out = max(rel(o[s], ref[0]), rel(l[:, s], ref[1]))
+                e_grad = max(rel(x.grad, r) for x, r in zip(xs, ref[2:]))
+                b_out, b_grad = BOUNDS[dtype]
+                rows.append({"kernel": kernel, "dtype": str(dtype).removeprefix("torch."), "causal": causal,
+                             "queries_keys": f"{int(iq[0])}:{int(ik[0])}", "out_lse_rel_err": e_out,
+                             "grad_rel_err": e_grad, "bound": f"{b_out:g}/{b_grad:g}",
+                             "pass": ok((e_out, b_out), (e_grad, b_grad))})
+    return rows
 
 def _overrides(name: str, device: torch.device, precision: str) -> list[str]:
     # init=normal: every weight moves from step 0 (adaLN-zero would leave most gradients at zero
