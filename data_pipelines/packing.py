@@ -3,20 +3,25 @@
 The set of samples of step s is a pure function of (seed, s, dataset size, global_batch):
 never of the number of processes. Only *where* each sample goes depends on the layout:
 
-    global batch --(balance tokens)--> data-parallel ranks
-                 --(balance tokens)--> grad_accum groups per rank
+    global batch --(balance tokens, or modelled time)--> data-parallel ranks
+                 --(balance tokens, or modelled time)--> grad_accum groups per rank
                  --(first-fit-decreasing, token budget)--> micro-batches
 
 Every rank computes the whole plan locally from the token counts, so no communication is
 needed, and every rank runs the same number of micro-batches (ranks with less work get empty
 micro-batches: FSDP's collectives must match across ranks).
+
+train.balance=cost balances by a `StepCost` instead of tokens: a step's time grows with Σ T_b²
+(attention) as well as Σ T_b, so equal tokens can mean very unequal work, and every rank waits
+for the slowest at the gradient reduce. The exact loss makes placement free (a sample's weight
+does not depend on its rank or micro-batch), so only where samples go changes, never which.
 """
 from __future__ import annotations
 
 import functools
 import hashlib
-from typing import Any
 from dataclasses import dataclass
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -141,22 +146,128 @@ def pack_ffd(ids: list[int], lengths: dict[int, int], budget: int) -> list[list[
     return bins
 
 
-def plan_step(step: int, lengths: list[int] | dict[int, int], global_batch: int, dp: int, grad_accum: int,
-              budget: int, seed: int, warmup_steps: int = 0, warmup_start: int = 0) -> StepPlan:
-    """The full plan of one optimizer step for a data-parallel degree `dp` (with a batch-size
-    warm-up, a small step may leave ranks or accumulation groups empty: they run empty packs)."""
-    lengths = dict(enumerate(lengths)) if isinstance(lengths, list) else lengths
-    ids = step_samples(step, len(lengths), global_batch, seed, warmup_steps, warmup_start)
+@dataclass(frozen=True)
+class StepCost:
+    """Modelled time of one micro-batch on one rank, in seconds:
+
+        per_micro + Σ_b (per_sample + per_token·T_b + per_sq_token·T_b²)
+
+    T_b: tokens of sample b before the CP split (the coefficients already divide by the CP
+    degree). Built from the model's shapes and FLOP model by dit_train/perf/cost.py; a function
+    of the config only, never measured at run time, so every rank computes the same plan.
+    StepCost(per_token=1) is token balancing."""
+
+    per_token: float
+    per_sq_token: float = 0.0
+    per_sample: float = 0.0
+    per_micro: float = 0.0
+
+    def sample(self, tokens: int) -> float:
+        """Seconds of one sample of `tokens` tokens (its share of a micro-batch)."""
+        return self.per_sample + self.per_token * tokens + self.per_sq_token * tokens * tokens
+
+    def micro(self, tokens: Iterable[int]) -> float:
+        """Seconds of one micro-batch whose samples have `tokens` tokens (an empty one still
+        runs: per_micro)."""
+        return self.per_micro + sum(self.sample(t) for t in tokens)
+
+
+def rank_times(micro_batches: list[list[list[int]]], lengths: dict[int, int], cost: StepCost) -> list[float]:
+    """Modelled seconds of each rank's micro-batches (micro_batches[rank][k] = sample ids)."""
+    return [sum(cost.micro(lengths[i] for i in mb) for mb in rank) for rank in micro_batches]
+
+
+def cost_split(ids: list[int], weights: dict[int, float], parts: int) -> list[list[int]]:
+    """`parts` groups of similar total weight: longest-processing-time first (as
+    `balanced_split`), then moves and swaps out of the heaviest group while they lower it.
+
+    LPT alone leaves 10-30% of imbalance when a group holds only a few samples of very
+    different weights (the common case under cost balancing: one long clip weighs as much as
+    dozens of short ones); the refinement takes it to the bound set by the heaviest sample on
+    the length mixes of tools.bench_balance. Deterministic (ties by id and group index):
+    every rank computes the same groups. Groups are returned heaviest sample first.
+    """
+    groups: list[list[int]] = [[] for _ in range(parts)]
+    load = [0.0] * parts
+    for i in sorted(ids, key=lambda i: (-weights[i], i)):
+        g = min(range(parts), key=lambda j: (load[j], j))
+        groups[g].append(i)
+        load[g] += weights[i]
+    for _ in range(2 * len(ids)):  # each round lowers the heaviest group: a bound, rarely reached
+        h = max(range(parts), key=lambda j: (load[j], -j))
+        best = (load[h] * (1 - 1e-9), -1, -1, -1)  # (new max of the pair, other group, out of h, into h)
+        for o in range(parts):
+            gap = load[h] - load[o]
+            if o == h or gap <= 0:
+                continue
+            for i in groups[h]:
+                new = max(load[h] - weights[i], load[o] + weights[i])
+                if new < best[0]:
+                    best = (new, o, i, -1)
+                for j in groups[o]:
+                    d = weights[i] - weights[j]
+                    if 0 < d < gap and max(load[h] - d, load[o] + d) < best[0]:
+                        best = (max(load[h] - d, load[o] + d), o, i, j)
+        _, o, i, j = best
+        if o < 0:
+            break
+        groups[h].remove(i)
+        groups[o].append(i)
+        load[h], load[o] = load[h] - weights[i], load[o] + weights[i]
+        if j >= 0:
+            groups[o].remove(j)
+            groups[h].append(j)
+            load[h], load[o] = load[h] + weights[j], load[o] - weights[j]
+    return [sorted(g, key=lambda i: (-weights[i], i)) for g in groups]
+
+
+def _pad(per_rank: list[list[list[int]]]) -> list[list[list[int]]]:
+    """Every rank the same number of micro-batches (at least one): empty ones where it has fewer."""
+    m = max(1, max(len(r) for r in per_rank))
+    for r in per_rank:
+        r.extend([] for _ in range(m - len(r)))
+    return per_rank
+
+
+def place(ids: list[int], lengths: dict[int, int], dp: int, grad_accum: int, budget: int,
+          cost: StepCost | None = None) -> list[list[list[int]]]:
+    """micro_batches[dp_rank][k]: where the samples `ids` go, every rank the same number of
+    micro-batches, each within `budget` tokens (the memory limit the planner sizes:
+    activations, and the score blocks of kernels that materialise them, grow with it).
+
+    cost=None: ranks and accumulation groups balanced by tokens. With a `cost`: by modelled
+    time (`cost_split`), each rank's micro-batches heaviest first (under FSDP every micro-batch
+    waits for the other ranks' at each layer's all-gather: the k-th ones should weigh alike);
+    should that plan not model faster than the token plan (e.g. its token-uneven groups need
+    one micro-batch more), the token plan is kept. Which samples: `ids`, whatever the cost.
+    """
     per_rank = []
     for rank_ids in balanced_split(ids, lengths, dp):
         micro = []
         for group in balanced_split(rank_ids, lengths, grad_accum):
             micro.extend(pack_ffd(group, lengths, budget))
         per_rank.append(micro)
-    m = max(1, max(len(r) for r in per_rank))
-    for r in per_rank:
-        r.extend([] for _ in range(m - len(r)))
-    return StepPlan(step, ids, per_rank)
+    per_rank = _pad(per_rank)
+    if cost is None:
+        return per_rank
+    weights = {i: cost.sample(lengths[i]) for i in ids}
+    by_cost = []
+    for rank_ids in cost_split(ids, weights, dp):
+        micro = [mb for group in cost_split(rank_ids, weights, grad_accum) for mb in pack_ffd(group, lengths, budget)]
+        by_cost.append(sorted(micro, key=lambda mb: -sum(weights[i] for i in mb)))  # stable: ties keep FFD order
+    by_cost = _pad(by_cost)
+    return by_cost if max(rank_times(by_cost, lengths, cost)) < max(rank_times(per_rank, lengths, cost)) else per_rank
+
+
+def plan_step(step: int, lengths: list[int] | dict[int, int], global_batch: int, dp: int, grad_accum: int,
+              budget: int, seed: int, warmup_steps: int = 0, warmup_start: int = 0,
+              cost: StepCost | None = None) -> StepPlan:
+    """The full plan of one optimizer step for a data-parallel degree `dp` (with a batch-size
+    warm-up, a small step may leave ranks or accumulation groups empty: they run empty packs).
+    cost: train.balance=cost's model (`place`); the samples are the same with or without it."""
+    lengths = dict(enumerate(lengths)) if isinstance(lengths, list) else lengths
+    ids = step_samples(step, len(lengths), global_batch, seed, warmup_steps, warmup_start)
+    return StepPlan(step, ids, place(ids, lengths, dp, grad_accum, budget, cost))
 
 
 def plan_fingerprint(lengths: list[int], captions: list[str] | None = None) -> dict[str, object]:
