@@ -55,6 +55,14 @@ class Device(Choice):
     cuda = "cuda"
 
 
+class Balance(Choice):
+    """train.balance: what the step plan evens out over data-parallel ranks and accumulation
+    groups (data_pipelines/packing.py); never which samples the step trains on."""
+
+    tokens = "tokens"  # tokens per rank and group
+    cost = "cost"  # modelled time (linear + attention FLOPs, dit_train/perf/cost.py)
+
+
 class Reduction(Choice):
     sample_mean = "sample_mean"
     token_mean = "token_mean"

@@ -17,6 +17,7 @@ from omegaconf import MISSING
 from dit_train.config.choices import (
     ActivationCheckpointing,
     AttnBackend,
+    Balance,
     CondFeed,
     CondKind,
     CPFSDPMode,
@@ -340,6 +341,9 @@ class TrainConfig:
     # least AUTO_MICRO_BATCH_TOKENS (set from the data before the run starts, so the budget follows
     # the data unless a value is given)
     micro_batch_tokens: int = 0
+    # what ranks and accumulation groups are balanced by: tokens, or cost (modelled time: attention
+    # grows with T_b², so equal tokens can be unequal work); only where samples go, never which
+    balance: Balance = Balance.tokens
     precision: Precision = Precision.fp32  # fp32 | bf16 | fp16 (autocast; FSDP2 mixed precision on CUDA)
     compile: bool = False  # torch.compile each block (refused on CUDA: its gradients were wrong in the GPU check)
     # keep the tensors saved for backward in host memory (torch.autograd.graph.save_on_cpu around
@@ -405,7 +409,7 @@ AUTO_MICRO_BATCH_TOKENS = 4096
 
 # Layout keys outside `parallel`: how a rank's share of a step is cut into micro-batches.
 # Changing them (like the parallel degrees) must not change the result.
-TRAIN_LAYOUT_KEYS = ("grad_accum", "micro_batch_tokens")
+TRAIN_LAYOUT_KEYS = ("grad_accum", "micro_batch_tokens", "balance")
 
 
 def parallel_layout_keys() -> tuple[str, ...]:

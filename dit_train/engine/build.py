@@ -28,6 +28,8 @@ from dit_train.models.lora import add_frozen_adapter, apply_lora, base_parameter
 from dit_train.optim import build_optimizer, build_scheduler
 from dit_train.parallel.mesh import ParallelContext, init_parallel
 from dit_train.parallel.parallelize import parallelize
+from dit_train.perf.cost import run_cost
+from dit_train.perf.memory import model_shape
 from dit_train.kernels import resolve_backend
 from dit_train.tasks import build_task, resolve_config
 
@@ -145,7 +147,11 @@ def build_run(cfg: Config, ctx: ParallelContext | None = None, *, task: Any = No
     model = build_parallel_model(cfg, ctx, adapters)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, max(1, cfg.train.steps))
-    trainer = Trainer(model, task, optimizer, scheduler, ctx, cfg.train, cfg.optim, cfg.loss, cfg.parallel, cfg.model.moe)
+    cost = None
+    if cfg.train.balance == "cost":  # a function of the config: every rank models the same times
+        cost = run_cost(model_shape(cfg.model), cfg.model, cfg.parallel, ctx.device.type, getattr(task, "causal", False))
+    trainer = Trainer(model, task, optimizer, scheduler, ctx, cfg.train, cfg.optim, cfg.loss, cfg.parallel, cfg.model.moe,
+                      cost)
     if cfg.train.ema_decay > 0:
         trainer.ema = EMA(model, cfg.train.ema_decay)
     return Run(cfg, ctx, task, model, optimizer, scheduler, trainer, held, trainer.ema)

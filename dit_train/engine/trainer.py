@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from dit_train.data_pipelines.packing import balanced_split, data_fingerprint, pack_ffd, plan_step
+from dit_train.data_pipelines.packing import StepCost, data_fingerprint, place, plan_step
 from dit_train.batch import PackedBatch
 from dit_train.config import LossConfig, MoEConfig, OptimConfig, ParallelConfig, TrainConfig
 from dit_train.engine.offload import activation_offload
@@ -94,13 +94,15 @@ class Trainer:
 
     task: builds full packs (`build(ids, step) -> PackedBatch`), knows its CP layout and
     computes per-token losses (`per_token_loss(model, batch, attn) -> [L_local]`).
+    cost: train.balance=cost's time model (perf/cost.run_cost); None balances tokens.
     """
 
     def __init__(self, model: nn.Module, task: Any, optimizer: torch.optim.Optimizer,
                  scheduler: torch.optim.lr_scheduler.LRScheduler, ctx: ParallelContext,
                  train: TrainConfig, optim: OptimConfig, loss: LossConfig, parallel: ParallelConfig,
-                 moe: MoEConfig | None = None):
+                 moe: MoEConfig | None = None, cost: StepCost | None = None):
         self.model, self.task, self.optimizer, self.scheduler, self.ctx = model, task, optimizer, scheduler, ctx
+        self.cost = cost
         self.train_cfg, self.optim_cfg, self.loss_cfg, self.parallel_cfg = train, optim, loss, parallel
         self.moe_cfg = moe or MoEConfig()
         self.moe_layers = moe_layers(model)  # their router outputs feed the balance and z-losses
@@ -120,26 +122,23 @@ class Trainer:
         t = self.train_cfg
         warmup = (t.batch_warmup_steps, t.batch_warmup_start)
         plan = plan_step(step, self.lengths, t.global_batch, self.ctx.dims.dp, t.grad_accum, t.micro_batch_tokens,
-                         t.seed, *warmup)
+                         t.seed, *warmup, cost=self.cost)
         packs = plan.micro_batches[self.ctx.dp_rank]
         if hasattr(self.task, "prefetch"):
             ids = [i for p in packs for i in p]
             if step + 1 < t.steps:
                 nxt = plan_step(step + 1, self.lengths, t.global_batch, self.ctx.dims.dp, t.grad_accum,
-                                t.micro_batch_tokens, t.seed, *warmup)
+                                t.micro_batch_tokens, t.seed, *warmup, cost=self.cost)
                 ids += [i for p in nxt.micro_batches[self.ctx.dp_rank] for i in p]
             self.task.prefetch(ids)  # changes no result, only how long `build` waits
         return packs
 
     def spread(self, sample_ids: list[int], lengths: dict[int, int]) -> list[list[int]]:
-        """This rank's packs of a given set of samples (token-balanced over DP ranks, then
-        first-fit-decreasing); every rank gets the same number of packs (FSDP's collectives
+        """This rank's packs of a given set of samples (balanced over DP ranks like a step's,
+        then first-fit-decreasing); every rank gets the same number of packs (FSDP's collectives
         must match), empty ones where it has less work."""
-        per_rank = [pack_ffd(ids, lengths, self.train_cfg.micro_batch_tokens)
-                    for ids in balanced_split(list(sample_ids), lengths, self.ctx.dims.dp)]
-        m = max(1, max(len(r) for r in per_rank))
-        mine = per_rank[self.ctx.dp_rank]
-        return mine + [[] for _ in range(m - len(mine))]
+        per_rank = place(list(sample_ids), lengths, self.ctx.dims.dp, 1, self.train_cfg.micro_batch_tokens, self.cost)
+        return per_rank[self.ctx.dp_rank]
 
     def prepare(self, packs: list[list[int]], step: int, task: Any = None) -> list[MicroBatch]:
         """Build each pack of sample ids, split it for CP, move it to the device."""
