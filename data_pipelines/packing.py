@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import heapq
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -155,12 +156,15 @@ class StepCost:
     T_b: tokens of sample b before the CP split (the coefficients already divide by the CP
     degree). Built from the model's shapes and FLOP model by dit_train/perf/cost.py; a function
     of the config only, never measured at run time, so every rank computes the same plan.
-    StepCost(per_token=1) is token balancing."""
+    StepCost(per_token=1) is token balancing. lockstep: the ranks wait for each other at every
+    micro-batch (FSDP2 sharding over DP ranks: `lockstep_time`), not only at the gradient
+    reduce (`rank_times`)."""
 
     per_token: float
     per_sq_token: float = 0.0
     per_sample: float = 0.0
     per_micro: float = 0.0
+    lockstep: bool = False
 
     def sample(self, tokens: int) -> float:
         """Seconds of one sample of `tokens` tokens (its share of a micro-batch)."""
@@ -173,52 +177,86 @@ class StepCost:
 
 
 def rank_times(micro_batches: list[list[list[int]]], lengths: dict[int, int], cost: StepCost) -> list[float]:
-    """Modelled seconds of each rank's micro-batches (micro_batches[rank][k] = sample ids)."""
+    """Modelled seconds of each rank's micro-batches (micro_batches[rank][k] = sample ids): the
+    step time when ranks meet only at the gradient reduce (DDP, one micro-batch a rank)."""
     return [sum(cost.micro(lengths[i] for i in mb) for mb in rank) for rank in micro_batches]
 
 
-def cost_split(ids: list[int], weights: dict[int, float], parts: int) -> list[list[int]]:
-    """`parts` groups of similar total weight: longest-processing-time first (as
-    `balanced_split`), then moves and swaps out of the heaviest group while they lower it.
+def lockstep_time(micro_batches: list[list[list[int]]], lengths: dict[int, int], cost: StepCost) -> float:
+    """Modelled seconds of a step whose ranks wait for each other at every micro-batch,
+    Σ_k max_rank: FSDP2 all-gathers each layer's weights in every micro-batch's forward and
+    backward, so the k-th micro-batches of all ranks run side by side (>= max(rank_times))."""
+    return sum(max(cost.micro(lengths[i] for i in rank[k]) for rank in micro_batches)
+               for k in range(len(micro_batches[0])))
 
-    LPT alone leaves 10-30% of imbalance when a group holds only a few samples of very
-    different weights (the common case under cost balancing: one long clip weighs as much as
-    dozens of short ones); the refinement takes it to the bound set by the heaviest sample on
-    the length mixes of tools.bench_balance. Deterministic (ties by id and group index):
-    every rank computes the same groups. Groups are returned heaviest sample first.
+
+IMPROVE_TRIES = 4  # groups, heaviest first, that one refinement round tries to lower
+
+
+def cost_split(ids: list[int], weights: dict[int, float], parts: int,
+               fits: Callable[[list[int]], bool] | None = None) -> list[list[int]] | None:
+    """`parts` groups of similar total weight, each one that `fits` accepts (None = any):
+    longest-processing-time first (each sample, heaviest first, to the lightest group it fits
+    into), then moves and swaps that lower a group without raising the other above it,
+    heaviest groups first. None when a sample fits no group.
+
+    LPT alone leaves 10-30% of imbalance when groups hold a few samples of very different
+    weights (the common case here: one long clip weighs as much as dozens of short ones).
+    Deterministic (ties by id and group index): every rank computes the same groups. Each group
+    lists its samples heaviest first.
     """
+    fits = fits or (lambda group: True)
     groups: list[list[int]] = [[] for _ in range(parts)]
     load = [0.0] * parts
+    lightest = [(0.0, j) for j in range(parts)]  # a heap of (load, group)
     for i in sorted(ids, key=lambda i: (-weights[i], i)):
-        g = min(range(parts), key=lambda j: (load[j], j))
+        full = []
+        while lightest and not fits(groups[lightest[0][1]] + [i]):
+            full.append(heapq.heappop(lightest))
+        if not lightest:
+            return None
+        _, g = heapq.heappop(lightest)
         groups[g].append(i)
         load[g] += weights[i]
-    for _ in range(2 * len(ids)):  # each round lowers the heaviest group: a bound, rarely reached
-        h = max(range(parts), key=lambda j: (load[j], -j))
-        best = (load[h] * (1 - 1e-9), -1, -1, -1)  # (new max of the pair, other group, out of h, into h)
-        for o in range(parts):
+        for entry in [*full, (load[g], g)]:
+            heapq.heappush(lightest, entry)
+    for _ in range(len(ids)):  # each round lowers one group's load: a bound, rarely reached
+        if not _improve(groups, load, weights, fits):
+            break
+    return [sorted(g, key=lambda i: (-weights[i], i)) for g in groups]
+
+
+def _improve(groups: list[list[int]], load: list[float], weights: dict[int, float],
+             fits: Callable[[list[int]], bool]) -> bool:
+    """Apply the best move (a sample out of group h) or swap (a lighter one back) with a group
+    o below the mean that lowers max(load h, load o) and leaves both groups fitting, for the
+    heaviest of the IMPROVE_TRIES heaviest groups h that has one; False when none does. (Only
+    the heaviest groups set the step's time; trying every group costs O(groups · samples) a
+    round: seconds a step at DP 64.)"""
+    mean = sum(load) / len(load)
+    below = [o for o in range(len(groups)) if load[o] < mean]
+    for h in sorted(range(len(groups)), key=lambda j: (-load[j], j))[:IMPROVE_TRIES]:
+        if load[h] <= mean:
+            break
+        limit, cands = load[h] * (1 - 1e-9), []
+        for o in below:
             gap = load[h] - load[o]
-            if o == h or gap <= 0:
-                continue
             for i in groups[h]:
-                new = max(load[h] - weights[i], load[o] + weights[i])
-                if new < best[0]:
-                    best = (new, o, i, -1)
+                if max(load[h] - weights[i], load[o] + weights[i]) < limit:
+                    cands.append((max(load[h] - weights[i], load[o] + weights[i]), o, i, -1))
                 for j in groups[o]:
                     d = weights[i] - weights[j]
-                    if 0 < d < gap and max(load[h] - d, load[o] + d) < best[0]:
-                        best = (max(load[h] - d, load[o] + d), o, i, j)
-        _, o, i, j = best
-        if o < 0:
-            break
-        groups[h].remove(i)
-        groups[o].append(i)
-        load[h], load[o] = load[h] - weights[i], load[o] + weights[i]
-        if j >= 0:
-            groups[o].remove(j)
-            groups[h].append(j)
-            load[h], load[o] = load[h] + weights[j], load[o] - weights[j]
-    return [sorted(g, key=lambda i: (-weights[i], i)) for g in groups]
+                    if 0 < d < gap and max(load[h] - d, load[o] + d) < limit:
+                        cands.append((max(load[h] - d, load[o] + d), o, i, j))
+        for _, o, i, j in sorted(cands):
+            new_h = [k for k in groups[h] if k != i] + ([j] if j >= 0 else [])
+            new_o = [k for k in groups[o] if k != j] + [i]
+            if fits(new_h) and fits(new_o):
+                groups[h], groups[o] = new_h, new_o
+                load[h] = sum(weights[k] for k in new_h)
+                load[o] = sum(weights[k] for k in new_o)
+                return True
+    return False
 
 
 def _pad(per_rank: list[list[list[int]]]) -> list[list[list[int]]]:
@@ -229,34 +267,84 @@ def _pad(per_rank: list[list[list[int]]]) -> list[list[list[int]]]:
     return per_rank
 
 
-def place(ids: list[int], lengths: dict[int, int], dp: int, grad_accum: int, budget: int,
-          cost: StepCost | None = None) -> list[list[list[int]]]:
-    """micro_batches[dp_rank][k]: where the samples `ids` go, every rank the same number of
-    micro-batches, each within `budget` tokens (the memory limit the planner sizes:
-    activations, and the score blocks of kernels that materialise them, grow with it).
-
-    cost=None: ranks and accumulation groups balanced by tokens. With a `cost`: by modelled
-    time (`cost_split`), each rank's micro-batches heaviest first (under FSDP every micro-batch
-    waits for the other ranks' at each layer's all-gather: the k-th ones should weigh alike);
-    should that plan not model faster than the token plan (e.g. its token-uneven groups need
-    one micro-batch more), the token plan is kept. Which samples: `ids`, whatever the cost.
-    """
+def _token_plan(ids: list[int], lengths: dict[int, int], dp: int, grad_accum: int, budget: int) -> list[list[list[int]]]:
+    """Ranks, then accumulation groups, balanced by tokens; each group first-fit-decreasing."""
     per_rank = []
     for rank_ids in balanced_split(ids, lengths, dp):
         micro = []
         for group in balanced_split(rank_ids, lengths, grad_accum):
             micro.extend(pack_ffd(group, lengths, budget))
         per_rank.append(micro)
-    per_rank = _pad(per_rank)
+    return _pad(per_rank)
+
+
+def _by_ranks(ids: list[int], lengths: dict[int, int], weights: dict[int, float], dp: int, budget: int,
+              m: int) -> list[list[list[int]]] | None:
+    """Ranks balanced by modelled time (`cost_split`, each rank's samples packable into `m`
+    micro-batches), then each rank's samples split into `m` micro-batches of similar time under
+    the token budget (first-fit-decreasing where that split finds none), heaviest first. None
+    when the samples do not fit dp ranks of m micro-batches that way."""
+    def cell(group: list[int]) -> bool:
+        return sum(lengths[i] for i in group) <= budget
+
+    ranks = cost_split(ids, weights, dp, lambda group: len(pack_ffd(group, lengths, budget)) <= m)
+    if ranks is None:
+        return None
+    per_rank = []
+    for rank_ids in ranks:
+        micro = [mb for mb in cost_split(rank_ids, weights, m, cell) or pack_ffd(rank_ids, lengths, budget) if mb]
+        per_rank.append(sorted(micro, key=lambda mb: -sum(weights[i] for i in mb)) + [[] for _ in range(m - len(micro))])
+    return per_rank
+
+
+def _by_cells(ids: list[int], lengths: dict[int, int], weights: dict[int, float], dp: int, budget: int,
+              m: int) -> list[list[list[int]]] | None:
+    """dp·m micro-batches balanced against each other (`cost_split` under the token budget),
+    then dealt in rounds: the dp heaviest are every rank's first, the next dp its second, ...,
+    each round's heaviest to the rank with the least so far. The k-th micro-batches of all ranks
+    (which FSDP runs side by side) and the ranks' totals both weigh alike. None when the
+    samples do not fit dp·m micro-batches that way."""
+    cells = cost_split(ids, weights, dp * m, lambda g: sum(lengths[i] for i in g) <= budget)
+    if cells is None:
+        return None
+    cells.sort(key=lambda c: -sum(weights[i] for i in c))  # stable: ties keep cost_split's order
+    per_rank: list[list[list[int]]] = [[] for _ in range(dp)]
+    load = [0.0] * dp
+    for k in range(m):
+        for r, cell in zip(sorted(range(dp), key=lambda r: (load[r], r)), cells[k * dp:(k + 1) * dp]):
+            per_rank[r].append(cell)
+            load[r] += sum(weights[i] for i in cell)
+    return per_rank
+
+
+def place(ids: list[int], lengths: dict[int, int], dp: int, grad_accum: int, budget: int,
+          cost: StepCost | None = None) -> list[list[list[int]]]:
+    """micro_batches[dp_rank][k]: where the samples `ids` go, every rank the same number of
+    micro-batches, each within `budget` tokens (the memory limit the planner sizes:
+    activations, and the score blocks of kernels that materialise them, grow with it).
+
+    cost=None: ranks and accumulation groups balanced by tokens, then first-fit-decreasing.
+    With a `cost`: the same number of micro-batches M as that token plan, filled by modelled
+    time — by ranks, then each rank's M micro-batches (`_by_ranks`), or by balancing all dp·M
+    micro-batches
+    (`_by_cells`) — whichever models fastest: `lockstep_time` when the ranks run micro-batch
+    by micro-batch (cost.lockstep: FSDP2), else the slowest rank's total. The token plan is
+    kept unless one of them models strictly faster. Which samples: `ids`, whatever the cost.
+    """
+    tokens = _token_plan(ids, lengths, dp, grad_accum, budget)
     if cost is None:
-        return per_rank
+        return tokens
+    m = len(tokens[0])
     weights = {i: cost.sample(lengths[i]) for i in ids}
-    by_cost = []
-    for rank_ids in cost_split(ids, weights, dp):
-        micro = [mb for group in cost_split(rank_ids, weights, grad_accum) for mb in pack_ffd(group, lengths, budget)]
-        by_cost.append(sorted(micro, key=lambda mb: -sum(weights[i] for i in mb)))  # stable: ties keep FFD order
-    by_cost = _pad(by_cost)
-    return by_cost if max(rank_times(by_cost, lengths, cost)) < max(rank_times(per_rank, lengths, cost)) else per_rank
+
+    def time(plan: list[list[list[int]]]) -> float:
+        return lockstep_time(plan, lengths, cost) if cost.lockstep else max(rank_times(plan, lengths, cost))
+
+    best, best_t = tokens, time(tokens)
+    for plan in (_by_ranks(ids, lengths, weights, dp, budget, m), _by_cells(ids, lengths, weights, dp, budget, m)):
+        if plan is not None and time(plan) < best_t:
+            best, best_t = plan, time(plan)
+    return best
 
 
 def plan_step(step: int, lengths: list[int] | dict[int, int], global_batch: int, dp: int, grad_accum: int,

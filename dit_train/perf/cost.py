@@ -41,10 +41,11 @@ class DeviceSpeed:
 
 
 SPEEDS = {
-    # fitted on this repository's 2-core CPU machine (fp32, one thread per rank): the tiny DiT of
-    # tools.bench_balance (dim 64, depth 2, 4 heads), packs of 1-16 samples of 64-2048 tokens;
-    # worst relative error of the fit in docs/performance.md
-    "cpu": DeviceSpeed(linear_flops=9.0e9, attention_flops=6.0e9, sample_s=4e-4, micro_s=2e-3),
+    # fitted on this repository's 2-core CPU machine (fp32, one thread per rank; the mean of two
+    # `tools.bench_balance --calibrate` fits, each within ±15% of every pack): the tiny DiT of
+    # tools.bench_balance (dim 64, depth 2, 4 heads), packs of 1-16 samples of 64-2048 tokens. The
+    # CPU's flash SDPA runs faster per FLOP than these narrow (64-wide) matmuls
+    "cpu": DeviceSpeed(linear_flops=3.3e10, attention_flops=5.3e10, sample_s=5e-4, micro_s=1e-2),
     # assumed, not measured (no GPU run has calibrated it): ~55% / ~45% of 989 TFLOP/s bf16
     "cuda": DeviceSpeed(linear_flops=5.4e14, attention_flops=4.5e14, sample_s=2e-5, micro_s=2e-3),
 }
@@ -60,18 +61,23 @@ def recompute_factor(depth: int, checkpointing: str, every: int = 1) -> float:
 
 
 def step_cost(shape: ModelShape, speed: DeviceSpeed, *, cp: int = 1, checkpointing: str = "none", ac_every: int = 1,
-              causal: bool = False) -> StepCost:
+              causal: bool = False, lockstep: bool = False) -> StepCost:
     """The StepCost of one rank for a model of `shape` on a device of `speed`, under a CP
-    degree `cp` (cp_ulysses · cp_ring) and the model's activation checkpointing."""
+    degree `cp` (cp_ulysses · cp_ring) and the model's activation checkpointing; lockstep:
+    the DP ranks meet at every micro-batch (StepCost.lockstep)."""
     r = recompute_factor(shape.depth, checkpointing, ac_every) / cp
     attn = attention_flops(shape, [1], causal)  # per T_b²
     linear = train_flops(shape, [1], causal) - attn  # per T_b
     return StepCost(per_token=linear * r / speed.linear_flops, per_sq_token=attn * r / speed.attention_flops,
-                    per_sample=speed.sample_s / cp, per_micro=speed.micro_s)
+                    per_sample=speed.sample_s / cp, per_micro=speed.micro_s, lockstep=lockstep)
 
 
 def run_cost(shape: ModelShape, model_cfg, parallel_cfg, device_type: str, causal: bool = False) -> StepCost:
     """step_cost for a run: its model's checkpointing, its CP degree, its device type's speed
-    (an unknown type: CUDA's)."""
+    (an unknown type: CUDA's). Lockstep when FSDP2 shards over DP ranks (each layer's all-gather
+    in every micro-batch waits for all of them); DDP, dp_mode=none and pure replicas meet only
+    at the gradient reduce."""
+    lockstep = parallel_cfg.dp_mode == "fsdp2" and parallel_cfg.dp_shard > 1
     return step_cost(shape, SPEEDS.get(device_type, SPEEDS["cuda"]), cp=parallel_cfg.cp_ulysses * parallel_cfg.cp_ring,
-                     checkpointing=model_cfg.activation_checkpointing, ac_every=model_cfg.ac_every, causal=causal)
+                     checkpointing=model_cfg.activation_checkpointing, ac_every=model_cfg.ac_every, causal=causal,
+                     lockstep=lockstep)
