@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from dit_train.data_pipelines.packing import plan_step
 from dit_train.engine.layout_equivalence import (
     apply_layout,
     parse_layout,
@@ -17,6 +18,9 @@ from dit_train.engine.layout_equivalence import (
     run_layouts,
     train_on_workers,
 )
+from dit_train.perf.cost import run_cost
+from dit_train.perf.memory import model_shape
+from dit_train.tasks import build_task
 
 EXACT = ["sample_mean", "token_mean", "sample_sum", "sum"]
 TOL = 1e-4
@@ -72,6 +76,45 @@ def test_layout_matches_one_process(spec, all_layouts):
         assert rel <= TOL, f"{spec} {reduction}: weights or EMA differ by {rel:.2e} of the update"
         norms_ref, norms = ref["__grad_norms__"], other["__grad_norms__"]
         assert (norms - norms_ref).abs().max() <= 1e-5 * norms_ref.abs().max(), (spec, reduction, norms, norms_ref)
+
+
+# train.balance=cost moves samples between ranks and micro-batches by modelled time; the step's
+# samples and so the weights must not change. The shared config's 6-sample steps give the same
+# ranks under both balances, so these two cases train every clip in each step (global batch 16):
+# FSDP2 with accumulation (lockstep plans) and HSDP; test_cost_balance_moves_samples says they move.
+COST_LAYOUTS = ["dp_shard=2,grad_accum=2,balance=cost", "dp_replicate=2,dp_shard=2,balance=cost"]
+
+
+@pytest.fixture(scope="module")
+def whole_set_cfg(clipped_cfg):
+    cfg = apply_layout(clipped_cfg, {})
+    cfg.train.global_batch = cfg.data.num_clips
+    return cfg
+
+
+def test_cost_balance_moves_samples(whole_set_cfg):
+    """The cost cases are not vacuous: in each step some rank holds other samples than under
+    balance=tokens (the same samples over all ranks)."""
+    cfg = whole_set_cfg
+    lengths = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed).lengths()
+    for spec in COST_LAYOUTS:
+        c = apply_layout(cfg, parse_layout(spec))
+        t, dp = c.train, c.parallel.dp_replicate * c.parallel.dp_shard
+        cost = run_cost(model_shape(c.model), c.model, c.parallel, "cpu")
+        for step in range(t.steps):
+            plans = [plan_step(step, lengths, t.global_batch, dp, t.grad_accum, t.micro_batch_tokens, t.seed, cost=k)
+                     for k in (None, cost)]
+            ranks = [[sorted(i for mb in rank for i in mb) for rank in p.micro_batches] for p in plans]
+            assert sorted(sum(ranks[0], [])) == sorted(sum(ranks[1], [])) and ranks[0] != ranks[1], (spec, step, ranks)
+
+
+@pytest.mark.slow
+def test_cost_balance_matches_one_process(whole_set_cfg):
+    got = run_layouts(whole_set_cfg, ["1", *COST_LAYOUTS], EXACT[:2])
+    for spec in COST_LAYOUTS:
+        for reduction, ref, other in zip(EXACT[:2], got["1"], got[spec]):
+            rel = relative_difference(ref, other)
+            assert rel <= TOL, f"{spec} {reduction}: weights or EMA differ by {rel:.2e} of the update"
 
 
 @pytest.mark.slow
