@@ -3,10 +3,12 @@ dit_train/perf/cost.py) and changes only where samples go. Pure functions, no wo
 layout-exactness of balance=cost is in tests/test_layouts.py."""
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import numpy as np
 import pytest
+from hydra.errors import ConfigCompositionException
 
 from dit_train.data_pipelines.packing import (
     StepCost,
@@ -21,6 +23,7 @@ from dit_train.data_pipelines.packing import (
 from dit_train.perf.cost import SPEEDS, recompute_factor, step_cost
 from dit_train.perf.flops import attention_flops, train_flops
 from dit_train.perf.memory import model_shape
+from dit_train.tools.bench_balance import main as bench_balance
 from tests.conftest import compose_config
 
 # attention-heavy: a 2048-token sample costs ~3x its tokens' worth next to 128-token ones
@@ -103,3 +106,23 @@ def test_step_cost_follows_the_flop_model():
     assert full.per_token == pytest.approx(c.per_token * 4 / 3)
     assert recompute_factor(4, "full", every=2) == pytest.approx(1 + 1 / 6)
     assert recompute_factor(4, "selective") == 1.0
+
+
+@pytest.mark.slow
+def test_bench_balance_quick(data_cache, tmp_path):
+    """tools.bench_balance runs end to end (modelled rows, the measured DP-2 run) and writes its JSON."""
+    out = tmp_path / "b.json"
+    assert bench_balance(["--quick", "--cache-dir", data_cache, "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert {(r["distribution"], r["dp"]) for r in data["modelled"]} == {
+        (d, dp) for d in ("wan_buckets", "wan_mixed", "embedded") for dp in (2, 8)}
+    for r in data["modelled"]:  # cost never models slower, and no placement beats the bound
+        assert r["speedup"] >= 1 and r["speedup lockstep"] >= 1 and r["cost max/mean"] >= r["bound"] - 1e-9
+    assert [r["balance"] for r in data["measured"]] == ["tokens", "cost"]
+    assert all(r["step CPU s"] > 0 and r["dp_mode"] == "ddp" for r in data["measured"])
+
+
+def test_balance_is_a_checked_choice():
+    assert compose_config(["train.balance=cost"]).train.balance == "cost"
+    with pytest.raises(ConfigCompositionException, match="train.balance"):
+        compose_config(["train.balance=time"])

@@ -4,7 +4,8 @@ and exact reduction.
 Every case trains the tiny DiT on the embedded clips (deliberately uneven token counts; the
 small micro-batch budget makes packs, and CP splits inside samples) on N local gloo workers and
 compares against a one-process oracle computed in this process. Layouts of the same world size
-share one launch of workers (spawning costs more than these tiny runs).
+share one launch of workers (spawning costs more than these tiny runs). train.balance=cost, which
+moves samples between ranks by modelled time, gets two cases of its own.
 """
 from __future__ import annotations
 

@@ -20,12 +20,14 @@ micro-batches; plans made with it on). Both balances run the same number of micr
   embedded      the tiny DiT (`model=dit_tiny`, CPU speeds) on the embedded clips (the default
                 `data=synthetic_video`'s lengths, 96 … 320 tokens), drawn with replacement
 
-Measured (`--measure-steps`, 0 = off): the real trainer at DP 2 (DDP, gloo, one thread per
-rank: ranks meet at the gradient reduce, so a step takes its slowest rank's compute) on in-memory mixed clips (a third images, the rest 2–32-frame clips, of 32² or 48² pixels:
-64 … 4,608 tokens; a tiny DiT, dim 64, depth 2), tokens and cost interleaved step by step in one run.
-Each rank's compute is its main thread's CPU time (torch runs CPU kernels there; gloo's waits
-do not spin), so the step time a dedicated core would give is the max over ranks — robust to
-the other jobs of a shared machine, which wall time is not (printed too).
+Measured (`--measure-steps`, 0 = off): the real trainer at DP 2 (gloo, one thread per rank) on
+in-memory mixed clips (a third images, the rest 2–32-frame clips, of 32² or 48² pixels: 64 …
+4,608 tokens; a tiny DiT, dim 64, depth 2), with parallel.dp_mode ddp and fsdp2
+(`--measure-modes`), tokens and cost runs interleaved step by step in one launch. Each rank's
+compute is its main thread's CPU time (torch runs CPU kernels there; gloo's waits do not spin),
+which the other jobs of a shared machine disturb far less than wall time (printed too). The
+step time dedicated cores would give: under DDP the slowest rank's total; under FSDP2
+(lockstep) Σ_k of the slowest rank's k-th micro-batch, plus the slowest rank's rest of the step.
 
 --calibrate: fits perf/cost.DeviceSpeed (per micro-batch, per sample, linear and attention
 FLOP/s) to measured CPU times of one forward + backward of that tiny DiT on packs of 1–16
@@ -88,19 +90,20 @@ def wan_lengths(n: int, images: float, seed: int = 0) -> list[int]:
     return out
 
 
-def embedded_lengths(n: int, seed: int = 0) -> list[int]:
-    """The default embedded set's lengths (its first 48 clips), drawn with replacement."""
-    cfg = compose(["data.num_clips=48"])
+def embedded_lengths(n: int, clips: int = 48, cache_dir: str = "", seed: int = 0) -> list[int]:
+    """The default embedded set's lengths (its first `clips` clips, written under `cache_dir`
+    if not there yet; "" = data.cache_dir), drawn with replacement."""
+    cfg = compose([f"data.num_clips={clips}", *([f"data.cache_dir={cache_dir}"] if cache_dir else [])])
     prepare_data(cfg.data, cfg.model)
     base = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, 0).lengths()
     return [int(x) for x in np.random.default_rng(seed).choice(base, size=n)]
 
 
-def distributions(n: int) -> dict[str, tuple[list[int], StepCost]]:
+def distributions(n: int, clips: int = 48, cache_dir: str = "") -> dict[str, tuple[list[int], StepCost]]:
     wan = step_cost(model_shape(compose(["model=wan_14b"]).model), SPEEDS["cuda"])
     tiny = step_cost(model_shape(compose([]).model), SPEEDS["cpu"])
     return {"wan_buckets": (wan_lengths(n, 0.0), wan), "wan_mixed": (wan_lengths(n, 0.5), wan),
-            "embedded": (embedded_lengths(n), tiny)}
+            "embedded": (embedded_lengths(n, clips, cache_dir), tiny)}
 
 
 def modelled(lengths: list[int], cost: StepCost, dp: int, per_rank: int, steps: int) -> dict[str, float]:
@@ -120,9 +123,10 @@ def modelled(lengths: list[int], cost: StepCost, dp: int, per_rank: int, steps: 
                 total[name, lock] += lockstep_time(plan.micro_batches, d, c) if lock else max(t)
                 if not lock:
                     ratio[name].append(max(t) / statistics.fmean(t))
-        micro += plan.num_micro
-        mean = statistics.fmean(t)
-        bound.append(max(mean, max(cost.micro([d[i]]) for i in plan.sample_ids)) / mean)
+                if not lock and name == "tokens":  # both balances run this many micro-batches
+                    micro += plan.num_micro
+                    mean = statistics.fmean(t)  # the same for any placement of the step's samples
+                    bound.append(max(mean, max(cost.micro([d[i]]) for i in plan.sample_ids)) / mean)
     return {"tokens max/mean": statistics.fmean(ratio["tokens"]), "cost max/mean": statistics.fmean(ratio["cost"]),
             "bound": statistics.fmean(bound), "speedup": total["tokens", False] / total["cost", False],
             "speedup lockstep": total["tokens", True] / total["cost", True], "micro/rank": micro / steps}
@@ -155,44 +159,75 @@ class MixedClips:
 
 
 def measure_worker(cfgs: dict, clips: int, steps: int) -> dict:
-    """On each rank: {balance: [(thread CPU s, wall s) per step]} for steps 1..steps (step 0 warms
-    up), the balances interleaved step by step, their order alternating."""
-    ctx = init_parallel(next(iter(cfgs.values())).parallel)
+    """On each rank: {(mode, balance): [(thread CPU s, wall s, [thread CPU s of each micro-batch])
+    per step]} for steps 1..steps (step 0 warms up), all runs interleaved step by step, their
+    order alternating. A micro-batch's time runs from its forward to the next one's (its
+    backward included); the rest of the step (data, the metadata sync, the optimizer) is the
+    step's time less theirs."""
+    meshes: dict[str, object] = {}
     runs = {}
-    for name, cfg in cfgs.items():
+    for key, cfg in cfgs.items():
+        ctx = meshes[repr(cfg.parallel)] = meshes.get(repr(cfg.parallel)) or init_parallel(cfg.parallel)
         task = VideoTask(MixedClips(clips), cfg.model, cfg.loss, cfg.train.seed)
-        runs[name] = build_run(cfg, ctx, task=task)
-    out: dict[str, list] = {name: [] for name in cfgs}
+        runs[key] = build_run(cfg, ctx, task=task)
+    marks: list[float] = []
+    for run in runs.values():
+        forward = run.trainer.per_token_loss
+
+        def timed(*args, _forward=forward, **kwargs):
+            marks.append(time.thread_time())
+            return _forward(*args, **kwargs)
+
+        run.trainer.per_token_loss = timed
+    out: dict = {key: [] for key in cfgs}
     for s in range(steps + 1):
-        order = list(cfgs) if s % 2 == 0 else list(reversed(cfgs))
-        for name in order:
+        for key in (list(cfgs) if s % 2 == 0 else list(reversed(cfgs))):
+            marks.clear()
             c0, w0 = time.thread_time(), time.perf_counter()
-            runs[name].trainer.step(s)
-            if s:
-                out[name].append((time.thread_time() - c0, time.perf_counter() - w0))
+            runs[key].trainer.step(s)
+            c1, w1 = time.thread_time(), time.perf_counter()
+            if s:  # the last micro-batch ends where its backward does: before clip and optimizer, here at step end
+                out[key].append((c1 - c0, w1 - w0, [b - a for a, b in zip(marks, [*marks[1:], c1])]))
     return out
 
 
-def measured(clips: int, global_batch: int, steps: int) -> list[dict]:
-    base = compose([*TINY, "parallel.dp_shard=2", "parallel.dp_mode=ddp", f"train.global_batch={global_batch}",
-                    f"train.steps={steps + 1}"])
-    cfgs = {name: apply_layout(base, {"balance": name}) for name in ("tokens", "cost")}
+def measured(clips: int, global_batch: int, steps: int, modes: list[str]) -> list[dict]:
+    """Rows per (dp_mode, balance): measured and modelled step times at DP 2 (see the module
+    docstring). ddp: a step takes its slowest rank's total; fsdp2: Σ_k of the slowest rank's
+    k-th micro-batch plus the slowest rest (lockstep)."""
+    cfgs = {}
+    for mode in modes:
+        base = compose([*TINY, "parallel.dp_shard=2", f"parallel.dp_mode={mode}", f"train.global_batch={global_batch}",
+                        f"train.steps={steps + 1}"])
+        for name in ("tokens", "cost"):
+            cfgs[mode, name] = apply_layout(base, {"balance": name})
     per_rank = launch.launch_local(measure_worker, (cfgs, clips, steps), 2, base.launcher)
     lengths = dict(enumerate(MixedClips(clips).lengths()))
-    cost = run_cost(model_shape(base.model), base.model, base.parallel, "cpu")  # what the trainer plans with
+    budget = auto_micro_batch_tokens(list(lengths.values()))
     rows = []
-    for name in cfgs:
-        cpu = [[per_rank[r][name][k][0] for r in sorted(per_rank)] for k in range(steps)]  # [step][rank]
-        wall = [per_rank[0][name][k][1] for k in range(steps)]
-        plans = [plan_step(s, lengths, global_batch, 2, 1, auto_micro_batch_tokens(list(lengths.values())), 0,
-                           cost=cost if name == "cost" else None) for s in range(1, steps + 1)]
+    for (mode, name), cfg in cfgs.items():
+        cost = run_cost(model_shape(cfg.model), cfg.model, cfg.parallel, "cpu")  # what the trainer planned with
+        got = [[per_rank[r][mode, name][k] for r in sorted(per_rank)] for k in range(steps)]  # [step][rank]
+        if cost.lockstep:
+            step_cpu = [sum(map(max, zip(*(m for _, _, m in ranks)))) + max(t - sum(m) for t, _, m in ranks)
+                        for ranks in got]
+        else:
+            step_cpu = [max(t for t, _, _ in ranks) for ranks in got]
+        plans = [plan_step(s, lengths, global_batch, 2, 1, budget, 0, cost=cost if name == "cost" else None)
+                 for s in range(1, steps + 1)]
         model_t = [rank_times(p.micro_batches, lengths, cost) for p in plans]
-        rows.append({"balance": name, "step CPU s (max rank)": statistics.fmean(max(c) for c in cpu),
-                     "measured max/mean": statistics.fmean(max(c) / statistics.fmean(c) for c in cpu),
+        model_step = [lockstep_time(p.micro_batches, lengths, cost) if cost.lockstep else max(t)
+                      for p, t in zip(plans, model_t)]
+        rows.append({"dp_mode": mode, "balance": name, "step CPU s": statistics.fmean(step_cpu),
+                     "measured max/mean": statistics.fmean(max(t for t, _, _ in ranks) / statistics.fmean(
+                         t for t, _, _ in ranks) for ranks in got),
                      "modelled max/mean": statistics.fmean(max(t) / statistics.fmean(t) for t in model_t),
-                     "modelled step s": statistics.fmean(max(t) for t in model_t),
-                     "wall s (median)": statistics.median(wall)})
-    rows[1]["measured speedup"] = rows[0]["step CPU s (max rank)"] / rows[1]["step CPU s (max rank)"]
+                     "modelled step s": statistics.fmean(model_step),
+                     "wall s (median)": statistics.median(ranks[0][1] for ranks in got)})
+        if name == "cost":
+            tok = rows[-2]
+            rows[-1]["measured speedup"] = tok["step CPU s"] / rows[-1]["step CPU s"]
+            rows[-1]["modelled speedup"] = tok["modelled step s"] / rows[-1]["modelled step s"]
     return rows
 
 
@@ -269,11 +304,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20, help="modelled steps per distribution and DP degree")
     ap.add_argument("--per-rank", type=int, default=4, help="samples per DP rank in the modelled plans")
     ap.add_argument("--dp", default="2,8,64")
-    ap.add_argument("--measure-steps", type=int, default=4, help="measured steps per balance at DP 2 (0 = off)")
+    ap.add_argument("--measure-steps", type=int, default=6, help="measured steps per balance at DP 2 (0 = off)")
+    ap.add_argument("--measure-modes", default="ddp,fsdp2", help="parallel.dp_mode of the measured runs")
     ap.add_argument("--clips", type=int, default=256, help="in-memory clips of the measured run")
     ap.add_argument("--measure-batch", type=int, default=16, help="global batch of the measured run")
     ap.add_argument("--calibrate", action="store_true", help="fit the CPU speeds instead (see above)")
     ap.add_argument("--reps", type=int, default=3, help="repetitions per calibration pack")
+    ap.add_argument("--cache-dir", default="", help="where the embedded clips are written (default data.cache_dir)")
     ap.add_argument("--quick", action="store_true", help="few steps and samples (a smoke test)")
     ap.add_argument("--out", default="")
     a = ap.parse_args(argv)
@@ -286,13 +323,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.quick:
         a.steps, a.dp, a.measure_steps, a.clips, a.measure_batch = 2, "2,8", min(a.measure_steps, 1), 32, 8
+        a.measure_modes = "ddp"
     dps = [int(x) for x in a.dp.split(",")]
     rows = []
-    for name, (lengths, cost) in distributions(max(dps) * a.per_rank * a.steps).items():
+    dists = distributions(max(dps) * a.per_rank * a.steps, 16 if a.quick else 48, a.cache_dir)
+    for name, (lengths, cost) in dists.items():
         for dp in dps:
             rows.append({"distribution": name, "dp": dp, **modelled(lengths, cost, dp, a.per_rank, a.steps)})
     print(format_table(rows))
-    meas = measured(a.clips, a.measure_batch, a.measure_steps) if a.measure_steps else []
+    meas = measured(a.clips, a.measure_batch, a.measure_steps, a.measure_modes.split(",")) if a.measure_steps else []
     if meas:
         print(format_table(meas))
     p = write_json(a.out, "balance", {"args": vars(a), "modelled": rows, "measured": meas})
