@@ -35,7 +35,10 @@ class PackedBatch:
     tokens: token-aligned tensors, each [L, ...] (video: x, target; text: ids, labels)
     samples: per-sample tensors, each [S, ...] (video: t); identical on every CP rank
     sample_ids: [S] int64  dataset ids (keys of the per-sample noise and metadata)
-    causal: attention is causal inside each sample
+    causal: attention is causal inside each sample, by `mask_order` (the causal LM: `order`)
+    block:  [L] int64 or None  the token's causal block when it is not `order` (block-causal video,
+            model.causal_block_frames: its temporal block index, equal for every token of a block, so
+            that the causal rule pos_k <= pos_q lets a block's tokens see each other); None = `order`
     """
 
     seg: torch.Tensor
@@ -47,6 +50,12 @@ class PackedBatch:
     sample_ids: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.long))
     causal: bool = False
     weight: torch.Tensor | None = None
+    block: torch.Tensor | None = None
+
+    @property
+    def mask_order(self) -> torch.Tensor:
+        """[L] int64 the attention layout's causal key: `block` where set, else `order`."""
+        return self.order if self.block is None else self.block
 
     @property
     def num_tokens(self) -> int:
@@ -61,7 +70,8 @@ class PackedBatch:
         return replace(self, seg=self.seg.to(device), pos=self.pos.to(device), order=self.order.to(device),
                        valid=self.valid.to(device), tokens=mv(self.tokens), samples=mv(self.samples),
                        sample_ids=self.sample_ids.to(device),
-                       weight=None if self.weight is None else self.weight.to(device))
+                       weight=None if self.weight is None else self.weight.to(device),
+                       block=None if self.block is None else self.block.to(device))
 
     def pad_to_multiple(self, m: int) -> "PackedBatch":
         """Append padding tokens (seg -1, weight 0) so L is a multiple of m (at least m)."""
@@ -76,7 +86,8 @@ class PackedBatch:
         # padding is one more "sample" (id -1) with its own in-order positions, so causal and
         # bidirectional kernels agree on it too (its tokens carry weight 0 anyway)
         order = torch.cat([self.order, torch.arange(n, dtype=self.order.dtype)])
-        return replace(self, seg=pad(self.seg, -1), pos=pad(self.pos), order=order,
+        block = None if self.block is None else torch.cat([self.block, torch.arange(n, dtype=self.block.dtype)])
+        return replace(self, seg=pad(self.seg, -1), pos=pad(self.pos), order=order, block=block,
                        valid=pad(self.valid, False), tokens={k: pad(v) for k, v in self.tokens.items()},
                        weight=None if self.weight is None else pad(self.weight))
 
@@ -84,7 +95,8 @@ class PackedBatch:
         """The tokens at `index` (a CP shard); per-sample tensors are kept whole."""
         return replace(self, seg=self.seg[index], pos=self.pos[index], order=self.order[index],
                        valid=self.valid[index], tokens={k: v[index] for k, v in self.tokens.items()},
-                       weight=None if self.weight is None else self.weight[index])
+                       weight=None if self.weight is None else self.weight[index],
+                       block=None if self.block is None else self.block[index])
 
     def with_weight(self, units: torch.Tensor) -> "PackedBatch":
         """This pack with loss weights `units` ([L] int64, units of 1/WEIGHT_ONE; padding must

@@ -53,8 +53,10 @@ class VarlenLayout:
     """Layout of one packed sequence.
 
     seg: [L] int64, sample index of each token inside the pack; -1 = padding.
-    pos: [L] int64, position of the token inside its sample (causal order).
-    causal: mask keys that come after the query inside the same sample.
+    pos: [L] int64, the token's causal key inside its sample: its position (LLM), or the
+        temporal block of block-causal video, equal for every token of a block (model.causal_block_frames).
+    causal: mask keys whose key pos is greater than the query's inside the same sample
+        (pos_k <= pos_q is seen: tokens of one block see each other).
     cu_seqlens: [S+1] int32 boundaries when every segment is contiguous and in order (the
         usual packed layout); None when tokens are permuted (then the per-sample gather path of
         `block_attention.py` serves the contiguous backends).
@@ -87,7 +89,8 @@ def contiguous_segments(seg: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Ten
     run_ids = seg[starts]
     if torch.unique(run_ids).numel() != run_ids.numel():
         return None, 0  # some id appears in two runs: not contiguous
-    # inside a run, positions must increase by one (then per-run is_causal is the same mask)
+    # inside a run, positions must increase by one (then per-run is_causal is the same mask); equal
+    # keys (block-causal) are not: such a pack takes the per-sample blocks, which mask by key
     same = ~change[1:]
     if not bool(torch.all((pos[1:] - pos[:-1] == 1) | ~same)):
         return None, 0

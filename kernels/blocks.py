@@ -15,8 +15,11 @@ is left is one of three kinds:
   full    every kept query sees every kept key (bidirectional; causal keys that all precede);
   causal  the same positions on both sides (the rank's own tokens): query i sees keys 0..i;
   masked  any other staircase; the kernel builds the block's [nq, nk] mask from positions.
-Under the contiguous and zigzag CP splits only `full` and `causal` occur (a ring rank's pieces
-of a sample are either the same tokens or wholly before / after each other).
+Under the contiguous and zigzag CP splits of token-causal packs only `full` and `causal` occur (a
+ring rank's pieces of a sample are either the same tokens or wholly before / after each other).
+Block-causal packs (video, equal positions within a temporal block) give `masked` blocks: the
+counts below take ties as seen (searchsorted right), and `causal` is only chosen when query i
+sees exactly keys 0..i, which equal positions rule out, so no is_causal kernel sees them.
 
 Blocks of the same (kind, nq, nk) are neighbours in the plan, so a kernel serves them with one
 batched call ([count, nq, H, D]).

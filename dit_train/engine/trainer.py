@@ -157,7 +157,7 @@ class Trainer:
                 attn = None
             local = local.to(self.ctx.device)
             if attn is None:
-                attn = VarlenLayout.build(local.seg, local.order, local.causal)
+                attn = VarlenLayout.build(local.seg, local.mask_order, local.causal)
             out.append(MicroBatch(local, attn))
         return out
 

@@ -26,6 +26,11 @@ class DiTConfig(VideoModelConfig):
     # every adaLN modulation sees the whole caption (SD3's pooled text vector); cross-attention
     # alone leaves clip-wide choices such as the shape's kind to each token (docs/quality.md)
     pooled_text: bool = False
+    # latent frames per causal block (a multiple of patch_size[0]); 0 = bidirectional. K > 0: a
+    # token attends to the tokens of its own block and of earlier blocks of its clip only (block-
+    # causal video, docs/causal.md); the mask lives in the attention layout, so every backend and CP
+    # scheme applies it
+    causal_block_frames: int = 0
 
 
 class FinalLayer(nn.Module):
@@ -139,6 +144,10 @@ def _checks(cfg: DiTConfig) -> list[str]:
         return [f"model.patch_size={list(cfg.patch_size)} must be three positive ints [t, h, w]"]
     if cfg.pooled_text and cfg.text_dim <= 0:
         return ["model.pooled_text=true pools the caption: set model.text_dim > 0 (captions) or model.pooled_text=false"]
+    k, pt = cfg.causal_block_frames, cfg.patch_size[0]
+    if k < 0 or k % pt:
+        return [f"model.causal_block_frames={k} must be 0 (bidirectional) or a positive multiple of "
+                f"model.patch_size[0]={pt} (a causal block holds whole temporal patches)"]
     return []
 
 

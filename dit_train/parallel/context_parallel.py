@@ -37,7 +37,9 @@ from dit_train.kernels import (SampleBlocks, VarlenLayout, attention_mask, atten
 class CPAttnLayout:
     """Attention metadata of one CP-split pack (identical on every rank of the CP group).
 
-    seg / order: [L] of the full pack; index[c]: [L/cp] token indices held by CP rank c.
+    seg / order: [L] of the full pack (order: its causal key, `PackedBatch.mask_order`: the
+    in-sample index, or the temporal block of block-causal video); index[c]: [L/cp] token indices
+    held by CP rank c.
     """
 
     seg: torch.Tensor
@@ -59,7 +61,7 @@ def split_for_cp(batch: PackedBatch, cp: int, cp_rank: int, layout: str) -> tupl
     full = batch.pad_to_multiple(multiple)
     L = full.num_tokens
     index = [cp_token_index(L, cp, c, layout).to(full.seg.device) for c in range(cp)]
-    meta = CPAttnLayout(seg=full.seg, order=full.order, causal=full.causal, index=index)
+    meta = CPAttnLayout(seg=full.seg, order=full.mask_order, causal=full.causal, index=index)
     return full.select(index[cp_rank]), meta
 
 

@@ -49,13 +49,16 @@ def unpatchify(tokens: torch.Tensor, grid: tuple[int, int, int], patch: tuple[in
 def pack_clips(clips: dict[str, list[torch.Tensor]], patch: tuple[int, int, int], patch_dim: int | dict[str, int],
                samples: dict[str, torch.Tensor], sample_ids: torch.Tensor,
                per_token: dict[str, list[torch.Tensor]] | None = None,
-               weights: list[torch.Tensor] | None = None) -> PackedBatch:
+               weights: list[torch.Tensor] | None = None, causal_block: int = 0) -> PackedBatch:
     """Clips -> one bidirectional pack: tokens of clip k have seg k, in-clip order and (t, h, w)
     positions. `clips` maps a token field ("x", "target", ...) to one [C, F, H, W] tensor per
     clip (same clip sizes in every field; channels may differ); each field becomes
     tokens[field] [L, C·pt·ph·pw] (patch_dim: that width, or {field: width}). `per_token` adds
     fields given per token already ([T_k, ...] per clip, patchify's order); `weights` ([T_k]
     int64 per clip, units of 1/WEIGHT_ONE) sets the pack's loss weights (default: every token 1).
+    causal_block > 0 (temporal patches per causal block, model.causal_block_frames / patch_size[0])
+    makes the pack block-causal: each token's `block` is its temporal patch index // causal_block,
+    so it sees its own block and the earlier ones of its clip (a clip's last block may be shorter).
     No clips -> an empty pack with the same fields."""
     per_token = per_token or {}
     first = next(iter(clips.values()))
@@ -66,7 +69,7 @@ def pack_clips(clips: dict[str, list[torch.Tensor]], patch: tuple[int, int, int]
         tokens |= {name: torch.zeros(0, dtype=torch.bool) for name in per_token}
         batch = PackedBatch(seg=empty, pos=torch.zeros(0, 3, dtype=torch.long), order=empty,
                             valid=torch.zeros(0, dtype=torch.bool), tokens=tokens, samples=samples,
-                            sample_ids=sample_ids, causal=False)
+                            sample_ids=sample_ids, causal=causal_block > 0, block=empty if causal_block > 0 else None)
         return batch.with_weight(torch.zeros(0, dtype=torch.int64)) if weights is not None else batch
     tokens = {name: [] for name in clips}
     pos, seg, order = [], [], []
@@ -80,8 +83,11 @@ def pack_clips(clips: dict[str, list[torch.Tensor]], patch: tuple[int, int, int]
         order.append(torch.arange(n))
     seg_t = torch.cat(seg)
     fields = {name: torch.cat(t) for name, t in tokens.items()} | {name: torch.cat(v) for name, v in per_token.items()}
-    batch = PackedBatch(seg=seg_t, pos=torch.cat(pos), order=torch.cat(order), valid=torch.ones_like(seg_t, dtype=torch.bool),
-                        tokens=fields, samples=samples, sample_ids=sample_ids, causal=False)
+    pos_t = torch.cat(pos)
+    # the grid's t is the temporal patch index: equal keys within a block (attention.VarlenLayout)
+    block = pos_t[:, 0] // causal_block if causal_block > 0 else None
+    batch = PackedBatch(seg=seg_t, pos=pos_t, order=torch.cat(order), valid=torch.ones_like(seg_t, dtype=torch.bool),
+                        tokens=fields, samples=samples, sample_ids=sample_ids, causal=causal_block > 0, block=block)
     return batch.with_weight(torch.cat(weights)) if weights is not None else batch
 
 
@@ -131,6 +137,11 @@ class VideoTask:
         # a model with joint text-video attention gets each clip's caption tokens as slots of the
         # pack (weight 0, outside T_b: tasks/joint_text.py)
         self.joint_text = inputs.joint_text
+        # block-causal attention (model.causal_block_frames, DiT only): temporal patches per block;
+        # packs then split zigzag under CP so that no ring rank holds only early blocks
+        self.causal_block = getattr(model_cfg, "causal_block_frames", 0) // self.patch[0]
+        if self.causal_block:
+            self.cp_layout = "zigzag"
         self.failed: set[int] = set()  # samples whose file could not be decoded (skipped, counted)
         self.failure_reasons: dict[int, str] = {}  # ... and why (the first few name them in errors)
 
@@ -265,14 +276,16 @@ class VideoTask:
         """The clips' fields packed (pack_clips): x and target, and what conditioning, masks and
         control add."""
         if self.conditioner is None and not self.masks and not self.control:
-            return pack_clips({"x": xs, "target": targets}, self.patch, self.patch_dim, samples, ids)
+            return pack_clips({"x": xs, "target": targets}, self.patch, self.patch_dim, samples, ids,
+                              causal_block=self.causal_block)
         fields, dims = {"x": xs, "target": targets}, {"x": self.patch_dim, "target": self.patch_dim}
         if self.inputs.concat:
             fields["cond"], dims["cond"] = conds, self.inputs.cond_dim
         if self.control:
             fields["control"], dims["control"] = controls, self.inputs.control_dim
         per_token = {"clean": clean} if self.inputs.clean else None
-        return pack_clips(fields, self.patch, dims, samples, ids, per_token=per_token, weights=weights)
+        return pack_clips(fields, self.patch, dims, samples, ids, per_token=per_token, weights=weights,
+                          causal_block=self.causal_block)
 
     def per_token_loss(self, model: nn.Module, batch: PackedBatch, attn_meta: Any) -> torch.Tensor:
         """[L_local] MSE of the predicted velocity of each local token, times w(t_b) of its sample
