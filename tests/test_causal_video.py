@@ -10,6 +10,7 @@ import torch
 from dit_train.kernels import VarlenLayout, block_attention_with_lse, merge_partials, sample_blocks, varlen_attention
 from dit_train.models.dit import DiTConfig, _checks, build
 from dit_train.tasks.video import pack_clips
+from dit_train.tasks.video_inputs import video_inputs
 from tests.test_block_attention import LAYOUTS, _block_vs_dense, _splits
 
 HW = 3  # tokens per temporal patch ("frame") in the kernel tests
@@ -135,3 +136,6 @@ def test_causal_block_frames_checked():
     assert _checks(DiTConfig(patch_size=[2, 4, 4], causal_block_frames=3))
     assert _checks(DiTConfig(patch_size=[2, 4, 4], causal_block_frames=-2))
     assert not _checks(DiTConfig(patch_size=[2, 4, 4], causal_block_frames=4))
+    # training and the sampler read the blocks from the model's inputs: temporal patches per block
+    assert video_inputs(DiTConfig(patch_size=[2, 4, 4], causal_block_frames=4)).causal_block == 2
+    assert video_inputs(DiTConfig(patch_size=[2, 4, 4])).causal_block == 0

@@ -78,6 +78,7 @@ def test_experiment_video_cp8_is_8_way_cp():
     (["mode=llm", "model=dit_tiny"], "cannot train model=dit"),
     (["mode=llm", "data=synthetic_video"], "data=synthetic_video is a source for mode=video"),
     (["model.pooled_text=true", "model.text_dim=0"], "model.pooled_text=true pools the caption: set model.text_dim > 0"),
+    (["model.causal_block_frames=3"], r"model.causal_block_frames=3 must be 0 \(bidirectional\) or a positive multiple"),
 ])
 def test_invalid_values_give_actionable_errors(override, needle):
     with pytest.raises(ConfigError, match=needle):

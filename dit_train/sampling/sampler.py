@@ -160,7 +160,7 @@ def predict_velocity(model: torch.nn.Module, batch: PackedBatch, ctx: ParallelCo
             full[attn.index[c]] = shares[c]
         return full[:L]
     b = batch.to(ctx.device)
-    attn = VarlenLayout.build(b.seg, b.order, False)
+    attn = VarlenLayout.build(b.seg, b.mask_order, b.causal)
     return video_forward(model, b, attn).float()
 
 
@@ -280,7 +280,9 @@ class VideoSampler:
             images = [r.image for r in self.requests]
             samples["image"] = torch.stack(images * (len(xs) // len(images)))
         dims = {name: clips[0].shape[0] * math.prod(self.patch) for name, clips in fields.items()}
-        batch = pack_clips(fields, self.patch, dims, samples, torch.arange(len(xs)), per_token=per_token)
+        # a block-causal model (model.causal_block_frames) samples the whole clip under its mask
+        batch = pack_clips(fields, self.patch, dims, samples, torch.arange(len(xs)), per_token=per_token,
+                           causal_block=self.inputs.causal_block)
         # a joint-attention model's caption tokens join each clip's run (tasks/joint_text.py)
         return join_text_tokens(batch, samples["context_len"]) if self.joint_text and ctxs is not None else batch
 

@@ -139,7 +139,7 @@ class VideoTask:
         self.joint_text = inputs.joint_text
         # block-causal attention (model.causal_block_frames, DiT only): temporal patches per block;
         # packs then split zigzag under CP so that no ring rank holds only early blocks
-        self.causal_block = getattr(model_cfg, "causal_block_frames", 0) // self.patch[0]
+        self.causal_block = inputs.causal_block
         if self.causal_block:
             self.cp_layout = "zigzag"
         self.failed: set[int] = set()  # samples whose file could not be decoded (skipped, counted)

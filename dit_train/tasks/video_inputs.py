@@ -32,6 +32,8 @@ class VideoInputs:
     control: a control video as control_channels more input channels (C, or Wan VACE's context
     [inactive C | reactive C | mask vace_mask]); concat_channels: the concat feed's mask + C (0 without it).
     joint_text: the model attends over text and video together (caption tokens are pack slots).
+    causal_block: temporal patches per causal block (model.causal_block_frames / pt; 0 =
+    bidirectional): packs for the model are block-causal in training and sampling alike.
     """
 
     patch: tuple[int, int, int]
@@ -52,6 +54,7 @@ class VideoInputs:
     vace_mask: int = 0
     concat_channels: int = 0
     joint_text: bool = False
+    causal_block: int = 0
 
     @property
     def patch_volume(self) -> int:
@@ -101,4 +104,5 @@ def video_inputs(model_cfg: Any, cond: Any = None) -> VideoInputs:
         gives_last=cond is not None and cond.gives_last, mask_channels=mask_channels,
         image_dim=getattr(model_cfg, "image_dim", 0), control=control, control_channels=width,
         vace_mask=getattr(model_cfg, "vace_mask_channels", 0), concat_channels=concat,
-        joint_text=bool(model_cfg.text_dim) and model_spec(model_cfg).joint_text)
+        joint_text=bool(model_cfg.text_dim) and model_spec(model_cfg).joint_text,
+        causal_block=getattr(model_cfg, "causal_block_frames", 0) // model_cfg.patch_size[0])
