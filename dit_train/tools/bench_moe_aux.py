@@ -61,7 +61,7 @@ def router_gradients(run, layout: dict[str, int], step: int) -> dict[str, torch.
             if not ids:
                 continue
             pack = run.task.build(ids, step)
-            run.task.per_token_loss(run.model, pack, VarlenLayout.build(pack.seg, pack.order, pack.causal))
+            run.task.per_token_loss(run.model, pack, VarlenLayout.build(pack.seg, pack.mask_order, pack.causal))
             routings = [layer.routing for layer in layers]
             T = pack.local_counts()  # whole samples: no CP here
             counts = local_expert_counts(routings, pack.seg, pack.valid, pack.num_samples, layers[0].num_experts)
