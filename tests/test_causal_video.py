@@ -7,10 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dit_train.config import ParallelConfig
 from dit_train.kernels import VarlenLayout, block_attention_with_lse, merge_partials, sample_blocks, varlen_attention
 from dit_train.models.dit import DiTConfig, _checks, build
+from dit_train.parallel.mesh import init_parallel
+from dit_train.sampling import SampleRequest, VideoSampler
 from dit_train.tasks.video import pack_clips
-from dit_train.tasks.video_inputs import video_inputs
+from dit_train.tasks.video_inputs import VideoInputs, video_inputs
 from tests.test_block_attention import LAYOUTS, _block_vs_dense, _splits
 
 HW = 3  # tokens per temporal patch ("frame") in the kernel tests
@@ -139,3 +142,23 @@ def test_causal_block_frames_checked():
     # training and the sampler read the blocks from the model's inputs: temporal patches per block
     assert video_inputs(DiTConfig(patch_size=[2, 4, 4], causal_block_frames=4)).causal_block == 2
     assert video_inputs(DiTConfig(patch_size=[2, 4, 4])).causal_block == 0
+
+
+def test_sampler_uses_the_block_mask():
+    """A block-causal model samples under the mask it trained with: every forward of the sampler
+    gets a causal layout keyed by the temporal block (here frames // 2), on uneven clips."""
+    layouts = []
+
+    class Recorder(torch.nn.Module):
+        def forward(self, x, pos, seg, t, meta, **kw):
+            layouts.append((meta, pos))
+            return torch.zeros(x.shape[0], 12)
+
+    model = Recorder()
+
+    requests = [SampleRequest(f"c{k}", shape, "", None, k) for k, shape in enumerate([(3, 5, 4, 4), (3, 2, 4, 4)])]
+    inputs = VideoInputs((1, 2, 2), causal_block=2)
+    VideoSampler(requests, inputs, None, init_parallel(ParallelConfig(device="cpu")), 2, 1.0, 0).sample(model)
+    assert layouts
+    for meta, pos in layouts:
+        assert meta.causal and torch.equal(meta.pos, pos[:, 0] // 2)
