@@ -156,3 +156,14 @@ def test_block_causal_layout_matches_one_process(spec, causal_layouts):
         assert relative_difference(ref, bi) > TOL, "block-causal training should differ from bidirectional"
         rel = relative_difference(ref, other)
         assert rel <= TOL, f"{spec} {reduction} block-causal: weights or EMA differ by {rel:.2e} of the update"
+
+
+def test_block_causal_case_is_not_vacuous(clipped_cfg):
+    """The causal cases' packs are block-causal, split zigzag under CP, and their clips hold one and
+    two blocks (uneven)."""
+    cfg = apply_layout(clipped_cfg, {})
+    cfg.model.causal_block_frames = 4
+    task = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed)
+    pack = task.build(list(range(cfg.data.num_clips)), 0)
+    blocks = {int(pack.block[pack.seg == s].max()) + 1 for s in range(pack.num_samples)}
+    assert task.cp_layout == "zigzag" and pack.causal and blocks == {1, 2}, (task.cp_layout, blocks)
