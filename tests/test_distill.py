@@ -394,6 +394,11 @@ def test_bad_teachers_are_refused_in_one_line_before_step_0(tiny_cfg, teacher, t
     assert "    rank: 0\n" in text
     (lora_teacher / "config.yaml").write_text(text.replace("    rank: 0\n", "    rank: 4\n", 1))
     assert "a LoRA run (model.lora.rank=4" in refused("+experiment=distill_dmd2", f"distill.teacher={lora_teacher}", *LORA)
+    causal = tmp_path / "causal_teacher"  # a block-causal run: its losses here would take another mask
+    shutil.copytree(teacher, causal)
+    assert "  causal_block_frames: 0\n" in text
+    (causal / "config.yaml").write_text(text.replace("  causal_block_frames: 0\n", "  causal_block_frames: 4\n", 1))
+    assert "a block-causal run" in refused("+experiment=distill_dmd2", f"distill.teacher={causal}")
     # another model's weights: a copy of the teacher whose config says model.dim=48
     other = tmp_path / "other"
     shutil.copytree(teacher, other)

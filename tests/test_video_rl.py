@@ -452,3 +452,17 @@ def test_flow_grpo_pulls_the_output_offset_the_way_brightness_rises(tiny_cfg, pr
         ascent, exact = offset_gradients(cfg, sess, rollouts, batch)
         assert ascent * exact > 0, (f"batch {b}: Flow-GRPO moves the output offset by {ascent:+.3e}, against the "
                                     f"brightness gradient's {exact:+.3e}")
+
+
+def test_the_session_refuses_a_block_causal_model(cfg):
+    """The session's datums are packed bidirectionally: a block-causal model (model.causal_block_frames)
+    is refused before anything is built, not post-trained under another mask than it samples with."""
+    import copy
+
+    from dit_train.config.errors import ConfigError
+    from dit_train.posttrain import TrainingSession
+
+    c = copy.deepcopy(cfg)
+    c.model.causal_block_frames = 2 * c.model.patch_size[0]
+    with pytest.raises(ConfigError, match="causal_block_frames"):
+        TrainingSession(c)

@@ -94,6 +94,9 @@ def student_config(cfg: Config) -> Config:
     if cond_active(teacher.cond) or getattr(teacher.cond, "control", False):
         raise ConfigError(f"{where}: a conditioned run (cond.kind={teacher.cond.kind}); distillation supports "
                           f"text-to-video runs only")
+    if getattr(teacher.model, "causal_block_frames", 0):
+        raise ConfigError(f"{where}: a block-causal run (model.causal_block_frames={teacher.model.causal_block_frames}); "
+                          f"DMD2 here distils bidirectional runs only (Self-Forcing is not built yet: docs/causal.md)")
     if teacher.model.lora.rank > 0:
         raise ConfigError(f"{where}: a LoRA run (model.lora.rank={teacher.model.lora.rank} in its config.yaml); "
                           f"distil from a full-weights run (its merged weights.safetensors in a run trained without "

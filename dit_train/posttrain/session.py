@@ -89,6 +89,11 @@ class TrainingSession(VideoSessionMixin):
             raise ConfigError(f"the post-training session does not add the mixture-of-experts router losses "
                               f"(model.moe.aux_loss_coef={moe.aux_loss_coef}, z_loss_coef={moe.z_loss_coef}): "
                               f"set both to 0 to post-train the experts without them, or train with python -m dit_train")
+        if getattr(cfg.model, "causal_block_frames", 0):
+            # the session's datums are packed bidirectionally (posttrain/video_data.py): a causal model's
+            # losses would be taken under another mask than it samples with
+            raise ConfigError(f"the post-training session has no block-causal packs yet (model.causal_block_frames="
+                              f"{cfg.model.causal_block_frames}): post-train a bidirectional run (docs/causal.md)")
         run = build_run(cfg, ctx, task=task)
         self.cfg = run.cfg  # train.micro_batch_tokens=0 (auto) resolved by the data
         self.run, self.ctx, self.task, self.model = run, run.ctx, run.task, run.model
