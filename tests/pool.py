@@ -23,6 +23,7 @@ import gc
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
 import traceback
 from typing import Any, Callable
@@ -117,8 +118,38 @@ class WorkerPool:
         for p in self.procs:
             p.start()
         self.broken = False
+        self.paused = False
+
+    def _signal(self, sig: int) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                os.kill(p.pid, sig)
+
+    def pause(self) -> None:
+        """Stop the workers (SIGSTOP) between jobs. An idle worker is not idle: each gloo group it
+        holds keeps a thread that wakes ~100 times a second, and a worker holds the groups of every
+        layout it ran (reused meshes, below). 14 live workers of the 2-, 4- and 8-worker pools
+        with 10 layouts' meshes took 0.12 CPU-s every second while no job ran — over a 14-minute
+        suite ~100 CPU-seconds, taken from the pool that works. Stopped, they cost nothing; their
+        sockets wait in the kernel, and nothing runs on them until `resume`."""
+        if not self.paused:
+            self._signal(signal.SIGSTOP)
+            self.paused = True
+
+    def resume(self) -> None:
+        if self.paused:
+            self._signal(signal.SIGCONT)
+            self.paused = False
 
     def run(self, fn: Callable[..., Any], args: tuple) -> dict[int, Any]:
+        self.resume()
+        try:
+            return self._run(fn, args)
+        finally:
+            if not self.broken:
+                self.pause()
+
+    def _run(self, fn: Callable[..., Any], args: tuple) -> dict[int, Any]:
         for q in self.jobs:
             q.put((fn, args))
         out: dict[int, Any] = {}
@@ -140,6 +171,7 @@ class WorkerPool:
         return out
 
     def close(self) -> None:
+        self.resume()
         for q in self.jobs:
             q.put(None)
         for p in self.procs:
