@@ -121,7 +121,10 @@ def gather_pieces(pieces: list[Piece], ctx: Any) -> dict[str, torch.Tensor]:
     in `full_state_dict`."""
     if ctx.distributed and dist.get_world_size() > 1:
         everyone: list[Any] | None = [None] * dist.get_world_size() if ctx.is_main else None
-        dist.gather_object(pieces, everyone, dst=0)
+        # as numpy arrays: a pickled torch tensor goes through torch.serialization, ~10x slower
+        dist.gather_object([(n, s, o, t.numpy()) for n, s, o, t in pieces], everyone, dst=0)
+        if everyone is not None:
+            everyone = [[(n, s, o, torch.from_numpy(a)) for n, s, o, a in got] for got in everyone]
     else:
         everyone = [pieces]
     if not ctx.is_main:
