@@ -56,16 +56,18 @@ def test_bad_override_fails_before_running(tmp_path):
 
 
 @pytest.mark.slow
-def test_loss_decreases_over_30_steps(tmp_path, data_cache):
+def test_loss_decreases_over_20_steps(tmp_path, data_cache):
     out = tmp_path / "run"
     # no validation videos: test_text_sampling covers them, here they cost as much as the training
     # in this process: what is checked is learning, not the launch (the tests above launch)
-    train_in_process(["train.steps=30", "optim.lr=3e-3", "train.progress=false", "train.sample_every=0"], out,
+    train_in_process(["train.steps=20", "optim.lr=3e-3", "train.progress=false", "train.sample_every=0"], out,
                      cache_dir=data_cache)
     losses = [x["loss"] for x in _records(out)]
+    assert len(losses) == 20
     first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
     # per-step losses scatter by ~±0.1 (random timesteps); a 15% drop of 10-step means is learning
-    # (measured: 0.85 -> 0.40)
+    # (measured with Muon, the default: 1.19 -> 0.48 over steps 0-9 and 10-19; 30 steps gave 1.19 -> 0.35 over
+    # steps 0-9 and 20-29, cost half as much again for no more certainty)
     assert last < 0.85 * first, (first, last)
 
 

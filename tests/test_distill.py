@@ -50,18 +50,19 @@ def lora_cfg(tiny_cfg, teacher):
 
 
 def distill_steps(cfg, ctx, steps):
-    """{student/..., critic/...: full weights} after `steps` distillation steps (rank 0)."""
-    from dit_train.checkpoint import full_state_dict
+    """{student/..., critic/...: full weights} after `steps` distillation steps (rank 0), both
+    models gathered in one collective as the layout tests gather theirs (layout_equivalence)."""
     from dit_train.distill.build import build_distill_run
+    from dit_train.engine.layout_equivalence import gather_pieces, local_pieces, sharded_state_dict
 
     run = build_distill_run(cfg, ctx)
     for step in range(steps):
         run.trainer.step(step)
-    student, critic = full_state_dict(run.model), full_state_dict(run.critic.model)
+    weights = gather_pieces(local_pieces(sharded_state_dict(run.model), "student/")
+                            + local_pieces(sharded_state_dict(run.critic.model), "critic/"), ctx)
     if not ctx.is_main:
         return {}
-    return ({f"student/{k}": v for k, v in student.items()} | {f"critic/{k}": v for k, v in critic.items()}
-            | {"teacher_offload": offload_policies(run.teacher)})
+    return weights | {"teacher_offload": offload_policies(run.teacher)}
 
 
 def offload_policies(model):

@@ -12,19 +12,13 @@ from __future__ import annotations
 import pytest
 
 from dit_train.data_pipelines.packing import plan_step
-from dit_train.engine.layout_equivalence import (
-    apply_layout,
-    parse_layout,
-    relative_difference,
-    run_layouts,
-    train_on_workers,
-)
+from dit_train.engine.layout_equivalence import apply_layout, parse_layout, relative_difference, run_layouts
 from dit_train.perf.cost import run_cost
 from dit_train.perf.memory import model_shape
 from dit_train.tasks import build_task
+from tests.layout_cases import TOL, Case, assert_exact, run_cases
 
 EXACT = ["sample_mean", "token_mean", "sample_sum", "sum"]
-TOL = 1e-4
 
 LAYOUTS = [
     "dp_shard=2",                                        # FSDP2
@@ -57,26 +51,17 @@ def reductions_for(spec: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def all_layouts(clipped_cfg):
-    """{spec: {reduction: result}} for the oracle and every layout, one launch per world size."""
-    jobs = [(spec, r) for spec in ["1", *LAYOUTS] for r in reductions_for(spec)]
-    results = train_on_workers([apply_layout(clipped_cfg, parse_layout(spec), r) for spec, r in jobs])
-    out: dict = {}
-    for (spec, r), res in zip(jobs, results):
-        out.setdefault(spec, {})[r] = res
-    return out
+    """{(layout, reduction): (one-process result, layout result)}, one launch per world size."""
+    return run_cases({(spec, r): Case(clipped_cfg, spec, r) for spec in LAYOUTS for r in reductions_for(spec)})
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", LAYOUTS)
 def test_layout_matches_one_process(spec, all_layouts):
-    oracle, got = all_layouts["1"], all_layouts[spec]
-    for reduction, other in got.items():
-        ref = oracle[reduction]
-        assert any(k.startswith("__ema__/") for k in other), "EMA weights missing"
-        rel = relative_difference(ref, other)
-        assert rel <= TOL, f"{spec} {reduction}: weights or EMA differ by {rel:.2e} of the update"
-        norms_ref, norms = ref["__grad_norms__"], other["__grad_norms__"]
-        assert (norms - norms_ref).abs().max() <= 1e-5 * norms_ref.abs().max(), (spec, reduction, norms, norms_ref)
+    for reduction in reductions_for(spec):
+        oracle, got = all_layouts[(spec, reduction)]
+        assert any(k.startswith("__ema__/") for k in got), "EMA weights missing"
+        assert_exact(oracle, got, f"{spec} {reduction}")
 
 
 # train.balance=cost moves samples between ranks and micro-batches by modelled time; the step's

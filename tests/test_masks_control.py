@@ -14,9 +14,8 @@ import torch
 from dit_train.batch import WEIGHT_ONE
 from dit_train.data_pipelines.example_videos import ExampleClip, render, write_example_videos
 from dit_train.data_pipelines.synthetic_video import write_mp4
-from dit_train.engine.layout_equivalence import apply_layout, parse_layout, relative_difference, train_on_workers
 from tests.conftest import TINY_MODEL, compose_config
-from tests.test_conditioning import TOL
+from tests.layout_cases import Case, assert_exact, run_cases
 
 # uneven clips (height, width, frames at 8 fps): 16 to 96 tokens at 2x8x8 patches; the last one's
 # mask is all zero (its sample weighs nothing: T_b = 0, not counted in B_global)
@@ -69,22 +68,14 @@ CASES = {
 @pytest.fixture(scope="module")
 def layouts(folder, data_cache):
     """{case: (one-process result, layout result)}, every layout in one launch of 4 workers."""
-    cfgs = {name: folder_cfg(folder, data_cache, overrides) for name, (overrides, _) in CASES.items()}
-    jobs = [cfgs[name] for name in CASES] + [apply_layout(cfgs[name], parse_layout(spec))
-                                             for name, (_, spec) in CASES.items()]
-    results = train_on_workers(jobs)
-    n = len(CASES)
-    return {name: (results[k], results[n + k]) for k, name in enumerate(CASES)}
+    return run_cases({name: Case(folder_cfg(folder, data_cache, overrides), spec)
+                      for name, (overrides, spec) in CASES.items()})
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_masked_and_controlled_training_matches_one_process(case, layouts):
-    oracle, got = layouts[case]
-    rel = relative_difference(oracle, got)
-    assert rel <= TOL, f"{case} on {CASES[case][1]}: weights differ by {rel:.2e} of the update"
-    norms, ref = got["__grad_norms__"], oracle["__grad_norms__"]
-    assert (norms - ref).abs().max() <= 1e-5 * ref.abs().max(), (case, norms, ref)
+    assert_exact(*layouts[case], f"{case} on {CASES[case][1]}")
 
 
 # -- masks become token weights -------------------------------------------------------------------

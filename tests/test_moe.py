@@ -9,9 +9,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from dit_train.engine.layout_equivalence import apply_layout, parse_layout, relative_difference, train_on_workers
+from dit_train.engine.layout_equivalence import apply_layout, parse_layout, train_on_workers
 from dit_train.loss.moe import local_expert_counts, router_token_losses
 from dit_train.models.moe import MoEFeedForward
+from tests.layout_cases import Case, assert_exact, run_cases
 
 MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.aux_loss_coef=1.0", "model.moe.z_loss_coef=0.1"]
 
@@ -207,22 +208,17 @@ def moe_cfg(tiny_cfg):
 
 @pytest.fixture(scope="module")
 def moe_layouts(moe_cfg):
-    jobs = [(spec, r) for spec in ["1", *MOE_LAYOUTS] for r in REDUCTIONS]
-    results = train_on_workers([apply_layout(moe_cfg, parse_layout(spec), r) for spec, r in jobs])
-    out: dict = {}
-    for (spec, r), res in zip(jobs, results):
-        out.setdefault(spec, {})[r] = res
-    return out
+    """{(layout, reduction): (one-process result, layout result)}, one launch per world size."""
+    return run_cases({(spec, r): Case(moe_cfg, spec, r) for spec in MOE_LAYOUTS for r in REDUCTIONS})
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", MOE_LAYOUTS)
 def test_moe_layout_matches_one_process(spec, moe_layouts):
-    for reduction, other in moe_layouts[spec].items():
-        ref = moe_layouts["1"][reduction]
-        assert any(".experts.w1" in k for k in ref), "no MoE layer in the model"
-        rel = relative_difference(ref, other)
-        assert rel <= 1e-4, f"{spec} {reduction}: weights differ by {rel:.2e} of the update"
+    for reduction in REDUCTIONS:
+        oracle, got = moe_layouts[(spec, reduction)]
+        assert any(".experts.w1" in k for k in oracle), "no MoE layer in the model"
+        assert_exact(oracle, got, f"{spec} {reduction}")
 
 
 @pytest.mark.slow
@@ -232,7 +228,7 @@ def test_balance_loss_moves_the_router(moe_cfg, moe_layouts):
     cfg = apply_layout(moe_cfg, {}, "sample_mean")
     cfg.model.moe.aux_loss_coef = cfg.model.moe.z_loss_coef = 0.0
     (without,) = train_on_workers([cfg])
-    ref = moe_layouts["1"]["sample_mean"]
+    ref = moe_layouts[(MOE_LAYOUTS[0], "sample_mean")][0]  # the one-process run
     name = next(k for k in ref if k.endswith("mlp.router.weight") and not k.startswith("__"))
     moved = (ref[name] - without[name]).abs().max() / (ref[name] - ref[f"__init__/{name}"]).abs().max()
     assert moved > 1e-2, f"the router barely feels the balance loss ({float(moved):.2e})"
@@ -246,11 +242,9 @@ def test_llm_moe_layout_matches_one_process():
     from dit_train.compose import compose
 
     cfg = compose([*LLM_TINY, *MOE, "model.moe.every=1"])
-    specs = ["1", "dp_shard=2,cp_ring=2,grad_accum=2"]
-    ref, other = train_on_workers([apply_layout(cfg, parse_layout(s), "token_mean") for s in specs])
+    ref, other = run_cases({"llm": Case(cfg, "dp_shard=2,cp_ring=2,grad_accum=2", "token_mean")})["llm"]
     assert any(".experts.w1" in k for k in ref)
-    rel = relative_difference(ref, other)
-    assert rel <= 1e-4, f"LLM MoE: {rel:.2e}"
+    assert_exact(ref, other, "LLM MoE")
 
 
 def test_aux_coefficient_means_the_same_on_every_layout(tiny_cfg, capsys):
@@ -282,26 +276,25 @@ EP_LAYOUTS = [
 ]
 
 
+def _full_ac(cfg) -> None:
+    cfg.model.activation_checkpointing = "full"  # dispatch collectives re-run in the recompute
+
+
 @pytest.fixture(scope="module")
 def ep_results(moe_cfg):
     from dataclasses import replace
 
     cfg = apply_layout(moe_cfg, {}, "sample_mean")
     cfg.model.moe = replace(cfg.model.moe, every=1)  # both blocks have experts
-    full_ac = apply_layout(cfg, parse_layout("ep=2,dp_shard=4"))
-    full_ac.model.activation_checkpointing = "full"  # dispatch collectives re-run in the recompute
-    jobs = [cfg, *(apply_layout(cfg, parse_layout(s)) for s in EP_LAYOUTS), full_ac]
-    return dict(zip(["1", *EP_LAYOUTS, "ep=2,dp_shard=4 + full AC"], train_on_workers(jobs)))
+    cases = {spec: Case(cfg, spec) for spec in EP_LAYOUTS}
+    cases["ep=2,dp_shard=4 + full AC"] = Case(cfg, "ep=2,dp_shard=4", change=_full_ac)
+    return run_cases(cases)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", [*EP_LAYOUTS, "ep=2,dp_shard=4 + full AC"])
 def test_expert_parallel_layout_matches_one_process(spec, ep_results):
-    ref, other = ep_results["1"], ep_results[spec]
-    rel = relative_difference(ref, other)
-    assert rel <= 1e-4, f"{spec}: weights differ by {rel:.2e} of the update"
-    norms_ref, norms = ref["__grad_norms__"], other["__grad_norms__"]
-    assert (norms - norms_ref).abs().max() <= 1e-5 * norms_ref.abs().max(), (spec, norms, norms_ref)
+    assert_exact(*ep_results[spec], spec)
 
 
 @pytest.mark.slow

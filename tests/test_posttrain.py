@@ -140,11 +140,13 @@ def expected_counts(name: str, batch: list[Datum]) -> tuple[int, int]:
 # -- the session side (runs in every worker) ----------------------------------------------------------------
 
 
-def session_step(cfg, ctx, batch, loss, norm, splits) -> tuple[dict, dict, dict]:
+def session_step(cfg, ctx, batch, loss, norm, splits, with_init: bool = True) -> tuple[dict, dict, dict]:
+    """with_init=False leaves out the initial weights (a gather under FSDP): a result compared with
+    the oracle's needs none (relative_difference measures the update on the reference)."""
     from dit_train.posttrain import TrainingSession
 
     sess = TrainingSession(cfg, ctx=ctx)
-    init = sess.state_dict()
+    init = sess.state_dict() if with_init else {}
     bounds = [0, *splits, len(batch)]
     for a, b in zip(bounds[:-1], bounds[1:]):
         sess.forward_backward(batch[a:b], loss)
@@ -193,7 +195,7 @@ def _worker(cfg, layouts, batches, ckpt_one_process, ckpt_dir):
         c = apply_layout(cfg, layout)
         ctx = init_parallel(c.parallel)
         for name, kind, loss, norm, splits in CASES:
-            weights, stats, _ = session_step(c, ctx, batches[kind], loss, norm, splits)
+            weights, stats, _ = session_step(c, ctx, batches[kind], loss, norm, splits, with_init=False)
             out[(key, name)] = (weights, stats)
         sess = TrainingSession(c, ctx=ctx)
         out[(key, "forward")] = sess.forward(batches["grpo"])  # every rank: all get the whole result

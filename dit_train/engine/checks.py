@@ -37,20 +37,26 @@ def _type_hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+@functools.lru_cache(maxsize=None)
+def _choice_fields(cls: type) -> tuple[tuple[str, Any], ...]:
+    """(name, its Choice type or None) of each field of the dataclass `cls`."""
+    hints = _type_hints(cls)
+    return tuple((f.name, kind if isinstance(kind := hints.get(f.name), type) and issubclass(kind, Choice) else None)
+                 for f in dataclasses.fields(cls))
+
+
 def choice_errors(node: Any, prefix: str) -> list[str]:
     """Values of `Choice`-typed fields (recursively) that are not among the allowed ones.
 
     Composition already enforces this for configs made by Hydra; configs built in Python
     (dataclass constructors, `dataclasses.replace`) are checked here."""
     errors = []
-    hints = _type_hints(type(node))
-    for f in dataclasses.fields(node):
-        value, kind = getattr(node, f.name), hints.get(f.name)
-        key = f"{prefix}{f.name}"
+    for name, kind in _choice_fields(type(node)):
+        value = getattr(node, name)
         if dataclasses.is_dataclass(value):
-            errors += choice_errors(value, key + ".")
-        elif isinstance(kind, type) and issubclass(kind, Choice) and value not in kind.values():
-            errors.append(f"{key}={value!r} must be one of {', '.join(kind.values())}")
+            errors += choice_errors(value, f"{prefix}{name}.")
+        elif kind is not None and value not in kind.values():
+            errors.append(f"{prefix}{name}={value!r} must be one of {', '.join(kind.values())}")
     return errors
 
 
