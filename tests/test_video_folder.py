@@ -167,7 +167,7 @@ def test_trainer_announces_this_and_next_step():
     # The real config class, so a new planning key cannot leave this test behind.
     t = TrainConfig(global_batch=6, grad_accum=1, micro_batch_tokens=60, seed=3, steps=4)
     tr = Trainer.__new__(Trainer)
-    tr.task, tr.train_cfg, tr.lengths = Task(), t, lengths
+    tr.task, tr.train_cfg, tr.lengths, tr.cost = Task(), t, lengths, None  # cost: train.balance=tokens
     tr.ctx = SimpleNamespace(dims=SimpleNamespace(dp=2), dp_rank=1)
     mine = lambda s: [i for p in plan_step(s, lengths, 6, 2, 1, 60, 3).micro_batches[1] for i in p]
     tr.plan(2)
