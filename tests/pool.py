@@ -133,8 +133,12 @@ class WorkerFailed(RuntimeError):
 # What the jobs import: the fork server (below) imports it once, and each worker starts as a
 # fork of that server with it already loaded. dit_train first: it sets GOMP_SPINCOUNT before
 # torch loads libgomp. peft (~2 CPU-s with transformers): the suite's LoRA layouts run on every
-# worker of the 2- and 4-worker pools.
-PRELOAD = ["dit_train", "torch", "torch.distributed", "dit_train.engine.layout_equivalence", "tests.pool", "peft"]
+# worker of the 2- and 4-worker pools. The video readers (PyAV before decord, as
+# data_pipelines/video_readers.py loads them) and diffusers' transformer classes (what
+# `getattr(diffusers, "WanTransformer3DModel")` imports: ~190 modules) were imported again by
+# every worker's first job, ~0.6 CPU-s each. A module missing here (decord off x86_64) is skipped.
+PRELOAD = ["dit_train", "torch", "torch.distributed", "dit_train.engine.layout_equivalence", "tests.pool", "peft",
+           "av", "decord", "diffusers.models.transformers"]
 
 
 def _context() -> Any:
