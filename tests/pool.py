@@ -18,6 +18,7 @@ mark them `@pytest.mark.real_launcher`.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import gc
 import multiprocessing as mp
@@ -25,6 +26,7 @@ import os
 import queue
 import signal
 import socket
+import sys
 import traceback
 from typing import Any, Callable
 
@@ -37,7 +39,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_the_fork_server() -> None:
+    """SIGKILL this worker when its parent, the fork server, ends — and the fork server ends with
+    the suite's process. A worker stopped between jobs (WorkerPool.pause) cannot notice by itself
+    that the suite is gone (killed, timed out), and SIGTERM waits until a stopped process runs
+    again; SIGKILL does not."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
 def _serve(rank: int, world: int, port: int, jobs: Any, results: Any) -> None:
+    _die_with_the_fork_server()
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch.distributed as dist
@@ -231,6 +246,11 @@ class Pools:
 
     def __init__(self):
         self.pools: dict[int, WorkerPool] = {}
+        atexit.register(self._resume_all)  # before multiprocessing's exit handler ends the daemon workers
+
+    def _resume_all(self) -> None:
+        for pool in self.pools.values():
+            pool.resume()
 
     def launch_local(self, fn: Callable[..., Any], args: tuple, nproc: int, cfg: Any = None) -> dict[int, Any]:
         pool = self.pools.get(nproc)
