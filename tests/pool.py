@@ -98,6 +98,39 @@ def _reuse_device_meshes() -> None:
 
     device_mesh.init_device_mesh = mesh_module.init_device_mesh = functools.cache(device_mesh.init_device_mesh)
     device_mesh.DeviceMesh._unflatten = functools.cache(device_mesh.DeviceMesh._unflatten)
+    _share_groups_of_the_same_ranks(device_mesh)
+
+
+def _share_groups_of_the_same_ranks(device_mesh: Any) -> None:
+    """Meshes get one process group per set of ranks: a mesh asks `new_group` for every
+    subgroup of every dimension, flattened views included, so meshes of different layouts
+    created the same rank sets again and again — after the layout tests a worker of the 4-worker
+    pool held ~140 gloo groups (and their threads: 0.13 CPU-s every second for the pool while it
+    waited for nothing). A group serves any number of meshes: every rank of it issues their
+    collectives in the same program order, and gloo tells concurrent collectives of one group
+    apart by their sequence numbers. `new_group` is collective (every rank calls it for every
+    subgroup, member or not), and every rank asks for the same rank sets in the same order, so
+    every rank reuses the same groups."""
+    import inspect
+
+    import torch.distributed.distributed_c10d as c10d
+
+    create, groups = c10d.new_group, {}
+    signature = inspect.signature(create)
+
+    def new_group(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = dict(bound.arguments)
+        if a["pg_options"] is not None or a["ranks"] is None:
+            return create(*args, **kwargs)
+        ranks = sorted(a["ranks"]) if a["sort_ranks"] else list(a["ranks"])
+        key = (tuple(ranks), a["timeout"], a["backend"], a["use_local_synchronization"], a["device_id"])
+        if key not in groups:
+            groups[key] = create(*args, **kwargs)
+        return groups[key]
+
+    device_mesh.new_group = c10d.new_group = new_group
 
 
 class _Array:
