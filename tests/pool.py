@@ -18,6 +18,7 @@ mark them `@pytest.mark.real_launcher`.
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import gc
 import multiprocessing as mp
@@ -25,6 +26,7 @@ import os
 import queue
 import signal
 import socket
+import sys
 import traceback
 from typing import Any, Callable
 
@@ -37,7 +39,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_the_fork_server() -> None:
+    """SIGKILL this worker when its parent, the fork server, ends — and the fork server ends with
+    the suite's process. A worker stopped between jobs (WorkerPool.pause) cannot notice by itself
+    that the suite is gone (killed, timed out), and SIGTERM waits until a stopped process runs
+    again; SIGKILL does not."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
 def _serve(rank: int, world: int, port: int, jobs: Any, results: Any) -> None:
+    _die_with_the_fork_server()
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     import torch.distributed as dist
@@ -83,6 +98,39 @@ def _reuse_device_meshes() -> None:
 
     device_mesh.init_device_mesh = mesh_module.init_device_mesh = functools.cache(device_mesh.init_device_mesh)
     device_mesh.DeviceMesh._unflatten = functools.cache(device_mesh.DeviceMesh._unflatten)
+    _share_groups_of_the_same_ranks(device_mesh)
+
+
+def _share_groups_of_the_same_ranks(device_mesh: Any) -> None:
+    """Meshes get one process group per set of ranks: a mesh asks `new_group` for every
+    subgroup of every dimension, flattened views included, so meshes of different layouts
+    created the same rank sets again and again — after the layout tests a worker of the 4-worker
+    pool held ~140 gloo groups (and their threads: 0.13 CPU-s every second for the pool while it
+    waited for nothing). A group serves any number of meshes: every rank of it issues their
+    collectives in the same program order, and gloo tells concurrent collectives of one group
+    apart by their sequence numbers. `new_group` is collective (every rank calls it for every
+    subgroup, member or not), and every rank asks for the same rank sets in the same order, so
+    every rank reuses the same groups."""
+    import inspect
+
+    import torch.distributed.distributed_c10d as c10d
+
+    create, groups = c10d.new_group, {}
+    signature = inspect.signature(create)
+
+    def new_group(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = dict(bound.arguments)
+        if a["pg_options"] is not None or a["ranks"] is None:
+            return create(*args, **kwargs)
+        ranks = sorted(a["ranks"]) if a["sort_ranks"] else list(a["ranks"])
+        key = (tuple(ranks), a["timeout"], a["backend"], a["use_local_synchronization"], a["device_id"])
+        if key not in groups:
+            groups[key] = create(*args, **kwargs)
+        return groups[key]
+
+    device_mesh.new_group = c10d.new_group = new_group
 
 
 class _Array:
@@ -133,8 +181,12 @@ class WorkerFailed(RuntimeError):
 # What the jobs import: the fork server (below) imports it once, and each worker starts as a
 # fork of that server with it already loaded. dit_train first: it sets GOMP_SPINCOUNT before
 # torch loads libgomp. peft (~2 CPU-s with transformers): the suite's LoRA layouts run on every
-# worker of the 2- and 4-worker pools.
-PRELOAD = ["dit_train", "torch", "torch.distributed", "dit_train.engine.layout_equivalence", "tests.pool", "peft"]
+# worker of the 2- and 4-worker pools. The video readers (PyAV before decord, as
+# data_pipelines/video_readers.py loads them) and diffusers' transformer classes (what
+# `getattr(diffusers, "WanTransformer3DModel")` imports: ~190 modules) were imported again by
+# every worker's first job, ~0.6 CPU-s each. A module missing here (decord off x86_64) is skipped.
+PRELOAD = ["dit_train", "torch", "torch.distributed", "dit_train.engine.layout_equivalence", "tests.pool", "peft",
+           "av", "decord", "diffusers.models.transformers"]
 
 
 def _context() -> Any:
@@ -227,6 +279,11 @@ class Pools:
 
     def __init__(self):
         self.pools: dict[int, WorkerPool] = {}
+        atexit.register(self._resume_all)  # before multiprocessing's exit handler ends the daemon workers
+
+    def _resume_all(self) -> None:
+        for pool in self.pools.values():
+            pool.resume()
 
     def launch_local(self, fn: Callable[..., Any], args: tuple, nproc: int, cfg: Any = None) -> dict[int, Any]:
         pool = self.pools.get(nproc)
