@@ -291,6 +291,26 @@ def test_video_rl_stopped_keeps_its_progress_and_resumes_to_the_same_weights(tmp
     assert full.keys() == part.keys() and moved > 1e-5 and apart <= 1e-3 * moved, (moved, apart)
 
 
+def test_video_rl_rollout_captions_heldout_draws_only_the_heldout_compositions(tmp_path, rl_run, capsys):
+    """--rollout-captions heldout: the reward alone teaches the 48 compositions no clip shows, so
+    every rollout caption is one of them (the default draws none of them); more --captions than
+    there are held-out captions is one error line before anything is built."""
+    from dit_train.data_pipelines.synthetic_video import caption_split
+    from dit_train.tools.video_rl import main
+
+    pool, heldout = caption_split()
+    flags = [str(rl_run), "--captions", "3", "--group", "2", "--sample-steps", "1", "--eval-every", "0",
+             "--reward", "tests.test_faults_tools:stopping_reward", "--steps", "2"]
+    for which, allowed in (("heldout", set(heldout)), ("reward", set(pool))):
+        SEEN.clear()
+        assert main([*flags, "--rollout-captions", which, "--out", str(tmp_path / which)]) == 0
+        drawn = {c for step in SEEN for c in step}
+        assert len(SEEN) == 2 and len(drawn) == 6 and drawn <= allowed, (which, drawn - allowed)
+    capsys.readouterr()
+    assert main([*flags, "--rollout-captions", "heldout", "--captions", "49", "--out", str(tmp_path / "many")]) == 2
+    _one_error_line(capsys, "error: --captions=49 with --rollout-captions heldout: there are 48 held-out captions")
+
+
 def test_video_rl_failing_mid_run_keeps_the_steps_done(tmp_path, rl_run, capsys):
     """A reward that raises at step 2 lost step 1 with the rest; now it is kept, and said so."""
     import json

@@ -7,8 +7,9 @@ the session API (docs/video-rl.md).
 
 RUN: a training run's folder (config.yaml and weights: the EMA weights when it has them, which
 are what its validation scored). Each step samples --captions captions × --group clips from the
-reward captions (every caption of the shapes world but the 48 held-out ones), scores them with the
-reward, and takes one optimizer step on them:
+reward captions (every caption of the shapes world but the 48 held-out ones; --rollout-captions
+heldout: the 48 held-out compositions themselves, which no clip shows — taught by the reward
+alone, evaluated on other noise), scores them with the reward, and takes one optimizer step on them:
   nft:  validation's ODE sampler (with guidance); group-normalized advantages; diffusion_nft_loss,
         normalized by num_loss_tokens;
   grpo: Flow-GRPO's SDE sampler without guidance; the transitions of every clip but its last
@@ -100,7 +101,8 @@ def train(cfg, run: str, recipe: str, steps: int, out: str, reward: str, caption
           eval_every: int, sample_steps: int, kl: float, max_minutes: float = 0.0, initial_eval: bool = True,
           keep_min: float = 5.5, updates: int = 1, raft_batch: int = 8, select: str = "all", min_buffer: int = 1,
           rollout_guidance: float | None = None, max_cpu_s: float = 0.0, ckpt_every: int = 0,
-          resume: dict | None = None, settings: dict | None = None, reward_timeout_s: float = 0.0) -> None:
+          resume: dict | None = None, settings: dict | None = None, reward_timeout_s: float = 0.0,
+          rollout_captions: str = "reward") -> None:
     """The post-training loop (every rank). resume: the loop state `check_out` read from --out's
     checkpoint (--resume); settings: what each checkpoint records of the flags (video_rl_state)."""
     how = RECIPES[recipe]
@@ -116,11 +118,14 @@ def train(cfg, run: str, recipe: str, steps: int, out: str, reward: str, caption
     fn, name = load_reward(reward or "shapes"), reward or "shapes"
     fn = with_timeout(fn, reward_timeout_s, f"--reward {name}")
     pool, heldout = caption_split()
+    if rollout_captions == "heldout":  # the evaluation's captions, on the rollouts' own noise ids
+        pool = list(heldout)
     out_dir = Path(out)
     if main:
         out_dir.mkdir(parents=True, exist_ok=True)
     log = out_dir / "heldout.jsonl"
-    say(f"{recipe}: from {run} ({which}); {captions} captions x {group} clips a step, reward {name}")
+    say(f"{recipe}: from {run} ({which}); {captions} captions x {group} clips a step from the {rollout_captions} "
+        f"captions ({len(pool)}), reward {name}")
     rng = random.Random(0)  # the same on every rank
     buffer = RaftBuffer()
     data = data_clips(session.cfg) if not how.rollouts else None
@@ -224,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reward-timeout", type=float, default=600.0, metavar="S",
                     help="seconds a reward call may take before the run stops with an error (0 = no limit)")
     ap.add_argument("--captions", type=int, default=4, help="captions per step")
+    ap.add_argument("--rollout-captions", choices=("reward", "heldout"), default="reward",
+                    help="reward: every caption but the 48 held-out ones (the default); heldout: the 48 held-out "
+                         "compositions, which no training clip shows (taught by the reward alone)")
     ap.add_argument("--group", type=int, default=4, help="clips per caption (the advantage's group)")
     ap.add_argument("--eval-every", type=int, default=5, help="held-out figures every this many steps (0 = never)")
     ap.add_argument("--sample-steps", type=int, default=10, help="sampler steps of the rollouts")
@@ -258,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--ckpt-every={args.ckpt_every} must be >= 0 (0 = when stopped and at the end)")
         if args.group < 2:
             raise ConfigError(f"--group={args.group} must be >= 2 (advantages compare the clips of a caption)")
+        if args.rollout_captions == "heldout" and args.captions > len(caption_split()[1]):
+            raise ConfigError(f"--captions={args.captions} with --rollout-captions heldout: there are "
+                              f"{len(caption_split()[1])} held-out captions; give --captions <= that")
         if args.reward:
             load_reward(args.reward)  # refused before anything is built
         # AdamW whatever the run trained with (a from-scratch run's Muon is for pre-training; the
@@ -287,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
                                       rollout_guidance=args.rollout_guidance, max_cpu_s=args.max_cpu_s,
                                       ckpt_every=args.ckpt_every, resume=saved,
                                       settings={**trajectory(args), "source_weights": weights},
-                                      reward_timeout_s=args.reward_timeout))
+                                      reward_timeout_s=args.reward_timeout,
+                                      rollout_captions=args.rollout_captions))
     except KeyboardInterrupt as err:  # Ctrl-C / SIGTERM (interrupt_on_signals): what was kept, how to go on
         how, code = interruption(err)
         print(f"error: video_rl was {how}{kept(Path(args.out), 'interrupted') if started else ''}", file=sys.stderr)

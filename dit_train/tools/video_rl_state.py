@@ -43,7 +43,9 @@ RESUME = "resume"  # --out/resume/checkpoints/step_XXXXXXXX
 # the flags a resumed run must repeat: they decide which clips are sampled and how they train
 # (--steps may grow; --eval-every, --max-minutes, --max-cpu-s, --ckpt-every may change)
 TRAJECTORY = ("recipe", "reward", "captions", "group", "sample_steps", "kl", "keep_min", "updates", "raft_batch",
-              "raft_select", "raft_min_buffer", "rollout_guidance")
+              "raft_select", "raft_min_buffer", "rollout_guidance", "rollout_captions")
+# flags added after checkpoints were written: what those checkpoints ran with
+TRAJECTORY_DEFAULTS = {"rollout_captions": "reward"}
 # overrides that change the layout or the launcher, not the result (the layouts give the same steps)
 LAYOUT_KEYS = ("parallel.", "launcher.")
 
@@ -196,7 +198,7 @@ def _resumable(run: Path, out: Path, args: Any) -> dict:
         raise ConfigError(f"--resume: {ckpt} is not a video_rl checkpoint (no video_rl state in its trainer.json)")
     saved, now = state["settings"], {**trajectory(args), "source": str(run.resolve())}
     for key, value in now.items():
-        if saved.get(key) != value:
+        if saved.get(key, TRAJECTORY_DEFAULTS.get(key)) != value:
             flag = "RUN" if key == "source" else "overrides" if key == "overrides" else "--" + key.replace("_", "-")
             raise ConfigError(f"--resume: {out} was started with {flag} {saved.get(key)!r}, now {value!r}; resume "
                               f"with the same {flag}, or start over with --overwrite")
