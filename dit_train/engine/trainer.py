@@ -164,8 +164,9 @@ class Trainer:
     def sync_counts(self, micro: list[MicroBatch]) -> StepCounts:
         """The metadata sync: global counts of these micro-batches (T_b within CP, B and N
         across DP; see dit_train/loss/counts.py)."""
+        # a task whose packs carry several streams (audio + video) counts T_{b,s} and B_s per stream
         return sync_counts([m.batch for m in micro], self.ctx.cp_group, self.ctx.dp_group, world=self.ctx.dims.world,
-                           device=self.ctx.device)
+                           device=self.ctx.device, streams=getattr(self.task, "streams", 1))
 
     def per_token_loss(self, mb: MicroBatch, task: Any = None) -> torch.Tensor:
         """[L_local] loss of each local token (padding included; weights zero it)."""
@@ -301,7 +302,9 @@ class Trainer:
             with self.gradient_sync(last and not (known_bad and self.can_skip_sync)), self.autocast(), \
                     activation_offload(self.train_cfg.activation_offload, self.ctx.device):
                 per_token = self.per_token_loss(mb)
-                weights = token_weights(reduction, mb.batch.seg, mb.batch.loss_weight(), counts, k)
+                weights = token_weights(reduction, mb.batch.seg, mb.batch.loss_weight(), counts, k,
+                                        stream=mb.batch.stream,
+                                        lambdas=None if mb.batch.stream is None else self.loss_cfg.stream_weights.as_tuple())
                 loss = weighted_loss(per_token, weights)
                 total = loss
                 router = self.router_losses(mb, counts, k)
