@@ -160,3 +160,12 @@ def test_stream_shift_measures_the_per_micro_batch_mistake():
     spread = max(max(naive[lay][(i, AUDIO)] for lay in LAYOUTS) / min(naive[lay][(i, AUDIO)] for lay in LAYOUTS)
                  for i in with_audio)
     assert spread > 2
+
+
+def test_negative_stream_weights_are_refused_before_the_run():
+    from dit_train.compose import compose
+    from dit_train.config.errors import ConfigError
+    from dit_train.engine.checks import check_config
+
+    with pytest.raises(ConfigError, match="loss.stream_weights video=1.0 audio=-1.0"):
+        check_config(compose(["loss.stream_weights.audio=-1"]))
