@@ -115,3 +115,52 @@ def test_reference_sound_scores_of_the_embedded_set(tmp_path):
     assert exact["eval/sound_all_ok"] == 1.0 and exact["eval/sound_num_clips"] >= 10
     seen = reference_sound_scores(root, from_pixels=True)
     assert seen["eval/sound_color_ok"] == 1.0 and seen["eval/sound_sync_ok"] >= 0.8, seen
+
+
+def _mux(path, frames: np.ndarray, sound: np.ndarray, rate: int, layout: str) -> None:
+    """An mp4 with H.264 video at 8 fps and an AAC audio stream of `sound` (16 kHz) resampled to
+    `rate`, `layout` mono or stereo: a real video's own soundtrack."""
+    import av
+
+    with av.open(str(path), "w") as c:
+        v = c.add_stream("libx264", rate=8)
+        v.width, v.height, v.pix_fmt = frames.shape[2], frames.shape[1], "yuv420p"
+        a = c.add_stream("aac", rate=rate)
+        a.layout = layout
+        for fr in frames:
+            for p in v.encode(av.VideoFrame.from_ndarray(fr, format="rgb24")):
+                c.mux(p)
+        for p in v.encode():
+            c.mux(p)
+        x = np.interp(np.arange(len(sound) * rate // SAMPLE_RATE) * SAMPLE_RATE / rate, np.arange(len(sound)), sound)
+        x = np.repeat(x[None].astype(np.float32), 1 if layout == "mono" else 2, 0)
+        for i in range(0, x.shape[1], 1024):
+            af = av.AudioFrame.from_ndarray(np.ascontiguousarray(x[:, i:i + 1024]), format="fltp", layout=layout)
+            af.sample_rate, af.pts = rate, i
+            for p in a.encode(af):
+                c.mux(p)
+        for p in a.encode():
+            c.mux(p)
+
+
+def test_a_videos_own_soundtrack_is_read_resampled_and_cut_to_the_kept_frames(tmp_path):
+    """Without an `audio` column the clip's own audio stream is read (AAC in mp4): 16 kHz mono
+    as it is, 48 kHz stereo resampled; the sound of the kept frames still names the colour and
+    clicks at the bounce."""
+    from dit_train.data_pipelines.video_dataset import VideoClipDataset
+
+    frames, caption = _render(np.random.default_rng([1, 2]))
+    color = caption.split()[1]
+    sound = render_sound(color, [3], len(frames))
+    rows = []
+    for name, rate, layout in (("mono16k.mp4", 16000, "mono"), ("stereo48k.mp4", 48000, "stereo")):
+        _mux(tmp_path / name, frames, sound, rate, layout)
+        rows.append(json.dumps({"path": name, "caption": caption}))
+    (tmp_path / "manifest.jsonl").write_text("\n".join(rows) + "\n")
+    ds = VideoClipDataset.from_manifest(tmp_path / "manifest.jsonl", patch=(1, 8, 8), max_frames=8, cache_items=0,
+                                        audio=True)
+    for i in range(2):
+        got = ds[i].audio.numpy()
+        assert got.shape == (8 * SAMPLES_PER_FRAME,)
+        assert color_of_pitch(pitch_of(got)) == color and click_frames(got) == [3]
+    assert dict(ds.audio_outcomes) == {"ok": 1, "resampled": 1}
