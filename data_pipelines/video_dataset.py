@@ -303,6 +303,16 @@ class VideoClipDataset:
     def lengths(self) -> list[int]:
         return [self.num_tokens(i) for i in range(len(self))]
 
+    def audio_samples(self, i: int) -> int:
+        """Waveform samples (16 kHz) of sample i's sound as planned, without decoding: the span
+        of its kept frames when data.audio and its manifest row names an audio file, else 0 (a
+        clip's own soundtrack is only known once read: planning counts it as none)."""
+        e = self.entries[i]
+        if not self.audio or not e.audio or is_image(e.path):
+            return 0
+        idx = self._indices(e)
+        return round((idx[-1] + 1 - idx[0]) / (e.info.fps if e.info.fps > 0 else 8.0) * SAMPLE_RATE)
+
     def captions(self) -> list[str]:
         """Each sample's caption, in sample order (the resume check's content fingerprint)."""
         return [e.caption for e in self.entries]

@@ -35,7 +35,7 @@ class VideoReadConfig(DataConfig):
     decoder: VideoDecoder = VideoDecoder.auto  # auto | decord | pyav | torchcodec
     # each clip's sound (VideoSample.audio: mono, 16 kHz, the span of the kept frames) read with
     # PyAV from the manifest's `audio` file or the clip itself; clips without usable sound stay
-    # video-only (docs/audio-video.md). No model trains on it yet: training refuses it
+    # video-only (docs/audio-video.md). Trains the two-stream DiT (model.audio_patch > 0)
     audio: bool = False
 
 

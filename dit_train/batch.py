@@ -177,6 +177,8 @@ def model_context(batch: PackedBatch, captions: str = "context") -> dict[str, to
         out["text"] = batch.tokens["text"]
     if "image" in batch.samples:  # Wan 2.1 I2V's CLIP image tokens, per clip
         out["image"] = batch.samples["image"]
+    if batch.stream is not None:  # the two-stream DiT's audio tokens (tasks/joint_audio.py)
+        out["stream"] = batch.stream
     return out
 
 
