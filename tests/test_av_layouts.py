@@ -79,3 +79,17 @@ def test_audio_tokens_follow_each_clips_video_and_share_its_t():
     assert out.seg.tolist() == [0, 0, 0, 0, 0, 1, 1] and out.stream.tolist() == [0, 0, 0, 1, 1, 0, 0]
     assert out.order.tolist() == [0, 1, 2, 3, 4, 0, 1] and out.tokens["x"].shape == (7, 6)
     assert out.tokens["x"][0].tolist() == [1, 1, 1, 1, 0, 0] and out.tokens["x"][3].tolist() == [2.0] * 6
+
+
+def test_each_streams_share_of_the_loss_is_logged(av_cfg):
+    """loss/video and loss/audio (Σ w·l per stream, in the step's one stats all-reduce) add up to
+    the logged loss."""
+    from dit_train.engine.build import build_run
+    from dit_train.engine.layout_equivalence import apply_layout
+    from dit_train.parallel.mesh import init_parallel
+
+    cfg = apply_layout(av_cfg, {})
+    run = build_run(cfg, init_parallel(cfg.parallel))
+    res = run.trainer.step(0)
+    assert res.extras["loss/video"] > 0 and res.extras["loss/audio"] > 0
+    assert res.extras["loss/video"] + res.extras["loss/audio"] == pytest.approx(res.loss, rel=1e-6)
