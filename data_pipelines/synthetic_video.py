@@ -7,6 +7,15 @@ samples differ in token count. Everything is a pure function of (gen_seed, clip 
 own random stream: adding images changes no clip, and image k is not a frame of clip k. The
 set is written into a temporary directory and renamed into place, so concurrent writers
 (several ranks, several jobs) never see half a set.
+
+The world's sound (`data.audio=true`, docs/audio-video.md): what a metric can check from a
+waveform. Each clip with sound plays a steady tone whose pitch encodes the shape's colour
+(PITCHES: eight notes a major third apart, 220-1109 Hz), and a click (a 4 kHz burst of a few
+milliseconds) at the start of every frame where the shape touches a wall (a bounce: the
+renderer reflects its velocity there). Sound is rendered at SAMPLE_RATE, LTX-2's audio VAE
+rate: 16000 / FPS = 2000 samples per frame exactly, so any kept range of frames has its sound
+cut at whole samples. About one clip in four is a silent film (no audio track, to exercise
+B_audio): a pure function of (gen_seed, clip index), like the pixels.
 """
 from __future__ import annotations
 
@@ -16,11 +25,14 @@ import os
 import random
 import shutil
 import tempfile
+import wave
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 from PIL import Image
+
+from dit_train.data_pipelines.audio_io import SAMPLE_RATE
 
 # Default sizes and frame range (inclusive) of a clip; `data.widths`, `data.heights` and
 # `data.frames` choose others. Widths are multiples of 32: decord 0.6 returns garbled frames for
@@ -39,6 +51,53 @@ DIRECTIONS = (("up", "down"), ("left", "right"))  # the caption's vertical and h
 HELDOUT = 48  # compositions kept out of the clips (data.heldout_compositions) and scored by tools.evaluate --heldout
 EVAL_SIZE = (8, 32, 32)  # frames, height, width at which the tools sample the world's captions (a training size)
 IMAGE_STREAM = 0x1A6E  # seeds image k as [gen_seed, IMAGE_STREAM, k], apart from the clips' [gen_seed, k]
+# the world's sound (module docstring)
+SAMPLES_PER_FRAME = SAMPLE_RATE // FPS
+assert SAMPLES_PER_FRAME * FPS == SAMPLE_RATE, "the sound must cut at whole samples per frame"
+# colour -> tone (Hz): 220 Hz times 2^(4k/12), a major third apart, so that a pitch estimate off
+# by up to a semitone still names the right colour
+PITCHES = {name: 220.0 * 2.0 ** (4 * k / 12) for k, name in enumerate(COLORS)}
+TONE_AMPLITUDE = 0.25
+CLICK_HZ = 4000.0  # far above every tone: a high band holds the clicks only
+CLICK_AMPLITUDE = 0.6
+CLICK_DECAY_S = 0.002
+CLICK_OFFSET = 16  # samples after the frame's start: the click lies inside its frame
+SOUND_STREAM = 0x50D  # seeds the silent-film draw as [gen_seed, SOUND_STREAM, i], apart from the pixels' [gen_seed, i]
+SILENT_SHARE = 0.25
+
+
+def has_sound(gen_seed: int, index: int) -> bool:
+    """Whether clip `index` of the set has an audio track (about 1 - SILENT_SHARE of the clips)."""
+    return bool(np.random.default_rng([gen_seed, SOUND_STREAM, index]).random() >= SILENT_SHARE)
+
+
+def render_sound(color: str, bounces: list[int], frames: int) -> np.ndarray:
+    """float32 [frames · SAMPLES_PER_FRAME] mono waveform in [-1, 1]: the colour's tone plus a
+    click at the start of every frame in `bounces`."""
+    n = frames * SAMPLES_PER_FRAME
+    t = np.arange(n, dtype=np.float64) / SAMPLE_RATE
+    out = TONE_AMPLITUDE * np.sin(2 * np.pi * PITCHES[color] * t)
+    burst = int(6 * CLICK_DECAY_S * SAMPLE_RATE)
+    tb = np.arange(burst) / SAMPLE_RATE
+    click = CLICK_AMPLITUDE * np.exp(-tb / CLICK_DECAY_S) * np.sin(2 * np.pi * CLICK_HZ * tb)
+    for f in bounces:
+        start = f * SAMPLES_PER_FRAME + CLICK_OFFSET
+        stop = min(start + burst, n)
+        if start < n:
+            out[start:stop] += click[: stop - start]
+    return np.clip(out, -1.0, 1.0).astype(np.float32)
+
+
+def write_wav(path: Path, samples: np.ndarray, rate: int = SAMPLE_RATE) -> None:
+    """float [N] (mono) or [N, C] in [-1, 1] as 16-bit PCM WAV (the stdlib's writer)."""
+    x = np.asarray(samples, dtype=np.float64)
+    x = x[:, None] if x.ndim == 1 else x
+    pcm = np.round(np.clip(x, -1.0, 1.0) * 32767).astype("<i2")
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(pcm.shape[1])
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(pcm.tobytes())
 
 
 def compositions() -> list[tuple[str, ...]]:
@@ -73,10 +132,14 @@ def training_compositions() -> list[tuple[str, ...]]:
 
 
 def _render(rng: np.random.Generator, widths: Sequence[int] = WIDTHS, heights: Sequence[int] = HEIGHTS,
-            frames: Sequence[int] = FRAMES, composition: tuple[str, ...] | None = None) -> tuple[np.ndarray, str]:
+            frames: Sequence[int] = FRAMES, composition: tuple[str, ...] | None = None,
+            bounces: list[int] | None = None) -> tuple[np.ndarray, str]:
     """One clip as uint8 [F, H, W, 3] and its caption; W, H drawn from `widths`, `heights`,
     F from frames[0]..frames[1] (inclusive); the colour, shape, direction and background drawn,
-    or those of `composition` (colour, shape, vertical, horizontal, background)."""
+    or those of `composition` (colour, shape, vertical, horizontal, background). `bounces`, when
+    given, receives the frames where the shape touches a wall (its velocity reflected there:
+    the clicks of the world's sound, data_pipelines/synthetic_video.py); the draws are the same
+    either way."""
     W, H = int(rng.choice(list(widths))), int(rng.choice(list(heights)))
     F = int(rng.integers(frames[0], frames[1] + 1))
     if composition is None:
@@ -101,10 +164,13 @@ def _render(rng: np.random.Generator, widths: Sequence[int] = WIDTHS, heights: S
     for f in range(F):
         frames[f] = _draw(H, W, bg_name, color_name, shape, x, y, r)
         x, y = x + vx, y + vy
+        hit = not (r <= x <= W - r and r <= y <= H - r)
         if not r <= x <= W - r:  # bounce off the walls
             vx, x = -vx, float(np.clip(x, r, W - r))
         if not r <= y <= H - r:
             vy, y = -vy, float(np.clip(y, r, H - r))
+        if hit and bounces is not None and f + 1 < F:  # frame f + 1 shows the shape at the wall
+            bounces.append(f + 1)
     caption = f"a {color_name} {shape} moving {vert} and {horiz} on a {bg_name} background"
     return frames, caption
 
@@ -156,6 +222,16 @@ def write_mp4(path: Path, frames: np.ndarray, fps: int = FPS) -> None:
             container.mux(packet)
 
 
+def _write_sound(folder: Path, index: int, gen_seed: int, caption: str, bounces: list[int], frames: int) -> dict:
+    """Clip `index`'s sound as clip_XXXX.wav in `folder` when it has any: {"audio": name}, else {}."""
+    if not has_sound(gen_seed, index):
+        return {}
+    name = f"clip_{index:04d}.wav"
+    color = caption.split()[1]  # "a <colour> <shape> moving ..."
+    write_wav(folder / name, render_sound(color, bounces, frames))
+    return {"audio": name}
+
+
 def _sizes(widths: Sequence[int], heights: Sequence[int], frames: Sequence[int]) -> tuple[tuple[int, ...], ...]:
     w, h, f = tuple(int(x) for x in widths), tuple(int(x) for x in heights), tuple(int(x) for x in frames)
     if not w or not h or any(x % 32 or x <= 0 for x in w):
@@ -169,10 +245,11 @@ def _sizes(widths: Sequence[int], heights: Sequence[int], frames: Sequence[int])
 
 def dataset_dir(cache_dir: str | os.PathLike, num_clips: int, gen_seed: int, num_images: int = 0,
                 widths: Sequence[int] = WIDTHS, heights: Sequence[int] = HEIGHTS, frames: Sequence[int] = FRAMES,
-                heldout_compositions: bool = False) -> Path:
+                heldout_compositions: bool = False, audio: bool = False) -> Path:
     """Where a set lives. Sizes other than the defaults get their own name (`_w.._h.._f..`), and
-    so does a set with images (`_img<k>`) or without the held-out compositions (`_ho48`): a set
-    written without them (same seed, older code) must never be taken for one that has them."""
+    so does a set with images (`_img<k>`), without the held-out compositions (`_ho48`) or with
+    sound (`_audio`): a set written without them (same seed, older code) must never be taken
+    for one that has them."""
     w, h, f = _sizes(widths, heights, frames)
     # v2: captions state the starting direction (v1: the direction at the end of the clip)
     name = f"synthetic_video_v2_n{num_clips}_seed{gen_seed}"
@@ -182,23 +259,29 @@ def dataset_dir(cache_dir: str | os.PathLike, num_clips: int, gen_seed: int, num
         name += f"_img{num_images}"
     if heldout_compositions:
         name += f"_ho{HELDOUT}"
+    if audio:
+        name += "_audio"
     return Path(cache_dir).expanduser() / name
 
 
 def ensure_synthetic_videos(cache_dir: str | os.PathLike, num_clips: int, gen_seed: int, num_images: int = 0,
                             widths: Sequence[int] = WIDTHS, heights: Sequence[int] = HEIGHTS,
-                            frames: Sequence[int] = FRAMES, heldout_compositions: bool = False) -> Path:
+                            frames: Sequence[int] = FRAMES, heldout_compositions: bool = False,
+                            audio: bool = False) -> Path:
     """Write the set if it is not there yet; return its directory (holding manifest.jsonl).
 
     manifest.jsonl lists the clips (clip_XXXX.mp4) first, then the images (image_XXXX.png,
     frames=1, no fps), so sample ids of clips do not depend on num_images. Images take the
     clips' sizes (`widths`, `heights`). `heldout_compositions`: the clips cover the 208 training
     compositions in turn (caption_split), none of the 48 held-out ones; otherwise each clip
-    draws its own (all 256 possible).
+    draws its own (all 256 possible). `audio`: each clip's row also lists its bounce frames
+    (`bounces`), and the clips with sound (has_sound) get clip_XXXX.wav (tone
+    of the colour, clicks at the bounces), named in the row's `audio` column; the pixels are
+    the same as without.
     """
     if num_images < 0 or num_clips < 0:
         raise ValueError(f"data.num_clips={num_clips} and data.num_images={num_images} must be >= 0")
-    out = dataset_dir(cache_dir, num_clips, gen_seed, num_images, widths, heights, frames, heldout_compositions)
+    out = dataset_dir(cache_dir, num_clips, gen_seed, num_images, widths, heights, frames, heldout_compositions, audio)
     if (out / "manifest.jsonl").exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -210,11 +293,15 @@ def ensure_synthetic_videos(cache_dir: str | os.PathLike, num_clips: int, gen_se
             random.Random(gen_seed).shuffle(compositions)
         for i in range(num_clips):
             chosen = compositions[i % len(compositions)] if compositions else None
-            clip, caption = _render(np.random.default_rng([gen_seed, i]), widths, heights, frames, chosen)
+            bounces: list[int] = []
+            clip, caption = _render(np.random.default_rng([gen_seed, i]), widths, heights, frames, chosen, bounces)
             name = f"clip_{i:04d}.mp4"
             write_mp4(tmp / name, clip)
-            lines.append(json.dumps({"path": name, "caption": caption, "frames": int(clip.shape[0]),
-                                     "height": int(clip.shape[1]), "width": int(clip.shape[2]), "fps": FPS}))
+            row = {"path": name, "caption": caption, "frames": int(clip.shape[0]),
+                   "height": int(clip.shape[1]), "width": int(clip.shape[2]), "fps": FPS}
+            if audio:
+                row.update(bounces=bounces, **_write_sound(tmp, i, gen_seed, caption, bounces, int(clip.shape[0])))
+            lines.append(json.dumps(row))
         for i in range(num_images):
             image, caption = _render_image(np.random.default_rng([gen_seed, IMAGE_STREAM, i]), widths, heights)
             name = f"image_{i:04d}.png"

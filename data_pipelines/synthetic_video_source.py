@@ -38,13 +38,14 @@ class SyntheticVideoSource(PixelVideoSource):
     def directory(self) -> Path:
         c = self.cfg
         return dataset_dir(c.cache_dir, c.num_clips, c.gen_seed, c.num_images, c.widths, c.heights, c.frames,
-                           c.heldout_compositions)
+                           c.heldout_compositions, c.audio)
 
     def prepare(self) -> None:
         super().prepare()
         c = self.cfg
+        # data.audio: the same clips with the world's sound (data_pipelines/synthetic_video.py)
         ensure_synthetic_videos(c.cache_dir, c.num_clips, c.gen_seed, c.num_images, c.widths, c.heights, c.frames,
-                                c.heldout_compositions)
+                                c.heldout_compositions, c.audio)
 
     def score(self, pixels: list, captions: list[str]) -> dict[str, float]:
         """The shapes world's exact metric (data_pipelines/shapes_metric.py)."""
@@ -56,6 +57,8 @@ class SyntheticVideoSource(PixelVideoSource):
             settings["num_images"] = self.cfg.num_images
         if self.cfg.heldout_compositions:  # likewise for caches of sets written before the split
             settings["heldout_compositions"] = True
+        if self.cfg.audio:
+            settings["audio"] = True
         return settings
 
     def entries(self) -> tuple[list, list]:

@@ -11,12 +11,13 @@ import io
 import json
 import logging
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from dit_train.data_pipelines.audio_io import SAMPLE_RATE, read_audio
 from dit_train.data_pipelines.companions import NONE, Companions, box_frames, missing, none_found, row_companions, row_path
 from dit_train.data_pipelines.records import (Skip, decode_utf8, describe, json_kind, normalize_newlines, parsed_once,
                                               unencodable, warn_once)
@@ -33,6 +34,7 @@ class ClipEntry:
     caption: str
     info: VideoInfo
     companions: Companions = NONE  # its mask / control files (data_pipelines/companions.py)
+    audio: str = ""  # the manifest's `audio` file (e.g. the embedded world's clip.wav); "" = the clip's own file
 
 
 @dataclass
@@ -55,6 +57,9 @@ class VideoSample:
     # encoding of [first frame, zeros...] [C, F, H, W], and the CLIP image tokens [Li, image_dim]
     cond_latents: torch.Tensor | None = None
     image_emb: torch.Tensor | None = None
+    # data.audio: float32 [N] mono sound at synthetic_video.SAMPLE_RATE of the time span of the
+    # kept frames (data_pipelines/audio_io.py); None = the clip has no usable sound (video only)
+    audio: torch.Tensor | None = None
 
 
 MANIFEST_SUFFIXES = (".jsonl", ".csv")
@@ -195,7 +200,9 @@ def manifest_entries(manifest: Path) -> tuple[list[ClipEntry], list[tuple[str, s
         except (ValueError, TypeError) as err:  # TypeError: "frames": [8] in a JSON row
             bad.append((path, f"columns frames/height/width/fps are not numbers: {err}"))
             continue
-        entries.append(ClipEntry(path, row["caption"], info, row_companions(row, root)))
+        sound = row.get("audio")
+        entries.append(ClipEntry(path, row["caption"], info, row_companions(row, root),
+                                 row_path(root, sound) if isinstance(sound, str) and sound else ""))
     if not entries:
         raise ValueError(f"no readable clip in {manifest} ({len(bad)} unreadable)")
     return entries, bad
@@ -217,8 +224,10 @@ class VideoClipDataset:
 
     def __init__(self, entries: list[ClipEntry], patch: tuple[int, int, int], max_frames: int = 16,
                  frame_stride: int = 1, fps: float = 0.0, buckets: list[tuple[int, int]] | None = None,
-                 cache_items: int = 256, companions: tuple[str, ...] = ()):
+                 cache_items: int = 256, companions: tuple[str, ...] = (), audio: bool = False):
         self.patch = tuple(patch)
+        self.audio = audio
+        self.audio_outcomes: Counter[str] = Counter()  # data.audio: audio_io outcomes of the clips read
         self.companions = tuple(companions)
         self.max_frames, self.frame_stride, self.fps = max_frames, frame_stride, fps
         self.buckets = [tuple(b) for b in (buckets or [])]
@@ -294,6 +303,16 @@ class VideoClipDataset:
     def lengths(self) -> list[int]:
         return [self.num_tokens(i) for i in range(len(self))]
 
+    def audio_samples(self, i: int) -> int:
+        """Waveform samples (16 kHz) of sample i's sound as planned, without decoding: the span
+        of its kept frames when data.audio and its manifest row names an audio file, else 0 (a
+        clip's own soundtrack is only known once read: planning counts it as none)."""
+        e = self.entries[i]
+        if not self.audio or not e.audio or is_image(e.path):
+            return 0
+        idx = self._indices(e)
+        return round((idx[-1] + 1 - idx[0]) / (e.info.fps if e.info.fps > 0 else 8.0) * SAMPLE_RATE)
+
     def captions(self) -> list[str]:
         """Each sample's caption, in sample order (the resume check's content fingerprint)."""
         return [e.caption for e in self.entries]
@@ -319,12 +338,23 @@ class VideoClipDataset:
             sample.mask = m.add(1).mul(127.5).round().clamp(0, 255).to(torch.uint8)
         if "control" in self.companions:
             sample.control = self._fit(self._companion_frames(e, "control", indices), i, companion=True)
+        if self.audio and not is_image(e.path):
+            sample.audio = self._sound(e, indices)
         if self.cache_items > 0:
             with self._lock:
                 self._cache[i] = sample
                 if len(self._cache) > self.cache_items:
                     self._cache.popitem(last=False)
         return sample
+
+    def _sound(self, e: ClipEntry, indices: list[int]) -> torch.Tensor | None:
+        """float32 [N] sound of the span of frames `indices` (native frame numbers), or None;
+        what reading it took is counted in `audio_outcomes` (audio_io.read_audio never raises)."""
+        fps = e.info.fps if e.info.fps > 0 else 8.0
+        got = read_audio(e.audio or e.path, SAMPLE_RATE, indices[0] / fps, (indices[-1] + 1) / fps, e.info.frames / fps)
+        with self._lock:
+            self.audio_outcomes.update(got.outcomes)
+        return None if got.samples is None else torch.from_numpy(got.samples)
 
     def _fit(self, frames: torch.Tensor, i: int, companion: bool = False) -> torch.Tensor:
         """uint8 [F, h, w, C] frames of sample i -> float [C, F, H, W] in [-1, 1] at the size sample

@@ -33,6 +33,10 @@ class VideoReadConfig(DataConfig):
     resolution_buckets: Optional[List[List[int]]] = field(default_factory=list)
     decoded_cache_items: int = 256  # decoded clips kept in memory (the embedded set fits)
     decoder: VideoDecoder = VideoDecoder.auto  # auto | decord | pyav | torchcodec
+    # each clip's sound (VideoSample.audio: mono, 16 kHz, the span of the kept frames) read with
+    # PyAV from the manifest's `audio` file or the clip itself; clips without usable sound stay
+    # video-only (docs/audio-video.md). Trains the two-stream DiT (model.audio_patch > 0)
+    audio: bool = False
 
 
 class PixelVideoSource(DataSource):
@@ -77,7 +81,7 @@ class PixelVideoSource(DataSource):
         ds = self.make_dataset(entries, patch=tuple(patch), max_frames=c.max_frames, frame_stride=c.frame_stride,
                                fps=c.fps, buckets=[tuple(b) for b in c.resolution_buckets or []],
                                cache_items=c.decoded_cache_items if cache_items is None else cache_items,
-                               companions=self.companions)
+                               companions=self.companions, audio=c.audio)
         ds.skipped = skipped + ds.skipped
         return ds
 

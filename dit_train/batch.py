@@ -12,6 +12,10 @@ import torch
 # is exactly 257·k units, a 16-bit one k/65535 exactly k units; a whole token weighs 65535.
 WEIGHT_ONE = 65535
 
+# The streams a sample may have (PackedBatch.stream indexes this): each is reduced by its own
+# hierarchical mean, λ_s·(1/B_s)·Σ_b (1/T_{b,s})·Σ_t w·l (dit_train/loss/reductions.py).
+STREAMS = ("video", "audio")
+
 
 def weight_units(w: torch.Tensor) -> torch.Tensor:
     """Float weights w ≥ 0 -> int64 units of 1/WEIGHT_ONE, rounded to the nearest unit (pure:
@@ -39,6 +43,8 @@ class PackedBatch:
     block:  [L] int64 or None  the token's causal block when it is not `order` (block-causal video,
             model.causal_block_frames: its temporal block index, equal for every token of a block, so
             that the causal rule pos_k <= pos_q lets a block's tokens see each other); None = `order`
+    stream: [L] int64 or None  the token's stream (index into `STREAMS`: 0 video, 1 audio) when a
+            sample has several (audio + video, docs/audio-video.md); None = every token stream 0
     """
 
     seg: torch.Tensor
@@ -51,6 +57,7 @@ class PackedBatch:
     causal: bool = False
     weight: torch.Tensor | None = None
     block: torch.Tensor | None = None
+    stream: torch.Tensor | None = None
 
     @property
     def mask_order(self) -> torch.Tensor:
@@ -71,7 +78,8 @@ class PackedBatch:
                        valid=self.valid.to(device), tokens=mv(self.tokens), samples=mv(self.samples),
                        sample_ids=self.sample_ids.to(device),
                        weight=None if self.weight is None else self.weight.to(device),
-                       block=None if self.block is None else self.block.to(device))
+                       block=None if self.block is None else self.block.to(device),
+                       stream=None if self.stream is None else self.stream.to(device))
 
     def pad_to_multiple(self, m: int) -> "PackedBatch":
         """Append padding tokens (seg -1, weight 0) so L is a multiple of m (at least m)."""
@@ -89,14 +97,16 @@ class PackedBatch:
         block = None if self.block is None else torch.cat([self.block, torch.arange(n, dtype=self.block.dtype)])
         return replace(self, seg=pad(self.seg, -1), pos=pad(self.pos), order=order, block=block,
                        valid=pad(self.valid, False), tokens={k: pad(v) for k, v in self.tokens.items()},
-                       weight=None if self.weight is None else pad(self.weight))
+                       weight=None if self.weight is None else pad(self.weight),
+                       stream=None if self.stream is None else pad(self.stream))
 
     def select(self, index: torch.Tensor) -> "PackedBatch":
         """The tokens at `index` (a CP shard); per-sample tensors are kept whole."""
         return replace(self, seg=self.seg[index], pos=self.pos[index], order=self.order[index],
                        valid=self.valid[index], tokens={k: v[index] for k, v in self.tokens.items()},
                        weight=None if self.weight is None else self.weight[index],
-                       block=None if self.block is None else self.block[index])
+                       block=None if self.block is None else self.block[index],
+                       stream=None if self.stream is None else self.stream[index])
 
     def with_weight(self, units: torch.Tensor) -> "PackedBatch":
         """This pack with loss weights `units` ([L] int64, units of 1/WEIGHT_ONE; padding must
@@ -129,6 +139,18 @@ class PackedBatch:
         out = torch.zeros(self.num_samples, dtype=torch.int64, device=self.seg.device)
         return out.index_add_(0, self.seg[keep], self.weight_units()[keep])
 
+    def local_stream_weights(self, streams: int) -> torch.Tensor:
+        """[S, streams] int64 Σ w_t of each (sample, stream) over this batch's tokens, in units of
+        1/WEIGHT_ONE (the per-stream `local_weights`; a CP shard may hold none of a sample's audio).
+        Row sums are `local_weights`."""
+        keep = self.seg >= 0
+        stream = torch.zeros_like(self.seg) if self.stream is None else self.stream
+        if bool((stream[keep] >= streams).any()) or bool((stream[keep] < 0).any()):
+            raise ValueError(f"a token's stream is outside 0..{streams - 1}")
+        out = torch.zeros(self.num_samples * streams, dtype=torch.int64, device=self.seg.device)
+        out.index_add_(0, self.seg[keep] * streams + stream[keep], self.weight_units()[keep])
+        return out.view(self.num_samples, streams)
+
 
 def input_tokens(batch: PackedBatch) -> torch.Tensor:
     """[L, in] a video model's input tokens of a pack: x, with the concat feed's channels and the
@@ -155,6 +177,8 @@ def model_context(batch: PackedBatch, captions: str = "context") -> dict[str, to
         out["text"] = batch.tokens["text"]
     if "image" in batch.samples:  # Wan 2.1 I2V's CLIP image tokens, per clip
         out["image"] = batch.samples["image"]
+    if batch.stream is not None:  # the two-stream DiT's audio tokens (tasks/joint_audio.py)
+        out["stream"] = batch.stream
     return out
 
 

@@ -199,6 +199,19 @@ class LauncherConfig:
 
 
 @dataclass
+class StreamWeights:
+    """λ per stream of the per-stream hierarchical mean (samples with audio and video:
+    docs/audio-video.md); ignored by one-stream packs."""
+
+    video: float = 1.0  # λ_video: the video stream's mean over samples that have video
+    audio: float = 1.0  # λ_audio: the audio stream's mean over samples that have audio
+
+    def as_tuple(self) -> tuple[float, ...]:
+        """λ in `dit_train.batch.STREAMS` order."""
+        return (float(self.video), float(self.audio))
+
+
+@dataclass
 class LossConfig:
     """Per-token weighting (see DESIGN.md) and the flow-matching objective's knobs."""
 
@@ -212,6 +225,8 @@ class LossConfig:
     # resolution-dependent shift: a sample of T_b tokens uses timestep_shift·sqrt(T_b / this) (SD3); 0 = off
     shift_reference_tokens: int = 0
     weighting: LossWeighting = LossWeighting.none  # none | sigma_sqrt | cosmap: w(t) times each token's loss
+    # λ per stream: L = Σ_s λ_s·(1/B_s)·Σ_{b has s} (1/T_{b,s})·Σ_t w·l (sample_mean of multi-stream packs)
+    stream_weights: StreamWeights = field(default_factory=StreamWeights)
 
 
 # Mask channels of the concat feed: one per frame of the model's input. Wan 2.1 I2V on latents

@@ -239,6 +239,9 @@ def _loss(cfg: Config, e: list[str]) -> None:
     _check(lc.timestep_shift > 0, f"loss.timestep_shift={lc.timestep_shift} must be > 0 (1 = no shift)", e)
     _check(lc.shift_reference_tokens >= 0, f"loss.shift_reference_tokens={lc.shift_reference_tokens} must be >= 0 "
            f"(0 = the same shift for every sample)", e)
+    sw = lc.stream_weights
+    _check(sw.video >= 0 and sw.audio >= 0 and sw.video + sw.audio > 0,
+           f"loss.stream_weights video={sw.video} audio={sw.audio} must be >= 0, not both 0", e)
 
 
 def _model_and_data(cfg: Config, e: list[str]) -> None:
@@ -264,6 +267,17 @@ def _model_and_data(cfg: Config, e: list[str]) -> None:
         return
     _check(SOURCES[d.name].mode == cfg.mode, f"data={d.name} is a source for mode={SOURCES[d.name].mode}, "
            f"not mode={cfg.mode}", e)
+    # the sound (VideoSample.audio) trains only the two-stream DiT's audio stream (docs/audio-video.md)
+    audio_model = getattr(m, "audio_patch", 0) > 0
+    _check(not getattr(d, "audio", False) or audio_model, f"data.audio=true: model={m.name} has no audio stream to "
+           "train on it (the two-stream DiT: model=dit model.audio_patch=500; LTX-2 is not done yet, "
+           "docs/audio-video.md); set data.audio=false", e)
+    _check(not audio_model or getattr(d, "audio", False), f"model.audio_patch={getattr(m, 'audio_patch', 0)} trains "
+           "an audio stream: set data.audio=true (the embedded set with sound, or clips with an audio column)", e)
+    _check(not audio_model or (not getattr(d, "masks", False) and not cfg.cond.active and not m.text_dim
+                               and cfg.loss.reduction == "sample_mean"),
+           "model.audio_patch > 0 (the two-stream DiT, first slice) trains without data.masks, cond, captions "
+           "(model.text_dim=0) and with loss.reduction=sample_mean (a hierarchical mean per stream)", e)
     _check(0.0 <= d.caption_dropout < 1.0, f"data.caption_dropout={d.caption_dropout} must be in [0, 1)", e)
     _check(0.0 <= d.heldout_fraction < 1.0, f"data.heldout_fraction={d.heldout_fraction} must be in [0, 1)", e)
     _check(not (cfg.train.eval_every > 0 and d.heldout_fraction <= 0),

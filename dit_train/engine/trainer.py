@@ -20,7 +20,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from dit_train.data_pipelines.packing import StepCost, data_fingerprint, place, plan_step
-from dit_train.batch import PackedBatch
+from dit_train.batch import STREAMS, PackedBatch
 from dit_train.config import LossConfig, MoEConfig, OptimConfig, ParallelConfig, TrainConfig
 from dit_train.engine.offload import activation_offload
 from dit_train.loss import StepCounts, sync_counts, sync_expert_counts, token_weights, weighted_loss
@@ -164,8 +164,9 @@ class Trainer:
     def sync_counts(self, micro: list[MicroBatch]) -> StepCounts:
         """The metadata sync: global counts of these micro-batches (T_b within CP, B and N
         across DP; see dit_train/loss/counts.py)."""
+        # a task whose packs carry several streams (audio + video) counts T_{b,s} and B_s per stream
         return sync_counts([m.batch for m in micro], self.ctx.cp_group, self.ctx.dp_group, world=self.ctx.dims.world,
-                           device=self.ctx.device)
+                           device=self.ctx.device, streams=getattr(self.task, "streams", 1))
 
     def per_token_loss(self, mb: MicroBatch, task: Any = None) -> torch.Tensor:
         """[L_local] loss of each local token (padding included; weights zero it)."""
@@ -288,6 +289,9 @@ class Trainer:
         # MoE only: Σ w·a (balance), Σ w·z (z-loss), then this rank's routed slots per layer and expert
         moe_size = 2 + sum(layer.num_experts for layer in self.moe_layers) if self.moe_layers else 0
         moe_sums = torch.zeros(moe_size, dtype=torch.float64, device=self.ctx.device)
+        # several streams (audio + video): Σ w·l per stream, logged as loss/<stream> (they sum to the loss)
+        streams = getattr(self.task, "streams", 1)
+        stream_sums = torch.zeros(streams if streams > 1 else 0, dtype=torch.float64, device=self.ctx.device)
         nonfinite = torch.zeros((), dtype=torch.bool, device=self.ctx.device)
         scale = self.loss_scale.scale if self.loss_scale is not None else 1.0
         known_bad = False
@@ -301,7 +305,9 @@ class Trainer:
             with self.gradient_sync(last and not (known_bad and self.can_skip_sync)), self.autocast(), \
                     activation_offload(self.train_cfg.activation_offload, self.ctx.device):
                 per_token = self.per_token_loss(mb)
-                weights = token_weights(reduction, mb.batch.seg, mb.batch.loss_weight(), counts, k)
+                weights = token_weights(reduction, mb.batch.seg, mb.batch.loss_weight(), counts, k,
+                                        stream=mb.batch.stream,
+                                        lambdas=None if mb.batch.stream is None else self.loss_cfg.stream_weights.as_tuple())
                 loss = weighted_loss(per_token, weights)
                 total = loss
                 router = self.router_losses(mb, counts, k)
@@ -314,6 +320,9 @@ class Trainer:
                                            router[2].reshape(-1).double()])
                 (total * scale if scale != 1.0 else total).backward()
             nonfinite |= ~torch.isfinite(loss.detach())
+            if stream_sums.numel() and mb.batch.stream is not None:
+                part = (per_token.detach().double() * weights.double())
+                stream_sums.index_add_(0, mb.batch.stream.clamp(0, streams - 1), part)
             loss_sum += loss.detach()
         if not known_bad:
             sync_unsharded_grads(self.model, self._manual_sync, self.ctx)
@@ -322,12 +331,12 @@ class Trainer:
         # count of unreadable samples, taken once per CP group)
         dropped = float(self.dropped if self.ctx.cp_rank == 0 else 0)
         stats = torch.cat([torch.stack([loss_sum.double(), torch.tensor(dropped, dtype=torch.float64,
-                                                                        device=loss_sum.device)]), moe_sums])
+                                                                        device=loss_sum.device)]), moe_sums, stream_sums])
         if self.ctx.world_group is not None:
             dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=self.ctx.world_group)
         return StepResult(loss=float(stats[0]), grad_norm=float(norm), tokens=counts.num_tokens,
                           samples=counts.num_samples, micro_batches=n, skipped=skipped, dropped=int(stats[1]),
-                          extras=self.moe_metrics(stats[2:]))
+                          extras={**self.moe_metrics(stats[2:2 + moe_size]), **stream_losses(stats[2 + moe_size:])})
 
     def moe_metrics(self, sums: torch.Tensor) -> dict[str, float]:
         """moe/aux_loss, moe/z_loss (the weighted global terms, before their coefficients) and
@@ -356,3 +365,9 @@ class Trainer:
         self.skipped_total = int(state.get("skipped_total", 0))
         if self.loss_scale is not None and state.get("loss_scale"):
             self.loss_scale.load_state_dict(state["loss_scale"])
+
+
+def stream_losses(sums: torch.Tensor) -> dict[str, float]:
+    """loss/video, loss/audio: each stream's share Σ w·l of the step's loss (λ_s times its
+    hierarchical mean), from the step's all-reduced per-stream sums; {} with one stream."""
+    return {f"loss/{name}": float(v) for name, v in zip(STREAMS, sums.tolist())} if sums.numel() else {}

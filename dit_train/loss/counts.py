@@ -8,6 +8,10 @@ Two small integer all-reduces, whatever the number of samples or micro-batches:
   2. across DP only: [B_local, N_local·cp-summed] -> B_global (samples with T_b > 0), N_global
      = Σ w (CP ranks of a group hold the same samples, so summing B over CP would count them
      cp times).
+With several streams (audio + video, `streams` > 1) the same two all-reduces carry them: the
+first vector holds T_{b,s} per (sample, stream) instead of T_b (the CP group again: a rank may
+hold no audio token of a sample and adds 0), the second appends B_s, the samples with
+T_{b,s} > 0, per stream (the DP group: a clip without audio is in B_video, not in B_audio).
 Weights travel as int64 multiples of 1/WEIGHT_ONE (dit_train/batch.py): integer sums are
 exact in any order, so T_b, B and N are the same on every layout also for fractional weights;
 they become float64 token units (a whole token = 1) only after the sums.
@@ -34,31 +38,42 @@ def to_tokens(units: int) -> int | float:
 
 
 def sync_counts(batches: list[PackedBatch], cp_group: dist.ProcessGroup | None, dp_group: dist.ProcessGroup | None,
-                  world: int = 1, device: torch.device | str = "cpu") -> StepCounts:
+                  world: int = 1, device: torch.device | str = "cpu", streams: int = 1) -> StepCounts:
     """Global counts for the step from this rank's (CP-local) micro-batches.
 
     cp_group: the CP group of this rank (all-reduce SUM of per-sample counts), None if cp = 1.
     dp_group: the DP group of this rank (all-reduce SUM of sample/token totals), None if dp = 1.
     world: dp·cp, recorded for naive_mean.
+    streams: the streams the packs' tokens belong to (`PackedBatch.stream`; 1 = none given).
+        With more, the CP all-reduce carries [S_k·streams] per micro-batch and the DP one
+        streams more entries (B_s); still two all-reduces per step.
     """
-    local = [b.local_weights().to(device=device, dtype=torch.int64) for b in batches]
+    if streams == 1:
+        local = [b.local_weights().to(device=device, dtype=torch.int64) for b in batches]
+    else:
+        local = [b.local_stream_weights(streams).to(device=device).reshape(-1) for b in batches]
     sizes = [t.numel() for t in local]
     # one trailing zero keeps the vector non-empty when this rank's micro-batches hold no sample
     flat = torch.cat(local + [torch.zeros(1, dtype=torch.int64, device=device)])
     if cp_group is not None:
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=cp_group)
     flat = flat[:-1]
-    sample_tokens = list(torch.split(flat, sizes))
-    totals = torch.stack([(flat > 0).sum(), flat.sum()]).to(torch.int64)
+    per_stream = flat.view(-1, streams)  # [Σ_k S_k, streams] T_{b,s}
+    whole = per_stream.sum(1)  # [Σ_k S_k] T_b = Σ_s T_{b,s}
+    totals = torch.cat([torch.stack([(whole > 0).sum(), whole.sum()]),
+                        (per_stream > 0).sum(0) if streams > 1 else whole.new_zeros(0)]).to(torch.int64)
     if dp_group is not None:
         dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=dp_group)
-    b_global, n_global = totals.tolist()
+    b_global, n_global, *b_streams = totals.tolist()
+    counts = [n // streams for n in sizes]
     return StepCounts(
-        sample_tokens=[t.cpu().double() / WEIGHT_ONE for t in sample_tokens],
+        sample_tokens=[t.cpu().double() / WEIGHT_ONE for t in torch.split(whole, counts)],
         num_samples=int(b_global),
         num_tokens=to_tokens(int(n_global)),
         local_tokens=[to_tokens(int(b.weight_units().sum())) for b in batches],
         world=world,
+        stream_tokens=[t.cpu().double() / WEIGHT_ONE for t in torch.split(per_stream, counts)] if streams > 1 else None,
+        stream_samples=[int(b) for b in b_streams] if streams > 1 else None,
     )
 
 

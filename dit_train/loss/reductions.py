@@ -14,6 +14,14 @@ the single-device gradient of L exactly when a depends only on the token's own l
                                                     batch on this rank), averaged over M micro-
                                                     batches and W = dp·cp ranks: the biased recipe
 With 0/1 weights (`PackedBatch.valid`) these are the textbook token and sample means.
+
+Several streams per sample (audio + video, `PackedBatch.stream`): sample_mean becomes a sum
+over streams s of a hierarchical mean per stream, with λ_s = loss.stream_weights.<s>:
+
+    a = λ_s · w_t / (B_s · T_{b,s})    T_{b,s} = Σ w of sample b's tokens of stream s,
+                                        B_s = samples with T_{b,s} > 0 (`stream_token_weights`)
+so a clip without audio is not in B_audio and changes no other clip's audio weight, and a
+clip's audio weighs λ_audio/B_audio whichever clips share its micro-batch or rank.
 """
 from __future__ import annotations
 
@@ -41,6 +49,10 @@ class StepCounts:
     num_tokens: N_global = Σ w over all micro-batches and all ranks (DP × CP); an int when whole.
     local_tokens[k]: Σ w of micro-batch k on this rank only (for naive_mean).
     world: DP × CP ranks (for naive_mean's averaging).
+    stream_tokens[k]: [S_k, n] float64 T_{b,s} of each sample and stream (summed over the CP
+        group; rows sum to sample_tokens[k]); None when the step was synced with one stream.
+    stream_samples: [n] B_s, samples with T_{b,s} > 0 over all micro-batches and DP ranks; None
+        with one stream.
     """
 
     sample_tokens: list[torch.Tensor]
@@ -48,6 +60,8 @@ class StepCounts:
     num_tokens: int | float
     local_tokens: list[int | float]
     world: int
+    stream_tokens: list[torch.Tensor] | None = None
+    stream_samples: list[int] | None = None
 
     @property
     def num_micro(self) -> int:
@@ -64,13 +78,42 @@ def inverse_sample_tokens(seg: torch.Tensor, valid: torch.Tensor, meta: StepCoun
     return torch.where(keep, 1.0 / torch.where(keep, T_tok, 1.0), 0.0)
 
 
-def token_weights(reduction: str, seg: torch.Tensor, weight: torch.Tensor, meta: StepCounts, micro: int) -> torch.Tensor:
+def stream_token_weights(seg: torch.Tensor, stream: torch.Tensor, weight: torch.Tensor, meta: StepCounts, micro: int,
+                         lambdas: tuple[float, ...]) -> torch.Tensor:
+    """[L] fp32 a_t = λ_s · w_t / (B_s · T_{b,s}) of each local token of micro-batch `micro`: the
+    per-stream hierarchical mean (module docstring). stream: [L] int64 the token's stream
+    (`PackedBatch.stream`); lambdas: λ per stream, in `STREAMS` order. A token whose sample has
+    no weight in its stream, or whose stream no sample of the step has, gets 0."""
+    if meta.stream_tokens is None or meta.stream_samples is None:
+        raise ValueError("stream weights need counts synced per stream (sync_counts(..., streams=n))")
+    n = len(meta.stream_samples)
+    if len(lambdas) != n:
+        raise ValueError(f"{len(lambdas)} stream weights for {n} streams")
+    v = weight.to(torch.float32)
+    T = meta.stream_tokens[micro].to(device=seg.device, dtype=torch.float32)  # [S, n]
+    s = stream.clamp(0, n - 1)
+    T_tok = T[seg.clamp(min=0), s] if T.numel() else torch.zeros(seg.shape, dtype=torch.float32, device=seg.device)
+    B = torch.tensor(meta.stream_samples, dtype=torch.float32, device=seg.device)[s]
+    lam = torch.tensor(lambdas, dtype=torch.float32, device=seg.device)[s]
+    keep = (v > 0) & (T_tok > 0) & (B > 0) & (seg >= 0)
+    return torch.where(keep, lam * v / torch.where(keep, B * T_tok, 1.0), 0.0)
+
+
+def token_weights(reduction: str, seg: torch.Tensor, weight: torch.Tensor, meta: StepCounts, micro: int,
+                  stream: torch.Tensor | None = None, lambdas: tuple[float, ...] | None = None) -> torch.Tensor:
     """[L] fp32 weight a_t of each local token of micro-batch `micro` (see the module docstring).
 
     seg: [L] sample index in the pack (-1 padding); weight: [L] the tokens' loss weights w_t
     (`PackedBatch.loss_weight()`), or the bool `valid` mask for 0/1 weights. Tokens of weight
     0, and samples or steps whose weights sum to 0, get 0 (never a division by zero).
+    stream, lambdas: the tokens' streams ([L] int64, `PackedBatch.stream`) and λ per stream of a
+    multi-stream pack (sample_mean only: `stream_token_weights`); None = one stream.
     """
+    if stream is not None:
+        if reduction != "sample_mean":
+            raise ValueError(f"loss.reduction={reduction!r}: a pack with several streams is reduced by "
+                             "sample_mean (a hierarchical mean per stream)")
+        return stream_token_weights(seg, stream, weight, meta, micro, lambdas or (1.0,) * len(meta.stream_samples or ()))
     v = weight.to(torch.float32)
     if reduction == "token_mean":
         return v / meta.num_tokens if meta.num_tokens > 0 else v * 0

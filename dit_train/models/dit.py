@@ -31,6 +31,10 @@ class DiTConfig(VideoModelConfig):
     # causal video, docs/causal.md); the mask lives in the attention layout, so every backend and CP
     # scheme applies it
     causal_block_frames: int = 0
+    # waveform samples per audio token; 0 = video only. > 0: the two-stream variant (audio + video,
+    # docs/audio-video.md): each clip's sound (data.audio) joins its sequence as tokens of stream 1
+    # with their own embedder and output head, attending jointly with the clip's video tokens
+    audio_patch: int = 0
 
 
 class FinalLayer(nn.Module):
@@ -64,19 +68,23 @@ class VideoDiT(nn.Module):
       context:     [S, Lc, text_dim] caption embeddings, valid tokens first (text_dim > 0 only)
       context_len: [S] int64 valid caption tokens of each clip
       clean: [L] bool tokens given clean (cond.feed=timestep context): conditioned on t = 0
-    returns [L, patch_dim], the predicted velocity.
+      stream: [L] int64 the token's stream (0 video, 1 audio) of a two-stream model (audio_dim >
+              0); x is then [L, max(in_dim, audio_dim)]: a video token's first in_dim features,
+              an audio token's first audio_dim (its waveform samples), zeros after
+    returns [L, patch_dim], the predicted velocity; with `stream`, [L, max(patch_dim, audio_dim)]
+    (an audio token's velocity in its first audio_dim values, zeros after; likewise video).
     """
 
     # parameters that start at zero ("adaLN-zero" of DiT, zero cross-attention output of
     # PixArt-α: a new block starts as the identity); see models/init.py
-    zero_init = ("adaLN_modulation", "final.linear", "cross_attn.proj", "text_pool")
+    zero_init = ("adaLN_modulation", "final.linear", "cross_attn.proj", "text_pool")  # final.linear: audio_final too
     output_head = "final.linear"  # LoRA on a base where it is all zero cannot learn (engine/sanity.py)
 
     def __init__(self, patch_dim: int, dim: int, depth: int, heads: int, mlp_ratio: float,
                  qk_norm: bool = True, rope_theta: float = 10000.0, backend: str = "sdpa", text_dim: int = 0,
-                 moe_blocks: list | None = None, pooled_text: bool = False, cond_dim: int = 0):
+                 moe_blocks: list | None = None, pooled_text: bool = False, cond_dim: int = 0, audio_dim: int = 0):
         super().__init__()
-        self.patch_dim = patch_dim
+        self.patch_dim, self.audio_dim = patch_dim, audio_dim
         self.text_dim = text_dim
         self.x_embedder = nn.Linear(patch_dim + cond_dim, dim)
         self.t_embedder = TimestepEmbedder(dim)
@@ -90,12 +98,20 @@ class VideoDiT(nn.Module):
         self.blocks = nn.ModuleList(Block(dim, heads, mlp_ratio, dim, qk_norm, backend, cross_attention=bool(text_dim),
                                           moe=moe_blocks[i]) for i in range(depth))
         self.final = FinalLayer(dim, patch_dim)
+        # the audio stream's own way in and out (the blocks are shared: one joint sequence per clip)
+        self.audio_embedder = nn.Linear(audio_dim, dim) if audio_dim else None
+        self.audio_final = FinalLayer(dim, audio_dim) if audio_dim else None
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, seg: torch.Tensor, t: torch.Tensor, meta: Any,
                 context: torch.Tensor | None = None, context_len: torch.Tensor | None = None,
-                clean: torch.Tensor | None = None) -> torch.Tensor:
+                clean: torch.Tensor | None = None, stream: torch.Tensor | None = None) -> torch.Tensor:
         # inputs arrive in fp32 (FSDP2's root does not cast them, see parallel.fsdp_mp_policies)
-        h = self.x_embedder(x.to(self.x_embedder.weight.dtype))
+        x = x.to(self.x_embedder.weight.dtype)
+        h = self.x_embedder(x[:, : self.x_embedder.in_features])
+        audio = None
+        if stream is not None and self.audio_embedder is not None:
+            audio = (stream == 1)[:, None]
+            h = torch.where(audio, self.audio_embedder(x[:, : self.audio_dim]), h)
         S = t.shape[0]
         # clean context tokens read their sample's rows at t = 0 (one embedding pass for both)
         c = self.t_embedder(t if clean is None else torch.cat([t, torch.zeros_like(t)]))
@@ -112,7 +128,11 @@ class VideoDiT(nn.Module):
             Conditioning.from_samples(c[:S], seg, clean, c[S:])
         for block in self.blocks:
             h = block(h, rope, meta, cond, text)
-        return self.final(h, cond)
+        if audio is None:
+            return self.final(h, cond)
+        width = max(self.patch_dim, self.audio_dim)
+        pad = lambda y: nn.functional.pad(y, (0, width - y.shape[-1]))  # noqa: E731
+        return torch.where(audio, pad(self.audio_final(h, cond)), pad(self.final(h, cond)))
 
 
 def pooled(text: TextContext) -> torch.Tensor:
@@ -136,7 +156,8 @@ def build(cfg: DiTConfig, attn_backend: str = "sdpa") -> VideoDiT:
     return VideoDiT(patch_dim=patch_dim(cfg), cond_dim=input_dim(cfg) - patch_dim(cfg), dim=cfg.dim, depth=cfg.depth,
                     heads=cfg.heads, mlp_ratio=cfg.mlp_ratio,
                     qk_norm=cfg.qk_norm, rope_theta=cfg.rope_theta, backend=attn_backend, text_dim=cfg.text_dim,
-                    moe_blocks=[block_moe(i, cfg.moe) for i in range(cfg.depth)], pooled_text=cfg.pooled_text)
+                    moe_blocks=[block_moe(i, cfg.moe) for i in range(cfg.depth)], pooled_text=cfg.pooled_text,
+                    audio_dim=cfg.audio_patch)
 
 
 def _checks(cfg: DiTConfig) -> list[str]:
@@ -144,6 +165,11 @@ def _checks(cfg: DiTConfig) -> list[str]:
         return [f"model.patch_size={list(cfg.patch_size)} must be three positive ints [t, h, w]"]
     if cfg.pooled_text and cfg.text_dim <= 0:
         return ["model.pooled_text=true pools the caption: set model.text_dim > 0 (captions) or model.pooled_text=false"]
+    if cfg.audio_patch < 0 or (cfg.audio_patch and (cfg.causal_block_frames or cfg.cond_channels
+                                                    or cfg.prediction != "velocity")):
+        return [f"model.audio_patch={cfg.audio_patch} must be >= 0; the two-stream variant trains bidirectional, "
+                "unconditioned, velocity-predicting models only (model.causal_block_frames=0, cond.kind=none, "
+                "model.prediction=velocity)"]
     k, pt = cfg.causal_block_frames, cfg.patch_size[0]
     if k < 0 or k % pt:
         return [f"model.causal_block_frames={k} must be 0 (bidirectional) or a positive multiple of "

@@ -8,6 +8,7 @@ import torch
 from einops import rearrange
 from torch import nn
 
+from dit_train.data_pipelines.audio_io import SAMPLE_RATE
 from dit_train.data_pipelines.companions import token_mask_units
 from dit_train.data_pipelines.video_io import VideoReadError
 from dit_train.batch import WEIGHT_ONE, PackedBatch, video_forward
@@ -17,6 +18,8 @@ from dit_train.tasks.captions import ByteCaptionEncoder, drop_caption, pad_conte
 from dit_train.config.schema import cond_active
 from dit_train.tasks.conditioning import (Conditioner, i2v_data_errors, masked, too_short, unconditionable_error, vace_context,
                                          vace_data_check)
+from dit_train.rng import sample_generator
+from dit_train.tasks.joint_audio import audio_positions, audio_tokens, join_audio_tokens
 from dit_train.tasks.joint_text import join_text_tokens
 from dit_train.tasks.video_inputs import video_inputs
 
@@ -142,6 +145,10 @@ class VideoTask:
         self.causal_block = inputs.causal_block
         if self.causal_block:
             self.cp_layout = "zigzag"
+        # the two-stream DiT (model.audio_patch > 0): each clip's sound joins its sequence as a
+        # second stream (tasks/joint_audio.py), and the metadata sync counts per stream
+        self.audio_patch = getattr(model_cfg, "audio_patch", 0)
+        self.streams = 2 if self.audio_patch else 1
         self.failed: set[int] = set()  # samples whose file could not be decoded (skipped, counted)
         self.failure_reasons: dict[int, str] = {}  # ... and why (the first few name them in errors)
 
@@ -149,6 +156,8 @@ class VideoTask:
         """Tokens of each sample in a pack (what the step plan fills micro-batches with): its
         clip's, plus up to text_len caption slots for a joint-attention model (tasks/joint_text.py)."""
         lengths = self.dataset.lengths()
+        if self.audio_patch:  # its audio tokens, from the manifest's audio column (no decoding)
+            lengths = [n + self.dataset.audio_samples(i) // self.audio_patch for i, n in enumerate(lengths)]
         return [n + self.text_len for n in lengths] if self.joint_text else lengths
 
     def check_samples(self, is_still: Callable[[int], bool]) -> None:
@@ -224,7 +233,7 @@ class VideoTask:
         """The full (un-split) pack of `sample_ids` at `step`, on the CPU."""
         xs, targets, ts, ctx = [], [], [], []
         conds, weights, clean, controls, images = [], [], [], [], []
-        kept = []
+        kept, sound = [], ([], [], [])  # sound: audio x, target, positions per kept clip
         lc = self.loss_cfg
         for sid in sample_ids:
             try:
@@ -260,6 +269,8 @@ class VideoTask:
             xs.append(xt)
             targets.append(v)
             ts.append(t)
+            if self.audio_patch:
+                self._sound(item, sid, step, t, sound)
             if self.text_dim:
                 dropped = drop_caption(self.seed, sid, step, self.caption_dropout)
                 ctx.append(self.null_caption() if dropped else self.caption_embedding(item))
@@ -270,7 +281,19 @@ class VideoTask:
             samples["image"] = torch.stack(images)  # [S, Li, image_dim]
         ids = torch.tensor(kept, dtype=torch.long)
         batch = self._pack(xs, targets, conds, clean, controls, weights, samples, ids)
+        if self.audio_patch:
+            batch = join_audio_tokens(batch, *sound)
         return join_text_tokens(batch, samples["context_len"]) if self.joint_text else batch
+
+    def _sound(self, item: Any, sid: int, step: int, t: float, out: tuple[list, list, list]) -> None:
+        """Append one clip's noised audio tokens [n, P], their velocity target and RoPE positions
+        to `out`: the clip's own t, noise from its own "audio_noise" stream of (seed, id, step)."""
+        a0 = audio_tokens(getattr(item, "audio", None), self.audio_patch)
+        eps = torch.randn(a0.shape, generator=sample_generator(self.seed, sid, step, "audio_noise"))
+        fps = item.pixels.shape[1] * SAMPLE_RATE / max(1, item.audio.numel()) if a0.shape[0] else 0.0
+        out[0].append((1.0 - t) * a0 + t * eps)
+        out[1].append(eps - a0)
+        out[2].append(audio_positions(a0.shape[0], self.audio_patch, fps, self.patch[0]))
 
     def _pack(self, xs, targets, conds, clean, controls, weights, samples, ids) -> PackedBatch:
         """The clips' fields packed (pack_clips): x and target, and what conditioning, masks and

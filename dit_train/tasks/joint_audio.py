@@ -1,0 +1,69 @@
+"""Audio tokens as a second stream of the pack, for the two-stream DiT (model.audio_patch > 0).
+
+Each clip's sound (VideoSample.audio, 16 kHz mono, data.audio) is cut into tokens of
+`audio_patch` waveform samples and noised with the clip's own t (its own noise stream). Right
+after each clip's video tokens come its n_k audio tokens, with the clip's seg, in-clip order
+after its video and `stream` 1 (PackedBatch.stream): the clip's attention run is then the joint
+audio↔video one, whatever the backend, and CP (Ulysses, ring) splits it like any run — a CP rank
+may hold only a clip's video, or only its audio. Audio tokens are supervised (weight 1): they
+count in T_{b,audio}, and the metadata sync counts each stream apart (loss/counts.py). Their
+RoPE position is (the temporal patch their first sample falls in, 0, 0): aligned in time with
+the video. A clip without sound has no audio token and is not in B_audio.
+
+Nothing here communicates.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from dit_train.batch import PackedBatch
+from dit_train.data_pipelines.audio_io import SAMPLE_RATE
+
+
+def audio_tokens(wave: torch.Tensor | None, audio_patch: int) -> torch.Tensor:
+    """float32 [N] waveform -> [N // audio_patch, audio_patch] tokens (the tail under one token
+    dropped); no sound -> [0, audio_patch]."""
+    if wave is None:
+        return torch.zeros(0, audio_patch)
+    n = wave.numel() // audio_patch
+    return wave[: n * audio_patch].reshape(n, audio_patch).float()
+
+
+def audio_positions(n: int, audio_patch: int, fps: float, pt: int) -> torch.Tensor:
+    """[n, 3] RoPE positions of a clip's n audio tokens: (temporal patch of the token's first
+    sample at `fps` kept frames a second, 0, 0)."""
+    frame = torch.arange(n) * audio_patch * fps / SAMPLE_RATE
+    return torch.stack([torch.div(frame, pt, rounding_mode="floor").long(), torch.zeros(n, dtype=torch.long),
+                        torch.zeros(n, dtype=torch.long)], 1)
+
+
+def join_audio_tokens(batch: PackedBatch, x: list[torch.Tensor], target: list[torch.Tensor],
+                      pos: list[torch.Tensor]) -> PackedBatch:
+    """`batch` (clips contiguous and in seg order, no padding, as pack_clips builds it) with clip
+    k's audio tokens after its video tokens: x[k], target[k] [n_k, P], pos[k] [n_k, 3]. Token
+    fields x and target become [L + Σ n_k, max(D, P)] (zeros pad the narrower stream); stream
+    is 0 on video, 1 on audio."""
+    S = batch.num_samples
+    counts = torch.tensor([t.shape[0] for t in x], dtype=torch.long)
+    clip_len = torch.bincount(batch.seg, minlength=S)[:S] if batch.num_tokens else torch.zeros(S, dtype=torch.long)
+    seg_a = torch.repeat_interleave(torch.arange(S), counts)
+    j = torch.arange(seg_a.numel()) - torch.repeat_interleave(torch.cumsum(counts, 0) - counts, counts)
+    seg = torch.cat([batch.seg, seg_a])
+    where = torch.argsort(seg, stable=True)  # each clip's video tokens, then its audio tokens
+    P = x[0].shape[1] if x else 0
+    width = max(batch.tokens["x"].shape[1], P)
+
+    def field(video: torch.Tensor, audio: list[torch.Tensor]) -> torch.Tensor:
+        a = torch.cat(audio) if audio else video.new_zeros(0, P)
+        pad = lambda y: torch.nn.functional.pad(y.to(video.dtype), (0, width - y.shape[1]))  # noqa: E731
+        return torch.cat([pad(video), pad(a)])[where]
+
+    tokens = {"x": field(batch.tokens["x"], x), "target": field(batch.tokens["target"], target)}
+    stream = torch.cat([torch.zeros(batch.num_tokens, dtype=torch.long), torch.ones(seg_a.numel(), dtype=torch.long)])
+    pos_a = torch.cat(pos) if pos else batch.pos.new_zeros(0, 3)
+    return replace(batch, seg=seg[where], pos=torch.cat([batch.pos, pos_a])[where],
+                   order=torch.cat([batch.order, clip_len[seg_a] + j])[where],
+                   valid=torch.cat([batch.valid, torch.ones(seg_a.numel(), dtype=torch.bool)])[where],
+                   tokens=tokens, stream=stream[where], weight=None)

@@ -1,0 +1,95 @@
+"""The two-stream DiT (audio + video, model.audio_patch) trains layout-exact: dp_shard=2 ×
+cp_ulysses=2 and dp_shard=2 × cp_ring=2 against one process, on the embedded set with sound
+(clips with and without audio, uneven lengths), with a CP rank that holds no audio token of a
+clip (docs/audio-video.md)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import TINY, compose_config
+from tests.layout_cases import Case, assert_exact, run_cases
+
+AV = [*TINY, "data.audio=true", "model.audio_patch=500", "model.text_dim=0", "model.prediction=velocity",
+      "train.micro_batch_tokens=600"]
+LAYOUTS = {"ulysses": "dp_shard=2,cp_ulysses=2", "ring": "dp_shard=2,cp_ring=2"}
+
+
+@pytest.fixture(scope="module")
+def av_cfg(data_cache):
+    from dit_train.data_pipelines import prepare_data
+
+    cfg = compose_config(AV, cache_dir=data_cache)
+    prepare_data(cfg.data, cfg.model)
+    cfg.optim.max_grad_norm = 0.05  # always clips: the global norm must be exact too
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def layouts(av_cfg):
+    return run_cases({name: Case(av_cfg, spec) for name, spec in LAYOUTS.items()})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_two_stream_training_matches_one_process(name, layouts):
+    assert_exact(*layouts[name], f"audio + video on {LAYOUTS[name]}")
+
+
+def test_the_layout_case_is_not_vacuous(av_cfg):
+    """The steps trained hold clips with and without sound, and a pack whose CP split leaves a
+    rank with video tokens of a clip but none of its audio."""
+    from dit_train.batch import cp_token_index
+    from dit_train.data_pipelines.packing import plan_step
+    from dit_train.tasks import build_task
+
+    c = av_cfg
+    task = build_task(c.mode, c.data, c.model, c.loss, c.train.seed)
+    assert task.streams == 2
+    with_audio = without = rank_without_audio = 0
+    for step in range(c.train.steps):
+        plan = plan_step(step, task.lengths(), c.train.global_batch, 2, 1, c.train.micro_batch_tokens, c.train.seed)
+        for packs in plan.micro_batches:
+            for ids in packs:
+                full = task.build(ids, step).pad_to_multiple(2)
+                has = torch.bincount(full.seg[(full.stream == 1) & (full.seg >= 0)], minlength=full.num_samples)
+                with_audio += int((has > 0).sum())
+                without += int((has == 0).sum())
+                for r in range(2):
+                    idx = cp_token_index(full.num_tokens, 2, r, "contiguous")
+                    seg, stream = full.seg[idx], full.stream[idx]
+                    for k in torch.unique(seg[seg >= 0]).tolist():
+                        if has[k] > 0 and not bool(((seg == k) & (stream == 1)).any()):
+                            rank_without_audio += 1
+    assert with_audio > 0 and without > 0 and rank_without_audio > 0, (with_audio, without, rank_without_audio)
+
+
+def test_audio_tokens_follow_each_clips_video_and_share_its_t():
+    """join_audio_tokens: clip k's audio tokens right after its video tokens (stream 1, in-clip
+    order after the video), x and target widened to the wider stream with zeros."""
+    from dit_train.batch import PackedBatch
+    from dit_train.tasks.joint_audio import join_audio_tokens
+
+    seg = torch.tensor([0, 0, 0, 1, 1])
+    batch = PackedBatch(seg=seg, pos=torch.zeros(5, 3, dtype=torch.long), order=torch.tensor([0, 1, 2, 0, 1]),
+                        valid=torch.ones(5, dtype=torch.bool),
+                        tokens={"x": torch.ones(5, 4), "target": torch.ones(5, 4)}, sample_ids=torch.tensor([7, 9]))
+    x = [torch.full((2, 6), 2.0), torch.zeros(0, 6)]  # clip 1 has no sound
+    out = join_audio_tokens(batch, x, x, [torch.zeros(2, 3, dtype=torch.long), torch.zeros(0, 3, dtype=torch.long)])
+    assert out.seg.tolist() == [0, 0, 0, 0, 0, 1, 1] and out.stream.tolist() == [0, 0, 0, 1, 1, 0, 0]
+    assert out.order.tolist() == [0, 1, 2, 3, 4, 0, 1] and out.tokens["x"].shape == (7, 6)
+    assert out.tokens["x"][0].tolist() == [1, 1, 1, 1, 0, 0] and out.tokens["x"][3].tolist() == [2.0] * 6
+
+
+def test_each_streams_share_of_the_loss_is_logged(av_cfg):
+    """loss/video and loss/audio (Σ w·l per stream, in the step's one stats all-reduce) add up to
+    the logged loss."""
+    from dit_train.engine.build import build_run
+    from dit_train.engine.layout_equivalence import apply_layout
+    from dit_train.parallel.mesh import init_parallel
+
+    cfg = apply_layout(av_cfg, {})
+    run = build_run(cfg, init_parallel(cfg.parallel))
+    res = run.trainer.step(0)
+    assert res.extras["loss/video"] > 0 and res.extras["loss/audio"] > 0
+    assert res.extras["loss/video"] + res.extras["loss/audio"] == pytest.approx(res.loss, rel=1e-6)
