@@ -17,6 +17,7 @@ from omegaconf import MISSING
 from dit_train.config.choices import (
     ActivationCheckpointing,
     AttnBackend,
+    BaseQuant,
     Balance,
     CondFeed,
     CondKind,
@@ -99,6 +100,10 @@ class ModelConfig:
     # Wan's diffusers blocks have no prologues (no effect there).
     recompute_prologues: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
+    # LoRA runs: the frozen linears of the blocks stored int8 or fp8 by torchao (1 B per weight
+    # instead of 2-4; adapters, norms, embeddings keep the training dtype; dit_train/models/quant.py,
+    # docs/one-gpu.md). Needs model.lora.rank > 0 and torchao (the quant extra).
+    base_quant: BaseQuant = BaseQuant.none
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     def __post_init__(self) -> None:

@@ -24,6 +24,7 @@ from dit_train.engine.ema import EMA
 from dit_train.engine.trainer import Trainer
 from dit_train.models import build_model, model_spec
 from dit_train.models.init import init_adapters, init_weights, load_full_weights
+from dit_train.models.quant import quantize_base
 from dit_train.models.lora import add_frozen_adapter, apply_lora, base_parameters, is_lora_name, lora_settings, plain_lora_name
 from dit_train.optim import build_optimizer, build_scheduler
 from dit_train.parallel.mesh import ParallelContext, init_parallel
@@ -107,7 +108,10 @@ def build_parallel_model(cfg: Config, ctx: ParallelContext, adapters: tuple[str,
     backend = resolve_backend(cfg.model.attn_backend, ctx.device)
     pretrained = spec.pretrained is not None and bool(getattr(cfg.model, "pretrained", ""))
     lora = lora_settings(cfg.model)
-    meta = cfg.parallel.meta_init or (pretrained and ctx.distributed and cfg.parallel.dp_mode == "fsdp2")
+    # a quantized base is quantized from full weights before parallelize (FSDP2 leaves it unsharded):
+    # no meta build then
+    quantized = str(cfg.model.base_quant) != "none"
+    meta = not quantized and (cfg.parallel.meta_init or (pretrained and ctx.distributed and cfg.parallel.dp_mode == "fsdp2"))
     with torch.device("meta") if meta else contextlib.nullcontext():
         model = build_model(cfg.model, backend)
         if lora is not None:
@@ -125,6 +129,7 @@ def build_parallel_model(cfg: Config, ctx: ParallelContext, adapters: tuple[str,
     if meta:
         return model
     model.to(ctx.device)
+    quantize_base(spec.blocks(model), str(cfg.model.base_quant))  # on the device: torchao quantizes where the weight is
     return parallelize(model, spec, ctx, cfg.parallel, cfg.model, cfg.train, backend)
 
 

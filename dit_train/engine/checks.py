@@ -20,7 +20,7 @@ from dit_train.config import PARALLEL_DEGREES, Config
 from dit_train.config.choices import ActivationCheckpointing, Choice
 from dit_train.config.errors import ConfigError
 from dit_train.data_pipelines import SOURCES
-from dit_train.models import build_model, model_spec, MODELS
+from dit_train.models import build_model, model_spec, MODELS, quant
 from dit_train.parallel.mesh import ParallelDims
 from dit_train.tasks.conditioning import cond_errors
 from dit_train.trackers import tracker_errors
@@ -254,6 +254,7 @@ def _model_and_data(cfg: Config, e: list[str]) -> None:
     _moe(m, spec, e)
     if m.lora.rank > 0:
         e.extend(lora_errors(m))
+    _base_quant(cfg, e)
     if hasattr(m, "text_dim"):
         _check(m.text_dim >= 0 and m.text_len >= 1, f"model.text_dim={m.text_dim} must be >= 0 and model.text_len="
                f"{m.text_len} >= 1", e)
@@ -304,6 +305,22 @@ def _moe(m: Any, spec: Any, e: list[str]) -> None:
            f"model.moe.z_loss_coef={moe.z_loss_coef} must be >= 0", e)
     _check(m.lora.rank == 0, f"model.lora.rank={m.lora.rank} with model.moe.num_experts={moe.num_experts}: LoRA "
            f"adapters on stacked expert weights are not supported; train the MoE model fully (model.lora.rank=0)", e)
+
+
+def _base_quant(cfg: Config, e: list[str]) -> None:
+    """model.base_quant: only under LoRA (a quantized weight gets no gradient: full training of it
+    is not supported), and only where torchao runs that quantization on this run's device (a
+    small linear is quantized and run forward and backward there: a missing torchao or a kernel
+    the device lacks is one line here, not a failure inside the workers)."""
+    kind = str(cfg.model.base_quant)
+    if kind == "none":
+        return
+    if cfg.model.lora.rank <= 0:
+        e.append(f"model.base_quant={kind} quantizes the frozen base of a LoRA run; full training of a quantized "
+                 f"base is not supported: set model.lora.rank (e.g. 16) or model.base_quant=none")
+        return
+    reason = quant.probe(kind, "cuda" if runs_on_cuda(cfg.parallel.device) else "cpu")
+    _check(not reason, reason, e)
 
 
 def lora_errors(m: Any) -> list[str]:
