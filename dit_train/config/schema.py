@@ -104,6 +104,11 @@ class ModelConfig:
     # instead of 2-4; adapters, norms, embeddings keep the training dtype; dit_train/models/quant.py,
     # docs/one-gpu.md). Needs model.lora.rank > 0 and torchao (the quant extra).
     base_quant: BaseQuant = BaseQuant.none
+    # LoRA runs on one device: the frozen weights of the last N blocks kept in host memory (pinned on
+    # CUDA) and copied to the device ahead of each block's forward and backward (side stream on CUDA;
+    # dit_train/engine/block_swap.py, docs/one-gpu.md). Needs full activation checkpointing on those
+    # blocks; one process (over several ranks: FSDP2's parallel.cpu_offload).
+    block_swap: int = 0
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     def __post_init__(self) -> None:

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from dit_train.checkpoint import training_parts
 from dit_train.config import Config
+from dit_train.engine.block_swap import BlockSwap
 from dit_train.engine.ema import EMA
 from dit_train.engine.trainer import Trainer
 from dit_train.models import build_model, model_spec
@@ -128,9 +129,18 @@ def build_parallel_model(cfg: Config, ctx: ParallelContext, adapters: tuple[str,
     init_adapters(model, cfg.train.seed)
     if meta:
         return model
+    # quantized where the weights are built (host memory for a GPU run: the full-precision base never
+    # reaches the device), then the swapped blocks' frozen weights go to host memory before the rest
+    # moves to the device
+    quantize_base(spec.blocks(model), str(cfg.model.base_quant))
+    n_swap = cfg.model.block_swap
+    swap = BlockSwap(list(spec.blocks(model))[-n_swap:], ctx.device) if n_swap > 0 else None
     model.to(ctx.device)
-    quantize_base(spec.blocks(model), str(cfg.model.base_quant))  # on the device: torchao quantizes where the weight is
-    return parallelize(model, spec, ctx, cfg.parallel, cfg.model, cfg.train, backend)
+    model = parallelize(model, spec, ctx, cfg.parallel, cfg.model, cfg.train, backend)
+    if swap is not None:  # hooks on the blocks as called: after activation checkpointing wrapped them
+        swap.install(list(spec.blocks(model))[-n_swap:])
+        model.block_swap_state = swap  # its resident_peak, for tests and memory reports
+    return model
 
 
 def build_run(cfg: Config, ctx: ParallelContext | None = None, *, task: Any = None, heldout: bool = False,
