@@ -96,3 +96,37 @@ def test_export_weights_writes_each_format_beside_the_diffusers_file(wan_lora_ru
     assert export_weights.main([str(wan_lora_run), "--merge-lora", "--lora-format", "kohya", "--out", "x.safetensors"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "full weights" in err, err
+
+
+@pytest.mark.parametrize("fmt", ["diffusers", "comfyui", "kohya"])
+def test_init_from_starts_the_adapters_from_a_file_of_each_format(fmt, tmp_path):
+    """model.lora.init_from: a run's adapters start as the file's, whatever its layout and alpha
+    (the file alpha 8, the run's 4: B is rescaled so each delta is the file's)."""
+    from safetensors.torch import save_file
+
+    from dit_train.engine.build import build_parallel_model
+    from dit_train.engine.checks import check_config
+    from dit_train.models.lora import save_lora
+    from dit_train.parallel.mesh import init_parallel
+    from tests.conftest import TINY, compose_config
+
+    base = [*TINY, "model=wan_tiny", "model.lora.rank=4"]
+    src_cfg = compose_config([*base, "model.lora.alpha=8"])
+    src = build_parallel_model(src_cfg, init_parallel(src_cfg.parallel))
+    with torch.no_grad():
+        for n, p in src.named_parameters():
+            if ".lora_B." in n:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))))
+    path = save_lora(src, tmp_path / "src", "wan")
+    if fmt != "diffusers":
+        path = tmp_path / f"lora_{fmt}.safetensors"
+        save_file(convert(load_file(tmp_path / "src" / WEIGHT_NAME), ALPHA, fmt), str(path))
+    cfg = compose_config([*base, "model.lora.alpha=4", f"model.lora.init_from={path}"])
+    check_config(cfg)
+    got = build_parallel_model(cfg, init_parallel(cfg.parallel))
+    plain = lambda m: {k.replace(".default", ""): v.detach() for k, v in m.named_parameters() if ".lora_" in k}
+    want_d, got_d = _deltas(plain(src), ALPHA / RANK), _deltas(plain(got), 4.0 / RANK)
+    assert want_d.keys() == got_d.keys() and all(torch.allclose(got_d[m], want_d[m], rtol=1e-6, atol=1e-7) for m in want_d)
+    bad = compose_config([*base, f"model.lora.init_from={tmp_path / 'missing.safetensors'}"])
+    with pytest.raises(Exception, match="model.lora.init_from=.* is not a file"):
+        check_config(bad)

@@ -26,7 +26,7 @@ from dit_train.engine.trainer import Trainer
 from dit_train.models import build_model, model_spec
 from dit_train.models.init import init_adapters, init_weights, load_full_weights
 from dit_train.models.quant import quantize_base
-from dit_train.models.lora import add_frozen_adapter, apply_lora, base_parameters, is_lora_name, lora_settings, plain_lora_name
+from dit_train.models.lora import add_frozen_adapter, apply_lora, load_lora, base_parameters, is_lora_name, lora_settings, plain_lora_name
 from dit_train.optim import build_optimizer, build_scheduler
 from dit_train.parallel.mesh import ParallelContext, init_parallel
 from dit_train.parallel.parallelize import parallelize
@@ -127,6 +127,8 @@ def build_parallel_model(cfg: Config, ctx: ParallelContext, adapters: tuple[str,
     else:
         init_weights(model, cfg.train.seed, cfg.model.init)
     init_adapters(model, cfg.train.seed)
+    if lora is not None and cfg.model.lora.init_from:  # every rank reads the file and keeps its shards
+        load_lora(model, cfg.model.lora.init_from)
     if meta:
         return model
     # quantized where the weights are built (host memory for a GPU run: the full-precision base never

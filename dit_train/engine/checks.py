@@ -361,6 +361,9 @@ def lora_errors(m: Any) -> list[str]:
     error when none matches)."""
     lo, e = m.lora, []
     _check(lo.init in ("default", "gaussian"), f"model.lora.init={lo.init!r} must be default or gaussian", e)
+    _check(not lo.init_from or Path(lo.init_from).expanduser().is_file(),
+           f"model.lora.init_from={lo.init_from} is not a file: give a LoRA .safetensors file (diffusers', or a Wan "
+           f"LoRA in ComfyUI's / kohya's layout)", e)
     if not lo.targets:
         return e
 
