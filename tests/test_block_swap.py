@@ -66,3 +66,24 @@ def test_bad_block_swap_is_refused_in_one_line(overrides, message):
         check_config(compose_config([*BASE, *overrides]))
     text = str(info.value)
     assert "\n" not in text and message in text, text
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not quant.available(), reason="torchao is not installed")
+def test_a_whole_run_with_int8_base_and_swap_writes_the_merged_full_precision_weights(data_cache, tmp_path):
+    """The CLI's path end to end (sanity checks, EMA, checkpoint, final export) with an int8 base and
+    a swapped block: weights.safetensors is the full-precision base plus the adapters, equal to
+    what export_weights --merge-lora rebuilds from the checkpoint."""
+    from safetensors.torch import load_file
+
+    from dit_train.tools import export_weights
+    from tests.conftest import train_in_process
+
+    run = tmp_path / "run"
+    train_in_process(["+experiment=wan_lora", *(o for o in TINY if not o.startswith("optim")), "model.text_len=16",
+                      "train.steps=2", "train.sample_every=0", "train.ema_decay=0.9", "train.ckpt_every=2",
+                      "model.base_quant=int8", "model.block_swap=1", "model.activation_checkpointing=full"], run,
+                     cache_dir=data_cache)
+    assert export_weights.main([str(run), "--merge-lora", "--out", str(tmp_path / "merged.safetensors")]) == 0
+    a, b = load_file(tmp_path / "merged.safetensors"), load_file(run / "weights.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
