@@ -51,6 +51,7 @@ DEFERRED = {
     "flash_attn": "optional CUDA kernels",
     "submitit": "optional (the slurm extra)",
     "torch.nn.attention.flex_attention": "imports torch._dynamo, ~1.8 s at every start; the flex backend only",
+    "torchao": "optional (the quant extra), ~1 s; model.base_quant only",
     "webdataset": "optional (the shards extra), ~1.2 s; writing shards only (tools.make_shards, cache_latents --shards)",
 }
 

@@ -21,6 +21,7 @@ from dit_train.models import build_model, model_spec
 from dit_train.models.registry import component_state
 from dit_train.models.init import init_adapters, initialize, load_full_weights
 from dit_train.models.lora import apply_lora, lora_settings, merged_state_dict, plain_lora_name, save_lora
+from dit_train.models.quant import is_quantized
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -55,7 +56,8 @@ def export_weights(model: nn.Module, path: str | Path, is_main: bool) -> None:
         save_safetensors(sd, path)
 
 
-def export_run_weights(model: nn.Module, ema: Any, model_cfg: Any, run_dir: str | Path, is_main: bool) -> list[Path]:
+def export_run_weights(model: nn.Module, ema: Any, model_cfg: Any, run_dir: str | Path, is_main: bool,
+                       base: Any = None) -> list[Path]:
     """What a finished run writes (every rank calls it: gathering shards is a collective):
 
     weights.safetensors (and weights_ema.safetensors with EMA): the plain model's full fp32
@@ -63,9 +65,14 @@ def export_run_weights(model: nn.Module, ema: Any, model_cfg: Any, run_dir: str 
     any run's; and for LoRA runs lora/pytorch_lora_weights.safetensors (lora_ema/ for the EMA
     adapters) in diffusers' LoRA format, loadable by WanPipeline.load_lora_weights — one file per
     diffusers transformer of the model (`run_lora_dirs`: Wan 2.2 A14B's two experts of a
-    model.expert=both run in lora/transformer/ and lora/transformer_2/)."""
+    model.expert=both run in lora/transformer/ and lora/transformer_2/).
+    base: a callable giving the full-precision base weights (plain names) for a run whose model
+    does not hold them (model.base_quant: quantized, model.block_swap: in host memory): the merged
+    weights are that base plus the adapters, as `--merge-lora` exports them."""
     run_dir = Path(run_dir)
     full = full_state_dict(model)
+    if base is not None and is_main:
+        full = with_base(full, base())
     ema_sd = ema.full_state_dict() if ema is not None else None
     if not is_main:
         return []
@@ -80,6 +87,18 @@ def export_run_weights(model: nn.Module, ema: Any, model_cfg: Any, run_dir: str 
             sd = merged_state_dict(inner, sd)
         save_safetensors(sd, run_dir / f"weights{suffix}.safetensors")
         out.append(run_dir / f"weights{suffix}.safetensors")
+    return out
+
+
+def with_base(sd: dict[str, torch.Tensor], base: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`sd` (a LoRA model's full state dict, peft names) with every frozen base entry the model
+    could not give as a plain full tensor — a torchao quantized weight, a block-swap placeholder
+    (0 elements) — replaced by `base`'s (plain names)."""
+    out = dict(sd)
+    for name, value in sd.items():
+        key = plain_lora_name(name)
+        if key in base and (is_quantized(value) or value.numel() != base[key].numel()):
+            out[name] = base[key]
     return out
 
 

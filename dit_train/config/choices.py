@@ -137,6 +137,14 @@ class InitScheme(Choice):
     normal = "normal"  # every weight N(0, 0.02): the exactness tests need every parameter to move
 
 
+class BaseQuant(Choice):
+    """model.base_quant: storage of a LoRA run's frozen block linears (dit_train/models/quant.py)."""
+
+    none = "none"  # the training dtype
+    int8 = "int8"  # torchao Int8WeightOnlyConfig: int8 values, per-row scale
+    fp8 = "fp8"  # torchao Float8WeightOnlyConfig: float8_e4m3fn values, per-row scale
+
+
 class ActivationCheckpointing(Choice):
     """model.activation_checkpointing (dit_train/parallel/checkpointing.py); true/false are
     accepted as aliases of full/none."""

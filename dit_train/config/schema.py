@@ -17,6 +17,7 @@ from omegaconf import MISSING
 from dit_train.config.choices import (
     ActivationCheckpointing,
     AttnBackend,
+    BaseQuant,
     Balance,
     CondFeed,
     CondKind,
@@ -51,6 +52,9 @@ class LoraConfig:
     dropout: float = 0.0  # dropout on the adapter input (not layout-invariant: keep 0 for exact runs)
     targets: List[str] = field(default_factory=list)  # module-name suffixes to adapt; [] = the model's default set
     init: str = "default"  # peft init of the adapters: default (A kaiming-uniform, B = 0) | gaussian
+    # start the adapters from this LoRA file instead (diffusers', or a Wan LoRA in ComfyUI's / kohya's
+    # layout: models/lora_formats.py); same targets and rank; "" = init
+    init_from: str = ""
 
 
 @dataclass
@@ -99,6 +103,15 @@ class ModelConfig:
     # Wan's diffusers blocks have no prologues (no effect there).
     recompute_prologues: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
+    # LoRA runs: the frozen linears of the blocks stored int8 or fp8 by torchao (1 B per weight
+    # instead of 2-4; adapters, norms, embeddings keep the training dtype; dit_train/models/quant.py,
+    # docs/one-gpu.md). Needs model.lora.rank > 0 and torchao (the quant extra).
+    base_quant: BaseQuant = BaseQuant.none
+    # LoRA runs on one device: the frozen weights of the last N blocks kept in host memory (pinned on
+    # CUDA) and copied to the device ahead of each block's forward and backward (side stream on CUDA;
+    # dit_train/engine/block_swap.py, docs/one-gpu.md). Needs full activation checkpointing on those
+    # blocks; one process (over several ranks: FSDP2's parallel.cpu_offload).
+    block_swap: int = 0
     moe: MoEConfig = field(default_factory=MoEConfig)
 
     def __post_init__(self) -> None:

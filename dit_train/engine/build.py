@@ -20,11 +20,13 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from dit_train.checkpoint import training_parts
 from dit_train.config import Config
+from dit_train.engine.block_swap import BlockSwap
 from dit_train.engine.ema import EMA
 from dit_train.engine.trainer import Trainer
 from dit_train.models import build_model, model_spec
 from dit_train.models.init import init_adapters, init_weights, load_full_weights
-from dit_train.models.lora import add_frozen_adapter, apply_lora, base_parameters, is_lora_name, lora_settings, plain_lora_name
+from dit_train.models.quant import quantize_base
+from dit_train.models.lora import add_frozen_adapter, apply_lora, load_lora, base_parameters, is_lora_name, lora_settings, plain_lora_name
 from dit_train.optim import build_optimizer, build_scheduler
 from dit_train.parallel.mesh import ParallelContext, init_parallel
 from dit_train.parallel.parallelize import parallelize
@@ -107,7 +109,10 @@ def build_parallel_model(cfg: Config, ctx: ParallelContext, adapters: tuple[str,
     backend = resolve_backend(cfg.model.attn_backend, ctx.device)
     pretrained = spec.pretrained is not None and bool(getattr(cfg.model, "pretrained", ""))
     lora = lora_settings(cfg.model)
-    meta = cfg.parallel.meta_init or (pretrained and ctx.distributed and cfg.parallel.dp_mode == "fsdp2")
+    # a quantized base is quantized from full weights before parallelize (FSDP2 leaves it unsharded):
+    # no meta build then
+    quantized = str(cfg.model.base_quant) != "none"
+    meta = not quantized and (cfg.parallel.meta_init or (pretrained and ctx.distributed and cfg.parallel.dp_mode == "fsdp2"))
     with torch.device("meta") if meta else contextlib.nullcontext():
         model = build_model(cfg.model, backend)
         if lora is not None:
@@ -122,10 +127,22 @@ def build_parallel_model(cfg: Config, ctx: ParallelContext, adapters: tuple[str,
     else:
         init_weights(model, cfg.train.seed, cfg.model.init)
     init_adapters(model, cfg.train.seed)
+    if lora is not None and cfg.model.lora.init_from:  # every rank reads the file and keeps its shards
+        load_lora(model, cfg.model.lora.init_from)
     if meta:
         return model
+    # quantized where the weights are built (host memory for a GPU run: the full-precision base never
+    # reaches the device), then the swapped blocks' frozen weights go to host memory before the rest
+    # moves to the device
+    quantize_base(spec.blocks(model), str(cfg.model.base_quant))
+    n_swap = cfg.model.block_swap
+    swap = BlockSwap(list(spec.blocks(model))[-n_swap:], ctx.device) if n_swap > 0 else None
     model.to(ctx.device)
-    return parallelize(model, spec, ctx, cfg.parallel, cfg.model, cfg.train, backend)
+    model = parallelize(model, spec, ctx, cfg.parallel, cfg.model, cfg.train, backend)
+    if swap is not None:  # hooks on the blocks as called: after activation checkpointing wrapped them
+        swap.install(list(spec.blocks(model))[-n_swap:])
+        model.block_swap_state = swap  # its resident_peak, for tests and memory reports
+    return model
 
 
 def build_run(cfg: Config, ctx: ParallelContext | None = None, *, task: Any = None, heldout: bool = False,

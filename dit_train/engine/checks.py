@@ -20,7 +20,8 @@ from dit_train.config import PARALLEL_DEGREES, Config
 from dit_train.config.choices import ActivationCheckpointing, Choice
 from dit_train.config.errors import ConfigError
 from dit_train.data_pipelines import SOURCES
-from dit_train.models import build_model, model_spec, MODELS
+from dit_train.models import build_model, model_spec, MODELS, quant
+from dit_train.parallel.checkpointing import checkpointed_blocks
 from dit_train.parallel.mesh import ParallelDims
 from dit_train.tasks.conditioning import cond_errors
 from dit_train.trackers import tracker_errors
@@ -257,6 +258,8 @@ def _model_and_data(cfg: Config, e: list[str]) -> None:
     _moe(m, spec, e)
     if m.lora.rank > 0:
         e.extend(lora_errors(m))
+    _base_quant(cfg, e)
+    _block_swap(cfg, e)
     if hasattr(m, "text_dim"):
         _check(m.text_dim >= 0 and m.text_len >= 1, f"model.text_dim={m.text_dim} must be >= 0 and model.text_len="
                f"{m.text_len} >= 1", e)
@@ -320,6 +323,51 @@ def _moe(m: Any, spec: Any, e: list[str]) -> None:
            f"adapters on stacked expert weights are not supported; train the MoE model fully (model.lora.rank=0)", e)
 
 
+def _base_quant(cfg: Config, e: list[str]) -> None:
+    """model.base_quant: only under LoRA (a quantized weight gets no gradient: full training of it
+    is not supported), and only where torchao runs that quantization on this run's device (a
+    small linear is quantized and run forward and backward there: a missing torchao or a kernel
+    the device lacks is one line here, not a failure inside the workers)."""
+    kind = str(cfg.model.base_quant)
+    if kind == "none":
+        return
+    if cfg.model.lora.rank <= 0:
+        e.append(f"model.base_quant={kind} quantizes the frozen base of a LoRA run; full training of a quantized "
+                 f"base is not supported: set model.lora.rank (e.g. 16) or model.base_quant=none")
+        return
+    reason = quant.probe(kind, "cuda" if runs_on_cuda(cfg.parallel.device) else "cpu")
+    _check(not reason, reason, e)
+
+
+def _block_swap(cfg: Config, e: list[str]) -> None:
+    """model.block_swap=N (dit_train/engine/block_swap.py): N of model.depth blocks, a LoRA run
+    (only frozen weights move), full activation checkpointing on the swapped (last N) blocks
+    (without it the saved views of the weights keep every device copy alive until backward), and
+    one process (FSDP2 swaps parameter storage itself: parallel.cpu_offload there)."""
+    m, p = cfg.model, cfg.parallel
+    n = m.block_swap
+    if n == 0:
+        return
+    if not 0 <= n <= m.depth:
+        e.append(f"model.block_swap={n} must be between 0 and model.depth={m.depth} (the blocks whose frozen weights "
+                 f"stay in host memory)")
+        return
+    _check(m.lora.rank > 0, f"model.block_swap={n} streams frozen weights; with model.lora.rank=0 every weight trains: "
+           f"set model.lora.rank (e.g. 16) or model.block_swap=0", e)
+    swapped = set(range(m.depth - n, m.depth))
+    try:
+        policy = ActivationCheckpointing.of(m.activation_checkpointing)
+    except ValueError:
+        return  # reported by _parallel
+    covered = policy == "full" and swapped <= set(checkpointed_blocks(m.depth, max(1, m.ac_every)))
+    _check(covered, f"model.block_swap={n} needs full activation checkpointing on the swapped blocks: set "
+           f"model.activation_checkpointing=full model.ac_every=1 (now {policy}, every {m.ac_every})", e)
+    _check(not p.meta_init, f"model.block_swap={n} needs real weights to keep in host memory; set parallel.meta_init=false", e)
+    world = ParallelDims.from_config(p).world
+    _check(world == 1, f"model.block_swap={n} is for one process (one GPU); over {world} ranks use FSDP2's "
+           f"parallel.cpu_offload=true (FSDP2 manages its parameters' storage itself; block swap under DDP is not tested)", e)
+
+
 def lora_errors(m: Any) -> list[str]:
     """model.lora.init and model.lora.targets against the model (built on the meta device: no
     memory, no weights). peft matches a target to a layer whose name is it or ends in ".target";
@@ -327,6 +375,9 @@ def lora_errors(m: Any) -> list[str]:
     error when none matches)."""
     lo, e = m.lora, []
     _check(lo.init in ("default", "gaussian"), f"model.lora.init={lo.init!r} must be default or gaussian", e)
+    _check(not lo.init_from or Path(lo.init_from).expanduser().is_file(),
+           f"model.lora.init_from={lo.init_from} is not a file: give a LoRA .safetensors file (diffusers', or a Wan "
+           f"LoRA in ComfyUI's / kohya's layout)", e)
     if not lo.targets:
         return e
 

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dit_train.config import TRAIN_LAYOUT_KEYS, Config, ParallelConfig, TrainConfig, parallel_layout_keys
+from dit_train.models.quant import dequantized
 from dit_train.engine.build import build_run
 from dit_train.engine import launch  # launch.launch_local at call time: the tests route it to their worker pool
 from dit_train.parallel.mesh import ParallelDims, init_parallel
@@ -99,7 +100,7 @@ def local_pieces(named: dict[str, Any], prefix: str = "") -> list[Piece]:
     tensor (no collective: a snapshot, e.g. the weights before step 0)."""
     out = []
     for name, t in named.items():
-        t = t.detach()
+        t = dequantized(t.detach())  # a quantized base (model.base_quant): its values, as the model computes with them
         if isinstance(t, DTensor):
             shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
             local = t.to_local()

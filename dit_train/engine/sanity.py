@@ -20,11 +20,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from dit_train.models.quant import dequantized
 from dit_train.models.lora import is_lora_name, plain_lora_name
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
-    return p.to_local() if isinstance(p, DTensor) else p
+    """This rank's values of `p`: its shard, or a quantized base weight's dequantized values
+    (torchao's tensors implement the ops of a linear layer, not isfinite / count_nonzero)."""
+    return p.to_local() if isinstance(p, DTensor) else dequantized(p)
 
 
 def _any_rank(flag: bool, device: torch.device, group: Any) -> bool:

@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 
 from dit_train.checkpoint import load_checkpoint, resolve_checkpoint, save_checkpoint
-from dit_train.checkpoint.export import export_run_weights
+from dit_train.checkpoint.export import export_run_weights, initial_weights
 from dit_train.checkpoint.parts import JSONState
 from dit_train.config import Config, to_dict, to_yaml
 from dit_train.config.errors import ConfigError, DataFailure, LossDiverged, NonFiniteTraining, RunFailed, RunFolderError
@@ -203,7 +203,10 @@ def train(cfg: Config, ctx: ParallelContext | None = None, claimed: bool = False
             raise NonFiniteTraining(f"the weights after step {done - 1} are not finite; {nonfinite_hint(cfg.optim, t)}")
         if t.save_weights:
             try:
-                export_run_weights(run.model, run.ema, cfg.model, run_dir, ctx.is_main)
+                # a quantized or swapped base is not in the model as full tensors: merge into the one it started from
+                partial = str(cfg.model.base_quant) != "none" or cfg.model.block_swap > 0
+                export_run_weights(run.model, run.ema, cfg.model, run_dir, ctx.is_main,
+                                   base=(lambda: initial_weights(cfg)) if partial else None)
             except OSError as err:  # a full disk at the very end: one line, and where the weights still are
                 raise RunFailed(f"the final weights could not be written into {run_dir} ({err.strerror or err}); "
                                 f"the run's checkpoints (train.ckpt_every) still hold them: free space, then "

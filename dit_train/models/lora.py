@@ -48,6 +48,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from dit_train.atomic import save_file_atomic
+from dit_train.models import lora_formats
 from dit_train.models.params import copy_full, named_seed, plain_name
 from dit_train.models.registry import MODELS, widens_pretrained
 
@@ -361,19 +362,23 @@ def trained_modules_state(model: nn.Module, state_dict: dict[str, torch.Tensor] 
 
 @torch.no_grad()
 def load_lora(model: nn.Module, path: str | Path) -> None:
-    """Load a file written by `save_lora` (or another diffusers LoRA file with the same adapted
-    layers and rank) into a model wrapped by apply_lora, plain or sharded (each rank reads the
-    file and keeps its shards). The file's scale (lora_alpha/r of its metadata; 1 without, as
-    diffusers assumes) is converted to the model's by rescaling B."""
+    """Load a LoRA file into a model wrapped by apply_lora, plain or sharded (each rank reads the
+    file and keeps its shards): one written by `save_lora` or another diffusers LoRA file with the
+    same adapted layers and rank (its scale: lora_alpha/r of its metadata; 1 without, as diffusers
+    assumes), or a Wan LoRA in ComfyUI's or kohya / musubi-tuner's layout (models/lora_formats.py;
+    its `.alpha` tensors, r without). The file's scale is converted to the model's by rescaling B."""
     with safe_open(str(path), "pt") as f:
         header = json.loads((f.metadata() or {}).get(METADATA_KEY, "{}"))
     config = _config(model)
-    r = header.get(f"{PREFIX}.r", config.r)
+    sd, alpha = lora_formats.to_diffusers(load_file(str(path)), PREFIX)
+    rank = next((v.shape[0] for k, v in sd.items() if ".lora_A." in k), config.r)
+    r = header.get(f"{PREFIX}.r", rank)
     if r != config.r:
         raise ValueError(f"LoRA file {path} has rank {r}, the model's adapters rank {config.r}")
-    file_scale = header.get(f"{PREFIX}.lora_alpha", r) / r
+    alpha = header.get(f"{PREFIX}.lora_alpha", r) if alpha is None else alpha
+    file_scale = alpha / r
     params = {plain_lora_name(n): p for n, p in model.named_parameters() if is_lora_name(n)}
-    sd = {k.removeprefix(f"{PREFIX}."): v for k, v in load_file(str(path)).items()}
+    sd = {k.removeprefix(f"{PREFIX}."): v for k, v in sd.items()}
     missing, unexpected = sorted(params.keys() - sd.keys()), sorted(sd.keys() - params.keys())
     if missing or unexpected:
         raise ValueError(f"LoRA file {path} does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")

@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from dit_train.config import ParallelConfig, TrainConfig
 from dit_train.kernels.eager import disable_compile
 from dit_train.models.moe import moe_layers
+from dit_train.models.quant import quantized_parameters
 from dit_train.parallel.expert_parallel import apply_expert_parallel, expert_parameters, sync_expert_grads
 from dit_train.models.registry import ModelSpec
 from dit_train.parallel.checkpointing import apply_activation_checkpointing
@@ -79,7 +80,11 @@ def apply_fsdp(model: nn.Module, blocks: nn.ModuleList, ctx: ParallelContext, cf
     # discrete choice on small logit differences; models/moe.py computes it in fp32 as well)
     # experts split by expert parallelism are not FSDP's: their gradients are summed over the
     # replica group instead (parallel/expert_parallel.py)
-    ignored = set(expert_parameters(model)) if ctx.ep > 1 else None
+    ignored = set(expert_parameters(model)) if ctx.ep > 1 else set()
+    # a quantized frozen base (model.base_quant): torchao's tensor subclasses are not sharded; each
+    # rank holds the whole quantized base, frozen, identical everywhere (dit_train/models/quant.py)
+    ignored |= set(quantized_parameters(model))
+    ignored = ignored or None
     for layer in moe_layers(model):
         fully_shard(layer.router, mesh=mesh, mp_policy=router_mp_policy(), reshard_after_forward=cfg.reshard_after_forward,
                     offload_policy=offload)
@@ -127,8 +132,10 @@ def parallelize(model: nn.Module, spec: ModelSpec, ctx: ParallelContext, cfg: Pa
         return model
     if cfg.dp_mode == "ddp":
         group = ctx.world_group if cfg.cp_fsdp_mode == "all" else ctx.views["dp"].get_group()
-        if ctx.ep > 1:  # expert-parallel weights: summed over their replica group, not by DDP
-            names = {id(p) for p in expert_parameters(model)}
+        # expert-parallel weights: summed over their replica group, not by DDP; a quantized base:
+        # frozen and the same on every rank (no broadcast of torchao's tensors)
+        names = {id(p) for p in (expert_parameters(model) if ctx.ep > 1 else [])} | {id(p) for p in quantized_parameters(model)}
+        if names:
             DDP._set_params_and_buffers_to_ignore_for_model(
                 model, [n for n, p in model.named_parameters() if id(p) in names])
         ddp = DDP(model.to(ctx.device), process_group=group,

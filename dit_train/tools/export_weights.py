@@ -9,6 +9,7 @@
     python -m dit_train.tools.export_weights outputs/lora_run --diffusers my_adapters/        # the adapters, into DIR
     python -m dit_train.tools.export_weights outputs/lora_run --merge-lora --diffusers wan_merged/
     python -m dit_train.tools.export_weights outputs/wan_lora --base --diffusers wan_base/   # the base it trained on
+    python -m dit_train.tools.export_weights outputs/wan_lora --lora-format comfyui          # + lora/lora_comfyui.safetensors
 
 Source: a run dir's newest intact checkpoint, or a given checkpoint dir; a run dir without
 checkpoints (train.ckpt_every=0, the default) exports from the files the run wrote at its end
@@ -20,6 +21,10 @@ DIR or --out DIR (default <checkpoint>/lora/); --merge-lora exports the base wit
 merged in instead. --base exports the model the run started from, with no adapters: its
 model.pretrained weights, or the initialisation from its train.seed (for the CPU example
 `+experiment=wan_lora`, the tiny random base its adapters load onto).
+
+--lora-format comfyui|kohya (Wan runs) also writes the adapters as ComfyUI / musubi-tuner name
+them, beside the diffusers file: lora_comfyui.safetensors or lora_kohya.safetensors in the same
+folder (dit_train/models/lora_formats.py; docs/one-gpu.md).
 
 Key names are those of the plain model, the same as the run's own weights.safetensors,
 whatever layout wrote the checkpoint. With --diffusers (model.name=wan runs) full weights go
@@ -35,11 +40,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from dit_train.atomic import copy_atomic
@@ -49,7 +55,8 @@ from dit_train.checkpoint.export import (checkpoint_model, diffusers_model_dirs,
 from dit_train.compose import load_config
 from dit_train.config.errors import CheckpointError
 from dit_train.models import model_spec
-from dit_train.models.lora import TRAINED_MODULES, WEIGHT_NAME, save_lora
+from dit_train.models.lora import METADATA_KEY, PREFIX, TRAINED_MODULES, WEIGHT_NAME, save_lora
+from dit_train.models import lora_formats
 from dit_train.tools.args import ToolParser
 
 
@@ -65,6 +72,42 @@ def _lora_dests(cfg: Any, root: Path, args: argparse.Namespace) -> dict[str, Pat
         parts = model_spec(cfg.model).components(cfg.model)
         return {prefix: Path(args.diffusers) / sub for prefix, sub in parts.items()}
     return run_lora_dirs(cfg.model, root)
+
+
+def _format_file(d: Path, fmt: str) -> Path:
+    return d / f"lora_{fmt}.safetensors"
+
+
+def _check_lora_format(cfg: Any, dirs: list[Path], args: argparse.Namespace) -> None:
+    """--lora-format other than diffusers: a Wan LoRA export, whose converted files do not exist yet."""
+    if args.lora_format == "diffusers":
+        return
+    kind = model_spec(cfg.model).name
+    if not _lora(cfg, args) or kind != "wan":
+        what = f"model={cfg.model.name}" if _lora(cfg, args) else "full weights (not a LoRA run's adapters)"
+        raise ValueError(f"--lora-format {args.lora_format} writes Wan LoRA adapters as ComfyUI / kohya tools name "
+                         f"them; {what} has no such key map here: use --lora-format diffusers")
+    for d in dirs:
+        if _format_file(d, args.lora_format).exists() and not args.overwrite:
+            raise ValueError(f"{_format_file(d, args.lora_format)} exists: pass --overwrite to replace it, or {_other(args)}")
+
+
+def _write_lora_format(written: list[Path], args: argparse.Namespace) -> list[Path]:
+    """Each written diffusers LoRA file, converted to --lora-format beside it (alpha from its header)."""
+    if args.lora_format == "diffusers":
+        return written
+    out = []
+    for src in written:
+        with safe_open(str(src), "pt") as f:
+            header = json.loads((f.metadata() or {}).get(METADATA_KEY, "{}"))
+        sd = load_file(str(src))
+        rank = next(v.shape[0] for k, v in sd.items() if ".lora_A." in k)
+        alpha = header.get(f"{PREFIX}.lora_alpha", rank)  # diffusers' reading: no metadata = alpha r
+        dest = _format_file(src.parent, args.lora_format)
+        with _writing(dest):
+            save_safetensors(lora_formats.convert(sd, alpha, args.lora_format, PREFIX), dest)
+        out.append(dest)
+    return out
 
 
 # -- where the export goes: nothing is replaced without --overwrite ---------------------------------
@@ -124,6 +167,9 @@ def _writing(path: Path) -> Iterator[None]:
 def _full_weights(cfg: Any, weights: Callable[[], dict], args: argparse.Namespace, default: Path) -> Path:
     """Full weights into --diffusers DIR, --out FILE or `default`. weights() computes the state
     dict once the destination was accepted: a refusal comes before the work."""
+    if args.lora_format != "diffusers":
+        raise ValueError(f"--lora-format {args.lora_format} writes a LoRA run's adapters; this export is full weights "
+                         f"(drop --lora-format, or --merge-lora / --base)")
     if args.diffusers:
         _check_model_dirs(cfg, args)
         sd = weights()
@@ -160,10 +206,12 @@ def _from_checkpoint(ckpt: Path, args: argparse.Namespace) -> Path:
         root = Path(args.out) if args.out else ckpt / f"lora{suffix}"
         dests = _lora_dests(cfg, root, args)
         _check_lora_dirs(list(dests.values()), args)
+        _check_lora_format(cfg, list(dests.values()), args)
         _, model = checkpoint_model(ckpt, args.ema)
         with _writing(root if not args.diffusers else Path(args.diffusers)):
             written = [save_lora(model, out, model_spec(cfg.model).name, component=prefix)
                        for prefix, out in dests.items()]
+        written = _write_lora_format(written, args)
         return written[0] if len(written) == 1 else root if not args.diffusers else Path(args.diffusers)
     return _full_weights(cfg, lambda: checkpoint_weights(ckpt, args.ema)[1], args,
                          ckpt / f"weights{suffix}.safetensors")
@@ -212,6 +260,12 @@ def _from_run_files(run: Path, args: argparse.Namespace) -> Path | None:
         if not src.is_file():
             raise FileNotFoundError(f"{src} is missing" + (" (the run has no EMA weights): drop --ema" if args.ema else ""))
     dest = args.diffusers or args.out
+    if dest is None and args.lora_format != "diffusers":  # the converted files go beside the run's own
+        _check_lora_format(cfg, list(lora_dirs.values()), args)
+        for src in srcs:
+            _checked_adapter(src)
+        written = _write_lora_format(srcs, args)
+        return written[0] if len(written) == 1 else run / f"lora{suffix}"
     if dest is None:
         where = srcs[0] if len(srcs) == 1 else run / f"lora{suffix}"
         print(f"{run} has no checkpoint; its export is already at {where} (give --out or --diffusers to write it "
@@ -220,6 +274,7 @@ def _from_run_files(run: Path, args: argparse.Namespace) -> Path | None:
     if _lora(cfg, args):  # the files are already in diffusers' LoRA format: DIR/pytorch_lora_weights.safetensors
         dests = _lora_dests(cfg, Path(dest), args)
         _check_lora_dirs(list(dests.values()), args)
+        _check_lora_format(cfg, list(dests.values()), args)
         for src in srcs:
             _checked_adapter(src)
         # and the weights trained beside the adapters (a widened patch embedding: train_also), as save_lora writes them
@@ -232,6 +287,7 @@ def _from_run_files(run: Path, args: argparse.Namespace) -> Path | None:
                 written.append(copy_atomic(lora_dirs[prefix] / WEIGHT_NAME, out / WEIGHT_NAME))
                 for src in extra[prefix]:
                     copy_atomic(src, out / src.name)
+        written = _write_lora_format(written, args)
         return written[0] if len(written) == 1 else Path(dest)
     return _full_weights(cfg, lambda: load_safetensors(srcs[0]), args, run / srcs[0].name)
 
@@ -274,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base", action="store_true",
                     help="the weights the run started from, without adapters: model.pretrained's, or the "
                          "initialisation from train.seed (default output <run>/weights_base.safetensors)")
+    ap.add_argument("--lora-format", choices=lora_formats.FORMATS, default="diffusers",
+                    help="LoRA runs of Wan: also write the adapters as ComfyUI (comfyui) or kohya / musubi-tuner "
+                         "(kohya) name them, as lora_<format>.safetensors beside the diffusers file")
     ap.add_argument("--overwrite", action="store_true",
                     help="replace files that exist where the export goes (default: refuse, naming them)")
     args = ap.parse_args(argv)

@@ -9,6 +9,8 @@ checkpointing and recomputed prologues fit a GPU, best first.
     python -m dit_train.tools.plan model=wan_14b train.precision=bf16 --world 8 --frames 81 --height 720 --width 1280
         # "how many frames fit": per AC policy x offload option, the best layout for the clip and the
         # longest clip of that size that fits (dit_train/planning/clips.py); add --smoke 1 on GPUs to measure
+    python -m dit_train.tools.plan model=wan_14b model.lora.rank=32 train.precision=bf16 --gpu-mem-gib 24 \
+        --frames 81 --height 512 --width 512    # LoRA on one card: base_quant, block_swap, AC (planning/one_gpu.py)
 
 Positional arguments are Hydra overrides of the training config (composed like
 `python -m dit_train`); the layout keys they set are the starting point of the search only.
@@ -30,7 +32,9 @@ from dit_train.parallel.mesh import ParallelDims
 from dit_train.perf.bench import dumps_records, format_table
 from dit_train.planning.clips import clip_options, clip_tokens, latent_grid
 from dit_train.perf.memory import GIB, calibrate_block, model_shape
-from dit_train.planning.planner import MAX_PLAN_WORLD, Workload, plan, resolve_plan_backend, smoke, workload_from_data
+from dit_train.planning import one_gpu
+from dit_train.planning.planner import (MAX_PLAN_WORLD, Workload, adapter_parameters, plan, resolve_plan_backend, smoke,
+                                        workload_from_data)
 from dit_train.tools.args import POSITIVE_FLOAT, POSITIVE_INT, ToolParser, ranged
 
 
@@ -73,6 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--height", type=POSITIVE_INT, default=480, help="pixel height of the clip (with --frames)")
     ap.add_argument("--width", type=POSITIVE_INT, default=832, help="pixel width of the clip (with --frames)")
     ap.add_argument("--vae-stride", type=vae_stride, default="", help="VAE compression t,h,w (default: the model's model.vae_stride where it has one, e.g. 4,16,16 for wan22_ti2v_5b; else the family's VAE: Wan 4,8,8, LTX-Video 8,32,32)")
+    ap.add_argument("--h2d-gib-s", type=POSITIVE_FLOAT, default=20.0,
+                    help="host-to-device copy bandwidth for block swap (default 20 GiB/s: PCIe 4.0 x16 in practice)")
+    ap.add_argument("--gpu-tflops", type=POSITIVE_FLOAT, default=80.0,
+                    help="achieved TFLOP/s of the card for the swap's overlap model (default 80: an assumption for a "
+                         "24-32 GB card in bf16, not measured)")
     ap.add_argument("--host-mem-gib", type=POSITIVE_FLOAT, default=128.0, help="host memory per rank for the offload options")
     ap.add_argument("--max-frames", type=POSITIVE_INT, default=4001, help="upper end of the longest-clip search")
     ap.add_argument("--top", type=POSITIVE_INT, default=12, help="rows to print")
@@ -102,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         work = Workload(cfg.train.global_batch, mx, args.mean_sample_tokens or mx)
     backend = args.backend or resolve_plan_backend(cfg, args.device)
     prologues = {"both": (False, True), "on": (True,), "off": (False,), "config": ()}[args.prologues]
+    if args.frames and cfg.model.lora.rank > 0 and world == 1:
+        return one_gpu_main(args, cfg, shape, backend)
     if args.frames:
         return clip_main(args, cfg, world, shape, backend, prologues)
     ac = {"both": (False, True), "on": (True,), "off": (False,), "all": ("none", "selective", "full"),
@@ -155,6 +166,43 @@ def main(argv: list[str] | None = None) -> int:
             "rejected": [{"layout": lay.to_json(), "reasons": r} for lay, r in rejected]}))
         print(f"wrote {args.json}")
     return 0 if cands and cands[0].fits else 1
+
+
+def one_gpu_main(args, cfg, shape, backend: str) -> int:
+    """--frames with model.lora.rank > 0 on one rank: choose model.base_quant, model.block_swap and
+    activation checkpointing for the clip (dit_train/planning/one_gpu.py), print every term of the
+    chosen option's estimate and the swap's modelled step-time cost."""
+    if cfg.mode != "video":
+        raise SystemExit(f"--frames needs a video model (model.name={cfg.model.name} is {cfg.mode})")
+    stride = args.vae_stride or tuple(getattr(cfg.model, "vae_stride", None) or model_spec(cfg.model).vae_stride)
+    tokens = clip_tokens(cfg.model, args.frames, args.height, args.width, stride)
+    lora = adapter_parameters(cfg.model)
+    opts = one_gpu.options(shape, lora, tokens, precision=cfg.train.precision, optimizer=cfg.optim.name,
+                           ema=cfg.train.ema_decay > 0, backend=backend, capacity=args.gpu_mem_gib * GIB,
+                           reserve=args.reserve_gib * GIB, h2d_bytes_per_s=args.h2d_gib_s * GIB,
+                           flops_per_s=args.gpu_tflops * 1e12)
+    print(f"model: {cfg.model.name} dim={shape.dim} depth={shape.depth} params={shape.params / 1e9:.2f}B, LoRA rank "
+          f"{cfg.model.lora.rank}: {lora / 1e6:.1f}M adapter params | one GPU of {args.gpu_mem_gib:g} GiB (reserve "
+          f"{args.reserve_gib:g}) | precision={cfg.train.precision} optim={cfg.optim.name} attn={backend}")
+    print(f"clip: {args.frames} frames x {args.height}x{args.width} px -> {tokens} tokens | host-to-device "
+          f"{args.h2d_gib_s:g} GiB/s, {args.gpu_tflops:g} TFLOP/s assumed")
+    best = one_gpu.choose(opts)
+    shown = [o for o in opts if o.block_swap == 0 and not o.activation_offload]
+    shown += [best] if best is not None and best not in shown else []
+    print(format_table([o.row() for o in shown]))
+    if best is None:
+        worst = opts[-1]
+        print(f"nothing fits: even int8 with every block swapped and activations offloaded needs {worst.total / GIB:.1f} GiB; lower the clip "
+              f"(--frames / --height / --width) or use more GPUs")
+        return 1
+    print("estimate of the choice (GiB): " + ", ".join(f"{k} {v / GIB:.2f}" for k, v in best.terms.items())
+          + f"; total {best.total / GIB:.2f} of {args.gpu_mem_gib:g}; host (pinned) {best.host / GIB:.2f}")
+    if best.block_swap or best.activation_offload:
+        print(f"host copies: block swap {best.block_swap} of {shape.depth} blocks"
+              f"{', activations offloaded' if best.activation_offload else ''}: {best.swap_copy_s:.2f} s of copies per step, "
+              f"{best.swap_exposed_s:.2f} s not hidden behind ~{best.compute_s:.2f} s of compute (modelled)")
+    print("choice: " + " ".join(best.overrides()))
+    return 0
 
 
 def clip_main(args, cfg, world: int, shape, backend: str, prologues: tuple[bool, ...]) -> int:

@@ -1,0 +1,136 @@
+"""Does a LoRA run fit on my card? The one-process planner of `tools.plan --frames ... --gpu-mem-gib G`
+for LoRA configs (model.lora.rank > 0) on one rank: it chooses model.base_quant, model.block_swap
+and activation checkpointing, and models the swap's step-time cost.
+
+Per-term device bytes of one clip of T tokens (one micro-batch), c = bytes of the compute dtype:
+
+    base          frozen block weights on the device: (depth - N + min(N, 2)) blocks x params_block x q
+                  (q = 4 for an unquantized base, which keeps fp32 storage; 1 for int8 / fp8: torchao's
+                  weight-only tensors, per-row scales ignored), + params outside the blocks x 4
+    autocast      bf16/fp16 without quantization: autocast's c-byte copies of the resident block
+                  weights (perf/memory.py's autocast_weight_cache; a quantized weight is dequantized
+                  per use instead, transient)
+    adapters      LoRA parameters x (4 weight + 4 gradient + optimizer state) (+4 EMA)
+    activations   perf/memory.activation_parts (saved + one block's recompute), attention workspace
+    reserve       allocator / CUDA context
+    host          N swapped blocks x params_block x q (pinned)
+
+N = model.block_swap: at most two swapped blocks are on the device at once
+(dit_train/engine/block_swap.py). Options, cheapest first: no quantization before int8 (fp8 has
+the same bytes and, measured, 4x the error: docs/one-gpu.md), no swap before swap, no
+checkpointing before full, no activation offload (train.activation_offload: the saved block
+inputs in host memory) before offload; block swap and offload come with full checkpointing. The
+first option that fits wins: (offload, block_swap, quantized, checkpointing) lexicographic.
+
+Swap cost: each swapped block is copied twice a step (ahead of its forward and of its backward),
+params_block x q bytes at `h2d_bytes_per_s`; the copy of block k + 1 runs while block k computes,
+so what shows is max(0, copy - compute) per copy. Compute per block: the FLOP model of
+perf/flops.py for a LoRA step (frozen weights: no weight gradient, 4/6 of 6·N·T, plus the recompute
+of full checkpointing: forward 2·N·T again) at `flops_per_s` achieved.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dit_train.perf.flops import attention_flops
+from dit_train.perf.memory import (DTYPE_BYTES, GIB, ModelShape, activation_parts, attention_workspace_bytes,
+                                   offloaded_activation_bytes, optimizer_bytes_per_param)
+
+QUANT_BYTES = {"none": 4.0, "int8": 1.0, "fp8": 1.0}
+
+
+@dataclass
+class OneGpuOption:
+    base_quant: str
+    block_swap: int
+    checkpointing: str
+    activation_offload: bool = False  # train.activation_offload
+    terms: dict[str, float] = field(default_factory=dict)  # device bytes by term
+    host: float = 0.0  # pinned host bytes of the swapped blocks
+    swap_copy_s: float = 0.0  # seconds of host-to-device copies per step
+    swap_exposed_s: float = 0.0  # of which not hidden behind compute
+    compute_s: float = 0.0  # modelled compute seconds per step
+    capacity: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return sum(self.terms.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.capacity
+
+    def overrides(self) -> list[str]:
+        return [f"model.base_quant={self.base_quant}", f"model.block_swap={self.block_swap}",
+                f"model.activation_checkpointing={self.checkpointing}"] + ["train.activation_offload=true"] * self.activation_offload
+
+    def row(self) -> dict[str, Any]:
+        return {"base_quant": self.base_quant, "block_swap": self.block_swap, "ac": self.checkpointing,
+                "act_offload": self.activation_offload,
+                **{f"{k}_GiB": round(v / GIB, 2) for k, v in self.terms.items()}, "total_GiB": round(self.total / GIB, 2),
+                "host_GiB": round(self.host / GIB, 2), "swap_copy_s": round(self.swap_copy_s, 3),
+                "swap_exposed_s": round(self.swap_exposed_s, 3), "compute_s": round(self.compute_s, 3),
+                "fits": self.fits}
+
+
+def lora_compute_s(s: ModelShape, tokens: int, checkpointing: str, flops_per_s: float) -> float:
+    """Modelled seconds of one LoRA step on one clip (frozen base: no weight gradients)."""
+    linear = 2.0 * s.params_per_token * tokens  # one forward
+    attn = attention_flops(s, [tokens]) / 3.0  # attention_flops counts forward + backward (x3)
+    forward = linear + attn
+    total = forward * 3.0 - 2.0 * s.params_per_token * tokens  # fwd + bwd (2x fwd) minus the weight gradients
+    if checkpointing == "full":
+        total += forward
+    return total / flops_per_s
+
+
+def estimate(s: ModelShape, adapter_params: int, tokens: int, *, base_quant: str, block_swap: int, checkpointing: str,
+             activation_offload: bool = False, precision: str, optimizer: str, ema: bool, backend: str, capacity: float, reserve: float,
+             h2d_bytes_per_s: float, flops_per_s: float) -> OneGpuOption:
+    """The device terms, host bytes and swap cost of one option (see the module docstring)."""
+    q = QUANT_BYTES[base_quant]
+    c = DTYPE_BYTES[precision]
+    resident = s.depth - block_swap + min(block_swap, 2)
+    block_bytes = s.params_block * q
+    saved, recompute = activation_parts(s, tokens, precision, checkpointing, 1, 1, 1, activation_offload, backend, tokens)
+    offloaded = offloaded_activation_bytes(s, tokens, precision, checkpointing, 1, 1, 1, backend, tokens) if activation_offload else 0.0
+    terms = {
+        "base": resident * block_bytes + 4.0 * s.params_other,
+        "adapters": adapter_params * (8.0 + optimizer_bytes_per_param(optimizer) + (4.0 if ema else 0.0)),
+        "activations": saved + recompute,
+        "attention_workspace": attention_workspace_bytes(s, backend, tokens, precision, 1, 1),
+        "reserve": reserve,
+    }
+    if base_quant == "none" and precision != "fp32":
+        terms["autocast"] = max(0.0, c * resident * s.params_block - recompute)
+    compute = lora_compute_s(s, tokens, checkpointing, flops_per_s)
+    copy = block_bytes / h2d_bytes_per_s
+    # per block: forward is 2 of the 6 (+2 recompute) compute units, backward the rest
+    units = 8.0 if checkpointing == "full" else 6.0
+    fwd, bwd = compute / s.depth * 2.0 / units, compute / s.depth * (units - 2.0) / units
+    exposed = block_swap * (max(0.0, copy - fwd) + max(0.0, copy - bwd))
+    # activation offload: what forward saves goes to the host and comes back once, on the same link;
+    # counted as not hidden (an upper bound: its copies overlap compute too)
+    act_copy = 2.0 * offloaded / h2d_bytes_per_s
+    return OneGpuOption(base_quant, block_swap, checkpointing, activation_offload, terms,
+                        host=block_swap * block_bytes + offloaded, swap_copy_s=2 * block_swap * copy + act_copy,
+                        swap_exposed_s=exposed + act_copy, compute_s=compute, capacity=capacity)
+
+
+def options(s: ModelShape, adapter_params: int, tokens: int, **kw: Any) -> list[OneGpuOption]:
+    """Every (activation offload, block_swap, base_quant, checkpointing) option, cheapest first
+    (module docstring)."""
+    out = []
+    for offload in (False, True):
+        for n in range(s.depth + 1):
+            for quant in ("none", "int8"):
+                for ac in (("none", "full") if n == 0 and not offload else ("full",)):
+                    out.append(estimate(s, adapter_params, tokens, base_quant=quant, block_swap=n, checkpointing=ac,
+                                        activation_offload=offload, **kw))
+    return out
+
+
+def choose(opts: list[OneGpuOption]) -> OneGpuOption | None:
+    """The first option that fits (they come cheapest first), or None."""
+    return next((o for o in opts if o.fits), None)
