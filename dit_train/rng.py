@@ -10,7 +10,8 @@ import hashlib
 
 import torch
 
-STREAMS = ("noise", "timestep", "caption_dropout", "sampling", "conditioning", "distill_student", "distill_critic")
+STREAMS = ("noise", "timestep", "caption_dropout", "sampling", "conditioning", "distill_student", "distill_critic",
+           "block_timestep")
 
 
 def sample_generator(seed: int, sample_id: int, step: int, stream: str) -> torch.Generator:

@@ -18,11 +18,13 @@ from dit_train.config.choices import (
     ActivationCheckpointing,
     AttnBackend,
     Balance,
+    BlockNoiseSchedule,
     CondFeed,
     CondKind,
     CPFSDPMode,
     Device,
     DPMode,
+    FrameNoise,
     InitScheme,
     LossWeighting,
     Mode,
@@ -212,6 +214,14 @@ class LossConfig:
     # resolution-dependent shift: a sample of T_b tokens uses timestep_shift·sqrt(T_b / this) (SD3); 0 = off
     shift_reference_tokens: int = 0
     weighting: LossWeighting = LossWeighting.none  # none | sigma_sqrt | cosmap: w(t) times each token's loss
+    # diffusion forcing (block-causal models, docs/causal.md): clip = one t per clip; block = each
+    # causal block of a clip draws its own t (from the clip's own generator: the same in every layout)
+    frame_noise: FrameNoise = FrameNoise.clip
+    # frame_noise=block: independent draws, or the same draws sorted so t never falls along time
+    block_noise_schedule: BlockNoiseSchedule = BlockNoiseSchedule.independent
+    # frame_noise=block: the share of clips (of 2+ blocks) whose first h blocks (h uniform in
+    # 1..blocks−1) are clean history: t = 0, weight 0, outside T_b; 0 = every block supervised
+    history_prob: float = 0.0
 
 
 # Mask channels of the concat feed: one per frame of the model's input. Wan 2.1 I2V on latents
