@@ -204,3 +204,12 @@ def test_history_under_sigma_sqrt_stays_finite(df_cfg):
     model = build_model(df_cfg.model)
     loss = task.per_token_loss(model, pack, VarlenLayout.build(pack.seg, pack.mask_order, pack.causal))
     assert bool(torch.isfinite(loss).all()) and bool(torch.isfinite((loss * pack.loss_weight()).sum()))
+
+
+def test_shapes_causal_experiment_is_diffusion_forcing():
+    """+experiment=shapes_causal: block-causal (K = 4), per-block noise sorted along time, history,
+    on clips of up to 8 frames; it passes the checks before step 0."""
+    cfg = compose_config(["+experiment=shapes_causal"])
+    check_config(cfg)
+    assert cfg.model.causal_block_frames == 4 and cfg.data.max_frames == 8
+    assert (cfg.loss.frame_noise, cfg.loss.block_noise_schedule, cfg.loss.history_prob) == ("block", "nondecreasing", 0.5)
