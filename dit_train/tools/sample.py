@@ -405,11 +405,6 @@ def quality_line(scores: dict[str, float] | None) -> str:
     return ("quality against the prompts: not scored (no prompt is a caption of the shapes world, e.g. "
             "\"a red circle moving up and left on a navy background\")")
 
-
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def training_frames(cfg: Any) -> int:
     """The longest clip a run trained on, in the model's frames (data.max_frames; 0 = unknown)."""
     return int(getattr(cfg.data, "max_frames", 0) or 0)
@@ -443,3 +438,7 @@ def check_streaming(args: argparse.Namespace, cfg: Any) -> bool:
     if why is not None:
         raise ValueError(why)
     return True
+
+
+if __name__ == "__main__":
+    sys.exit(main())
