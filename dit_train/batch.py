@@ -37,7 +37,8 @@ class PackedBatch:
             context, fractional = soft mask); None = `valid` as 0/1. When given, valid == weight > 0
             (`with_weight` keeps them together)
     tokens: token-aligned tensors, each [L, ...] (video: x, target; text: ids, labels)
-    samples: per-sample tensors, each [S, ...] (video: t); identical on every CP rank
+    samples: per-sample tensors, each [S, ...] (video: t; diffusion forcing also block_t [S, B], each
+             causal block's t); identical on every CP rank
     sample_ids: [S] int64  dataset ids (keys of the per-sample noise and metadata)
     causal: attention is causal inside each sample, by `mask_order` (the causal LM: `order`)
     block:  [L] int64 or None  the token's causal block when it is not `order` (block-causal video,
@@ -190,8 +191,13 @@ def video_forward(model: Any, batch: PackedBatch, attn: Any, x: torch.Tensor | N
     attn: the pack's attention layout (VarlenLayout, or CP's split of it). x: [L, in] input
     tokens in place of the pack's own (`input_tokens`; distillation's simulated x_j); t: [S]
     noise levels in place of samples["t"]; captions: which per-sample captions the model reads
-    ("context", or the empty caption "null_context" of the teacher's guidance)."""
+    ("context", or the empty caption "null_context" of the teacher's guidance). A diffusion-
+    forcing pack (samples["block_t"] [S, B], loss.frame_noise=block) gives the model each causal
+    block's t and the tokens' `block` instead."""
     x = input_tokens(batch) if x is None else x
+    if t is None and "block_t" in batch.samples:
+        return model(x, batch.pos, batch.seg, batch.samples["block_t"], attn, block=batch.block,
+                     **model_context(batch, captions))
     t = batch.samples["t"] if t is None else t
     return model(x, batch.pos, batch.seg, t, attn, **model_context(batch, captions))
 

@@ -11,7 +11,7 @@ import hashlib
 import torch
 
 STREAMS = ("noise", "timestep", "caption_dropout", "sampling", "conditioning", "distill_student", "distill_critic",
-           "audio_noise")  # audio_noise: the two-stream DiT's audio tokens (tasks/joint_audio.py)
+           "audio_noise", "block_timestep")  # audio_noise: the two-stream DiT's audio tokens (tasks/joint_audio.py)
 
 
 def sample_generator(seed: int, sample_id: int, step: int, stream: str) -> torch.Generator:

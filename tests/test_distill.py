@@ -400,6 +400,9 @@ def test_bad_teachers_are_refused_in_one_line_before_step_0(tiny_cfg, teacher, t
     assert "  causal_block_frames: 0\n" in text
     (causal / "config.yaml").write_text(text.replace("  causal_block_frames: 0\n", "  causal_block_frames: 4\n", 1))
     assert "a block-causal run" in refused("+experiment=distill_dmd2", f"distill.teacher={causal}")
+    # a causal student asked of a bidirectional teacher (Self-Forcing's setup): the student would
+    # silently take the teacher's bidirectional model
+    assert "a block-causal student" in refused(*dmd, "model.causal_block_frames=4")
     # another model's weights: a copy of the teacher whose config says model.dim=48
     other = tmp_path / "other"
     shutil.copytree(teacher, other)

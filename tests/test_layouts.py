@@ -117,8 +117,8 @@ def test_naive_mean_is_biased_under_data_parallelism(tiny_cfg):
 # Block-causal video (model.causal_block_frames, docs/causal.md): the mask's key travels in the
 # attention layout, so Ulysses (the whole pack's keys after the all-to-all) and the ring (zigzag
 # split, per-sample masked blocks, fully future steps skipped) must give the oracle's weights. K = 4
-# frames = 2 temporal patches of the tiny config: the uneven clips (4..8 frames) hold 1 or 2 blocks,
-# the last one short for 6-frame clips.
+# frames = 2 temporal patches of the tiny config: the uneven clips (4..8 frames) hold 1 or 2 blocks
+# (6-frame clips train with their first block: tasks/causal.py trims to whole blocks).
 CAUSAL_LAYOUTS = ["dp_shard=2,cp_ring=2", "cp_ulysses=2", "cp_ulysses=2,cp_ring=2"]
 
 

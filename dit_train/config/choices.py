@@ -89,6 +89,20 @@ class LossWeighting(Choice):
     cosmap = "cosmap"  # w = 2 / (π·(1 − 2t + 2t²)), SD3's CosMap
 
 
+class FrameNoise(Choice):
+    """How many noise levels a clip draws (docs/causal.md)."""
+
+    clip = "clip"  # one t for the whole clip
+    block = "block"  # diffusion forcing: one t per causal block (model.causal_block_frames)
+
+
+class BlockNoiseSchedule(Choice):
+    """loss.frame_noise=block: how a clip's block noise levels relate along time."""
+
+    independent = "independent"  # each block's t drawn on its own
+    nondecreasing = "nondecreasing"  # the same draws sorted: t never falls along time (SkyReels-V2)
+
+
 class CondKind(Choice):
     """cond.kind: which frames of a clip are given as context (dit_train/tasks/conditioning.py)."""
 

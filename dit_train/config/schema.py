@@ -19,11 +19,13 @@ from dit_train.config.choices import (
     AttnBackend,
     BaseQuant,
     Balance,
+    BlockNoiseSchedule,
     CondFeed,
     CondKind,
     CPFSDPMode,
     Device,
     DPMode,
+    FrameNoise,
     InitScheme,
     LossWeighting,
     Mode,
@@ -240,6 +242,14 @@ class LossConfig:
     weighting: LossWeighting = LossWeighting.none  # none | sigma_sqrt | cosmap: w(t) times each token's loss
     # λ per stream: L = Σ_s λ_s·(1/B_s)·Σ_{b has s} (1/T_{b,s})·Σ_t w·l (sample_mean of multi-stream packs)
     stream_weights: StreamWeights = field(default_factory=StreamWeights)
+    # diffusion forcing (block-causal models, docs/causal.md): clip = one t per clip; block = each
+    # causal block of a clip draws its own t (from the clip's own generator: the same in every layout)
+    frame_noise: FrameNoise = FrameNoise.clip
+    # frame_noise=block: independent draws, or the same draws sorted so t never falls along time
+    block_noise_schedule: BlockNoiseSchedule = BlockNoiseSchedule.independent
+    # frame_noise=block: the share of clips (of 2+ blocks) whose first h blocks (h uniform in
+    # 1..blocks−1) are clean history: t = 0, weight 0, outside T_b; 0 = every block supervised
+    history_prob: float = 0.0
 
 
 # Mask channels of the concat feed: one per frame of the model's input. Wan 2.1 I2V on latents

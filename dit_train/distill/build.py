@@ -97,6 +97,11 @@ def student_config(cfg: Config) -> Config:
     if getattr(teacher.model, "causal_block_frames", 0):
         raise ConfigError(f"{where}: a block-causal run (model.causal_block_frames={teacher.model.causal_block_frames}); "
                           f"DMD2 here distils bidirectional runs only (Self-Forcing is not built yet: docs/causal.md)")
+    if getattr(cfg.model, "causal_block_frames", 0):  # the student is the teacher's model: it would silently be bidirectional
+        raise ConfigError(f"model.causal_block_frames={cfg.model.causal_block_frames} asks for a block-causal student, "
+                          f"but DMD2 builds the student from the teacher's model ({where}: bidirectional); a causal "
+                          f"student of a bidirectional teacher is Self-Forcing, not built yet (docs/causal.md): drop "
+                          f"model.causal_block_frames")
     if teacher.model.lora.rank > 0:
         raise ConfigError(f"{where}: a LoRA run (model.lora.rank={teacher.model.lora.rank} in its config.yaml); "
                           f"distil from a full-weights run (its merged weights.safetensors in a run trained without "

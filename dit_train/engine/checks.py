@@ -23,6 +23,7 @@ from dit_train.data_pipelines import SOURCES
 from dit_train.models import build_model, model_spec, MODELS, quant
 from dit_train.parallel.checkpointing import checkpointed_blocks
 from dit_train.parallel.mesh import ParallelDims
+from dit_train.tasks.causal import causal_errors
 from dit_train.tasks.conditioning import cond_errors
 from dit_train.trackers import tracker_errors
 
@@ -430,6 +431,7 @@ def check_config(cfg: Config, world_size: int | None = None) -> None:
     _loss(cfg, e)
     _model_and_data(cfg, e)
     e += _cond_errors(cfg)
+    e += causal_errors(str(cfg.mode), cfg.model, cfg.data, cfg.loss, cfg.cond)
     if e:
         # one problem: one line; several: one line each under the heading
         text = f"invalid configuration: {e[0]}" if len(e) == 1 else "invalid configuration:\n  - " + "\n  - ".join(e)

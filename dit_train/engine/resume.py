@@ -47,7 +47,7 @@ ALLOWED = (
 # tokens' weights).
 REFUSED = ("loss.reduction", "loss.timestep_sampling", "loss.logit_mean", "loss.logit_std", "loss.timestep_shift",
            "loss.shift_reference_tokens", "loss.weighting", "cond.kind", "cond.prob", "cond.prefix_frames", "cond.feed",
-           "cond.control", "data.masks")
+           "cond.control", "data.masks", "loss.frame_noise", "loss.block_noise_schedule", "loss.history_prob")
 NOTICE = {
     "optim.lr": "the new peak LR replaces the old one from the resumed step on (same schedule shape: "
                 "LR(step) = new optim.lr x schedule factor)",

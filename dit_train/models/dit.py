@@ -63,7 +63,8 @@ class VideoDiT(nn.Module):
                             patch_dim, plus the concat conditioning's channels: cond_dim)
       pos:  [L, 3]          (t, h, w) patch coordinates inside each clip, for 3-D RoPE
       seg:  [L]             index of the clip in the pack (-1 = padding)
-      t:    [S]             flow-matching time of each clip
+      t:    [S]             flow-matching time of each clip, or [S, B] of each causal block of
+                            each clip (diffusion forcing, with `block`)
       meta: attention metadata for the attention callable (VarlenLayout, or its CP variant)
       context:     [S, Lc, text_dim] caption embeddings, valid tokens first (text_dim > 0 only)
       context_len: [S] int64 valid caption tokens of each clip
@@ -71,6 +72,8 @@ class VideoDiT(nn.Module):
       stream: [L] int64 the token's stream (0 video, 1 audio) of a two-stream model (audio_dim >
               0); x is then [L, max(in_dim, audio_dim)]: a video token's first in_dim features,
               an audio token's first audio_dim (its waveform samples), zeros after
+      block: [L] int64 each token's causal block (PackedBatch.block), with t [S, B]: a token is
+             conditioned on its block's t
     returns [L, patch_dim], the predicted velocity; with `stream`, [L, max(patch_dim, audio_dim)]
     (an audio token's velocity in its first audio_dim values, zeros after; likewise video).
     """
@@ -104,7 +107,8 @@ class VideoDiT(nn.Module):
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, seg: torch.Tensor, t: torch.Tensor, meta: Any,
                 context: torch.Tensor | None = None, context_len: torch.Tensor | None = None,
-                clean: torch.Tensor | None = None, stream: torch.Tensor | None = None) -> torch.Tensor:
+                clean: torch.Tensor | None = None, stream: torch.Tensor | None = None,
+                block: torch.Tensor | None = None) -> torch.Tensor:
         # inputs arrive in fp32 (FSDP2's root does not cast them, see parallel.fsdp_mp_policies)
         x = x.to(self.x_embedder.weight.dtype)
         h = self.x_embedder(x[:, : self.x_embedder.in_features])
@@ -112,20 +116,45 @@ class VideoDiT(nn.Module):
         if stream is not None and self.audio_embedder is not None:
             audio = (stream == 1)[:, None]
             h = torch.where(audio, self.audio_embedder(x[:, : self.audio_dim]), h)
+        if t.dim() == 2:  # per-block t: every (clip, block) is one conditioning row
+            return self._blocks_forward(h, pos, seg, t, meta, context, context_len, clean, block, audio)
         S = t.shape[0]
         # clean context tokens read their sample's rows at t = 0 (one embedding pass for both)
         c = self.t_embedder(t if clean is None else torch.cat([t, torch.zeros_like(t)]))
         rope = self.rope(pos)
-        text = None
-        if self.context_embedder is not None:
-            if context is None:
-                raise ValueError("this model has text cross-attention (model.text_dim > 0) but the batch has no captions")
-            text = TextContext(self.context_embedder(context.to(h.dtype)), context_len, seg)
-            if self.text_pool is not None:
-                pool = self.text_pool(pooled(text))
-                c = c + (pool if clean is None else torch.cat([pool, pool]))
+        text, pool = self._text(context, context_len, seg, h.dtype)
+        if pool is not None:
+            c = c + (pool if clean is None else torch.cat([pool, pool]))
         cond = Conditioning.from_samples(c, seg) if clean is None else \
             Conditioning.from_samples(c[:S], seg, clean, c[S:])
+        return self._trunk(h, rope, meta, cond, text, audio)
+
+    def _text(self, context: torch.Tensor | None, context_len: torch.Tensor | None, seg: torch.Tensor,
+              dtype: torch.dtype) -> tuple[TextContext | None, torch.Tensor | None]:
+        """The captions as cross-attention context, and their pooled vector [S, dim] (None without)."""
+        if self.context_embedder is None:
+            return None, None
+        if context is None:
+            raise ValueError("this model has text cross-attention (model.text_dim > 0) but the batch has no captions")
+        text = TextContext(self.context_embedder(context.to(dtype)), context_len, seg)
+        return text, self.text_pool(pooled(text)) if self.text_pool is not None else None
+
+    def _blocks_forward(self, h, pos, seg, t, meta, context, context_len, clean, block, audio) -> torch.Tensor:
+        """forward with t [S, B]: the timestep embedding (plus the pooled caption) of every block
+        of every clip, one adaLN row each (Conditioning.from_blocks)."""
+        if block is None or clean is not None:
+            raise ValueError("per-block timesteps t [S, B] need the tokens' `block` and no clean tokens")
+        S, B = t.shape
+        c = self.t_embedder(t.reshape(-1)).reshape(S, B, -1)
+        text, pool = self._text(context, context_len, seg, h.dtype)
+        if pool is not None:
+            c = c + pool[:, None]
+        return self._trunk(h, self.rope(pos), meta, Conditioning.from_blocks(c, seg, block), text, audio)
+
+    def _trunk(self, h, rope, meta, cond: Conditioning, text: TextContext | None,
+               audio: torch.Tensor | None) -> torch.Tensor:
+        """The blocks and the output layer; audio [L, 1] bool marks a two-stream model's audio
+        tokens (their own output layer), None for a video-only pack."""
         for block in self.blocks:
             h = block(h, rope, meta, cond, text)
         if audio is None:

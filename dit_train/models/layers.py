@@ -50,6 +50,15 @@ class Conditioning:
         index = torch.where(seg < 0, torch.full_like(seg, 2 * S), seg + S * clean.to(seg.dtype))
         return Conditioning(rows, index)
 
+    @staticmethod
+    def from_blocks(c: torch.Tensor, seg: torch.Tensor, block: torch.Tensor) -> "Conditioning":
+        """Per-block timesteps (diffusion forcing): c [S, B, C], the conditioning of each block of
+        each sample; seg, block: [L] each token's sample and causal block. Rows S·B (sample-major),
+        then the padding row: adaLN still runs per row, never per token."""
+        S, B = c.shape[:2]
+        rows = torch.cat([c.reshape(S * B, -1), c.new_zeros(1, c.shape[-1])])
+        return Conditioning(rows, torch.where(seg < 0, torch.full_like(seg, S * B), seg * B + block))
+
 
 def modulation_tables(per_sample: torch.Tensor, chunks: int, scale_at: tuple[int, ...]) -> list[torch.Tensor]:
     """Per-sample adaLN outputs [S+1, chunks·d] -> `chunks` per-sample tables [S+1, d], with

@@ -13,7 +13,9 @@ from dit_train.data_pipelines.companions import token_mask_units
 from dit_train.data_pipelines.video_io import VideoReadError
 from dit_train.batch import WEIGHT_ONE, PackedBatch, video_forward
 from dit_train.config import LossConfig, ModelConfig
+from dit_train.objectives.diffusion_forcing import history_weights, noisy_blocks
 from dit_train.objectives.flow_matching import loss_weight, noisy_sample, per_token_mse, sample_shift, velocity_from_output
+from dit_train.tasks.causal import kept_frames, trim_report
 from dit_train.tasks.captions import ByteCaptionEncoder, drop_caption, pad_contexts
 from dit_train.config.schema import cond_active
 from dit_train.tasks.conditioning import (Conditioner, i2v_data_errors, masked, too_short, unconditionable_error, vace_context,
@@ -149,6 +151,10 @@ class VideoTask:
         # second stream (tasks/joint_audio.py), and the metadata sync counts per stream
         self.audio_patch = getattr(model_cfg, "audio_patch", 0)
         self.streams = 2 if self.audio_patch else 1
+        # data frames per causal block (0 = bidirectional): clips train with whole blocks (tasks/causal.py)
+        self.block_frames = self.causal_block * self.patch[0]
+        # diffusion forcing: each block its own t (objectives/diffusion_forcing.py)
+        self.block_noise = str(loss_cfg.frame_noise) == "block"
         self.failed: set[int] = set()  # samples whose file could not be decoded (skipped, counted)
         self.failure_reasons: dict[int, str] = {}  # ... and why (the first few name them in errors)
 
@@ -156,6 +162,12 @@ class VideoTask:
         """Tokens of each sample in a pack (what the step plan fills micro-batches with): its
         clip's, plus up to text_len caption slots for a joint-attention model (tasks/joint_text.py)."""
         lengths = self.dataset.lengths()
+        frames = getattr(self.dataset, "frames", None)
+        if self.block_frames and frames is not None:  # trimmed to whole causal blocks (tokens ∝ temporal patches)
+            pt = self.patch[0]
+            counts = [frames(i) for i in range(len(lengths))]
+            lengths = [n // (f // pt) * (kept_frames(f, self.block_frames) // pt) if f >= pt else n
+                       for n, f in zip(lengths, counts)]
         if self.audio_patch:  # its audio tokens, from the manifest's audio column (no decoding)
             lengths = [n + self.dataset.audio_samples(i) // self.audio_patch for i, n in enumerate(lengths)]
         return [n + self.text_len for n in lengths] if self.joint_text else lengths
@@ -166,6 +178,10 @@ class VideoTask:
         leave a frame to generate after its context trains unconditioned (`is_still(i)`: whether
         sample i is a still image, for the message)."""
         frames = getattr(self.dataset, "frames", None)  # datasets of clips say it without decoding
+        if self.block_frames and frames is not None:  # skip-and-count: the frames trimmed to whole blocks
+            report = trim_report([frames(i) for i in range(len(self.dataset))], self.block_frames)
+            if report:
+                log.warning(report)
         if self.conditioner is not None and self.conditioner.cond.prob > 0 and frames is not None:
             cond, pt = self.conditioner.cond, self.patch[0]
             counts = [frames(i) for i in range(len(self.dataset))]
@@ -233,7 +249,8 @@ class VideoTask:
         """The full (un-split) pack of `sample_ids` at `step`, on the CPU."""
         xs, targets, ts, ctx = [], [], [], []
         conds, weights, clean, controls, images = [], [], [], [], []
-        kept, sound = [], ([], [], [])  # sound: audio x, target, positions per kept clip
+        kept, block_ts = [], []
+        sound = ([], [], [])  # sound: audio x, target, positions per kept clip
         lc = self.loss_cfg
         for sid in sample_ids:
             try:
@@ -248,10 +265,20 @@ class VideoTask:
                 self.failed.add(sid)
                 continue
             kept.append(sid)
+            frames = kept_frames(x0.shape[1], self.block_frames)  # whole causal blocks (tasks/causal.py)
+            x0 = x0[:, :frames]
             # the shift of this sample follows from its own size (never the pack's): exact
             shift = sample_shift(lc.timestep_shift, lc.shift_reference_tokens, num_patches(x0.shape, self.patch))
-            xt, v, t = noisy_sample(x0, self.seed, sid, step, lc, shift, self.inputs.t_range)
-            weight = torch.full((num_patches(x0.shape, self.patch),), WEIGHT_ONE, dtype=torch.int64)
+            if self.block_noise:  # diffusion forcing: a t per block, history blocks clean and weightless
+                xt, v, t_blocks, history = noisy_blocks(x0, self.seed, sid, step, lc, shift, self.block_frames)
+                block_ts.append(t_blocks)
+                t = float(t_blocks.max())  # the clip's samples["t"]: its noisiest block
+                patches = frames // self.patch[0]  # temporal patches; tokens = patches × slab
+                weight = history_weights(patches, num_patches(x0.shape, self.patch) // patches, self.causal_block,
+                                         history, WEIGHT_ONE)
+            else:
+                xt, v, t = noisy_sample(x0, self.seed, sid, step, lc, shift, self.inputs.t_range)
+                weight = torch.full((num_patches(x0.shape, self.patch),), WEIGHT_ONE, dtype=torch.int64)
             if self.conditioner is not None:  # context frames of the clip itself (tasks/conditioning.py)
                 inputs = self.conditioner.inputs(x0, xt, sid, step, getattr(item, "cond_latents", None))
                 xt, weight = inputs.x, inputs.weight
@@ -262,10 +289,10 @@ class VideoTask:
                 else:
                     conds.append(inputs.cond)
             if self.masks:  # an all-zero mask: T_b = 0, the sample weighs nothing and B_global skips it
-                weight = masked(weight, item.mask, self.patch)
+                weight = masked(weight, item.mask[:frames], self.patch)
             weights.append(weight)
             if self.control:
-                controls.append(self.control_input(item))
+                controls.append(self.control_input(item)[:, :frames])
             xs.append(xt)
             targets.append(v)
             ts.append(t)
@@ -275,6 +302,8 @@ class VideoTask:
                 dropped = drop_caption(self.seed, sid, step, self.caption_dropout)
                 ctx.append(self.null_caption() if dropped else self.caption_embedding(item))
         samples = {"t": torch.tensor(ts, dtype=torch.float32)}
+        if self.block_noise:  # [S, B] each block's t (B: the most blocks of a clip; the rest unused)
+            samples["block_t"] = block_table(block_ts)
         if self.text_dim:
             samples["context"], samples["context_len"] = pad_contexts(ctx, self.text_dim)
         if images:
@@ -298,7 +327,7 @@ class VideoTask:
     def _pack(self, xs, targets, conds, clean, controls, weights, samples, ids) -> PackedBatch:
         """The clips' fields packed (pack_clips): x and target, and what conditioning, masks and
         control add."""
-        if self.conditioner is None and not self.masks and not self.control:
+        if self.conditioner is None and not self.masks and not self.control and not self.block_noise:
             return pack_clips({"x": xs, "target": targets}, self.patch, self.patch_dim, samples, ids,
                               causal_block=self.causal_block)
         fields, dims = {"x": xs, "target": targets}, {"x": self.patch_dim, "target": self.patch_dim}
@@ -315,16 +344,36 @@ class VideoTask:
         (`loss.weighting`). The weight is a function of the sample's t alone, applied before the
         reduction's weights, so the reduction and its exactness are unchanged. A model with
         model.prediction=x0 outputs x̂0, turned into the velocity it stands for first."""
-        t = batch.samples["t"]
         out = video_forward(model, batch, attn_meta)
         if self.prediction != "velocity":
-            # per token; padding (seg -1, also a rank's empty pack) picks the appended 1
-            t_tok = torch.cat([t.float(), t.new_ones(1, dtype=torch.float32)]).to(batch.seg.device)[batch.seg]
-            out = velocity_from_output(out.float(), batch.tokens["x"], t_tok, self.prediction, self.x0_min_t)
+            out = velocity_from_output(out.float(), batch.tokens["x"], token_times(batch), self.prediction, self.x0_min_t)
         loss = per_token_mse(out, batch.tokens["target"])
         if self.loss_cfg.weighting == "none":
             return loss
-        # w[seg]: padding tokens (seg -1) pick the appended 1 (their reduction weight is 0 anyway)
-        w = torch.cat([loss_weight(t, self.loss_cfg.weighting).to(loss.device), loss.new_ones(1)])
-        return loss * w[batch.seg]
+        # padding tokens get t = 1; weightless tokens (history blocks at t = 0, where sigma_sqrt is
+        # infinite) get w = 1, so that their reduction weight 0 gives 0, not 0·inf = nan
+        w = loss_weight(token_times(batch), self.loss_cfg.weighting).to(loss.device)
+        return loss * torch.where(batch.valid.to(loss.device), w, w.new_ones(()))
 
+
+
+def block_table(block_ts: list[torch.Tensor]) -> torch.Tensor:
+    """[S, B] float32 of the clips' per-block t ([nb_k] each), B = max nb_k (at least 1); the
+    cells past a clip's last block are 0 and never read."""
+    table = torch.zeros(len(block_ts), max((len(t) for t in block_ts), default=1))
+    for k, t in enumerate(block_ts):
+        table[k, : len(t)] = t.float()
+    return table
+
+
+def token_times(batch: PackedBatch) -> torch.Tensor:
+    """[L] float32 the t of each token: its clip's samples["t"], or its block's t of
+    samples["block_t"] (diffusion forcing); padding (seg -1, also a rank's empty pack) gets 1."""
+    seg = batch.seg
+    if "block_t" in batch.samples:
+        table = batch.samples["block_t"].float()
+        S, B = table.shape
+        rows = torch.cat([table.reshape(-1), table.new_ones(1)]).to(seg.device)
+        return rows[torch.where(seg < 0, torch.full_like(seg, S * B), seg * B + batch.block)]
+    t = batch.samples["t"].float()
+    return torch.cat([t, t.new_ones(1)]).to(seg.device)[seg]

@@ -31,6 +31,11 @@ A conditioned run (cond.kind, docs/conditioning.md) continues given frames:
     python -m dit_train.tools.sample RUN_DIR --prompt "..." --video prefix.mp4 --prefix-frames 4
     python -m dit_train.tools.sample RUN_DIR --data-captions 48     # from the held-out clips' first frames
     python -m dit_train.tools.sample RUN_DIR --prompt "..." --control ctrl.mp4     # a run trained with cond.control
+A block-causal run (model.causal_block_frames, docs/causal.md) streams its prompts block by block
+with a KV cache; past its training length with a sliding window:
+
+    python -m dit_train.tools.sample CAUSAL_RUN --prompt "..." --frames 32 --overlap-frames 4
+    python -m dit_train.tools.sample CAUSAL_RUN --prompt "..." --frames 8 --full-sequence   # all blocks at once
 """
 from __future__ import annotations
 
@@ -64,6 +69,7 @@ from dit_train.sampling.conditioned import (condition_on_clips, control_from_fil
                                             validation_task)
 from dit_train.data_pipelines.latent_cache import read_cache_info
 from dit_train.sampling.prompts import prompt_requests, prompt_space
+from dit_train.sampling.streaming import StreamingSampler, stream_check
 from dit_train.tasks import build_task
 from dit_train.tasks.video_inputs import video_inputs
 from dit_train.tools.args import POSITIVE_INT, ToolParser, ranged
@@ -154,11 +160,17 @@ def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, 
     pipeline = pipeline_shift(cfg.model)  # ... or the model's pipeline schedule (LTX: model.pipeline_shift) ...
     if args.shift is not None:  # ... unless --shift names one for every clip
         shift, reference, pipeline = args.shift, 0, None
-    sampler = VideoSampler(requests, video_inputs(cfg.model, cfg.cond), null, ctx, args.steps, args.guidance, args.seed,
-                           shift, reference,
-                           stochastic=cfg.train.stochastic_sampling if args.stochastic is None else args.stochastic,
-                           guidance_scale_2=args.guidance_scale_2, boundary=args.boundary, pipeline=pipeline)
+    kind, stream = VideoSampler, {}
+    if args.streaming:  # block by block with a KV cache (sampling/streaming.py)
+        kind, stream = StreamingSampler, dict(block_frames=cfg.model.causal_block_frames, overlap_frames=args.overlap_frames,
+                                              window_frames=training_frames(cfg))
+    sampler = kind(requests, video_inputs(cfg.model, cfg.cond), null, ctx, args.steps, args.guidance, args.seed,
+                   shift, reference,
+                   stochastic=cfg.train.stochastic_sampling if args.stochastic is None else args.stochastic,
+                   guidance_scale_2=args.guidance_scale_2, boundary=args.boundary, pipeline=pipeline, **stream)
+    started = time.perf_counter()
     clips = sampler.sample(model, lambda: autocast(cfg.train.precision, ctx.device, False), progress=ctx.is_main)
+    seconds = time.perf_counter() - started
     if not ctx.is_main:
         return None
     pixels = to_pixels(clips, decode)
@@ -175,7 +187,9 @@ def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, 
             "stochastic_sampling": sampler.stochastic, "scores": scores,
             "given": {"image": args.image, "last_image": args.last_image, "video": args.video,
                       "prefix_frames": args.prefix_frames} if given_files(args) else None,
-            "control": args.control or None}
+            "control": args.control or None, "streamed": args.streaming, "overlap_frames": args.overlap_frames,
+            "sampling_seconds": seconds,
+            "seconds_per_frame": seconds / max(1, sum(r.shape[1] for r in requests))}
     write_samples(Path(out_dir), requests, pixels, info)
     return scores
 
@@ -228,6 +242,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--low-noise", type=Path, default=None, metavar="RUN2",
                     help="Wan 2.2 A14B: the low-noise expert's run (model.expert=low); RUN_DIR is the high-noise "
                          "expert's; each clip switches to RUN2's weights below model.boundary_ratio, as WanPipeline")
+    ap.add_argument("--overlap-frames", type=ranged(int, Range(0)), default=0, metavar="N",
+                    help="a block-causal run streaming past its training length (data.max_frames): frames of the "
+                         "last window that open the next one (a multiple of model.causal_block_frames)")
+    ap.add_argument("--full-sequence", action="store_true",
+                    help="a block-causal run: denoise all blocks at once (the validation sampler) instead of streaming")
     ap.add_argument("--layout", default="", help="parallel layout to sample on, e.g. cp_ulysses=2 (starts local workers)")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--out", type=Path, default=None, help="output folder (default RUN_DIR/generated/<time>)")
@@ -255,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         args.given = read_given(args, cfg)
         args.control_clip = read_control(args, cfg)
         run_defaults(args, cfg.train)
+        args.streaming = check_streaming(args, cfg)
         if args.num < 1 or args.steps < 1 or args.guidance < 1:
             raise ValueError("--num and --steps must be >= 1 and --guidance >= 1")
         if args.guidance_scale_2 and args.guidance_scale_2 < 1:
@@ -384,6 +404,40 @@ def quality_line(scores: dict[str, float] | None) -> str:
     # a shapes-world run, but no prompt reads as one of its captions: say so, not an empty list
     return ("quality against the prompts: not scored (no prompt is a caption of the shapes world, e.g. "
             "\"a red circle moving up and left on a navy background\")")
+
+def training_frames(cfg: Any) -> int:
+    """The longest clip a run trained on, in the model's frames (data.max_frames; 0 = unknown)."""
+    return int(getattr(cfg.data, "max_frames", 0) or 0)
+
+
+def check_streaming(args: argparse.Namespace, cfg: Any) -> bool:
+    """Whether the prompts stream block by block (a block-causal run, not --full-sequence);
+    ValueError (one `error:` line) for what cannot be streamed or needs the cache."""
+    k = getattr(cfg.model, "causal_block_frames", 0)
+    if not k:
+        if args.overlap_frames or args.full_sequence:
+            raise ValueError(f"--overlap-frames and --full-sequence are for block-causal runs (model.causal_block_frames "
+                             f"> 0); {args.run_dir} is bidirectional: it samples whole clips up to its training length")
+        return False
+    window = training_frames(cfg)
+    if args.full_sequence or args.data_captions:
+        if args.overlap_frames:
+            raise ValueError("--overlap-frames slides the streaming window: drop --full-sequence / --data-captions")
+        if args.full_sequence and window and args.frames > window:
+            raise ValueError(f"--frames {args.frames} is longer than the run's training length ({window} frames): past it "
+                             f"a causal run samples with its KV cache only (drop --full-sequence, give --overlap-frames)")
+        return False  # --data-captions: the run's validation (whole clips, the data's sizes)
+    why = stream_check(args.frames, k, window, args.overlap_frames)
+    if why is None and SOURCES[cfg.data.name].may_be_latent():
+        why = (f"streaming a run on VAE latents (data={cfg.data.name}) is not built yet (--frames counts pixel frames, "
+               f"the blocks latent ones): use --full-sequence")
+    if why is None and (cond_active(cfg.cond) or getattr(cfg.cond, "control", False)):
+        why = f"streaming a conditioned run (cond.kind={cfg.cond.kind}) is not built yet: use --full-sequence"
+    if why is None and world_of(apply_layout(cfg, parse_layout(args.layout))) > 1:
+        why = f"streaming runs on one process (--layout {args.layout}): drop --layout, or use --full-sequence"
+    if why is not None:
+        raise ValueError(why)
+    return True
 
 
 if __name__ == "__main__":

@@ -1,0 +1,151 @@
+"""Streaming generation of a block-causal run (dit_train/sampling/streaming.py, docs/causal.md):
+the cached forward, block by block, equals the full causal forward (fp64); the sampler streams
+whole clips, beyond the training window with an overlap; tools.sample refuses what it cannot
+stream in one error line."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dit_train.config import ParallelConfig
+from dit_train.kernels import VarlenLayout
+from dit_train.models.dit import DiTConfig, build
+from dit_train.models.layers import Attention
+from dit_train.parallel.mesh import init_parallel
+from dit_train.sampling import SampleRequest
+from dit_train.sampling import streaming
+from dit_train.sampling.streaming import KVCache, StreamingSampler, block_forward, stream_check
+from dit_train.tasks.captions import pad_contexts
+from dit_train.tasks.video import pack_clips
+from dit_train.tasks.video_inputs import VideoInputs
+
+PATCH = (1, 2, 2)
+K = 2  # frames (= temporal patches) per block
+
+
+def _model(text_dim: int = 8):
+    torch.manual_seed(0)
+    cfg = DiTConfig(dim=32, depth=3, heads=2, patch_size=list(PATCH), in_channels=3, init="normal",
+                    causal_block_frames=K, text_dim=text_dim, pooled_text=bool(text_dim))
+    model = build(cfg).double().eval()
+    for p in model.parameters():  # adaLN-zero and zero projections would hide most of the model
+        torch.nn.init.normal_(p, std=0.2)
+    return model
+
+
+def test_cached_forward_equals_full_causal_forward():
+    """A clip of 4 blocks (each at its own t): block j's output with the cache of blocks 0..j−1
+    (each committed with its own input and t) equals the full block-causal forward's, fp64."""
+    model = _model()
+    x = torch.randn(3, 4 * K, 4, 6, dtype=torch.float64)
+    t = torch.tensor([[0.0, 0.3, 0.6, 0.9]], dtype=torch.float64)
+    ctx = torch.randn(5, 8, dtype=torch.float64)
+    samples = {}
+    samples["context"], samples["context_len"] = pad_contexts([ctx], 8)
+    b = pack_clips({"x": [x]}, PATCH, 12, samples, torch.zeros(1, dtype=torch.long), causal_block=K)
+    meta = VarlenLayout.build(b.seg, b.mask_order, b.causal)
+    full = model(b.tokens["x"], b.pos, b.seg, t, meta, block=b.block, context=samples["context"],
+                 context_len=samples["context_len"])
+    cache, per_block = KVCache(), 4 * 6 // 4  # tokens of one frame: (4/2)·(6/2)
+    for j in range(4):
+        xj, tj = x[:, j * K:(j + 1) * K], float(t[0, j])
+        got = block_forward(model, xj, j * K, tj, cache, PATCH, ctx)
+        want = full[j * K * per_block:(j + 1) * K * per_block]
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10, msg=f"block {j}")
+        block_forward(model, xj, j * K, tj, cache, PATCH, ctx, record=True)
+    assert cache.tokens == 4 * K * per_block
+    # the layers get their own attention back
+    assert all(type(m.attention_fn).__name__ == "LocalAttention" for m in model.modules() if isinstance(m, Attention))
+
+
+def _sampler(frames: int, window: int = 0, overlap: int = 0, guidance: float = 1.0):
+    requests = [SampleRequest(f"c{k}", (3, frames, 4, 4), "", torch.randn(3, 8), k) for k in range(2)]
+    return StreamingSampler(requests, VideoInputs(PATCH, text_dim=8, causal_block=K), torch.zeros(3, 8),
+                            init_parallel(ParallelConfig(device="cpu")), 3, guidance, 0, block_frames=K,
+                            window_frames=window, overlap_frames=overlap)
+
+
+def test_streaming_sampler_generates_whole_clips_and_slides_the_window(monkeypatch):
+    """Two clips of 6 frames (3 blocks) with guidance; then 8 frames (4 blocks) through a 4-frame
+    window (2 blocks) with 2 frames of overlap: finite clips of the asked length, and the cache
+    never holds more than one block (8 tokens) before the window slides, then the overlap block
+    committed again."""
+    model = _model().float()
+    clips = _sampler(6, guidance=2.0).sample(model)
+    assert [tuple(c.shape) for c in clips] == [(3, 6, 4, 4)] * 2 and all(torch.isfinite(c).all() for c in clips)
+    seen = []
+    real = streaming.cached
+
+    def spy(model, cache):
+        seen.append((cache.tokens, cache.record))
+        return real(model, cache)
+
+    monkeypatch.setattr(streaming, "cached", spy)
+    clips = _sampler(8, window=4, overlap=2).sample(model)
+    assert [tuple(c.shape) for c in clips] == [(3, 8, 4, 4)] * 2
+    # per clip: block 0 (3 steps + commit) on 0 tokens, block 1 on 8; slide: overlap recommitted on 0,
+    # block 2 on 8 tokens; slide again, block 3 on 8
+    one = [(0, False)] * 3 + [(0, True)] + [(8, False)] * 3 + [(8, True)]
+    one += [(0, True)] + [(8, False)] * 3 + [(8, True)]
+    one += [(0, True)] + [(8, False)] * 3 + [(8, True)]
+    assert seen == one * 2, seen
+
+
+def test_stream_check():
+    assert stream_check(8, 4, 8, 0) is None and stream_check(16, 4, 8, 4) is None
+    assert "multiple" in stream_check(6, 4, 8, 0)
+    assert "--overlap-frames" in stream_check(16, 4, 8, 0)
+    assert "less than" in stream_check(16, 4, 8, 8)
+
+
+@pytest.fixture(scope="module")
+def causal_run(tmp_path_factory, tiny_cfg):
+    """A tiny diffusion-forcing run: K = 4 frames, clips of up to data.max_frames = 8 (2 blocks)."""
+    from dit_train.engine.layout_equivalence import apply_layout
+    from dit_train.engine.worker import train
+
+    cfg = apply_layout(tiny_cfg, {})
+    cfg.model.causal_block_frames = 4
+    cfg.loss.frame_noise, cfg.loss.history_prob = "block", 0.5
+    cfg.run_dir = str(tmp_path_factory.mktemp("causal_run"))
+    train(cfg)
+    return Path(cfg.run_dir)
+
+
+def _sample_tool(run_dir, out, *extra):
+    from dit_train.tools.sample import main
+
+    return main([str(run_dir), "--prompt", "a red circle moving up and left on a navy background", "--height", "32",
+                 "--width", "32", "--steps", "2", "--guidance", "2", "--out", str(out), *extra])
+
+
+def test_sample_tool_streams_a_causal_run_past_its_length(causal_run, tmp_path, capsys):
+    """tools.sample on a causal run: 16 frames through the 8-frame window with a 4-frame overlap,
+    streamed; the full-sequence sampler within the length; one error line for what it cannot do."""
+    assert _sample_tool(causal_run, tmp_path / "a", "--frames", "16", "--overlap-frames", "4") == 0
+    got = load_file(str(tmp_path / "a" / "samples.safetensors"))["prompt_0_0"]
+    info = json.loads((tmp_path / "a" / "info.json").read_text())
+    assert got.shape == (3, 16, 32, 32) and info["streamed"] and info["seconds_per_frame"] > 0
+    assert _sample_tool(causal_run, tmp_path / "b", "--frames", "8", "--full-sequence") == 0
+    assert not json.loads((tmp_path / "b" / "info.json").read_text())["streamed"]
+    capsys.readouterr()
+    for extra, says in [(["--frames", "6"], "not a multiple"),
+                        (["--frames", "16"], "--overlap-frames"),
+                        (["--frames", "16", "--full-sequence"], "KV cache only"),
+                        (["--frames", "16", "--overlap-frames", "8"], "less than")]:
+        assert _sample_tool(causal_run, tmp_path / "c", *extra) == 2, extra
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and says in err and "\n" not in err, err
+    bidirectional = tmp_path / "bidirectional"  # the same run, its config made bidirectional
+    shutil.copytree(causal_run, bidirectional)
+    text = (causal_run / "config.yaml").read_text()
+    (bidirectional / "config.yaml").write_text(text.replace("  causal_block_frames: 4\n", "  causal_block_frames: 0\n", 1)
+                                               .replace("  frame_noise: block\n", "  frame_noise: clip\n", 1)
+                                               .replace("  history_prob: 0.5\n", "  history_prob: 0.0\n", 1))
+    assert _sample_tool(bidirectional, tmp_path / "d", "--frames", "16", "--overlap-frames", "4") == 2
+    assert "block-causal runs" in capsys.readouterr().err
