@@ -15,7 +15,7 @@ cutime/cstime (or in our CHILDREN). A descendant that is born and reaped within 
 process that is itself born and gone within that test is counted through our CHILDREN. Time a
 stopped (SIGSTOP) pool does not use is not charged to anyone.
 
-The table, written at the end of the session, lists tests by CPU seconds (highest first) with
+The table, rewritten after each test and completed at the end of the session, lists tests by CPU seconds (highest first) with
 their wall seconds, then the files' totals. Linux only (the option is refused elsewhere).
 """
 from __future__ import annotations
@@ -78,6 +78,8 @@ class CpuReport:
         own, desc, wall = own_cpu(), descendants_cpu(me), time.perf_counter()
         yield
         self.rows.append((item.nodeid, own_cpu() - own, descendants_cpu(me) - desc, time.perf_counter() - wall))
+        # rewritten after every test (~1 ms): a run stopped by a timeout or Ctrl-C keeps what it measured
+        self.path.write_text(format_table(self.rows))
 
     def pytest_sessionfinish(self, session):
         # the rest of the process's CPU: Python's start, imports, collection (before the first test)
