@@ -112,6 +112,19 @@ def run_cli(args: list[str], cwd: Path, timeout: int = 600):
 def pytest_addoption(parser):
     parser.addoption("--run-install", action="store_true",
                      help="run the tests marked `install` (they fetch from the package index; make test-install)")
+    parser.addoption("--cpu-report", metavar="FILE", default=None,
+                     help="write each test's CPU seconds (pytest's process + its pool workers and subprocesses), "
+                          "sorted, and each file's total to FILE (tests/cpu_report.py)")
+
+
+def pytest_configure(config):
+    path = config.getoption("--cpu-report")
+    if path:
+        if not os.path.isdir("/proc/self"):
+            raise pytest.UsageError("--cpu-report reads /proc: Linux only")
+        from tests.cpu_report import CpuReport
+
+        config.pluginmanager.register(CpuReport(path), "cpu_report")
 
 
 def pytest_collection_modifyitems(config, items):

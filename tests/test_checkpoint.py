@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from dit_train.engine.layout_equivalence import apply_layout
-from tests.conftest import TINY, run_cli, train_in_process
+from tests.conftest import TINY, train_in_process
 
 ADAM_TINY = [o for o in TINY if not o.startswith("optim")] + ["optim=adamw", "optim.lr=3e-3", "optim.warmup_steps=2",
                                                               "optim.schedule=cosine", "train.ema_decay=0.9"]
@@ -328,9 +328,16 @@ def test_unreadable_or_empty_text_corpora_are_clear_errors(tmp_path):
         load_text_datasets(str(tmp_path / "empty.jsonl"), "byte", 64, 0.0)
 
 
-def test_cli_reports_data_problems_before_training(tmp_path):
+def test_data_problems_are_refused_before_training(tmp_path, data_cache):
+    """An empty text file, and clips longer than the micro-batch, are ConfigErrors of
+    run_from_config before any step runs (the CLI prints any of them as its one `error:` line:
+    tests/test_cli.py::test_bad_override_fails_before_running). In this process: a CLI run
+    costs a fresh Python importing torch, and the quickstart's data generated anew."""
+    from dit_train.config.errors import ConfigError
+
     (tmp_path / "empty.txt").write_text("")
-    r = run_cli(["mode=llm", f"data.text_path={tmp_path / 'empty.txt'}", f"hydra.run.dir={tmp_path / 'r'}"], cwd=tmp_path)
-    assert r.returncode != 0 and "empty" in r.stderr and not (tmp_path / "r" / "metrics.jsonl").exists()
-    r = run_cli(["train.micro_batch_tokens=10", f"hydra.run.dir={tmp_path / 's'}"], cwd=tmp_path)
-    assert r.returncode != 0 and "raise train.micro_batch_tokens" in r.stderr
+    with pytest.raises(ConfigError, match="empty"):
+        train_in_process(["mode=llm", f"data.text_path={tmp_path / 'empty.txt'}"], tmp_path / "r")
+    with pytest.raises(ConfigError, match="raise train.micro_batch_tokens"):
+        train_in_process([*TINY, "train.micro_batch_tokens=10"], tmp_path / "s", cache_dir=data_cache)
+    assert not (tmp_path / "r" / "metrics.jsonl").exists() and not (tmp_path / "s" / "metrics.jsonl").exists()

@@ -36,6 +36,16 @@ FAMILIES = {
     "hunyuan15": Family(("model=hunyuan15_tiny", "model.rope_axes=[2,2,4]", "model.text_len=32"),
                         test_hunyuan15.same_outputs, 5.0),
 }
+# registered diffusers families whose round trip needs more than a tiny preset, and where it is
+ELSEWHERE = {"wan_vace": "tests/test_wan_vace.py (needs a control video: pretrained -> LoRA run -> merged export)"}
+
+
+def test_every_registered_diffusers_family_has_its_round_trip():
+    """A family registered with a DiffusersFamily is in FAMILIES (or ELSEWHERE, saying where):
+    a new family cannot land without the pretrained -> train -> export test."""
+    from dit_train.models import MODELS
+
+    assert set(FAMILIES) | set(ELSEWHERE) == {n for n in MODELS.names() if MODELS[n].diffusers is not None}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

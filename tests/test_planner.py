@@ -8,7 +8,7 @@ import pytest
 
 from dit_train.models import model_config
 from dit_train.perf.flops import train_flops
-from dit_train.perf.memory import GIB, MemoryEstimate, calibrate_block, estimate_memory, model_shape
+from dit_train.perf.memory import GIB, MemoryEstimate, RankSetup, calibrate_block, estimate_memory, model_shape
 from dit_train.planning.planner import Candidate, Layout, Workload, apply_layout, check_layout, factorizations, plan
 from dit_train.parallel.mesh import ParallelDims
 from tests.conftest import CONF, compose_config
@@ -76,17 +76,16 @@ def test_impossible_layouts_are_rejected_with_reasons(tiny_cfg):
 
 def test_memory_monotone_in_tokens_sharding_and_checkpointing():
     s = model_shape(model_config("dit", dim=256, depth=4, heads=4, patch_size=[1, 2, 2], in_channels=16))
-    kw = dict(dp_replicate=1, cp_ulysses=1, cp_ring=1, precision="bf16", backend="flash")
-    totals = [estimate_memory(s, dp_shard=2, micro_batch_tokens=t, checkpointing=False, **kw).total
-              for t in (1024, 2048, 4096, 8192)]
+    r = RankSetup(dp_shard=2, micro_batch_tokens=4096, checkpointing=False, precision="bf16", backend="flash")
+    totals = [estimate_memory(s, replace(r, micro_batch_tokens=t)).total for t in (1024, 2048, 4096, 8192)]
     assert totals == sorted(totals) and len(set(totals)) == 4
-    state = [estimate_memory(s, dp_shard=d, micro_batch_tokens=4096, checkpointing=False, **kw) for d in (2, 4, 8)]
+    state = [estimate_memory(s, replace(r, dp_shard=d)) for d in (2, 4, 8)]
     assert state[0].params > state[1].params > state[2].params and state[0].total > state[1].total > state[2].total
-    ac = estimate_memory(s, dp_shard=2, micro_batch_tokens=4096, checkpointing=True, **kw)
+    ac = estimate_memory(s, replace(r, checkpointing=True))
     assert ac.activations < state[0].activations / 2  # depth 4: one block recomputed at a time
-    cp = estimate_memory(s, dp_shard=1, micro_batch_tokens=4096, checkpointing=False, **dict(kw, cp_ulysses=2))
+    cp = estimate_memory(s, replace(r, dp_shard=1, cp_ulysses=2))
     assert cp.activations < state[0].activations * 0.7  # CP halves the tokens each rank holds
-    dense = estimate_memory(s, dp_shard=2, micro_batch_tokens=4096, checkpointing=False, **dict(kw, backend="sdpa_dense"))
+    dense = estimate_memory(s, replace(r, backend="sdpa_dense"))
     assert dense.attention_workspace > 100 * state[0].attention_workspace  # O(L²) mask
 
 
@@ -198,15 +197,13 @@ def test_planner_ranks_expert_parallel_degrees():
     """parallel.ep: the experts' state is split over ep ranks outside FSDP, every degree dividing
     the world and the experts is tried, and the expert traffic decides between them: big experts
     and few tokens per rank go expert-parallel, small experts and many tokens stay on FSDP."""
-    from dataclasses import replace
 
     cfg = compose_config(["model=dit_1b", "model.moe.num_experts=16", "model.moe.top_k=2", "train.precision=bf16",
                           "train.global_batch=16"])
     s = model_shape(cfg.model)
     assert s.params_experts == s.moe_blocks * 16 * (2 * s.dim * s.hidden + s.hidden + s.dim)
-    kw = dict(dp_replicate=1, dp_shard=8, cp_ulysses=1, cp_ring=1, micro_batch_tokens=8192, checkpointing="none",
-              precision="bf16")
-    fsdp, ep4 = estimate_memory(s, **kw), estimate_memory(s, ep=4, **kw)
+    r = RankSetup(dp_shard=8, micro_batch_tokens=8192, checkpointing="none", precision="bf16")
+    fsdp, ep4 = estimate_memory(s, r), estimate_memory(s, replace(r, ep=4))
     dense = s.params - s.params_experts
     assert ep4.params == pytest.approx(4 * dense / 8 + 4 * s.params_experts / 4)
     assert ep4.optimizer == pytest.approx(8 * dense / 8 + 8 * s.params_experts / 4)
@@ -259,12 +256,12 @@ def test_frames_question_for_every_registered_video_model():
 
 def test_offload_moves_state_and_activations_to_the_host():
     s = model_shape(model_config("dit", dim=256, depth=4, heads=4, patch_size=[1, 2, 2], in_channels=16))
-    kw = dict(dp_replicate=1, dp_shard=2, cp_ulysses=1, cp_ring=1, micro_batch_tokens=8192, precision="bf16")
-    plain = estimate_memory(s, checkpointing="none", **kw)
-    cpu = estimate_memory(s, checkpointing="none", cpu_offload=True, **kw)
-    act = estimate_memory(s, checkpointing="none", activation_offload=True, **kw)
-    sel = estimate_memory(s, checkpointing="selective", **kw)
-    every2 = estimate_memory(s, checkpointing="selective", ac_every=2, **kw)
+    r = RankSetup(dp_shard=2, micro_batch_tokens=8192, checkpointing="none", precision="bf16")
+    plain = estimate_memory(s, r)
+    cpu = estimate_memory(s, replace(r, cpu_offload=True))
+    act = estimate_memory(s, replace(r, activation_offload=True))
+    sel = estimate_memory(s, replace(r, checkpointing="selective"))
+    every2 = estimate_memory(s, replace(r, checkpointing="selective", ac_every=2))
     assert cpu.params == cpu.grads == cpu.optimizer == 0 and cpu.host == plain.params + plain.grads + plain.optimizer
     assert act.activations < plain.activations and act.host == plain.activations
     assert plain.activations > every2.activations > sel.activations
@@ -337,10 +334,9 @@ def test_memory_estimate_is_within_10pct_of_peaks_measured_on_a_gpu():
     for row in rows:
         *overrides, ac = row["config"].split()
         cfg = compose_config(overrides)
-        est = estimate_memory(model_shape(cfg.model), dp_replicate=1, dp_shard=1, cp_ulysses=1, cp_ring=1,
-                              micro_batch_tokens=row["micro_tokens"], checkpointing=ac.removeprefix("ac="),
-                              precision=cfg.train.precision, optimizer=cfg.optim.name, backend=row["backend"],
-                              dp_mode=cfg.parallel.dp_mode)
+        est = estimate_memory(model_shape(cfg.model), RankSetup(
+            micro_batch_tokens=row["micro_tokens"], checkpointing=ac.removeprefix("ac="), precision=cfg.train.precision,
+            optimizer=cfg.optim.name, backend=row["backend"], dp_mode=cfg.parallel.dp_mode))
         assert abs(est.total / GIB - row["peak_GiB"]) <= 0.10 * row["peak_GiB"], (row["config"], est.total / GIB)
 
 
@@ -405,10 +401,9 @@ def test_planner_gives_ring_the_memory_of_its_longest_sample(tiny_cfg):
     """The planner passes the workload's longest sample to the ring term: short clips make a
     ring layout's activations smaller than one clip filling the micro-batch does."""
     s = model_shape(model_config("dit", dim=256, depth=4, heads=4, patch_size=[1, 2, 2], in_channels=16))
-    kw = dict(dp_replicate=1, dp_shard=1, cp_ulysses=1, cp_ring=2, micro_batch_tokens=32768, checkpointing=False,
-              precision="bf16", backend="flash")
-    short, long = (estimate_memory(s, sample_tokens=t, **kw).activations for t in (1024, 32768))
+    r = RankSetup(cp_ring=2, micro_batch_tokens=32768, checkpointing=False, precision="bf16", backend="flash")
+    short, long = (estimate_memory(s, replace(r, sample_tokens=t)).activations for t in (1024, 32768))
     assert short < long
-    assert estimate_memory(s, **kw).activations == long  # default: one sample fills the micro-batch
-    dense = estimate_memory(s, sample_tokens=32768, **dict(kw, backend="sdpa_dense")).activations
+    assert estimate_memory(s, r).activations == long  # default: one sample fills the micro-batch
+    dense = estimate_memory(s, replace(r, sample_tokens=32768, backend="sdpa_dense")).activations
     assert dense > 10 * long  # the reference's [L_r, L_r] scores

@@ -6,6 +6,7 @@ as the plain string (`cfg.parallel.dp_mode == "fsdp2"`, f"{cfg.parallel.dp_mode}
 """
 from __future__ import annotations
 
+import functools
 from enum import Enum
 
 
@@ -23,7 +24,13 @@ class Choice(str, Enum):
 
     @classmethod
     def values(cls) -> tuple[str, ...]:
-        return tuple(m.value for m in cls)
+        return _values(cls)
+
+
+@functools.cache
+def _values(cls: type[Choice]) -> tuple[str, ...]:
+    # asked for every Choice field of every config the planner validates (thousands a plan)
+    return tuple(m.value for m in cls)
 
 
 class Mode(Choice):

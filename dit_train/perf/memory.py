@@ -328,42 +328,67 @@ def optimizer_bytes_per_param(optimizer: str, momentum: float = 0.0) -> int:
     raise ValueError(f"optim.name={optimizer!r} must be adamw, muon or sgd")
 
 
-def estimate_memory(s: ModelShape, *, dp_replicate: int, dp_shard: int, cp_ulysses: int, cp_ring: int,
-                    micro_batch_tokens: int, checkpointing: bool | str, precision: str = "fp32", optimizer: str = "adamw",
-                    momentum: float = 0.0, backend: str = "flash", dp_mode: str = "fsdp2", cp_fsdp_mode: str = "all",
-                    reshard_after_forward: bool = True, reserve_bytes: float = 0.0, ac_every: int = 1,
-                    activation_offload: bool = False, cpu_offload: bool = False, ep: int = 1,
-                    sample_tokens: int | None = None) -> MemoryEstimate:
-    """Peak bytes of one rank for one layout (see the module docstring for every term).
+@dataclass(frozen=True, kw_only=True)
+class RankSetup:
+    """What one rank runs, beside the model's shape: its layout (the parallel degrees, the
+    micro-batch, activation checkpointing and offload) and the run's settings that size its
+    memory (precision, optimizer, attention backend, FSDP options). Variants of one setup are
+    `dataclasses.replace(setup, ...)`.
+
+    checkpointing: False / "none", True / "full", "selective" (every `ac_every`-th block);
     cpu_offload (FSDP2 CPUOffloadPolicy): the sharded parameters, gradients and optimizer state
-    move to `host`; the device keeps the FSDP buffers (gathered blocks, one block's gradient).
-    ep (parallel.ep): the expert weights are split over ep ranks instead of FSDP / DDP.
+    move to `host`, the device keeps the FSDP buffers (gathered blocks, one block's gradient);
+    ep (parallel.ep): the expert weights are split over ep ranks instead of FSDP / DDP;
     sample_tokens: the longest sample of a micro-batch (ring attention's saved bytes grow with
-    it; default: one sample fills the micro-batch)."""
-    cp = cp_ulysses * cp_ring
-    world = dp_replicate * dp_shard * cp
-    c = DTYPE_BYTES[precision]
-    opt = optimizer_bytes_per_param(optimizer, momentum)
+    it; None: one sample fills the micro-batch)."""
+
+    micro_batch_tokens: int
+    checkpointing: bool | str
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp_ulysses: int = 1
+    cp_ring: int = 1
+    ep: int = 1
+    ac_every: int = 1
+    activation_offload: bool = False
+    cpu_offload: bool = False
+    sample_tokens: int | None = None
+    precision: str = "fp32"
+    optimizer: str = "adamw"
+    momentum: float = 0.0
+    backend: str = "flash"
+    dp_mode: str = "fsdp2"
+    cp_fsdp_mode: str = "all"
+    reshard_after_forward: bool = True
+    reserve_bytes: float = 0.0
+
+
+def estimate_memory(s: ModelShape, r: RankSetup) -> MemoryEstimate:
+    """Peak bytes of one rank running `r` (see the module docstring for every term)."""
+    cp = r.cp_ulysses * r.cp_ring
+    world = r.dp_replicate * r.dp_shard * cp
+    c = DTYPE_BYTES[r.precision]
+    opt = optimizer_bytes_per_param(r.optimizer, r.momentum)
     extra: dict[str, float] = {}
     # with EP the experts are not FSDP's or DDP's: the dense rest is, the experts come after
-    experts = s.params_experts if ep > 1 else 0
+    experts = s.params_experts if r.ep > 1 else 0
     dense = s.params - experts
     block = s.params_block - (experts // max(1, s.moe_blocks))
-    if dp_mode == "fsdp2" and world > 1:
-        shard = fsdp_shard_degree(dp_shard, cp, cp_fsdp_mode)
+    if r.dp_mode == "fsdp2" and world > 1:
+        shard = fsdp_shard_degree(r.dp_shard, cp, r.cp_fsdp_mode)
         params, grads, optim_b = 4 * dense / shard, 4 * dense / shard, opt * dense / shard
         if shard > 1:
-            gathered = (s.depth if not reshard_after_forward else 2) * c * block
+            gathered = (s.depth if not r.reshard_after_forward else 2) * c * block
             fsdp = gathered + (c + 4) * block + c * s.params_other
         else:
             fsdp = 0.0
-        autocast_cache = c * dense if precision != "fp32" and shard == 1 else 0.0
+        autocast_cache = c * dense if r.precision != "fp32" and shard == 1 else 0.0
     else:
         params, grads, optim_b = 4.0 * dense, 4.0 * dense, float(opt * dense)
-        fsdp = 4.0 * dense if dp_mode == "ddp" and world > 1 else 0.0  # DDP's bucket copy
-        autocast_cache = c * dense if precision != "fp32" else 0.0
-    saved, recompute = activation_parts(s, micro_batch_tokens, precision, checkpointing, cp_ulysses, cp_ring, ac_every,
-                                        activation_offload, backend, sample_tokens)
+        fsdp = 4.0 * dense if r.dp_mode == "ddp" and world > 1 else 0.0  # DDP's bucket copy
+        autocast_cache = c * dense if r.precision != "fp32" else 0.0
+    saved, recompute = activation_parts(s, r.micro_batch_tokens, r.precision, r.checkpointing, r.cp_ulysses, r.cp_ring,
+                                        r.ac_every, r.activation_offload, r.backend, r.sample_tokens)
     acts = saved + recompute
     if autocast_cache:
         # autocast's low-precision weight copies live while forward's autocast context is open
@@ -372,19 +397,19 @@ def estimate_memory(s: ModelShape, *, dp_replicate: int, dp_shard: int, cp_ulyss
         # the peak (measured on an H200: dit_1b at 32k tokens, full AC, docs/performance.md)
         extra["autocast_weight_cache"] = max(0.0, autocast_cache - recompute)
     if experts:
-        params, grads, optim_b = params + 4 * experts / ep, grads + 4 * experts / ep, optim_b + opt * experts / ep
-        if precision != "fp32":
-            extra["expert_casts"] = c * experts / ep
-    host = offloaded_activation_bytes(s, micro_batch_tokens, precision, checkpointing, cp_ulysses, cp_ring,
-                                      ac_every, backend, sample_tokens) if activation_offload else 0.0
-    if cpu_offload:
+        params, grads, optim_b = params + 4 * experts / r.ep, grads + 4 * experts / r.ep, optim_b + opt * experts / r.ep
+        if r.precision != "fp32":
+            extra["expert_casts"] = c * experts / r.ep
+    host = offloaded_activation_bytes(s, r.micro_batch_tokens, r.precision, r.checkpointing, r.cp_ulysses, r.cp_ring,
+                                      r.ac_every, r.backend, r.sample_tokens) if r.activation_offload else 0.0
+    if r.cpu_offload:
         host += params + grads + optim_b
         params = grads = optim_b = 0.0
-    ws = attention_workspace_bytes(s, backend, micro_batch_tokens, precision, cp_ulysses, cp_ring)
+    ws = attention_workspace_bytes(s, r.backend, r.micro_batch_tokens, r.precision, r.cp_ulysses, r.cp_ring)
     if s.moe_blocks:
-        extra["moe_dispatch"] = moe_dispatch_bytes(s, micro_batch_tokens, precision, cp, ep)
+        extra["moe_dispatch"] = moe_dispatch_bytes(s, r.micro_batch_tokens, r.precision, cp, r.ep)
     return MemoryEstimate(params=params, grads=grads, optimizer=optim_b, fsdp_buffers=fsdp, activations=acts,
-                          attention_workspace=ws, reserve=reserve_bytes, extra=extra, host=host)
+                          attention_workspace=ws, reserve=r.reserve_bytes, extra=extra, host=host)
 
 
 # --------------------------------------------------------------------------- measurement

@@ -129,9 +129,19 @@ def retained_bytes(fn: Callable[[], Any], params: Iterable[torch.Tensor] = (),
     weight_copies)."""
     params = list(params)
     rec = _StorageRecorder({p.untyped_storage().data_ptr() for p in params})
-    with rec:
-        out = fn()
-    gc.collect()
+    # The collection below is for cycles fn created (they may hold storages): what existed
+    # before is frozen out of it. A full collection scans the whole heap — torch, diffusers,
+    # transformers once imported: ~0.5 CPU-s a call, most of a tiny calibration's cost.
+    # A process that froze its heap itself (tests/pool.py's workers) stays frozen.
+    frozen_before = gc.get_freeze_count()
+    gc.freeze()
+    try:
+        with rec:
+            out = fn()
+        gc.collect()
+    finally:
+        if not frozen_before:
+            gc.unfreeze()
     outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
     skip = {StorageWeakRef(t.untyped_storage()).cdata for t in [*outs, *params, *exclude]}
     act = copies = 0

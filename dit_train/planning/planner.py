@@ -46,8 +46,8 @@ from dit_train.engine.checks import check_config
 from dit_train.models import build_model, model_spec
 from dit_train.models.lora import apply_lora, is_lora_name, lora_settings
 from dit_train.parallel.mesh import ParallelDims
-from dit_train.perf.memory import (DTYPE_BYTES, GIB, MemoryEstimate, ModelShape, estimate_memory, fsdp_shard_degree,
-                                   model_shape)
+from dit_train.perf.memory import (DTYPE_BYTES, GIB, MemoryEstimate, ModelShape, RankSetup, estimate_memory,
+                                   fsdp_shard_degree, model_shape)
 from dit_train.tasks import build_task
 
 
@@ -323,6 +323,11 @@ def plan(cfg: Config, world: int, capacity_bytes: float, work: Workload, *, rese
     shape = next(iter(shapes.values()))
     p, t = cfg.parallel, cfg.train
     distill = DistillShare(cfg, shape) if cfg.distill.method != "none" else None
+    # the run's settings; each layout below replaces its degrees, micro-batch and memory options
+    setup = RankSetup(micro_batch_tokens=0, checkpointing=False, precision=t.precision, optimizer=cfg.optim.name,
+                      momentum=cfg.optim.momentum, backend=backend, dp_mode=p.dp_mode, cp_fsdp_mode=p.cp_fsdp_mode,
+                      reshard_after_forward=p.reshard_after_forward, reserve_bytes=reserve_bytes,
+                      sample_tokens=work.max_sample_tokens)
     cands, rejected = [], []
     for dims in factorizations(world):
         for mbt, ga in micro_batch_options(work, dims.dp, max_micro_tokens):
@@ -333,13 +338,10 @@ def plan(cfg: Config, world: int, capacity_bytes: float, work: Workload, *, rese
                 if reasons:
                     rejected.append((layout, reasons))
                     continue
-                mem = estimate_memory(
-                    shapes[pro], dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, cp_ulysses=dims.cp_ulysses,
-                    cp_ring=dims.cp_ring, micro_batch_tokens=mbt,
-                    checkpointing=ac, precision=t.precision, optimizer=cfg.optim.name, momentum=cfg.optim.momentum,
-                    backend=backend, dp_mode=p.dp_mode, cp_fsdp_mode=p.cp_fsdp_mode,
-                    reshard_after_forward=p.reshard_after_forward, reserve_bytes=reserve_bytes,
-                    activation_offload=act_off, cpu_offload=cpu_off, ep=ep, sample_tokens=work.max_sample_tokens)
+                mem = estimate_memory(shapes[pro], replace(
+                    setup, dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard, cp_ulysses=dims.cp_ulysses,
+                    cp_ring=dims.cp_ring, micro_batch_tokens=mbt, checkpointing=ac, activation_offload=act_off,
+                    cpu_offload=cpu_off, ep=ep))
                 if distill is not None:
                     distill.add(mem)
                 comm = expert_comm_bytes(shapes[pro], layout, t.precision, dp_mode=p.dp_mode,

@@ -41,7 +41,7 @@ from dit_train.parallel.checkpointing import ac_policy
 from dit_train.parallel.parallelize import apply_activation_checkpointing, apply_compile
 from dit_train.perf.bench import format_table, write_json
 from dit_train.perf.flops import mfu, train_flops
-from dit_train.perf.memory import estimate_memory, GIB, model_shape, saved_activation_bytes
+from dit_train.perf.memory import GIB, RankSetup, estimate_memory, model_shape, saved_activation_bytes
 
 
 def model_cfg(name: str):
@@ -108,8 +108,8 @@ def run_single(cfg, tokens, sample_tokens, ac, compile_, backend, precision, dev
     shape = model_shape(cfg)
     flops = train_flops(shape, lens)
     t = statistics.median(times[1:]) if steps > 1 else times[0]
-    est = estimate_memory(shape, dp_replicate=1, dp_shard=1, cp_ulysses=1, cp_ring=1, micro_batch_tokens=tokens,
-                          checkpointing=ac, precision=precision, backend=backend, dp_mode="none")
+    est = estimate_memory(shape, RankSetup(micro_batch_tokens=tokens, checkpointing=ac, precision=precision,
+                                           backend=backend, dp_mode="none"))
     row = {"tokens": tokens, "samples": len(lens), "ac": ac, "compile": "on" if compile_ else "off",
            "prologues": "on" if cfg.recompute_prologues else "off",
            "backend": backend, "step_s": t, "TFLOPs": flops / t / 1e12, "est_GiB": est.total / GIB}
@@ -163,8 +163,8 @@ def cp_memory(model_name, degrees, tokens, sample_tokens, precision, device, bac
         res = launch.launch_local(_cp_worker, (cfg, tokens, sample_tokens, precision, backend), k, cfg.launcher) if k > 1 \
             else {0: _cp_worker(cfg, tokens, sample_tokens, precision, backend)}
         shape = model_shape(cfg.model)
-        est = estimate_memory(shape, dp_replicate=1, dp_shard=1, cp_ulysses=k, cp_ring=1, micro_batch_tokens=tokens,
-                              checkpointing=False, precision=precision, backend=backend, dp_mode="none")
+        est = estimate_memory(shape, RankSetup(micro_batch_tokens=tokens, checkpointing=False, cp_ulysses=k,
+                                               precision=precision, backend=backend, dp_mode="none"))
         row = {"cp_ulysses": k, "prologues": "on" if cfg.model.recompute_prologues else "off",
                "tokens": tokens, "local_tokens": res[0]["local_tokens"],
                "saved_act_GiB": max(r["saved_bytes"] for r in res.values()) / GIB, "est_act_GiB": est.activations / GIB}
