@@ -266,6 +266,7 @@ class VideoTask:
                 continue
             kept.append(sid)
             frames = kept_frames(x0.shape[1], self.block_frames)  # whole causal blocks (tasks/causal.py)
+            trimmed = frames < x0.shape[1]  # only then are the clip's companions cut (a cache's LatentMask is not sliceable)
             x0 = x0[:, :frames]
             # the shift of this sample follows from its own size (never the pack's): exact
             shift = sample_shift(lc.timestep_shift, lc.shift_reference_tokens, num_patches(x0.shape, self.patch))
@@ -289,10 +290,11 @@ class VideoTask:
                 else:
                     conds.append(inputs.cond)
             if self.masks:  # an all-zero mask: T_b = 0, the sample weighs nothing and B_global skips it
-                weight = masked(weight, item.mask[:frames], self.patch)
+                weight = masked(weight, item.mask[:frames] if trimmed else item.mask, self.patch)
             weights.append(weight)
             if self.control:
-                controls.append(self.control_input(item)[:, :frames])
+                control = self.control_input(item)
+                controls.append(control[:, :frames] if trimmed else control)
             xs.append(xt)
             targets.append(v)
             ts.append(t)
