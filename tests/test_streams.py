@@ -167,5 +167,7 @@ def test_negative_stream_weights_are_refused_before_the_run():
     from dit_train.config.errors import ConfigError
     from dit_train.engine.checks import check_config
 
-    with pytest.raises(ConfigError, match="loss.stream_weights video=1.0 audio=-1.0"):
+    with pytest.raises(ConfigError, match=r"loss.stream_weights.audio=-1.0 must be >= 0"):
         check_config(compose(["loss.stream_weights.audio=-1"]))
+    with pytest.raises(ConfigError, match="loss.stream_weights video=0.0 audio=0.0: not both 0"):
+        check_config(compose(["loss.stream_weights.audio=0", "loss.stream_weights.video=0"]))

@@ -204,6 +204,7 @@ RANGES: dict[str, Range] = {
     "launcher.monitor_interval": Range(0, low_open=True),
     "launcher.heartbeat_timeout_s": Range(0, note="0 = off"),
     "loss.logit_mean": Range(), "loss.logit_std": Range(0, low_open=True),
+    "loss.stream_weights.video": Range(0), "loss.stream_weights.audio": Range(0),
     "optim.lr": Range(0, low_open=True), "optim.weight_decay": Range(0),
     "optim.eps": Range(0, low_open=True), "optim.momentum": Range(0, 1, high_open=True),
     "optim.muon_momentum": Range(0, 1, high_open=True),
@@ -250,8 +251,8 @@ def _loss(cfg: Config, e: list[str]) -> None:
     _check(lc.shift_reference_tokens >= 0, f"loss.shift_reference_tokens={lc.shift_reference_tokens} must be >= 0 "
            f"(0 = the same shift for every sample)", e)
     sw = lc.stream_weights
-    _check(sw.video >= 0 and sw.audio >= 0 and sw.video + sw.audio > 0,
-           f"loss.stream_weights video={sw.video} audio={sw.audio} must be >= 0, not both 0", e)
+    _check(not (sw.video == 0 and sw.audio == 0),  # each >= 0 and finite: RANGES
+           f"loss.stream_weights video={sw.video} audio={sw.audio}: not both 0", e)
 
 
 def _model_and_data(cfg: Config, e: list[str]) -> None:
