@@ -240,6 +240,10 @@ class LatentMask:
     def shape(self) -> torch.Size:
         return self.sums.shape
 
+    def __getitem__(self, frames: slice) -> LatentMask:
+        """The mask of some of the clip's latent frames (a block-causal run's whole blocks)."""
+        return LatentMask(self.sums[frames], self.pixels)
+
     def token_units(self, patch: tuple[int, int, int]) -> torch.Tensor:
         pt, ph, pw = patch
         return rounded_mean(patch_unit_sums(self.sums, patch), self.pixels * pt * ph * pw)

@@ -190,3 +190,18 @@ def test_sample_control_on_a_latent_run_goes_through_the_cache_vae(companion_cac
     got = control_from_file(str(companion_folder / "c0.control.mp4"), tuple(want.shape), VaeCodec(str(models / "vae")))
     assert want.shape == (Z_DIM, 3, 4, 4)  # 9 frames of 32 x 32
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_a_latent_mask_cut_to_whole_blocks_weighs_the_kept_tokens_as_the_whole_mask_does():
+    """A block-causal run trims a cached clip to whole blocks and cuts its mask with it
+    (tasks/video.py); the cut LatentMask gives the kept tokens the whole mask's weights."""
+    import torch
+
+    from dit_train.data_pipelines.companions import LatentMask
+
+    sums = torch.randint(0, 255 * 8, (5, 4, 4), generator=torch.Generator().manual_seed(0))
+    whole, patch = LatentMask(sums, 8), (1, 2, 2)
+    cut = whole[:4]  # seen failing with the __getitem__ removed: TypeError, not subscriptable
+    assert cut.shape == (4, 4, 4)
+    per_frame = (4 // 2) * (4 // 2)
+    assert torch.equal(cut.token_units(patch), whole.token_units(patch)[: 4 * per_frame])
