@@ -178,13 +178,13 @@ class VideoTask:
         leave a frame to generate after its context trains unconditioned (`is_still(i)`: whether
         sample i is a still image, for the message)."""
         frames = getattr(self.dataset, "frames", None)  # datasets of clips say it without decoding
-        if self.block_frames and frames is not None:  # skip-and-count: the frames trimmed to whole blocks
-            report = trim_report([frames(i) for i in range(len(self.dataset))], self.block_frames)
+        counts = [frames(i) for i in range(len(self.dataset))] if frames is not None else None
+        if self.block_frames and counts is not None:  # skip-and-count: the frames trimmed to whole blocks
+            report = trim_report(counts, self.block_frames)
             if report:
                 log.warning(report)
-        if self.conditioner is not None and self.conditioner.cond.prob > 0 and frames is not None:
+        if self.conditioner is not None and self.conditioner.cond.prob > 0 and counts is not None:
             cond, pt = self.conditioner.cond, self.patch[0]
-            counts = [frames(i) for i in range(len(self.dataset))]
             short = too_short(cond, pt, counts)
             if len(short) == len(counts):
                 raise ValueError(unconditionable_error(cond, pt, counts, sum(map(is_still, short))))
@@ -266,7 +266,6 @@ class VideoTask:
                 continue
             kept.append(sid)
             frames = kept_frames(x0.shape[1], self.block_frames)  # whole causal blocks (tasks/causal.py)
-            trimmed = frames < x0.shape[1]  # only then are the clip's companions cut (a cache's LatentMask is not sliceable)
             x0 = x0[:, :frames]
             # the shift of this sample follows from its own size (never the pack's): exact
             shift = sample_shift(lc.timestep_shift, lc.shift_reference_tokens, num_patches(x0.shape, self.patch))
@@ -290,11 +289,10 @@ class VideoTask:
                 else:
                     conds.append(inputs.cond)
             if self.masks:  # an all-zero mask: T_b = 0, the sample weighs nothing and B_global skips it
-                weight = masked(weight, item.mask[:frames] if trimmed else item.mask, self.patch)
+                weight = masked(weight, item.mask[:frames], self.patch)
             weights.append(weight)
             if self.control:
-                control = self.control_input(item)
-                controls.append(control[:, :frames] if trimmed else control)
+                controls.append(self.control_input(item)[:, :frames])
             xs.append(xt)
             targets.append(v)
             ts.append(t)

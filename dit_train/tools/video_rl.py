@@ -266,9 +266,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--ckpt-every={args.ckpt_every} must be >= 0 (0 = when stopped and at the end)")
         if args.group < 2:
             raise ConfigError(f"--group={args.group} must be >= 2 (advantages compare the clips of a caption)")
-        if args.rollout_captions == "heldout" and args.captions > len(caption_split()[1]):
+        held_out = len(caption_split()[1])
+        if args.rollout_captions == "heldout" and args.captions > held_out:
             raise ConfigError(f"--captions={args.captions} with --rollout-captions heldout: there are "
-                              f"{len(caption_split()[1])} held-out captions; give --captions <= that")
+                              f"{held_out} held-out captions; give --captions <= that")
         if args.reward:
             load_reward(args.reward)  # refused before anything is built
         # AdamW whatever the run trained with (a from-scratch run's Muon is for pre-training; the
