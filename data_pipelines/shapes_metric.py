@@ -279,6 +279,30 @@ def score_clip(clip: torch.Tensor | np.ndarray, caption: str | ShapeCaption) -> 
     return out
 
 
+# the graded shape figure: the median fill ratio mapped from a disc's (pi/4 ~ 0.79; generated
+# blobs sit at 0.82-0.88, between the two kinds) to a square's (>= 0.97) as 0 .. 1
+FILL_DISC, FILL_SQUARE = 0.80, 0.97
+
+
+def shape_grade(clip: torch.Tensor | np.ndarray, caption: str | ShapeCaption) -> float:
+    """How far the clip's blob is toward the caption's shape kind, in [0, 1]: shape_ok's fill ratio
+    (median over the frames that show the blob) on a scale from a disc (0) to a square (1),
+    reversed for a circle caption; 0 when half the frames or more show no blob.
+
+    shape_ok is a threshold of the same ratio: a model that draws one rounded blob for both words
+    scores every clip of a square caption 0 and of a circle caption 1, so a group of clips of one
+    caption has no spread to learn from (docs/video-rl.md). The grade moves with the blob."""
+    cap = parse_caption(caption) if isinstance(caption, str) else caption
+    if cap is None:
+        raise ValueError(f"not a caption of the shapes world: {caption!r}")
+    look = _look(to_rgb(clip))
+    if look.seen < 0.5:
+        return 0.0
+    fill = float(np.median(look.blobs.fill[look.blobs.size > 0]))
+    toward_square = min(1.0, max(0.0, (fill - FILL_DISC) / (FILL_SQUARE - FILL_DISC)))
+    return toward_square if cap.shape == "square" else 1.0 - toward_square
+
+
 def score_clips(clips: list[torch.Tensor | np.ndarray], captions: list[str]) -> dict[str, float]:
     """Means of `score_clip` over the clips whose caption is of this world, keys prefixed eval/.
 

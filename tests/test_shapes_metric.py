@@ -330,3 +330,31 @@ def test_given_frames_of_the_decoded_set_keep_their_shape_real_or_frozen(data_ca
         assert score_given(frozen, given, r["caption"]) == {**{k: 1.0 for k in GIVEN_FIGURES}, "motion_after_ok": 0.0}, r
         kinds.add(parse_caption(r["caption"]).shape)
     assert kinds == {"circle", "square"}
+
+
+def test_shape_grade_moves_with_the_blob_between_a_disc_and_a_square():
+    # shape_ok is a threshold: a rounded blob scores 0 on every square caption however near it
+    # came. shape_grade (the RL reward's shape term) must move with the corners, within [0, 1].
+    from dit_train.data_pipelines.shapes_metric import shape_grade
+    yy, xx = np.mgrid[0:32, 0:32].astype(np.float32)
+
+    def blob(cut: int) -> np.ndarray:
+        """A red 15 x 15 square on navy with a corner triangle of legs `cut` px off each corner."""
+        frames = np.empty((4, 32, 32, 3), np.uint8)
+        frames[:] = BACKGROUNDS["navy"]
+        for f in range(4):
+            dx, dy = np.abs(xx - 10 - 2 * f), np.abs(yy - 14)
+            frames[f][(dx <= 7) & (dy <= 7) & (dx + dy <= 14 - cut)] = COLORS["red"]
+        return frames
+
+    square, circle = "a red square moving down and right on a navy background", \
+        "a red circle moving down and right on a navy background"
+    cuts = (0, 2, 3, 4, 7)  # fill 1, 0.95, 0.89, 0.82, 0.63
+    grades = [shape_grade(blob(c), square) for c in cuts]
+    assert grades[0] == 1.0 and grades[-1] == 0.0, grades
+    assert 1 > grades[1] > grades[2] > grades[3] > 0, grades  # in between, and rounder is lower
+    for c in cuts:  # a circle caption reads the same scale reversed
+        assert shape_grade(blob(c), circle) == pytest.approx(1 - shape_grade(blob(c), square))
+    empty = np.empty((4, 32, 32, 3), np.uint8)
+    empty[:] = BACKGROUNDS["navy"]
+    assert shape_grade(empty, square) == 0.0 and shape_grade(empty, circle) == 0.0

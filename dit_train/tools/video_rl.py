@@ -224,8 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ckpt-every", type=int, default=0,
                     help="also checkpoint every this many steps (default 0: when stopped and at the end; "
                          "runs of several processes keep only these when stopped)")
-    ap.add_argument("--reward", default="", help="shapes (the default: the exact metric), brightness (the sanity check) "
-                    "or module:function (clips, captions) -> floats")
+    ap.add_argument("--reward", default="", help="shapes (the default: the exact metric), shapes_graded (its shape figure graded by "
+                    "the blob's fill), brightness (the sanity check) or module:function (clips, captions) -> floats")
     ap.add_argument("--reward-timeout", type=float, default=600.0, metavar="S",
                     help="seconds a reward call may take before the run stops with an error (0 = no limit)")
     ap.add_argument("--captions", type=int, default=4, help="captions per step")

@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 
 from dit_train.config.errors import ConfigError
-from dit_train.data_pipelines.shapes_metric import score_clip
+from dit_train.data_pipelines.shapes_metric import score_clip, shape_grade
 
 
 def shapes_reward(clips: list[torch.Tensor], captions: list[str]) -> list[float]:
@@ -24,11 +24,22 @@ def brightness_reward(clips: list[torch.Tensor], captions: list[str]) -> list[fl
     return [float((c.clamp(-1, 1).mean() + 1) / 2) for c in clips]
 
 
-BUILTIN = {"shapes": shapes_reward, "brightness": brightness_reward}
+def shapes_graded_reward(clips: list[torch.Tensor], captions: list[str]) -> list[float]:
+    """The shapes reward with shape_ok replaced by `shape_grade` (0 .. 1, how square or round the
+    blob is toward the caption's word): 0 .. 7 as the default, but clips of one caption that all
+    miss the shape kind still differ by how near they came (all_ok stays the exact conjunction)."""
+    out = []
+    for c, p in zip(clips, captions):
+        scores = score_clip(c, p)
+        out.append(float(sum(scores.values()) - scores["shape_ok"] + shape_grade(c, p)))
+    return out
+
+
+BUILTIN = {"shapes": shapes_reward, "shapes_graded": shapes_graded_reward, "brightness": brightness_reward}
 
 
 def load_reward(spec: str) -> Callable:
-    """A built-in reward by name (shapes, brightness) or `module:function`; ConfigError otherwise."""
+    """A built-in reward by name (shapes, shapes_graded, brightness) or `module:function`; ConfigError otherwise."""
     if spec in BUILTIN:
         return BUILTIN[spec]
     if ":" not in spec:
