@@ -253,8 +253,9 @@ def stopping_reward(clips, captions):
     return shapes_reward(clips, captions)
 
 
-@pytest.mark.parametrize("recipe", [["--recipe", "nft"], ["--recipe", "raft", "--keep-min", "-1", "--raft-batch", "1"]],
-                         ids=["nft", "raft"])
+@pytest.mark.parametrize("recipe", [["--recipe", "nft"], ["--recipe", "nft", "--old-decay", "0.5"],
+                                    ["--recipe", "raft", "--keep-min", "-1", "--raft-batch", "1"]],
+                         ids=["nft", "nft_old_policy", "raft"])
 def test_video_rl_stopped_keeps_its_progress_and_resumes_to_the_same_weights(tmp_path, rl_run, capsys, recipe):
     """SIGTERM at step 2 of 3 left an empty --out and nothing to resume from. Now the first step is
     kept (weights, config, video_rl.json, a checkpoint), and --resume takes steps 2 and 3 as an
@@ -309,6 +310,18 @@ def test_video_rl_rollout_captions_heldout_draws_only_the_heldout_compositions(t
     capsys.readouterr()
     assert main([*flags, "--rollout-captions", "heldout", "--captions", "49", "--out", str(tmp_path / "many")]) == 2
     _one_error_line(capsys, "error: --captions=49 with --rollout-captions heldout: there are 48 held-out captions")
+
+
+def test_video_rl_old_decay_is_refused_outside_nft_and_out_of_range(tmp_path, rl_run, capsys):
+    """--old-decay is DiffusionNFT's old policy: with another recipe, or outside [0, 1), one error
+    line before anything is built (--out stays empty)."""
+    from dit_train.tools.video_rl import main
+
+    for flags, why in ((["--recipe", "raft", "--old-decay", "0.9"], "--old-decay is DiffusionNFT's old policy: --recipe nft only"),
+                       (["--old-decay", "1"], "--old-decay=1.0 must be in [0, 1)")):
+        assert main([str(rl_run), *flags, "--out", str(tmp_path / "out")]) == 2
+        _one_error_line(capsys, f"error: {why}")
+        assert not (tmp_path / "out").exists()
 
 
 def test_video_rl_failing_mid_run_keeps_the_steps_done(tmp_path, rl_run, capsys):

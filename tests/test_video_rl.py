@@ -5,6 +5,8 @@ out as the paper's formula, SGD by hand — on one process and on dp × cp layou
 the same on every rank and layout; bad data is refused by name."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,8 +25,10 @@ CAPTIONS = ["a red circle moving up and left on a navy background",
             "a blue square moving down and right on a black background"]
 SIZES = [(4, 32, 32), (2, 48, 32)]  # uneven clips: 32 and 24 tokens at 2x8x8 patches
 # (recipe, per-step call boundaries): several steps, calls of uneven sizes
-PLAN = {"nft": [[1, 3], []], "dpo": [[2], [4]], "grpo": [[3, 4], [5]], "raft": [[2], [1, 3]]}
+PLAN = {"nft": [[1, 3], []], "nft_old": [[2], [1, 4]], "dpo": [[2], [4]], "grpo": [[3, 4], [5]],
+        "raft": [[2], [1, 3]]}
 LOSSES = {"nft": (diffusion_nft_loss(beta=0.7, adv_clip=1.5), "num_loss_tokens"),
+          "nft_old": (diffusion_nft_loss(beta=0.7, adv_clip=1.5), "num_loss_tokens"),  # + an old policy's v_old
           "dpo": (diffusion_dpo_loss(beta=50.0), "num_sequences"),
           "grpo": (flow_grpo_loss(clip_range=0.02, kl_coef=0.3), "num_sequences"),
           "raft": (sft_loss(agg="sequence"), "num_sequences")}
@@ -63,12 +67,13 @@ def clip_error(cfg, model, d, step):
 
 
 def oracle_loss(cfg, recipe, model, batch, step):
-    if recipe == "nft":  # token mean of r·|v⁺ − u|² + (1 − r)·|v⁻ − u|²
+    if recipe in ("nft", "nft_old"):  # token mean of r·|v⁺ − u|² + (1 − r)·|v⁻ − u|²
+        from dit_train.tasks.video import patchify
         beta, total, n = 0.7, 0.0, 0
         for d in batch:
             v, u = clip_error(cfg, model, d, step)
             r = 0.5 + 0.5 * max(-1.0, min(1.0, d.advantages / 1.5))
-            old = v.detach()
+            old = v.detach() if d.old_velocity is None else patchify(d.old_velocity, tuple(cfg.model.patch_size))[0]
             pos, neg = (1 - beta) * old + beta * v, (1 + beta) * old - beta * v
             total = total + (r * (pos - u).pow(2).mean(-1) + (1 - r) * (neg - u).pow(2).mean(-1)).sum()
             n += v.shape[0]
@@ -129,7 +134,13 @@ def make_batches(cfg):
     for t, mean in zip(grpo, sess.transition_means(grpo)):
         t.ref_mean = mean + 0.01 * torch.randn(mean.shape, generator=g)  # a reference apart from the policy
     raft = [VideoDatum(pixels=d.pixels, caption=d.caption, noise_key=40 + i) for i, d in enumerate(nft)]
-    return {"nft": [nft] * 2, "dpo": dpo, "grpo": [grpo] * 2, "raft": [raft[1:], raft]}, rollouts, refs[0]
+    # nft_old: each step's clips with an old policy's velocities (the initial weights' at that
+    # step's noise, moved off them so that the proximal term pulls)
+    velocities = [sess.clip_velocities(nft, step=step) for step in range(len(PLAN["nft_old"]))]
+    nft_old = [[replace(d, old_velocity=v + 0.05 * torch.randn(v.shape, generator=g)) for d, v in zip(nft, vs)]
+               for vs in velocities]
+    batches = {"nft": [nft] * 2, "nft_old": nft_old, "dpo": dpo, "grpo": [grpo] * 2, "raft": [raft[1:], raft]}
+    return batches, rollouts, refs[0], velocities[0]
 
 
 def session_steps(cfg, ctx, recipe, batches, with_init: bool = True):
@@ -164,6 +175,7 @@ def _worker(cfg, layouts, batches):
         out[(key, "rollouts")] = sess.sample_videos(CAPTIONS[:1] * 3, SIZES[0], noise_ids=[5, 6, 7], sde=True,
                                                     guidance_scale=1.0)
         out[(key, "clip_losses")] = sess.clip_losses(batches["dpo"][0], step=0)
+        out[(key, "clip_velocities")] = sess.clip_velocities(batches["nft"][0], step=0)
     return out
 
 
@@ -219,7 +231,7 @@ def test_layouts_match_the_oracle_and_roll_out_the_same_clips(cfg, data, oracle)
     identical on every rank and equal the one-process ones."""
     from dit_train.engine.launch import launch_local
 
-    batches, rollouts, refs = data
+    batches, rollouts, refs, velocities = data
     layouts = {"dp2_ring2": {"dp_shard": 2, "cp_ring": 2},
                "ddp2_ulysses2": {"dp_shard": 2, "dp_mode": "ddp", "cp_ulysses": 2},
                "ring2_ulysses2": {"cp_ring": 2, "cp_ulysses": 2}}
@@ -237,12 +249,14 @@ def test_layouts_match_the_oracle_and_roll_out_the_same_clips(cfg, data, oracle)
             torch.testing.assert_close(a.clip, b.clip, atol=1e-4, rtol=1e-4)
             assert a.log_probs == pytest.approx(b.log_probs, rel=1e-4, abs=1e-4)
         assert results[0][(key, "clip_losses")] == pytest.approx(refs, rel=1e-4)
+        for rank in results:  # the old policy's velocities: every token once, on every rank, as one process
+            for a, b in zip(velocities, results[rank][(key, "clip_velocities")]):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
 def test_bad_video_data_is_refused_naming_the_datum(cfg, data):
     """Pairs of different captions, a rollout of another run, a missing advantage, and the
     video losses in an LM session: one ValueError each, naming the datum; nothing accumulated."""
-    from dataclasses import replace
 
     from dit_train.posttrain import TrainingSession
 
@@ -262,6 +276,11 @@ def test_bad_video_data_is_refused_naming_the_datum(cfg, data):
         sess.forward_backward([nft[0], replace(nft[1], advantages=None)], diffusion_nft_loss())
     with pytest.raises(ValueError, match="datum 0: advantages is nan"):
         sess.forward_backward([replace(nft[0], advantages=float("nan"))], diffusion_nft_loss())
+    old = torch.zeros(nft[0].pixels.shape)
+    with pytest.raises(ValueError, match=r"datum 1: old_velocity is missing but datum 0 has it"):
+        sess.forward_backward([replace(nft[0], old_velocity=old), nft[1]], diffusion_nft_loss())
+    with pytest.raises(ValueError, match=r"datum 0: old_velocity has shape \[4, 32, 32\]; expected the clip's"):
+        sess.forward_backward([replace(nft[0], old_velocity=old[0])], diffusion_nft_loss())
     with pytest.raises(TypeError, match="datum 0 is a VideoDatum; flow_grpo_loss takes VideoTransition"):
         sess.forward_backward(nft[:1], flow_grpo_loss())
     assert sess.num_loss_tokens == 0

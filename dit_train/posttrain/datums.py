@@ -60,6 +60,9 @@ class VideoDatum:
     advantages: one float, the clip's advantage (diffusion_nft_loss).
     ref_loss: one float, the reference model's token-mean flow-matching error on this clip with
         the same noise (diffusion_dpo_loss; `TrainingSession.clip_losses` of the reference).
+    old_velocity: [C, F, H, W] the old policy's velocity on this clip's noisy input at this step
+        (diffusion_nft_loss's v_old; `TrainingSession.clip_velocities`); None = the current
+        weights' own, detached (on-policy, no proximal term).
     """
 
     pixels: Any = None
@@ -69,6 +72,7 @@ class VideoDatum:
     noise_key: int | None = None
     advantages: float | None = None
     ref_loss: float | None = None
+    old_velocity: Any = None
 
 
 def _fail(i: int, field: str, why: str) -> ValueError:

@@ -25,7 +25,7 @@ from dit_train.posttrain.datums import DatumVideoTask, _Clip, _fail, check_video
 from dit_train.posttrain.losses import TokenInputs
 from dit_train.posttrain.rollouts import VideoRollout
 from dit_train.tasks.captions import pad_contexts
-from dit_train.tasks.video import VideoTask, pack_clips
+from dit_train.tasks.video import VideoTask, pack_clips, patchify
 
 CLIP_FIELDS = ("advantages", "ref_loss")  # per-clip floats a VideoDatum may carry
 
@@ -129,9 +129,10 @@ class RLVideoTask(DatumVideoTask):
     reward losses train the caption-conditioned policy."""
 
     def __init__(self, clips: dict[int, _Clip], scalars: dict[int, dict[str, float]], model_cfg: Any, loss_cfg: Any,
-                 seed: int):
+                 seed: int, old_velocity: dict[int, torch.Tensor] | None = None):
         super().__init__(clips, model_cfg, loss_cfg, seed, 0.0)
         self.scalars = scalars
+        self.old_velocity = old_velocity  # {key: [C, F, H, W]} or None (every clip has one, or none)
 
     def build(self, sample_ids: list[int], step: int) -> PackedBatch:
         batch = super().build(sample_ids, step)
@@ -142,18 +143,25 @@ class RLVideoTask(DatumVideoTask):
             if name in carried:  # also on an empty pack (a rank with less work): the loss reads it
                 values = torch.tensor([self.scalars[sid][name] for sid in kept] + [0.0])
                 batch.tokens[name] = values[seg] if seg.numel() else torch.zeros(0)
+        if self.old_velocity is not None:  # token i is token `order[i]` of its clip, as patchify lays it out
+            per_clip = [patchify(self.old_velocity[sid], self.patch)[0] for sid in kept]
+            starts = torch.tensor([0] + [p.shape[0] for p in per_clip], dtype=torch.long).cumsum(0)
+            flat = torch.cat([*per_clip, torch.zeros(1, self.patch_dim)])  # the last row: padding tokens'
+            rows = torch.where(batch.seg >= 0, starts[seg] + batch.order, torch.full_like(seg, len(flat) - 1))
+            batch.tokens["old_velocity"] = flat[rows]
         return batch
 
     def token_inputs(self, model: torch.nn.Module, batch: PackedBatch, attn_meta: Any) -> TokenInputs:
         """nll = the per-token flow-matching MSE (times w(t), as in training); fields: velocity
-        [L, D] (grad flows), target [L, D], and the clips' scalars [L]."""
+        [L, D] (grad flows), target [L, D], the clips' scalars [L] and old_velocity [L, D] when
+        the datums carry it."""
         t = batch.samples["t"]
         out = video_forward(model, batch, attn_meta).float()
         t_tok = torch.cat([t.float(), t.new_ones(1, dtype=torch.float32)]).to(batch.seg.device)[batch.seg]
         v = velocity_from_output(out, batch.tokens["x"], t_tok, self.prediction, self.x0_min_t)
         mse = per_token_mse(v, batch.tokens["target"])
         fields = {"velocity": v, "target": batch.tokens["target"].float()}
-        fields |= {name: batch.tokens[name] for name in CLIP_FIELDS if name in batch.tokens}
+        fields |= {name: batch.tokens[name] for name in (*CLIP_FIELDS, "old_velocity") if name in batch.tokens}
         return TokenInputs(mse, batch.valid, fields)
 
 
@@ -164,15 +172,32 @@ def rl_video_task(batch: list[Any], offset: int, model_cfg: Any, loss_cfg: Any, 
     scalars = check_clip_fields(batch, required)
     clips: dict[int, _Clip] = {}
     by_key: dict[int, dict[str, float]] = {}
+    olds: dict[int, torch.Tensor] = {}
     keys = []
+    has_old = [getattr(d, "old_velocity", None) is not None for d in batch]
+    if any(has_old) and not all(has_old):
+        raise _fail(has_old.index(False), "old_velocity", f"is missing but datum {has_old.index(True)} has it: give "
+                                                          f"every datum of a call the same fields")
     for i, d in enumerate(batch):
         x, emb = check_video_datum(i, d, model_cfg.in_channels, patch, model_cfg.text_dim, max_tokens)
         key = offset + i if d.noise_key is None else int(d.noise_key)
         if key in clips:
             raise _fail(i, "noise_key", f"{key} is used twice in this call (noise keys must differ)")
         clips[key], by_key[key] = _Clip(x, d.caption, emb), scalars[i]
+        if has_old[i]:
+            olds[key] = _old_velocity(i, d.old_velocity, x)
         keys.append(key)
-    return RLVideoTask(clips, by_key, model_cfg, loss_cfg, seed), keys
+    return RLVideoTask(clips, by_key, model_cfg, loss_cfg, seed, olds if olds else None), keys
+
+
+def _old_velocity(i: int, value: Any, x: torch.Tensor) -> torch.Tensor:
+    """A datum's old_velocity as float32 [C, F, H, W] of its clip's shape (ValueError naming it)."""
+    v = torch.as_tensor(value).detach().to(torch.float32).cpu()
+    if v.shape != x.shape:
+        raise _fail(i, "old_velocity", f"has shape {list(v.shape)}; expected the clip's {list(x.shape)}")
+    if not torch.isfinite(v).all():
+        raise _fail(i, "old_velocity", "is not finite")
+    return v
 
 
 # -- transitions (Flow-GRPO) ---------------------------------------------------------------------------

@@ -7,8 +7,11 @@ diffusion_nft_loss (Zheng et al. 2025, "DiffusionNFT"), per token of a clip with
     weight r = 1/2 + 1/2·clip(A / adv_clip, −1, 1) and target velocity u (the clip's own noise):
         v⁺ = (1 − β)·v_old + β·v_θ,   v⁻ = (1 + β)·v_old − β·v_θ
         l_t = r·|v⁺ − u|² + (1 − r)·|v⁻ − u|²      (|·|² = mean over the token's values)
-    v_old = v_θ detached: the weights the rollouts were sampled with when every optim_step
-    follows its own rollouts (on-policy); its gradient is then β·(2r − 1)·∇|v_θ − u|².
+    v_old: the old policy's velocity (a VideoDatum's `old_velocity`: the weights the rollouts
+    were sampled with, e.g. an EMA of the policy), else v_θ detached (on-policy). The gradient is
+    2β·((2r − 1)·(v_old − u) + β·(v_θ − v_old))·∂v_θ: the second term pulls v_θ back to v_old, the
+    proximal term of DiffusionNFT; with v_old = v_θ it vanishes, leaving β·(2r − 1)·∇|v_θ − u|²,
+    whose group sum has no restoring force (measured: a drift, docs/video-rl.md).
     Token-level: agg "token" + "num_loss_tokens", or agg "sequence" + "num_sequences" (clips).
 
 flow_grpo_loss (Liu et al. 2025, "Flow-GRPO"), per transition b = (clip, step k) of an SDE
@@ -90,7 +93,8 @@ class DiffusionNFTLoss(LossFn):
     def token_loss(self, x: TokenInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         v = x.fields["velocity"]
         r = nft_reward_weight(x.fields["advantages"], self.adv_clip)
-        return nft_token_loss(v, v.detach(), x.fields["target"], r, self.beta), {"reward_weight": r.detach()}
+        v_old = x.fields["old_velocity"].float() if "old_velocity" in x.fields else v.detach()
+        return nft_token_loss(v, v_old, x.fields["target"], r, self.beta), {"reward_weight": r.detach()}
 
 
 @dataclass(frozen=True)

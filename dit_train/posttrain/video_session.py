@@ -130,16 +130,25 @@ class VideoSessionMixin:
         return self._clip_statistic(batch, step, "clips")
 
     @torch.no_grad()
+    def clip_velocities(self, batch: list[Any], step: int | None = None) -> list[torch.Tensor]:
+        """Each VideoDatum's velocity under the current weights ([C, F, H, W] per clip, the clip's
+        shape) on its noisy input at `step` (default this session's step count): DiffusionNFT's
+        `old_velocity` when called with the old policy's weights (e.g. inside the session's
+        `ema.swapped_in()`) and the policy's step. Each token is computed by one rank and summed
+        over the world group (zeros elsewhere: exact)."""
+        return self._clip_statistic(batch, step, "velocities")
+
+    @torch.no_grad()
     def transition_means(self, batch: list[VideoTransition]) -> list[torch.Tensor]:
         """μ(x_k) of each transition under the current weights ([C, F, H, W] per transition):
         the KL term's `ref_mean` when called on the reference session."""
         return self._clip_statistic(batch, None, "transitions")
 
     def _clip_statistic(self, batch: list[Any], step: int | None, kind: str) -> list[Any]:
-
-        probe = DiffusionNFTLoss() if kind == "clips" else FlowGRPOLoss()
-        if kind == "clips":  # scored as they are: the call's advantages play no part here
-            batch = [replace(d, advantages=0.0, ref_loss=None) for d in batch]
+        on_clips = kind in ("clips", "velocities")
+        probe = DiffusionNFTLoss() if on_clips else FlowGRPOLoss()
+        if on_clips:  # scored as they are: the call's advantages play no part here
+            batch = [replace(d, advantages=0.0, ref_loss=None, old_velocity=None) for d in batch]
         call = self._video_call(batch, probe)
         tr = self._trainer
         step = self.step_count if step is None else int(step)
@@ -160,18 +169,19 @@ class VideoSessionMixin:
                 flat.index_add_(0, idx[keep], (w[keep].double() * x.nll[keep].double()))
             else:
                 f = x.fields
-                _, mean = transition_token_logprob(f["velocity"], f["x"], f["next"], f["sigma"], f["sigma_next"],
-                                                   f["s"], f["std"])
+                mean = f["velocity"] if kind == "velocities" else transition_token_logprob(
+                    f["velocity"], f["x"], f["next"], f["sigma"], f["sigma_next"], f["s"], f["std"])[1]
                 rows = starts[idx[keep]] + mb.batch.order[keep]
                 pos = (rows[:, None] * width + torch.arange(width, device=dev)).reshape(-1)
-                flat[pos] = mean[keep].reshape(-1)
+                flat[pos] = mean[keep].reshape(-1).double()
         sync_sequence_sums(flat, self.ctx.world_group)
         if kind == "clips":
             return flat.cpu().tolist()
         out = []
         for key, part in zip(call.keys, flat.cpu().split([n * width for n in sizes])):
             item = call.task.dataset[key]
-            grid = tuple(s // p for s, p in zip(item.latents.shape[1:], call.task.patch))
-            out.append(unpatchify(part.float().view(-1, width), grid, call.task.patch, item.latents.shape[0]))
+            shape = (item.pixels if on_clips else item.latents).shape
+            grid = tuple(s // p for s, p in zip(shape[1:], call.task.patch))
+            out.append(unpatchify(part.float().view(-1, width), grid, call.task.patch, shape[0]))
         return out
 

@@ -46,6 +46,7 @@ weights as a run never stopped (video_rl_state.py).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import random
@@ -109,6 +110,8 @@ def train(cfg, run: str, recipe: str, steps: int, out: str, reward: str, caption
     session = TrainingSession(cfg)
     weights, which = run_weights(Path(run), None)
     load_full_weights(session.model, weights)
+    if session.run.ema is not None:  # the old policy (--old-decay) starts at the loaded weights
+        session.run.ema.missing_from_checkpoint()
     reference = None
     if how.reference or kl:
         reference = TrainingSession(cfg, ctx=session.ctx)  # the initial weights, frozen
@@ -134,8 +137,14 @@ def train(cfg, run: str, recipe: str, steps: int, out: str, reward: str, caption
         say(f"resumed from {resume['checkpoint']}: {start} of {steps} steps done")
     t0, cpu0 = time.time(), time.process_time()
 
+    # --old-decay: the old policy is the session's EMA of the weights (DiffusionNFT's): it samples
+    # the rollouts, gives the update its v_old, and is what --out's weights_ema.safetensors holds
+    # (what tools.sample / tools.evaluate read first), so the held-out figures are its too
+    old_policy = session.run.ema.swapped_in if session.run.ema is not None else contextlib.nullcontext
+
     def record(step: int, extra: dict) -> None:
-        scores = evaluate(session, heldout, out_dir, step, functools.partial(checked_rewards, fn, name))
+        with old_policy():
+            scores = evaluate(session, heldout, out_dir, step, functools.partial(checked_rewards, fn, name))
         row = {"step": step, "wall_s": round(time.time() - t0, 1), "cpu_s_rank0": round(time.process_time() - cpu0, 1),
                "cpu_s_process": round(time.process_time(), 1),
                **{k: round(v, 4) for k, v in scores.items()}, **extra}
@@ -169,8 +178,9 @@ def train(cfg, run: str, recipe: str, steps: int, out: str, reward: str, caption
             if how.rollouts:
                 caps = [c for c in rng.sample(pool, captions) for _ in range(group)]
                 ids = [step * 10 ** 4 + i for i in range(len(caps))]
-                rollouts = session.sample_videos(caps, EVAL_SIZE, noise_ids=ids, steps=sample_steps, sde=sde,
-                                                 guidance_scale=1.0 if sde else rollout_guidance)
+                with old_policy():
+                    rollouts = session.sample_videos(caps, EVAL_SIZE, noise_ids=ids, steps=sample_steps, sde=sde,
+                                                     guidance_scale=1.0 if sde else rollout_guidance)
                 rewards = checked_rewards(fn, name, [r.clip.clamp(-1, 1) for r in rollouts], caps)
             updating = True
             with signals_deferred():  # an update is never cut in half: a Ctrl-C / SIGTERM in it stops after it
@@ -238,6 +248,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-minutes", type=float, default=0.0, help="stop stepping after this wall time (0 = never)")
     ap.add_argument("--skip-initial-eval", action="store_true", help="no held-out figures at step 0")
     ap.add_argument("--kl", type=float, default=0.0, help="grpo: KL coefficient to the initial weights")
+    ap.add_argument("--old-decay", type=float, default=0.0,
+                    help="nft: the old policy is an EMA of the weights with this decay (train.ema_decay): it samples "
+                         "the rollouts and its velocity is v_old, whose proximal term keeps the update from drifting; "
+                         "0 = on-policy (v_old = the current weights, no proximal term)")
     ap.add_argument("--keep-min", type=float, default=5.5,
                     help="raft: keep clips with a reward >= this (5.5: the all_ok clips under the shapes reward)")
     ap.add_argument("--updates", type=int, default=1, help="raft: optimizer steps a step, on clips drawn from the buffer")
@@ -270,11 +284,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.rollout_captions == "heldout" and args.captions > held_out:
             raise ConfigError(f"--captions={args.captions} with --rollout-captions heldout: there are "
                               f"{held_out} held-out captions; give --captions <= that")
+        if not 0.0 <= args.old_decay < 1.0:
+            raise ConfigError(f"--old-decay={args.old_decay} must be in [0, 1) (0 = on-policy)")
+        if args.old_decay and args.recipe != "nft":
+            raise ConfigError(f"--old-decay is DiffusionNFT's old policy: --recipe nft only (not {args.recipe})")
         if args.reward:
             load_reward(args.reward)  # refused before anything is built
         # AdamW whatever the run trained with (a from-scratch run's Muon is for pre-training; the
         # recipes' learning rates are AdamW's): optim.name=muon after the flags chooses it again
-        base = ["train.ema_decay=0", "train.progress=false", "optim.name=adamw", "optim.lr=1e-4", "optim.warmup_steps=0",
+        base = [f"train.ema_decay={args.old_decay:g}", "train.progress=false", "optim.name=adamw", "optim.lr=1e-4",
+                "optim.warmup_steps=0",
                 f"train.steps={args.steps}", "optim.schedule=constant"]
         cfg = apply_overrides(load_config(run / "config.yaml"), [*base, *args.overrides])
         if cfg.mode != "video":

@@ -92,10 +92,18 @@ class StepInputs:
 
 
 def nft_batch(u: StepInputs) -> tuple[list, Any, str]:
-    """DiffusionNFT: each clip with a signal (advantage ≠ 0), normalized by num_loss_tokens."""
+    """DiffusionNFT: each clip with a signal (advantage ≠ 0), normalized by num_loss_tokens. With
+    an old policy (--old-decay: the session's EMA, which also sampled the rollouts) each clip
+    carries its velocity under the old weights, on the same noise as the update's."""
     adv = group_advantages(u.rewards, u.group)
     batch = [VideoDatum(pixels=r.clip.clamp(-1, 1), caption=r.caption, noise_key=i, advantages=a)
              for i, (r, a) in enumerate(zip(u.rollouts, adv)) if a != 0]
+    ema = u.session.run.ema
+    if ema is not None and batch:
+        with ema.swapped_in():
+            olds = u.session.clip_velocities(batch, step=u.session.step_count)
+        for d, v in zip(batch, olds):
+            d.old_velocity = v
     return batch, diffusion_nft_loss(), "num_loss_tokens"
 
 

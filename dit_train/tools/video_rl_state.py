@@ -43,9 +43,9 @@ RESUME = "resume"  # --out/resume/checkpoints/step_XXXXXXXX
 # the flags a resumed run must repeat: they decide which clips are sampled and how they train
 # (--steps may grow; --eval-every, --max-minutes, --max-cpu-s, --ckpt-every may change)
 TRAJECTORY = ("recipe", "reward", "captions", "group", "sample_steps", "kl", "keep_min", "updates", "raft_batch",
-              "raft_select", "raft_min_buffer", "rollout_guidance", "rollout_captions")
+              "raft_select", "raft_min_buffer", "rollout_guidance", "rollout_captions", "old_decay")
 # flags added after checkpoints were written: what those checkpoints ran with
-TRAJECTORY_DEFAULTS = {"rollout_captions": "reward"}
+TRAJECTORY_DEFAULTS = {"rollout_captions": "reward", "old_decay": 0.0}
 # overrides that change the layout or the launcher, not the result (the layouts give the same steps)
 LAYOUT_KEYS = ("parallel.", "launcher.")
 
