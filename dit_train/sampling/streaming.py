@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from dit_train.batch import video_forward
 from dit_train.kernels import VarlenLayout
-from dit_train.models.layers import Attention
+from dit_train.models.registry import attention_layers
 from dit_train.objectives.flow_matching import velocity_from_output
 from dit_train.rng import sample_generator
 from dit_train.sampling.sampler import SampleRequest, VideoSampler
@@ -80,8 +80,9 @@ class CachedAttention:
 
 @contextlib.contextmanager
 def cached(model: torch.nn.Module, cache: KVCache) -> Iterator[None]:
-    """Every self-attention layer of `model` reads and writes `cache` inside the block."""
-    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    """Every self-attention layer of `model` reads and writes `cache` inside the block: the modules
+    holding an `attention_fn` (our DiT's, a diffusers family's self-attention: SkyReels-V2's)."""
+    layers = attention_layers(model)
     saved = [m.attention_fn for m in layers]
     try:
         for i, m in enumerate(layers):
