@@ -158,3 +158,132 @@ def same_outputs(cfg, weights, sky) -> float:
                      fps=[0 if cfg.fps == 16 else 1]).sample[0]
     theirs = patchify(theirs, patch)[0]
     return float((mine - theirs).abs().max() / theirs.abs().max())
+
+
+# --------------------------------------------------------------------------- training runs
+
+DF = ["model=skyreels_v2_tiny", "model.text_len=16", "loss.frame_noise=block", "loss.history_prob=0.5",
+      "loss.block_noise_schedule=nondecreasing"]
+
+
+@pytest.fixture(scope="module")
+def df_run_cfg(data_cache):
+    from tests.families import family_run_cfg
+
+    return family_run_cfg(DF, data_cache)
+
+
+@pytest.fixture(scope="module")
+def pretrained_dir(df_run_cfg, tmp_path_factory):
+    from tests.families import pretrained_folder
+
+    return pretrained_folder(df_run_cfg.model, tmp_path_factory.mktemp("skyreels_pretrained"))
+
+
+def test_lora_run_loads_in_diffusers_with_matching_outputs(data_cache, pretrained_dir, tmp_path):
+    """A diffusion-forcing LoRA run from a pretrained folder writes diffusers' LoRA file: diffusers'
+    SkyReelsV2Transformer3DModel with the pretrained weights + load_lora_adapter gives the outputs of
+    our packed model with the run's merged weights (two blocks at different t, causal mask, fps)."""
+    from diffusers import SkyReelsV2Transformer3DModel
+    from safetensors.torch import load_file
+
+    from dit_train.models.diffusers_family import read_pretrained
+    from tests.conftest import TINY, train_in_process
+
+    tiny = [o for o in TINY if not o.startswith("optim")]
+    run = tmp_path / "run"
+    train_in_process([DF[0], *tiny, *DF[1:], "optim=adamw", "optim.lr=3e-3", "train.steps=2", "model.lora.rank=4",
+                      "model.lora.alpha=8", f"model.pretrained={pretrained_dir}"], run, cache_dir=data_cache)
+    adapters = load_file(str(run / "lora" / "pytorch_lora_weights.safetensors"))
+    assert adapters and all(k.startswith("transformer.blocks.") and ".lora_" in k for k in adapters)
+    merged = load_file(str(run / "weights.safetensors"))
+    cfg = compose_config([DF[0], *tiny, *DF[1:]])
+    start = read_pretrained(str(pretrained_dir), cfg.model)
+    changed = {k for k in start if not torch.equal(merged[k], start[k])}
+    assert changed and all(".to_" in k or ".ffn." in k for k in changed)  # only adapted layers moved
+    sky = SkyReelsV2Transformer3DModel.from_pretrained(str(pretrained_dir))
+    sky.load_lora_adapter(str(run / "lora"), prefix="transformer", weight_name="pytorch_lora_weights.safetensors")
+    assert same_outputs(cfg.model, merged, sky) <= 1e-5
+    assert same_outputs(cfg.model, start, SkyReelsV2Transformer3DModel.from_pretrained(str(pretrained_dir))) <= 1e-5
+
+
+# The one-process oracle vs DP x ring, Ulysses and Ulysses x ring on the uneven embedded clips (1 or 2
+# causal blocks of 4 frames), per-block t sorted along time and clean history blocks: full training
+# from seeded init, and LoRA from a pretrained base.
+LAYOUTS = ["dp_shard=2,cp_ring=2", "cp_ulysses=2", "cp_ulysses=2,cp_ring=2"]
+
+
+@pytest.fixture(scope="module")
+def layouts(df_run_cfg, pretrained_dir):
+    from dit_train.engine.layout_equivalence import apply_layout
+    from tests.layout_cases import Case, run_cases
+
+    full = apply_layout(df_run_cfg, {})
+    full.train.steps = 2
+    lora = apply_layout(full, {})
+    lora.model.pretrained, lora.model.lora.rank, lora.model.lora.alpha = str(pretrained_dir), 4, 8.0
+    clip = apply_layout(full, {})  # per-clip noise: shows the per-block runs are not vacuous
+    clip.loss.frame_noise, clip.loss.history_prob, clip.loss.block_noise_schedule = "clip", 0.0, "independent"
+    cases = {("full", spec): Case(full, spec, "sample_mean") for spec in LAYOUTS}
+    cases |= {("lora", spec): Case(lora, spec, "token_mean") for spec in LAYOUTS}
+    cases[("clip", "cp_ulysses=2")] = Case(clip, "cp_ulysses=2", "sample_mean")
+    return run_cases(cases)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", LAYOUTS)
+def test_diffusion_forcing_layout_matches_one_process(spec, layouts):
+    from dit_train.engine.layout_equivalence import relative_difference
+    from tests.layout_cases import assert_exact, TOL
+
+    per_block, per_clip = layouts[("full", LAYOUTS[0])][0], layouts[("clip", "cp_ulysses=2")][0]
+    assert relative_difference(per_block, per_clip) > TOL, "per-block noise should train differently"
+    for kind in ("full", "lora"):
+        oracle, got = layouts[(kind, spec)]
+        assert_exact(oracle, got, f"skyreels_v2 {kind} {spec}")
+
+
+def test_an_exported_run_samples_in_the_diffusion_forcing_pipeline(models, data_cache, tmp_path):
+    """`export_weights RUN --diffusers` of a diffusion-forcing run (full weights; and a LoRA run's
+    base plus its adapter file through `load_lora_weights`) runs diffusers'
+    SkyReelsV2DiffusionForcingPipeline for a few steps, synchronous and asynchronous (ar_step 1),
+    with the run's causal block. The tiny Wan VAE only sets the pipeline's scale factors (latent
+    output); the captions are given as prompt_embeds (the run's text_dim)."""
+    from diffusers import AutoencoderKLWan, SkyReelsV2DiffusionForcingPipeline, SkyReelsV2Transformer3DModel
+    from diffusers import UniPCMultistepScheduler
+
+    from dit_train.tools.export_weights import main as export
+    from tests.conftest import TINY, train_in_process
+
+    # diffusers' pipeline counts causal_block_size in latent frames = num_frame_per_block: patch t 1
+    base = [DF[0], *TINY, *DF[1:], "model.patch_size=[1,2,2]", "model.causal_block_frames=2", "train.steps=1",
+            "train.sample_every=0", "train.micro_batch_tokens=0", "train.global_batch=2", "data.widths=[32]",
+            "data.heights=[32]", "data.max_frames=4"]  # 2 clips of <= 1024 tokens: patch [1, 2, 2] is fine-grained
+    transformers = {}
+    train_in_process(base, tmp_path / "full", cache_dir=data_cache)
+    assert export([str(tmp_path / "full"), "--diffusers", str(tmp_path / "full_dif")]) == 0
+    transformers["full"] = (tmp_path / "full_dif", None)
+    train_in_process([*base, "model.lora.rank=2", "model.init=normal"], tmp_path / "lora", cache_dir=data_cache)
+    assert export([str(tmp_path / "lora"), "--base", "--diffusers", str(tmp_path / "lora_base")]) == 0
+    assert export([str(tmp_path / "lora"), "--diffusers", str(tmp_path / "lora_dif")]) == 0
+    transformers["lora"] = (tmp_path / "lora_base", tmp_path / "lora_dif")
+    vae = AutoencoderKLWan.from_pretrained(str(models / "vae"))
+    emb = torch.randn(1, 16, 32, generator=torch.Generator().manual_seed(0))
+    outs = {}
+    for name, (folder, lora) in transformers.items():
+        transformer = SkyReelsV2Transformer3DModel.from_pretrained(str(folder))
+        assert transformer.config.num_frame_per_block == 2 and transformer.config.inject_sample_info
+        pipe = SkyReelsV2DiffusionForcingPipeline(tokenizer=None, text_encoder=None, transformer=transformer, vae=vae,
+                                                  scheduler=UniPCMultistepScheduler(flow_shift=3.0, use_flow_sigmas=True,
+                                                                                   prediction_type="flow_prediction"))
+        if lora is not None:
+            pipe.load_lora_weights(str(lora))
+            assert any("lora" in n for n, _ in pipe.transformer.named_parameters())
+        for ar_step in (0, 1):
+            with torch.no_grad():
+                out = pipe(prompt=None, prompt_embeds=emb, height=16, width=16, num_frames=13, num_inference_steps=2,
+                           guidance_scale=1.0, ar_step=ar_step, causal_block_size=2, output_type="latent",
+                           generator=torch.Generator().manual_seed(0)).frames
+            assert out.shape == (1, 3, 4, 2, 2) and bool(torch.isfinite(out).all()), (name, ar_step)
+            outs[(name, ar_step)] = out
+    assert (outs[("full", 0)] - outs[("lora", 0)]).abs().max() > 1e-4  # two different transformers
