@@ -36,6 +36,8 @@ def test_every_option_composes(group, option):
         extra = ["cond.kind=first_frame", "cond.feed=concat", "data=latent_cache", "data.root=latents/"]
     if group == "model" and option.startswith("wan_vace"):  # Wan VACE: a control video beside each clip
         extra = ["cond.control=true", "data=latent_cache", "data.root=latents/"]
+    if group == "model" and option in ("skyreels_v2_1_3b", "skyreels_v2_14b"):  # causal blocks of 5 latent frames:
+        extra = ["data=latent_cache", "data.root=latents/"]  # a latent cache (the embedded clips' 8 are off that grid)
     cfg = compose_config([*extra, f"{prefix}{group}={option}"])
     assert isinstance(cfg, Config)
     if group not in ("data",):  # data options may need a user path (data.root=???)

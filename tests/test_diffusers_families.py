@@ -18,7 +18,7 @@ import torch
 
 from dit_train.models import build_model, model_spec
 from dit_train.models.diffusers_family import family_of, read_pretrained
-from tests import test_hunyuan15, test_ltx, test_wan
+from tests import test_hunyuan15, test_ltx, test_skyreels_v2, test_wan
 from tests.families import family_run_cfg, pretrained_folder
 
 
@@ -27,6 +27,7 @@ class Family:
     overrides: tuple[str, ...]  # its tiny preset first, after TINY (tests/families.family_run_cfg)
     same_outputs: Callable  # (model cfg, weights, diffusers model) -> max |ours - theirs| / max |theirs|
     shift: float  # tools.sample --shift (the family's scheduler shift)
+    frames: int = 2  # tools.sample --frames (a block-causal family: whole causal blocks)
 
 
 FAMILIES = {
@@ -35,6 +36,9 @@ FAMILIES = {
     # head dim 8; a sample's pack length counts its 32 caption slots
     "hunyuan15": Family(("model=hunyuan15_tiny", "model.rope_axes=[2,2,4]", "model.text_len=32"),
                         test_hunyuan15.same_outputs, 5.0),
+    # block-causal (K = 4) with diffusion forcing and clean history blocks; samples streamed
+    "skyreels_v2": Family(("model=skyreels_v2_tiny", "model.text_len=16", "loss.frame_noise=block",
+                           "loss.history_prob=0.5"), test_skyreels_v2.same_outputs, 3.0, frames=4),
 }
 # registered diffusers families whose round trip needs more than a tiny preset, and where it is
 ELSEWHERE = {"wan_vace": "tests/test_wan_vace.py (needs a control video: pretrained -> LoRA run -> merged export)"}
@@ -90,8 +94,8 @@ def test_train_from_pretrained_export_and_sample(family, tmp_path, monkeypatch):
         monkeypatch.setattr(packed, "forward", lambda self, *a, text=None, **kw: calls.append(
             text is not None and bool((text > 0).any())) or forward(self, *a, text=text, **kw))
     gen = tmp_path / "gen"
-    assert sample.main([str(tmp_path / "run"), "--prompt", "a red square", "--frames", "2", "--height", "16",
+    assert sample.main([str(tmp_path / "run"), "--prompt", "a red square", "--frames", str(fam.frames), "--height", "16",
                         "--width", "24", "--steps", "2", "--shift", str(fam.shift), "--out", str(gen)]) == 0
     (x,) = load_file(gen / "samples.safetensors").values()
-    assert x.shape == (3, 2, 16, 24) and bool(torch.isfinite(x).all())
+    assert x.shape == (3, fam.frames, 16, 24) and bool(torch.isfinite(x).all())
     assert not model_spec(cfg.model).joint_text or (len(calls) == 2 and all(calls))

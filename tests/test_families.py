@@ -31,6 +31,9 @@ FAMILIES = {
     # image-to-video branch, not run) never has a gradient, so no optimizer state: a resume
     # once failed on that (tests/test_checkpoint.py::test_parameters_without_gradients_...)
     "hunyuan15": ["model=hunyuan15_tiny", "model.rope_axes=[2,2,4]", "model.text_len=32", "train.micro_batch_tokens=448"],
+    # block-causal (K = 4) with diffusion forcing and clean history blocks (their RNG comes back
+    # too); tools.sample streams its 4 frames (one block) with the KV cache
+    "skyreels_v2": ["model=skyreels_v2_tiny", "model.text_len=16", "loss.frame_noise=block", "loss.history_prob=0.5"],
 }
 # (Wan 2.2 A14B resumes in tests/test_wan22_runs.py, both experts with LoRA; our DiT in tests/test_checkpoint.py)
 

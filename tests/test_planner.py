@@ -160,6 +160,8 @@ def test_every_registered_model_plans_and_calibrates():
             mode = ["cond.kind=first_frame", "cond.feed=concat", "data=latent_cache", "data.root=latents/"]
         if preset.startswith("wan_vace"):  # Wan VACE: its control video (docs/conditioning.md#wan-vace)
             mode = ["cond.control=true"]
+        if preset in ("skyreels_v2_1_3b", "skyreels_v2_14b"):  # causal blocks of 5 latent frames: a latent cache
+            mode = ["data=latent_cache", "data.root=latents/"]  # (the embedded clips' 8 frames are off that grid)
         cfg = compose_config([*mode, f"model={preset}"])
         seen.add(cfg.model.name)
         work = Workload(8, 4096, 2048)
@@ -228,7 +230,8 @@ def test_frames_question_for_every_registered_video_model():
     from dit_train.models import MODELS
     from dit_train.planning.clips import clip_options, clip_tokens
 
-    presets = {"dit": "dit_1b", "wan": "wan_14b", "ltx": "ltx_2b", "hunyuan15": "hunyuan15_8b", "wan_vace": "wan_vace_14b"}
+    presets = {"dit": "dit_1b", "wan": "wan_14b", "ltx": "ltx_2b", "hunyuan15": "hunyuan15_8b", "wan_vace": "wan_vace_14b",
+               "skyreels_v2": "skyreels_v2_14b"}
     # latent tokens of an 81-frame 480x832 clip: Wan-VAE 4x8x8 at patch 1x2x2; LTX's VAE 8x32x32 at
     # patch 1; HunyuanVideo 1.5's VAE 4x16x16 at patch 1 (the same grid as Wan's)
     tokens = {"ltx": 11 * 15 * 26}
@@ -236,7 +239,8 @@ def test_frames_question_for_every_registered_video_model():
         spec = MODELS[name]
         if spec.mode != "video":
             continue
-        cfg = compose([f"model={presets[name]}", "train.precision=bf16", *(["cond.control=true"] if name == "wan_vace" else [])])
+        extra = {"wan_vace": ["cond.control=true"], "skyreels_v2": ["data=latent_cache", "data.root=latents/"]}.get(name, [])
+        cfg = compose([f"model={presets[name]}", "train.precision=bf16", *extra])
         stride = spec.vae_stride
         assert clip_tokens(cfg.model, 81, 480, 832, stride) == tokens.get(name, 21 * 30 * 52), name
         res = {r.name: r for r in clip_options(cfg, 8, 80 * GIB, 81, 480, 832, shape=model_shape(cfg.model),

@@ -149,3 +149,89 @@ def test_sample_tool_streams_a_causal_run_past_its_length(causal_run, tmp_path, 
                                                .replace("  history_prob: 0.5\n", "  history_prob: 0.0\n", 1))
     assert _sample_tool(bidirectional, tmp_path / "d", "--frames", "16", "--overlap-frames", "4") == 2
     assert "block-causal runs" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- --ar-step (asynchronous)
+
+
+@pytest.mark.parametrize("blocks,steps,ar_step", [(3, 4, 1), (4, 3, 2), (2, 5, 5), (5, 2, 1)])
+def test_ar_schedule_is_the_df_pipelines(blocks, steps, ar_step):
+    """ar_schedule's rows are SkyReelsV2DiffusionForcingPipeline.generate_timestep_matrix's step
+    indices (one window, a block per frame), the rows where some block takes a step."""
+    from diffusers import SkyReelsV2DiffusionForcingPipeline
+
+    template = torch.linspace(1000, 100, steps)
+    _, index, update, _ = SkyReelsV2DiffusionForcingPipeline.generate_timestep_matrix(
+        None, blocks, template, blocks, ar_step, 0, 1)
+    theirs = [row.tolist() for row, u in zip(index, update) if bool(u.any())]
+    ours = streaming.ar_schedule(blocks, steps, ar_step)
+    assert ours == theirs
+    # staggered: while both are in progress, block b is ar_step steps behind block b - 1
+    assert all(r[b - 1] - r[b] == ar_step for r in ours for b in range(1, blocks) if 1 <= r[b] and r[b - 1] <= steps)
+
+
+def test_several_blocks_in_one_cached_forward_equal_the_full_causal_forward():
+    """The asynchronous schedule's forward: blocks 2 and 3 together at their own t (block-causal
+    among themselves) over the cache of blocks 0-1 equal the full block-causal forward, fp64."""
+    model = _model()
+    x = torch.randn(3, 4 * K, 4, 6, dtype=torch.float64)
+    t = torch.tensor([[0.0, 0.0, 0.4, 0.8]], dtype=torch.float64)
+    ctx = torch.randn(5, 8, dtype=torch.float64)
+    samples = {}
+    samples["context"], samples["context_len"] = pad_contexts([ctx], 8)
+    b = pack_clips({"x": [x]}, PATCH, 12, samples, torch.zeros(1, dtype=torch.long), causal_block=K)
+    full = model(b.tokens["x"], b.pos, b.seg, t, VarlenLayout.build(b.seg, b.mask_order, b.causal), block=b.block,
+                 context=samples["context"], context_len=samples["context_len"])
+    cache, per_block = KVCache(), K * 6
+    for j in range(2):
+        block_forward(model, x[:, j * K:(j + 1) * K], j * K, 0.0, cache, PATCH, ctx, record=True)
+    got = block_forward(model, x[:, 2 * K:], 2 * K, [0.4, 0.8], cache, PATCH, ctx)
+    torch.testing.assert_close(got, full[2 * per_block:], rtol=1e-10, atol=1e-10)
+
+
+def test_ar_step_0_is_todays_streaming_and_the_async_levels_are_staggered(monkeypatch):
+    """--ar-step 0 streams exactly as before; --ar-step 1 runs the blocks in progress together,
+    block b one grid step behind block b − 1 (the levels each forward is given), and gives other
+    finite clips of the asked length."""
+    model = _model().float()
+    torch.manual_seed(1)  # _sampler draws its captions
+    today = _sampler(6, guidance=2.0).sample(model)
+    torch.manual_seed(1)
+    s0 = _sampler(6, guidance=2.0)
+    s0.ar_step = 0
+    assert all(torch.equal(a, b) for a, b in zip(today, s0.sample(model)))
+    seen = []
+    real = streaming.block_forward
+
+    def spy(model, x, start, t, cache, *a, record=False, **kw):
+        if not record:
+            seen.append((start, t))
+        return real(model, x, start, t, cache, *a, record=record, **kw)
+
+    monkeypatch.setattr(streaming, "block_forward", spy)
+    torch.manual_seed(1)
+    s1 = _sampler(6, guidance=2.0)
+    s1.ar_step = 1
+    clips = s1.sample(model)
+    assert [tuple(c.shape) for c in clips] == [(3, 6, 4, 4)] * 2 and all(torch.isfinite(c).all() for c in clips)
+    assert max(float((a - b).abs().max()) for a, b in zip(today, clips)) > 1e-4
+    sigmas = s1.schedulers()[0].sigmas.tolist()
+    want = []
+    for row in streaming.ar_schedule(3, 3, 1):
+        active = [b for b in range(3) if 1 <= row[b] <= 3]
+        ts = [sigmas[row[b] - 1] for b in active]
+        want += [(active[0] * K, ts)] * 2  # guidance: the caption's and the empty caption's forward
+    assert seen[:len(want)] == [(s, pytest.approx(t)) for s, t in want]
+
+
+def test_sample_tool_ar_step(causal_run, tmp_path, capsys):
+    """tools.sample --ar-step 1 streams the causal run's 8 frames (2 blocks) asynchronously; with
+    --overlap-frames or --full-sequence it is one error line."""
+    assert _sample_tool(causal_run, tmp_path / "a", "--frames", "8", "--ar-step", "1") == 0
+    got = load_file(str(tmp_path / "a" / "samples.safetensors"))["prompt_0_0"]
+    assert got.shape == (3, 8, 32, 32) and bool(torch.isfinite(got).all())
+    capsys.readouterr()
+    for extra in (["--frames", "16", "--overlap-frames", "4"], ["--frames", "8", "--full-sequence"]):
+        assert _sample_tool(causal_run, tmp_path / "c", "--ar-step", "1", *extra) == 2, extra
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: --ar-step 1") and "\n" not in err, err

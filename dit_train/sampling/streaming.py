@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from dit_train.batch import video_forward
 from dit_train.kernels import VarlenLayout
-from dit_train.models.layers import Attention
+from dit_train.models.registry import attention_layers
 from dit_train.objectives.flow_matching import velocity_from_output
 from dit_train.rng import sample_generator
 from dit_train.sampling.sampler import SampleRequest, VideoSampler
@@ -49,6 +49,9 @@ class KVCache:
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
         self.record = False
+        # [Lq] causal block of each token of the current forward when it holds several blocks
+        # (the asynchronous schedule); None = one block, which sees all of itself
+        self.block: torch.Tensor | None = None
 
     def clear(self) -> None:
         self.k.clear()
@@ -74,14 +77,19 @@ class CachedAttention:
             k, v = torch.cat([c.k[self.layer], k]), torch.cat([c.v[self.layer], v])
         if c.record:
             c.k[self.layer], c.v[self.layer] = k, v
-        out = F.scaled_dot_product_attention(*(x.transpose(0, 1)[None] for x in (q, k, v)))
+        mask = None
+        if c.block is not None:  # several blocks at once: cached keys all visible, the current ones block-causal
+            mask = torch.cat([c.block.new_ones(len(c.block), k.shape[0] - len(c.block), dtype=torch.bool),
+                              c.block[None, :] <= c.block[:, None]], dim=1)
+        out = F.scaled_dot_product_attention(*(x.transpose(0, 1)[None] for x in (q, k, v)), attn_mask=mask)
         return out[0].transpose(0, 1)
 
 
 @contextlib.contextmanager
 def cached(model: torch.nn.Module, cache: KVCache) -> Iterator[None]:
-    """Every self-attention layer of `model` reads and writes `cache` inside the block."""
-    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    """Every self-attention layer of `model` reads and writes `cache` inside the block: the modules
+    holding an `attention_fn` (our DiT's, a diffusers family's self-attention: SkyReels-V2's)."""
+    layers = attention_layers(model)
     saved = [m.attention_fn for m in layers]
     try:
         for i, m in enumerate(layers):
@@ -92,25 +100,30 @@ def cached(model: torch.nn.Module, cache: KVCache) -> Iterator[None]:
             m.attention_fn = fn
 
 
-def block_forward(model: torch.nn.Module, x: torch.Tensor, start: int, t: float, cache: KVCache,
+def block_forward(model: torch.nn.Module, x: torch.Tensor, start: int, t: float | list[float], cache: KVCache,
                   patch: tuple[int, int, int], context: torch.Tensor | None = None, record: bool = False) -> torch.Tensor:
     """The model's output [T, C·pt·ph·pw] for one block x [C, K, H, W] of one clip whose first
     temporal patch sits at `start` (RoPE position), at flow time t, attending to `cache` (and,
-    with `record`, appending this block's K/V to it). context: [Lt, text_dim] the clip's caption."""
-    samples = {"t": torch.tensor([t], dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)}
+    with `record`, appending this block's K/V to it). context: [Lt, text_dim] the clip's caption.
+    t a list (the asynchronous schedule): x holds len(t) blocks, block b at t[b] (the model's
+    per-block timesteps, as diffusion forcing trains them), block-causal among themselves."""
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    blocks = len(t) if isinstance(t, list) else 0
+    samples = {"block_t": torch.tensor([t], dtype=dtype)} if blocks else {"t": torch.tensor([t], dtype=dtype)}
     if context is not None:
         samples["context"], samples["context_len"] = pad_contexts([context], context.shape[-1])
     dim = x.shape[0] * math.prod(patch)
-    b = pack_clips({"x": [x]}, patch, dim, samples, torch.zeros(1, dtype=torch.long))
+    b = pack_clips({"x": [x]}, patch, dim, samples, torch.zeros(1, dtype=torch.long),
+                   causal_block=x.shape[1] // patch[0] // blocks if blocks else 0)
     b.pos[:, 0] += start
     b = b.to(next(model.parameters()).device)
     meta = VarlenLayout.build(b.seg, b.mask_order, b.causal)  # unused by CachedAttention; the layers take one
-    cache.record = record
+    cache.record, cache.block = record, b.block if blocks > 1 else None
     try:
         with cached(model, cache):
             return video_forward(model, b, meta)
     finally:
-        cache.record = False
+        cache.record, cache.block = False, None
 
 
 class StreamingSampler(VideoSampler):
@@ -126,9 +139,11 @@ class StreamingSampler(VideoSampler):
     conditioning feeds, control videos, latent-cache runs, context parallelism.
     """
 
-    def __init__(self, *args: Any, block_frames: int, window_frames: int = 0, overlap_frames: int = 0, **kw: Any):
+    def __init__(self, *args: Any, block_frames: int, window_frames: int = 0, overlap_frames: int = 0, ar_step: int = 0,
+                 **kw: Any):
         super().__init__(*args, **kw)
         self.block_frames, self.window_frames, self.overlap_frames = block_frames, window_frames, overlap_frames
+        self.ar_step = ar_step  # 0: block by block (synchronous); N > 0: SkyReels-V2's staggered schedule
 
     @torch.no_grad()
     def sample(self, model: torch.nn.Module, autocast: Callable[[], Any] | None = None,
@@ -141,7 +156,8 @@ class StreamingSampler(VideoSampler):
         for k, x in enumerate(xs):
             contexts = [None] if ctxs is None else [ctxs[k]] + ([ctxs[len(xs) + k]] if cfg else [])
             with autocast():
-                out.append(self._stream(model, k, x, contexts, progress))
+                stream = self._stream_async if self.ar_step else self._stream
+                out.append(stream(model, k, x, contexts, progress))
         model.train(was_training)
         return out
 
@@ -175,6 +191,54 @@ class StreamingSampler(VideoSampler):
             position += 1
         return torch.cat(done, dim=1)
 
+    def _stream_async(self, model: torch.nn.Module, k: int, noise: torch.Tensor, contexts: list,
+                      progress: bool) -> torch.Tensor:
+        """Request k under the asynchronous schedule (`ar_schedule`): at each iteration the blocks
+        in progress run in one forward, each at its own level (block b ar_step steps behind block
+        b − 1, attending to the earlier ones still noisy, as SkyReels-V2's pipeline); a block is
+        committed to the cache clean (t = 0) once it is done and no longer in the forward. One
+        window (tools.sample refuses --overlap-frames with --ar-step)."""
+        K, pt = self.block_frames, self.patch[0]
+        caches = [KVCache() for _ in contexts]
+        n = noise.shape[1] // K
+        xs = [noise[:, j * K:(j + 1) * K] for j in range(n)]
+        scheds = [self.schedulers()[k] for _ in range(n)]  # a fresh one per block: every block runs the whole grid
+        committed = 0
+        for row in tqdm(ar_schedule(n, self.steps, self.ar_step), desc=f"streaming clip {k}", unit="step",
+                        disable=not progress):
+            active = [b for b in range(n) if 1 <= row[b] <= self.steps]
+            if not active:
+                continue
+            for j in range(committed, active[0]):  # done and out of the forward: into the cache, clean
+                self._commit(model, xs[j], j * K // pt, caches, contexts)
+            committed = active[0]
+            lo, hi = active[0], active[-1] + 1
+            ts = [scheds[b].sigmas[row[b] - 1].item() for b in range(lo, hi)]
+            vs = self._velocities(model, torch.cat(xs[lo:hi], dim=1), lo * K // pt, ts, caches, contexts)
+            for b, v in zip(range(lo, hi), vs):
+                i = row[b] - 1
+                gen = (sample_generator(self.seed, self.requests[k].noise_id, b * self.steps + i + 1, "sampling")
+                       if self.stochastic else None)
+                xs[b] = scheds[b].step(v, scheds[b].timesteps[i], xs[b], generator=gen).prev_sample
+        return torch.cat(xs, dim=1)
+
+    def _velocities(self, model, x: torch.Tensor, start: int, ts: list[float], caches: list[KVCache],
+                    contexts: list) -> list[torch.Tensor]:
+        """The (guided) velocity [C, K, H, W] of each of the len(ts) blocks of x, block b at ts[b]."""
+        n, grid = len(ts), self._grid(x.shape)
+        per = grid[0] // n * grid[1] * grid[2]  # tokens per block (patchify's order: frames outermost)
+        t_tok = torch.tensor(ts).repeat_interleave(per)
+        vs = []
+        for cache, ctx in zip(caches, contexts):
+            out = block_forward(model, x, start, ts, cache, self.patch, ctx).float().cpu()
+            vs.append(velocity_from_output(out, patchify(x, self.patch)[0], t_tok, self.prediction, self.x0_min_t))
+        out = []
+        for b, t in enumerate(ts):
+            part = [v[b * per:(b + 1) * per] for v in vs]
+            v = part[0] if len(part) == 1 else part[1] + self.guidance_at(t) * (part[0] - part[1])
+            out.append(unpatchify(v, (grid[0] // n, *grid[1:]), self.patch, x.shape[0]).to(x.dtype))
+        return out
+
     def _commit(self, model, x0: torch.Tensor, start: int, caches: list[KVCache], contexts: list) -> None:
         """Record a finished block's clean K/V (t = 0) in every branch's cache."""
         for cache, ctx in zip(caches, contexts):
@@ -190,6 +254,21 @@ class StreamingSampler(VideoSampler):
             vs.append(velocity_from_output(out, patchify(x, self.patch)[0], t, self.prediction, self.x0_min_t))
         v = vs[0] if len(vs) == 1 else vs[1] + self.guidance_at(t) * (vs[0] - vs[1])
         return unpatchify(v, grid, self.patch, x.shape[0]).to(x.dtype)
+
+
+def ar_schedule(blocks: int, steps: int, ar_step: int) -> list[list[int]]:
+    """SkyReels-V2's asynchronous schedule (diffusers' SkyReelsV2DiffusionForcingPipeline
+    .generate_timestep_matrix, one window, nothing pre-denoised): one row per model iteration, each
+    block's step counter: 0 = not started, k in 1..steps = the block takes its k-th denoising step
+    (at the grid's level k − 1) in this iteration, steps + 1 = done. Block b's counter at iteration
+    i is i + 1 − b·ar_step, clamped: each block ar_step steps behind the one before it."""
+    rows, i = [], 0
+    while True:
+        row = [min(max(i + 1 - b * ar_step, 0), steps + 1) for b in range(blocks)]
+        if all(c > steps for c in row):
+            return rows
+        rows.append(row)
+        i += 1
 
 
 def stream_check(request_frames: int, block_frames: int, window_frames: int, overlap_frames: int) -> str | None:
@@ -208,4 +287,4 @@ def stream_check(request_frames: int, block_frames: int, window_frames: int, ove
     return None
 
 
-__all__ = ["KVCache", "StreamingSampler", "block_forward", "cached", "stream_check"]
+__all__ = ["KVCache", "StreamingSampler", "ar_schedule", "block_forward", "cached", "stream_check"]

@@ -163,7 +163,7 @@ def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, 
     kind, stream = VideoSampler, {}
     if args.streaming:  # block by block with a KV cache (sampling/streaming.py)
         kind, stream = StreamingSampler, dict(block_frames=cfg.model.causal_block_frames, overlap_frames=args.overlap_frames,
-                                              window_frames=training_frames(cfg))
+                                              window_frames=training_frames(cfg), ar_step=args.ar_step)
     sampler = kind(requests, video_inputs(cfg.model, cfg.cond), null, ctx, args.steps, args.guidance, args.seed,
                    shift, reference,
                    stochastic=cfg.train.stochastic_sampling if args.stochastic is None else args.stochastic,
@@ -245,6 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--overlap-frames", type=ranged(int, Range(0)), default=0, metavar="N",
                     help="a block-causal run streaming past its training length (data.max_frames): frames of the "
                          "last window that open the next one (a multiple of model.causal_block_frames)")
+    ap.add_argument("--ar-step", type=ranged(int, Range(0)), default=0, metavar="N",
+                    help="a block-causal run: SkyReels-V2's asynchronous schedule, block i running N denoising steps "
+                         "behind block i-1 (the blocks in progress in one forward, each at its own level); 0 = "
+                         "block by block (synchronous, the default)")
     ap.add_argument("--full-sequence", action="store_true",
                     help="a block-causal run: denoise all blocks at once (the validation sampler) instead of streaming")
     ap.add_argument("--layout", default="", help="parallel layout to sample on, e.g. cp_ulysses=2 (starts local workers)")
@@ -414,6 +418,10 @@ def check_streaming(args: argparse.Namespace, cfg: Any) -> bool:
     """Whether the prompts stream block by block (a block-causal run, not --full-sequence);
     ValueError (one `error:` line) for what cannot be streamed or needs the cache."""
     k = getattr(cfg.model, "causal_block_frames", 0)
+    if args.ar_step and (not k or args.full_sequence or args.data_captions or args.overlap_frames):
+        raise ValueError(f"--ar-step {args.ar_step} staggers the blocks of a streamed block-causal run within one window: "
+                         f"drop --full-sequence / --data-captions / --overlap-frames (or --ar-step), or sample a run "
+                         f"with model.causal_block_frames > 0")
     if not k:
         if args.overlap_frames or args.full_sequence:
             raise ValueError(f"--overlap-frames and --full-sequence are for block-causal runs (model.causal_block_frames "
