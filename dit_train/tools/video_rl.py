@@ -29,11 +29,13 @@ alone, evaluated on other noise), scores them with the reward, and takes one opt
         sft_loss(agg="sequence") on --raft-batch clips of the run's own training data.
 --rollout-guidance sets the ODE rollouts' guidance (default: train.guidance_scale, as evaluated);
 --max-cpu-s stops once the process has used that many CPU seconds (start-up included), then
-evaluates.
+evaluates. --old-decay D (nft): DiffusionNFT's old policy, an EMA of the weights that samples the
+rollouts and gives the loss its v_old (its proximal term; 0 = on-policy).
 The reward: the exact shapes metric, a smooth sum of its per-clip figures (palette_share +
 background_ok + color_ok + shape_ok + single_shape + motion_ok + all_ok; --reward shapes, the
-default), --reward brightness (the mean brightness of the clip, 0 .. 1: the sanity check every
-recipe must raise fast), or --reward module:function taking (clips [3, F, H, W] in [-1, 1],
+default), --reward shapes_graded (the same with shape_ok graded by the blob's fill), --reward shape
+(that graded figure alone), --reward brightness (the mean brightness of the clip, 0 .. 1: the
+sanity check every recipe must raise fast), or --reward module:function taking (clips [3, F, H, W] in [-1, 1],
 captions) and returning one finite float per clip. Every --eval-every steps (and at 0 and the end) the 48 held-out captions are sampled
 like validation samples and scored: DIR/heldout.jsonl, DIR/heldout_step_XXXX.png.
 --out is a new or empty folder, never RUN nor a folder holding it: one that is not empty is
@@ -234,8 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ckpt-every", type=int, default=0,
                     help="also checkpoint every this many steps (default 0: when stopped and at the end; "
                          "runs of several processes keep only these when stopped)")
-    ap.add_argument("--reward", default="", help="shapes (the default: the exact metric), shapes_graded (its shape figure graded by "
-                    "the blob's fill), brightness (the sanity check) or module:function (clips, captions) -> floats")
+    ap.add_argument("--reward", default="",
+                    help="shapes (the default: the exact metric), shapes_graded (its shape figure graded by the blob's "
+                         "fill), shape (that graded figure alone), brightness (the sanity check) or module:function "
+                         "(clips, captions) -> floats")
     ap.add_argument("--reward-timeout", type=float, default=600.0, metavar="S",
                     help="seconds a reward call may take before the run stops with an error (0 = no limit)")
     ap.add_argument("--captions", type=int, default=4, help="captions per step")

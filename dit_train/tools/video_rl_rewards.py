@@ -35,11 +35,18 @@ def shapes_graded_reward(clips: list[torch.Tensor], captions: list[str]) -> list
     return out
 
 
-BUILTIN = {"shapes": shapes_reward, "shapes_graded": shapes_graded_reward, "brightness": brightness_reward}
+def shape_reward(clips: list[torch.Tensor], captions: list[str]) -> list[float]:
+    """The shape word alone: `shape_grade` (0 .. 1). Nothing else is rewarded, so whatever else
+    a run keeps it keeps by its proximal term (--old-decay) or learning rate."""
+    return [shape_grade(c, p) for c, p in zip(clips, captions)]
+
+
+BUILTIN = {"shapes": shapes_reward, "shapes_graded": shapes_graded_reward, "shape": shape_reward,
+           "brightness": brightness_reward}
 
 
 def load_reward(spec: str) -> Callable:
-    """A built-in reward by name (shapes, shapes_graded, brightness) or `module:function`; ConfigError otherwise."""
+    """A built-in reward by name (shapes, shapes_graded, shape, brightness) or `module:function`; ConfigError otherwise."""
     if spec in BUILTIN:
         return BUILTIN[spec]
     if ":" not in spec:
