@@ -81,19 +81,22 @@ _FROZEN_FOR: list = [None]
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
-    """At each new test module: collect, then freeze what survives out of the collector's scans.
+    """Freeze the heap out of the collector's scans: at a new test module after a full
+    collection, at every other test after a young one (what the last test imported joins).
 
     Python's full collections rescanned this process's whole heap (torch, diffusers,
-    transformers and the data of earlier modules) ~80 times a file: 10 % of the pytest
-    process's CPU in tests/test_planner.py (3.7 of 37 CPU-s, 2.7 of it full collections),
-    1.8 CPU-s with this. The pool workers do the same per job (tests/pool.py). Unfreezing
-    first lets the earlier modules' garbage cycles go at the next module: nothing leaks for
-    longer than a module."""
+    transformers, earlier modules' data) ~30 times a file: test_config + test_checkpoint +
+    test_planner (not slow) spent 5.25 CPU-s of 49.7 in the collector, 3.09 with this
+    (docs/development.md). The pool workers do the same per job (tests/pool.py). Unfreezing
+    at each module lets a module's garbage cycles go at the next one: none outlives it by
+    more than a module."""
     if item.module is not _FROZEN_FOR[0]:
         _FROZEN_FOR[0] = item.module
         gc.unfreeze()
         gc.collect()
-        gc.freeze()
+    else:  # what the previous test imported (diffusers, transformers...) joins the frozen heap
+        gc.collect(1)
+    gc.freeze()
 
 
 @pytest.fixture(scope="session")
