@@ -14,6 +14,9 @@ mean|x̂0 − x0_real| — while CP splits a sample's tokens over ranks: a no-gr
 rank's part of every sample's sum, one all-reduce over the world group (`sync_sequence_sums`)
 completes them, and the normaliser enters the backward pass as a constant. No gradient crosses
 a collective except FSDP's/DDP's own SUM.
+
+How the student's sample is made and differentiated are three hooks (`generate`, `trained_x0`,
+`scoring`); Self-Forcing (distill/self_forcing.py) overrides them, everything else is shared.
 """
 from __future__ import annotations
 
