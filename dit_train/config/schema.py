@@ -424,9 +424,10 @@ class TrainConfig:
 
 @dataclass
 class DistillConfig:
-    """DMD2 few-step distillation of a trained run (dit_train/distill, docs/distillation.md)."""
+    """DMD2 few-step distillation of a trained run (dit_train/distill, docs/distillation.md), and
+    Self-Forcing: its block-causal student trained on its own rollouts (docs/causal.md)."""
 
-    method: str = "none"  # none (plain training) | dmd2 (+experiment=distill_dmd2)
+    method: str = "none"  # none (plain training) | dmd2 (+experiment=distill_dmd2) | self_forcing (+experiment=self_forcing)
     # a trained run's folder (config.yaml + weights): its model, data and loss keys become this
     # run's; the student and the critic start from its weights (EMA when present)
     teacher: str = ""

@@ -30,6 +30,7 @@ from dit_train.config.errors import ConfigError
 from dit_train.config.schema import cond_active
 from dit_train.distill.roles import CRITIC, Roles
 from dit_train.distill.task import DistillTask
+from dit_train.distill.self_forcing import SelfForcingTrainer
 from dit_train.distill.trainer import DistillTrainer
 from dit_train.engine.build import Run, broadcast_full_weights, build_parallel_model, build_run
 from dit_train.engine.ema import EMA
@@ -38,6 +39,7 @@ from dit_train.models import build_model
 from dit_train.models.lora import is_lora_name
 from dit_train.optim import build_optimizer, build_scheduler
 from dit_train.parallel.mesh import ParallelDims
+from dit_train.tasks.causal import causal_errors, fixed_frames
 
 
 def teacher_weights(folder: Path) -> tuple[dict[str, torch.Tensor], str]:
@@ -77,11 +79,11 @@ def student_config(cfg: Config) -> Config:
             raise ConfigError(f"distill.teacher={teacher_dir} is set but distill.method=none: distil with "
                               f"+experiment=distill_dmd2 (or distill.method=dmd2)")
         return cfg
-    if method != "dmd2":
-        raise ConfigError(f"distill.method={method!r} must be none or dmd2")
+    if method not in ("dmd2", "self_forcing"):
+        raise ConfigError(f"distill.method={method!r} must be none, dmd2 or self_forcing")
     if not teacher_dir:
-        raise ConfigError("distill.teacher is required by distill.method=dmd2: give the folder of a finished "
-                          "training run (distill.teacher=RUN_DIR)")
+        raise ConfigError(f"distill.teacher is required by distill.method={method}: give the folder of a finished "
+                          f"training run (distill.teacher=RUN_DIR)")
     folder = Path(cfg.distill.teacher)
     where = f"distill.teacher={cfg.distill.teacher}"
     if not (folder / "config.yaml").is_file():
@@ -96,12 +98,15 @@ def student_config(cfg: Config) -> Config:
                           f"text-to-video runs only")
     if getattr(teacher.model, "causal_block_frames", 0):
         raise ConfigError(f"{where}: a block-causal run (model.causal_block_frames={teacher.model.causal_block_frames}); "
-                          f"DMD2 here distils bidirectional runs only (Self-Forcing is not built yet: docs/causal.md)")
-    if getattr(cfg.model, "causal_block_frames", 0):  # the student is the teacher's model: it would silently be bidirectional
-        raise ConfigError(f"model.causal_block_frames={cfg.model.causal_block_frames} asks for a block-causal student, "
-                          f"but DMD2 builds the student from the teacher's model ({where}: bidirectional); a causal "
-                          f"student of a bidirectional teacher is Self-Forcing, not built yet (docs/causal.md): drop "
-                          f"model.causal_block_frames")
+                          f"distillation here takes a bidirectional teacher (its real score sees the whole clip; "
+                          f"Self-Forcing makes the causal student of one: docs/causal.md)")
+    block = getattr(cfg.model, "causal_block_frames", 0)
+    if method == "dmd2" and block:  # the student is the teacher's model: it would silently be bidirectional
+        raise ConfigError(f"model.causal_block_frames={block} asks for a block-causal student, but DMD2 builds the "
+                          f"student from the teacher's model ({where}: bidirectional); a causal student of a "
+                          f"bidirectional teacher is Self-Forcing: +experiment=self_forcing")
+    if method == "self_forcing":
+        self_forcing_checks(cfg, teacher, where)
     if teacher.model.lora.rank > 0:
         raise ConfigError(f"{where}: a LoRA run (model.lora.rank={teacher.model.lora.rank} in its config.yaml); "
                           f"distil from a full-weights run (its merged weights.safetensors in a run trained without "
@@ -120,8 +125,26 @@ def student_config(cfg: Config) -> Config:
     train = dataclasses.replace(cfg.train, sample_steps=cfg.distill.student_steps, guidance_scale=1.0,
                                 stochastic_sampling=False)
     model = dataclasses.replace(teacher.model, lora=cfg.model.lora)  # model.lora of the command line: LoRA distillation
+    if method == "self_forcing":  # the teacher's weights in a block-causal student (the mask is the layout's)
+        model = dataclasses.replace(model, causal_block_frames=cfg.model.causal_block_frames)
     return dataclasses.replace(cfg, mode=teacher.mode, model=model, data=teacher.data, loss=teacher.loss,
                                cond=teacher.cond, train=train)
+
+
+def self_forcing_checks(cfg: Config, teacher: Config, where: str) -> None:
+    """A Self-Forcing student's block against the teacher's clips (one line, before any work)."""
+    k = getattr(cfg.model, "causal_block_frames", 0)
+    if not k:
+        raise ConfigError("distill.method=self_forcing trains a block-causal student: set model.causal_block_frames "
+                          "(latent frames per causal block, e.g. 4; +experiment=self_forcing sets it)")
+    student = dataclasses.replace(teacher.model, causal_block_frames=k)
+    errors = causal_errors(teacher.mode, student, teacher.data, teacher.loss, teacher.cond)
+    clip = fixed_frames(teacher.data, student.patch_size[0])
+    if clip is not None and clip[1] < k:
+        errors.append(f"model.causal_block_frames={k} is longer than the teacher's clips ({clip[0]} of {where}: "
+                      f"{clip[1]} latent frames): use a block that divides {clip[1]}")
+    if errors:
+        raise ConfigError(f"{where} with a block-causal student: " + "; ".join(dict.fromkeys(errors)))
 
 
 def build_distill_run(cfg: Config, ctx: Any = None, heldout: bool = False):
@@ -147,16 +170,21 @@ def build_distill_run(cfg: Config, ctx: Any = None, heldout: bool = False):
         critic = critic_adapter_run(student, critic_config(student.cfg))
     task = DistillTask(student.task, cfg.distill, student.cfg.loss, cfg.train.seed)
     roles = Roles(student.model, critic.model, teacher)
-    trainer = DistillTrainer(student.trainer, critic.trainer, roles, task, cfg.distill)
+    kind = SelfForcingTrainer if cfg.distill.method == "self_forcing" else DistillTrainer
+    trainer = kind(student.trainer, critic.trainer, roles, task, cfg.distill)
     return DistillRun(cfg=dataclasses.replace(student.cfg, distill=cfg.distill), ctx=ctx, task=student.task,
                       model=student.model, optimizer=student.optimizer, scheduler=student.scheduler, trainer=trainer,
                       heldout=student.heldout, ema=student.trainer.ema, critic=critic, teacher=teacher)
 
 
 def critic_config(cfg: Config) -> Config:
-    """The critic's training keys: optim.* at distill.critic_lr, no EMA."""
+    """The critic's training keys: optim.* at distill.critic_lr, no EMA; bidirectional, as the
+    teacher built from them (a Self-Forcing student's block is the student's alone)."""
     optim = dataclasses.replace(cfg.optim, lr=cfg.distill.critic_lr or cfg.optim.lr)
-    return dataclasses.replace(cfg, optim=optim, train=dataclasses.replace(cfg.train, ema_decay=0))
+    model = cfg.model
+    if getattr(model, "causal_block_frames", 0):
+        model = dataclasses.replace(model, causal_block_frames=0)
+    return dataclasses.replace(cfg, model=model, optim=optim, train=dataclasses.replace(cfg.train, ema_decay=0))
 
 
 def teacher_config(cfg: Config) -> Config:

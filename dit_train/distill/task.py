@@ -12,10 +12,17 @@ grid, `dmd.student_sigmas` with its own shift), "t_dmd", "t_c" [S], the captions
 "context_len") and the empty caption ("null_context", "null_context_len") for the teacher's
 guidance. The step index j of the student's backward simulation is one draw per step
 (`student_index`): every rank runs the same number of forwards (FSDP's collectives must match).
+
+Self-Forcing (distill.method=self_forcing, a block-causal student): the packs are block-causal
+(each token's `block`, clips trimmed to whole blocks as causal training trims them), and each
+sample draws the exit step of every block of its two rollouts from its own stream
+"rollout_exit": samples "exit" and "exit_c" [S, NB] int64 (NB = `max_blocks`, the longest
+clip's block count, the same in every pack; a shorter clip's extra columns are unused).
 """
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 import torch
@@ -28,6 +35,7 @@ from dit_train.distill.dmd import student_sigmas
 from dit_train.objectives.flow_matching import sample_shift, sample_timestep, shift_timestep
 from dit_train.rng import sample_generator
 from dit_train.tasks.captions import pad_contexts
+from dit_train.tasks.causal import kept_frames
 from dit_train.tasks.video import num_patches, pack_clips
 
 log = logging.getLogger(__name__)
@@ -50,6 +58,14 @@ class DistillTask:
         self.patch, self.patch_dim, self.text_dim = base.patch, base.patch_dim, base.text_dim
         self.prediction, self.x0_min_t = base.prediction, base.x0_min_t
         self._sigmas: dict[float, tuple[float, ...]] = {}
+        # Self-Forcing: temporal patches per causal block of the (block-causal) student's task
+        self.causal_block = getattr(base, "causal_block", 0) if distill.method == "self_forcing" else 0
+        self.block_frames = self.causal_block * self.patch[0]
+        if self.causal_block:
+            self.causal, self.cp_layout = True, "zigzag"  # as the causal video task: balanced ring work
+            frames = base.dataset.frames  # clip lengths without decoding (the causal task needs them too)
+            longest = max(kept_frames(frames(i), self.block_frames) for i in range(len(base.dataset)))
+            self.max_blocks = max(1, math.ceil(longest / self.block_frames))
 
     def lengths(self) -> list[int]:
         return self.base.lengths()
@@ -64,7 +80,7 @@ class DistillTask:
         """The full (un-split) pack of `sample_ids` at `step` (CPU)."""
         d, lc = self.distill, self.loss_cfg
         fields: dict[str, list[torch.Tensor]] = {"x": [], "eps": [], "x_c": [], "eps_c": []}
-        sig, t_dmd, t_c, ctx, kept = [], [], [], [], []
+        sig, t_dmd, t_c, ctx, kept, exits = [], [], [], [], [], []
         for sid in sample_ids:
             try:
                 item = self.base.dataset[sid]
@@ -76,6 +92,10 @@ class DistillTask:
                 self.base.failed.add(sid)
                 continue
             kept.append(sid)
+            if self.causal_block:  # whole causal blocks, as causal training takes the clip (tasks/causal.py)
+                shape = (shape[0], kept_frames(shape[1], self.block_frames), *shape[2:])
+                g = sample_generator(self.seed, sid, step, "rollout_exit")  # [2, NB]: the student's, the critic's
+                exits.append(torch.randint(d.student_steps, (2, self.max_blocks), generator=g))
             shift = sample_shift(lc.timestep_shift, lc.shift_reference_tokens, num_patches(shape, self.patch))
             sig.append(self.sigmas(shift))
             g = sample_generator(self.seed, sid, step, "distill_student")
@@ -95,7 +115,11 @@ class DistillTask:
             samples["context"], samples["context_len"] = pad_contexts(ctx, self.text_dim)
             null = [self.base.null_caption()] * len(kept)
             samples["null_context"], samples["null_context_len"] = pad_contexts(null, self.text_dim)
-        return pack_clips(fields, self.patch, self.patch_dim, samples, torch.tensor(kept, dtype=torch.long))
+        if self.causal_block:
+            both = torch.stack(exits) if exits else torch.zeros(0, 2, self.max_blocks, dtype=torch.long)
+            samples["exit"], samples["exit_c"] = both[:, 0], both[:, 1]
+        return pack_clips(fields, self.patch, self.patch_dim, samples, torch.tensor(kept, dtype=torch.long),
+                          causal_block=self.causal_block)
 
     def per_token_loss(self, model: nn.Module, batch: PackedBatch, attn: Any) -> torch.Tensor:
         """[L] a plain forward's mean output per token: what the trainer's gradient flush runs

@@ -14,8 +14,13 @@ mean|x̂0 − x0_real| — while CP splits a sample's tokens over ranks: a no-gr
 rank's part of every sample's sum, one all-reduce over the world group (`sync_sequence_sums`)
 completes them, and the normaliser enters the backward pass as a constant. No gradient crosses
 a collective except FSDP's/DDP's own SUM.
+
+How the student's sample is made and differentiated are three hooks (`generate`, `trained_x0`,
+`scoring`); Self-Forcing (distill/self_forcing.py) overrides them, everything else is shared.
 """
 from __future__ import annotations
+
+import contextlib
 
 from dataclasses import replace
 from typing import Any
@@ -98,6 +103,24 @@ class DistillTrainer:
             x = x + (per_token(sig[:, k + 1], b.seg, 0.0) - per_token(sig[:, k], b.seg, 0.0)) * v
         return x
 
+    # -- what Self-Forcing changes (distill/self_forcing.py) ----------------------------------------
+
+    def generate(self, mb: MicroBatch, start: str, j: int) -> tuple[torch.Tensor, Any]:
+        """(the student's sample x̂0 [L, D] from the noise tokens[start], what `trained_x0`
+        needs to recompute it with gradient), no gradient: DMD2's step j from x_j."""
+        x_j = self.simulate(mb, start, j)
+        return self.student_x0(mb, x_j, j), x_j
+
+    def trained_x0(self, mb: MicroBatch, state: Any, j: int) -> list[tuple[torch.Tensor | None, Any, Any]]:
+        """[(token mask [L] or None = all, a callable giving x̂0 [L, D] with gradient, the context
+        its forward and backward run in)]: the student's sample in the parts it is
+        differentiated in (one backward each)."""
+        return [(None, lambda: self.student_x0(mb, state, j), contextlib.nullcontext)]
+
+    def scoring(self, mb: MicroBatch) -> MicroBatch:
+        """The micro-batch as the teacher and the critic read it (their attention layout)."""
+        return mb
+
     # -- the step ----------------------------------------------------------------------------------
 
     def step_samples(self, step: int) -> dict[int, int]:
@@ -139,8 +162,8 @@ class DistillTrainer:
         for mb in micro:  # pass 1, no gradient: the directions and this rank's parts of the normalisers
             b = mb.batch
             with torch.no_grad(), self.student.autocast():
-                x_j = self.simulate(mb, "x", j)
-                x0_hat = self.student_x0(mb, x_j, j)
+                x0_hat, state = self.generate(mb, "x", j)
+                mb = self.scoring(mb)  # the teacher's and the critic's attention (bidirectional)
                 t = b.samples["t_dmd"]
                 t_tok = per_token(t, b.seg)
                 x_t = (1 - t_tok) * x0_hat + t_tok * b.tokens["eps"]
@@ -153,21 +176,24 @@ class DistillTrainer:
                 row = torch.tensor([rows[int(s)] for s in b.sample_ids], device=totals.device)[b.seg[keep]]
                 part = (x0_hat - x0_real).abs().sum(dim=-1).double() * b.loss_weight().double()
                 totals.index_add_(0, row, part[keep])
-            kept.append((x_j, x0_fake - x0_real))
+            kept.append((state, x0_fake - x0_real))
         sync_sequence_sums(totals, self.ctx.world_group)
         loss_sum = torch.zeros((), device=self.ctx.device)
         D = self.task.patch_dim
-        for k, (mb, (x_j, diff)) in enumerate(zip(micro, kept)):  # pass 2: the student's gradient
+        for k, (mb, (state, diff)) in enumerate(zip(micro, kept)):  # pass 2: the student's gradient
             b = mb.batch
             sample_rows = torch.tensor([rows[int(s)] for s in b.sample_ids], dtype=torch.long, device=totals.device)
             normaliser = totals[sample_rows] / (counts.sample_tokens[k].to(totals.device) * D)
             direction = dmd_direction(diff, per_token(normaliser.float(), b.seg))
-            with self.roles.use("student"), self.student.gradient_sync(k == len(micro) - 1), self.student.autocast():
-                per_tok = dmd_token_loss(self.student_x0(mb, x_j, j), direction)
-                loss = weighted_loss(per_tok, token_weights(self.student.loss_cfg.reduction, b.seg, b.loss_weight(),
-                                                            counts, k))
-                loss.backward()
-            loss_sum += loss.detach()
+            weights = token_weights(self.student.loss_cfg.reduction, b.seg, b.loss_weight(), counts, k)
+            parts = self.trained_x0(mb, state, j)
+            for n, (part, x0_hat, scope) in enumerate(parts):  # the trained x̂0, whole or a part (mask [L]) at a time
+                last = k == len(micro) - 1 and n == len(parts) - 1
+                with scope(), self.roles.use("student"), self.student.gradient_sync(last), self.student.autocast():
+                    per_tok = dmd_token_loss(x0_hat(), direction)
+                    loss = weighted_loss(per_tok if part is None else per_tok * part, weights)
+                    loss.backward()
+                loss_sum += loss.detach()
         sync_unsharded_grads(self.student.model, self.student._manual_sync, self.ctx)
         norm, skipped = self.student.apply_gradients()
         return loss_sum, norm, skipped
@@ -179,7 +205,8 @@ class DistillTrainer:
         for k, mb in enumerate(micro):
             b = mb.batch
             with torch.no_grad(), self.student.autocast():
-                x0_hat = self.student_x0(mb, self.simulate(mb, "x_c", j), j)
+                x0_hat = self.generate(mb, "x_c", j)[0]
+            mb = self.scoring(mb)
             t = b.samples["t_c"]
             t_tok, eps = per_token(t, b.seg), b.tokens["eps_c"]
             fm = replace(b, tokens={"x": (1 - t_tok) * x0_hat + t_tok * eps, "target": eps - x0_hat},

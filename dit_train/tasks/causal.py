@@ -28,7 +28,7 @@ def kept_frames(frames: int, block_frames: int) -> int:
     return frames - frames % block_frames
 
 
-def _fixed_frames(data: Any, pt: int) -> tuple[str, int] | None:
+def fixed_frames(data: Any, pt: int) -> tuple[str, int] | None:
     """(the key that fixes it, frames) when every clip of the data has the same configured frame
     count, cut to the temporal patch as the readers do; None for variable lengths. The pixel
     sources' data.max_frames caps every clip, so a cap off the block grid trims every long clip."""
@@ -64,7 +64,7 @@ def causal_errors(mode: str, model: Any, data: Any, loss: Any, cond: Any) -> lis
                  f"conditioning; set cond.kind=none (and loss.history_prob for context blocks)")
     if k <= 0 or k % model.patch_size[0]:
         return e  # not causal, or the model's own check reports the block
-    fixed = _fixed_frames(data, model.patch_size[0])
+    fixed = fixed_frames(data, model.patch_size[0])
     if fixed is not None and fixed[1] >= k and fixed[1] % k:
         key, n = fixed
         lower, upper = n - n % k, n - n % k + k

@@ -1,0 +1,177 @@
+"""Self-Forcing (docs/causal.md): a block-causal few-step student of a bidirectional teacher,
+trained on its own rollouts with DMD2's loss. Layout-exact against the one-process run on uneven
+clips (4 to 8 frames: one or two causal blocks, 32 to 96 wide); resume is exact (the rollout's exits and noise
+included); bad input is refused in one line before step 0."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from dit_train.config.errors import ConfigError
+from dit_train.engine.layout_equivalence import parse_layout, relative_difference
+from tests.conftest import TINY, compose_config, train_in_process
+from tests.layout_cases import TOL, Case
+
+# 3 student steps per block, blocks of 4 frames (2 temporal patches), a student update at steps 0 and 2
+SELF_FORCING = ["+experiment=self_forcing", "model.causal_block_frames=4", "distill.student_steps=3",
+                "distill.student_every=2", "distill.critic_lr=0.3", "optim=sgd", "optim.lr=0.2", "optim.max_grad_norm=0",
+                "train.steps=3"]
+
+
+@pytest.fixture(scope="module")
+def teacher(tiny_cfg, tmp_path_factory):
+    """A tiny trained bidirectional run (2 steps: its weights are not the init's)."""
+    run = tmp_path_factory.mktemp("teacher")
+    train_in_process([*TINY, "train.steps=2"], run, cache_dir=tiny_cfg.data.cache_dir)
+    return run
+
+
+@pytest.fixture(scope="module")
+def cfg(tiny_cfg, teacher):
+    from dit_train.distill.build import student_config
+
+    return student_config(compose_config([*TINY, *SELF_FORCING, f"distill.teacher={teacher}"],
+                                         cache_dir=tiny_cfg.data.cache_dir))
+
+
+def test_rollout_blocks_and_exits(cfg):
+    """The packs are block-causal with clips of one and two blocks, each block its own exit."""
+    from dit_train.distill.build import build_distill_run
+    from dit_train.engine.layout_equivalence import apply_layout
+    from dit_train.parallel.mesh import init_parallel
+
+    c = apply_layout(cfg, {})
+    run = build_distill_run(c, init_parallel(c.parallel))
+    task = run.trainer.task
+    assert task.causal and task.max_blocks == 2 and run.critic.cfg.model.causal_block_frames == 0
+    b = task.build(list(range(16)), 0)
+    blocks = [int(b.block[b.seg == s].max()) + 1 for s in range(b.num_samples)]
+    assert set(blocks) == {1, 2}, blocks  # uneven: one- and two-block clips in one pack
+    assert b.samples["exit"].shape == (b.num_samples, 2) and not torch.equal(b.samples["exit"], b.samples["exit_c"])
+
+
+def test_the_trained_block_is_the_kv_cached_forward(cfg):
+    """Block 1 of a two-block clip, differentiated as the trainer does it (the whole pack under the
+    block-causal mask, the history's K/V frozen) equals streaming.py's cached forward whose cache
+    was filled under no_grad: the same x̂0 and the same parameter gradients of <x̂0, w>."""
+    from dit_train.distill.build import build_distill_run
+    from dit_train.engine.layout_equivalence import apply_layout
+    from dit_train.objectives.flow_matching import velocity_from_output
+    from dit_train.parallel.mesh import init_parallel
+    from dit_train.sampling.streaming import KVCache, block_forward
+    from dit_train.tasks.video import patchify, unpatchify
+
+    c = apply_layout(cfg, {})
+    run = build_distill_run(c, init_parallel(c.parallel))
+    tr, model = run.trainer, run.model
+    task = tr.task
+    mb = tr.student.prepare([[0]], 5, task=task)[0]
+    b = mb.batch
+    assert int(b.block[b.seg == 0].max()) == 1  # sample 0 has two blocks
+    x0, state = tr.generate(mb, "x", 0)
+    w = torch.randn(x0.shape, generator=torch.Generator().manual_seed(0))
+    mask, block_x0, scope = tr.trained_x0(mb, state, 0)[1]
+    with scope():
+        got_x0 = block_x0()
+        ((got_x0 * w).sum(-1) * mask).sum().backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+
+    patch, kt = task.patch, task.causal_block
+    grid = (kt, *(int(b.pos[b.seg == 0, a].max()) + 1 for a in (1, 2)))
+    clip = lambda tok: unpatchify(tok, grid, patch, c.model.in_channels)  # noqa: E731
+    first, second = (b.seg == 0) & (b.block == 0), (b.seg == 0) & (b.block == 1)
+    caption = b.samples["context"][0, : int(b.samples["context_len"][0])] if "context" in b.samples else None
+    cache = KVCache()
+    with torch.no_grad():
+        block_forward(model, clip(state.x0[first]), 0, 0.0, cache, patch, caption, record=True)
+    t = float(state.t_exit[0, 1])
+    x = clip(state.x_exit[second])
+    out = block_forward(model, x, kt, t, cache, patch, caption).float()
+    x_tok = patchify(x, patch)[0]
+    want_x0 = x_tok - t * velocity_from_output(out, x_tok, t, task.prediction, task.x0_min_t)
+    (want_x0 * w[second]).sum().backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert torch.allclose(got_x0[second], want_x0, atol=1e-5)
+    assert got.keys() == want.keys() and got
+    scale = max(float(g.abs().max()) for g in want.values())
+    diff = max(float((got[n] - want[n]).abs().max()) for n in want)
+    assert diff <= 1e-5 * scale, f"gradients differ from the cached forward's by {diff / scale:.2e} of the largest"
+
+
+@pytest.mark.slow
+def test_layouts_equal_the_one_process_run(cfg, teacher):
+    """FSDP2 dp_shard=2, Ulysses cp=2 and ring cp=2 (a sample's blocks split over two ranks,
+    zigzag): student and critic weights after 3 steps (student updates at 0 and 2) equal the
+    one-process run's."""
+    from safetensors.torch import load_file
+
+    from dit_train.engine.launch import launch_local
+    from dit_train.parallel.mesh import init_parallel
+    from tests.test_distill import _worker, distill_steps, part
+
+    cases = {"dp2": Case(cfg, "dp_shard=2"), "ulysses2": Case(cfg, "cp_ulysses=2"), "ring2": Case(cfg, "cp_ring=2")}
+    oracle = distill_steps(cases["dp2"].oracle_cfg(), init_parallel(cases["dp2"].oracle_cfg().parallel), 3)
+    runs = {k: (c.cfg, parse_layout(c.layout)) for k, c in cases.items()}
+    results = launch_local(_worker, (runs, 3), 2, cfg.launcher)[0]
+    init = load_file(teacher / "weights.safetensors")  # both start from the teacher's weights
+    oracle |= {f"__init__/{who}/{k}": v for who in ("student", "critic") for k, v in init.items()}
+    for key in cases:
+        for who in ("student", "critic"):
+            moved = relative_difference(part(oracle, who), part(results[key], who))
+            assert moved <= TOL, f"{key} {who}: weights differ from the one-process run by {moved:.2e} of the update"
+
+
+def test_resume_is_exact(tiny_cfg, teacher, tmp_path):
+    """Stopped after step 1, resumed: the student after step 3 equals the unbroken run's (its
+    rollouts at steps 2 and 3 draw the same exits and noise)."""
+    from safetensors.torch import load_file
+
+    base = [*TINY, *SELF_FORCING, f"distill.teacher={teacher}", "train.steps=4"]
+    full, resumed = tmp_path / "full", tmp_path / "part"
+    train_in_process([*base, "train.ckpt_every=2"], full, cache_dir=tiny_cfg.data.cache_dir)
+    train_in_process([*base, f"train.resume={full / 'checkpoints' / 'step_00000001'}"], resumed,
+                     cache_dir=tiny_cfg.data.cache_dir)
+    a, b = load_file(full / "weights.safetensors"), load_file(resumed / "weights.safetensors")
+    t = load_file(teacher / "weights.safetensors")
+    assert max(float((a[k] - t[k]).abs().max()) for k in a) > 1e-5  # the student moved
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-6
+
+
+def test_bad_input_is_refused_in_one_line(tiny_cfg, teacher, tmp_path):
+    from dit_train.distill.build import student_config
+
+    def refused(*overrides):
+        c = compose_config([*TINY, *overrides], cache_dir=tiny_cfg.data.cache_dir)
+        with pytest.raises(ConfigError) as err:
+            student_config(c)
+        assert "\n" not in str(err.value)
+        return str(err.value)
+
+    sf = ["+experiment=self_forcing"]
+    assert "distill.teacher is required by distill.method=self_forcing" in refused(*sf)
+    assert "no config.yaml there" in refused(*sf, f"distill.teacher={tmp_path / 'nowhere'}")
+    assert "trains a block-causal student" in refused(*sf, f"distill.teacher={teacher}", "model.causal_block_frames=0")
+    # a block that does not divide the clips: the teacher's clips are 8 frames (data.frames=[8, 8])
+    fixed = tmp_path / "fixed"
+    shutil.copytree(teacher, fixed)
+    text = (teacher / "config.yaml").read_text()
+    assert "  - 4\n  - 24\n" in text
+    (fixed / "config.yaml").write_text(text.replace("  - 4\n  - 24\n", "  - 8\n  - 8\n", 1))
+    assert "not a multiple of model.causal_block_frames=6" in refused(*sf, f"distill.teacher={fixed}",
+                                                                      "model.causal_block_frames=6")
+    assert "longer than the teacher's clips" in refused(*sf, f"distill.teacher={fixed}", "model.causal_block_frames=10")
+    causal = tmp_path / "causal"  # a block-causal teacher: its real score would not see the whole clip
+    shutil.copytree(teacher, causal)
+    (causal / "config.yaml").write_text(text.replace("  causal_block_frames: 0\n", "  causal_block_frames: 4\n", 1))
+    assert "a block-causal run" in refused(*sf, f"distill.teacher={causal}")
+    # through the CLI: one line on stderr, non-zero exit, no run folder written
+    from tests.conftest import run_cli
+
+    out = tmp_path / "student"
+    res = run_cli([*sf, f"distill.teacher={causal}", f"hydra.run.dir={out}", f"data.cache_dir={tiny_cfg.data.cache_dir}",
+                   *TINY], cwd=tmp_path)
+    assert res.returncode != 0 and res.stderr.strip().count("\n") == 0, res.stderr
+    assert res.stderr.startswith("error: distill.teacher=") and not (out / "config.yaml").exists()
