@@ -283,14 +283,16 @@ def _model_and_data(cfg: Config, e: list[str]) -> None:
     # the sound (VideoSample.audio) trains only the two-stream DiT's audio stream (docs/audio-video.md)
     audio_model = getattr(m, "audio_patch", 0) > 0
     _check(not getattr(d, "audio", False) or audio_model, f"data.audio=true: model={m.name} has no audio stream to "
-           "train on it (the two-stream DiT: model=dit model.audio_patch=500; LTX-2 is not done yet, "
+           "train on it (model=ltx2_tiny, or the two-stream DiT: model=dit model.audio_patch=500; "
            "docs/audio-video.md); set data.audio=false", e)
     _check(not audio_model or getattr(d, "audio", False), f"model.audio_patch={getattr(m, 'audio_patch', 0)} trains "
            "an audio stream: set data.audio=true (the embedded set with sound, or clips with an audio column)", e)
-    _check(not audio_model or (not getattr(d, "masks", False) and not cfg.cond.active and not m.text_dim
-                               and cfg.loss.reduction == "sample_mean"),
-           "model.audio_patch > 0 (the two-stream DiT, first slice) trains without data.masks, cond, captions "
-           "(model.text_dim=0) and with loss.reduction=sample_mean (a hierarchical mean per stream)", e)
+    captions_ok = audio_model and m.name in MODELS and MODELS[m.name].audio_captions  # LTX-2's streams read captions
+    _check(not audio_model or (not getattr(d, "masks", False) and not cfg.cond.active
+                               and (not m.text_dim or captions_ok) and cfg.loss.reduction == "sample_mean"),
+           f"model.audio_patch > 0 (model={m.name} with an audio stream, first slice) trains without data.masks, "
+           "cond" + ("" if captions_ok else ", captions (model.text_dim=0)") +
+           " and with loss.reduction=sample_mean (a hierarchical mean per stream)", e)
     _check(0.0 <= d.caption_dropout < 1.0, f"data.caption_dropout={d.caption_dropout} must be in [0, 1)", e)
     _check(0.0 <= d.heldout_fraction < 1.0, f"data.heldout_fraction={d.heldout_fraction} must be in [0, 1)", e)
     _check(not (cfg.train.eval_every > 0 and d.heldout_fraction <= 0),

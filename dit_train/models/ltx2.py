@@ -127,10 +127,18 @@ _MODULES = ("proj_in", "audio_proj_in", "caption_projection", "audio_caption_pro
             "transformer_blocks", "norm_out", "proj_out", "audio_norm_out", "audio_proj_out")
 
 
+def _rows(v: torch.Tensor, idx: torch.Tensor, fill: Any) -> torch.Tensor:
+    """v[idx], or one `fill` row when a stream has no local token (a pack, or a CP rank's share of
+    one, without audio): diffusers' blocks cannot modulate an empty batch, so the stream runs one
+    placeholder token that attends nothing and is dropped."""
+    return v[idx] if idx.numel() else torch.full((1, *v.shape[1:]), fill, dtype=v.dtype, device=v.device)
+
+
 class StreamTokens:
     """What a block passes untouched to its attention processors as a rotary embedding: one
     stream's local tokens. cos, sin: diffusers' rotation of each ([1, n, C] or split's per-head
-    form); index: [n] where they sit among the L local tokens of the pack; stream: VIDEO or AUDIO;
+    form); index: [n] where they sit among the L local tokens of the pack (empty: the stream's one
+    placeholder row, `_rows`); stream: VIDEO or AUDIO;
     layouts: {(query stream, key stream): attention layout of the pack} (shared by the four
     holders of a forward); length: L; paired: [n, 1] 1 where the token's clip has tokens of the
     other stream, else 0. A plain class, so FSDP's input cast leaves the fp32 angles alone."""
@@ -177,11 +185,12 @@ class PackedLTX2AttnProcessor:
             v = attn.to_v(src)[0]
 
             def placed(y: torch.Tensor, tokens: StreamTokens) -> torch.Tensor:  # [n, C] -> [L, H, D]
-                y = y.unflatten(-1, (attn.heads, -1))
+                y = y[: tokens.index.numel()].unflatten(-1, (attn.heads, -1))  # (not a stream's placeholder row)
                 return y.new_zeros(tokens.length, *y.shape[1:]).index_copy(0, tokens.index, y)
 
             Q, K, V = placed(q, qt), placed(k, kt), placed(v, kt)
             out = attn.attention_fn(Q, K, V, qt.layouts[(qt.stream, kt.stream)])[qt.index]
+            out = torch.cat([out, out.new_zeros(q.shape[0] - out.shape[0], *out.shape[1:])])  # the placeholder's
             # a pack (or CP rank) without audio sees no key here: keep the projections in the graph
             # with an exact zero, so every rank's parameters get a gradient (DDP / FSDP2)
             out = out + 0.0 * (Q.sum() + K.sum() + V.sum())
@@ -264,12 +273,12 @@ class PackedLTX2(nn.Module):
         stream = torch.zeros_like(seg) if stream is None else stream
         iv, ia = torch.nonzero(stream != AUDIO).flatten(), torch.nonzero(stream == AUDIO).flatten()
         row, timestep = time_rows(t, seg, clean)  # [L], [R]: one time-embedding row per clip
-        rv, ra = row[iv], row[ia]
+        R = timestep.shape[0]
+        rv, ra = _rows(row, iv, R - 1), _rows(row, ia, R - 1)  # [Lv], [La] (a placeholder reads the padding row)
         cv, ca = self.proj_in.in_features, self.audio_proj_in.in_features
         w = self.proj_in.weight  # inputs arrive in fp32 under FSDP2 mixed precision
-        hv = self.proj_in(x[iv, :cv].to(w.dtype))[None]  # [1, Lv, dim]
-        ha = self.audio_proj_in(x[ia, :ca].to(w.dtype))[None]  # [1, La, audio_dim]
-        R = timestep.shape[0]
+        hv = self.proj_in(_rows(x, iv, 0)[:, :cv].to(w.dtype))[None]  # [1, Lv, dim]
+        ha = self.audio_proj_in(_rows(x, ia, 0)[:, :ca].to(w.dtype))[None]  # [1, La, audio_dim]
         # diffusers' time embeddings, per clip (rows), then read per token; the a2v / v2a gates' timestep
         # is scaled by cross_attn / timestep multipliers (both 1000: fixed)
         temb, emb = self.time_embed(timestep, batch_size=R, hidden_dtype=hv.dtype)  # [R, 6·dim], [R, dim]
@@ -280,13 +289,14 @@ class PackedLTX2(nn.Module):
         gate_a = self.av_cross_attn_audio_v2a_gate(timestep, batch_size=R, hidden_dtype=hv.dtype)[0]
         context, lengths = caption_batch(context, context_len, S, self.caption_projection.linear_1.in_features, x)
         context = context.to(self.caption_projection.linear_1.weight.dtype)
-        ctx_v = PackedContext(self.caption_projection(context), seg[iv], lengths)  # [S, Lc, dim]
-        ctx_a = PackedContext(self.audio_caption_projection(context), seg[ia], lengths)  # [S, Lc, audio_dim]
+        ctx_v = PackedContext(self.caption_projection(context), _rows(seg, iv, -1), lengths)  # [S, Lc, dim]
+        ctx_a = PackedContext(self.audio_caption_projection(context), _rows(seg, ia, -1), lengths)  # [S, Lc, audio_dim]
         layouts, has = self._layouts(meta, stream, S)
         # per local token: does its clip have the other stream (padding: no)
         paired = torch.where(seg >= 0, has[seg.clamp_min(0), 1 - stream.clamp(0, 1)], False)[:, None]
-        (v_self, v_cross), (a_self, a_cross) = _video_rope(self, pos[iv], self.patch, self.fps), _audio_rope(self, pos[ia, 0])
-        tokens = lambda r, idx, s: StreamTokens(r[0], r[1], idx, s, layouts, L, paired[idx])  # noqa: E731
+        v_self, v_cross = _video_rope(self, _rows(pos, iv, 0), self.patch, self.fps)
+        a_self, a_cross = _audio_rope(self, _rows(pos, ia, 0)[:, 0])
+        tokens = lambda r, idx, s: StreamTokens(r[0], r[1], idx, s, layouts, L, _rows(paired, idx, False))  # noqa: E731
         rope_v, rope_a = tokens(v_self, iv, VIDEO), tokens(a_self, ia, AUDIO)
         cross_v, cross_a = tokens(v_cross, iv, VIDEO), tokens(a_cross, ia, AUDIO)
         for block in self.transformer_blocks:
@@ -298,7 +308,8 @@ class PackedLTX2(nn.Module):
         out_a = self.audio_proj_out(self.audio_norm_out(ha[0]) * (1 + scale[ra]) + shift[ra])
         width = max(out_v.shape[1], out_a.shape[1])
         pad = lambda y: nn.functional.pad(y, (0, width - y.shape[1]))  # noqa: E731
-        return out_v.new_zeros(L, width).index_copy(0, iv, pad(out_v)).index_copy(0, ia, pad(out_a).to(out_v.dtype))
+        out_v, out_a = pad(out_v)[: iv.numel()], pad(out_a)[: ia.numel()].to(out_v.dtype)  # placeholders dropped
+        return out_v.new_zeros(L, width).index_copy(0, iv, out_v).index_copy(0, ia, out_a)
 
 
 # --------------------------------------------------------------------------- the family
@@ -326,5 +337,6 @@ register_model(LTX2.spec(
     # (peft matches name suffixes: "ff.net.2" is also audio_ff.net.2)
     lora_targets=("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"),
     vae_stride=(8, 32, 32),  # LTX-2's video VAE: 8x in time (plus the first frame), 32x in height and width
-    notes={"audio_positions": "index"},  # an audio token's pos[:, 0]: its index in the clip's track
+    audio_positions="index",  # an audio token's pos[:, 0]: its index in the clip's track
+    audio_captions=True,  # both streams read the clip's caption (attn2, audio_attn2)
 ))
