@@ -97,3 +97,56 @@ def test_packed_forward_and_grads_match_diffusers_per_clip():
         gr = ref_grads[name].grad
         assert p.grad is not None and gr is not None, name
         assert (p.grad - gr).abs().max() <= 1e-9 * gr.abs().max().clamp_min(1e-6), name
+
+
+def same_outputs(cfg, weights, diffusers_model, sound: int = 7):
+    """Our packed model with `weights` vs `diffusers_model` on one 4x16x24 pixel clip with `sound`
+    audio tokens: max |diff| / max over both streams (tests/test_diffusers_families.py)."""
+    from dataclasses import replace
+
+    from diffusers import LTX2Pipeline
+
+    from dit_train.models import build_model
+
+    ours = build_model(replace(cfg, lora=replace(cfg.lora, rank=0)))
+    ours.load_state_dict(weights)
+    g = torch.Generator().manual_seed(5)
+    clip = torch.randn(cfg.in_channels, 4, 16, 24, generator=g)
+    audio = torch.randn(sound, cfg.audio_patch, generator=g)
+    ctx = torch.randn(1, cfg.text_len, cfg.text_dim, generator=g)
+    patch = tuple(cfg.patch_size)
+    tok, grid = patchify(clip, patch)
+    n, width = tok.shape[0], max(tok.shape[1], cfg.audio_patch)
+    x = torch.cat([torch.nn.functional.pad(tok, (0, width - tok.shape[1])),
+                   torch.nn.functional.pad(audio, (0, width - cfg.audio_patch))])
+    pos = torch.cat([grid, torch.stack([torch.arange(sound), torch.zeros(sound, dtype=torch.long),
+                                        torch.zeros(sound, dtype=torch.long)], 1)])
+    seg = torch.zeros(n + sound, dtype=torch.long)
+    stream = torch.cat([torch.zeros(n, dtype=torch.long), torch.ones(sound, dtype=torch.long)])
+    with torch.no_grad():
+        mine = ours(x, pos, seg, torch.tensor([0.4]), VarlenLayout.build(seg, torch.arange(n + sound), False), ctx,
+                    torch.tensor([ctx.shape[1]]), stream=stream)
+        video, sound_out = diffusers_model(LTX2Pipeline._pack_latents(clip[None], patch[1], patch[0]), audio[None], ctx,
+                                           ctx, torch.tensor([400.0]), num_frames=4, height=16, width=24, fps=cfg.fps,
+                                           audio_num_frames=sound, return_dict=False)
+    theirs = torch.cat([video[0].flatten(), sound_out[0].flatten()])
+    got = torch.cat([mine[:n, :tok.shape[1]].flatten(), mine[n:, :cfg.audio_patch].flatten()])
+    return float((got - theirs).abs().max() / theirs.abs().max())
+
+
+def test_pretrained_of_another_size_or_family_is_refused_from_its_config(tmp_path):
+    """model.pretrained is checked from config.json alone (no weights read, before any worker
+    starts): an LTX-2 folder of another audio width, and an LTX-Video folder, are one line each."""
+    from dataclasses import replace
+
+    from dit_train.models import model_spec
+    from tests.families import pretrained_folder
+
+    cfg = tiny_ltx2_cfg()
+    folder = pretrained_folder(replace(cfg, audio_heads=4, audio_dim=32), tmp_path / "wide").parent
+    (line,) = model_spec(cfg).checks(replace(cfg, pretrained=str(folder)))
+    assert "audio_num_attention_heads=4 (model.audio_heads gives 2)" in line, line
+    assert model_spec(cfg).checks(replace(cfg, pretrained=str(pretrained_folder(cfg, tmp_path / "same").parent))) == []
+    ltx = model_config("ltx", dim=32, heads=2, depth=1, text_dim=10, in_channels=4, patch_size=list(PATCH))
+    (line,) = model_spec(cfg).checks(replace(cfg, pretrained=str(pretrained_folder(ltx, tmp_path / "ltx").parent)))
+    assert "holds a LTXVideoTransformer3DModel, not an LTX2VideoTransformer3DModel" in line, line

@@ -5,9 +5,13 @@ but none of its audio: tests/test_av_layouts.py shows the same planner's steps a
 full training and LoRA on both streams (docs/audio-video.md)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
+import torch
 
 from tests.conftest import TINY, compose_config
+from tests.families import pretrained_folder
 from tests.layout_cases import Case, assert_exact, run_cases
 
 AV = [*TINY, "model=ltx2_tiny", "data.audio=true", "model.audio_dim=32", "model.audio_heads=4",
@@ -26,14 +30,36 @@ def ltx2_cfg(data_cache):
 
 
 @pytest.fixture(scope="module")
-def layouts(ltx2_cfg):
-    return run_cases({name: Case(ltx2_cfg, spec) for name, spec in LAYOUTS.items()})
+def lora_cfg(ltx2_cfg, tmp_path_factory):
+    """LoRA (rank 4, the family's default targets) on a random pretrained LTX-2 folder."""
+    folder = pretrained_folder(ltx2_cfg.model, tmp_path_factory.mktemp("ltx2_pretrained"))
+    return replace(ltx2_cfg, model=replace(ltx2_cfg.model, pretrained=str(folder),
+                                           lora=replace(ltx2_cfg.model.lora, rank=4, alpha=8)))
+
+
+@pytest.fixture(scope="module")
+def layouts(ltx2_cfg, lora_cfg):
+    cases = {name: Case(ltx2_cfg, spec) for name, spec in LAYOUTS.items()}
+    return run_cases(cases | {"lora": Case(lora_cfg, LAYOUTS["ulysses"])})
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_ltx2_training_matches_one_process(name, layouts):
     assert_exact(*layouts[name], f"LTX-2 audio + video on {LAYOUTS[name]}")
+
+
+@pytest.mark.slow
+def test_ltx2_lora_on_both_streams_matches_one_process(layouts):
+    """LoRA adapts both streams (video and audio attention, audio<->video, both feed-forwards),
+    the base stays put, and the adapters on dp_shard=2 x cp_ulysses=2 equal one process's."""
+    ref, got = layouts["lora"]
+    adapted = {k.split(".lora_")[0] for k in ref if ".lora_" in k}
+    for module in ("attn1.to_q", "audio_attn1.to_q", "audio_to_video_attn.to_k", "video_to_audio_attn.to_v",
+                   "audio_attn2.to_out.0", "audio_ff.net.0.proj", "ff.net.2"):
+        assert any(name.endswith(module) for name in adapted), module
+    assert all(torch.equal(ref[k], ref[f"__init__/{k}"]) for k in ref if not k.startswith("__") and ".lora_" not in k)
+    assert_exact(ref, got, "LTX-2 LoRA on dp_shard=2,cp_ulysses=2")
 
 
 def test_the_layout_case_is_not_vacuous(ltx2_cfg):

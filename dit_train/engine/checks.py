@@ -285,9 +285,11 @@ def _model_and_data(cfg: Config, e: list[str]) -> None:
     _check(not getattr(d, "audio", False) or audio_model, f"data.audio=true: model={m.name} has no audio stream to "
            "train on it (model=ltx2_tiny, or the two-stream DiT: model=dit model.audio_patch=500; "
            "docs/audio-video.md); set data.audio=false", e)
-    _check(not audio_model or getattr(d, "audio", False), f"model.audio_patch={getattr(m, 'audio_patch', 0)} trains "
+    spec = MODELS[m.name] if m.name in MODELS else None
+    _check(not audio_model or getattr(d, "audio", False) or (spec is not None and spec.silent_ok),
+           f"model.audio_patch={getattr(m, 'audio_patch', 0)} trains "
            "an audio stream: set data.audio=true (the embedded set with sound, or clips with an audio column)", e)
-    captions_ok = audio_model and m.name in MODELS and MODELS[m.name].audio_captions  # LTX-2's streams read captions
+    captions_ok = audio_model and spec is not None and spec.audio_captions  # LTX-2's streams read captions
     _check(not audio_model or (not getattr(d, "masks", False) and not cfg.cond.active
                                and (not m.text_dim or captions_ok) and cfg.loss.reduction == "sample_mean"),
            f"model.audio_patch > 0 (model={m.name} with an audio stream, first slice) trains without data.masks, "

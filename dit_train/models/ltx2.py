@@ -152,6 +152,7 @@ class StreamTokens:
 
 def _rotate(x: torch.Tensor, attn: nn.Module, tokens: StreamTokens) -> torch.Tensor:
     """diffusers' own rotary application of the layer's rope_type on x [1, n, C]."""
+    # deferred: diffusers takes ~2 s to import; only LTX-2 runs need it
     from diffusers.models.transformers.transformer_ltx2 import apply_interleaved_rotary_emb, apply_split_rotary_emb
 
     rotate = apply_interleaved_rotary_emb if attn.rope_type == "interleaved" else apply_split_rotary_emb
@@ -226,7 +227,8 @@ class PackedLTX2(nn.Module):
     forward(x [L, max(C_in·pt·ph·pw, audio_patch)], pos [L, 3], seg [L], t [S], meta,
     context [S, Lc, text_dim] = None, context_len [S] = None, clean [L] = None, stream [L] = None)
     -> [L, max(C·pt·ph·pw, audio_patch)]: the predicted velocity of every token (a video token's
-    in its first C·pt·ph·pw values, an audio token's in its first audio_patch, zeros after).
+    in its first C·pt·ph·pw values, an audio token's in its first audio_patch, zeros after);
+    without `stream` (video only) [L, C·pt·ph·pw].
     The arguments are models/family_forward.py's; stream (0 video, 1 audio; None = all video) is
     PackedBatch.stream, and an audio token's pos[:, 0] is its index in its clip's track.
     """
@@ -270,6 +272,7 @@ class PackedLTX2(nn.Module):
                 context: torch.Tensor | None = None, context_len: torch.Tensor | None = None,
                 clean: torch.Tensor | None = None, stream: torch.Tensor | None = None) -> torch.Tensor:
         S, L = t.shape[0], x.shape[0]
+        video_only = stream is None  # (the sampler's packs): the output is as wide as the video's
         stream = torch.zeros_like(seg) if stream is None else stream
         iv, ia = torch.nonzero(stream != AUDIO).flatten(), torch.nonzero(stream == AUDIO).flatten()
         row, timestep = time_rows(t, seg, clean)  # [L], [R]: one time-embedding row per clip
@@ -277,8 +280,11 @@ class PackedLTX2(nn.Module):
         rv, ra = _rows(row, iv, R - 1), _rows(row, ia, R - 1)  # [Lv], [La] (a placeholder reads the padding row)
         cv, ca = self.proj_in.in_features, self.audio_proj_in.in_features
         w = self.proj_in.weight  # inputs arrive in fp32 under FSDP2 mixed precision
-        hv = self.proj_in(_rows(x, iv, 0)[:, :cv].to(w.dtype))[None]  # [1, Lv, dim]
-        ha = self.audio_proj_in(_rows(x, ia, 0)[:, :ca].to(w.dtype))[None]  # [1, La, audio_dim]
+        # each stream's features first, zeros after (a pack without audio, as the sampler's, is only
+        # as wide as the video: the audio placeholder is widened)
+        width = lambda y, c: nn.functional.pad(y, (0, max(0, c - y.shape[1])))[:, :c].to(w.dtype)  # noqa: E731
+        hv = self.proj_in(width(_rows(x, iv, 0), cv))[None]  # [1, Lv, dim]
+        ha = self.audio_proj_in(width(_rows(x, ia, 0), ca))[None]  # [1, La, audio_dim]
         # diffusers' time embeddings, per clip (rows), then read per token; the a2v / v2a gates' timestep
         # is scaled by cross_attn / timestep multipliers (both 1000: fixed)
         temb, emb = self.time_embed(timestep, batch_size=R, hidden_dtype=hv.dtype)  # [R, 6·dim], [R, dim]
@@ -306,7 +312,7 @@ class PackedLTX2(nn.Module):
         out_v = self.proj_out(self.norm_out(hv[0]) * (1 + scale[rv]) + shift[rv])
         shift, scale = (self.audio_scale_shift_table[None] + emb_a[:, None]).unbind(1)
         out_a = self.audio_proj_out(self.audio_norm_out(ha[0]) * (1 + scale[ra]) + shift[ra])
-        width = max(out_v.shape[1], out_a.shape[1])
+        width = out_v.shape[1] if video_only else max(out_v.shape[1], out_a.shape[1])
         pad = lambda y: nn.functional.pad(y, (0, width - y.shape[1]))  # noqa: E731
         out_v, out_a = pad(out_v)[: iv.numel()], pad(out_a)[: ia.numel()].to(out_v.dtype)  # placeholders dropped
         return out_v.new_zeros(L, width).index_copy(0, iv, out_v).index_copy(0, ia, out_a)
@@ -334,9 +340,11 @@ register_model(LTX2.spec(
     io_dim=lambda cfg: (cfg.in_channels + cfg.cond_channels) * cfg.patch_size[0] * cfg.patch_size[1] * cfg.patch_size[2],
     hidden=lambda cfg: 4 * cfg.dim,
     # both streams: attn1/attn2/a2v/v2a and audio_attn1/audio_attn2's q/k/v/out, ff and audio_ff
-    # (peft matches name suffixes: "ff.net.2" is also audio_ff.net.2)
-    lora_targets=("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"),
+    # (peft matches whole name parts: "ff.net.2" is not audio_ff's)
+    lora_targets=("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2", "audio_ff.net.0.proj",
+                  "audio_ff.net.2"),
     vae_stride=(8, 32, 32),  # LTX-2's video VAE: 8x in time (plus the first frame), 32x in height and width
     audio_positions="index",  # an audio token's pos[:, 0]: its index in the clip's track
     audio_captions=True,  # both streams read the clip's caption (attn2, audio_attn2)
+    silent_ok=True,  # data.audio=false: the video stream alone (a clip without sound hears nothing)
 ))

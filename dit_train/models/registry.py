@@ -98,6 +98,9 @@ class ModelSpec:
     audio_positions: str = "frames"
     # trains its audio stream with captions (model.text_dim > 0; the two-stream DiT: not yet)
     audio_captions: bool = False
+    # a model with an audio stream that also trains without sound (data.audio=false: every clip is
+    # video alone, LTX-2 fine-tuned on silent films); False = data.audio=true is required
+    silent_ok: bool = False
     moe: bool = False  # builds mixture-of-experts blocks from `model.moe` (models/moe.py)
     # latent compression (t, h, w) of the family's VAE: the clip planner's default (tools.plan --frames)
     vae_stride: tuple[int, int, int] = (4, 8, 8)
