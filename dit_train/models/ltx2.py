@@ -331,8 +331,11 @@ def _block_linears(b: nn.Module) -> list[nn.Module]:
 
 register_model(LTX2.spec(
     name="ltx2", config=LTX2Config, mode=Mode.video, build=lambda cfg, backend="sdpa": PackedLTX2(cfg, backend),
-    # not measured yet for LTX-2's block: LTX-1's numbers (its video half) as the planner's estimate
-    activations=lambda cfg: ActivationModel(fp32_d=31.3, autocast_f32_d=16, autocast_lp_d=19.4, outside_d=6,
+    # measured with saved_tensors_hooks on LTX2VideoTransformerBlock run by PackedLTX2 at d = 64 on
+    # video tokens (perf/memory.py calibrate_block: 14 295 B/token fp32, 10 936 under bf16 autocast;
+    # tests/test_planner.py re-measures); the audio stream's own activations (a few tokens a clip)
+    # are not modelled; selective_d is LTX-1's, not measured for LTX-2
+    activations=lambda cfg: ActivationModel(fp32_d=47.8, autocast_f32_d=16, autocast_lp_d=45.4, outside_d=6,
                                             selective_d=10.5),
     blocks=lambda m: m.transformer_blocks,
     block_linears=_block_linears,
