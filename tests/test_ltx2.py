@@ -150,3 +150,16 @@ def test_pretrained_of_another_size_or_family_is_refused_from_its_config(tmp_pat
     ltx = model_config("ltx", dim=32, heads=2, depth=1, text_dim=10, in_channels=4, patch_size=list(PATCH))
     (line,) = model_spec(cfg).checks(replace(cfg, pretrained=str(pretrained_folder(ltx, tmp_path / "ltx").parent)))
     assert "holds a LTXVideoTransformer3DModel, not an LTX2VideoTransformer3DModel" in line, line
+
+
+def test_audio_heads_that_ulysses_cannot_split_are_refused_before_the_run():
+    """model.audio_heads (LTX-2's audio and audio<->video attention) must divide by cp_ulysses,
+    like model.heads: one error line before any worker starts, not a ValueError in the first
+    attention."""
+    from dit_train.compose import compose
+    from dit_train.config.errors import ConfigError
+    from dit_train.engine.checks import check_config
+
+    with pytest.raises(ConfigError, match=r"model.audio_heads=3 must be divisible by parallel.cp_ulysses=2"):
+        check_config(compose(["model=ltx2_tiny", "data.audio=true", "model.audio_heads=3", "model.audio_dim=48",
+                              "parallel.cp_ulysses=2", "parallel.dp_shard=1"]))

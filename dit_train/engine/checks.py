@@ -82,6 +82,10 @@ def _parallel(cfg: Config, world_size: int | None, e: list[str]) -> None:
         _check(m.dim % m.heads == 0, f"model.dim={m.dim} must be divisible by model.heads={m.heads}", e)
     _check(p.cp_ulysses >= 1 and m.heads % max(1, p.cp_ulysses) == 0,
            f"model.heads={m.heads} must be divisible by parallel.cp_ulysses={p.cp_ulysses} (Ulysses splits heads)", e)
+    audio_heads = getattr(m, "audio_heads", 0)  # LTX-2's audio stream and its audio<->video attention
+    _check(not audio_heads or audio_heads % max(1, p.cp_ulysses) == 0,
+           f"model.audio_heads={audio_heads} must be divisible by parallel.cp_ulysses={p.cp_ulysses} (Ulysses splits "
+           "the audio attention's heads too)", e)
     _check(not (p.dp_mode == "ddp" and p.meta_init),
            "parallel.meta_init=true needs FSDP2 (DDP needs full weights on every rank); set parallel.dp_mode=fsdp2 "
            "or parallel.meta_init=false", e)
