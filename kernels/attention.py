@@ -61,6 +61,9 @@ class VarlenLayout:
         usual packed layout); None when tokens are permuted (then the per-sample gather path of
         `block_attention.py` serves the contiguous backends).
     max_seqlen: longest segment.
+    key_seg: [L] int64 or None, the keys' own segment ids when they differ from the queries'
+        (LTX-2's audio<->video cross-attention: a clip's video queries see its audio keys); None =
+        `seg` on both sides. Such a layout always runs as per-sample blocks (`block_attention.py`).
     cache: per-pack derived structures of the backends (flex's block mask).
     """
 
@@ -69,6 +72,7 @@ class VarlenLayout:
     causal: bool
     cu_seqlens: torch.Tensor | None
     max_seqlen: int
+    key_seg: torch.Tensor | None = None
     # what a backend derives from the layout once per pack and reuses in every layer (flex's
     # block mask); not part of the layout's value
     cache: dict = field(default_factory=dict, repr=False, compare=False)
@@ -77,6 +81,14 @@ class VarlenLayout:
     def build(seg: torch.Tensor, pos: torch.Tensor, causal: bool) -> "VarlenLayout":
         cu, max_len = contiguous_segments(seg, pos)
         return VarlenLayout(seg=seg, pos=pos, causal=causal, cu_seqlens=cu, max_seqlen=max_len)
+
+    def restricted(self, seg: torch.Tensor, key_seg: torch.Tensor | None = None) -> "VarlenLayout":
+        """The same pack with other segment ids [L] (and keys' own ids, `key_seg`): a query sees
+        the keys whose id equals its own. A model derives the layouts of its attentions from the
+        pack's with this (LTX-2: per stream); the CP layout has the same method."""
+        if key_seg is None:
+            return VarlenLayout.build(seg, self.pos, self.causal)
+        return VarlenLayout(seg=seg, pos=self.pos, causal=self.causal, cu_seqlens=None, max_seqlen=0, key_seg=key_seg)
 
 
 def contiguous_segments(seg: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor | None, int]:
@@ -222,7 +234,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: Va
     xformers, flash) through per-sample blocks gathered by index (`block_attention.py`): memory
     Σ over samples, never [L, L].
     """
-    if meta.cu_seqlens is None and backend in _NEEDS_CONTIGUOUS:
+    if meta.key_seg is not None or (meta.cu_seqlens is None and backend in _NEEDS_CONTIGUOUS):
         return _permuted(q, k, v, meta, backend)
     return _IMPLS[backend](q, k, v, meta)
 
@@ -231,7 +243,8 @@ def _permuted(q, k, v, meta: VarlenLayout, backend: str) -> torch.Tensor:
     """Per-sample attention of a permuted pack; its plan is built once per layout (meta.cache)."""
     key = ("sample_blocks", str(q.device))
     if key not in meta.cache:
-        meta.cache[key] = sample_blocks(meta.seg, meta.pos, meta.seg, meta.pos, meta.causal).to(q.device)
+        key_seg = meta.seg if meta.key_seg is None else meta.key_seg
+        meta.cache[key] = sample_blocks(meta.seg, meta.pos, key_seg, meta.pos, meta.causal).to(q.device)
     out, _ = block_attention_with_lse(q, k, v, meta.cache[key], backend)
     return out
 

@@ -82,6 +82,10 @@ def _parallel(cfg: Config, world_size: int | None, e: list[str]) -> None:
         _check(m.dim % m.heads == 0, f"model.dim={m.dim} must be divisible by model.heads={m.heads}", e)
     _check(p.cp_ulysses >= 1 and m.heads % max(1, p.cp_ulysses) == 0,
            f"model.heads={m.heads} must be divisible by parallel.cp_ulysses={p.cp_ulysses} (Ulysses splits heads)", e)
+    audio_heads = getattr(m, "audio_heads", 0)  # LTX-2's audio stream and its audio<->video attention
+    _check(not audio_heads or audio_heads % max(1, p.cp_ulysses) == 0,
+           f"model.audio_heads={audio_heads} must be divisible by parallel.cp_ulysses={p.cp_ulysses} (Ulysses splits "
+           "the audio attention's heads too)", e)
     _check(not (p.dp_mode == "ddp" and p.meta_init),
            "parallel.meta_init=true needs FSDP2 (DDP needs full weights on every rank); set parallel.dp_mode=fsdp2 "
            "or parallel.meta_init=false", e)
@@ -283,14 +287,18 @@ def _model_and_data(cfg: Config, e: list[str]) -> None:
     # the sound (VideoSample.audio) trains only the two-stream DiT's audio stream (docs/audio-video.md)
     audio_model = getattr(m, "audio_patch", 0) > 0
     _check(not getattr(d, "audio", False) or audio_model, f"data.audio=true: model={m.name} has no audio stream to "
-           "train on it (the two-stream DiT: model=dit model.audio_patch=500; LTX-2 is not done yet, "
+           "train on it (model=ltx2_tiny, or the two-stream DiT: model=dit model.audio_patch=500; "
            "docs/audio-video.md); set data.audio=false", e)
-    _check(not audio_model or getattr(d, "audio", False), f"model.audio_patch={getattr(m, 'audio_patch', 0)} trains "
+    spec = MODELS[m.name] if m.name in MODELS else None
+    _check(not audio_model or getattr(d, "audio", False) or (spec is not None and spec.silent_ok),
+           f"model.audio_patch={getattr(m, 'audio_patch', 0)} trains "
            "an audio stream: set data.audio=true (the embedded set with sound, or clips with an audio column)", e)
-    _check(not audio_model or (not getattr(d, "masks", False) and not cfg.cond.active and not m.text_dim
-                               and cfg.loss.reduction == "sample_mean"),
-           "model.audio_patch > 0 (the two-stream DiT, first slice) trains without data.masks, cond, captions "
-           "(model.text_dim=0) and with loss.reduction=sample_mean (a hierarchical mean per stream)", e)
+    captions_ok = audio_model and spec is not None and spec.audio_captions  # LTX-2's streams read captions
+    _check(not audio_model or (not getattr(d, "masks", False) and not cfg.cond.active
+                               and (not m.text_dim or captions_ok) and cfg.loss.reduction == "sample_mean"),
+           f"model.audio_patch > 0 (model={m.name} with an audio stream, first slice) trains without data.masks, "
+           "cond" + ("" if captions_ok else ", captions (model.text_dim=0)") +
+           " and with loss.reduction=sample_mean (a hierarchical mean per stream)", e)
     _check(0.0 <= d.caption_dropout < 1.0, f"data.caption_dropout={d.caption_dropout} must be in [0, 1)", e)
     _check(0.0 <= d.heldout_fraction < 1.0, f"data.heldout_fraction={d.heldout_fraction} must be in [0, 1)", e)
     _check(not (cfg.train.eval_every > 0 and d.heldout_fraction <= 0),

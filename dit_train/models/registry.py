@@ -92,6 +92,15 @@ class ModelSpec:
     # joint text-video attention: each clip's caption tokens are slots of the pack, weight 0
     # (tasks/joint_text.py; the model reads them through its `text` argument)
     joint_text: bool = False
+    # an audio token's RoPE position (tasks/joint_audio.py): "frames" = (the temporal patch its first
+    # sample falls in, 0, 0), one sequence with the video (the two-stream DiT); "index" = (its index
+    # in its clip's track, 0, 0), its own stream's coordinates (LTX-2)
+    audio_positions: str = "frames"
+    # trains its audio stream with captions (model.text_dim > 0; the two-stream DiT: not yet)
+    audio_captions: bool = False
+    # a model with an audio stream that also trains without sound (data.audio=false: every clip is
+    # video alone, LTX-2 fine-tuned on silent films); False = data.audio=true is required
+    silent_ok: bool = False
     moe: bool = False  # builds mixture-of-experts blocks from `model.moe` (models/moe.py)
     # latent compression (t, h, w) of the family's VAE: the clip planner's default (tools.plan --frames)
     vae_stride: tuple[int, int, int] = (4, 8, 8)

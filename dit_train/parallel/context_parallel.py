@@ -39,20 +39,35 @@ class CPAttnLayout:
 
     seg / order: [L] of the full pack (order: its causal key, `PackedBatch.mask_order`: the
     in-sample index, or the temporal block of block-causal video); index[c]: [L/cp] token indices
-    held by CP rank c.
+    held by CP rank c. stream: [L] the full pack's `PackedBatch.stream` (None = one stream), for a
+    model that derives per-stream layouts (`restricted`); key_seg: [L] the keys' own segment ids
+    when they differ from the queries' (kernels.VarlenLayout.key_seg), else None.
     """
 
     seg: torch.Tensor
     order: torch.Tensor
     causal: bool
     index: list[torch.Tensor]
+    stream: torch.Tensor | None = None
+    key_seg: torch.Tensor | None = None
     # what the first attention layer derives from the layout (host syncs) and the others reuse:
     # ("blocks", query ring rank, key ring rank) -> SampleBlocks of that ring step;
     # ("visible", ...) -> bool, for the dense reference; ("local", ...) -> the Ulysses VarlenLayout
     cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     def to(self, device: torch.device | str) -> "CPAttnLayout":
-        return CPAttnLayout(self.seg.to(device), self.order.to(device), self.causal, [i.to(device) for i in self.index])
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return CPAttnLayout(self.seg.to(device), self.order.to(device), self.causal, [i.to(device) for i in self.index],
+                            move(self.stream), move(self.key_seg))
+
+    def restricted(self, seg: torch.Tensor, key_seg: torch.Tensor | None = None) -> "CPAttnLayout":
+        """The same split with other segment ids [L] of the full pack (and the keys' own, `key_seg`):
+        kernels.VarlenLayout.restricted under CP."""
+        return CPAttnLayout(seg, self.order, self.causal, self.index, self.stream, key_seg)
+
+    def keys(self) -> torch.Tensor:
+        """[L] the keys' segment ids."""
+        return self.seg if self.key_seg is None else self.key_seg
 
 
 def split_for_cp(batch: PackedBatch, cp: int, cp_rank: int, layout: str) -> tuple[PackedBatch, CPAttnLayout]:
@@ -61,7 +76,7 @@ def split_for_cp(batch: PackedBatch, cp: int, cp_rank: int, layout: str) -> tupl
     full = batch.pad_to_multiple(multiple)
     L = full.num_tokens
     index = [cp_token_index(L, cp, c, layout).to(full.seg.device) for c in range(cp)]
-    meta = CPAttnLayout(seg=full.seg, order=full.mask_order, causal=full.causal, index=index)
+    meta = CPAttnLayout(seg=full.seg, order=full.mask_order, causal=full.causal, index=index, stream=full.stream)
     return full.select(index[cp_rank]), meta
 
 
@@ -129,7 +144,8 @@ class ContextParallelAttention:
         key = ("local", self.r, str(q.device))
         if key not in meta.cache:  # one layout per pack, not per layer (it syncs with the host)
             sorted_idx = idx[perm]
-            meta.cache[key] = VarlenLayout.build(meta.seg[sorted_idx], meta.order[sorted_idx], meta.causal)
+            local = VarlenLayout.build(meta.seg[sorted_idx], meta.order[sorted_idx], meta.causal)
+            meta.cache[key] = local if meta.key_seg is None else local.restricted(local.seg, meta.key_seg[sorted_idx])
         out_sorted = varlen_attention(q[perm], k[perm], v[perm], meta.cache[key], self.backend)
         out = torch.empty_like(out_sorted)
         out[perm] = out_sorted
@@ -141,7 +157,7 @@ class ContextParallelAttention:
         key = ("blocks", self.r, src, str(device))
         if key not in meta.cache:
             idx_k = self._ring_tokens(meta, src)
-            meta.cache[key] = sample_blocks(meta.seg[idx_q], meta.order[idx_q], meta.seg[idx_k], meta.order[idx_k],
+            meta.cache[key] = sample_blocks(meta.seg[idx_q], meta.order[idx_q], meta.keys()[idx_k], meta.order[idx_k],
                                             meta.causal).to(device)
         return meta.cache[key]
 
@@ -149,7 +165,7 @@ class ContextParallelAttention:
         """The reference ring step (model.attn_backend=sdpa_dense): one [Lq, Lk] mask and score
         block over the whole local chunk. Returns (out, lse), or None when no query sees a key."""
         idx_k = self._ring_tokens(meta, src)
-        mask = attention_mask(meta.seg[idx_q], meta.order[idx_q], meta.seg[idx_k], meta.order[idx_k], meta.causal)
+        mask = attention_mask(meta.seg[idx_q], meta.order[idx_q], meta.keys()[idx_k], meta.order[idx_k], meta.causal)
         key = ("visible", self.r, src)
         if key not in meta.cache:
             meta.cache[key] = bool(mask.any())
@@ -168,7 +184,10 @@ class ContextParallelAttention:
                 part = self._dense_step(q, kv, meta, idx_q, src)
             else:
                 plan = self._blocks(meta, idx_q, src, q.device)
-                part = None if plan.empty else block_attention_with_lse(q, kv[0], kv[1], plan, self.backend)
+                # an empty plan is skipped, except at step 0 of a layout with its own key ids (a rank
+                # may hold video queries and no audio key): zero rows at MASKED start the merge
+                skip = plan.empty and (bool(outs) or meta.key_seg is None)
+                part = None if skip else block_attention_with_lse(q, kv[0], kv[1], plan, self.backend)
             if part is not None:  # never None at step 0: each query sees its own token
                 outs.append(part[0])
                 lses.append(part[1])

@@ -31,9 +31,12 @@ def audio_tokens(wave: torch.Tensor | None, audio_patch: int) -> torch.Tensor:
     return wave[: n * audio_patch].reshape(n, audio_patch).float()
 
 
-def audio_positions(n: int, audio_patch: int, fps: float, pt: int) -> torch.Tensor:
+def audio_positions(n: int, audio_patch: int, fps: float, pt: int, index: bool = False) -> torch.Tensor:
     """[n, 3] RoPE positions of a clip's n audio tokens: (temporal patch of the token's first
-    sample at `fps` kept frames a second, 0, 0)."""
+    sample at `fps` kept frames a second, 0, 0), or with `index` (j, 0, 0) for its j-th token
+    (LTX-2 places audio tokens by their own time: ModelSpec.audio_positions)."""
+    if index:
+        return torch.stack([torch.arange(n), torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long)], 1)
     frame = torch.arange(n) * audio_patch * fps / SAMPLE_RATE
     return torch.stack([torch.div(frame, pt, rounding_mode="floor").long(), torch.zeros(n, dtype=torch.long),
                         torch.zeros(n, dtype=torch.long)], 1)

@@ -322,7 +322,7 @@ class VideoTask:
         fps = item.pixels.shape[1] * SAMPLE_RATE / max(1, item.audio.numel()) if a0.shape[0] else 0.0
         out[0].append((1.0 - t) * a0 + t * eps)
         out[1].append(eps - a0)
-        out[2].append(audio_positions(a0.shape[0], self.audio_patch, fps, self.patch[0]))
+        out[2].append(audio_positions(a0.shape[0], self.audio_patch, fps, self.patch[0], self.inputs.audio_index))
 
     def _pack(self, xs, targets, conds, clean, controls, weights, samples, ids) -> PackedBatch:
         """The clips' fields packed (pack_clips): x and target, and what conditioning, masks and

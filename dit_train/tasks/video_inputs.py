@@ -34,6 +34,7 @@ class VideoInputs:
     joint_text: the model attends over text and video together (caption tokens are pack slots).
     causal_block: temporal patches per causal block (model.causal_block_frames / pt; 0 =
     bidirectional): packs for the model are block-causal in training and sampling alike.
+    audio_index: an audio token's position is its index in its clip's track (ModelSpec.audio_positions).
     """
 
     patch: tuple[int, int, int]
@@ -55,6 +56,7 @@ class VideoInputs:
     concat_channels: int = 0
     joint_text: bool = False
     causal_block: int = 0
+    audio_index: bool = False
 
     @property
     def patch_volume(self) -> int:
@@ -105,4 +107,5 @@ def video_inputs(model_cfg: Any, cond: Any = None) -> VideoInputs:
         image_dim=getattr(model_cfg, "image_dim", 0), control=control, control_channels=width,
         vace_mask=getattr(model_cfg, "vace_mask_channels", 0), concat_channels=concat,
         joint_text=bool(model_cfg.text_dim) and model_spec(model_cfg).joint_text,
-        causal_block=getattr(model_cfg, "causal_block_frames", 0) // model_cfg.patch_size[0])
+        causal_block=getattr(model_cfg, "causal_block_frames", 0) // model_cfg.patch_size[0],
+        audio_index=model_spec(model_cfg).audio_positions == "index")
