@@ -1,6 +1,7 @@
-"""Helpers the model-family tests share (tests/test_wan*.py, test_ltx.py, test_hunyuan15.py,
-test_lora.py, test_diffusers_families.py): the two clips the packed-vs-diffusers comparisons run,
-a model whose every weight is random, a family's tiny run and a pretrained folder for it."""
+"""Helpers the model-family tests share (tests/test_wan*.py, test_ltx*.py, test_hunyuan15.py,
+test_skyreels_v2.py, test_lora.py, test_diffusers_families.py): the two clips the
+packed-vs-diffusers comparisons run and their gradient check, a model whose every weight is
+random, a family's tiny run and a pretrained folder for it."""
 from __future__ import annotations
 
 import torch
@@ -40,3 +41,13 @@ def pretrained_folder(cfg, folder):
     path = folder / "transformer"
     to_diffusers(random_model(cfg, seed=7).state_dict(), cfg).save_pretrained(str(path))
     return path
+
+
+def assert_grads_match(ours: torch.nn.Module, ref: torch.nn.Module, rel: float = 1e-4) -> None:
+    """After backward through both: every parameter of `ours` has a gradient, and it is within
+    rel x (the largest |gradient|) of the gradient of `ref`'s parameter of the same name."""
+    ref_grads = dict(ref.named_parameters())
+    for name, p in ours.named_parameters():
+        gr = ref_grads[name].grad
+        assert p.grad is not None and gr is not None, name
+        assert (p.grad - gr).abs().max() <= rel * gr.abs().max().clamp_min(1e-6), name

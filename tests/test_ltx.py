@@ -22,7 +22,7 @@ from dit_train.models import build_model, model_config
 from dit_train.models.diffusers_family import read_pretrained, to_diffusers
 from dit_train.tasks.video import patchify
 from tests.conftest import TINY, compose_config
-from tests.families import family_run_cfg, PATCH, pretrained_folder, random_model, SHAPES
+from tests.families import family_run_cfg, PATCH, pretrained_folder, random_model, SHAPES, assert_grads_match
 
 SCALE = (0.32, 32.0, 32.0)
 
@@ -90,11 +90,7 @@ def test_packed_forward_and_grads_match_diffusers_per_clip(clean):
 
     loss_ours.backward()
     loss_ref.backward()
-    ref_grads = dict(ref.named_parameters())
-    for name, p in ours.named_parameters():
-        gr = ref_grads[name].grad
-        assert p.grad is not None and gr is not None, name
-        assert (p.grad - gr).abs().max() <= 1e-4 * gr.abs().max().clamp_min(1e-6), name
+    assert_grads_match(ours, ref)
 
 
 def test_rope_follows_positions_and_context_none_is_one_zero_token():

@@ -22,7 +22,7 @@ from dit_train.models import build_model, model_config
 from dit_train.models.diffusers_family import to_diffusers
 from dit_train.tasks.video import patchify, unpatchify
 from tests.conftest import compose_config
-from tests.families import random_model
+from tests.families import random_model, assert_grads_match
 
 PATCH = (1, 2, 2)
 SHAPES = [(4, 4, 6), (6, 2, 4)]  # (F, H, W): 2 and 3 causal blocks of 2 frames
@@ -84,11 +84,7 @@ def test_packed_forward_and_grads_match_diffusers_per_clip(per_block):
     assert out[off:].abs().max() < 1e3  # padding tokens: finite, ignored
     loss_ours.backward()
     loss_ref.backward()
-    ref_grads = dict(ref.named_parameters())
-    for name, p in ours.named_parameters():
-        gr = ref_grads[name].grad
-        assert p.grad is not None and gr is not None, name
-        assert (p.grad - gr).abs().max() <= 1e-4 * gr.abs().max().clamp_min(1e-6), name
+    assert_grads_match(ours, ref)
 
 
 def test_later_blocks_do_not_reach_earlier_ones():

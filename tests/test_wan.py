@@ -22,7 +22,7 @@ from dit_train.tasks.video import patchify, unpatchify
 from dit_train.engine.layout_equivalence import relative_difference, run_layouts
 from dit_train.kernels import VarlenLayout
 from tests.conftest import REPO, TINY, compose_config
-from tests.families import family_run_cfg, PATCH, pretrained_folder, random_model, SHAPES
+from tests.families import family_run_cfg, PATCH, pretrained_folder, random_model, SHAPES, assert_grads_match
 
 
 
@@ -78,12 +78,7 @@ def test_packed_forward_and_grads_match_diffusers_per_clip(padded):
 
     loss_ours.backward()
     loss_ref.backward()
-    ref_grads = dict(ref.named_parameters())
-    for name, p in ours.named_parameters():
-        gr = ref_grads[name].grad
-        assert p.grad is not None and gr is not None, name
-        scale = gr.abs().max().clamp_min(1e-6)
-        assert (p.grad - gr).abs().max() <= 1e-4 * scale, name
+    assert_grads_match(ours, ref)
 
 
 def test_context_none_is_one_zero_token_and_rope_uses_positions():

@@ -14,7 +14,7 @@ import torch
 from dit_train.models import model_config
 from dit_train.models.diffusers_family import read_pretrained, to_diffusers
 from dit_train.tasks.video import unpatchify
-from tests.families import PATCH, SHAPES, random_model
+from tests.families import PATCH, SHAPES, random_model, assert_grads_match
 from tests.test_wan import pack
 
 IMAGE_DIM, IMAGE_TOKENS, TEXT_LEN = 24, 5, 512  # diffusers' I2V processor splits off 512 text tokens
@@ -57,11 +57,7 @@ def test_i2v_layout_with_image_tokens_matches_diffusers_per_clip(flf):
         loss_ours, loss_ref = loss_ours + (mine * probe).sum(), loss_ref + (theirs * probe).sum()
     loss_ours.backward()
     loss_ref.backward()
-    ref_grads = dict(ref.named_parameters())
-    for name, p in ours.named_parameters():
-        gr = ref_grads[name].grad
-        assert p.grad is not None and gr is not None, name
-        assert (p.grad - gr).abs().max() <= 1e-4 * gr.abs().max().clamp_min(1e-6), name
+    assert_grads_match(ours, ref)
     with pytest.raises(ValueError, match="model.image_dim=24: the model needs each clip's CLIP image tokens"):
         ours(x, pos, seg, t, meta, context, context_len)
 

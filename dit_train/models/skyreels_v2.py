@@ -92,27 +92,13 @@ class PackedSkyReelsV2(PackedWan):
         super().__init__(cfg, backend)
         self.fps_class = 0 if cfg.fps == 16 else 1
 
-    def forward(self, x: torch.Tensor, pos: torch.Tensor, seg: torch.Tensor, t: torch.Tensor, meta: Any,
-                context: torch.Tensor | None = None, context_len: torch.Tensor | None = None,
-                clean: torch.Tensor | None = None, image: torch.Tensor | None = None,
-                block: torch.Tensor | None = None) -> torch.Tensor:
-        S = t.shape[0]
-        row, timestep = self._rows(t, seg, clean, block)  # [L], [R]
-        context, lengths = self._context(context, context_len, S, x)
-        context = context.to(self.condition_embedder.text_embedder.linear_1.weight.dtype)
-        temb, proj, states, image = self.condition_embedder(timestep, context, self._image(image, S))  # [R, dim], [R, 6·dim]
-        if self.diffusers_config["inject_sample_info"]:  # added to the blocks' modulation only, as diffusers
-            fps = self.fps_embedding(torch.tensor([self.fps_class], device=x.device))
-            proj = proj + self.fps_projection(fps)
-        h = self.embed(x)  # [1, L, dim]
-        temb_tok = proj.unflatten(1, (6, -1))[row][None]  # [1, L, 6, dim]
-        rope = PackedRope(*wan_rope(pos, self.diffusers_config["attention_head_dim"]), meta)
-        h = self.run_blocks(h, x, PackedContext(states, seg, lengths, image), temb_tok, rope)
-        shift, scale = (self.scale_shift_table + temb[:, None]).unbind(1)  # [R, dim] each
-        h = h[0]
-        h = (self.norm_out(h.float()) * (1 + scale[row]) + shift[row]).type_as(h)
-        out = self.proj_out(h)  # [L, (pt, ph, pw, c)]
-        return out.unflatten(-1, (-1, self.diffusers_config["out_channels"])).transpose(1, 2).flatten(1)
+    def _modulation(self, proj: torch.Tensor) -> torch.Tensor:
+        """DF checkpoints (inject_sample_info) add the fps class's embedding to the blocks'
+        modulation only, as diffusers does; the output norm's shift and scale stay temb's."""
+        if not self.diffusers_config["inject_sample_info"]:
+            return proj
+        fps = self.fps_embedding(torch.tensor([self.fps_class], device=proj.device))
+        return proj + self.fps_projection(fps)
 
     @staticmethod
     def _rows(t: torch.Tensor, seg: torch.Tensor, clean: torch.Tensor | None,

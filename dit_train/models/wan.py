@@ -265,14 +265,28 @@ class PackedWan(nn.Module):
             image = image.reshape(2 * S, image.shape[1] // 2, image_dim)
         return image
 
+    @staticmethod
+    def _rows(t: torch.Tensor, seg: torch.Tensor, clean: torch.Tensor | None,
+              block: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row [L], timestep [R]): one flow time per clip (family_forward.time_rows); Wan has no
+        per-block times, so `block` plays no part (SkyReels-V2 overrides this)."""
+        return time_rows(t, seg, clean)
+
+    def _modulation(self, proj: torch.Tensor) -> torch.Tensor:
+        """The blocks' modulation rows [R, 6·dim] as the condition embedder gives them (SkyReels-V2
+        adds its fps embedding here)."""
+        return proj
+
     def forward(self, x: torch.Tensor, pos: torch.Tensor, seg: torch.Tensor, t: torch.Tensor, meta: Any,
                 context: torch.Tensor | None = None, context_len: torch.Tensor | None = None,
-                clean: torch.Tensor | None = None, image: torch.Tensor | None = None) -> torch.Tensor:
+                clean: torch.Tensor | None = None, image: torch.Tensor | None = None,
+                block: torch.Tensor | None = None) -> torch.Tensor:
         S = t.shape[0]
-        row, timestep = time_rows(t, seg, clean)  # [L], [R]
+        row, timestep = self._rows(t, seg, clean, block)  # [L], [R]
         context, lengths = self._context(context, context_len, S, x)
         context = context.to(self.condition_embedder.text_embedder.linear_1.weight.dtype)
         temb, timestep_proj, states, image = self.condition_embedder(timestep, context, self._image(image, S))  # [R, dim], [R, 6·dim]
+        timestep_proj = self._modulation(timestep_proj)
         h = self.embed(x)  # [1, L, dim]
         temb_tok = timestep_proj.unflatten(1, (6, -1))[row][None]  # [1, L, 6, dim]
         rope = PackedRope(*wan_rope(pos, self.diffusers_config["attention_head_dim"]), meta)
