@@ -10,9 +10,10 @@ import hashlib
 
 import torch
 
+# audio_noise: the two-stream DiT's audio tokens (tasks/joint_audio.py); rollout_exit: Self-Forcing's
+# exit step of each block of a sample's rollout (distill/self_forcing.py)
 STREAMS = ("noise", "timestep", "caption_dropout", "sampling", "conditioning", "distill_student", "distill_critic",
-           "audio_noise", "block_timestep", "rollout_exit")  # audio_noise: the two-stream DiT's audio tokens (tasks/joint_audio.py);
-# rollout_exit: Self-Forcing's exit step of each block of a sample's rollout (distill/self_forcing.py)
+           "audio_noise", "block_timestep", "rollout_exit")
 
 
 def sample_generator(seed: int, sample_id: int, step: int, stream: str) -> torch.Generator:

@@ -21,7 +21,6 @@ How the student's sample is made and differentiated are three hooks (`generate`,
 from __future__ import annotations
 
 import contextlib
-
 from dataclasses import replace
 from typing import Any
 
