@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 
+import pytest
 import torch
 from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -58,6 +59,23 @@ def test_muon_trains_the_blocks_matrices_and_adamw_the_rest(tiny_cfg):
     for name, p in run.model.named_parameters():
         assert kinds[id(p)] == ("muon" if id(p) in block else "adamw"), name
     assert "muon" in kinds.values() and "adamw" in kinds.values()
+
+
+@pytest.mark.parametrize("family", ["ltx_tiny", "hunyuan15_tiny", "ltx2_tiny"])
+def test_muon_takes_each_familys_own_blocks(tiny_cfg, family):
+    """Muon, the from-scratch default, read `model.blocks`: a family keeping diffusers'
+    `transformer_blocks` (LTX, HunyuanVideo 1.5, LTX-2) stopped `python -m dit_train model=ltx_tiny`
+    with an AttributeError before step 0. Its matrices are the spec's blocks'."""
+    from dit_train.models import model_spec
+    from tests.families import family_run_cfg
+
+    extra = {"ltx2_tiny": ["data.audio=true"], "hunyuan15_tiny": ["model.rope_axes=[2,2,4]"]}.get(family, [])
+    cfg = apply_layout(family_run_cfg([f"model={family}", "model.text_len=16", *extra, "optim.name=muon"],
+                                      tiny_cfg.data.cache_dir), {})
+    run = build_run(cfg)
+    kinds = {id(p): g["kind"] for g in run.optimizer.param_groups for p in g["params"]}
+    block = {id(p) for p in model_spec(cfg.model).blocks(run.model).parameters() if p.ndim == 2}
+    assert block and all(kinds[id(p)] == ("muon" if id(p) in block else "adamw") for p in run.model.parameters())
 
 
 def test_sharded_muon_update_equals_one_process(tiny_cfg):

@@ -35,7 +35,7 @@ from dit_train.distill.trainer import DistillTrainer
 from dit_train.engine.build import Run, broadcast_full_weights, build_parallel_model, build_run
 from dit_train.engine.ema import EMA
 from dit_train.engine.trainer import Trainer
-from dit_train.models import build_model
+from dit_train.models import build_model, model_spec
 from dit_train.models.lora import is_lora_name
 from dit_train.optim import build_optimizer, build_scheduler
 from dit_train.parallel.mesh import ParallelDims
@@ -202,7 +202,7 @@ def critic_adapter_run(student: Run, cfg: Config) -> Run:
     params = [p for n, p in model.named_parameters() if is_lora_name(n) and f".{CRITIC}." in n]
     for p in params:
         p.requires_grad_(True)
-    optimizer = build_optimizer(model, cfg.optim, params)
+    optimizer = build_optimizer(model, cfg.optim, params, blocks=model_spec(cfg.model).blocks(getattr(model, "module", model)))
     scheduler = build_scheduler(optimizer, cfg.optim, max(1, cfg.train.steps))
     trainer = Trainer(model, student.task, optimizer, scheduler, student.ctx, cfg.train, cfg.optim, cfg.loss,
                       cfg.parallel, cfg.model.moe)

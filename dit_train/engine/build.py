@@ -162,7 +162,8 @@ def build_run(cfg: Config, ctx: ParallelContext | None = None, *, task: Any = No
     held = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed, split="heldout",
                       cond=cfg.cond) if heldout else None
     model = build_parallel_model(cfg, ctx, adapters)
-    optimizer = build_optimizer(model, cfg.optim)
+    # Muon's matrices: the family's own blocks (DDP wraps the model: the wrapped module's)
+    optimizer = build_optimizer(model, cfg.optim, blocks=model_spec(cfg.model).blocks(getattr(model, "module", model)))
     scheduler = build_scheduler(optimizer, cfg.optim, max(1, cfg.train.steps))
     cost = None
     if cfg.train.balance == "cost":  # a function of the config: every rank models the same times

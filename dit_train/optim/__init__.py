@@ -11,8 +11,11 @@ from dit_train.models.registry import blocks_of
 from dit_train.optim.muon import MUON_EPS, MuonAdamW, muon_split
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig, params: list[nn.Parameter] | None = None) -> torch.optim.Optimizer:
-    """The optimizer of `params` (None: every parameter of `model` that requires grad)."""
+def build_optimizer(model: nn.Module, cfg: OptimConfig, params: list[nn.Parameter] | None = None,
+                    blocks: nn.Module | None = None) -> torch.optim.Optimizer:
+    """The optimizer of `params` (None: every parameter of `model` that requires grad). blocks:
+    the model's repeated transformer blocks, whose 2-D weights Muon takes (the model spec's
+    `blocks`: diffusers families keep them as `transformer_blocks`); None = `model.blocks`."""
     params = [p for p in model.parameters() if p.requires_grad] if params is None else params
     if cfg.name == "adamw":
         # foreach=False: the per-tensor path is bitwise independent of how tensors are grouped,
@@ -21,7 +24,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, params: list[nn.Paramete
                                  weight_decay=cfg.weight_decay, foreach=False)
     if cfg.name == "muon":
         # DDP wraps the model: its blocks are the wrapped module's
-        muon, adamw = muon_split(blocks_of(getattr(model, "module", model)), params)
+        muon, adamw = muon_split(blocks_of(getattr(model, "module", model)) if blocks is None else blocks, params)
         return MuonAdamW(muon, adamw, lr=cfg.lr, weight_decay=cfg.weight_decay, momentum=cfg.muon_momentum,
                          betas=tuple(cfg.betas), eps=cfg.eps)
     if cfg.name == "sgd":
