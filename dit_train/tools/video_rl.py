@@ -142,7 +142,8 @@ def train(cfg, run: str, recipe: str, steps: int, out: str, reward: str, caption
     # --old-decay: the old policy is the session's EMA of the weights (DiffusionNFT's): it samples
     # the rollouts, gives the update its v_old, and is what --out's weights_ema.safetensors holds
     # (what tools.sample / tools.evaluate read first), so the held-out figures are its too
-    old_policy = session.run.ema.swapped_in if session.run.ema is not None else contextlib.nullcontext
+    keeps_old = how.old_policy and session.run.ema is not None
+    old_policy = session.run.ema.swapped_in if keeps_old else contextlib.nullcontext
 
     def record(step: int, extra: dict) -> None:
         with old_policy():
@@ -290,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
                               f"{held_out} held-out captions; give --captions <= that")
         if not 0.0 <= args.old_decay < 1.0:
             raise ConfigError(f"--old-decay={args.old_decay} must be in [0, 1) (0 = on-policy)")
-        if args.old_decay and args.recipe != "nft":
+        if args.old_decay and not RECIPES[args.recipe].old_policy:
             raise ConfigError(f"--old-decay is DiffusionNFT's old policy: --recipe nft only (not {args.recipe})")
         if args.reward:
             load_reward(args.reward)  # refused before anything is built

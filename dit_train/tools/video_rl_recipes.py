@@ -98,7 +98,7 @@ def nft_batch(u: StepInputs) -> tuple[list, Any, str]:
     adv = group_advantages(u.rewards, u.group)
     batch = [VideoDatum(pixels=r.clip.clamp(-1, 1), caption=r.caption, noise_key=i, advantages=a)
              for i, (r, a) in enumerate(zip(u.rollouts, adv)) if a != 0]
-    ema = u.session.run.ema
+    ema = u.session.run.ema  # the old policy (--old-decay), when the session keeps one
     if ema is not None and batch:
         with ema.swapped_in():
             olds = u.session.clip_velocities(batch, step=u.session.step_count)
@@ -169,16 +169,18 @@ class Recipe:
     figures); everything the loop keeps changes there and only there. rollouts: it samples and
     scores clips each step (sft trains on the run's own clips instead); sde: Flow-GRPO's SDE
     sampler without guidance, recording transitions; reference: it needs the frozen initial
-    weights whatever --kl (dpo's reference errors)."""
+    weights whatever --kl (dpo's reference errors); old_policy: with --old-decay the session's EMA
+    is its old policy (samples the rollouts, gives v_old, is what the held-out figures score)."""
 
     update: Callable[[StepInputs], tuple[dict, int, dict]]
     rollouts: bool = True
     sde: bool = False
     reference: bool = False
+    old_policy: bool = False
 
 
 RECIPES = {
-    "nft": Recipe(batch_update(nft_batch)),
+    "nft": Recipe(batch_update(nft_batch), old_policy=True),
     "grpo": Recipe(batch_update(grpo_batch), sde=True),
     "dpo": Recipe(batch_update(dpo_batch), reference=True),
     "raft": Recipe(raft_update),
