@@ -124,6 +124,15 @@ def train_in_process(overrides: list[str], run_dir: Path, cache_dir: str | None 
     return run_from_config(cfg)
 
 
+@pytest.fixture(scope="session")
+def tiny_teacher(tiny_cfg, tmp_path_factory) -> Path:
+    """A tiny trained bidirectional run (2 steps of TINY: its weights are not the init's), the
+    teacher of the distillation tests (test_distill, test_self_forcing); read only."""
+    run = tmp_path_factory.mktemp("teacher")
+    train_in_process([*TINY, "train.steps=2"], run, cache_dir=tiny_cfg.data.cache_dir)
+    return run
+
+
 def run_cli(args: list[str], cwd: Path, timeout: int = 600):
     """`python -m dit_train <args>` in a subprocess; returns CompletedProcess (text)."""
     import subprocess

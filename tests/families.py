@@ -27,7 +27,8 @@ def random_model(cfg, seed: int = 0) -> torch.nn.Module:
 
 
 def family_run_cfg(overrides: list[str], data_cache: str):
-    """A family's tiny training run on the embedded clips (TINY, then `overrides`), data prepared."""
+    """A family's tiny training run on the embedded clips (TINY, then `overrides`), data prepared;
+    gradients always clipped (0.05), so layout cases check the global norm too."""
     from dit_train.data_pipelines import prepare_data
 
     cfg = compose_config([*overrides[:1], *TINY, *overrides[1:], "optim.max_grad_norm=0.05"], cache_dir=data_cache)
@@ -51,3 +52,29 @@ def assert_grads_match(ours: torch.nn.Module, ref: torch.nn.Module, rel: float =
         gr = ref_grads[name].grad
         assert p.grad is not None and gr is not None, name
         assert (p.grad - gr).abs().max() <= rel * gr.abs().max().clamp_min(1e-6), name
+
+
+def assert_matches_diffusers_per_clip(ours: torch.nn.Module, ref: torch.nn.Module, out: torch.Tensor,
+                                      clips: list[torch.Tensor], theirs_of, out_channels: int,
+                                      generator: torch.Generator) -> None:
+    """Our packed output out [L, C·pt·ph·pw] (the clips' tokens in order, then padding) clip by
+    clip against diffusers' `theirs_of(i, clip, grid)` ([C, F, H, W] of clip i alone): values within
+    1e-5, padding tokens finite, and the weight gradients of random probe-weighted sums of both
+    outputs equal (assert_grads_match)."""
+    from dit_train.tasks.video import unpatchify
+
+    loss_ours, loss_ref, off = 0.0, 0.0, 0
+    for i, clip in enumerate(clips):
+        grid = tuple(s // p for s, p in zip(clip.shape[1:], PATCH))
+        n = grid[0] * grid[1] * grid[2]
+        mine = unpatchify(out[off:off + n], grid, PATCH, out_channels)
+        off += n
+        theirs = theirs_of(i, clip, grid)
+        assert theirs.shape == mine.shape
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+        probe = torch.randn(mine.shape, generator=generator)
+        loss_ours, loss_ref = loss_ours + (mine * probe).sum(), loss_ref + (theirs * probe).sum()
+    assert out[off:].abs().max() < 1e3  # padding tokens: finite, ignored
+    loss_ours.backward()
+    loss_ref.backward()
+    assert_grads_match(ours, ref)

@@ -7,22 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import TINY, compose_config
+from tests.families import family_run_cfg
 from tests.layout_cases import Case, assert_exact, run_cases
 
-AV = [*TINY, "data.audio=true", "model.audio_patch=500", "model.text_dim=0", "model.prediction=velocity",
+AV = ["data.audio=true", "model.audio_patch=500", "model.text_dim=0", "model.prediction=velocity",
       "train.micro_batch_tokens=600"]
 LAYOUTS = {"ulysses": "dp_shard=2,cp_ulysses=2", "ring": "dp_shard=2,cp_ring=2"}
 
 
 @pytest.fixture(scope="module")
 def av_cfg(data_cache):
-    from dit_train.data_pipelines import prepare_data
-
-    cfg = compose_config(AV, cache_dir=data_cache)
-    prepare_data(cfg.data, cfg.model)
-    cfg.optim.max_grad_norm = 0.05  # always clips: the global norm must be exact too
-    return cfg
+    return family_run_cfg(AV, data_cache)  # TINY, data prepared; always clips: the global norm must be exact too
 
 
 @pytest.fixture(scope="module")

@@ -20,11 +20,9 @@ DISTILL = ["distill.method=dmd2", "distill.student_steps=3", "distill.student_ev
 
 
 @pytest.fixture(scope="module")
-def teacher(tiny_cfg, tmp_path_factory):
-    """A tiny trained run (2 steps: what matters is that its weights are not the init's)."""
-    run = tmp_path_factory.mktemp("teacher")
-    train_in_process([*TINY, "train.steps=2"], run, cache_dir=tiny_cfg.data.cache_dir)
-    return run
+def teacher(tiny_teacher):
+    """conftest's tiny trained run (read only: tests copy it to change it)."""
+    return tiny_teacher
 
 
 @pytest.fixture(scope="module")

@@ -21,11 +21,9 @@ SELF_FORCING = ["+experiment=self_forcing", "model.causal_block_frames=4", "dist
 
 
 @pytest.fixture(scope="module")
-def teacher(tiny_cfg, tmp_path_factory):
-    """A tiny trained bidirectional run (2 steps: its weights are not the init's)."""
-    run = tmp_path_factory.mktemp("teacher")
-    train_in_process([*TINY, "train.steps=2"], run, cache_dir=tiny_cfg.data.cache_dir)
-    return run
+def teacher(tiny_teacher):
+    """conftest's tiny trained run (read only: tests copy it to change it)."""
+    return tiny_teacher
 
 
 @pytest.fixture(scope="module")

@@ -38,6 +38,16 @@ def _model(text_dim: int = 8):
     return model
 
 
+def _full_causal_forward(model, x: torch.Tensor, t: torch.Tensor, ctx: torch.Tensor) -> torch.Tensor:
+    """The reference: clip x [3, F, H, W] packed alone, block-causal, each block at its t [1, B],
+    captioned by ctx [Lt, 8]; the model's output for every token [L, 12]."""
+    samples = {}
+    samples["context"], samples["context_len"] = pad_contexts([ctx], 8)
+    b = pack_clips({"x": [x]}, PATCH, 12, samples, torch.zeros(1, dtype=torch.long), causal_block=K)
+    return model(b.tokens["x"], b.pos, b.seg, t, VarlenLayout.build(b.seg, b.mask_order, b.causal), block=b.block,
+                 context=samples["context"], context_len=samples["context_len"])
+
+
 def test_cached_forward_equals_full_causal_forward():
     """A clip of 4 blocks (each at its own t): block j's output with the cache of blocks 0..j−1
     (each committed with its own input and t) equals the full block-causal forward's, fp64."""
@@ -45,12 +55,7 @@ def test_cached_forward_equals_full_causal_forward():
     x = torch.randn(3, 4 * K, 4, 6, dtype=torch.float64)
     t = torch.tensor([[0.0, 0.3, 0.6, 0.9]], dtype=torch.float64)
     ctx = torch.randn(5, 8, dtype=torch.float64)
-    samples = {}
-    samples["context"], samples["context_len"] = pad_contexts([ctx], 8)
-    b = pack_clips({"x": [x]}, PATCH, 12, samples, torch.zeros(1, dtype=torch.long), causal_block=K)
-    meta = VarlenLayout.build(b.seg, b.mask_order, b.causal)
-    full = model(b.tokens["x"], b.pos, b.seg, t, meta, block=b.block, context=samples["context"],
-                 context_len=samples["context_len"])
+    full = _full_causal_forward(model, x, t, ctx)
     cache, per_block = KVCache(), 4 * 6 // 4  # tokens of one frame: (4/2)·(6/2)
     for j in range(4):
         xj, tj = x[:, j * K:(j + 1) * K], float(t[0, j])
@@ -177,11 +182,7 @@ def test_several_blocks_in_one_cached_forward_equal_the_full_causal_forward():
     x = torch.randn(3, 4 * K, 4, 6, dtype=torch.float64)
     t = torch.tensor([[0.0, 0.0, 0.4, 0.8]], dtype=torch.float64)
     ctx = torch.randn(5, 8, dtype=torch.float64)
-    samples = {}
-    samples["context"], samples["context_len"] = pad_contexts([ctx], 8)
-    b = pack_clips({"x": [x]}, PATCH, 12, samples, torch.zeros(1, dtype=torch.long), causal_block=K)
-    full = model(b.tokens["x"], b.pos, b.seg, t, VarlenLayout.build(b.seg, b.mask_order, b.causal), block=b.block,
-                 context=samples["context"], context_len=samples["context_len"])
+    full = _full_causal_forward(model, x, t, ctx)
     cache, per_block = KVCache(), K * 6
     for j in range(2):
         block_forward(model, x[:, j * K:(j + 1) * K], j * K, 0.0, cache, PATCH, ctx, record=True)

@@ -13,8 +13,7 @@ import torch
 
 from dit_train.models import model_config
 from dit_train.models.diffusers_family import read_pretrained, to_diffusers
-from dit_train.tasks.video import unpatchify
-from tests.families import PATCH, SHAPES, random_model, assert_grads_match
+from tests.families import PATCH, SHAPES, random_model, assert_matches_diffusers_per_clip
 from tests.test_wan import pack
 
 IMAGE_DIM, IMAGE_TOKENS, TEXT_LEN = 24, 5, 512  # diffusers' I2V processor splits off 512 text tokens
@@ -42,22 +41,14 @@ def test_i2v_layout_with_image_tokens_matches_diffusers_per_clip(flf):
     image = torch.randn(2, n_img, IMAGE_DIM, generator=g)
     x, pos, seg, meta = pack(clips, pad=3)
     out = ours(x, pos, seg, t, meta, context, context_len, image=image)
-    loss_ours, loss_ref, off = 0.0, 0.0, 0
-    for i, clip in enumerate(clips):
-        grid = (clip.shape[1] // PATCH[0], clip.shape[2] // PATCH[1], clip.shape[3] // PATCH[2])
-        n = grid[0] * grid[1] * grid[2]
-        mine = unpatchify(out[off:off + n], grid, PATCH, 4)
-        off += n
+
+    def theirs(i, clip, grid):
         ctx = torch.nn.functional.pad(context[i:i + 1, :context_len[i]], (0, 0, 0, TEXT_LEN - int(context_len[i])))
         # the pipeline's FLF2V image embeds: [2 images, tokens, image_dim] per clip
         img = image[i].view(2, IMAGE_TOKENS, IMAGE_DIM) if flf else image[i:i + 1]
-        theirs = ref(clip[None], t[i:i + 1] * 1000, ctx, encoder_hidden_states_image=img).sample[0]
-        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
-        probe = torch.randn(mine.shape, generator=g)
-        loss_ours, loss_ref = loss_ours + (mine * probe).sum(), loss_ref + (theirs * probe).sum()
-    loss_ours.backward()
-    loss_ref.backward()
-    assert_grads_match(ours, ref)
+        return ref(clip[None], t[i:i + 1] * 1000, ctx, encoder_hidden_states_image=img).sample[0]
+
+    assert_matches_diffusers_per_clip(ours, ref, out, clips, theirs, 4, g)
     with pytest.raises(ValueError, match="model.image_dim=24: the model needs each clip's CLIP image tokens"):
         ours(x, pos, seg, t, meta, context, context_len)
 

@@ -20,7 +20,7 @@ from dit_train.models import model_config
 from dit_train.models.diffusers_family import read_pretrained, to_diffusers
 from dit_train.tasks.conditioning import vace_context
 from dit_train.tasks.video import patchify, unpatchify
-from tests.families import PATCH, SHAPES, random_model, assert_grads_match
+from tests.families import PATCH, SHAPES, random_model, assert_matches_diffusers_per_clip
 from tests.test_wan import pack
 
 C, K = 4, 4  # latent channels, VACE mask channels: a 12-channel context [inactive 4 | reactive 4 | mask 4]
@@ -44,22 +44,13 @@ def test_packed_vace_matches_diffusers_per_clip():
     context, context_len = torch.randn(2, 5, 32, generator=g), torch.tensor([3, 5])
     x, pos, seg, meta = pack([torch.cat([c, v]) for c, v in zip(clips, ctrls)], pad=3)
     out = ours(x, pos, seg, t, meta, context, context_len)
-    probes = [torch.randn(C, *s, generator=g) for s in SHAPES]
-    loss_ours, loss_ref, off = 0.0, 0.0, 0
-    for i, clip in enumerate(clips):
-        grid = tuple(clip.shape[1 + a] // PATCH[a] for a in range(3))
-        n = grid[0] * grid[1] * grid[2]
-        mine = unpatchify(out[off:off + n], grid, PATCH, C)
-        off += n
-        ctx = torch.nn.functional.pad(context[i:i + 1, :context_len[i]], (0, 0, 0, cfg.text_len - int(context_len[i])))
-        theirs = ref(clip[None], t[i:i + 1] * 1000, ctx, control_hidden_states=ctrls[i][None]).sample[0]
-        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
-        loss_ours = loss_ours + (mine * probes[i]).sum()
-        loss_ref = loss_ref + (theirs * probes[i]).sum()
-    loss_ours.backward()
-    loss_ref.backward()
     assert any(n.startswith("vace_blocks.") for n, _ in ref.named_parameters())
-    assert_grads_match(ours, ref)
+
+    def theirs(i, clip, grid):
+        ctx = torch.nn.functional.pad(context[i:i + 1, :context_len[i]], (0, 0, 0, cfg.text_len - int(context_len[i])))
+        return ref(clip[None], t[i:i + 1] * 1000, ctx, control_hidden_states=ctrls[i][None]).sample[0]
+
+    assert_matches_diffusers_per_clip(ours, ref, out, clips, theirs, C, g)
 
 
 # --------------------------------------------------------------------------- runs
