@@ -248,27 +248,29 @@ def score_clip(clip: torch.Tensor | np.ndarray, caption: str | ShapeCaption) -> 
                    axis's sign matches the caption (see _axis_ok for a start against a wall).
     all_ok         background, colour, shape and (where scored) motion all right.
     """
+    cap = _caption(caption)
+    return _scores(_look(to_rgb(clip)), cap)
+
+
+def _caption(caption: str | ShapeCaption) -> ShapeCaption:
     cap = parse_caption(caption) if isinstance(caption, str) else caption
     if cap is None:
         raise ValueError(f"not a caption of the shapes world: {caption!r}")
-    rgb = to_rgb(clip)
-    F, H, W, _ = rgb.shape
-    labels = palette_labels(rgb)
-    counts = np.bincount(labels[labels >= 0], minlength=len(PALETTE))
-    bg = int(counts.argmax())
-    shape_counts = np.where(np.arange(NUM_SHAPE_COLORS) == bg, 0, counts[:NUM_SHAPE_COLORS])
-    shape = int(np.where(np.arange(NUM_SHAPE_COLORS) == bg, -1, shape_counts).argmax())  # never bg, even with no counts
-    blobs = _blobs(rgb, labels, bg, shape)
+    return cap
+
+
+def _scores(look: "_Look", cap: ShapeCaption) -> dict[str, float]:
+    """score_clip's figures of what a clip shows (`_look`) against its caption."""
+    F, H, W = look.dims
+    blobs = look.blobs
     seen = blobs.size > 0
     typical = np.median(blobs.size[seen]) if seen.any() else 0.0
-    is_square = seen.any() and np.median(blobs.fill[seen]) >= FILL_SPLIT
     steady = (blobs.count == 1) & (blobs.size <= STEADY_SIZE * typical) & (blobs.size >= typical / STEADY_SIZE)
     out = {
-        "palette_share": float((labels >= 0).mean()),
-        "background_ok": float(PALETTE_NAMES[bg] == cap.background and counts[bg] >= BACKGROUND_MIN_SHARE * labels.size),
-        "color_ok": float(PALETTE_NAMES[shape] == cap.color and counts[shape] >= COLOR_MIN_SHARE * shape_counts.sum()
-                          and counts[shape] >= BLOB_MIN_AREA * min(H, W) ** 2 * F and blobs.exact >= 0.5 * counts[shape]),
-        "shape_ok": float(seen.mean() >= 0.5 and is_square == (cap.shape == "square")),
+        "palette_share": look.palette_share,
+        "background_ok": float(PALETTE_NAMES[look.bg] == cap.background and look.background),
+        "color_ok": float(PALETTE_NAMES[look.shape] == cap.color and look.colored),
+        "shape_ok": float(look.seen >= 0.5 and look.square == (cap.shape == "square")),
         "single_shape": float(seen.any() and steady.mean() >= SINGLE_MIN_FRAMES),
     }
     checks = [out["background_ok"], out["color_ok"], out["shape_ok"]]
@@ -292,10 +294,16 @@ def shape_grade(clip: torch.Tensor | np.ndarray, caption: str | ShapeCaption) ->
     shape_ok is a threshold of the same ratio: a model that draws one rounded blob for both words
     scores every clip of a square caption 0 and of a circle caption 1, so a group of clips of one
     caption has no spread to learn from (docs/video-rl.md). The grade moves with the blob."""
-    cap = parse_caption(caption) if isinstance(caption, str) else caption
-    if cap is None:
-        raise ValueError(f"not a caption of the shapes world: {caption!r}")
-    look = _look(to_rgb(clip))
+    return _grade(_look(to_rgb(clip)), _caption(caption))
+
+
+def scores_and_grade(clip: torch.Tensor | np.ndarray, caption: str | ShapeCaption) -> tuple[dict[str, float], float]:
+    """(score_clip, shape_grade) of one clip, its pixels read once."""
+    cap, look = _caption(caption), _look(to_rgb(clip))
+    return _scores(look, cap), _grade(look, cap)
+
+
+def _grade(look: "_Look", cap: ShapeCaption) -> float:
     if look.seen < 0.5:
         return 0.0
     fill = float(np.median(look.blobs.fill[look.blobs.size > 0]))
@@ -364,6 +372,8 @@ class _Look:
     square: bool
     seen: float
     blobs: _Blobs
+    palette_share: float  # share of pixels near some palette colour
+    dims: tuple[int, int, int]  # (F, H, W)
 
 
 def _look(rgb: np.ndarray) -> _Look:
@@ -373,14 +383,14 @@ def _look(rgb: np.ndarray) -> _Look:
     counts = np.bincount(labels[labels >= 0], minlength=len(PALETTE))
     bg = int(counts.argmax())
     shape_counts = np.where(np.arange(NUM_SHAPE_COLORS) == bg, 0, counts[:NUM_SHAPE_COLORS])
-    shape = int(np.where(np.arange(NUM_SHAPE_COLORS) == bg, -1, shape_counts).argmax())
+    shape = int(np.where(np.arange(NUM_SHAPE_COLORS) == bg, -1, shape_counts).argmax())  # never bg, even with no counts
     blobs = _blobs(rgb, labels, bg, shape)
     seen = blobs.size > 0
     colored = bool(counts[shape] >= COLOR_MIN_SHARE * shape_counts.sum()
                    and counts[shape] >= BLOB_MIN_AREA * min(H, W) ** 2 * F and blobs.exact >= 0.5 * counts[shape])
     square = bool(seen.any() and np.median(blobs.fill[seen]) >= FILL_SPLIT)
     return _Look(bg, bool(counts[bg] >= BACKGROUND_MIN_SHARE * labels.size), shape, colored, square,
-                 float(seen.mean()), blobs)
+                 float(seen.mean()), blobs, float((labels >= 0).mean()), (F, H, W))
 
 
 def score_given(clip: torch.Tensor | np.ndarray, given_frames: np.ndarray, caption: str | ShapeCaption,

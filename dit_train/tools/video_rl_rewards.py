@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 
 from dit_train.config.errors import ConfigError
-from dit_train.data_pipelines.shapes_metric import score_clip, shape_grade
+from dit_train.data_pipelines.shapes_metric import score_clip, scores_and_grade, shape_grade
 
 
 def shapes_reward(clips: list[torch.Tensor], captions: list[str]) -> list[float]:
@@ -30,8 +30,8 @@ def shapes_graded_reward(clips: list[torch.Tensor], captions: list[str]) -> list
     miss the shape kind still differ by how near they came (all_ok stays the exact conjunction)."""
     out = []
     for c, p in zip(clips, captions):
-        scores = score_clip(c, p)
-        out.append(float(sum(scores.values()) - scores["shape_ok"] + shape_grade(c, p)))
+        scores, grade = scores_and_grade(c, p)
+        out.append(float(sum(scores.values()) - scores["shape_ok"] + grade))
     return out
 
 
