@@ -21,8 +21,11 @@ $(VENV)/.installed: pyproject.toml
 run: setup
 	$(PY) -m dit_train $(ARGS)
 
+# two pytest-xdist workers, whole files each (a file's module fixtures and one-process references
+# are built once): the suite was ~1.2 cores busy on average with one pytest process
+# (docs/development.md); ARGS='-n 0' runs it in one process
 test: setup
-	$(PY) -m pytest -q tests $(ARGS)
+	$(PY) -m pytest -q -n 2 --dist loadfile tests $(ARGS)
 
 # the wheel installed beside Hugging Face's `kernels`, and its dependencies resolved for Linux
 # x86_64 / aarch64 and macOS arm64 (fetches from the package index, ~1 min; CI runs it)

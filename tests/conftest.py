@@ -147,7 +147,7 @@ def pytest_addoption(parser):
                      help="run the tests marked `install` (they fetch from the package index; make test-install)")
     parser.addoption("--cpu-report", metavar="FILE", default=None,
                      help="write each test's CPU seconds (pytest's process + its pool workers and subprocesses), "
-                          "sorted, and each file's total to FILE (tests/cpu_report.py)")
+                          "sorted, and each file's total to FILE (tests/cpu_report.py); under -n N one FILE.gw<K> per worker")
 
 
 def pytest_configure(config):
@@ -157,7 +157,10 @@ def pytest_configure(config):
             raise pytest.UsageError("--cpu-report reads /proc: Linux only")
         from tests.cpu_report import CpuReport
 
-        config.pluginmanager.register(CpuReport(path), "cpu_report")
+        worker = getattr(config, "workerinput", {}).get("workerid")
+        if worker is None and getattr(config.option, "numprocesses", None):
+            return  # pytest-xdist's controller runs no test: each worker writes FILE.gw<N>
+        config.pluginmanager.register(CpuReport(f"{path}.{worker}" if worker else path), "cpu_report")
 
 
 def pytest_collection_modifyitems(config, items):
