@@ -3,6 +3,7 @@ in fresh Pythons; learning and the one-process reference run through the same pa
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 from safetensors.torch import load_file
@@ -63,16 +64,19 @@ def test_bad_override_fails_before_running(tmp_path):
 def test_loss_decreases_over_20_steps(tmp_path, data_cache):
     out = tmp_path / "run"
     # no validation videos: test_text_sampling covers them, here they cost as much as the training
-    # in this process: what is checked is learning, not the launch (the tests above launch)
-    train_in_process(["train.steps=20", "optim.lr=3e-3", "train.progress=false", "train.sample_every=0"], out,
-                     cache_dir=data_cache)
+    # in this process: what is checked is learning, not the launch (the tests above launch).
+    # The quickstart's data, optimizer and patches on a quarter of its model (dim 64, depth 2, not
+    # 128 x 4): the same loop learns as clearly at about half the CPU time (9.1 -> 5 CPU-s)
+    train_in_process(["train.steps=20", "optim.lr=3e-3", "train.progress=false", "train.sample_every=0",
+                      "model.dim=64", "model.depth=2"], out, cache_dir=data_cache)
     losses = [x["loss"] for x in _records(out)]
     assert len(losses) == 20
-    first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
-    # per-step losses scatter by ~±0.1 (random timesteps); a 15% drop of 10-step means is learning
-    # (measured with Muon, the default: 1.19 -> 0.48 over steps 0-9 and 10-19; 30 steps gave 1.19 -> 0.35 over
-    # steps 0-9 and 20-29, cost half as much again for no more certainty)
-    assert last < 0.85 * first, (first, last)
+    first, last = statistics.median(losses[:10]), statistics.median(losses[10:])
+    # Per-step losses scatter widely (random timesteps: 0.5 to 3.4 in steps 0-9), and the 10-step
+    # means once checked here fell by 17% with no optimizer step at all (1.34 -> 1.12, the steps'
+    # timesteps alone), passing `mean < 0.85 x`. Medians of the same steps: 1.04 -> 1.02 without
+    # the optimizer, 0.95 -> 0.59 with it (Muon, the default; means 1.27 -> 0.63)
+    assert last < 0.8 * first, (first, last, losses)
 
 
 @pytest.mark.slow

@@ -50,12 +50,23 @@ def lora_cfg(tiny_cfg, teacher):
 def distill_steps(cfg, ctx, steps):
     """{student/..., critic/...: full weights} after `steps` distillation steps (rank 0), both
     models gathered in one collective as the layout tests gather theirs (layout_equivalence)."""
+    return gathered(trained_run(cfg, ctx, steps), ctx)
+
+
+def trained_run(cfg, ctx, steps):
+    """The distillation run of `cfg` after `steps` steps."""
     from dit_train.distill.build import build_distill_run
-    from dit_train.engine.layout_equivalence import gather_pieces, local_pieces, sharded_state_dict
 
     run = build_distill_run(cfg, ctx)
     for step in range(steps):
         run.trainer.step(step)
+    return run
+
+
+def gathered(run, ctx):
+    """distill_steps' weights of a trained run."""
+    from dit_train.engine.layout_equivalence import gather_pieces, local_pieces, sharded_state_dict
+
     weights = gather_pieces(local_pieces(sharded_state_dict(run.model), "student/")
                             + local_pieces(sharded_state_dict(run.critic.model), "critic/"), ctx)
     if not ctx.is_main:
@@ -191,6 +202,17 @@ def part(weights, who):
 
 
 @pytest.fixture(scope="module")
+def lora_one_process(lora_cfg):
+    """The one-process LoRA run after 3 steps and its weights: the LoRA layout's reference and the
+    module test_lora_roles_are_one_base_and_two_adapters reads (one run for both)."""
+    from dit_train.parallel.mesh import init_parallel
+
+    ctx = init_parallel(lora_cfg.parallel)
+    run = trained_run(lora_cfg, ctx, 3)
+    return run, gathered(run, ctx)
+
+
+@pytest.fixture(scope="module")
 def expected(cfg, teacher):
     return oracle(cfg, teacher, 3)
 
@@ -228,21 +250,20 @@ def _worker(runs, steps):
 
 
 @pytest.mark.slow
-def test_layouts_match_the_dmd_formulas(cfg, lora_cfg, expected):
+def test_layouts_match_the_dmd_formulas(cfg, lora_cfg, lora_one_process, expected):
     """One launch of 4 workers: FSDP2 dp_shard=2 × cp_ring=2 and DDP 2 × Ulysses 2 (a sample's
     tokens, and so its DMD normaliser, split over two ranks); student and critic weights after
     3 steps (student updates at 0 and 2) equal the oracle's; the same with the teacher's shards
     offloaded (distill.teacher_offload). LoRA (one base, two adapters) on FSDP2 dp_shard=2 ×
     cp_ring=2 equals the one-process LoRA run. The teacher's weights are read by rank 0 only."""
     from dit_train.engine.launch import launch_local
-    from dit_train.parallel.mesh import init_parallel
 
     offload = dataclasses.replace(cfg, distill=dataclasses.replace(cfg.distill, teacher_offload=True))
     dp2_ring2 = {"dp_shard": 2, "cp_ring": 2}
     runs = {"dp2_ring2": (cfg, dp2_ring2), "ddp2_ulysses2": (cfg, {"dp_shard": 2, "dp_mode": "ddp", "cp_ulysses": 2}),
             "dp2_ring2_offload": (offload, dp2_ring2), "lora_dp2_ring2": (lora_cfg, dp2_ring2)}
     results = launch_local(_worker, (runs, 3), 4, cfg.launcher)
-    one = distill_steps(lora_cfg, init_parallel(lora_cfg.parallel), 3)
+    one = lora_one_process[1]
     got = results[0]["lora_dp2_ring2"]
     assert got.keys() == one.keys() and any(".lora_A.critic." in k for k in one)
     for who in ("student", "critic"):
@@ -272,19 +293,16 @@ def merged(weights, adapter, scale=1.0):
     return out
 
 
-def test_lora_roles_are_one_base_and_two_adapters(lora_cfg, teacher):
+def test_lora_roles_are_one_base_and_two_adapters(lora_cfg, lora_one_process, teacher):
     """One LoRA module after 3 distillation steps: as the teacher it computes the teacher run's
     model (the base, adapters off), as the student the base with the student's adapter merged,
     as the critic with the critic's; student and critic differ from the teacher and each other."""
     from dit_train.checkpoint import full_state_dict
-    from dit_train.distill.build import build_distill_run, teacher_weights
+    from dit_train.distill.build import teacher_weights
     from dit_train.models import build_model
-    from dit_train.parallel.mesh import init_parallel
 
-    run = build_distill_run(lora_cfg, init_parallel(lora_cfg.parallel))
+    run = lora_one_process[0]  # after 3 steps
     assert run.critic.model is run.model is run.teacher  # one module: no copies
-    for step in range(3):
-        run.trainer.step(step)
     weights = full_state_dict(run.model)
     expected = {"teacher": teacher_weights(teacher)[0], "student": merged(weights, "default"),
                 "critic": merged(weights, "critic")}
@@ -303,12 +321,13 @@ def test_lora_roles_are_one_base_and_two_adapters(lora_cfg, teacher):
 
 
 def test_resume_is_exact(tiny_cfg, teacher, tmp_path):
-    """Stopped after step 2 (checkpoint: student, its optimizer, the critic and its optimizer),
-    resumed: the student after step 4 equals the uninterrupted run's (its update at step 2 reads
-    the resumed critic)."""
+    """Stopped after step 1 (checkpoint: student, its optimizer, the critic and its optimizer),
+    resumed: the student after step 2 equals the uninterrupted run's (its update at step 2 reads
+    the resumed critic). 3 steps, not 4: step 3 would only update the critic, which the compared
+    weights never see."""
     from safetensors.torch import load_file
 
-    base = [*TINY, *DISTILL, f"distill.teacher={teacher}", "train.steps=4"]
+    base = [*TINY, *DISTILL, f"distill.teacher={teacher}", "train.steps=3"]
     full, part = tmp_path / "full", tmp_path / "part"
     train_in_process([*base, "train.ckpt_every=2"], full, cache_dir=tiny_cfg.data.cache_dir)
     train_in_process([*base, f"train.resume={full / 'checkpoints' / 'step_00000001'}"], part,
@@ -407,14 +426,14 @@ def test_bad_teachers_are_refused_in_one_line_before_step_0(tiny_cfg, teacher, t
     (other / "config.yaml").write_text((teacher / "config.yaml").read_text().replace("  dim: 32\n", "  dim: 48\n"))
     msg = refused("+experiment=distill_dmd2", f"distill.teacher={other}")
     assert "does not fit the model of its config.yaml" in msg and "\n" not in msg
-    # through the CLI: one line on stderr, non-zero exit, no run folder written
-    from tests.conftest import run_cli
-
+    # through the CLI's path (run_from_config): refused before the run folder is written. In this
+    # process: the CLI prints every ConfigError of run_from_config as one `error:` line with one
+    # `except`, run in a fresh Python by test_cli's test_bad_override_fails_before_running
     out = tmp_path / "student"
-    res = run_cli(["+experiment=distill_dmd2", f"distill.teacher={other}", f"hydra.run.dir={out}",
-                   f"data.cache_dir={tiny_cfg.data.cache_dir}", *TINY], cwd=tmp_path)
-    assert res.returncode != 0 and res.stderr.strip().count("\n") == 0, res.stderr
-    assert res.stderr.startswith("error: distill.teacher=") and not (out / "config.yaml").exists()
+    with pytest.raises(ConfigError, match="^distill.teacher=.*does not fit the model of its config.yaml"):
+        train_in_process([*TINY, "+experiment=distill_dmd2", f"distill.teacher={other}"], out,
+                         cache_dir=tiny_cfg.data.cache_dir)
+    assert not (out / "config.yaml").exists()
 
 
 def test_the_planner_counts_the_critic_and_the_teacher(tiny_cfg):
