@@ -1,7 +1,7 @@
 """The two-stream DiT (audio + video, model.audio_patch) trains layout-exact: dp_shard=2 ×
 cp_ulysses=2 and dp_shard=2 × cp_ring=2 against one process, on the embedded set with sound
 (clips with and without audio, uneven lengths), with a CP rank that holds no audio token of a
-clip (docs/audio-video.md)."""
+clip, captions on (both streams read them: docs/audio-video.md)."""
 from __future__ import annotations
 
 import pytest
@@ -10,14 +10,15 @@ import torch
 from tests.families import family_run_cfg
 from tests.layout_cases import Case, assert_exact, run_cases
 
-AV = ["data.audio=true", "model.audio_patch=500", "model.text_dim=0", "model.prediction=velocity",
-      "train.micro_batch_tokens=600"]
+AV = ["data.audio=true", "model.audio_patch=500", "model.prediction=velocity", "train.micro_batch_tokens=600"]
 LAYOUTS = {"ulysses": "dp_shard=2,cp_ulysses=2", "ring": "dp_shard=2,cp_ring=2"}
 
 
 @pytest.fixture(scope="module")
 def av_cfg(data_cache):
-    return family_run_cfg(AV, data_cache)  # TINY, data prepared; always clips: the global norm must be exact too
+    cfg = family_run_cfg(AV, data_cache)
+    assert cfg.model.text_dim > 0 and cfg.data.caption_dropout > 0  # captions (and their dropout) on both streams
+    return cfg  # TINY, data prepared; always clips: the global norm must be exact too
 
 
 @pytest.fixture(scope="module")
@@ -88,3 +89,32 @@ def test_each_streams_share_of_the_loss_is_logged(av_cfg):
     res = run.trainer.step(0)
     assert res.extras["loss/video"] > 0 and res.extras["loss/audio"] > 0
     assert res.extras["loss/video"] + res.extras["loss/audio"] == pytest.approx(res.loss, rel=1e-6)
+
+
+def test_audio_tokens_read_their_own_clips_caption():
+    """One block (its self-attention runs before the cross-attention, so the caption can reach an
+    audio token only through its own cross-attention): changing clip 0's caption changes clip 0's
+    audio outputs, and leaves clip 1's (video and audio) as they were."""
+    from dit_train.kernels import VarlenLayout
+    from dit_train.models.dit import VideoDiT
+
+    torch.manual_seed(0)
+    model = VideoDiT(patch_dim=12, dim=32, depth=1, heads=4, mlp_ratio=2.0, text_dim=8, audio_dim=6).eval()
+    for p in model.parameters():  # no zero-initialised output: every path carries signal
+        torch.nn.init.normal_(p, std=0.3)
+    seg = torch.tensor([0, 0, 0, 0, 1, 1, 1])
+    stream = torch.tensor([0, 0, 1, 1, 0, 1, 1])
+    order = torch.tensor([0, 1, 2, 3, 0, 1, 2])
+    x, pos = torch.randn(7, 12), torch.zeros(7, 3, dtype=torch.long)
+    ctx, other = torch.randn(2, 5, 8), torch.randn(2, 5, 8)
+    other[1] = ctx[1]
+
+    def run(context):
+        return model(x, pos, seg, torch.tensor([0.3, 0.7]), VarlenLayout.build(seg, order, False), context=context,
+                     context_len=torch.tensor([5, 4]), stream=stream)
+
+    with torch.no_grad():
+        a, b = run(ctx), run(other)
+    audio0 = (seg == 0) & (stream == 1)
+    assert (a[audio0] - b[audio0]).abs().max() > 1e-3
+    assert torch.equal(a[seg == 1], b[seg == 1])

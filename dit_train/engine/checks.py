@@ -293,12 +293,12 @@ def _model_and_data(cfg: Config, e: list[str]) -> None:
     _check(not audio_model or getattr(d, "audio", False) or (spec is not None and spec.silent_ok),
            f"model.audio_patch={getattr(m, 'audio_patch', 0)} trains "
            "an audio stream: set data.audio=true (the embedded set with sound, or clips with an audio column)", e)
-    captions_ok = audio_model and spec is not None and spec.audio_captions  # LTX-2's streams read captions
+    # both streams read the clip's caption (LTX-2: attn2 and audio_attn2; the two-stream DiT: its
+    # cross-attention, per token's clip), so captions are no limit
     _check(not audio_model or (not getattr(d, "masks", False) and not cfg.cond.active
-                               and (not m.text_dim or captions_ok) and cfg.loss.reduction == "sample_mean"),
-           f"model.audio_patch > 0 (model={m.name} with an audio stream, first slice) trains without data.masks, "
-           "cond" + ("" if captions_ok else ", captions (model.text_dim=0)") +
-           " and with loss.reduction=sample_mean (a hierarchical mean per stream)", e)
+                               and cfg.loss.reduction == "sample_mean"),
+           f"model.audio_patch > 0 (model={m.name} with an audio stream, first slice) trains without data.masks and "
+           "cond, and with loss.reduction=sample_mean (a hierarchical mean per stream)", e)
     _check(0.0 <= d.caption_dropout < 1.0, f"data.caption_dropout={d.caption_dropout} must be in [0, 1)", e)
     _check(0.0 <= d.heldout_fraction < 1.0, f"data.heldout_fraction={d.heldout_fraction} must be in [0, 1)", e)
     _check(not (cfg.train.eval_every > 0 and d.heldout_fraction <= 0),
