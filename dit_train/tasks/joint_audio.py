@@ -42,12 +42,12 @@ def audio_positions(n: int, audio_patch: int, fps: float, pt: int, index: bool =
                         torch.zeros(n, dtype=torch.long)], 1)
 
 
-def join_audio_tokens(batch: PackedBatch, x: list[torch.Tensor], target: list[torch.Tensor],
+def join_audio_tokens(batch: PackedBatch, x: list[torch.Tensor], target: list[torch.Tensor] | None,
                       pos: list[torch.Tensor]) -> PackedBatch:
     """`batch` (clips contiguous and in seg order, no padding, as pack_clips builds it) with clip
     k's audio tokens after its video tokens: x[k], target[k] [n_k, P], pos[k] [n_k, 3]. Token
     fields x and target become [L + Σ n_k, max(D, P)] (zeros pad the narrower stream); stream
-    is 0 on video, 1 on audio."""
+    is 0 on video, 1 on audio. target None: a sampler's pack (no target field)."""
     S = batch.num_samples
     counts = torch.tensor([t.shape[0] for t in x], dtype=torch.long)
     clip_len = torch.bincount(batch.seg, minlength=S)[:S] if batch.num_tokens else torch.zeros(S, dtype=torch.long)
@@ -63,7 +63,9 @@ def join_audio_tokens(batch: PackedBatch, x: list[torch.Tensor], target: list[to
         pad = lambda y: torch.nn.functional.pad(y.to(video.dtype), (0, width - y.shape[1]))  # noqa: E731
         return torch.cat([pad(video), pad(a)])[where]
 
-    tokens = {"x": field(batch.tokens["x"], x), "target": field(batch.tokens["target"], target)}
+    tokens = {"x": field(batch.tokens["x"], x)}
+    if target is not None:
+        tokens["target"] = field(batch.tokens["target"], target)
     stream = torch.cat([torch.zeros(batch.num_tokens, dtype=torch.long), torch.ones(seg_a.numel(), dtype=torch.long)])
     pos_a = torch.cat(pos) if pos else batch.pos.new_zeros(0, 3)
     return replace(batch, seg=seg[where], pos=torch.cat([batch.pos, pos_a])[where],
