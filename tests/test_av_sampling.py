@@ -176,3 +176,15 @@ def test_what_does_not_take_sound_yet_is_refused_in_one_line(av_run, tmp_path, c
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and "audio stream (model.audio_patch=500)" in err[0], err
     assert not (tmp_path / "rl").exists()
+
+
+def test_evaluate_reports_the_sound_figures_of_a_two_stream_run(av_run, tmp_path):
+    """tools.evaluate --heldout on a two-stream run: evaluate.json has the sound figures of the
+    generated sound beside the picture's, over the held-out captions."""
+    from dit_train.tools.evaluate import main
+
+    out = tmp_path / "eval"
+    assert main([av_run.run_dir, "--heldout", "--n", "3", "--steps", "1", "--out", str(out)]) == 0
+    scores = json.loads((out / "evaluate.json").read_text())["scores"]
+    assert {"all_ok", "sound_color_ok", "sound_sync_ok", "sound_all_ok"} <= set(scores)
+    assert scores["sound_num_clips"] == 3
