@@ -118,3 +118,34 @@ def test_audio_tokens_read_their_own_clips_caption():
     audio0 = (seg == 0) & (stream == 1)
     assert (a[audio0] - b[audio0]).abs().max() > 1e-3
     assert torch.equal(a[seg == 1], b[seg == 1])
+
+
+def test_each_tokens_error_is_the_mean_over_its_own_streams_features(av_cfg):
+    """Rows are zero-padded to the wider stream (500 audio samples; a video patch has 2·8·8·3 =
+    384 features): a token's MSE is over its own stream's features, not diluted by the padding."""
+    import dataclasses
+
+    from dit_train.batch import video_forward
+    from dit_train.kernels import VarlenLayout
+    from dit_train.models import build_model
+    from dit_train.tasks import build_task
+
+    c = av_cfg
+    loss_cfg = dataclasses.replace(c.loss, weighting="none")
+    task = build_task(c.mode, c.data, c.model, loss_cfg, c.train.seed)
+    torch.manual_seed(0)
+    model = build_model(c.model)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    batch = task.build(list(range(4)), 0)
+    attn = VarlenLayout.build(batch.seg, batch.mask_order, batch.causal)
+    with torch.no_grad():
+        got = task.per_token_loss(model, batch, attn)
+        out = video_forward(model, batch, attn).float()
+    heard = batch.stream == 1
+    assert heard.any() and (~heard).any()
+    D, P = task.patch_dim, c.model.audio_patch
+    assert D < P
+    err = (out - batch.tokens["target"]).pow(2)
+    torch.testing.assert_close(got[~heard], err[~heard, :D].mean(-1))
+    torch.testing.assert_close(got[heard], err[heard, :P].mean(-1))

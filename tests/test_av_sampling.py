@@ -17,17 +17,28 @@ AV = ["data.audio=true", "model.audio_patch=500", "model.prediction=velocity", "
 PROMPTS = ["a red circle moving up and left on a navy background", "a yellow square moving down and right on a black background"]
 
 
-@pytest.fixture(scope="module")
-def av_run(tmp_path_factory, data_cache):
+def _trained(tmp_path_factory, data_cache, overrides):
     from dit_train.engine.layout_equivalence import apply_layout
     from dit_train.engine.worker import train
 
-    cfg = apply_layout(family_run_cfg(AV, data_cache), {})
+    cfg = apply_layout(family_run_cfg(overrides, data_cache), {})
     assert cfg.model.text_dim > 0  # the audio stream reads the captions too
     cfg.train.sample_every, cfg.train.num_samples, cfg.train.sample_steps = cfg.train.steps, 2, 2
     cfg.run_dir = str(tmp_path_factory.mktemp("av_run"))
     train(cfg)
     return cfg
+
+
+@pytest.fixture(scope="module")
+def av_run(tmp_path_factory, data_cache):
+    return _trained(tmp_path_factory, data_cache, AV)
+
+
+@pytest.fixture(scope="module")
+def av_run_x0(tmp_path_factory, data_cache):
+    """The same run predicting x̂0 (model.prediction=x0, the quickstart's: both streams' outputs
+    become velocities v = (x_t − x̂0) / max(t, x0_min_t))."""
+    return _trained(tmp_path_factory, data_cache, [o.replace("=velocity", "=x0") for o in AV])
 
 
 def _track(path):
@@ -89,10 +100,10 @@ def test_sound_sampled_with_context_parallelism_matches_one_process(av_run, tmp_
             torch.testing.assert_close(a[k], b[k], atol=1e-4, rtol=1e-4)
 
 
-def _clip_alone(model, video, sound, t, context, patch, pt):
+def _clip_alone(model, video, sound, t, context, patch, pt, x0_min_t=0.0):
     """The model's (video, audio) velocity of one clip packed alone, by hand: its video tokens,
     then its audio tokens (stream 1, positions (temporal patch of the token's first sample, 0, 0)
-    at 8 fps: 4 tokens a frame)."""
+    at 8 fps: 4 tokens a frame). x0_min_t > 0: the model predicts x̂0, v = (x_t − x̂0) / max(t, x0_min_t)."""
     from dit_train.kernels import VarlenLayout
     from dit_train.tasks.video import patchify
 
@@ -107,10 +118,14 @@ def _clip_alone(model, video, sound, t, context, patch, pt):
     stream = torch.cat([torch.zeros(tok.shape[0], dtype=torch.long), torch.ones(n, dtype=torch.long)])
     out = model(x, torch.cat([pos, apos]), seg, torch.tensor([t]), VarlenLayout.build(seg, order, False),
                 context=context[None], context_len=torch.tensor([context.shape[0]]), stream=stream)
-    return out[: tok.shape[0], : tok.shape[1]], out[tok.shape[0]:, :P]
+    v, a = out[: tok.shape[0], : tok.shape[1]], out[tok.shape[0]:, :P]
+    if x0_min_t:
+        v, a = (tok - v) / max(t, x0_min_t), (sound - a) / max(t, x0_min_t)
+    return v, a
 
 
-def test_generated_sound_equals_a_hand_run_sampler_loop(av_run):
+@pytest.mark.parametrize("prediction", ["velocity", "x0"])
+def test_generated_sound_equals_a_hand_run_sampler_loop(request, prediction):
     """Two clips of different sizes sampled together with guidance 2 (VideoSampler, one pack
     holding both clips' video and audio, captioned and not) equal, video and audio values, an
     Euler loop run by hand on each clip alone: noise from the "sampling" / "audio_sampling"
@@ -127,7 +142,8 @@ def test_generated_sound_equals_a_hand_run_sampler_loop(av_run):
     from dit_train.tasks.video import unpatchify
     from dit_train.tasks.video_inputs import video_inputs
 
-    cfg = av_run
+    cfg = request.getfixturevalue("av_run" if prediction == "velocity" else "av_run_x0")
+    assert cfg.model.prediction == prediction
     model = build_model(cfg.model)
     load_full_weights(model, run_weights(Path(cfg.run_dir), None)[0])
     model.eval()
@@ -148,8 +164,9 @@ def test_generated_sound_equals_a_hand_run_sampler_loop(av_run):
         heard = False
         with torch.no_grad():
             for i in range(steps):
-                vc, ac = _clip_alone(model, x, a, sigmas[i], r.context, patch, pt)
-                vu, au = _clip_alone(model, x, a, sigmas[i], space.null, patch, pt)
+                min_t = cfg.model.x0_min_t if prediction == "x0" else 0.0
+                vc, ac = _clip_alone(model, x, a, sigmas[i], r.context, patch, pt, min_t)
+                vu, au = _clip_alone(model, x, a, sigmas[i], space.null, patch, pt, min_t)
                 v = unpatchify(vu + g * (vc - vu), tuple(n // p for n, p in zip(r.shape[1:], patch)), patch, 3)
                 x = x + (sigmas[i + 1] - sigmas[i]) * v
                 a = a + (sigmas[i + 1] - sigmas[i]) * (au + g * (ac - au))

@@ -347,7 +347,10 @@ class VideoTask:
         out = video_forward(model, batch, attn_meta)
         if self.prediction != "velocity":
             out = velocity_from_output(out.float(), batch.tokens["x"], token_times(batch), self.prediction, self.x0_min_t)
-        loss = per_token_mse(out, batch.tokens["target"])
+        width = None
+        if batch.stream is not None and self.audio_patch:  # each stream's rows: their own features, zeros after
+            width = torch.tensor([self.patch_dim, self.audio_patch])[batch.stream.cpu()]
+        loss = per_token_mse(out, batch.tokens["target"], width)
         if self.loss_cfg.weighting == "none":
             return loss
         # padding tokens get t = 1; weightless tokens (history blocks at t = 0, where sigma_sqrt is
