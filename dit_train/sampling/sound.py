@@ -18,6 +18,8 @@ from typing import Any
 import torch
 
 from dit_train.data_pipelines.audio_io import SAMPLE_RATE
+from dit_train.data_pipelines.shapes_metric import parse_caption
+from dit_train.data_pipelines.shapes_sound_metric import bounce_frames, score_sounds
 from dit_train.rng import sample_generator
 
 
@@ -49,9 +51,6 @@ def sound_scores(captions: list[str], pixels: list[torch.Tensor], sounds: list[t
     captions and the bounces seen in their own generated pixels ([3, F, H, W] in [-1, 1]): {}
     without sound or when no caption is one of the shapes world's (the others are skipped,
     eval/sound_num_clips counts the scored ones)."""
-    from dit_train.data_pipelines.shapes_metric import parse_caption
-    from dit_train.data_pipelines.shapes_sound_metric import bounce_frames, score_sounds
-
     keep = [k for k, c in enumerate(captions) if parse_caption(c) is not None] if sounds else []
     if not keep:
         return {}
