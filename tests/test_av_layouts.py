@@ -149,3 +149,51 @@ def test_each_tokens_error_is_the_mean_over_its_own_streams_features(av_cfg):
     err = (out - batch.tokens["target"]).pow(2)
     torch.testing.assert_close(got[~heard], err[~heard, :D].mean(-1))
     torch.testing.assert_close(got[heard], err[heard, :P].mean(-1))
+
+
+@pytest.mark.parametrize("given", ["video", "audio"])
+def test_a_given_stream_is_clean_context_out_of_its_count(av_cfg, given):
+    """cond.given_stream (probability 1 here): each clip with sound has the given stream's
+    tokens clean (x = the clean patches / waveform), flagged clean (timestep 0) and weightless,
+    so the clip is out of that stream's T_{b,s} and B_s; the other stream is a noisy target as
+    before, and a clip without sound is untouched (video, weight 1)."""
+    import copy
+
+    from dit_train.tasks import build_task
+    from dit_train.tasks.joint_audio import audio_tokens
+    from dit_train.tasks.video import patchify
+
+    c = copy.deepcopy(av_cfg)
+    c.cond.given_stream, c.cond.given_stream_prob = given, 1.0
+    task = build_task(c.mode, c.data, c.model, c.loss, c.train.seed, cond=c.cond)
+    ids = list(range(8))
+    batch = task.build(ids, 0)
+    s = 0 if given == "video" else 1
+    w = batch.local_stream_weights(2)
+    D, P = task.patch_dim, c.model.audio_patch
+    heard = 0
+    for k, sid in enumerate(batch.sample_ids.tolist()):
+        item = task.dataset[sid]
+        mine = batch.seg == k
+        if item.audio is None:
+            assert not bool(batch.tokens["clean"][mine].any()) and int(w[k, 0]) > 0 and int(w[k, 1]) == 0
+            continue
+        heard += 1
+        gave = mine & (batch.stream == s)
+        assert bool(batch.tokens["clean"][gave].all()) and not bool(batch.tokens["clean"][mine & ~gave].any())
+        assert int(w[k, s]) == 0 and int(w[k, 1 - s]) > 0
+        clean = patchify(item.pixels, task.patch)[0] if s == 0 else audio_tokens(item.audio, P)
+        torch.testing.assert_close(batch.tokens["x"][gave][:, : clean.shape[1]], clean.float())
+    assert heard > 0 and heard < len(ids)
+
+
+@pytest.mark.slow
+def test_cross_stream_conditioning_is_layout_exact(av_cfg):
+    """Half of the clips with sound given their video clean (video-to-audio), two steps on
+    dp_shard=2 × cp_ulysses=2 against one process."""
+    import copy
+
+    c = copy.deepcopy(av_cfg)
+    c.cond.given_stream, c.cond.given_stream_prob = "video", 0.5
+    got = run_cases({"v2a": Case(c, LAYOUTS["ulysses"])})
+    assert_exact(*got["v2a"], "video-to-audio on " + LAYOUTS["ulysses"])
