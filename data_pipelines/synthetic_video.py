@@ -206,8 +206,11 @@ def write_png(path: Path, image: np.ndarray) -> None:
     Image.fromarray(image, "RGB").save(path, format="PNG")
 
 
-def write_mp4(path: Path, frames: np.ndarray, fps: int = FPS) -> None:
-    """Encode uint8 [F, H, W, 3] as H.264 mp4 (PyAV / libx264, near-lossless)."""
+def write_mp4(path: Path, frames: np.ndarray, fps: int = FPS, sound: np.ndarray | None = None,
+              rate: int = 16000) -> None:
+    """Encode uint8 [F, H, W, 3] as H.264 mp4 (PyAV / libx264, near-lossless); with `sound`
+    (float [N] mono in [-1, 1] at `rate` Hz) also an AAC audio track of it (PyAV's encoder, in
+    frames of 1024 samples; values outside [-1, 1] are clipped)."""
     import av  # deferred: PyAV loads FFmpeg (~1 s); only writing mp4s needs it
 
     with av.open(str(path), "w") as container:
@@ -215,10 +218,21 @@ def write_mp4(path: Path, frames: np.ndarray, fps: int = FPS) -> None:
         stream.width, stream.height = frames.shape[2], frames.shape[1]
         stream.pix_fmt = "yuv420p"
         stream.options = {"crf": "12", "preset": "veryfast"}
+        audio = container.add_stream("aac", rate=rate, layout="mono") if sound is not None else None
         for frame in frames:
             for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
                 container.mux(packet)
         for packet in stream.encode():
+            container.mux(packet)
+        if audio is None:
+            return
+        wave = np.clip(np.asarray(sound, dtype=np.float32).reshape(1, -1), -1.0, 1.0)
+        for i in range(0, wave.shape[1], 1024):
+            chunk = av.AudioFrame.from_ndarray(np.ascontiguousarray(wave[:, i:i + 1024]), format="fltp", layout="mono")
+            chunk.sample_rate, chunk.pts = rate, i
+            for packet in audio.encode(chunk):
+                container.mux(packet)
+        for packet in audio.encode():
             container.mux(packet)
 
 

@@ -11,9 +11,11 @@ import hashlib
 import torch
 
 # audio_noise: the two-stream DiT's audio tokens (tasks/joint_audio.py); rollout_exit: Self-Forcing's
-# exit step of each block of a sample's rollout (distill/self_forcing.py)
+# exit step of each block of a sample's rollout (distill/self_forcing.py); audio_sampling: the
+# generated sound's noise (sampling/sound.py), apart from "sampling" so the pictures of a two-stream
+# model start from the same noise as a video-only one's
 STREAMS = ("noise", "timestep", "caption_dropout", "sampling", "conditioning", "distill_student", "distill_critic",
-           "audio_noise", "block_timestep", "rollout_exit")
+           "audio_noise", "block_timestep", "rollout_exit", "audio_sampling")
 
 
 def sample_generator(seed: int, sample_id: int, step: int, stream: str) -> torch.Generator:

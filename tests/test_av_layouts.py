@@ -1,7 +1,7 @@
 """The two-stream DiT (audio + video, model.audio_patch) trains layout-exact: dp_shard=2 ×
 cp_ulysses=2 and dp_shard=2 × cp_ring=2 against one process, on the embedded set with sound
 (clips with and without audio, uneven lengths), with a CP rank that holds no audio token of a
-clip (docs/audio-video.md)."""
+clip, captions on (both streams read them: docs/audio-video.md)."""
 from __future__ import annotations
 
 import pytest
@@ -10,14 +10,15 @@ import torch
 from tests.families import family_run_cfg
 from tests.layout_cases import Case, assert_exact, run_cases
 
-AV = ["data.audio=true", "model.audio_patch=500", "model.text_dim=0", "model.prediction=velocity",
-      "train.micro_batch_tokens=600"]
+AV = ["data.audio=true", "model.audio_patch=500", "model.prediction=velocity", "train.micro_batch_tokens=600"]
 LAYOUTS = {"ulysses": "dp_shard=2,cp_ulysses=2", "ring": "dp_shard=2,cp_ring=2"}
 
 
 @pytest.fixture(scope="module")
 def av_cfg(data_cache):
-    return family_run_cfg(AV, data_cache)  # TINY, data prepared; always clips: the global norm must be exact too
+    cfg = family_run_cfg(AV, data_cache)
+    assert cfg.model.text_dim > 0 and cfg.data.caption_dropout > 0  # captions (and their dropout) on both streams
+    return cfg  # TINY, data prepared; always clips: the global norm must be exact too
 
 
 @pytest.fixture(scope="module")
@@ -88,3 +89,111 @@ def test_each_streams_share_of_the_loss_is_logged(av_cfg):
     res = run.trainer.step(0)
     assert res.extras["loss/video"] > 0 and res.extras["loss/audio"] > 0
     assert res.extras["loss/video"] + res.extras["loss/audio"] == pytest.approx(res.loss, rel=1e-6)
+
+
+def test_audio_tokens_read_their_own_clips_caption():
+    """One block (its self-attention runs before the cross-attention, so the caption can reach an
+    audio token only through its own cross-attention): changing clip 0's caption changes clip 0's
+    audio outputs, and leaves clip 1's (video and audio) as they were."""
+    from dit_train.kernels import VarlenLayout
+    from dit_train.models.dit import VideoDiT
+
+    torch.manual_seed(0)
+    model = VideoDiT(patch_dim=12, dim=32, depth=1, heads=4, mlp_ratio=2.0, text_dim=8, audio_dim=6).eval()
+    for p in model.parameters():  # no zero-initialised output: every path carries signal
+        torch.nn.init.normal_(p, std=0.3)
+    seg = torch.tensor([0, 0, 0, 0, 1, 1, 1])
+    stream = torch.tensor([0, 0, 1, 1, 0, 1, 1])
+    order = torch.tensor([0, 1, 2, 3, 0, 1, 2])
+    x, pos = torch.randn(7, 12), torch.zeros(7, 3, dtype=torch.long)
+    ctx, other = torch.randn(2, 5, 8), torch.randn(2, 5, 8)
+    other[1] = ctx[1]
+
+    def run(context):
+        return model(x, pos, seg, torch.tensor([0.3, 0.7]), VarlenLayout.build(seg, order, False), context=context,
+                     context_len=torch.tensor([5, 4]), stream=stream)
+
+    with torch.no_grad():
+        a, b = run(ctx), run(other)
+    audio0 = (seg == 0) & (stream == 1)
+    assert (a[audio0] - b[audio0]).abs().max() > 1e-3
+    assert torch.equal(a[seg == 1], b[seg == 1])
+
+
+def test_each_tokens_error_is_the_mean_over_its_own_streams_features(av_cfg):
+    """Rows are zero-padded to the wider stream (500 audio samples; a video patch has 2·8·8·3 =
+    384 features): a token's MSE is over its own stream's features, not diluted by the padding."""
+    import dataclasses
+
+    from dit_train.batch import video_forward
+    from dit_train.kernels import VarlenLayout
+    from dit_train.models import build_model
+    from dit_train.tasks import build_task
+
+    c = av_cfg
+    loss_cfg = dataclasses.replace(c.loss, weighting="none")
+    task = build_task(c.mode, c.data, c.model, loss_cfg, c.train.seed)
+    torch.manual_seed(0)
+    model = build_model(c.model)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    batch = task.build(list(range(4)), 0)
+    attn = VarlenLayout.build(batch.seg, batch.mask_order, batch.causal)
+    with torch.no_grad():
+        got = task.per_token_loss(model, batch, attn)
+        out = video_forward(model, batch, attn).float()
+    heard = batch.stream == 1
+    assert heard.any() and (~heard).any()
+    D, P = task.patch_dim, c.model.audio_patch
+    assert D < P
+    err = (out - batch.tokens["target"]).pow(2)
+    torch.testing.assert_close(got[~heard], err[~heard, :D].mean(-1))
+    torch.testing.assert_close(got[heard], err[heard, :P].mean(-1))
+
+
+@pytest.mark.parametrize("given", ["video", "audio"])
+def test_a_given_stream_is_clean_context_out_of_its_count(av_cfg, given):
+    """cond.given_stream (probability 1 here): each clip with sound has the given stream's
+    tokens clean (x = the clean patches / waveform), flagged clean (timestep 0) and weightless,
+    so the clip is out of that stream's T_{b,s} and B_s; the other stream is a noisy target as
+    before, and a clip without sound is untouched (video, weight 1)."""
+    import copy
+
+    from dit_train.tasks import build_task
+    from dit_train.tasks.joint_audio import audio_tokens
+    from dit_train.tasks.video import patchify
+
+    c = copy.deepcopy(av_cfg)
+    c.cond.given_stream, c.cond.given_stream_prob = given, 1.0
+    task = build_task(c.mode, c.data, c.model, c.loss, c.train.seed, cond=c.cond)
+    ids = list(range(8))
+    batch = task.build(ids, 0)
+    s = 0 if given == "video" else 1
+    w = batch.local_stream_weights(2)
+    D, P = task.patch_dim, c.model.audio_patch
+    heard = 0
+    for k, sid in enumerate(batch.sample_ids.tolist()):
+        item = task.dataset[sid]
+        mine = batch.seg == k
+        if item.audio is None:
+            assert not bool(batch.tokens["clean"][mine].any()) and int(w[k, 0]) > 0 and int(w[k, 1]) == 0
+            continue
+        heard += 1
+        gave = mine & (batch.stream == s)
+        assert bool(batch.tokens["clean"][gave].all()) and not bool(batch.tokens["clean"][mine & ~gave].any())
+        assert int(w[k, s]) == 0 and int(w[k, 1 - s]) > 0
+        clean = patchify(item.pixels, task.patch)[0] if s == 0 else audio_tokens(item.audio, P)
+        torch.testing.assert_close(batch.tokens["x"][gave][:, : clean.shape[1]], clean.float())
+    assert heard > 0 and heard < len(ids)
+
+
+@pytest.mark.slow
+def test_cross_stream_conditioning_is_layout_exact(av_cfg):
+    """Half of the clips with sound given their video clean (video-to-audio), two steps on
+    dp_shard=2 × cp_ulysses=2 against one process."""
+    import copy
+
+    c = copy.deepcopy(av_cfg)
+    c.cond.given_stream, c.cond.given_stream_prob = "video", 0.5
+    got = run_cases({"v2a": Case(c, LAYOUTS["ulysses"])})
+    assert_exact(*got["v2a"], "video-to-audio on " + LAYOUTS["ulysses"])

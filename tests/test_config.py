@@ -81,6 +81,9 @@ def test_experiment_video_cp8_is_8_way_cp():
     (["mode=llm", "data=synthetic_video"], "data=synthetic_video is a source for mode=video"),
     (["model.pooled_text=true", "model.text_dim=0"], "model.pooled_text=true pools the caption: set model.text_dim > 0"),
     (["model.causal_block_frames=3"], r"model.causal_block_frames=3 must be 0 \(bidirectional\) or a positive multiple"),
+    (["cond.given_stream=video"], "built for the two-stream DiT .* not model=dit without an audio stream"),
+    (["model=ltx2_tiny", "data.audio=true", "cond.given_stream=audio"], "not model=ltx2"),
+    (["cond.given_stream=both"], "cond.given_stream='both' must be none, video or audio"),
 ])
 def test_invalid_values_give_actionable_errors(override, needle):
     with pytest.raises(ConfigError, match=needle):

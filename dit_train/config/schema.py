@@ -303,6 +303,12 @@ class CondConfig:
     # manifest's `control` column) given as C more input channels after the concat feed's, on
     # every sample; works with any kind, none included (docs/conditioning.md#control)
     control: bool = False
+    # cross-stream conditioning of a model with an audio stream (docs/audio-video.md): none, video
+    # (video-to-audio: a clip's video given clean at timestep 0, weight 0, out of T_{b,video}; its
+    # sound generated) or audio (audio-to-video, likewise); for a clip with sound, with
+    # probability given_stream_prob decided by (seed, sample id, step), so every layout agrees
+    given_stream: str = "none"
+    given_stream_prob: float = 0.5
 
     # What the code asks of a cond, answered here only: elsewhere no code compares cond.kind or
     # cond.feed to a name, so a new kind or feed is one change in this class.

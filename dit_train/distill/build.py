@@ -93,6 +93,9 @@ def student_config(cfg: Config) -> Config:
     teacher = load_config(folder)
     if teacher.mode != "video":
         raise ConfigError(f"{where}: a mode={teacher.mode} run; distillation trains few-step video generators")
+    if getattr(teacher.model, "audio_patch", 0):  # its sound would be neither distilled nor generated
+        raise ConfigError(f"{where}: a run with an audio stream (model.audio_patch={teacher.model.audio_patch}); "
+                          f"distillation of sound is not built yet (docs/audio-video.md): distil a video-only run")
     if cond_active(teacher.cond) or getattr(teacher.cond, "control", False):
         raise ConfigError(f"{where}: a conditioned run (cond.kind={teacher.cond.kind}); distillation supports "
                           f"text-to-video runs only")

@@ -209,6 +209,7 @@ RANGES: dict[str, Range] = {
     "launcher.heartbeat_timeout_s": Range(0, note="0 = off"),
     "loss.logit_mean": Range(), "loss.logit_std": Range(0, low_open=True),
     "loss.stream_weights.video": Range(0), "loss.stream_weights.audio": Range(0),
+    "cond.given_stream_prob": Range(0, 1),
     "optim.lr": Range(0, low_open=True), "optim.weight_decay": Range(0),
     "optim.eps": Range(0, low_open=True), "optim.momentum": Range(0, 1, high_open=True),
     "optim.muon_momentum": Range(0, 1, high_open=True),
@@ -293,12 +294,18 @@ def _model_and_data(cfg: Config, e: list[str]) -> None:
     _check(not audio_model or getattr(d, "audio", False) or (spec is not None and spec.silent_ok),
            f"model.audio_patch={getattr(m, 'audio_patch', 0)} trains "
            "an audio stream: set data.audio=true (the embedded set with sound, or clips with an audio column)", e)
-    captions_ok = audio_model and spec is not None and spec.audio_captions  # LTX-2's streams read captions
+    # both streams read the clip's caption (LTX-2: attn2 and audio_attn2; the two-stream DiT: its
+    # cross-attention, per token's clip), so captions are no limit
     _check(not audio_model or (not getattr(d, "masks", False) and not cfg.cond.active
-                               and (not m.text_dim or captions_ok) and cfg.loss.reduction == "sample_mean"),
-           f"model.audio_patch > 0 (model={m.name} with an audio stream, first slice) trains without data.masks, "
-           "cond" + ("" if captions_ok else ", captions (model.text_dim=0)") +
-           " and with loss.reduction=sample_mean (a hierarchical mean per stream)", e)
+                               and cfg.loss.reduction == "sample_mean"),
+           f"model.audio_patch > 0 (model={m.name} with an audio stream, first slice) trains without data.masks and "
+           "cond, and with loss.reduction=sample_mean (a hierarchical mean per stream)", e)
+    gs = str(getattr(cfg.cond, "given_stream", "none"))
+    _check(gs in ("none", "video", "audio"), f"cond.given_stream={gs!r} must be none, video or audio", e)
+    _check(gs == "none" or (audio_model and m.name == "dit"),
+           f"cond.given_stream={gs} gives one stream of a clip with sound as clean context: it is built for the "
+           f"two-stream DiT (model=dit model.audio_patch=500 data.audio=true), not model={m.name}"
+           + ("" if audio_model else " without an audio stream"), e)
     _check(0.0 <= d.caption_dropout < 1.0, f"data.caption_dropout={d.caption_dropout} must be in [0, 1)", e)
     _check(0.0 <= d.heldout_fraction < 1.0, f"data.heldout_fraction={d.heldout_fraction} must be in [0, 1)", e)
     _check(not (cfg.train.eval_every > 0 and d.heldout_fraction <= 0),

@@ -10,6 +10,7 @@ from dit_train.config import Config
 from dit_train.data_pipelines import source_for
 from dit_train.engine.build import Run
 from dit_train.sampling import run_sampling, scored_view, source_requests, to_pixels, VideoSampler, write_samples
+from dit_train.sampling.sound import sound_info, sound_scores
 from dit_train.sampling.conditioned import condition_on_clips, control_on_clips, given_scores, i2v_on_clips, validation_task
 
 
@@ -70,15 +71,18 @@ class Validation:
         requests = self.sampler.requests
         scores = self.source.score(scored_view(requests, pixels), [r.caption for r in requests]) or {}
         scores |= given_scores(self.source, requests, pixels, self.sampler.patch[0])
+        if scores:  # a source with a metric (the shapes world): the generated sound's figures too
+            scores |= sound_scores([r.caption for r in requests], pixels, self.sampler.sounds)
         info = {"step": step + 1, "weights": "ema" if run.ema is not None else "training",
                 "sample_steps": self.steps, "guidance_scale": self.guidance,
                 "stochastic_sampling": self.sampler.stochastic, "shifts": self.sampler.shifts,
-                "scores": scores}
+                "scores": scores, **sound_info(self.sampler.sounds)}
         out = write_samples(run_dir / "samples" / f"step_{step + 1:06d}", self.sampler.requests, pixels, info, trackers,
-                            step)
+                            step, sounds=self.sampler.sounds)
         return out, scores
 
 
 def format_scores(scores: dict[str, float]) -> str:
-    keys = ("palette_share", "background_ok", "color_ok", "shape_ok", "motion_ok", "all_ok", "kept_ok", "motion_after_ok")
+    keys = ("palette_share", "background_ok", "color_ok", "shape_ok", "motion_ok", "all_ok", "kept_ok", "motion_after_ok",
+            "sound_color_ok", "sound_sync_ok")
     return " ".join(f"{k}={scores[f'eval/{k}']:.2f}" for k in keys if f"eval/{k}" in scores)

@@ -194,11 +194,9 @@ def _checks(cfg: DiTConfig) -> list[str]:
         return [f"model.patch_size={list(cfg.patch_size)} must be three positive ints [t, h, w]"]
     if cfg.pooled_text and cfg.text_dim <= 0:
         return ["model.pooled_text=true pools the caption: set model.text_dim > 0 (captions) or model.pooled_text=false"]
-    if cfg.audio_patch < 0 or (cfg.audio_patch and (cfg.causal_block_frames or cfg.cond_channels
-                                                    or cfg.prediction != "velocity")):
+    if cfg.audio_patch < 0 or (cfg.audio_patch and (cfg.causal_block_frames or cfg.cond_channels)):
         return [f"model.audio_patch={cfg.audio_patch} must be >= 0; the two-stream variant trains bidirectional, "
-                "unconditioned, velocity-predicting models only (model.causal_block_frames=0, cond.kind=none, "
-                "model.prediction=velocity)"]
+                "unconditioned models only (model.causal_block_frames=0, cond.kind=none)"]
     k, pt = cfg.causal_block_frames, cfg.patch_size[0]
     if k < 0 or k % pt:
         return [f"model.causal_block_frames={k} must be 0 (bidirectional) or a positive multiple of "

@@ -348,6 +348,5 @@ register_model(LTX2.spec(
                   "audio_ff.net.2"),
     vae_stride=(8, 32, 32),  # LTX-2's video VAE: 8x in time (plus the first frame), 32x in height and width
     audio_positions="index",  # an audio token's pos[:, 0]: its index in the clip's track
-    audio_captions=True,  # both streams read the clip's caption (attn2, audio_attn2)
     silent_ok=True,  # data.audio=false: the video stream alone (a clip without sound hears nothing)
 ))

@@ -96,8 +96,6 @@ class ModelSpec:
     # sample falls in, 0, 0), one sequence with the video (the two-stream DiT); "index" = (its index
     # in its clip's track, 0, 0), its own stream's coordinates (LTX-2)
     audio_positions: str = "frames"
-    # trains its audio stream with captions (model.text_dim > 0; the two-stream DiT: not yet)
-    audio_captions: bool = False
     # a model with an audio stream that also trains without sound (data.audio=false: every clip is
     # video alone, LTX-2 fine-tuned on silent films); False = data.audio=true is required
     silent_ok: bool = False

@@ -153,6 +153,10 @@ def velocity_from_output(out: torch.Tensor, x_t: torch.Tensor, t: torch.Tensor |
     return (x_t.to(out.dtype) - out) / t
 
 
-def per_token_mse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """[L, D], [L, D] -> [L] mean squared error of each token (fp32)."""
-    return (pred.float() - target.float()).pow(2).mean(dim=-1)
+def per_token_mse(pred: torch.Tensor, target: torch.Tensor, width: torch.Tensor | None = None) -> torch.Tensor:
+    """[L, D], [L, D] -> [L] mean squared error of each token (fp32). width: [L] the features of
+    each token's own stream when the rows are zero-padded to the widest stream (audio + video:
+    tasks/joint_audio.py), so that a token's error is the mean over its own features, never
+    diluted by the other stream's padding; None = all D."""
+    sq = (pred.float() - target.float()).pow(2)
+    return sq.mean(dim=-1) if width is None else sq.sum(dim=-1) / width.to(sq.device, sq.dtype)

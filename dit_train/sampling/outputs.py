@@ -3,7 +3,10 @@
     <out>/samples.safetensors   the clips as floats in [-1, 1], [3, F, H, W], keyed `sample_<id>`
                                 (dataset clips) or `prompt_<k>` (prompts)
     <out>/captions.json         {key: caption}
-    <out>/<key>.mp4             one video per clip at the data's frame rate
+    <out>/<key>.mp4             one video per clip at the data's frame rate (with the clip's
+                                generated sound as an AAC track, 16 kHz mono, for a model with
+                                an audio stream)
+    <out>/sounds.safetensors    that sound as floats [N] per key (a model with an audio stream)
     <out>/grid.png              a row per clip (its caption above it), frames left to right
     <out>/info.json             which weights, step, sampler settings, and the quality figures
 Trackers (optional, dit_train/trackers): the grid as the image `samples/grid` and each clip
@@ -20,6 +23,7 @@ import torch
 from PIL import Image, ImageDraw
 from safetensors.torch import save_file
 
+from dit_train.data_pipelines.audio_io import SAMPLE_RATE
 from dit_train.data_pipelines.synthetic_video import write_mp4
 from dit_train.sampling.sampler import SampleRequest
 from dit_train.trackers.base import Clip
@@ -71,12 +75,16 @@ def frame_grid(clips: list[np.ndarray], captions: list[str] | None = None, max_c
 
 
 def write_samples(out_dir: Path, requests: list[SampleRequest], pixels: list[torch.Tensor], info: dict | None = None,
-                  trackers: Any = None, step: int = 0, max_videos: int = 0) -> Path:
+                  trackers: Any = None, step: int = 0, max_videos: int = 0,
+                  sounds: list[torch.Tensor] | None = None) -> Path:
     """Write every output listed in the module docstring; `max_videos` > 0 caps the mp4 count and
     the clips given to the trackers (the safetensors and the grid always hold every clip).
-    `trackers`: anything with `log_images` / `log_videos` (a MetricsLogger, a Tracker)."""
+    `trackers`: anything with `log_images` / `log_videos` (a MetricsLogger, a Tracker).
+    `sounds`: each clip's generated sound, float [N] at SAMPLE_RATE (None: silent mp4s)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file({r.key: p.contiguous() for r, p in zip(requests, pixels)}, str(out_dir / "samples.safetensors"))
+    if sounds is not None:
+        save_file({r.key: a.float().contiguous() for r, a in zip(requests, sounds)}, str(out_dir / "sounds.safetensors"))
     (out_dir / "captions.json").write_text(json.dumps({r.key: r.caption for r in requests}, indent=2))
     (out_dir / "info.json").write_text(json.dumps(info or {}, indent=2))
     frames = [to_uint8_frames(p) for p in pixels]
@@ -84,7 +92,8 @@ def write_samples(out_dir: Path, requests: list[SampleRequest], pixels: list[tor
     for k, (r, f) in enumerate(zip(requests, frames)):
         if max_videos and k >= max_videos:
             break
-        write_mp4(out_dir / f"{r.key}.mp4", _even(f), fps=max(1, round(r.fps)))
+        sound = sounds[k].float().numpy() if sounds is not None else None
+        write_mp4(out_dir / f"{r.key}.mp4", _even(f), fps=max(1, round(r.fps)), sound=sound, rate=SAMPLE_RATE)
         clips[f"samples/{r.key}"] = Clip(f, r.fps, r.caption, out_dir / f"{r.key}.mp4")
     grid = frame_grid(frames, [r.caption for r in requests])
     Image.fromarray(grid).save(out_dir / "grid.png")

@@ -24,6 +24,9 @@ channels (zeros and an all-zero mask for a request without given frames). Both C
 see them (only the caption is dropped), as Wan's image-to-video pipelines do. A model trained
 with a control video (cond.control) gets each request's `control` as more input channels at
 every step, in both branches too.
+A model with an audio stream (model.audio_patch > 0) generates each clip's sound with its
+pictures: its audio tokens follow its video tokens in every pack, at the clip's noise level, and
+step with their own scheduler of the same sigmas (sampling/sound.py); `sounds` holds the result.
 """
 from __future__ import annotations
 
@@ -45,6 +48,8 @@ from dit_train.parallel.mesh import ParallelContext
 from dit_train.rng import sample_generator
 from dit_train.tasks.captions import pad_contexts
 from dit_train.tasks.conditioning import ClipInputs, clip_inputs, i2v_inputs
+from dit_train.sampling.sound import sound_noise, start_sound, waveform
+from dit_train.tasks.joint_audio import audio_positions, join_audio_tokens
 from dit_train.tasks.joint_text import join_text_tokens, video_rows
 from dit_train.tasks.video import num_patches, pack_clips, unpatchify
 from dit_train.tasks.video_inputs import VideoInputs
@@ -208,6 +213,8 @@ class VideoSampler:
                        [sample_shift(shift, shift_reference_tokens, n) for n in tokens])
         self.scheduler_cls = FlowMatchEulerDiscreteScheduler
         self.joint_text = False  # the model's caption tokens are slots of the pack (set by `sample`)
+        self.audio_patch = inputs.audio_patch  # > 0: each clip's sound is generated too (sampling/sound.py)
+        self.sounds: list[torch.Tensor] | None = None  # after `sample`: float32 [N] 16 kHz mono per clip
 
     def schedulers(self) -> list[Any]:
         """One diffusers scheduler per clip (each keeps its own step counter), set to `steps`.
@@ -248,6 +255,18 @@ class VideoSampler:
         sched.set_timesteps(sigmas=np.linspace(1.0, 1 / self.steps, self.steps), mu=self.pipeline.mu(positions))
         return sched
 
+    def _step_sound(self, k: int, i: int, v: torch.Tensor, offsets: list[int], t: float, cfg: bool,
+                    sound: list[torch.Tensor], scheds: list[Any]) -> None:
+        """Step i of clip k's sound, in place in `sound`: v [ΣA, audio_patch] the audio velocities
+        of the pack (the guided copies after the captioned ones), guided like its pictures."""
+        n = len(sound)
+        vk = v[offsets[k]:offsets[k + 1]]
+        if cfg:
+            vu = v[offsets[n + k]:offsets[n + k + 1]]
+            vk = vu + self.guidance_at(t) * (vk - vu)
+        gen = sound_noise(self.seed, self.requests[k].noise_id, i + 1) if self.stochastic else None
+        sound[k] = scheds[k].step(vk, scheds[k].timesteps[i], sound[k], generator=gen).prev_sample
+
     def _grid(self, shape: torch.Size) -> tuple[int, int, int]:
         pt, ph, pw = self.patch
         return shape[1] // pt, shape[2] // ph, shape[3] // pw
@@ -265,7 +284,8 @@ class VideoSampler:
         return clip_inputs(given, x, r.given_patches if r.given is not None else None, self.inputs.concat, self.patch)
 
     def _pack(self, xs: list[torch.Tensor], ts: list[float], ctxs: list[torch.Tensor] | None,
-              given: list[ClipInputs | None], controls: list[torch.Tensor | None]) -> PackedBatch:
+              given: list[ClipInputs | None], controls: list[torch.Tensor | None],
+              sound: list[torch.Tensor] | None = None) -> PackedBatch:
         samples = {"t": torch.tensor(ts, dtype=torch.float32)}
         if ctxs is not None:
             samples["context"], samples["context_len"] = pad_contexts(ctxs, self.text_dim)
@@ -283,8 +303,19 @@ class VideoSampler:
         # a block-causal model (model.causal_block_frames) samples the whole clip under its mask
         batch = pack_clips(fields, self.patch, dims, samples, torch.arange(len(xs)), per_token=per_token,
                            causal_block=self.inputs.causal_block)
+        if sound is not None:  # each clip's audio tokens after its video tokens, as in training (stream 1)
+            reqs = self.requests * (len(xs) // len(self.requests))
+            pos = [audio_positions(a.shape[0], self.audio_patch, r.fps, self.patch[0], self.inputs.audio_index)
+                   for a, r in zip(sound, reqs)]
+            batch = join_audio_tokens(batch, sound, None, pos)
         # a joint-attention model's caption tokens join each clip's run (tasks/joint_text.py)
         return join_text_tokens(batch, samples["context_len"]) if self.joint_text and ctxs is not None else batch
+
+    def start_sound(self) -> list[torch.Tensor] | None:
+        """Each clip's sound's starting noise [n_k, audio_patch] (None for a video-only model)."""
+        if not self.audio_patch:
+            return None
+        return [start_sound(r.shape, r.fps, self.audio_patch, self.seed, r.noise_id) for r in self.requests]
 
     def _start(self) -> tuple[list[torch.Tensor], bool, list[torch.Tensor] | None]:
         """Each clip's starting noise (its own seeded stream), whether guidance runs (cfg), and the
@@ -306,7 +337,9 @@ class VideoSampler:
         nothing for minutes)."""
         autocast = autocast or contextlib.nullcontext
         xs, cfg, ctxs = self._start()
+        sound = self.start_sound()  # [n_k, audio_patch] per clip, or None
         scheds = self.schedulers()
+        sound_scheds = self.schedulers() if sound is not None else None  # the same sigmas, their own step counters
         sigmas = [s.sigmas.tolist() for s in scheds]  # per clip: decreasing from 1 to 0, steps + 1 values
         was_training = model.training
         self.joint_text = bool(getattr(model, "joint_text", False))
@@ -314,6 +347,8 @@ class VideoSampler:
         n = len(xs)
         sizes = [math.prod(self._grid(x.shape)) for x in xs]
         offsets = np.cumsum([0] + (sizes + sizes if cfg else sizes)).tolist()
+        n_sound = [a.shape[0] for a in sound] if sound is not None else [0] * n
+        sound_offsets = np.cumsum([0] + (n_sound + n_sound if cfg else n_sound)).tolist()
         for i in tqdm(range(self.steps), desc=f"sampling {n} clip(s)", unit="step", disable=not progress):
             ts = [sig[i] for sig in sigmas]  # each clip's own noise level (they differ with per-clip shifts)
             given = [self.given(k, xs[k]) for k in range(n)]
@@ -321,13 +356,23 @@ class VideoSampler:
                 xs = [g.x for g in given]
             controls = [r.control for r in self.requests]
             batch = self._pack(xs + xs if cfg else xs, ts + ts if cfg else ts, ctxs, given + given if cfg else given,
-                               controls + controls if cfg else controls)
+                               controls + controls if cfg else controls,
+                               (sound + sound if cfg else sound) if sound is not None else None)
             with autocast():
-                v = predict_velocity(model, batch, self.ctx).cpu()
+                out = predict_velocity(model, batch, self.ctx).cpu()
             video = video_rows(batch)  # the clips' tokens in clip order (text slots dropped)
+            if sound is not None:  # the clips' audio rows, in clip order, apart
+                heard = batch.stream == 1
+                video = video & ~heard
+                a = velocity_from_output(out[heard, : self.audio_patch], batch.tokens["x"][heard, : self.audio_patch],
+                                         batch.samples["t"][batch.seg[heard]], self.prediction, self.x0_min_t)
             t_tok = batch.samples["t"][batch.seg[video].clamp_min(0)]  # [L] each token's clip noise level (no padding here)
-            v = velocity_from_output(v[video], batch.tokens["x"][video], t_tok, self.prediction, self.x0_min_t)
+            width = self.inputs.patch_dim if sound is not None else out.shape[1]  # an audio model's rows are zero-padded
+            v = velocity_from_output(out[video, :width], batch.tokens["x"][video, :width], t_tok, self.prediction,
+                                     self.x0_min_t)
             for k in range(n):
+                if sound is not None:
+                    self._step_sound(k, i, a, sound_offsets, ts[k], cfg, sound, sound_scheds)
                 vk = v[offsets[k]:offsets[k + 1]]
                 if cfg:
                     vu = v[offsets[n + k]:offsets[n + k + 1]]
@@ -337,6 +382,7 @@ class VideoSampler:
                 gen = sample_generator(self.seed, self.requests[k].noise_id, i + 1, "sampling") if self.stochastic else None
                 xs[k] = scheds[k].step(vel, scheds[k].timesteps[i], xs[k], generator=gen).prev_sample
         model.train(was_training)
+        self.sounds = [waveform(s) for s in sound] if sound is not None else None
         if self.inputs.clean:  # the result shows the given frames as they were given
             xs = [self.given(k, xs[k]).x for k in range(n)]
         return xs

@@ -18,8 +18,9 @@ from dataclasses import replace
 
 import torch
 
-from dit_train.batch import PackedBatch
+from dit_train.batch import STREAMS, WEIGHT_ONE, PackedBatch
 from dit_train.data_pipelines.audio_io import SAMPLE_RATE
+from dit_train.rng import sample_generator
 
 
 def audio_tokens(wave: torch.Tensor | None, audio_patch: int) -> torch.Tensor:
@@ -42,12 +43,25 @@ def audio_positions(n: int, audio_patch: int, fps: float, pt: int, index: bool =
                         torch.zeros(n, dtype=torch.long)], 1)
 
 
-def join_audio_tokens(batch: PackedBatch, x: list[torch.Tensor], target: list[torch.Tensor],
-                      pos: list[torch.Tensor]) -> PackedBatch:
+def given_stream(seed: int, sample_id: int, step: int, which: str, prob: float) -> int:
+    """The stream given clean to a clip with sound at `step` (cond.given_stream: 0 video, 1
+    audio), or -1: a draw of the "conditioning" stream of (seed, id, step) below `prob` (the
+    frame conditioning that also draws there is refused with an audio stream)."""
+    if which == "none" or prob <= 0:
+        return -1
+    hit = bool(torch.rand((), generator=sample_generator(seed, sample_id, step, "conditioning")) < prob)
+    return STREAMS.index(which) if hit else -1
+
+
+def join_audio_tokens(batch: PackedBatch, x: list[torch.Tensor], target: list[torch.Tensor] | None,
+                      pos: list[torch.Tensor], weight: list[torch.Tensor] | None = None,
+                      clean: list[torch.Tensor] | None = None) -> PackedBatch:
     """`batch` (clips contiguous and in seg order, no padding, as pack_clips builds it) with clip
     k's audio tokens after its video tokens: x[k], target[k] [n_k, P], pos[k] [n_k, 3]. Token
     fields x and target become [L + Σ n_k, max(D, P)] (zeros pad the narrower stream); stream
-    is 0 on video, 1 on audio."""
+    is 0 on video, 1 on audio. target None: a sampler's pack (no target field). weight [n_k]
+    int64 (units of 1/WEIGHT_ONE; default whole tokens) and clean [n_k] bool (tokens given at
+    timestep 0; default none) of the audio tokens join the video's when either side has them."""
     S = batch.num_samples
     counts = torch.tensor([t.shape[0] for t in x], dtype=torch.long)
     clip_len = torch.bincount(batch.seg, minlength=S)[:S] if batch.num_tokens else torch.zeros(S, dtype=torch.long)
@@ -63,10 +77,20 @@ def join_audio_tokens(batch: PackedBatch, x: list[torch.Tensor], target: list[to
         pad = lambda y: torch.nn.functional.pad(y.to(video.dtype), (0, width - y.shape[1]))  # noqa: E731
         return torch.cat([pad(video), pad(a)])[where]
 
-    tokens = {"x": field(batch.tokens["x"], x), "target": field(batch.tokens["target"], target)}
-    stream = torch.cat([torch.zeros(batch.num_tokens, dtype=torch.long), torch.ones(seg_a.numel(), dtype=torch.long)])
+    tokens = {"x": field(batch.tokens["x"], x)}
+    if target is not None:
+        tokens["target"] = field(batch.tokens["target"], target)
+    A = seg_a.numel()
+    if clean is not None or "clean" in batch.tokens:
+        video = batch.tokens.get("clean", torch.zeros(batch.num_tokens, dtype=torch.bool))
+        tokens["clean"] = torch.cat([video, torch.cat(clean) if clean else torch.zeros(A, dtype=torch.bool)])[where]
+    stream = torch.cat([torch.zeros(batch.num_tokens, dtype=torch.long), torch.ones(A, dtype=torch.long)])
     pos_a = torch.cat(pos) if pos else batch.pos.new_zeros(0, 3)
-    return replace(batch, seg=seg[where], pos=torch.cat([batch.pos, pos_a])[where],
-                   order=torch.cat([batch.order, clip_len[seg_a] + j])[where],
-                   valid=torch.cat([batch.valid, torch.ones(seg_a.numel(), dtype=torch.bool)])[where],
-                   tokens=tokens, stream=stream[where], weight=None)
+    out = replace(batch, seg=seg[where], pos=torch.cat([batch.pos, pos_a])[where],
+                  order=torch.cat([batch.order, clip_len[seg_a] + j])[where],
+                  valid=torch.cat([batch.valid, torch.ones(A, dtype=torch.bool)])[where],
+                  tokens=tokens, stream=stream[where], weight=None)
+    if weight is None and batch.weight is None:
+        return out
+    w_a = torch.cat(weight) if weight else torch.full((A,), WEIGHT_ONE, dtype=torch.int64)
+    return out.with_weight(torch.cat([batch.weight_units(), w_a])[where])

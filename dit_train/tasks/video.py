@@ -21,7 +21,7 @@ from dit_train.config.schema import cond_active
 from dit_train.tasks.conditioning import (Conditioner, i2v_data_errors, masked, too_short, unconditionable_error, vace_context,
                                          vace_data_check)
 from dit_train.rng import sample_generator
-from dit_train.tasks.joint_audio import audio_positions, audio_tokens, join_audio_tokens
+from dit_train.tasks.joint_audio import audio_positions, audio_tokens, given_stream, join_audio_tokens
 from dit_train.tasks.joint_text import join_text_tokens
 from dit_train.tasks.video_inputs import video_inputs
 
@@ -151,6 +151,10 @@ class VideoTask:
         # second stream (tasks/joint_audio.py), and the metadata sync counts per stream
         self.audio_patch = getattr(model_cfg, "audio_patch", 0)
         self.streams = 2 if self.audio_patch else 1
+        # cross-stream conditioning (cond.given_stream): one stream of a clip with sound given clean
+        # at timestep 0 with weight 0, so it is out of T_{b,s} and the clip out of that B_s
+        self.given_stream = str(getattr(cond, "given_stream", "none")) if self.audio_patch else "none"
+        self.given_prob = float(getattr(cond, "given_stream_prob", 0.0))
         # data frames per causal block (0 = bidirectional): clips train with whole blocks (tasks/causal.py)
         self.block_frames = self.causal_block * self.patch[0]
         # diffusion forcing: each block its own t (objectives/diffusion_forcing.py)
@@ -250,7 +254,7 @@ class VideoTask:
         xs, targets, ts, ctx = [], [], [], []
         conds, weights, clean, controls, images = [], [], [], [], []
         kept, block_ts = [], []
-        sound = ([], [], [])  # sound: audio x, target, positions per kept clip
+        sound = ([], [], [], [], [])  # sound: audio x, target, positions, weights, clean flags per kept clip
         lc = self.loss_cfg
         for sid in sample_ids:
             try:
@@ -290,6 +294,13 @@ class VideoTask:
                     conds.append(inputs.cond)
             if self.masks:  # an all-zero mask: T_b = 0, the sample weighs nothing and B_global skips it
                 weight = masked(weight, item.mask[:frames], self.patch)
+            gives = -1  # the stream given clean (cond.given_stream), only to a clip with sound
+            if self.given_stream != "none" and getattr(item, "audio", None) is not None:
+                gives = given_stream(self.seed, sid, step, self.given_stream, self.given_prob)
+            if gives == 0:  # video-to-audio: the clip's frames clean, weightless (out of T_{b,video})
+                xt, weight = x0, torch.zeros_like(weight)
+            if self.given_stream != "none":
+                clean.append(torch.full(weight.shape, gives == 0))
             weights.append(weight)
             if self.control:
                 controls.append(self.control_input(item)[:, :frames])
@@ -297,7 +308,7 @@ class VideoTask:
             targets.append(v)
             ts.append(t)
             if self.audio_patch:
-                self._sound(item, sid, step, t, sound)
+                self._sound(item, sid, step, t, sound, given=gives == 1)
             if self.text_dim:
                 dropped = drop_caption(self.seed, sid, step, self.caption_dropout)
                 ctx.append(self.null_caption() if dropped else self.caption_embedding(item))
@@ -311,23 +322,29 @@ class VideoTask:
         ids = torch.tensor(kept, dtype=torch.long)
         batch = self._pack(xs, targets, conds, clean, controls, weights, samples, ids)
         if self.audio_patch:
-            batch = join_audio_tokens(batch, *sound)
+            given = self.given_stream != "none"
+            batch = join_audio_tokens(batch, *sound[:3], sound[3] if given else None, sound[4] if given else None)
         return join_text_tokens(batch, samples["context_len"]) if self.joint_text else batch
 
-    def _sound(self, item: Any, sid: int, step: int, t: float, out: tuple[list, list, list]) -> None:
-        """Append one clip's noised audio tokens [n, P], their velocity target and RoPE positions
-        to `out`: the clip's own t, noise from its own "audio_noise" stream of (seed, id, step)."""
+    def _sound(self, item: Any, sid: int, step: int, t: float, out: tuple[list, ...], given: bool = False) -> None:
+        """Append one clip's noised audio tokens [n, P], their velocity target, RoPE positions,
+        weights [n] and clean flags [n] to `out`: the clip's own t, noise from its own
+        "audio_noise" stream of (seed, id, step); `given` (audio-to-video): the clean sound,
+        weight 0, at timestep 0."""
         a0 = audio_tokens(getattr(item, "audio", None), self.audio_patch)
         eps = torch.randn(a0.shape, generator=sample_generator(self.seed, sid, step, "audio_noise"))
         fps = item.pixels.shape[1] * SAMPLE_RATE / max(1, item.audio.numel()) if a0.shape[0] else 0.0
-        out[0].append((1.0 - t) * a0 + t * eps)
+        out[3].append(torch.full((a0.shape[0],), 0 if given else WEIGHT_ONE, dtype=torch.int64))
+        out[4].append(torch.full((a0.shape[0],), given))
+        out[0].append(a0 if given else (1.0 - t) * a0 + t * eps)
         out[1].append(eps - a0)
         out[2].append(audio_positions(a0.shape[0], self.audio_patch, fps, self.patch[0], self.inputs.audio_index))
 
     def _pack(self, xs, targets, conds, clean, controls, weights, samples, ids) -> PackedBatch:
         """The clips' fields packed (pack_clips): x and target, and what conditioning, masks and
         control add."""
-        if self.conditioner is None and not self.masks and not self.control and not self.block_noise:
+        given = self.given_stream != "none"  # cross-stream conditioning: weights and clean flags per token
+        if self.conditioner is None and not self.masks and not self.control and not self.block_noise and not given:
             return pack_clips({"x": xs, "target": targets}, self.patch, self.patch_dim, samples, ids,
                               causal_block=self.causal_block)
         fields, dims = {"x": xs, "target": targets}, {"x": self.patch_dim, "target": self.patch_dim}
@@ -335,7 +352,7 @@ class VideoTask:
             fields["cond"], dims["cond"] = conds, self.inputs.cond_dim
         if self.control:
             fields["control"], dims["control"] = controls, self.inputs.control_dim
-        per_token = {"clean": clean} if self.inputs.clean else None
+        per_token = {"clean": clean} if self.inputs.clean or given else None
         return pack_clips(fields, self.patch, dims, samples, ids, per_token=per_token, weights=weights,
                           causal_block=self.causal_block)
 
@@ -347,7 +364,10 @@ class VideoTask:
         out = video_forward(model, batch, attn_meta)
         if self.prediction != "velocity":
             out = velocity_from_output(out.float(), batch.tokens["x"], token_times(batch), self.prediction, self.x0_min_t)
-        loss = per_token_mse(out, batch.tokens["target"])
+        width = None
+        if batch.stream is not None and self.audio_patch:  # each stream's rows: their own features, zeros after
+            width = torch.tensor([self.patch_dim, self.audio_patch])[batch.stream.cpu()]
+        loss = per_token_mse(out, batch.tokens["target"], width)
         if self.loss_cfg.weighting == "none":
             return loss
         # padding tokens get t = 1; weightless tokens (history blocks at t = 0, where sigma_sqrt is

@@ -35,6 +35,8 @@ class VideoInputs:
     causal_block: temporal patches per causal block (model.causal_block_frames / pt; 0 =
     bidirectional): packs for the model are block-causal in training and sampling alike.
     audio_index: an audio token's position is its index in its clip's track (ModelSpec.audio_positions).
+    audio_patch: waveform samples per audio token of a model with an audio stream (model.audio_patch;
+    0 = video only): its sampler generates each clip's sound with its pictures (sampling/sound.py).
     """
 
     patch: tuple[int, int, int]
@@ -57,6 +59,7 @@ class VideoInputs:
     joint_text: bool = False
     causal_block: int = 0
     audio_index: bool = False
+    audio_patch: int = 0
 
     @property
     def patch_volume(self) -> int:
@@ -108,4 +111,4 @@ def video_inputs(model_cfg: Any, cond: Any = None) -> VideoInputs:
         vace_mask=getattr(model_cfg, "vace_mask_channels", 0), concat_channels=concat,
         joint_text=bool(model_cfg.text_dim) and model_spec(model_cfg).joint_text,
         causal_block=getattr(model_cfg, "causal_block_frames", 0) // model_cfg.patch_size[0],
-        audio_index=model_spec(model_cfg).audio_positions == "index")
+        audio_index=model_spec(model_cfg).audio_positions == "index", audio_patch=getattr(model_cfg, "audio_patch", 0))

@@ -12,7 +12,10 @@ each, other noise); `--train-captions` samples the first `--n` training clips' c
 sizes, as the run's validation does. The sampler is the run's validation sampler
 (train.sample_steps, train.guidance_scale, train.stochastic_sampling, train.seed) unless
 `--steps`, `--guidance`, `--(no-)stochastic` or `--seed` say otherwise; the EMA weights when
-the run has them. Writes OUT/evaluate.json (the figures, the settings, the weights) beside the
+the run has them. A run with an audio stream (model.audio_patch: the two-stream DiT, LTX-2)
+generates each clip's sound too, and its figures join the picture's: sound_color_ok (the pitch
+names the caption's colour), sound_sync_ok (clicks within one frame of the bounces seen in the
+generated pixels), sound_all_ok (data_pipelines/shapes_sound_metric.py). Writes OUT/evaluate.json (the figures, the settings, the weights) beside the
 clips and grid.png, appends the same row to RUN/eval/evaluations.jsonl, and prints one line.
 """
 from __future__ import annotations

@@ -69,6 +69,7 @@ from dit_train.sampling.conditioned import (condition_on_clips, control_from_fil
                                             validation_task)
 from dit_train.data_pipelines.latent_cache import read_cache_info
 from dit_train.sampling.prompts import prompt_requests, prompt_space
+from dit_train.sampling.sound import sound_info, sound_scores
 from dit_train.sampling.streaming import StreamingSampler, stream_check
 from dit_train.tasks import build_task
 from dit_train.tasks.video_inputs import video_inputs
@@ -178,6 +179,7 @@ def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, 
         data_source = recorded_source(args, cfg)
         scores = data_source.score(scored_view(requests, pixels), [r.caption for r in requests]) or {}
         scores |= given_scores(data_source, requests, pixels, cfg.model.patch_size[0]) if scores else {}
+        scores |= sound_scores([r.caption for r in requests], pixels, sampler.sounds) if scores else {}
     except ValueError:
         scores = {}
     info = {"weights": source, "prompts": [r.caption for r in requests] if args.data_captions else args.prompt,
@@ -188,9 +190,9 @@ def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, 
             "given": {"image": args.image, "last_image": args.last_image, "video": args.video,
                       "prefix_frames": args.prefix_frames} if given_files(args) else None,
             "control": args.control or None, "streamed": args.streaming, "overlap_frames": args.overlap_frames,
-            "sampling_seconds": seconds,
+            **sound_info(sampler.sounds), "sampling_seconds": seconds,
             "seconds_per_frame": seconds / max(1, sum(r.shape[1] for r in requests))}
-    write_samples(Path(out_dir), requests, pixels, info)
+    write_samples(Path(out_dir), requests, pixels, info, sounds=sampler.sounds)
     return scores
 
 

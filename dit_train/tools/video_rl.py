@@ -303,6 +303,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = apply_overrides(load_config(run / "config.yaml"), [*base, *args.overrides])
         if cfg.mode != "video":
             raise ConfigError(f"{run}: a mode={cfg.mode} run; video_rl post-trains video generators")
+        if getattr(cfg.model, "audio_patch", 0):  # rollouts with sound, rewards and updates without: not built
+            raise ConfigError(f"{run}: a run with an audio stream (model.audio_patch={cfg.model.audio_patch}); video_rl "
+                              f"post-trains video-only runs (rewarding sound is not built yet: docs/audio-video.md)")
         prepare_data(cfg.data, cfg.model)
         out = Path(args.out)
         saved, lock = check_out(run, out, args)  # refusals, --out's lock, then --overwrite moves things aside
