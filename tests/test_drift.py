@@ -111,6 +111,13 @@ def test_drift_streams_through_tools_sample_and_scores_each_window(causal_run, t
     got, want = load_file(str(out / "samples.safetensors")), load_file(str(same / "samples.safetensors"))
     assert sorted(got) == sorted(want) == ["prompt_0_0", "prompt_1_0"]
     assert all(got[k].shape == (3, 16, 32, 32) and torch.equal(got[k], want[k]) for k in got)
+    # the asynchronous schedule across windows, through both tools
+    assert main([str(causal_run), "--heldout", "--n", "1", "--frames", "16", "--overlap-frames", "4", "--ar-step", "1",
+                 *SAMPLER, "--out", str(tmp_path / "async")]) == 0
+    assert sample([str(causal_run), "--prompt", HELD[0], "--frames", "16", "--overlap-frames", "4", "--ar-step", "1",
+                   "--height", "32", "--width", "32", *SAMPLER, "--out", str(tmp_path / "async_sample")]) == 0
+    got, want = (load_file(str(tmp_path / d / "samples.safetensors"))["prompt_0_0"] for d in ("async", "async_sample"))
+    assert torch.equal(got, want) and not torch.equal(got, load_file(str(out / "samples.safetensors"))["prompt_0_0"])
 
 
 def test_drift_requests_that_cannot_run_are_refused_in_one_line(causal_run, tmp_path, capsys):

@@ -21,6 +21,7 @@ rendered long clips of the same compositions (the ceiling); OUT/drift.png plots 
 against the window index and OUT/drift_grid.png shows the first clips whole:
 
     python -m dit_train.tools.evaluate CAUSAL_RUN --heldout --frames 32 --overlap-frames 4
+    python -m dit_train.tools.evaluate CAUSAL_RUN --heldout --frames 32 --overlap-frames 4 --ar-step 1   # asynchronous
 
 Writes OUT/evaluate.json (the figures, the settings, the weights) beside the
 clips and grid.png, appends the same row to RUN/eval/evaluations.jsonl, and prints one line.
@@ -61,6 +62,8 @@ def sample_argv(args: argparse.Namespace, settings: dict, out: Path) -> list[str
     argv += ["--frames", str(args.frames), "--height", str(height), "--width", str(width)]
     if args.overlap_frames:
         argv += ["--overlap-frames", str(args.overlap_frames)]
+    if args.ar_step:
+        argv += ["--ar-step", str(args.ar_step)]
     for caption in heldout_captions(args.n):
         argv += ["--prompt", caption]
     return argv
@@ -94,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--overlap-frames", type=ranged(int, Range(0)), default=0, metavar="N",
                     help="with --frames past the run's training length: frames of the last window that open the "
                          "next one (tools.sample's --overlap-frames)")
+    ap.add_argument("--ar-step", type=ranged(int, Range(0)), default=0, metavar="N",
+                    help="a block-causal run: stream with SkyReels-V2's asynchronous schedule (tools.sample's "
+                         "--ar-step; default 0, block by block)")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--out", type=Path, default=None, help="output folder (default RUN/eval/<which>_<time>)")
     args = ap.parse_args(argv)
@@ -136,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
               f"has); the clips are in {out}", file=sys.stderr)
         return 2
     row = {"run": str(args.run_dir), "which": kind, "n": args.n, **settings, "weights": info.get("weights"),
-           "scores": scores, "grid": str(out / "grid.png"), "frames": args.frames, "overlap_frames": args.overlap_frames}
+           "scores": scores, "grid": str(out / "grid.png"), "frames": args.frames, "overlap_frames": args.overlap_frames,
+           "ar_step": args.ar_step}
     if drift:
         row["drift"] = drift_report(out, heldout_captions(args.n), args.frames)
     (out / "evaluate.json").write_text(json.dumps(row, indent=2) + "\n")
