@@ -51,6 +51,7 @@ DIRECTIONS = (("up", "down"), ("left", "right"))  # the caption's vertical and h
 HELDOUT = 48  # compositions kept out of the clips (data.heldout_compositions) and scored by tools.evaluate --heldout
 EVAL_SIZE = (8, 32, 32)  # frames, height, width at which the tools sample the world's captions (a training size)
 IMAGE_STREAM = 0x1A6E  # seeds image k as [gen_seed, IMAGE_STREAM, k], apart from the clips' [gen_seed, k]
+LONG_STREAM = 0x10C6  # seeds long clip k as [gen_seed, LONG_STREAM, k], apart from the set's clips
 # the world's sound (module docstring)
 SAMPLES_PER_FRAME = SAMPLE_RATE // FPS
 assert SAMPLES_PER_FRAME * FPS == SAMPLE_RATE, "the sound must cut at whole samples per frame"
@@ -129,6 +130,29 @@ def training_compositions() -> list[tuple[str, ...]]:
     gets num_clips / 208 clips, +-1)."""
     train = set(caption_split()[0])
     return [t for t in compositions() if caption_of(*t) in train]
+
+
+def composition_of(caption: str) -> tuple[str, ...]:
+    """The (colour, shape, vertical, horizontal, background) a clip caption states; ValueError
+    for a caption that is not one of the world's clips (a still image's has no direction)."""
+    found = dict(zip(world_captions(), compositions())).get(caption.strip())
+    if found is None:
+        raise ValueError(f"not a clip caption of the shapes world: {caption!r}")
+    return found
+
+
+def render_long_clip(caption: str, frames: int, height: int = 32, width: int = 32, index: int = 0,
+                     gen_seed: int = 0) -> np.ndarray:
+    """uint8 [frames, height, width, 3]: clip `index` of `caption`'s composition, `frames` long,
+    drawn as the set's clips are (sizes, speed, start; the shape bouncing off the walls), so a
+    long clip is what a long generation of that caption should look like: the reference of
+    tools.evaluate's drift measurement. A pure function of its arguments; the set's own clips
+    are untouched (their own seeds)."""
+    if frames < 1 or height < 8 or width < 8:
+        raise ValueError(f"a long clip needs frames >= 1 and height, width >= 8 (got {frames} x {height} x {width})")
+    rng = np.random.default_rng([gen_seed, LONG_STREAM, index])
+    clip, _ = _render(rng, (width,), (height,), (frames, frames), composition_of(caption))
+    return clip
 
 
 def _render(rng: np.random.Generator, widths: Sequence[int] = WIDTHS, heights: Sequence[int] = HEIGHTS,

@@ -122,6 +122,35 @@ def test_layouts_equal_the_one_process_run(cfg, teacher):
             assert moved <= TOL, f"{key} {who}: weights differ from the one-process run by {moved:.2e} of the update"
 
 
+@pytest.mark.slow
+def test_lora_layouts_equal_the_one_process_run(tiny_cfg, teacher):
+    """A LoRA student (one frozen base, the student's and the critic's adapters): FSDP2
+    dp_shard=2 and Ulysses cp=2 on the uneven clips equal the one-process LoRA run after 3 steps,
+    adapter by adapter; both adapters moved."""
+    from dit_train.distill.build import student_config
+    from dit_train.engine.launch import launch_local
+    from dit_train.engine.layout_equivalence import apply_layout
+    from dit_train.parallel.mesh import init_parallel
+    from tests.test_distill import _worker, distill_steps
+
+    # adapters start at B = 0 and move slowly under SGD: test_distill's rates; no teacher guidance
+    lora = apply_layout(student_config(compose_config(
+        [*TINY, *SELF_FORCING, "model.lora.rank=4", "distill.teacher_guidance=1.0", "distill.critic_lr=100",
+         "optim.lr=20000", f"distill.teacher={teacher}"], cache_dir=tiny_cfg.data.cache_dir)), {})
+    one = distill_steps(lora, init_parallel(lora.parallel), 3)
+    runs = {"lora_dp2": (lora, {"dp_shard": 2}), "lora_ulysses2": (lora, {"cp_ulysses": 2})}
+    results = launch_local(_worker, (runs, 3), 2, lora.launcher)[0]
+    for key in runs:
+        got = results[key]
+        assert got.keys() == one.keys() and any(".lora_A.critic." in k for k in one)
+        for who in ("student", "critic"):
+            adapter = ".default." if who == "student" else ".critic."
+            mine = {k: v for k, v in one.items() if k.startswith(who) and adapter in k}
+            assert mine and max(float(v.abs().max()) for k, v in mine.items() if ".lora_B." in k) > 0  # it trained
+            rel = max(float((one[k] - got[k]).abs().max()) for k in mine) / max(float(v.abs().max()) for v in mine.values())
+            assert rel <= TOL, f"{key} LoRA {who}: the {adapter} adapter differs from the one-process run by {rel:.2e}"
+
+
 def test_resume_is_exact(tiny_cfg, teacher, tmp_path):
     """Stopped after step 1, resumed: the student after step 2 equals the unbroken run's (its
     update at step 2 reads the resumed critic, and its rollout draws the same exits and noise).
@@ -137,6 +166,24 @@ def test_resume_is_exact(tiny_cfg, teacher, tmp_path):
     t = load_file(teacher / "weights.safetensors")
     assert max(float((a[k] - t[k]).abs().max()) for k in a) > 1e-5  # the student moved
     assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-6
+
+
+def test_lora_resume_is_exact(tiny_cfg, teacher, tmp_path):
+    """A LoRA student with AdamW (moments in both adapters' optimizers) stopped after step 1 and
+    resumed: the student's adapter after step 4 equals the unbroken run's (its updates read the
+    resumed critic adapter, both optimizers' moments and the rollouts' exits and noise)."""
+    from safetensors.torch import load_file
+
+    base = [*TINY, *SELF_FORCING, "model.lora.rank=4", "optim=adamw", "optim.lr=0.05", "distill.critic_lr=0.05",
+            f"distill.teacher={teacher}", "train.steps=4"]
+    full, resumed = tmp_path / "full", tmp_path / "part"
+    train_in_process([*base, "train.ckpt_every=2"], full, cache_dir=tiny_cfg.data.cache_dir)
+    train_in_process([*base, f"train.resume={full / 'checkpoints' / 'step_00000001'}"], resumed,
+                     cache_dir=tiny_cfg.data.cache_dir)
+    lora = "lora/pytorch_lora_weights.safetensors"
+    a, b = load_file(full / lora), load_file(resumed / lora)
+    assert max(float(v.abs().max()) for k, v in a.items() if ".lora_B." in k) > 1e-4  # the student's adapter moved
+    assert a.keys() == b.keys() and max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-6
 
 
 def test_bad_input_is_refused_in_one_line(tiny_cfg, teacher, tmp_path):

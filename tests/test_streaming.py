@@ -225,14 +225,66 @@ def test_ar_step_0_is_todays_streaming_and_the_async_levels_are_staggered(monkey
     assert seen[:len(want)] == [(s, pytest.approx(t)) for s, t in want]
 
 
+def _async_plan(count: int, offset: int, sigmas: list[float], committed_before: int) -> list[tuple]:
+    """The forwards of one window's new blocks under --ar-step 1, by hand: (start, levels or 0.0,
+    record, cached tokens) — the blocks in progress together, a block committed clean once it
+    has left the forward; `committed_before` blocks of the window already cached (the overlap)."""
+    out, committed = [], 0
+    for row in streaming.ar_schedule(count, 3, 1):
+        active = [b for b in range(count) if 1 <= row[b] <= 3]
+        for j in range(committed, active[0]):
+            out.append(((offset + j) * K, 0.0, True, (committed_before + j) * 8))
+        committed = active[0]
+        levels = [sigmas[row[b] - 1] for b in range(active[0], active[-1] + 1)]
+        out.append(((offset + active[0]) * K, pytest.approx(levels), False, (committed_before + committed) * 8))
+    return out
+
+
+def test_ar_step_slides_the_window_as_the_synchronous_stream(monkeypatch):
+    """--ar-step with --overlap-frames: 10 frames (5 blocks) through a 6-frame window (3 blocks)
+    with a 2-frame overlap. With ar_step = steps (one block at a time) the clips equal the
+    synchronous stream's across the windows; with ar_step 1 the forwards are, window after
+    window, the staggered schedule of the window's new blocks over its overlap block committed
+    clean at position 0 (levels, positions and the cache's size at every forward)."""
+    model = _model().float()
+    torch.manual_seed(1)
+    sync = _sampler(10, window=6, overlap=2).sample(model)
+    torch.manual_seed(1)
+    one_at_a_time = _sampler(10, window=6, overlap=2)
+    one_at_a_time.ar_step = 3
+    for a, b in zip(sync, one_at_a_time.sample(model)):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    seen = []
+    real = streaming.block_forward
+
+    def spy(model, x, start, t, cache, *a, record=False, **kw):
+        seen.append((start, t, record, cache.tokens))
+        return real(model, x, start, t, cache, *a, record=record, **kw)
+
+    monkeypatch.setattr(streaming, "block_forward", spy)
+    torch.manual_seed(1)
+    s1 = _sampler(10, window=6, overlap=2)
+    s1.ar_step = 1
+    clips = s1.sample(model)
+    assert [tuple(c.shape) for c in clips] == [(3, 10, 4, 4)] * 2 and all(torch.isfinite(c).all() for c in clips)
+    sigmas = s1.schedulers()[0].sigmas.tolist()
+    # window 1: blocks 0-2 from position 0; window 2: block 2 again at 0 (clean), blocks 3-4 from position 1
+    want = _async_plan(3, 0, sigmas, 0) + [(0, 0.0, True, 0)] + _async_plan(2, 1, sigmas, 1)
+    assert seen == want * 2, seen
+
+
 def test_sample_tool_ar_step(causal_run, tmp_path, capsys):
-    """tools.sample --ar-step 1 streams the causal run's 8 frames (2 blocks) asynchronously; with
-    --overlap-frames or --full-sequence it is one error line."""
+    """tools.sample --ar-step 1 streams the causal run's 8 frames (2 blocks) asynchronously, and
+    16 frames through its 8-frame window with --overlap-frames 4; with --full-sequence it is one
+    error line."""
     assert _sample_tool(causal_run, tmp_path / "a", "--frames", "8", "--ar-step", "1") == 0
     got = load_file(str(tmp_path / "a" / "samples.safetensors"))["prompt_0_0"]
     assert got.shape == (3, 8, 32, 32) and bool(torch.isfinite(got).all())
+    assert _sample_tool(causal_run, tmp_path / "b", "--frames", "16", "--overlap-frames", "4", "--ar-step", "1") == 0
+    got = load_file(str(tmp_path / "b" / "samples.safetensors"))["prompt_0_0"]
+    assert got.shape == (3, 16, 32, 32) and bool(torch.isfinite(got).all())
     capsys.readouterr()
-    for extra in (["--frames", "16", "--overlap-frames", "4"], ["--frames", "8", "--full-sequence"]):
+    for extra in (["--frames", "8", "--full-sequence"],):
         assert _sample_tool(causal_run, tmp_path / "c", "--ar-step", "1", *extra) == 2, extra
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: --ar-step 1") and "\n" not in err, err

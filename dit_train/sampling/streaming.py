@@ -193,34 +193,56 @@ class StreamingSampler(VideoSampler):
 
     def _stream_async(self, model: torch.nn.Module, k: int, noise: torch.Tensor, contexts: list,
                       progress: bool) -> torch.Tensor:
-        """Request k under the asynchronous schedule (`ar_schedule`): at each iteration the blocks
-        in progress run in one forward, each at its own level (block b ar_step steps behind block
-        b − 1, attending to the earlier ones still noisy, as SkyReels-V2's pipeline); a block is
-        committed to the cache clean (t = 0) once it is done and no longer in the forward. One
-        window (tools.sample refuses --overlap-frames with --ar-step)."""
+        """Request k under the asynchronous schedule, window by window: each window's new blocks
+        run `ar_schedule` (`_window_async`) over the cache of its opening blocks — the last
+        overlap_frames of the previous window, committed again clean at positions 0.. as the
+        synchronous stream slides (`_stream`) — and the next window starts when this one is done,
+        as SkyReels-V2's pipeline runs its overlap_history windows one after the other."""
         K, pt = self.block_frames, self.patch[0]
         caches = [KVCache() for _ in contexts]
         n = noise.shape[1] // K
-        xs = [noise[:, j * K:(j + 1) * K] for j in range(n)]
-        scheds = [self.schedulers()[k] for _ in range(n)]  # a fresh one per block: every block runs the whole grid
+        window = self.window_frames // K if self.window_frames else n
+        keep = self.overlap_frames // K
+        done: list[torch.Tensor] = []
+        while len(done) < n:
+            opening = done[len(done) - keep:] if done else []
+            for cache in caches:
+                cache.clear()
+            for i, x0 in enumerate(opening):  # the overlap: clean context of the new window
+                self._commit(model, x0, i * K // pt, caches, contexts)
+            count = min(window - len(opening), n - len(done))
+            done += self._window_async(model, k, noise, len(done), count, len(opening), caches, contexts, progress)
+        return torch.cat(done, dim=1)
+
+    def _window_async(self, model: torch.nn.Module, k: int, noise: torch.Tensor, first: int, count: int, offset: int,
+                      caches: list[KVCache], contexts: list, progress: bool) -> list[torch.Tensor]:
+        """Blocks first .. first + count − 1 of request k (their noise, their stochastic draws at
+        their clip-wide block index), placed after `offset` cached blocks of the window: at each
+        iteration of `ar_schedule` the blocks in progress run in one forward, each at its own
+        level (block b ar_step steps behind block b − 1, attending to the earlier ones still
+        noisy, as SkyReels-V2's pipeline); a block is committed to the cache clean (t = 0) once it
+        is done and no longer in the forward."""
+        K, pt = self.block_frames, self.patch[0]
+        xs = [noise[:, (first + j) * K:(first + j + 1) * K] for j in range(count)]
+        scheds = [self.schedulers()[k] for _ in range(count)]  # a fresh one per block: every block runs the whole grid
         committed = 0
-        for row in tqdm(ar_schedule(n, self.steps, self.ar_step), desc=f"streaming clip {k}", unit="step",
+        for row in tqdm(ar_schedule(count, self.steps, self.ar_step), desc=f"streaming clip {k}", unit="step",
                         disable=not progress):
-            active = [b for b in range(n) if 1 <= row[b] <= self.steps]
+            active = [b for b in range(count) if 1 <= row[b] <= self.steps]
             if not active:
                 continue
             for j in range(committed, active[0]):  # done and out of the forward: into the cache, clean
-                self._commit(model, xs[j], j * K // pt, caches, contexts)
+                self._commit(model, xs[j], (offset + j) * K // pt, caches, contexts)
             committed = active[0]
             lo, hi = active[0], active[-1] + 1
             ts = [scheds[b].sigmas[row[b] - 1].item() for b in range(lo, hi)]
-            vs = self._velocities(model, torch.cat(xs[lo:hi], dim=1), lo * K // pt, ts, caches, contexts)
+            vs = self._velocities(model, torch.cat(xs[lo:hi], dim=1), (offset + lo) * K // pt, ts, caches, contexts)
             for b, v in zip(range(lo, hi), vs):
                 i = row[b] - 1
-                gen = (sample_generator(self.seed, self.requests[k].noise_id, b * self.steps + i + 1, "sampling")
-                       if self.stochastic else None)
+                gen = (sample_generator(self.seed, self.requests[k].noise_id, (first + b) * self.steps + i + 1,
+                                        "sampling") if self.stochastic else None)
                 xs[b] = scheds[b].step(v, scheds[b].timesteps[i], xs[b], generator=gen).prev_sample
-        return torch.cat(xs, dim=1)
+        return xs
 
     def _velocities(self, model, x: torch.Tensor, start: int, ts: list[float], caches: list[KVCache],
                     contexts: list) -> list[torch.Tensor]:

@@ -15,7 +15,18 @@ sizes, as the run's validation does. The sampler is the run's validation sampler
 the run has them. A run with an audio stream (model.audio_patch: the two-stream DiT, LTX-2)
 generates each clip's sound too, and its figures join the picture's: sound_color_ok (the pitch
 names the caption's colour), sound_sync_ok (clicks within one frame of the bounces seen in the
-generated pixels), sound_all_ok (data_pipelines/shapes_sound_metric.py). Writes OUT/evaluate.json (the figures, the settings, the weights) beside the
+generated pixels), sound_all_ok (data_pipelines/shapes_sound_metric.py).
+
+The drift of a block-causal run (docs/causal.md): `--frames 32 --overlap-frames 4` streams each
+held-out caption past the training length (tools.sample's KV cache and sliding window) and
+scores every 8-frame window of the long clip against the caption and against window 1, beside
+rendered long clips of the same compositions (the ceiling); OUT/drift.png plots the figures
+against the window index and OUT/drift_grid.png shows the first clips whole:
+
+    python -m dit_train.tools.evaluate CAUSAL_RUN --heldout --frames 32 --overlap-frames 4
+    python -m dit_train.tools.evaluate CAUSAL_RUN --heldout --frames 32 --overlap-frames 4 --ar-step 1   # asynchronous
+
+Writes OUT/evaluate.json (the figures, the settings, the weights) beside the
 clips and grid.png, appends the same row to RUN/eval/evaluations.jsonl, and prints one line.
 """
 from __future__ import annotations
@@ -28,8 +39,10 @@ from pathlib import Path
 
 from dit_train.compose import load_config
 from dit_train.data_pipelines.synthetic_video import EVAL_SIZE, caption_split
+from dit_train.engine.checks import Range
 from dit_train.tools import sample
-from dit_train.tools.args import POSITIVE_INT, ToolParser
+from dit_train.tools.args import POSITIVE_INT, ToolParser, ranged
+from dit_train.tools.evaluate_drift import check_drift, drift_line, drift_report, is_drift
 
 def sampler_settings(args: argparse.Namespace, train) -> dict:
     """The run's validation sampler, with the flags given on top."""
@@ -48,12 +61,21 @@ def sample_argv(args: argparse.Namespace, settings: dict, out: Path) -> list[str
         argv.append("--ema" if args.ema else "--no-ema")
     if args.train_captions:
         return argv + ["--data-captions", str(args.n)]
-    heldout = caption_split()[1]
-    frames, height, width = EVAL_SIZE
-    argv += ["--frames", str(frames), "--height", str(height), "--width", str(width)]
-    for i in range(args.n):  # --n beyond 48: each composition again, with the next noise ids
-        argv += ["--prompt", heldout[i % len(heldout)]]
+    _, height, width = EVAL_SIZE
+    argv += ["--frames", str(args.frames), "--height", str(height), "--width", str(width)]
+    if args.overlap_frames:
+        argv += ["--overlap-frames", str(args.overlap_frames)]
+    if args.ar_step:
+        argv += ["--ar-step", str(args.ar_step)]
+    for caption in heldout_captions(args.n):
+        argv += ["--prompt", caption]
     return argv
+
+
+def heldout_captions(n: int) -> list[str]:
+    """The first n held-out compositions' captions (beyond 48: each again, with the next noise ids)."""
+    heldout = caption_split()[1]
+    return [heldout[i % len(heldout)] for i in range(n)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,6 +94,15 @@ def main(argv: list[str] | None = None) -> int:
     ema = ap.add_mutually_exclusive_group()
     ema.add_argument("--ema", dest="ema", action="store_true", default=None, help="require the EMA weights")
     ema.add_argument("--no-ema", dest="ema", action="store_false", help="use the training weights")
+    ap.add_argument("--frames", type=POSITIVE_INT, default=EVAL_SIZE[0],
+                    help=f"frames per held-out clip (default {EVAL_SIZE[0]}); more on a block-causal run: the drift "
+                         f"measurement, streamed and scored per {EVAL_SIZE[0]}-frame window")
+    ap.add_argument("--overlap-frames", type=ranged(int, Range(0)), default=0, metavar="N",
+                    help="with --frames past the run's training length: frames of the last window that open the "
+                         "next one (tools.sample's --overlap-frames)")
+    ap.add_argument("--ar-step", type=ranged(int, Range(0)), default=0, metavar="N",
+                    help="a block-causal run: stream with SkyReels-V2's asynchronous schedule (tools.sample's "
+                         "--ar-step; default 0, block by block)")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--out", type=Path, default=None, help="output folder (default RUN/eval/<which>_<time>)")
     args = ap.parse_args(argv)
@@ -89,6 +120,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --heldout samples the embedded shapes world's held-out compositions, but {args.run_dir} trained "
               f"on data={cfg.data.name}; use --train-captions, or python -m dit_train.tools.sample", file=sys.stderr)
         return 2
+    drift = is_drift(args)
+    try:
+        if drift:
+            check_drift(args, cfg)
+        elif args.overlap_frames:
+            raise ValueError(f"--overlap-frames slides the window of a clip longer than {EVAL_SIZE[0]} frames: give "
+                             f"--frames (e.g. 32) on a block-causal run, or drop it")
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     if kind == "heldout" and not cfg.data.heldout_compositions:
         print(f"warning: {args.run_dir} trained with data.heldout_compositions=false: its clips may show the held-out "
               f"compositions, so these figures are not generalisation", file=sys.stderr)
@@ -104,7 +145,10 @@ def main(argv: list[str] | None = None) -> int:
               f"has); the clips are in {out}", file=sys.stderr)
         return 2
     row = {"run": str(args.run_dir), "which": kind, "n": args.n, **settings, "weights": info.get("weights"),
-           "scores": scores, "grid": str(out / "grid.png")}
+           "scores": scores, "grid": str(out / "grid.png"), "frames": args.frames, "overlap_frames": args.overlap_frames,
+           "ar_step": args.ar_step}
+    if drift:
+        row["drift"] = drift_report(out, heldout_captions(args.n), args.frames)
     (out / "evaluate.json").write_text(json.dumps(row, indent=2) + "\n")
     log = args.run_dir / "eval" / "evaluations.jsonl"
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -113,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     figures = " ".join(f"{k}={v:.2f}" for k, v in scores.items() if not k.startswith("num"))
     print(f"{kind} ({args.n} clips, {settings['steps']} steps, guidance {settings['guidance']:g}"
           f"{', stochastic' if settings['stochastic'] else ''}): {figures}")
-    print(f"wrote {out / 'evaluate.json'} and {out / 'grid.png'}")
+    if drift:
+        print(drift_line(row["drift"]))
+    print(f"wrote {out / 'evaluate.json'} and {out / 'grid.png'}" + (" (drift.png, drift_grid.png)" if drift else ""))
     return 0
 
 

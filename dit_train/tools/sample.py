@@ -420,10 +420,10 @@ def check_streaming(args: argparse.Namespace, cfg: Any) -> bool:
     """Whether the prompts stream block by block (a block-causal run, not --full-sequence);
     ValueError (one `error:` line) for what cannot be streamed or needs the cache."""
     k = getattr(cfg.model, "causal_block_frames", 0)
-    if args.ar_step and (not k or args.full_sequence or args.data_captions or args.overlap_frames):
-        raise ValueError(f"--ar-step {args.ar_step} staggers the blocks of a streamed block-causal run within one window: "
-                         f"drop --full-sequence / --data-captions / --overlap-frames (or --ar-step), or sample a run "
-                         f"with model.causal_block_frames > 0")
+    if args.ar_step and (not k or args.full_sequence or args.data_captions):
+        raise ValueError(f"--ar-step {args.ar_step} staggers the blocks of a streamed block-causal run: drop "
+                         f"--full-sequence / --data-captions (or --ar-step), or sample a run with "
+                         f"model.causal_block_frames > 0")
     if not k:
         if args.overlap_frames or args.full_sequence:
             raise ValueError(f"--overlap-frames and --full-sequence are for block-causal runs (model.causal_block_frames "
