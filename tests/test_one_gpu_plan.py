@@ -70,3 +70,17 @@ def test_plan_cli_prints_terms_and_choice(capsys):
                     "--frames", "33", "--height", "480", "--width", "832"])
     out = capsys.readouterr().out
     assert rc == 0 and "estimate of the choice (GiB): base " in out and "choice: model.base_quant=" in out, out
+
+
+def test_adapter_term_counts_8bit_optimizer_states():
+    """optim=adamw8bit: the adapters' term counts 2.03 B of optimizer state per parameter (the
+    bytes tests/test_low_bit_optim.py measures) instead of AdamW's 8."""
+    cfg = compose_config(["model=wan_1_3b", "model.lora.rank=32"])
+    s, n = model_shape(cfg.model), adapter_parameters(cfg.model)
+
+    def adapters(optimizer: str) -> float:
+        return one_gpu.estimate(s, n, 64, base_quant="none", block_swap=0, checkpointing="full", capacity=GIB,
+                                **{**KW, "optimizer": optimizer}).terms["adapters"]
+
+    assert adapters("adamw") == pytest.approx(n * 16.0)
+    assert adapters("adamw8bit") == pytest.approx(n * (8.0 + 2.0 + 8.0 / 256))

@@ -128,6 +128,7 @@ class CondFeed(Choice):
 
 class OptimName(Choice):
     adamw = "adamw"
+    adamw8bit = "adamw8bit"
     muon = "muon"
     sgd = "sgd"
 

@@ -356,7 +356,8 @@ class CondConfig:
 
 @dataclass
 class OptimConfig:
-    # adamw | muon (Muon on the blocks' 2-D weights, AdamW on the rest: dit_train/optim/muon.py) | sgd
+    # adamw | adamw8bit (AdamW with 8-bit moments, torchao: dit_train/optim/low_bit.py) | muon (Muon on
+    # the blocks' 2-D weights, AdamW on the rest: dit_train/optim/muon.py) | sgd
     name: OptimName = OptimName.adamw
     lr: float = 1e-3  # peak learning rate
     weight_decay: float = 0.0  # decoupled (AdamW) / L2 (SGD) weight decay

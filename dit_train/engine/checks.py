@@ -22,6 +22,7 @@ from dit_train.config.choices import ActivationCheckpointing, Choice
 from dit_train.config.errors import ConfigError
 from dit_train.data_pipelines import SOURCES
 from dit_train.models import build_model, model_spec, MODELS, quant
+from dit_train.optim import low_bit
 from dit_train.parallel.checkpointing import checkpointed_blocks
 from dit_train.parallel.mesh import ParallelDims
 from dit_train.tasks.causal import causal_errors
@@ -269,12 +270,14 @@ def _model_and_data(cfg: Config, e: list[str]) -> None:
     _check(spec.mode == cfg.mode, f"mode={cfg.mode} cannot train model={m.name} (a mode={spec.mode} model); "
            f"pick one of: {', '.join(n for n in MODELS.names() if MODELS[n].mode == cfg.mode)}", e)
     e.extend(spec.checks(m))
-    _pretrained(m, e)
+    if spec.diffusers is not None:  # a diffusers folder; our DiT's model.pretrained (a run) is its own check
+        _pretrained(m, e)
     _moe(m, spec, e)
     if m.lora.rank > 0:
         e.extend(lora_errors(m))
     _base_quant(cfg, e)
     _block_swap(cfg, e)
+    _low_bit_optim(cfg, e)
     if hasattr(m, "text_dim"):
         _check(m.text_dim >= 0 and m.text_len >= 1, f"model.text_dim={m.text_dim} must be >= 0 and model.text_len="
                f"{m.text_len} >= 1", e)
@@ -391,6 +394,22 @@ def _block_swap(cfg: Config, e: list[str]) -> None:
     world = ParallelDims.from_config(p).world
     _check(world == 1, f"model.block_swap={n} is for one process (one GPU); over {world} ranks use FSDP2's "
            f"parallel.cpu_offload=true (FSDP2 manages its parameters' storage itself; block swap under DDP is not tested)", e)
+
+
+def _low_bit_optim(cfg: Config, e: list[str]) -> None:
+    """optim.name=adamw8bit (dit_train/optim/low_bit.py): one process (FSDP2 would quantize each
+    rank's shard in its own blocks: states depending on the layout; DDP is untested: see
+    docs/one-gpu.md), and torchao installed with its compiled step running on this device."""
+    if str(cfg.optim.name) != "adamw8bit":
+        return
+    dims = ParallelDims.from_config(cfg.parallel)
+    if dims.world > 1:
+        e.append(f"optim.name=adamw8bit runs on one process ({dims.describe()}): under FSDP2 torchao quantizes each "
+                 f"rank's shard in its own 256-value blocks, so the state would depend on the layout, and DDP is not "
+                 f"tested; use optim.name=adamw for several ranks")
+        return
+    reason = low_bit.probe("cuda" if runs_on_cuda(cfg.parallel.device) else "cpu")
+    _check(not reason, reason, e)
 
 
 def lora_errors(m: Any) -> list[str]:

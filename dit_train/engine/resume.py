@@ -20,6 +20,8 @@ import dataclasses
 from fnmatch import fnmatch
 from typing import Any
 
+import torch
+
 from dit_train.optim import configured_group
 
 ALLOWED = (
@@ -160,5 +162,8 @@ def apply_optimizer_settings(optimizer: Any, scheduler: Any, optim_cfg: Any) -> 
     # the LR of the resumed step from the new peak and the new schedule
     lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
     for group, lr in zip(optimizer.param_groups, lrs):
-        group["lr"] = lr
+        if isinstance(group["lr"], torch.Tensor):  # torchao's optimizers keep it a tensor (their step needs one)
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
     scheduler._last_lr = lrs

@@ -63,7 +63,7 @@ def zero_head_error(model: nn.Module, lora_rank: int, device: torch.device, grou
         return ""
     return (f"model.lora.rank={lora_rank} adapts a base whose output head ({head}) is all zero (model.init=adaln_zero "
             f"without pretrained weights): no gradient reaches the adapters, they would never train; set "
-            f"model.init=normal, start from pretrained weights (model.pretrained=... with model=wan_*), or train every "
+            f"model.init=normal, start from pretrained weights (model.pretrained=...: a diffusers folder, or a trained run for model=dit), or train every "
             f"weight (model.lora.rank=0)")
 
 

@@ -162,7 +162,8 @@ def train(cfg: Config, ctx: ParallelContext | None = None, claimed: bool = False
                 log.warning(warning)
             record = {
                 "step": step, "loss": res.loss, "grad_norm": res.grad_norm,
-                "lr": run.scheduler.get_last_lr()[0], "tokens": res.tokens, "samples": res.samples,
+                # float(): torchao's optimizers keep the LR as a 0-d tensor
+                "lr": float(run.scheduler.get_last_lr()[0]), "tokens": res.tokens, "samples": res.samples,
                 "micro_batches": res.micro_batches, "step_time_s": dt, "tokens_per_s": res.tokens / max(dt, 1e-9),
                 "skipped": int(res.skipped), "skipped_total": trainer.skipped_total,
             }

@@ -10,6 +10,7 @@ from torch import nn
 
 from dit_train.config.choices import Mode
 from dit_train.config.schema import VideoModelConfig
+from dit_train.models import dit_pretrained
 from dit_train.models.layers import (Block, feed_forward_linears, Conditioning, TextContext, TimestepEmbedder, block_moe, modulate,
                                      modulation_tables)
 from dit_train.models.recompute import prologue_switch, recomputed_linear
@@ -35,6 +36,9 @@ class DiTConfig(VideoModelConfig):
     # docs/audio-video.md): each clip's sound (data.audio) joins its sequence as tokens of stream 1
     # with their own embedder and output head, attending jointly with the clip's video tokens
     audio_patch: int = 0
+    # start from a finished run's weights: its folder (EMA weights when present) or a .safetensors
+    # file of full weights; '' = initialise from train.seed (models/dit_pretrained.py)
+    pretrained: str = ""
 
 
 class FinalLayer(nn.Module):
@@ -190,6 +194,10 @@ def build(cfg: DiTConfig, attn_backend: str = "sdpa") -> VideoDiT:
 
 
 def _checks(cfg: DiTConfig) -> list[str]:
+    return _shape_errors(cfg) or dit_pretrained.errors(cfg, lambda: build(cfg))
+
+
+def _shape_errors(cfg: DiTConfig) -> list[str]:
     if len(cfg.patch_size) != 3 or any(x < 1 for x in cfg.patch_size):
         return [f"model.patch_size={list(cfg.patch_size)} must be three positive ints [t, h, w]"]
     if cfg.pooled_text and cfg.text_dim <= 0:
@@ -227,6 +235,7 @@ def _activations(cfg: DiTConfig) -> ActivationModel:
 
 register_model(ModelSpec(
     name="dit", config=DiTConfig, mode=Mode.video, build=build, checks=_checks, moe=True,
+    pretrained=dit_pretrained.read,
     # read off the autograd graph of layers.Block (adaLN DiT block; see perf/memory.py for the list)
     activations=_activations,
     block_linears=lambda b: [b.attn.qkv, b.attn.proj, *feed_forward_linears(b.mlp)],

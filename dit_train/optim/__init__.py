@@ -8,6 +8,7 @@ from torch import nn
 
 from dit_train.config import OptimConfig
 from dit_train.models.registry import blocks_of
+from dit_train.optim.low_bit import adamw8bit
 from dit_train.optim.muon import MUON_EPS, MuonAdamW, muon_split
 
 
@@ -22,6 +23,8 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, params: list[nn.Paramete
         # so sharded and unsharded runs apply identical updates.
         return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
                                  weight_decay=cfg.weight_decay, foreach=False)
+    if cfg.name == "adamw8bit":  # 8-bit moments (torchao): dit_train/optim/low_bit.py
+        return adamw8bit(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
     if cfg.name == "muon":
         # DDP wraps the model: its blocks are the wrapped module's
         muon, adamw = muon_split(blocks_of(getattr(model, "module", model)) if blocks is None else blocks, params)
@@ -29,7 +32,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, params: list[nn.Paramete
                          betas=tuple(cfg.betas), eps=cfg.eps)
     if cfg.name == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, foreach=False)
-    raise ValueError(f"optim.name={cfg.name!r} must be adamw, muon or sgd")
+    raise ValueError(f"optim.name={cfg.name!r} must be adamw, adamw8bit, muon or sgd")
 
 
 def configured_group(group: dict, cfg: OptimConfig) -> dict:
@@ -60,4 +63,9 @@ def lr_factor(step: int, total: int, cfg: OptimConfig) -> float:
 
 
 def build_scheduler(opt: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    # the base LR a Python float, as a resume sets it (engine/resume.py): LambdaLR would otherwise take
+    # a torchao optimizer's fp32 LR tensor as its base, and lr = base * factor rounded differently
+    # would make a resumed run differ from the uninterrupted one in the last bit
+    for group in opt.param_groups:
+        group.setdefault("initial_lr", float(cfg.lr))
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total_steps, cfg))

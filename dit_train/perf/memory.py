@@ -79,6 +79,7 @@ from dit_train.kernels import VarlenLayout
 from dit_train.models import build_model, init_weights
 from dit_train.models.moe import moe_layers
 from dit_train.models.registry import ActivationModel, model_spec
+from dit_train.optim.low_bit import QUANTIZED_BYTES
 from dit_train.perf.saved import retained_bytes
 
 GIB = 1024 ** 3
@@ -318,14 +319,17 @@ def fsdp_shard_degree(dp_shard: int, cp: int, cp_fsdp_mode: str) -> int:
     return dp_shard * (cp if cp_fsdp_mode == "all" else 1)
 
 
-def optimizer_bytes_per_param(optimizer: str, momentum: float = 0.0) -> int:
+def optimizer_bytes_per_param(optimizer: str, momentum: float = 0.0) -> float:
     if optimizer == "adamw":
         return 8
+    if optimizer == "adamw8bit":  # uint8 codes + an fp32 scale per 256 values, both moments (optim/low_bit.py);
+        # tensors under 4096 values keep fp32 moments (8 B): small next to the large ones counted here
+        return QUANTIZED_BYTES
     if optimizer == "muon":  # an upper bound: the blocks' matrices keep one momentum buffer (4), the rest AdamW's two
         return 8
     if optimizer == "sgd":
         return 4 if momentum > 0 else 0
-    raise ValueError(f"optim.name={optimizer!r} must be adamw, muon or sgd")
+    raise ValueError(f"optim.name={optimizer!r} must be adamw, adamw8bit, muon or sgd")
 
 
 @dataclass(frozen=True, kw_only=True)
