@@ -133,6 +133,21 @@ def tiny_teacher(tiny_cfg, tmp_path_factory) -> Path:
     return run
 
 
+@pytest.fixture(scope="session")
+def causal_run(tmp_path_factory, tiny_cfg) -> Path:
+    """A tiny diffusion-forcing run (K = 4 frames, clips of up to data.max_frames = 8: 2 blocks) that
+    test_streaming and test_drift stream from; read only."""
+    from dit_train.engine.layout_equivalence import apply_layout
+    from dit_train.engine.worker import train
+
+    cfg = apply_layout(tiny_cfg, {})
+    cfg.model.causal_block_frames = 4
+    cfg.loss.frame_noise, cfg.loss.history_prob = "block", 0.5
+    cfg.run_dir = str(tmp_path_factory.mktemp("causal_run"))
+    train(cfg)
+    return Path(cfg.run_dir)
+
+
 def run_cli(args: list[str], cwd: Path, timeout: int = 600):
     """`python -m dit_train <args>` in a subprocess; returns CompletedProcess (text)."""
     import subprocess

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -66,20 +65,6 @@ def test_a_change_at_frame_17_is_flagged_from_window_3():
     assert [m["moving_ok"] for m in means] == [1, 1, 0.5, 0.5] and means[0]["num_clips"] == 2
     with pytest.raises(ValueError, match="whole number"):
         score_windows(clip[:30], caption)
-
-
-@pytest.fixture(scope="module")
-def causal_run(tmp_path_factory, tiny_cfg):
-    """A tiny diffusion-forcing run: K = 4 frames, clips of up to data.max_frames = 8 (2 blocks)."""
-    from dit_train.engine.layout_equivalence import apply_layout
-    from dit_train.engine.worker import train
-
-    cfg = apply_layout(tiny_cfg, {})
-    cfg.model.causal_block_frames = 4
-    cfg.loss.frame_noise, cfg.loss.history_prob = "block", 0.5
-    cfg.run_dir = str(tmp_path_factory.mktemp("causal_run"))
-    train(cfg)
-    return Path(cfg.run_dir)
 
 
 SAMPLER = ["--steps", "2", "--guidance", "2", "--seed", "3", "--no-stochastic"]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -106,20 +105,6 @@ def test_stream_check():
     assert "multiple" in stream_check(6, 4, 8, 0)
     assert "--overlap-frames" in stream_check(16, 4, 8, 0)
     assert "less than" in stream_check(16, 4, 8, 8)
-
-
-@pytest.fixture(scope="module")
-def causal_run(tmp_path_factory, tiny_cfg):
-    """A tiny diffusion-forcing run: K = 4 frames, clips of up to data.max_frames = 8 (2 blocks)."""
-    from dit_train.engine.layout_equivalence import apply_layout
-    from dit_train.engine.worker import train
-
-    cfg = apply_layout(tiny_cfg, {})
-    cfg.model.causal_block_frames = 4
-    cfg.loss.frame_noise, cfg.loss.history_prob = "block", 0.5
-    cfg.run_dir = str(tmp_path_factory.mktemp("causal_run"))
-    train(cfg)
-    return Path(cfg.run_dir)
 
 
 def _sample_tool(run_dir, out, *extra):
