@@ -49,6 +49,18 @@ def compose_config(overrides: list[str] | None = None, cache_dir: str | None = N
     return cfg
 
 
+def refusal(overrides: list[str]) -> str:
+    """check_config's refusal of `compose(overrides)`: the ConfigError's text, asserted one line."""
+    from dit_train.config.errors import ConfigError
+    from dit_train.engine.checks import check_config
+
+    with pytest.raises(ConfigError) as info:
+        check_config(compose_config(overrides))
+    text = str(info.value)
+    assert "\n" not in text, text
+    return text
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _worker_pools():
     """Multi-process tests run their jobs on reusable gloo workers (tests/pool.py) instead of

@@ -65,3 +65,15 @@ def assert_exact(oracle: Result, got: Result, label: str, tol: float = TOL, norm
     if norms:
         want, have = oracle["__grad_norms__"], got["__grad_norms__"]
         assert (have - want).abs().max() <= NORMS_TOL * want.abs().max(), (label, have, want)
+
+
+def assert_distill_adapters_match(one: dict, got: dict, label: str) -> None:
+    """A LoRA distillation run (DMD2, Self-Forcing) against its one-process run: the student's
+    (`.default.`) and the critic's (`.critic.`) adapters each moved and each within TOL."""
+    assert got.keys() == one.keys() and any(".lora_A.critic." in k for k in one)
+    for who in ("student", "critic"):
+        adapter = ".default." if who == "student" else ".critic."
+        mine = {k: v for k, v in one.items() if k.startswith(who) and adapter in k}
+        assert mine and max(float(v.abs().max()) for k, v in mine.items() if ".lora_B." in k) > 0  # it trained
+        rel = max(float((one[k] - got[k]).abs().max()) for k in mine) / max(float(v.abs().max()) for v in mine.values())
+        assert rel <= TOL, f"{label} LoRA {who}: the {adapter} adapter differs from the one-process run by {rel:.2e}"

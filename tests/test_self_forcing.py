@@ -12,7 +12,7 @@ import torch
 from dit_train.config.errors import ConfigError
 from dit_train.engine.layout_equivalence import parse_layout, relative_difference
 from tests.conftest import TINY, compose_config, train_in_process
-from tests.layout_cases import TOL, Case
+from tests.layout_cases import TOL, Case, assert_distill_adapters_match
 
 # 3 student steps per block, blocks of 4 frames (2 temporal patches), a student update at steps 0 and 2
 SELF_FORCING = ["+experiment=self_forcing", "model.causal_block_frames=4", "distill.student_steps=3",
@@ -141,14 +141,7 @@ def test_lora_layouts_equal_the_one_process_run(tiny_cfg, teacher):
     runs = {"lora_dp2": (lora, {"dp_shard": 2}), "lora_ulysses2": (lora, {"cp_ulysses": 2})}
     results = launch_local(_worker, (runs, 3), 2, lora.launcher)[0]
     for key in runs:
-        got = results[key]
-        assert got.keys() == one.keys() and any(".lora_A.critic." in k for k in one)
-        for who in ("student", "critic"):
-            adapter = ".default." if who == "student" else ".critic."
-            mine = {k: v for k, v in one.items() if k.startswith(who) and adapter in k}
-            assert mine and max(float(v.abs().max()) for k, v in mine.items() if ".lora_B." in k) > 0  # it trained
-            rel = max(float((one[k] - got[k]).abs().max()) for k in mine) / max(float(v.abs().max()) for v in mine.values())
-            assert rel <= TOL, f"{key} LoRA {who}: the {adapter} adapter differs from the one-process run by {rel:.2e}"
+        assert_distill_adapters_match(one, results[key], key)
 
 
 def test_resume_is_exact(tiny_cfg, teacher, tmp_path):
