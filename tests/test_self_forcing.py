@@ -101,19 +101,22 @@ def test_the_trained_block_is_the_kv_cached_forward(cfg):
 
 @pytest.mark.slow
 def test_layouts_equal_the_one_process_run(cfg, teacher):
-    """FSDP2 dp_shard=2, Ulysses cp=2 and ring cp=2 (a sample's blocks split over two ranks,
-    zigzag): student and critic weights after 3 steps (student updates at 0 and 2) equal the
-    one-process run's."""
+    """FSDP2 dp_shard=2, Ulysses cp=2, and dp_shard=2 x ring cp=2 on 4 ranks (a sample's blocks
+    split over two ranks, zigzag, beside another DP rank's samples): student and critic weights
+    after 3 steps (student updates at 0 and 2) equal the one-process run's."""
     from safetensors.torch import load_file
 
     from dit_train.engine.launch import launch_local
     from dit_train.parallel.mesh import init_parallel
     from tests.test_distill import _worker, distill_steps, part
 
-    cases = {"dp2": Case(cfg, "dp_shard=2"), "ulysses2": Case(cfg, "cp_ulysses=2"), "ring2": Case(cfg, "cp_ring=2")}
+    cases = {"dp2": Case(cfg, "dp_shard=2"), "ulysses2": Case(cfg, "cp_ulysses=2"),
+             "dp2_ring2": Case(cfg, "dp_shard=2,cp_ring=2")}
     oracle = distill_steps(cases["dp2"].oracle_cfg(), init_parallel(cases["dp2"].oracle_cfg().parallel), 3)
-    runs = {k: (c.cfg, parse_layout(c.layout)) for k, c in cases.items()}
-    results = launch_local(_worker, (runs, 3), 2, cfg.launcher)[0]
+    results = {}
+    for world, keys in ((2, ("dp2", "ulysses2")), (4, ("dp2_ring2",))):
+        runs = {k: (cases[k].cfg, parse_layout(cases[k].layout)) for k in keys}
+        results |= launch_local(_worker, (runs, 3), world, cfg.launcher)[0]
     init = load_file(teacher / "weights.safetensors")  # both start from the teacher's weights
     oracle |= {f"__init__/{who}/{k}": v for who in ("student", "critic") for k, v in init.items()}
     for key in cases:
