@@ -160,6 +160,18 @@ def causal_run(tmp_path_factory, tiny_cfg) -> Path:
     return Path(cfg.run_dir)
 
 
+def bidirectional_copy(run: Path, dest: Path) -> Path:
+    """A copy of `causal_run` whose config says bidirectional (what the causal-only tools refuse)."""
+    import shutil
+
+    shutil.copytree(run, dest)
+    text = (run / "config.yaml").read_text()
+    (dest / "config.yaml").write_text(text.replace("  causal_block_frames: 4\n", "  causal_block_frames: 0\n", 1)
+                                      .replace("  frame_noise: block\n", "  frame_noise: clip\n", 1)
+                                      .replace("  history_prob: 0.5\n", "  history_prob: 0.0\n", 1))
+    return dest
+
+
 def run_cli(args: list[str], cwd: Path, timeout: int = 600):
     """`python -m dit_train <args>` in a subprocess; returns CompletedProcess (text)."""
     import subprocess

@@ -5,7 +5,6 @@ through tools.sample's own streaming path."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ from safetensors.torch import load_file
 
 from dit_train.data_pipelines.shapes_drift import WINDOW, score_windows, window_means
 from dit_train.data_pipelines.synthetic_video import BACKGROUNDS, COLORS, caption_split, render_long_clip
+from tests.conftest import bidirectional_copy
 
 HELD = caption_split()[1]
 
@@ -111,12 +111,7 @@ def test_drift_requests_that_cannot_run_are_refused_in_one_line(causal_run, tmp_
     one `error:` line each, exit 2, nothing sampled."""
     from dit_train.tools.evaluate import main
 
-    bidirectional = tmp_path / "bidirectional"  # the same run, its config made bidirectional
-    shutil.copytree(causal_run, bidirectional)
-    text = (causal_run / "config.yaml").read_text()
-    (bidirectional / "config.yaml").write_text(text.replace("  causal_block_frames: 4\n", "  causal_block_frames: 0\n", 1)
-                                               .replace("  frame_noise: block\n", "  frame_noise: clip\n", 1)
-                                               .replace("  history_prob: 0.5\n", "  history_prob: 0.0\n", 1))
+    bidirectional = bidirectional_copy(causal_run, tmp_path / "bidirectional")
     capsys.readouterr()
     for run, extra, says in [(bidirectional, ["--frames", "32", "--overlap-frames", "4"], "is bidirectional"),
                              (causal_run, ["--frames", "20", "--overlap-frames", "4"], "8-frame windows"),

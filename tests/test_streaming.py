@@ -5,7 +5,6 @@ stream in one error line."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 import torch
@@ -22,6 +21,7 @@ from dit_train.sampling.streaming import KVCache, StreamingSampler, block_forwar
 from dit_train.tasks.captions import pad_contexts
 from dit_train.tasks.video import pack_clips
 from dit_train.tasks.video_inputs import VideoInputs
+from tests.conftest import bidirectional_copy
 
 PATCH = (1, 2, 2)
 K = 2  # frames (= temporal patches) per block
@@ -131,12 +131,7 @@ def test_sample_tool_streams_a_causal_run_past_its_length(causal_run, tmp_path, 
         assert _sample_tool(causal_run, tmp_path / "c", *extra) == 2, extra
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and says in err and "\n" not in err, err
-    bidirectional = tmp_path / "bidirectional"  # the same run, its config made bidirectional
-    shutil.copytree(causal_run, bidirectional)
-    text = (causal_run / "config.yaml").read_text()
-    (bidirectional / "config.yaml").write_text(text.replace("  causal_block_frames: 4\n", "  causal_block_frames: 0\n", 1)
-                                               .replace("  frame_noise: block\n", "  frame_noise: clip\n", 1)
-                                               .replace("  history_prob: 0.5\n", "  history_prob: 0.0\n", 1))
+    bidirectional = bidirectional_copy(causal_run, tmp_path / "bidirectional")
     assert _sample_tool(bidirectional, tmp_path / "d", "--frames", "16", "--overlap-frames", "4") == 2
     assert "block-causal runs" in capsys.readouterr().err
 
