@@ -4,10 +4,11 @@
 streams), `tools.export_weights --diffusers` writes it (the LoRA run: its base and its adapter
 file), and LTX2Pipeline built from tiny random components (video VAE, audio VAE, vocoder, text
 connectors; nothing downloaded: the captions are given as prompt_embeds, no Gemma) runs 2
-steps of it: video frames and a stereo waveform of the lengths the pipeline's components give.
-Every transformer call the pipeline makes is compared with our packed forward of the run's
-weights on the same inputs (the pipeline's latents, timestep, RoPE coordinates from frame_rate,
-caption embeddings), both streams: this is what fails when the export's keys are wrong (seen
+steps of it at guidance 2: video frames and a stereo waveform of the lengths the pipeline's
+components give. Every transformer call the pipeline makes (CFG's negative and positive rows:
+two clips of one pack for ours) is compared with our packed forward of the run's weights on the
+same inputs (the pipeline's latents, timestep, RoPE coordinates from frame_rate, caption
+embeddings), both streams: this is what fails when the export's keys are wrong (seen
 failing with the export's audio self- and text-attention weights swapped, same shapes: the
 audio output off by 0.18 of its largest value, the video by 2e-5 through the a2v attention).
 
@@ -70,34 +71,38 @@ def tiny_components() -> dict:
 
 
 def packed_denoiser(model: torch.nn.Module, call: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Our packed forward of one clip on the inputs of one LTX2VideoTransformer3DModel call of the
-    pipeline (its keyword arguments, batch 1): (video [1, n, C], audio [1, m, audio_patch])."""
+    """Our packed forward on the inputs of one LTX2VideoTransformer3DModel call of the pipeline (its
+    keyword arguments): its B batch rows (under CFG the negative and the positive caption) are B
+    clips of one pack. Returns (video [B, n, C], audio [B, m, audio_patch]) as the call does."""
     from diffusers import LTX2Pipeline
 
-    video, audio = call["hidden_states"], call["audio_hidden_states"][0]  # [1, n, C] (patch 1), [m, A]
-    latents = LTX2Pipeline._unpack_latents(video, call["num_frames"], call["height"], call["width"])[0]  # [C, F, H, W]
-    tok, grid = patchify(latents, (1, 1, 1))
-    assert torch.equal(tok, video[0])  # the pipeline's token order is ours
+    video, audio = call["hidden_states"], call["audio_hidden_states"]  # [B, n, C] (patch 1), [B, m, A]
+    latents = LTX2Pipeline._unpack_latents(video, call["num_frames"], call["height"], call["width"])  # [B, C, F, H, W]
+    B, (n, m) = video.shape[0], (video.shape[1], audio.shape[1])
+    width = max(video.shape[2], audio.shape[2])
+    zeros = torch.zeros(m, dtype=torch.long)
+    xs, pos = [], []
+    for b in range(B):
+        tok, grid = patchify(latents[b], (1, 1, 1))
+        assert torch.equal(tok, video[b])  # the pipeline's token order is ours
+        xs += [torch.nn.functional.pad(tok, (0, width - tok.shape[1])),
+               torch.nn.functional.pad(audio[b], (0, width - audio.shape[2]))]
+        pos += [grid, torch.stack([torch.arange(m), zeros, zeros], 1)]  # an audio token: its index in the track
     assert torch.equal(call["encoder_hidden_states"], call["audio_encoder_hidden_states"])  # tied connectors
     assert bool(call["encoder_attention_mask"].bool().all())  # every caption slot valid: context_len = Lc
-    n, m = tok.shape[0], audio.shape[0]
-    width = max(tok.shape[1], audio.shape[1])
-    x = torch.cat([torch.nn.functional.pad(tok, (0, width - tok.shape[1])),
-                   torch.nn.functional.pad(audio, (0, width - audio.shape[1]))])
-    zeros = torch.zeros(m, dtype=torch.long)
-    pos = torch.cat([grid, torch.stack([torch.arange(m), zeros, zeros], 1)])  # an audio token: its index in the track
-    seg = torch.zeros(n + m, dtype=torch.long)
-    stream = torch.cat([torch.zeros(n, dtype=torch.long), torch.ones(m, dtype=torch.long)])
-    ctx = call["encoder_hidden_states"]
+    seg = torch.arange(B).repeat_interleave(n + m)
+    stream = torch.cat([torch.zeros(n, dtype=torch.long), torch.ones(m, dtype=torch.long)]).repeat(B)
+    ctx = call["encoder_hidden_states"]  # [B, Lc, CAPTION]
+    layout = VarlenLayout.build(seg, torch.arange(n + m).repeat(B), False)
     with torch.no_grad():
-        out = model(x, pos, seg, call["timestep"].float() / 1000, VarlenLayout.build(seg, torch.arange(n + m), False),
-                    ctx, torch.tensor([ctx.shape[1]]), stream=stream)
-    return out[None, :n, :tok.shape[1]], out[None, n:, :audio.shape[1]]
+        out = model(torch.cat(xs), torch.cat(pos), seg, call["timestep"].float() / 1000, layout, ctx,
+                    torch.full((B,), ctx.shape[1]), stream=stream).view(B, n + m, width)
+    return out[:, :n, :video.shape[2]], out[:, n:, :audio.shape[2]]
 
 
 def run_pipeline(transformer, lora=None):
-    """LTX2Pipeline with `transformer` (and `lora`, a folder of adapters) for 2 steps without
-    guidance: (its output, [(kwargs, (video, audio))] of each transformer call)."""
+    """LTX2Pipeline with `transformer` (and `lora`, a folder of adapters) for 2 steps at guidance 2:
+    (the pipeline, its output, [(kwargs, (video, audio))] of each transformer call)."""
     from diffusers import LTX2Pipeline
 
     pipe = LTX2Pipeline(transformer=transformer, **tiny_components())
@@ -108,15 +113,17 @@ def run_pipeline(transformer, lora=None):
     hook = pipe.transformer.register_forward_hook(lambda mod, args, kw, out: calls.append((kw, out)),
                                                   with_kwargs=True)
     g = torch.Generator().manual_seed(0)
-    emb = torch.randn(1, 16, CAPTION * LAYERS, generator=g)
-    # no guidance of any kind (CFG, STG, modality isolation, rescale): one transformer call a step
-    off = dict(guidance_scale=1.0, stg_scale=0.0, modality_scale=1.0, guidance_rescale=0.0, audio_guidance_scale=1.0,
-               audio_stg_scale=0.0, audio_modality_scale=1.0, audio_guidance_rescale=0.0,
-               spatio_temporal_guidance_blocks=None)
+    emb, negative = torch.randn(2, 1, 16, CAPTION * LAYERS, generator=g)
+    mask = torch.ones(1, 16, dtype=torch.long)
+    # classifier-free guidance on both streams (one transformer call a step on [negative, positive]);
+    # STG and modality isolation off: our forward has no perturbed blocks nor isolation on demand
+    guidance = dict(guidance_scale=2.0, audio_guidance_scale=2.0, stg_scale=0.0, audio_stg_scale=0.0,
+                    modality_scale=1.0, audio_modality_scale=1.0, guidance_rescale=0.0, audio_guidance_rescale=0.0,
+                    spatio_temporal_guidance_blocks=None)
     with torch.no_grad():
-        out = pipe(prompt_embeds=emb, prompt_attention_mask=torch.ones(1, 16, dtype=torch.long), height=SIZE,
-                   width=SIZE, num_frames=FRAMES, frame_rate=FPS, num_inference_steps=2, output_type="pt", generator=g,
-                   **off)
+        out = pipe(prompt_embeds=emb, prompt_attention_mask=mask, negative_prompt_embeds=negative,
+                   negative_prompt_attention_mask=mask, height=SIZE, width=SIZE, num_frames=FRAMES, frame_rate=FPS,
+                   num_inference_steps=2, output_type="pt", generator=g, **guidance)
     hook.remove()
     return pipe, out, calls
 
@@ -159,7 +166,7 @@ def test_an_exported_ltx2_run_samples_video_and_sound_in_ltx2pipeline(data_cache
         assert bool(torch.isfinite(out.audio).all()) and float(out.audio.abs().max()) > 0, name
         # the denoiser the pipeline ran is the run's: our packed forward on each call's inputs
         _, ours = checkpoint_model(find_checkpoint(run))
-        assert len(calls) == 2
+        assert len(calls) == 2 and all(kw["hidden_states"].shape[0] == 2 for kw, _ in calls)  # CFG's 2 rows
         for kw, (theirs_v, theirs_a) in calls:
             mine_v, mine_a = packed_denoiser(ours.float().eval(), kw)
             for mine, theirs in ((mine_v, theirs_v), (mine_a, theirs_a)):
