@@ -135,7 +135,7 @@ BASE = ["model=ltx2_tiny", "model.text_len=16", "data.audio=true", "model.patch_
 
 
 @pytest.mark.slow  # two tiny trainings: ~60 s on the shared 2-core machine
-def test_an_exported_ltx2_run_samples_video_and_sound_in_ltx2pipeline(data_cache, tmp_path):
+def test_an_exported_ltx2_run_samples_video_and_sound_in_ltx2pipeline(data_cache, tmp_path, capsys):
     from diffusers import LTX2VideoTransformer3DModel
 
     from dit_train.checkpoint import find_checkpoint
@@ -149,6 +149,7 @@ def test_an_exported_ltx2_run_samples_video_and_sound_in_ltx2pipeline(data_cache
     train_in_process([*base, "model.lora.rank=2"], tmp_path / "lora", cache_dir=data_cache)
     assert export([str(tmp_path / "lora"), "--base", "--diffusers", str(tmp_path / "lora_base")]) == 0
     assert export([str(tmp_path / "lora"), "--diffusers", str(tmp_path / "lora_dif")]) == 0
+    assert "note: " not in capsys.readouterr().out  # pipeline-shaped: no "no LTX2Pipeline transformer" note
     runs = {"full": (tmp_path / "full", tmp_path / "full_dif", None),
             "lora": (tmp_path / "lora", tmp_path / "lora_base", tmp_path / "lora_dif")}
     videos = {}
@@ -174,3 +175,25 @@ def test_an_exported_ltx2_run_samples_video_and_sound_in_ltx2pipeline(data_cache
                 assert err <= 1e-5, (name, float(kw["timestep"][0]), err)
         videos[name] = out.frames
     assert float((videos["full"] - videos["lora"]).abs().max()) > 1e-4  # two different transformers
+
+
+def test_an_export_ltx2pipeline_cannot_use_says_so(tmp_path, capsys):
+    """`export_weights --diffusers` of an LTX-2 run whose patch is not [1, 1, 1] (ltx2_tiny's
+    [2, 8, 8]) writes the folder (it loads with from_pretrained) and prints one note that it is no
+    LTX2Pipeline transformer; LTX-2's own shape (ltx2_19b) gets none."""
+    from dit_train.checkpoint import save_safetensors
+    from dit_train.config import to_yaml
+    from dit_train.models import build_model
+    from dit_train.models.ltx2 import LTX2
+    from dit_train.tools.export_weights import main as export
+    from tests.conftest import compose_config
+
+    cfg = compose_config(["model=ltx2_tiny", "data.audio=true"])
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text(to_yaml(cfg))
+    save_safetensors(build_model(cfg.model).state_dict(), tmp_path / "run" / "weights.safetensors")
+    assert export([str(tmp_path / "run" / "weights.safetensors"), "--diffusers", str(tmp_path / "dif")]) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note: ")]
+    assert len(notes) == 1 and "model.patch_size=[2, 8, 8]" in notes[0] and "LTX2Pipeline" in notes[0], notes
+    assert (tmp_path / "dif" / "config.json").is_file()
+    assert LTX2.export_notes(compose_config(["model=ltx2_19b"]).model) == []
