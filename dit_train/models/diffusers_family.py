@@ -79,6 +79,9 @@ class DiffusersFamily:
     refuse: Callable[[dict, Any, str], list[str]] = _nothing
     # (config.json, our kwargs) -> more lines for the list of what differs (Wan's CLIP image branch)
     notes: Callable[[dict, dict], list[str]] = _nothing
+    # cfg -> lines a --diffusers export prints after writing the folder: what it cannot be used for
+    # although it loads (LTX-2: not LTX2Pipeline's transformer unless patch 1); [] = none
+    export_notes: Callable[[Any], list[str]] = _nothing
     # state-dict key of a Conv3d input weight [dim, C, pt, ph, pw] that a text-to-video folder may be
     # widened into for cond.feed=concat (new channels start at zero: `widen`); "" = never
     widen_key: str = ""

@@ -116,8 +116,22 @@ def ltx2_config(cfg: LTX2Config) -> dict[str, Any]:
                 num_layers=cfg.depth, caption_channels=cfg.text_dim, norm_eps=cfg.norm_eps, rope_type=cfg.rope_type)
 
 
+def pipeline_notes(cfg: LTX2Config) -> list[str]:
+    """Why an export of `cfg` loads (from_pretrained) but is no transformer of diffusers'
+    LTX2Pipeline: the pipeline makes latents of transformer.config.in_channels channels and packs
+    them with its patch_size, while our in_channels already counts the patch volume, so only patch
+    [1, 1, 1] (LTX-2's own) matches. [] when it is one."""
+    if list(cfg.patch_size) == [1, 1, 1]:
+        return []
+    return [f"model.patch_size={list(cfg.patch_size)}: this folder loads with LTX2VideoTransformer3DModel."
+            "from_pretrained but is no LTX2Pipeline transformer (the pipeline packs its latents with patch 1 only "
+            "as we export them); a run for the pipeline has model.patch_size=[1,1,1], the VAEs' latent channels as "
+            "model.in_channels and model.audio_patch "
+            "(docs/audio-video.md#sampling-an-export-in-diffusers-ltx2pipeline)"]
+
+
 LTX2 = DiffusersFamily(class_name="LTX2VideoTransformer3DModel", kwargs=ltx2_config, our_keys=_OUR_KEY, fixed=_FIXED,
-                       folder_kind="an LTX-2 folder", article="an")
+                       folder_kind="an LTX-2 folder", article="an", export_notes=pipeline_notes)
 
 # the diffusers modules PackedLTX2 holds, in LTX2VideoTransformer3DModel's order (= its state dict's)
 _MODULES = ("proj_in", "audio_proj_in", "caption_projection", "audio_caption_projection", "time_embed",

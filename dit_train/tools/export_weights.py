@@ -174,7 +174,11 @@ def _full_weights(cfg: Any, weights: Callable[[], dict], args: argparse.Namespac
         _check_model_dirs(cfg, args)
         sd = weights()
         with _writing(Path(args.diffusers)):
-            return export_diffusers(cfg, sd, args.diffusers, overwrite=args.overwrite)
+            written = export_diffusers(cfg, sd, args.diffusers, overwrite=args.overwrite)
+        family = model_spec(cfg.model).diffusers
+        for line in family.export_notes(cfg.model) if family is not None else []:  # it loads, but not everywhere
+            print(f"note: {line}")
+        return written
     out = _check_file(Path(args.out) if args.out else default, args)
     sd = weights()
     with _writing(out):
