@@ -88,6 +88,10 @@ class Rollout:
 class SelfForcingTrainer(DistillTrainer):
     """DistillTrainer whose student sample is a Self-Forcing rollout (module docstring)."""
 
+    def __init__(self, *args: Any, **kw: Any):
+        super().__init__(*args, **kw)
+        self.told_recompute = False  # the CP layouts' one line about the recomputing rollout
+
     def scoring(self, mb: MicroBatch) -> MicroBatch:
         """The same local tokens under bidirectional attention (the teacher and the critic are
         bidirectional): the CP layout with its causal flag off, or a plain varlen layout."""
@@ -126,10 +130,11 @@ class SelfForcingTrainer(DistillTrainer):
         KV cache on a varlen (DP / one-process) layout, recomputed under context parallelism."""
         if isinstance(mb.attn, VarlenLayout):
             return self.rollout_cached(mb, start)
-        if not getattr(self, "_told_recompute", False):
-            self._told_recompute = True
-            log.info("self_forcing: context parallelism splits a clip's blocks over ranks, which the KV cache does "
-                     "not; the rollout recomputes the history at every step (NB*K forwards of the whole pack)")
+        if not self.told_recompute:  # once, from rank 0; a warning: the workers show no info lines
+            self.told_recompute = True
+            if self.ctx.is_main:
+                log.warning("self_forcing: context parallelism splits a clip's blocks over ranks, which the KV cache does "
+                            "not; the rollout recomputes the history at every step (NB*K forwards of the whole pack)")
         return self.rollout_recomputed(mb, start)
 
     def rollout_cached(self, mb: MicroBatch, start: str) -> tuple[torch.Tensor, Rollout]:
