@@ -99,6 +99,42 @@ def test_the_trained_block_is_the_kv_cached_forward(cfg):
     assert diff <= 1e-5 * scale, f"gradients differ from the cached forward's by {diff / scale:.2e} of the largest"
 
 
+def _rollouts_agree(tr, mb) -> None:
+    """The cached and the recomputed rollouts of `mb`, from both noises (student, critic)."""
+    b = mb.batch
+    for start in ("x", "x_c"):
+        with torch.no_grad():  # as generate runs them
+            got, want = tr.rollout_cached(mb, start)[1], tr.rollout_recomputed(mb, start)[1]
+        assert torch.equal(got.t_exit, want.t_exit)
+        valid = b.seg >= 0
+        for name in ("x0", "x_exit"):
+            a, w = getattr(got, name)[valid], getattr(want, name)[valid]
+            diff = float((a - w).abs().max()) / float(w.abs().max())
+            assert diff <= 1e-5, f"{start} {name}: the cached rollout differs by {diff:.2e} of the largest value"
+
+
+def test_the_cached_rollout_equals_the_recomputed_one(tiny_cfg, teacher):
+    """The KV-cached rollout (each block's tokens against the packed cache of the clips' finished
+    blocks) equals the recomputing one (the whole pack under the block-causal mask at every step):
+    x̂0, the exit inputs and levels, on one pack of clips of 2, 3 and 4 blocks (K = 2 frames), and
+    on a pack without the last blocks."""
+    from dit_train.distill.build import build_distill_run, student_config
+    from dit_train.engine.layout_equivalence import apply_layout
+    from dit_train.parallel.mesh import init_parallel
+
+    c = apply_layout(student_config(compose_config([*TINY, *SELF_FORCING, "model.causal_block_frames=2",
+                                                    f"distill.teacher={teacher}"], cache_dir=tiny_cfg.data.cache_dir)), {})
+    tr = build_distill_run(c, init_parallel(c.parallel)).trainer
+    assert tr.task.max_blocks == 4
+    # 4, 3, 2 and 4 blocks (64 to 216 tokens); then one 2-block clip alone, whose pack has no
+    # blocks 2 and 3: those forwards run the stand-in token (as a DP rank without them does)
+    packs = tr.student.prepare([[1, 9, 10, 3], [10]], 1, task=tr.task)
+    for mb, want_blocks in zip(packs, ([2, 3, 4, 4], [2])):
+        b = mb.batch
+        assert sorted(int(b.block[b.seg == s].max()) + 1 for s in range(b.num_samples)) == want_blocks
+        _rollouts_agree(tr, mb)
+
+
 @pytest.mark.slow
 def test_layouts_equal_the_one_process_run(cfg, teacher):
     """FSDP2 dp_shard=2, Ulysses cp=2, and dp_shard=2 x ring cp=2 on 4 ranks (a sample's blocks

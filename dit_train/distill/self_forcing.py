@@ -15,15 +15,21 @@ as a KV cache filled under no_grad would hold them. The clip x̂0 then takes DMD
 the bidirectional teacher and critic exactly as in trainer.py, and the critic's update trains on
 a second rollout (the "_c" noise and exits) as DMD2's trains on a second simulation.
 
-The rollout runs on the packed, CP-split micro-batch with the block-causal mask rather than on
-streaming.py's one-clip cache: a block's output under the mask with its history at t = 0 equals
-the cached forward (tests/test_streaming.py), and the pack form keeps every sample's tokens
-wherever the layout put them. Every rank runs the same forwards (NB·K per rollout, NB with
-gradient): FSDP's and CP's collectives match whatever a rank's samples are.
+The rollout (no_grad) runs with streaming.py's KV cache, packed (`rollout_cached`): block b's K
+steps run only the pack's block-b tokens, every clip's attending to its own cached history,
+then one forward of those tokens' x̂0 at t = 0 commits their K/V. Under context parallelism
+(Ulysses, ring) a sample's blocks and its cache would sit on several ranks, which the cache does
+not do: there the rollout recomputes (`rollout_recomputed`: every step a forward of the whole
+CP-split pack under the block-causal mask, the history at t = 0 — the same values, as a block's
+output under the mask with its history at t = 0 is the cached forward, tests/test_streaming.py).
+Every rank runs the same forwards (K per block, NB−1 commits, NB with gradient; a rank without a
+block's tokens runs a stand-in token), so FSDP's and CP's collectives match whatever a rank's
+samples are.
 """
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass, replace
 from typing import Any, Iterator
 
@@ -36,6 +42,9 @@ from dit_train.engine.trainer import MicroBatch
 from dit_train.kernels import VarlenLayout
 from dit_train.models.layers import Attention
 from dit_train.objectives.flow_matching import velocity_from_output
+from dit_train.sampling.streaming import KVCache, cached_forward
+
+log = logging.getLogger(__name__)
 
 
 class FrozenHistory:
@@ -79,6 +88,10 @@ class Rollout:
 class SelfForcingTrainer(DistillTrainer):
     """DistillTrainer whose student sample is a Self-Forcing rollout (module docstring)."""
 
+    def __init__(self, *args: Any, **kw: Any):
+        super().__init__(*args, **kw)
+        self.told_recompute = False  # the CP layouts' one line about the recomputing rollout
+
     def scoring(self, mb: MicroBatch) -> MicroBatch:
         """The same local tokens under bidirectional attention (the teacher and the critic are
         bidirectional): the CP layout with its causal flag off, or a plain varlen layout."""
@@ -106,13 +119,67 @@ class SelfForcingTrainer(DistillTrainer):
         blk = b.block[:, None]
         return torch.where(blk < block, x0, torch.where(blk == block, x, noise))
 
+    def exit_tokens(self, b: Any, exits: torch.Tensor) -> torch.Tensor:
+        """[L] the exit step of each token's (sample, block) from exits [S, NB] (padding: 0)."""
+        rows = torch.cat([exits, exits.new_zeros(1, exits.shape[1])])
+        return rows[b.seg, b.block.clamp(max=exits.shape[1] - 1)]
+
     @torch.no_grad()
     def generate(self, mb: MicroBatch, start: str, j: int) -> tuple[torch.Tensor, Rollout]:
+        """The rollout of the micro-batch from its noise tokens[start] (module docstring): with the
+        KV cache on a varlen (DP / one-process) layout, recomputed under context parallelism."""
+        if isinstance(mb.attn, VarlenLayout):
+            return self.rollout_cached(mb, start)
+        if not self.told_recompute:  # once, from rank 0; a warning: the workers show no info lines
+            self.told_recompute = True
+            if self.ctx.is_main:
+                log.warning("self_forcing: context parallelism splits a clip's blocks over ranks, which the KV cache does "
+                            "not; the rollout recomputes the history at every step (NB*K forwards of the whole pack)")
+        return self.rollout_recomputed(mb, start)
+
+    def rollout_cached(self, mb: MicroBatch, start: str) -> tuple[torch.Tensor, Rollout]:
+        """Block by block, each block's tokens over the student's K steps against the packed
+        KVCache of the clips' finished blocks (clean x̂0 at t = 0), then committed to it."""
+        b = mb.batch
+        noise, sig = b.tokens[start].float(), b.samples["sigmas"]
+        exits = b.samples["exit" if start == "x" else "exit_c"]  # [S, NB]
+        exit_tok = self.exit_tokens(b, exits)
+        x0, x_exit = torch.zeros_like(noise), noise.clone()
+        nb, cache = self.task.max_blocks, KVCache(packed=True)
+        with self.roles.use("student") as model:
+            for block in range(nb):
+                idx = ((b.seg >= 0) & (b.block == block)).nonzero()[:, 0]
+                real = idx.numel() > 0
+                # FSDP all-gathers in every forward: a rank without this block's tokens runs a
+                # stand-in (its first token), its output dropped and never committed
+                idx = idx if real else idx.new_zeros(1)
+                sub, x, ex = b.select(idx), noise[idx], exit_tok[idx]
+                for i in range(self.task.distill.student_steps):
+                    t_tok = per_token(sig[:, i], sub.seg)
+                    v = self.cached_velocity(model, sub, x, self.block_times(b, block, sig[:, i]), t_tok, cache)
+                    take = (ex == i)[:, None] & real
+                    x0[idx] = torch.where(take, x0_from_velocity(x, v, t_tok), x0[idx])
+                    x_exit[idx] = torch.where(take, x, x_exit[idx])
+                    x = x + (per_token(sig[:, i + 1], sub.seg, 0.0) - per_token(sig[:, i], sub.seg, 0.0)) * v
+                if block < nb - 1:  # commit: the block's x̂0 at t = 0, the history of the later blocks
+                    done = replace(sub, samples={**sub.samples, "block_t": self.block_times(b, block + 1, sig[:, 0])})
+                    cached_forward(model, done, cache, x=x0[idx], record=real)
+        return x0, Rollout(x0, x_exit, sig.gather(1, exits))
+
+    def cached_velocity(self, model: Any, sub: Any, x: torch.Tensor, block_t: torch.Tensor, t_tok: torch.Tensor,
+                        cache: KVCache) -> torch.Tensor:
+        """[Lq, D] the student's velocity at the block's tokens x with each (sample, block) at block_t [S, NB]."""
+        out = cached_forward(model, replace(sub, samples={**sub.samples, "block_t": block_t}), cache, x=x).float()
+        return velocity_from_output(out, x, t_tok[:, 0], self.task.prediction, self.task.x0_min_t)
+
+    def rollout_recomputed(self, mb: MicroBatch, start: str) -> tuple[torch.Tensor, Rollout]:
+        """Every step of every block a forward of the whole pack under the block-causal mask:
+        the history at x̂0 (t = 0), the block at x, later blocks noise (masked out)."""
         b = mb.batch
         noise, sig = b.tokens[start].float(), b.samples["sigmas"]
         exits = b.samples["exit" if start == "x" else "exit_c"]  # [S, NB]
         valid = b.seg >= 0
-        exit_tok = torch.cat([exits, exits.new_zeros(1, exits.shape[1])])[b.seg, b.block.clamp(max=exits.shape[1] - 1)]
+        exit_tok = self.exit_tokens(b, exits)
         x0, x_exit = torch.zeros_like(noise), noise.clone()
         for block in range(self.task.max_blocks):
             here = (valid & (b.block == block))[:, None]

@@ -19,7 +19,8 @@ trained range).
 
 The cache lives in the attention callable (`cached`), the way context parallelism swaps it in
 (parallel/parallelize.py): the model code does not know about it. One process, one clip at a
-time: nothing here communicates.
+time (a `packed` cache holds several clips of one pack, each token attending to its own clip:
+Self-Forcing's rollout, distill/self_forcing.py): nothing here communicates.
 """
 from __future__ import annotations
 
@@ -43,19 +44,27 @@ from dit_train.tasks.video import pack_clips, patchify, unpatchify
 
 class KVCache:
     """Keys and values [Lc, H, Dh] (RoPE applied) of the committed tokens of one clip, per
-    self-attention layer. `record`: the next forward appends its tokens' K/V (a commit)."""
+    self-attention layer. `record`: the next forward appends its tokens' K/V (a commit).
 
-    def __init__(self) -> None:
+    packed: the cache holds the committed tokens of several clips of one pack (Self-Forcing's
+    rollout, distill/self_forcing.py); `seg` [Lc] is each cached token's sample and `query_seg`
+    [Lq] the current forward's, so a token attends to its own clip's keys only."""
+
+    def __init__(self, packed: bool = False) -> None:
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
         self.record = False
         # [Lq] causal block of each token of the current forward when it holds several blocks
         # (the asynchronous schedule); None = one block, which sees all of itself
         self.block: torch.Tensor | None = None
+        self.packed = packed
+        self.seg: torch.Tensor | None = None
+        self.query_seg: torch.Tensor | None = None
 
     def clear(self) -> None:
         self.k.clear()
         self.v.clear()
+        self.seg = None
 
     @property
     def tokens(self) -> int:
@@ -81,6 +90,10 @@ class CachedAttention:
         if c.block is not None:  # several blocks at once: cached keys all visible, the current ones block-causal
             mask = torch.cat([c.block.new_ones(len(c.block), k.shape[0] - len(c.block), dtype=torch.bool),
                               c.block[None, :] <= c.block[:, None]], dim=1)
+        if c.packed:  # several clips: a query sees the cached and current keys of its own clip only
+            keys = c.query_seg if c.seg is None else torch.cat([c.seg, c.query_seg])
+            same = keys[None, :] == c.query_seg[:, None]
+            mask = same if mask is None else mask & same
         out = F.scaled_dot_product_attention(*(x.transpose(0, 1)[None] for x in (q, k, v)), attn_mask=mask)
         return out[0].transpose(0, 1)
 
@@ -117,13 +130,26 @@ def block_forward(model: torch.nn.Module, x: torch.Tensor, start: int, t: float 
                    causal_block=x.shape[1] // patch[0] // blocks if blocks else 0)
     b.pos[:, 0] += start
     b = b.to(next(model.parameters()).device)
+    cache.block = b.block if blocks > 1 else None
+    return cached_forward(model, b, cache, record=record)
+
+
+def cached_forward(model: torch.nn.Module, b: Any, cache: KVCache, x: torch.Tensor | None = None,
+                   record: bool = False) -> torch.Tensor:
+    """The model's output [Lq, out] for the pack b's Lq tokens (x [Lq, in] in place of its own),
+    attending to `cache` and, with `record`, appending their K/V (and, packed, their samples) to
+    it. Each clip's tokens in b are its current block (or, with cache.block, its blocks in
+    progress). One process: nothing communicates here."""
     meta = VarlenLayout.build(b.seg, b.mask_order, b.causal)  # unused by CachedAttention; the layers take one
-    cache.record, cache.block = record, b.block if blocks > 1 else None
+    cache.record, cache.query_seg = record, b.seg
     try:
         with cached(model, cache):
-            return video_forward(model, b, meta)
+            out = video_forward(model, b, meta, x=x)
     finally:
-        cache.record, cache.block = False, None
+        cache.record, cache.block, cache.query_seg = False, None, None
+    if record and cache.packed:  # after every layer appended its K/V: the samples of the new keys
+        cache.seg = b.seg if cache.seg is None else torch.cat([cache.seg, b.seg])
+    return out
 
 
 class StreamingSampler(VideoSampler):
@@ -309,4 +335,4 @@ def stream_check(request_frames: int, block_frames: int, window_frames: int, ove
     return None
 
 
-__all__ = ["KVCache", "StreamingSampler", "ar_schedule", "block_forward", "cached", "stream_check"]
+__all__ = ["KVCache", "StreamingSampler", "ar_schedule", "block_forward", "cached", "cached_forward", "stream_check"]
