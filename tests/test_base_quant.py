@@ -1,12 +1,13 @@
 """A quantized frozen base under LoRA (model.base_quant, dit_train/models/quant.py).
 
-1. On our DiT and on Wan (tiny, one process): int8 and fp8 bases train the adapters, and the
+1. On our DiT and on Wan (tiny, one process): int8, fp8 and nf4 bases train the adapters, and the
    loss and the adapter gradients stay within a measured bound of the full-precision base
    (the numbers are in docs/one-gpu.md; bounds ~3x the measured error).
 2. Layout-exact: dp_shard=2 x cp_ulysses=2 (FSDP2 leaves the quantized weights unsharded)
    equals the one-process oracle on uneven clips, for each model and quantization.
-3. Refused before any worker starts, one line each: base_quant without LoRA; torchao missing;
-   a quantization torchao cannot run on the device.
+3. Refused before any worker starts, one line each: base_quant without LoRA; nf4 on a layer
+   whose size is not a multiple of its 64-value blocks; torchao missing; a quantization torchao
+   cannot run on the device.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ LORA = ["model.lora.rank=4", "model.lora.alpha=8"]
 MODELS = {"dit": [], "wan": ["model=wan_tiny"]}
 # measured on this CPU (docs/one-gpu.md#measured): largest loss relative error over 3 steps, adapter
 # gradient relative error (L2) at step 0; the bounds leave ~3x room
-BOUNDS = {"int8": (5e-6, 5e-3), "fp8": (1e-5, 2e-2)}
+BOUNDS = {"int8": (5e-6, 5e-3), "fp8": (1e-5, 2e-2), "nf4": (3e-5, 7e-2)}
 
 
 def _cfg(model: str, kind: str, data_cache: str):
@@ -72,14 +73,15 @@ def test_quantized_base_trains_adapters_close_to_the_full_base(model, data_cache
         assert 0 < loss_err <= loss_bound and 0 < grad_err <= grad_bound, (model, kind, loss_err, grad_err)
 
 
-def test_only_frozen_block_linears_are_quantized():
+@pytest.mark.parametrize("kind", ["int8", "nf4"])
+def test_only_frozen_block_linears_are_quantized(kind):
     """The frozen nn.Linear layers of the blocks are quantized; adapters, norms, embeddings and
     what lies outside the blocks keep their dtype."""
     from dit_train.engine.build import build_parallel_model
     from dit_train.models import model_spec
     from dit_train.parallel.mesh import init_parallel
 
-    cfg = compose_config([*TINY, *LORA, "model.base_quant=int8"])
+    cfg = compose_config([*TINY, *LORA, f"model.base_quant={kind}"])
     model = build_parallel_model(cfg, init_parallel(cfg.parallel))
     names = quant.quantized_names(model)
     blocks = {f"blocks.{i}." for i in range(len(model_spec(cfg.model).blocks(model)))}
@@ -90,9 +92,10 @@ def test_only_frozen_block_linears_are_quantized():
 
 
 @pytest.mark.slow
-def test_quantized_base_is_layout_exact(data_cache):
-    """dp_shard=2 x cp_ulysses=2 on uneven clips equals one process, int8 and fp8, DiT and Wan."""
-    cases = {f"{m}-{k}": Case(_cfg(m, k, data_cache), "dp_shard=2,cp_ulysses=2") for m in MODELS for k in BOUNDS}
+@pytest.mark.parametrize("kind", sorted(BOUNDS))
+def test_quantized_base_is_layout_exact(kind, data_cache):
+    """dp_shard=2 x cp_ulysses=2 on uneven clips equals one process, each quantization, DiT and Wan."""
+    cases = {f"{m}-{kind}": Case(_cfg(m, kind, data_cache), "dp_shard=2,cp_ulysses=2") for m in MODELS}
     from dit_train.data_pipelines import prepare_data
 
     for case in cases.values():
@@ -107,6 +110,11 @@ def test_bad_base_quant_is_refused_before_any_worker(monkeypatch):
         return refusal([*TINY, *overrides])
 
     assert "full training of a quantized base is not supported" in refused(["model.base_quant=int8"])
+    # nf4 blocks of 64 values: a 36-wide DiT's qkv weight (108 x 36 = 3888 values) does not split
+    assert ("blocks.0.attn.qkv.base_layer (108x36 = 3888 values) is not a multiple of 64"
+            in refused([*LORA, "model.base_quant=nf4", "model.dim=36", "model.heads=2"]))
+    assert "model.block_swap=1 with model.base_quant=nf4 is not supported" in refused(
+        [*LORA, "model.base_quant=nf4", "model.block_swap=1", "model.activation_checkpointing=full"])
 
     def no_torchao():
         raise ImportError("No module named 'torchao'")

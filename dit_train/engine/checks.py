@@ -22,6 +22,7 @@ from dit_train.config.choices import ActivationCheckpointing, Choice
 from dit_train.config.errors import ConfigError
 from dit_train.data_pipelines import SOURCES
 from dit_train.models import build_model, model_spec, MODELS, quant
+from dit_train.models.lora import apply_lora, lora_settings
 from dit_train.optim import low_bit
 from dit_train.parallel.checkpointing import checkpointed_blocks
 from dit_train.parallel.mesh import ParallelDims
@@ -365,6 +366,22 @@ def _base_quant(cfg: Config, e: list[str]) -> None:
         return
     reason = quant.probe(kind, "cuda" if runs_on_cuda(cfg.parallel.device) else "cpu")
     _check(not reason, reason, e)
+    if kind == "nf4" and not reason:
+        e.extend(_nf4_errors(cfg.model))
+
+
+def _nf4_errors(m: Any) -> list[str]:
+    """model.base_quant=nf4: every weight quantize_base would store (the frozen linears of the
+    blocks once LoRA is injected; the model built on the meta device) splits into 64-value blocks."""
+    try:
+        with torch.device("meta"):
+            model = build_model(m)
+            apply_lora(model, lora_settings(m), model_spec(m).name)
+    except Exception:  # the model's and LoRA's own checks report what is wrong with them
+        return []
+    frozen = set(quant.frozen_linears(model_spec(m).blocks(model)))
+    reason = quant.nf4_unfit((n, mod) for n, mod in model.named_modules() if mod in frozen)
+    return [reason] if reason else []
 
 
 def _block_swap(cfg: Config, e: list[str]) -> None:
@@ -391,6 +408,9 @@ def _block_swap(cfg: Config, e: list[str]) -> None:
     _check(covered, f"model.block_swap={n} needs full activation checkpointing on the swapped blocks: set "
            f"model.activation_checkpointing=full model.ac_every=1 (now {policy}, every {m.ac_every})", e)
     _check(not p.meta_init, f"model.block_swap={n} needs real weights to keep in host memory; set parallel.meta_init=false", e)
+    # torchao's NF4Tensor does not take .to(copy=True), which block_swap's host copies use
+    _check(str(m.base_quant) != "nf4", f"model.block_swap={n} with model.base_quant=nf4 is not supported (torchao's "
+           f"NF4Tensor cannot be copied to host memory the way block swap does); use model.base_quant=int8 or fp8", e)
     world = ParallelDims.from_config(p).world
     _check(world == 1, f"model.block_swap={n} is for one process (one GPU); over {world} ranks use FSDP2's "
            f"parallel.cpu_offload=true (FSDP2 manages its parameters' storage itself; block swap under DDP is not tested)", e)
