@@ -128,3 +128,21 @@ def test_bad_base_quant_is_refused_before_any_worker(monkeypatch):
 
     monkeypatch.setattr(quant, "quantize_base", unsupported)
     assert "torchao cannot run a fp8 linear on cpu here (no fp8 kernel" in refused([*LORA, "model.base_quant=fp8"])
+
+
+@pytest.mark.slow
+def test_a_whole_nf4_run_writes_the_merged_full_precision_weights(data_cache, tmp_path):
+    """The CLI's path end to end (sanity checks, EMA, checkpoint, final export) over an nf4 base:
+    it finishes, and weights.safetensors equals what export_weights --merge-lora rebuilds from
+    the checkpoint (the full-precision base plus the adapters)."""
+    from safetensors.torch import load_file
+
+    from dit_train.tools import export_weights
+    from tests.conftest import train_in_process
+
+    run = tmp_path / "run"
+    train_in_process([*TINY, *LORA, "model.base_quant=nf4", "train.steps=2", "train.ema_decay=0.9",
+                      "train.ckpt_every=2"], run, cache_dir=data_cache)
+    assert export_weights.main([str(run), "--merge-lora", "--out", str(tmp_path / "merged.safetensors")]) == 0
+    a, b = load_file(tmp_path / "merged.safetensors"), load_file(run / "weights.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
