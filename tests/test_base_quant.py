@@ -24,12 +24,15 @@ LORA = ["model.lora.rank=4", "model.lora.alpha=8"]
 MODELS = {"dit": [], "wan": ["model=wan_tiny"]}
 # measured on this CPU (docs/one-gpu.md#measured): largest loss relative error over 3 steps, adapter
 # gradient relative error (L2) at step 0; the bounds leave ~3x room
-BOUNDS = {"int8": (5e-6, 5e-3), "fp8": (1e-5, 2e-2), "nf4": (3e-5, 7e-2)}
+BOUNDS = {"int8": (5e-6, 5e-3), "fp8": (1e-5, 2e-2), "fp8_scaled": (6e-5, 3e-2), "nf4": (3e-5, 7e-2)}
+# fp8_scaled's 64-input groups need 64-wide inputs: the tiny models (dim 32) run it at dim 64
+WIDER = {("dit", "fp8_scaled"): ["model.dim=64"], ("wan", "fp8_scaled"): ["model.dim=64"]}
 
 
-def _cfg(model: str, kind: str, data_cache: str):
-    return compose_config([*TINY, *MODELS[model], *LORA, f"model.base_quant={kind}", "train.steps=3"],
-                          cache_dir=data_cache)
+def _cfg(model: str, kind: str, data_cache: str, like: str | None = None):
+    """The tiny `model` with model.base_quant=`kind`, in the widths `like`'s (default: kind's) needs."""
+    return compose_config([*TINY, *MODELS[model], *WIDER.get((model, like or kind), []), *LORA,
+                           f"model.base_quant={kind}", "train.steps=3"], cache_dir=data_cache)
 
 
 def measure(cfg) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -61,8 +64,12 @@ def _flat(d: dict[str, torch.Tensor]) -> torch.Tensor:
 def test_quantized_base_trains_adapters_close_to_the_full_base(model, data_cache, capsys):
     """The base's frozen block linears hold torchao tensors; only adapters train and they move;
     loss and adapter gradients within BOUNDS of the full-precision base's."""
-    ref_losses, ref_grads, _, _ = measure(_cfg(model, "none", data_cache))
+    refs = {}
     for kind, (loss_bound, grad_bound) in BOUNDS.items():
+        widths = tuple(WIDER.get((model, kind), []))
+        if widths not in refs:  # the full-precision base in the same widths
+            refs[widths] = measure(_cfg(model, "none", data_cache, like=kind))[:2]
+        ref_losses, ref_grads = refs[widths]
         cfg = _cfg(model, kind, data_cache)
         losses, grads, before, after = measure(cfg)
         assert all(not torch.equal(before[n], after[n]) for n in after if ".lora_B." in n), "adapters did not move"
@@ -73,7 +80,7 @@ def test_quantized_base_trains_adapters_close_to_the_full_base(model, data_cache
         assert 0 < loss_err <= loss_bound and 0 < grad_err <= grad_bound, (model, kind, loss_err, grad_err)
 
 
-@pytest.mark.parametrize("kind", ["int8", "nf4"])
+@pytest.mark.parametrize("kind", ["int8", "fp8_scaled", "nf4"])
 def test_only_frozen_block_linears_are_quantized(kind):
     """The frozen nn.Linear layers of the blocks are quantized; adapters, norms, embeddings and
     what lies outside the blocks keep their dtype."""
@@ -81,7 +88,7 @@ def test_only_frozen_block_linears_are_quantized(kind):
     from dit_train.models import model_spec
     from dit_train.parallel.mesh import init_parallel
 
-    cfg = compose_config([*TINY, *LORA, f"model.base_quant={kind}"])
+    cfg = compose_config([*TINY, *WIDER.get(("dit", kind), []), *LORA, f"model.base_quant={kind}"])
     model = build_parallel_model(cfg, init_parallel(cfg.parallel))
     names = quant.quantized_names(model)
     blocks = {f"blocks.{i}." for i in range(len(model_spec(cfg.model).blocks(model)))}
@@ -89,6 +96,9 @@ def test_only_frozen_block_linears_are_quantized(kind):
     assert not any(".lora_" in n or "norm" in n for n in names), names
     assert all(p.dtype == torch.float32 and not quant.is_quantized(p)
                for n, p in model.named_parameters() if n not in set(names))
+    if kind == "fp8_scaled":  # one scale per 64 inputs of each row (fp8: one per row)
+        weights = [p for p in model.parameters() if quant.is_quantized(p)]
+        assert all(tuple(w.scale.shape) == (w.shape[0], w.shape[1] // quant.FP8_GROUP) for w in weights)
 
 
 @pytest.mark.slow
@@ -113,6 +123,9 @@ def test_bad_base_quant_is_refused_before_any_worker(monkeypatch):
     # nf4 blocks of 64 values: a 36-wide DiT's qkv weight (108 x 36 = 3888 values) does not split
     assert ("blocks.0.attn.qkv.base_layer (108x36 = 3888 values) is not a multiple of 64"
             in refused([*LORA, "model.base_quant=nf4", "model.dim=36", "model.heads=2"]))
+    # fp8_scaled groups of 64 inputs: the tiny DiT's 32-wide layers
+    assert ("blocks.0.attn.qkv.base_layer (96x32) has 32 inputs, not a multiple of 64"
+            in refused([*LORA, "model.base_quant=fp8_scaled"]))
     assert "model.block_swap=1 with model.base_quant=nf4 is not supported" in refused(
         [*LORA, "model.base_quant=nf4", "model.block_swap=1", "model.activation_checkpointing=full"])
 

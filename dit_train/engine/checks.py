@@ -366,13 +366,13 @@ def _base_quant(cfg: Config, e: list[str]) -> None:
         return
     reason = quant.probe(kind, "cuda" if runs_on_cuda(cfg.parallel.device) else "cpu")
     _check(not reason, reason, e)
-    if kind == "nf4" and not reason:
-        e.extend(_nf4_errors(cfg.model))
+    if kind in ("nf4", "fp8_scaled") and not reason:
+        e.extend(_blocked_quant_errors(cfg.model, kind))
 
 
-def _nf4_errors(m: Any) -> list[str]:
-    """model.base_quant=nf4: every weight quantize_base would store (the frozen linears of the
-    blocks once LoRA is injected; the model built on the meta device) splits into 64-value blocks."""
+def _blocked_quant_errors(m: Any, kind: str) -> list[str]:
+    """model.base_quant=nf4 | fp8_scaled: every weight quantize_base would store (the frozen linears
+    of the blocks once LoRA is injected; the model built on the meta device) splits into its blocks."""
     try:
         with torch.device("meta"):
             model = build_model(m)
@@ -380,7 +380,7 @@ def _nf4_errors(m: Any) -> list[str]:
     except Exception:  # the model's and LoRA's own checks report what is wrong with them
         return []
     frozen = set(quant.frozen_linears(model_spec(m).blocks(model)))
-    reason = quant.nf4_unfit((n, mod) for n, mod in model.named_modules() if mod in frozen)
+    reason = quant.unfit(kind, ((n, mod) for n, mod in model.named_modules() if mod in frozen))
     return [reason] if reason else []
 
 

@@ -8,6 +8,8 @@ path diffusers' TorchAoConfig and peft's TorchaoLoraLinear build on), and its QL
 
     int8 -> Int8WeightOnlyConfig     per-output-row absmax scale, int8 values   (1 B / weight)
     fp8  -> Float8WeightOnlyConfig   per-row scale, float8_e4m3fn values        (1 B / weight)
+    fp8_scaled -> Float8WeightOnlyConfig(granularity=PerGroup(64)): a scale per 64 inputs of
+                                     each row (musubi-tuner's --fp8_scaled)     (~1.06 B / weight)
     nf4  -> to_nf4                   4-bit NormalFloat codes, one absmax per 64 values (in
                                      flattened order), the absmaxes themselves 8-bit in groups of
                                      up to 256 (QLoRA's double quantization)    (~0.52 B / weight)
@@ -22,8 +24,8 @@ holds the same full weights holds the same quantized ones: the layouts stay exac
 Order: LoRA injected, weights loaded or initialised, then `quantize_base`, then parallelize
 (the quantized weights are not sharded by FSDP2: `quantized_parameters` lists them for its
 ignored_params; each rank keeps the whole quantized base, 1 B per weight).
-nf4 needs each quantized weight's size to be a multiple of NF4_BLOCK (`nf4_unfit` names the
-first layer that is not: refused before any worker starts); its double-quantization group is the
+nf4 needs each quantized weight's size to be a multiple of NF4_BLOCK, fp8_scaled each input width
+a multiple of FP8_GROUP (`unfit` names the first layer that is not: refused before any worker starts); its double-quantization group is the
 largest power of two <= 256 dividing the layer's number of blocks (256 on real models' layers;
 smaller on the tiny test models, whose layers hold fewer than 64 x 256 values).
 Not here: bitsandbytes' 4-bit (CUDA only), fp8 with a scaled activation path (needs sm89+ GPUs).
@@ -37,9 +39,11 @@ from typing import Iterable
 import torch
 from torch import nn
 
-# model.base_quant -> torchao's weight-only config class (torchao.quantization)
-CONFIGS = {"int8": "Int8WeightOnlyConfig", "fp8": "Float8WeightOnlyConfig"}
+# model.base_quant -> torchao's weight-only config class (torchao.quantization) and its granularity
+CONFIGS = {"int8": ("Int8WeightOnlyConfig", None), "fp8": ("Float8WeightOnlyConfig", None),
+           "fp8_scaled": ("Float8WeightOnlyConfig", "PerGroup")}
 KINDS = (*CONFIGS, "nf4")  # every model.base_quant but none
+FP8_GROUP = 64  # fp8_scaled: input values per scale in each output row (musubi-tuner's --fp8_scaled block)
 NF4_BLOCK = 64  # values per absmax scale (QLoRA's and torchao's default)
 NF4_SCALER_BLOCK = 256  # absmaxes per 8-bit double-quantization group, at most (QLoRA's default)
 
@@ -81,10 +85,13 @@ def available() -> bool:
 
 
 def config(kind: str):
-    """torchao's weight-only config for model.base_quant=`kind` (int8 | fp8)."""
+    """torchao's weight-only config for model.base_quant=`kind` (int8 | fp8 | fp8_scaled); its
+    default granularity (per row) unless CONFIGS names one."""
     if kind not in CONFIGS:
         raise ValueError(f"model.base_quant={kind!r} has no torchao config (one of {', '.join(CONFIGS)})")
-    return getattr(torchao().quantization, CONFIGS[kind])()
+    q = torchao().quantization
+    name, granularity = CONFIGS[kind]
+    return getattr(q, name)(granularity=q.PerGroup(FP8_GROUP)) if granularity else getattr(q, name)()
 
 
 def nf4_scaler_block(numel: int) -> int:
@@ -93,12 +100,18 @@ def nf4_scaler_block(numel: int) -> int:
     return math.gcd(numel // NF4_BLOCK, NF4_SCALER_BLOCK)
 
 
-def nf4_unfit(named: Iterable[tuple[str, nn.Linear]]) -> str:
-    """'' if every (name, linear) weight can be stored nf4, else one line naming the first that
-    cannot (its size is not a multiple of NF4_BLOCK) and what to change."""
+def unfit(kind: str, named: Iterable[tuple[str, nn.Linear]]) -> str:
+    """'' if every (name, linear) weight can be stored as `kind`, else one line naming the first
+    that cannot and what to change: nf4 needs the weight's size a multiple of NF4_BLOCK,
+    fp8_scaled its input width a multiple of FP8_GROUP (musubi-tuner falls back to one scale
+    per tensor there; we refuse rather than mix granularities under one name)."""
     for name, layer in named:
         out_f, in_f = layer.weight.shape
-        if (out_f * in_f) % NF4_BLOCK:
+        if kind == "fp8_scaled" and in_f % FP8_GROUP:
+            return (f"model.base_quant=fp8_scaled scales each row's weights in groups of {FP8_GROUP} inputs: {name} "
+                    f"({out_f}x{in_f}) has {in_f} inputs, not a multiple of {FP8_GROUP}; change the model's widths "
+                    f"or use model.base_quant=fp8 (one scale per row)")
+        if kind == "nf4" and (out_f * in_f) % NF4_BLOCK:
             return (f"model.base_quant=nf4 stores each frozen weight in blocks of {NF4_BLOCK} values: {name} "
                     f"({out_f}x{in_f} = {out_f * in_f} values) is not a multiple of {NF4_BLOCK}; change the model's "
                     f"widths (e.g. model.dim a multiple of 8) or use model.base_quant=int8 or fp8")
