@@ -1,5 +1,5 @@
 """A quantized frozen base for LoRA runs (model.base_quant): the frozen nn.Linear weights of the
-transformer blocks stored in int8, fp8 or nf4 by torchao, the adapters, norms, embeddings and
+transformer blocks stored in int8, fp8, fp8_scaled or nf4 by torchao, the adapters, norms, embeddings and
 everything outside the blocks kept in the training dtype.
 
 The backend is torchao: its weight-only configs through `torchao.quantization.quantize_` (the
@@ -24,10 +24,11 @@ holds the same full weights holds the same quantized ones: the layouts stay exac
 Order: LoRA injected, weights loaded or initialised, then `quantize_base`, then parallelize
 (the quantized weights are not sharded by FSDP2: `quantized_parameters` lists them for its
 ignored_params; each rank keeps the whole quantized base, 1 B per weight).
-nf4 needs each quantized weight's size to be a multiple of NF4_BLOCK, fp8_scaled each input width
-a multiple of FP8_GROUP (`unfit` names the first layer that is not: refused before any worker starts); its double-quantization group is the
-largest power of two <= 256 dividing the layer's number of blocks (256 on real models' layers;
-smaller on the tiny test models, whose layers hold fewer than 64 x 256 values).
+nf4 needs each quantized weight's size to be a multiple of NF4_BLOCK, fp8_scaled each input
+width a multiple of FP8_GROUP (`unfit` names the first layer that is not: refused before any
+worker starts). nf4's double-quantization group is the largest power of two <= 256 dividing the
+layer's number of blocks (256 on real models' layers; smaller on the tiny test models, whose
+layers hold fewer than 64 x 256 values).
 Not here: bitsandbytes' 4-bit (CUDA only), fp8 with a scaled activation path (needs sm89+ GPUs).
 """
 from __future__ import annotations
