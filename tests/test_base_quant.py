@@ -77,7 +77,9 @@ def test_quantized_base_trains_adapters_close_to_the_full_base(model, data_cache
         grad_err = float((_flat(grads) - _flat(ref_grads)).norm() / _flat(ref_grads).norm())
         with capsys.disabled():
             print(f"\n{model} base_quant={kind}: loss rel err {loss_err:.2e}, adapter grad rel err {grad_err:.2e}")
-        assert 0 < loss_err <= loss_bound and 0 < grad_err <= grad_bound, (model, kind, loss_err, grad_err)
+        # the gradient error > 0 shows the quantized base is in use; the loss error may be 0: Wan's
+        # int8 error (~8e-8) is at float32's resolution of the reported loss and read 0.0 in one run
+        assert 0 <= loss_err <= loss_bound and 0 < grad_err <= grad_bound, (model, kind, loss_err, grad_err)
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8_scaled", "nf4"])
