@@ -44,7 +44,7 @@ def test_base_term_matches_a_quantized_model():
     from dit_train.models import build_model, model_spec
     from dit_train.models.lora import apply_lora, lora_settings
 
-    for q in ("none", "int8"):
+    for q in ("none", "int8", "nf4"):
         cfg = compose_config(["model=dit_small", "model.lora.rank=16", f"model.base_quant={q}"])
         model = build_model(cfg.model)
         apply_lora(model, lora_settings(cfg.model), model_spec(cfg.model).name)

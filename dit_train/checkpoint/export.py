@@ -28,10 +28,12 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Unsharded fp32 CPU state dict; a collective under FSDP (every rank must call it).
 
     Keys are those of the plain model: wrapper prefixes (DDP `module.`, activation
-    checkpointing, torch.compile) are removed by torch.distributed.checkpoint.
+    checkpointing, torch.compile) are removed by torch.distributed.checkpoint. A quantized base
+    weight (model.base_quant) is returned as it is, for `with_base` to replace: torchao's
+    NF4Tensor refuses `.to(copy=True)`, and no caller needs a copy of one.
     """
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {k: v.detach().to(torch.float32, copy=True).contiguous() for k, v in sd.items()}
+    return {k: v if is_quantized(v) else v.detach().to(torch.float32, copy=True).contiguous() for k, v in sd.items()}
 
 
 def save_safetensors(sd: dict[str, torch.Tensor], path: str | Path) -> None:

@@ -165,6 +165,8 @@ class BaseQuant(Choice):
     none = "none"  # the training dtype
     int8 = "int8"  # torchao Int8WeightOnlyConfig: int8 values, per-row scale
     fp8 = "fp8"  # torchao Float8WeightOnlyConfig: float8_e4m3fn values, per-row scale
+    fp8_scaled = "fp8_scaled"  # the same with a scale per 64 inputs of each row (musubi-tuner's --fp8_scaled)
+    nf4 = "nf4"  # torchao to_nf4 (QLoRA): 4-bit NormalFloat, an 8-bit absmax per 64 values
 
 
 class ActivationCheckpointing(Choice):

@@ -105,9 +105,11 @@ class ModelConfig:
     # Wan's diffusers blocks have no prologues (no effect there).
     recompute_prologues: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
-    # LoRA runs: the frozen linears of the blocks stored int8 or fp8 by torchao (1 B per weight
-    # instead of 2-4; adapters, norms, embeddings keep the training dtype; dit_train/models/quant.py,
-    # docs/one-gpu.md). Needs model.lora.rank > 0 and torchao (the quant extra).
+    # LoRA runs: the frozen linears of the blocks stored by torchao as int8, fp8 (a scale per row),
+    # fp8_scaled (a scale per 64 inputs; 1 B per weight instead of 2-4) or nf4 (~0.52 B); adapters,
+    # norms, embeddings keep the training dtype; dit_train/models/quant.py, docs/one-gpu.md. Needs
+    # model.lora.rank > 0 and torchao (the quant extra); nf4 also every frozen block weight's size a
+    # multiple of 64, fp8_scaled every input width.
     base_quant: BaseQuant = BaseQuant.none
     # LoRA runs on one device: the frozen weights of the last N blocks kept in host memory (pinned on
     # CUDA) and copied to the device ahead of each block's forward and backward (side stream on CUDA;

@@ -22,6 +22,7 @@ from dit_train.config.choices import ActivationCheckpointing, Choice
 from dit_train.config.errors import ConfigError
 from dit_train.data_pipelines import SOURCES
 from dit_train.models import build_model, model_spec, MODELS, quant
+from dit_train.models.lora import apply_lora, lora_settings
 from dit_train.optim import low_bit
 from dit_train.parallel.checkpointing import checkpointed_blocks
 from dit_train.parallel.mesh import ParallelDims
@@ -365,6 +366,22 @@ def _base_quant(cfg: Config, e: list[str]) -> None:
         return
     reason = quant.probe(kind, "cuda" if runs_on_cuda(cfg.parallel.device) else "cpu")
     _check(not reason, reason, e)
+    if kind in ("nf4", "fp8_scaled") and not reason:
+        e.extend(_blocked_quant_errors(cfg.model, kind))
+
+
+def _blocked_quant_errors(m: Any, kind: str) -> list[str]:
+    """model.base_quant=nf4 | fp8_scaled: every weight quantize_base would store (the frozen linears
+    of the blocks once LoRA is injected; the model built on the meta device) splits into its blocks."""
+    try:
+        with torch.device("meta"):
+            model = build_model(m)
+            apply_lora(model, lora_settings(m), model_spec(m).name)
+    except Exception:  # the model's and LoRA's own checks report what is wrong with them
+        return []
+    frozen = set(quant.frozen_linears(model_spec(m).blocks(model)))
+    reason = quant.unfit(kind, ((n, mod) for n, mod in model.named_modules() if mod in frozen))
+    return [reason] if reason else []
 
 
 def _block_swap(cfg: Config, e: list[str]) -> None:
@@ -391,24 +408,30 @@ def _block_swap(cfg: Config, e: list[str]) -> None:
     _check(covered, f"model.block_swap={n} needs full activation checkpointing on the swapped blocks: set "
            f"model.activation_checkpointing=full model.ac_every=1 (now {policy}, every {m.ac_every})", e)
     _check(not p.meta_init, f"model.block_swap={n} needs real weights to keep in host memory; set parallel.meta_init=false", e)
+    # torchao's NF4Tensor does not take .to(copy=True), which block_swap's host copies use
+    _check(str(m.base_quant) != "nf4", f"model.block_swap={n} with model.base_quant=nf4 is not supported (torchao's "
+           f"NF4Tensor cannot be copied to host memory the way block swap does); use model.base_quant=int8 or fp8", e)
     world = ParallelDims.from_config(p).world
     _check(world == 1, f"model.block_swap={n} is for one process (one GPU); over {world} ranks use FSDP2's "
            f"parallel.cpu_offload=true (FSDP2 manages its parameters' storage itself; block swap under DDP is not tested)", e)
 
 
 def _low_bit_optim(cfg: Config, e: list[str]) -> None:
-    """optim.name=adamw8bit (dit_train/optim/low_bit.py): one process (FSDP2 would quantize each
-    rank's shard in its own blocks: states depending on the layout; DDP is untested: see
-    docs/one-gpu.md), and torchao installed with its compiled step running on this device."""
+    """optim.name=adamw8bit (dit_train/optim/low_bit.py): where every rank's optimizer holds whole
+    parameters (one process; DDP; FSDP2 with a shard group of 1, i.e. parallel.dp_replicate only),
+    so every rank quantizes the same tensors in the same 256-value blocks as one process would.
+    Under FSDP2 sharding each shard is quantized in its own blocks: refused. And torchao installed
+    with its compiled step running on this device."""
     if str(cfg.optim.name) != "adamw8bit":
         return
-    dims = ParallelDims.from_config(cfg.parallel)
-    if dims.world > 1:
-        e.append(f"optim.name=adamw8bit runs on one process ({dims.describe()}): under FSDP2 torchao quantizes each "
-                 f"rank's shard in its own 256-value blocks, so the state would depend on the layout, and DDP is not "
-                 f"tested; use optim.name=adamw for several ranks")
+    p, dims = cfg.parallel, ParallelDims.from_config(cfg.parallel)
+    shard = dims.dp_shard * (dims.cp if p.cp_fsdp_mode == "all" else 1)
+    if dims.world > 1 and p.dp_mode == "fsdp2" and shard > 1:
+        e.append(f"optim.name=adamw8bit with FSDP2 sharding over {shard} ranks ({dims.describe()}): torchao quantizes "
+                 f"each rank's shard in its own 256-value blocks, so the state would depend on the layout; replicate "
+                 f"instead (parallel.dp_replicate=N parallel.dp_shard=1, or parallel.dp_mode=ddp), or optim.name=adamw")
         return
-    reason = low_bit.probe("cuda" if runs_on_cuda(cfg.parallel.device) else "cpu")
+    reason = low_bit.probe("cuda" if runs_on_cuda(p.device) else "cpu")
     _check(not reason, reason, e)
 
 

@@ -10,10 +10,13 @@ Checkpoints: the moments are torchao tensor subclasses (`OptimState8bit`: codes,
 code map) that DCP writes and reads as they are (no dequantize / requantize), so a resumed run
 continues with the same codes: bit-equal to the uninterrupted run (tests/test_low_bit_optim.py).
 
-Layouts: one process only (several ranks are refused in engine/checks.py). Under FSDP2 torchao
-quantizes each rank's local shard in its own 256-value blocks and keeps shards under 4096 values
-in fp32, so the states (and the updates) would depend on how a parameter is sharded. DDP holds
-whole parameters, but is not tested (docs/one-gpu.md says why).
+Layouts: wherever every rank's optimizer holds whole parameters — one process, DDP, FSDP2 with a
+shard group of 1 (parallel.dp_replicate only: HSDP's replicas) — every rank quantizes the same
+summed gradient's moments in the same blocks as one process, so the states are the same
+everywhere (tests/test_low_bit_optim.py: layout-exact against one process). Under FSDP2
+sharding torchao quantizes each rank's local shard in its own 256-value blocks and keeps shards
+under 4096 values in fp32, so the states (and the updates) would depend on how a parameter is
+sharded: refused in engine/checks.py.
 """
 from __future__ import annotations
 

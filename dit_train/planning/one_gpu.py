@@ -37,7 +37,9 @@ from dit_train.perf.flops import attention_flops
 from dit_train.perf.memory import (DTYPE_BYTES, GIB, ModelShape, activation_parts, attention_workspace_bytes,
                                    offloaded_activation_bytes, optimizer_bytes_per_param)
 
-QUANT_BYTES = {"none": 4.0, "int8": 1.0, "fp8": 1.0}
+# bytes per frozen block weight; nf4 (models/quant.py): 4-bit codes, an int8 absmax per 64 values and
+# an fp32 factor per 256 absmaxes. The choice below walks none and int8 only (nf4 is not chosen).
+QUANT_BYTES = {"none": 4.0, "int8": 1.0, "fp8": 1.0, "fp8_scaled": 1.0 + 4 / 64, "nf4": 0.5 + 1 / 64 + 4 / (64 * 256)}
 
 
 @dataclass
