@@ -1,0 +1,118 @@
+"""Pre-run checks of the one-GPU settings (docs/one-gpu.md): a quantized frozen base
+(model.base_quant), block swap (model.block_swap) and 8-bit optimizer states (optim.name=adamw8bit).
+Part of engine/checks.py's `check_config`; each error says what to change."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dit_train.config import Config
+from dit_train.config.choices import ActivationCheckpointing
+from dit_train.models import build_model, model_spec, quant
+from dit_train.models.lora import apply_lora, lora_settings
+from dit_train.optim import low_bit
+from dit_train.parallel.checkpointing import checkpointed_blocks
+from dit_train.parallel.mesh import ParallelDims
+
+
+def _check(ok: bool, message: str, errors: list[str]) -> None:
+    if not ok:
+        errors.append(message)
+
+
+def one_gpu_errors(cfg: Config) -> list[str]:
+    """Every problem of model.base_quant, model.block_swap and optim.name=adamw8bit in cfg."""
+    e: list[str] = []
+    _base_quant(cfg, e)
+    _block_swap(cfg, e)
+    _low_bit_optim(cfg, e)
+    return e
+
+
+def runs_on_cuda(device: str) -> bool:
+    """Whether parallel.device (auto | cpu | cuda) puts the run on a GPU on this machine."""
+    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
+
+
+def _base_quant(cfg: Config, e: list[str]) -> None:
+    """model.base_quant: only under LoRA (a quantized weight gets no gradient: full training of it
+    is not supported), and only where torchao runs that quantization on this run's device (a
+    small linear is quantized and run forward and backward there: a missing torchao or a kernel
+    the device lacks is one line here, not a failure inside the workers)."""
+    kind = str(cfg.model.base_quant)
+    if kind == "none":
+        return
+    if cfg.model.lora.rank <= 0:
+        e.append(f"model.base_quant={kind} quantizes the frozen base of a LoRA run; full training of a quantized "
+                 f"base is not supported: set model.lora.rank (e.g. 16) or model.base_quant=none")
+        return
+    reason = quant.probe(kind, "cuda" if runs_on_cuda(cfg.parallel.device) else "cpu")
+    _check(not reason, reason, e)
+    if kind in ("nf4", "fp8_scaled") and not reason:
+        e.extend(_blocked_quant_errors(cfg.model, kind))
+
+
+def _blocked_quant_errors(m: Any, kind: str) -> list[str]:
+    """model.base_quant=nf4 | fp8_scaled: every weight quantize_base would store (the frozen linears
+    of the blocks once LoRA is injected; the model built on the meta device) splits into its blocks."""
+    try:
+        with torch.device("meta"):
+            model = build_model(m)
+            apply_lora(model, lora_settings(m), model_spec(m).name)
+    except Exception:  # the model's and LoRA's own checks report what is wrong with them
+        return []
+    frozen = set(quant.frozen_linears(model_spec(m).blocks(model)))
+    reason = quant.unfit(kind, ((n, mod) for n, mod in model.named_modules() if mod in frozen))
+    return [reason] if reason else []
+
+
+def _block_swap(cfg: Config, e: list[str]) -> None:
+    """model.block_swap=N (dit_train/engine/block_swap.py): N of model.depth blocks, a LoRA run
+    (only frozen weights move), full activation checkpointing on the swapped (last N) blocks
+    (without it the saved views of the weights keep every device copy alive until backward), and
+    one process (FSDP2 swaps parameter storage itself: parallel.cpu_offload there)."""
+    m, p = cfg.model, cfg.parallel
+    n = m.block_swap
+    if n == 0:
+        return
+    if not 0 <= n <= m.depth:
+        e.append(f"model.block_swap={n} must be between 0 and model.depth={m.depth} (the blocks whose frozen weights "
+                 f"stay in host memory)")
+        return
+    _check(m.lora.rank > 0, f"model.block_swap={n} streams frozen weights; with model.lora.rank=0 every weight trains: "
+           f"set model.lora.rank (e.g. 16) or model.block_swap=0", e)
+    swapped = set(range(m.depth - n, m.depth))
+    try:
+        policy = ActivationCheckpointing.of(m.activation_checkpointing)
+    except ValueError:
+        return  # reported by _parallel
+    covered = policy == "full" and swapped <= set(checkpointed_blocks(m.depth, max(1, m.ac_every)))
+    _check(covered, f"model.block_swap={n} needs full activation checkpointing on the swapped blocks: set "
+           f"model.activation_checkpointing=full model.ac_every=1 (now {policy}, every {m.ac_every})", e)
+    _check(not p.meta_init, f"model.block_swap={n} needs real weights to keep in host memory; set parallel.meta_init=false", e)
+    # torchao's NF4Tensor does not take .to(copy=True), which block_swap's host copies use
+    _check(str(m.base_quant) != "nf4", f"model.block_swap={n} with model.base_quant=nf4 is not supported (torchao's "
+           f"NF4Tensor cannot be copied to host memory the way block swap does); use model.base_quant=int8 or fp8", e)
+    world = ParallelDims.from_config(p).world
+    _check(world == 1, f"model.block_swap={n} is for one process (one GPU); over {world} ranks use FSDP2's "
+           f"parallel.cpu_offload=true (FSDP2 manages its parameters' storage itself; block swap under DDP is not tested)", e)
+
+
+def _low_bit_optim(cfg: Config, e: list[str]) -> None:
+    """optim.name=adamw8bit (dit_train/optim/low_bit.py): where every rank's optimizer holds whole
+    parameters (one process; DDP; FSDP2 with a shard group of 1, i.e. parallel.dp_replicate only),
+    so every rank quantizes the same tensors in the same 256-value blocks as one process would.
+    Under FSDP2 sharding each shard is quantized in its own blocks: refused. And torchao installed
+    with its compiled step running on this device."""
+    if str(cfg.optim.name) != "adamw8bit":
+        return
+    p, dims = cfg.parallel, ParallelDims.from_config(cfg.parallel)
+    shard = dims.dp_shard * (dims.cp if p.cp_fsdp_mode == "all" else 1)
+    if dims.world > 1 and p.dp_mode == "fsdp2" and shard > 1:
+        e.append(f"optim.name=adamw8bit with FSDP2 sharding over {shard} ranks ({dims.describe()}): torchao quantizes "
+                 f"each rank's shard in its own 256-value blocks, so the state would depend on the layout; replicate "
+                 f"instead (parallel.dp_replicate=N parallel.dp_shard=1, or parallel.dp_mode=ddp), or optim.name=adamw")
+        return
+    reason = low_bit.probe("cuda" if runs_on_cuda(p.device) else "cpu")
+    _check(not reason, reason, e)
