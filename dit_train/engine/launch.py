@@ -76,6 +76,20 @@ def check_interrupted() -> None:
         raise Interrupted(_pending[0])
 
 
+def run_stoppable(fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args), where an exception that arrives while a signal is pending is that signal's
+    `Interrupted`: the signal's raise can land inside library code whose cleanup then fails on its
+    half-done state (omegaconf's flag_override restoring flags on a half-built node raised an
+    AttributeError that replaced the Interrupted): the stop must still end as a stop (status
+    interrupted, one line, 143), not as a crash with exit 1."""
+    try:
+        return fn(*args)
+    except Exception as err:
+        if _pending:
+            raise Interrupted(_pending[0]) from err
+        raise
+
+
 def interrupt_on_signals() -> None:
     """SIGTERM and SIGINT raise `Interrupted` in this process's main thread (SIGTERM would
     otherwise kill it before summary.json is written), and are remembered for
@@ -218,7 +232,7 @@ def _worker(fn: Callable[..., Any], args: tuple, beat_dir: str | None = None) ->
     if beat_dir:
         Heartbeat(beat_dir).start()
     try:
-        return fn(*args)
+        return run_stoppable(fn, *args)
     except KeyboardInterrupt as err:  # stopped on purpose: an exit code, not a traceback per worker
         raise SystemExit(interruption(err)[1]) from None
 
@@ -288,6 +302,6 @@ def launch(cfg: Config, fn: Callable[[Config], Any]) -> Any:
     """Run `fn(cfg)` on as many processes as the layout needs; returns rank 0's result."""
     dims = ParallelDims.from_config(cfg.parallel)
     if dims.world == 1 or under_external_launcher() or adopt_slurm_env():
-        return fn(cfg)
+        return run_stoppable(fn, cfg)
     results = launch_local(fn, (cfg,), dims.world, cfg.launcher)
     return results.get(0)
