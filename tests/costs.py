@@ -3,9 +3,14 @@ what makes `-m "not slow"` a quick subset.
 
 `tests/costs.tsv` holds each test's CPU seconds (pytest's process + its pool workers and
 subprocesses) from a `--cpu-report` run of the whole suite, one `seconds<TAB>node id` a line.
-Rewrite it from such a run's reports (under -n N, one FILE.gw<K> per worker):
+Rewrite it from such a run's reports (under -n N, one FILE.gw<K> per worker) and from a
+`-m "not slow"` run's: a test counts the most it cost in any of them.
 
-    .venv/bin/python -m tests.costs /tmp/report.tsv.gw0 /tmp/report.tsv.gw1
+    .venv/bin/python -m tests.costs /tmp/all.tsv.gw0 /tmp/all.tsv.gw1 /tmp/quick.tsv.gw0 /tmp/quick.tsv.gw1
+
+A test pays for the module fixtures it is the first to use (a run, an oracle): in the whole
+suite a slow test of its file paid them, in `-m "not slow"` it does itself, and the second
+report marks it slow as well.
 
 Two uses (tests/conftest.py):
 
@@ -74,7 +79,8 @@ def parse_report(text: str) -> dict[str, float]:
 def write_table(reports: list[Path], path: Path = TABLE) -> int:
     costs: dict[str, float] = {}
     for report in reports:
-        costs.update(parse_report(report.read_text()))
+        for nodeid, seconds in parse_report(report.read_text()).items():
+            costs[nodeid] = max(costs.get(nodeid, 0.0), seconds)
     lines = [f"# CPU seconds per test, from `--cpu-report` ({', '.join(p.name for p in reports)}); "
              "python -m tests.costs REPORT... rewrites it (tests/costs.py)"]
     lines += [f"{costs[n]:.1f}\t{n}" for n in sorted(costs)]

@@ -100,6 +100,11 @@ def test_the_table_is_read_back_from_cpu_reports(tmp_path):
     table = tmp_path / "costs.tsv"
     assert write_table([report], table) == 2
     assert read_table(table) == {"tests/test_a.py::t[a b-c]": 3.2, "tests/test_b.py::u": 0.0}
+    # a -m "not slow" run where test_b.py::u paid its module's fixture: each test's most
+    quick = tmp_path / "q.tsv.gw1"
+    quick.write_text(format_table([("tests/test_b.py::u", 4.0, 1.0, 6.0), ("tests/test_a.py::t[a b-c]", 0.1, 0.0, 0.1)]))
+    assert write_table([report, quick], table) == 2
+    assert read_table(table) == {"tests/test_a.py::t[a b-c]": 3.2, "tests/test_b.py::u": 5.0}
 
 
 def test_the_checked_in_table_names_tests_of_the_suite():
