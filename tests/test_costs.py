@@ -2,10 +2,11 @@
 that measured SLOW_CPU_S or more marked `slow`, and the table read back from `--cpu-report`."""
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 from tests import conftest
-from tests.costs import DEFAULT_CPU_S, SLOW_CPU_S, order_files_by_cost, parse_report, read_table
+from tests.costs import DEFAULT_CPU_S, SLOW_CPU_S, order_files_by_cost, parse_report, read_table, write_table
 from tests.cpu_report import format_table
 
 
@@ -56,7 +57,7 @@ def test_the_hook_marks_measured_tests_slow_and_orders_only_under_xdist(monkeypa
 def test_loadfile_hands_out_files_in_collection_order():
     """xdist's scheduler with the suite's hook: the first file goes to the first worker, the
     second to the other, then the next to whichever has two tests or fewer left."""
-    from xdist.scheduler import LoadFileScheduling
+    from xdist.scheduler import LoadFileScheduling  # the test extra's pytest-xdist, as make test runs it
 
     option = SimpleNamespace(loadscopereorder=True)
     values = {"dist": "loadfile", "tx": ["2*popen"]}
@@ -95,8 +96,6 @@ def test_the_table_is_read_back_from_cpu_reports(tmp_path):
     report = tmp_path / "r.tsv.gw0"
     report.write_text(format_table(rows) + f"{3.0:8.1f}                   outside tests (start, imports, collection)\n")
     assert parse_report(report.read_text()) == {"tests/test_a.py::t[a b-c]": 3.2, "tests/test_b.py::u": 0.0}
-    from tests.costs import write_table
-
     table = tmp_path / "costs.tsv"
     assert write_table([report], table) == 2
     assert read_table(table) == {"tests/test_a.py::t[a b-c]": 3.2, "tests/test_b.py::u": 0.0}
@@ -109,8 +108,6 @@ def test_the_table_is_read_back_from_cpu_reports(tmp_path):
 
 def test_the_checked_in_table_names_tests_of_the_suite():
     """Rows whose test was renamed or removed count nothing; most rows must still name a test."""
-    from pathlib import Path
-
     costs = read_table()
     tests = Path(__file__).parent
     assert len(costs) > 500
