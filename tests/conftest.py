@@ -202,15 +202,38 @@ def pytest_configure(config):
         config.pluginmanager.register(CpuReport(f"{path}.{worker}" if worker else path), "cpu_report")
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection, which must see the measured `slow`
 def pytest_collection_modifyitems(config, items):
-    """`install` tests (wheel beside Hugging Face's kernels, dependency resolution per platform)
-    fetch from the package index for ~1 min: only with --run-install (.ci/run runs them)."""
+    """Tests that measured tests.costs.SLOW_CPU_S or more are `slow` (`-m "not slow"` is the quick
+    subset); under pytest-xdist the files come costliest first (tests/costs.py says why). `install`
+    tests (wheel beside Hugging Face's kernels, dependency resolution per platform) fetch from the
+    package index for ~1 min: only with --run-install (.ci/run runs them)."""
+    from tests.costs import measured_slow, order_files_by_cost, read_table
+
+    costs = read_table()
+    for item in measured_slow(items, costs):
+        item.add_marker(pytest.mark.slow)
+    if hasattr(config, "workerinput"):  # every worker collects, and all must send the same order
+        order_files_by_cost(items, costs)
     if config.getoption("--run-install"):
         return
     skip = pytest.mark.skip(reason="fetches from the package index: make test-install (pytest --run-install)")
     for item in items:
         if item.get_closest_marker("install"):
             item.add_marker(skip)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` hands out files in the workers' collection order (heaviest first, above)
+    instead of re-sorting them by their number of tests (xdist's default `--loadscope-reorder`,
+    which put test_cli's 6 tests and 67 CPU-s near the end)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    config.option.loadscopereorder = False
+    return LoadFileScheduling(config, log)
 
 
 class S3Endpoint:
