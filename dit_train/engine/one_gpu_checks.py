@@ -100,19 +100,17 @@ def _block_swap(cfg: Config, e: list[str]) -> None:
 
 
 def _low_bit_optim(cfg: Config, e: list[str]) -> None:
-    """optim.name=adamw8bit (dit_train/optim/low_bit.py): where every rank's optimizer holds whole
-    parameters (one process; DDP; FSDP2 with a shard group of 1, i.e. parallel.dp_replicate only),
-    so every rank quantizes the same tensors in the same 256-value blocks as one process would.
-    Under FSDP2 sharding each shard is quantized in its own blocks: refused. And torchao installed
-    with its compiled step running on this device."""
+    """optim.name=adamw8bit (dit_train/optim/low_bit.py): one process (FSDP2 would quantize each
+    rank's shard in its own blocks; under DDP / dp_replicate the gradient sum's order flips 8-bit
+    codes: measured up to 1.0e-2 of the update from one process, docs/one-gpu.md), and torchao
+    installed with its compiled step running on this device."""
     if str(cfg.optim.name) != "adamw8bit":
         return
-    p, dims = cfg.parallel, ParallelDims.from_config(cfg.parallel)
-    shard = dims.dp_shard * (dims.cp if p.cp_fsdp_mode == "all" else 1)
-    if dims.world > 1 and p.dp_mode == "fsdp2" and shard > 1:
-        e.append(f"optim.name=adamw8bit with FSDP2 sharding over {shard} ranks ({dims.describe()}): torchao quantizes "
-                 f"each rank's shard in its own 256-value blocks, so the state would depend on the layout; replicate "
-                 f"instead (parallel.dp_replicate=N parallel.dp_shard=1, or parallel.dp_mode=ddp), or optim.name=adamw")
+    dims = ParallelDims.from_config(cfg.parallel)
+    if dims.world > 1:
+        e.append(f"optim.name=adamw8bit runs on one process ({dims.describe()}): under FSDP2 torchao quantizes each "
+                 f"rank's shard in its own 256-value blocks, and under DDP or dp_replicate the gradient sum's order flips "
+                 f"8-bit codes (measured up to 1e-2 of the update from one process); use optim.name=adamw for several ranks")
         return
-    reason = low_bit.probe("cuda" if runs_on_cuda(p.device) else "cpu")
+    reason = low_bit.probe("cuda" if runs_on_cuda(cfg.parallel.device) else "cpu")
     _check(not reason, reason, e)

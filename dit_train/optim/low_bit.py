@@ -10,13 +10,12 @@ Checkpoints: the moments are torchao tensor subclasses (`OptimState8bit`: codes,
 code map) that DCP writes and reads as they are (no dequantize / requantize), so a resumed run
 continues with the same codes: bit-equal to the uninterrupted run (tests/test_low_bit_optim.py).
 
-Layouts: wherever every rank's optimizer holds whole parameters — one process, DDP, FSDP2 with a
-shard group of 1 (parallel.dp_replicate only: HSDP's replicas) — every rank quantizes the same
-summed gradient's moments in the same blocks as one process, so the states are the same
-everywhere (tests/test_low_bit_optim.py: layout-exact against one process). Under FSDP2
-sharding torchao quantizes each rank's local shard in its own 256-value blocks and keeps shards
-under 4096 values in fp32, so the states (and the updates) would depend on how a parameter is
-sharded: refused in engine/checks.py.
+Layouts: one process only (several ranks are refused in engine/checks.py). Under FSDP2 torchao
+quantizes each rank's local shard in its own 256-value blocks and keeps shards under 4096 values
+in fp32, so the states (and the updates) would depend on how a parameter is sharded. DDP and
+dp_replicate hold whole parameters, but the gradient sum's order flips 8-bit codes at rounding
+boundaries and Adam carries the flips: measured from 2.5e-5 to 1.0e-2 of the update between runs
+of the same 3-step test (docs/one-gpu.md), as far as FSDP2 sharding's 1.05e-2: refused too.
 """
 from __future__ import annotations
 
