@@ -33,13 +33,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from dit_train.models.quant import FP8_GROUP, NF4_BLOCK, NF4_SCALER_BLOCK
 from dit_train.perf.flops import attention_flops
 from dit_train.perf.memory import (DTYPE_BYTES, GIB, ModelShape, activation_parts, attention_workspace_bytes,
                                    offloaded_activation_bytes, optimizer_bytes_per_param)
 
-# bytes per frozen block weight; nf4 (models/quant.py): 4-bit codes, an int8 absmax per 64 values and
-# an fp32 factor per 256 absmaxes. The choice below walks none and int8 only (nf4 is not chosen).
-QUANT_BYTES = {"none": 4.0, "int8": 1.0, "fp8": 1.0, "fp8_scaled": 1.0 + 4 / 64, "nf4": 0.5 + 1 / 64 + 4 / (64 * 256)}
+# bytes per frozen block weight, from models/quant.py's block sizes: fp8_scaled an fp32 scale per
+# FP8_GROUP inputs; nf4 4-bit codes, an int8 absmax per NF4_BLOCK values and an fp32 factor per
+# NF4_SCALER_BLOCK absmaxes. The choice below walks none and int8 only (nf4 is not chosen).
+QUANT_BYTES = {"none": 4.0, "int8": 1.0, "fp8": 1.0, "fp8_scaled": 1.0 + 4 / FP8_GROUP,
+               "nf4": 0.5 + 1 / NF4_BLOCK + 4 / (NF4_BLOCK * NF4_SCALER_BLOCK)}
 
 
 @dataclass
