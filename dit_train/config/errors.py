@@ -13,6 +13,13 @@ class ConfigError(ValueError):
         self.problems = list(problems) if problems is not None else [message]
 
 
+def check(ok: bool, message: str, errors: list[str]) -> None:
+    """Add `message` to `errors` unless `ok`: the pre-run checks collect every problem of a
+    config, then check_config raises one ConfigError naming them all."""
+    if not ok:
+        errors.append(message)
+
+
 class RunFolderError(ConfigError):
     """The run folder cannot be used as asked; the message says what to change."""
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from dit_train.config import PARALLEL_DEGREES, Config
 from dit_train.config.choices import ActivationCheckpointing, Choice
-from dit_train.config.errors import ConfigError
+from dit_train.config.errors import ConfigError, check
 from dit_train.data_pipelines import SOURCES
 from dit_train.engine.one_gpu_checks import one_gpu_errors, runs_on_cuda
 from dit_train.models import build_model, model_spec, MODELS
@@ -27,11 +27,6 @@ from dit_train.parallel.mesh import ParallelDims
 from dit_train.tasks.causal import causal_errors
 from dit_train.tasks.conditioning import cond_errors
 from dit_train.trackers import tracker_errors
-
-
-def _check(ok: bool, message: str, errors: list[str]) -> None:
-    if not ok:
-        errors.append(message)
 
 
 @functools.lru_cache(maxsize=None)
@@ -72,44 +67,44 @@ def choice_errors(node: Any, prefix: str) -> list[str]:
 def _parallel(cfg: Config, world_size: int | None, e: list[str]) -> None:
     p, m = cfg.parallel, cfg.model
     for key in PARALLEL_DEGREES:
-        _check(getattr(p, key) >= 1, f"parallel.{key}={getattr(p, key)} must be >= 1", e)
+        check(getattr(p, key) >= 1, f"parallel.{key}={getattr(p, key)} must be >= 1", e)
     dims = ParallelDims.from_config(p)
     if world_size is not None and world_size != dims.world:
         e.append(f"the launcher started {world_size} processes but {dims.describe()}; make the product of "
                  f"parallel.{'/'.join(PARALLEL_DEGREES)} equal {world_size} (e.g. parallel.dp_shard={world_size})")
-    _check(p.fsdp_prefetch >= 0, f"parallel.fsdp_prefetch={p.fsdp_prefetch} must be >= 0 (0 = FSDP2's implicit prefetch)", e)
+    check(p.fsdp_prefetch >= 0, f"parallel.fsdp_prefetch={p.fsdp_prefetch} must be >= 0 (0 = FSDP2's implicit prefetch)", e)
     if m.heads >= 1:  # model.heads < 1 is a range error already (and the modulo would divide by zero)
-        _check(m.dim % m.heads == 0, f"model.dim={m.dim} must be divisible by model.heads={m.heads}", e)
-    _check(p.cp_ulysses >= 1 and m.heads % max(1, p.cp_ulysses) == 0,
+        check(m.dim % m.heads == 0, f"model.dim={m.dim} must be divisible by model.heads={m.heads}", e)
+    check(p.cp_ulysses >= 1 and m.heads % max(1, p.cp_ulysses) == 0,
            f"model.heads={m.heads} must be divisible by parallel.cp_ulysses={p.cp_ulysses} (Ulysses splits heads)", e)
     audio_heads = getattr(m, "audio_heads", 0)  # LTX-2's audio stream and its audio<->video attention
-    _check(not audio_heads or audio_heads % max(1, p.cp_ulysses) == 0,
+    check(not audio_heads or audio_heads % max(1, p.cp_ulysses) == 0,
            f"model.audio_heads={audio_heads} must be divisible by parallel.cp_ulysses={p.cp_ulysses} (Ulysses splits "
            "the audio attention's heads too)", e)
-    _check(not (p.dp_mode == "ddp" and p.meta_init),
+    check(not (p.dp_mode == "ddp" and p.meta_init),
            "parallel.meta_init=true needs FSDP2 (DDP needs full weights on every rank); set parallel.dp_mode=fsdp2 "
            "or parallel.meta_init=false", e)
-    _check(not (p.dp_mode == "none" and p.meta_init), "parallel.meta_init=true needs parallel.dp_mode=fsdp2", e)
+    check(not (p.dp_mode == "none" and p.meta_init), "parallel.meta_init=true needs parallel.dp_mode=fsdp2", e)
     # FSDP2's CPUOffloadPolicy is the only parameter offload: DDP keeps full copies on the device,
     # and a single process is not wrapped in FSDP2 at all
-    _check(not (p.cpu_offload and p.dp_mode != "fsdp2"),
+    check(not (p.cpu_offload and p.dp_mode != "fsdp2"),
            f"parallel.cpu_offload=true needs FSDP2 (parallel.dp_mode={p.dp_mode} keeps parameters, gradients and "
            f"optimizer state on the device); set parallel.dp_mode=fsdp2 or parallel.cpu_offload=false", e)
-    _check(not (p.cpu_offload and p.dp_mode == "fsdp2" and dims.world == 1),
+    check(not (p.cpu_offload and p.dp_mode == "fsdp2" and dims.world == 1),
            "parallel.cpu_offload=true needs FSDP2 over >= 2 ranks (one process is not sharded); raise parallel.dp_shard "
            "or set parallel.cpu_offload=false (train.activation_offload works on one GPU)", e)
     try:
         ActivationCheckpointing.of(m.activation_checkpointing)
     except ValueError as err:
         e.append(str(err))
-    _check(m.ac_every >= 1, f"model.ac_every={m.ac_every} must be >= 1 (1 = every block, 2 = every second block)", e)
+    check(m.ac_every >= 1, f"model.ac_every={m.ac_every} must be >= 1 (1 = every block, 2 = every second block)", e)
     experts = m.moe.num_experts
-    _check(p.ep >= 1 and dims.world % max(1, p.ep) == 0,
+    check(p.ep >= 1 and dims.world % max(1, p.ep) == 0,
            f"parallel.ep={p.ep} must divide the world size {dims.world} (experts are split over ep ranks of it)", e)
-    _check(p.ep == 1 or (experts > 0 and experts % p.ep == 0),
+    check(p.ep == 1 or (experts > 0 and experts % p.ep == 0),
            f"parallel.ep={p.ep} splits the experts of MoE layers: set model.moe.num_experts to a multiple of it "
            f"(now {experts}) or parallel.ep=1", e)
-    _check(not (p.ep > 1 and p.cpu_offload), "parallel.ep > 1 with parallel.cpu_offload=true is not supported; "
+    check(not (p.ep > 1 and p.cpu_offload), "parallel.ep > 1 with parallel.cpu_offload=true is not supported; "
            "set one of them back", e)
 
 
@@ -126,28 +121,28 @@ def _train(cfg: Config, e: list[str]) -> None:
     t, o = cfg.train, cfg.optim
     for key, low in (("steps", 0), ("global_batch", 1), ("grad_accum", 1), ("micro_batch_tokens", 0), ("keep_last", 1),
                      ("max_skipped_steps", 0), ("eval_every", 0)):
-        _check(getattr(t, key) >= low, f"train.{key}={getattr(t, key)} must be >= {low}", e)
+        check(getattr(t, key) >= low, f"train.{key}={getattr(t, key)} must be >= {low}", e)
     # a factor <= 1 would call a loss that merely stops falling diverged (RANGES refuses < 0)
-    _check(not 0 < t.divergence_factor <= 1, f"train.divergence_factor={t.divergence_factor:g} must be 0 (off) or > 1 "
+    check(not 0 < t.divergence_factor <= 1, f"train.divergence_factor={t.divergence_factor:g} must be 0 (off) or > 1 "
            f"(times the first step's loss; default 100)", e)
-    _check(t.ckpt_every >= 0, f"train.ckpt_every={t.ckpt_every} must be >= 0 (0 = no checkpoints)", e)
-    _check(t.sample_every >= 0, f"train.sample_every={t.sample_every} must be >= 0 (0 = no validation videos)", e)
-    _check(not (t.sample_every > 0 and cfg.mode != "video"),
+    check(t.ckpt_every >= 0, f"train.ckpt_every={t.ckpt_every} must be >= 0 (0 = no checkpoints)", e)
+    check(t.sample_every >= 0, f"train.sample_every={t.sample_every} must be >= 0 (0 = no validation videos)", e)
+    check(not (t.sample_every > 0 and cfg.mode != "video"),
            "train.sample_every makes validation videos (mode=video); for mode=llm use python -m dit_train.tools.generate", e)
-    _check(t.sample_steps >= 1 and t.num_samples >= 1,
+    check(t.sample_steps >= 1 and t.num_samples >= 1,
            f"train.sample_steps={t.sample_steps} and train.num_samples={t.num_samples} must be >= 1", e)
-    _check(t.guidance_scale >= 1.0, f"train.guidance_scale={t.guidance_scale} must be >= 1 (1 = no guidance)", e)
-    _check(t.guidance_scale_2 == 0 or t.guidance_scale_2 >= 1.0,
+    check(t.guidance_scale >= 1.0, f"train.guidance_scale={t.guidance_scale} must be >= 1 (1 = no guidance)", e)
+    check(t.guidance_scale_2 == 0 or t.guidance_scale_2 >= 1.0,
            f"train.guidance_scale_2={t.guidance_scale_2} must be 0 (= train.guidance_scale) or >= 1", e)
-    _check(cfg.launcher.max_restarts >= 0, f"launcher.max_restarts={cfg.launcher.max_restarts} must be >= 0", e)
-    _check(not (cfg.launcher.max_restarts > 0 and t.ckpt_every == 0),
+    check(cfg.launcher.max_restarts >= 0, f"launcher.max_restarts={cfg.launcher.max_restarts} must be >= 0", e)
+    check(not (cfg.launcher.max_restarts > 0 and t.ckpt_every == 0),
            "launcher.max_restarts > 0 restarts from the latest checkpoint, but train.ckpt_every=0 writes none; "
            "set train.ckpt_every (e.g. 100)", e)
 
-    _check(not (t.compile and runs_on_cuda(cfg.parallel.device)), COMPILE_ON_CUDA, e)
+    check(not (t.compile and runs_on_cuda(cfg.parallel.device)), COMPILE_ON_CUDA, e)
     e.extend(tracker_errors(list(t.loggers)))
-    _check(o.max_grad_norm >= 0, f"optim.max_grad_norm={o.max_grad_norm} must be >= 0 (0 disables clipping)", e)
-    _check(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), f"optim.betas={list(o.betas)} must be two values in [0, 1)", e)
+    check(o.max_grad_norm >= 0, f"optim.max_grad_norm={o.max_grad_norm} must be >= 0 (0 disables clipping)", e)
+    check(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), f"optim.betas={list(o.betas)} must be two values in [0, 1)", e)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,18 +235,18 @@ def range_errors(cfg: Config) -> list[str]:
 
 
 def _batch_warmup(t: Any, e: list[str]) -> None:
-    _check(t.batch_warmup_steps >= 0, f"train.batch_warmup_steps={t.batch_warmup_steps} must be >= 0 (0 = off)", e)
-    _check(0 <= t.batch_warmup_start <= t.global_batch, f"train.batch_warmup_start={t.batch_warmup_start} must be "
+    check(t.batch_warmup_steps >= 0, f"train.batch_warmup_steps={t.batch_warmup_steps} must be >= 0 (0 = off)", e)
+    check(0 <= t.batch_warmup_start <= t.global_batch, f"train.batch_warmup_start={t.batch_warmup_start} must be "
            f"between 1 and train.global_batch={t.global_batch} (0 = global_batch // 8)", e)
 
 
 def _loss(cfg: Config, e: list[str]) -> None:
     lc = cfg.loss
-    _check(lc.timestep_shift > 0, f"loss.timestep_shift={lc.timestep_shift} must be > 0 (1 = no shift)", e)
-    _check(lc.shift_reference_tokens >= 0, f"loss.shift_reference_tokens={lc.shift_reference_tokens} must be >= 0 "
+    check(lc.timestep_shift > 0, f"loss.timestep_shift={lc.timestep_shift} must be > 0 (1 = no shift)", e)
+    check(lc.shift_reference_tokens >= 0, f"loss.shift_reference_tokens={lc.shift_reference_tokens} must be >= 0 "
            f"(0 = the same shift for every sample)", e)
     sw = lc.stream_weights
-    _check(not (sw.video == 0 and sw.audio == 0),  # each >= 0 and finite: RANGES
+    check(not (sw.video == 0 and sw.audio == 0),  # each >= 0 and finite: RANGES
            f"loss.stream_weights video={sw.video} audio={sw.audio}: not both 0", e)
 
 
@@ -261,7 +256,7 @@ def _model_and_data(cfg: Config, e: list[str]) -> None:
         e.append(f"model.name={m.name!r} is not a registered model ({', '.join(MODELS.names())})")
         return
     spec = MODELS[m.name]
-    _check(spec.mode == cfg.mode, f"mode={cfg.mode} cannot train model={m.name} (a mode={spec.mode} model); "
+    check(spec.mode == cfg.mode, f"mode={cfg.mode} cannot train model={m.name} (a mode={spec.mode} model); "
            f"pick one of: {', '.join(n for n in MODELS.names() if MODELS[n].mode == cfg.mode)}", e)
     e.extend(spec.checks(m))
     if spec.diffusers is not None:  # a diffusers folder; our DiT's model.pretrained (a run) is its own check
@@ -271,39 +266,39 @@ def _model_and_data(cfg: Config, e: list[str]) -> None:
         e.extend(lora_errors(m))
     e += one_gpu_errors(cfg)
     if hasattr(m, "text_dim"):
-        _check(m.text_dim >= 0 and m.text_len >= 1, f"model.text_dim={m.text_dim} must be >= 0 and model.text_len="
+        check(m.text_dim >= 0 and m.text_len >= 1, f"model.text_dim={m.text_dim} must be >= 0 and model.text_len="
                f"{m.text_len} >= 1", e)
     if hasattr(m, "x0_min_t"):
-        _check(0.0 < m.x0_min_t <= 1.0, f"model.x0_min_t={m.x0_min_t} must be in (0, 1]", e)
+        check(0.0 < m.x0_min_t <= 1.0, f"model.x0_min_t={m.x0_min_t} must be in (0, 1]", e)
     if d.name not in SOURCES:
         e.append(f"data.name={d.name!r} is not a registered data source ({', '.join(SOURCES.names())})")
         return
-    _check(SOURCES[d.name].mode == cfg.mode, f"data={d.name} is a source for mode={SOURCES[d.name].mode}, "
+    check(SOURCES[d.name].mode == cfg.mode, f"data={d.name} is a source for mode={SOURCES[d.name].mode}, "
            f"not mode={cfg.mode}", e)
     # the sound (VideoSample.audio) trains only the two-stream DiT's audio stream (docs/audio-video.md)
     audio_model = getattr(m, "audio_patch", 0) > 0
-    _check(not getattr(d, "audio", False) or audio_model, f"data.audio=true: model={m.name} has no audio stream to "
+    check(not getattr(d, "audio", False) or audio_model, f"data.audio=true: model={m.name} has no audio stream to "
            "train on it (model=ltx2_tiny, or the two-stream DiT: model=dit model.audio_patch=500; "
            "docs/audio-video.md); set data.audio=false", e)
     spec = MODELS[m.name] if m.name in MODELS else None
-    _check(not audio_model or getattr(d, "audio", False) or (spec is not None and spec.silent_ok),
+    check(not audio_model or getattr(d, "audio", False) or (spec is not None and spec.silent_ok),
            f"model.audio_patch={getattr(m, 'audio_patch', 0)} trains "
            "an audio stream: set data.audio=true (the embedded set with sound, or clips with an audio column)", e)
     # both streams read the clip's caption (LTX-2: attn2 and audio_attn2; the two-stream DiT: its
     # cross-attention, per token's clip), so captions are no limit
-    _check(not audio_model or (not getattr(d, "masks", False) and not cfg.cond.active
+    check(not audio_model or (not getattr(d, "masks", False) and not cfg.cond.active
                                and cfg.loss.reduction == "sample_mean"),
            f"model.audio_patch > 0 (model={m.name} with an audio stream, first slice) trains without data.masks and "
            "cond, and with loss.reduction=sample_mean (a hierarchical mean per stream)", e)
     gs = str(getattr(cfg.cond, "given_stream", "none"))
-    _check(gs in ("none", "video", "audio"), f"cond.given_stream={gs!r} must be none, video or audio", e)
-    _check(gs == "none" or (audio_model and m.name == "dit"),
+    check(gs in ("none", "video", "audio"), f"cond.given_stream={gs!r} must be none, video or audio", e)
+    check(gs == "none" or (audio_model and m.name == "dit"),
            f"cond.given_stream={gs} gives one stream of a clip with sound as clean context: it is built for the "
            f"two-stream DiT (model=dit model.audio_patch=500 data.audio=true), not model={m.name}"
            + ("" if audio_model else " without an audio stream"), e)
-    _check(0.0 <= d.caption_dropout < 1.0, f"data.caption_dropout={d.caption_dropout} must be in [0, 1)", e)
-    _check(0.0 <= d.heldout_fraction < 1.0, f"data.heldout_fraction={d.heldout_fraction} must be in [0, 1)", e)
-    _check(not (cfg.train.eval_every > 0 and d.heldout_fraction <= 0),
+    check(0.0 <= d.caption_dropout < 1.0, f"data.caption_dropout={d.caption_dropout} must be in [0, 1)", e)
+    check(0.0 <= d.heldout_fraction < 1.0, f"data.heldout_fraction={d.heldout_fraction} must be in [0, 1)", e)
+    check(not (cfg.train.eval_every > 0 and d.heldout_fraction <= 0),
            f"train.eval_every={cfg.train.eval_every} scores held-out samples, but data.heldout_fraction=0 holds none "
            f"out; set data.heldout_fraction (e.g. 0.1) or train.eval_every=0", e)
 
@@ -332,14 +327,14 @@ def _moe(m: Any, spec: Any, e: list[str]) -> None:
         e.append(f"model={m.name} has no mixture-of-experts variant; set model.moe.num_experts=0 "
                  f"(MoE: model=dit_tiny/dit_small/dit_1b or mode=llm)")
         return
-    _check(moe.num_experts >= 2, f"model.moe.num_experts={moe.num_experts} must be 0 (dense) or >= 2", e)
-    _check(1 <= moe.top_k <= max(1, moe.num_experts),
+    check(moe.num_experts >= 2, f"model.moe.num_experts={moe.num_experts} must be 0 (dense) or >= 2", e)
+    check(1 <= moe.top_k <= max(1, moe.num_experts),
            f"model.moe.top_k={moe.top_k} must be between 1 and model.moe.num_experts={moe.num_experts}", e)
-    _check(1 <= moe.every <= m.depth, f"model.moe.every={moe.every} must be between 1 (every block) and "
+    check(1 <= moe.every <= m.depth, f"model.moe.every={moe.every} must be between 1 (every block) and "
            f"model.depth={m.depth} (otherwise no block has experts)", e)
-    _check(moe.aux_loss_coef >= 0 and moe.z_loss_coef >= 0, f"model.moe.aux_loss_coef={moe.aux_loss_coef} and "
+    check(moe.aux_loss_coef >= 0 and moe.z_loss_coef >= 0, f"model.moe.aux_loss_coef={moe.aux_loss_coef} and "
            f"model.moe.z_loss_coef={moe.z_loss_coef} must be >= 0", e)
-    _check(m.lora.rank == 0, f"model.lora.rank={m.lora.rank} with model.moe.num_experts={moe.num_experts}: LoRA "
+    check(m.lora.rank == 0, f"model.lora.rank={m.lora.rank} with model.moe.num_experts={moe.num_experts}: LoRA "
            f"adapters on stacked expert weights are not supported; train the MoE model fully (model.lora.rank=0)", e)
 
 
@@ -349,8 +344,8 @@ def lora_errors(m: Any) -> list[str]:
     a target that matches no linear layer is a typo (peft would ignore it, or fail with its own
     error when none matches)."""
     lo, e = m.lora, []
-    _check(lo.init in ("default", "gaussian"), f"model.lora.init={lo.init!r} must be default or gaussian", e)
-    _check(not lo.init_from or Path(lo.init_from).expanduser().is_file(),
+    check(lo.init in ("default", "gaussian"), f"model.lora.init={lo.init!r} must be default or gaussian", e)
+    check(not lo.init_from or Path(lo.init_from).expanduser().is_file(),
            f"model.lora.init_from={lo.init_from} is not a file: give a LoRA .safetensors file (diffusers', or a Wan "
            f"LoRA in ComfyUI's / kohya's layout)", e)
     if not lo.targets:

@@ -9,16 +9,12 @@ import torch
 
 from dit_train.config import Config
 from dit_train.config.choices import ActivationCheckpointing
+from dit_train.config.errors import check
 from dit_train.models import build_model, model_spec, quant
 from dit_train.models.lora import apply_lora, lora_settings
 from dit_train.optim import low_bit
 from dit_train.parallel.checkpointing import checkpointed_blocks
 from dit_train.parallel.mesh import ParallelDims
-
-
-def _check(ok: bool, message: str, errors: list[str]) -> None:
-    if not ok:
-        errors.append(message)
 
 
 def one_gpu_errors(cfg: Config) -> list[str]:
@@ -48,7 +44,7 @@ def _base_quant(cfg: Config, e: list[str]) -> None:
                  f"base is not supported: set model.lora.rank (e.g. 16) or model.base_quant=none")
         return
     reason = quant.probe(kind, "cuda" if runs_on_cuda(cfg.parallel.device) else "cpu")
-    _check(not reason, reason, e)
+    check(not reason, reason, e)
     if kind in ("nf4", "fp8_scaled") and not reason:
         e.extend(_blocked_quant_errors(cfg.model, kind))
 
@@ -80,7 +76,7 @@ def _block_swap(cfg: Config, e: list[str]) -> None:
         e.append(f"model.block_swap={n} must be between 0 and model.depth={m.depth} (the blocks whose frozen weights "
                  f"stay in host memory)")
         return
-    _check(m.lora.rank > 0, f"model.block_swap={n} streams frozen weights; with model.lora.rank=0 every weight trains: "
+    check(m.lora.rank > 0, f"model.block_swap={n} streams frozen weights; with model.lora.rank=0 every weight trains: "
            f"set model.lora.rank (e.g. 16) or model.block_swap=0", e)
     swapped = set(range(m.depth - n, m.depth))
     try:
@@ -88,14 +84,14 @@ def _block_swap(cfg: Config, e: list[str]) -> None:
     except ValueError:
         return  # reported by _parallel
     covered = policy == "full" and swapped <= set(checkpointed_blocks(m.depth, max(1, m.ac_every)))
-    _check(covered, f"model.block_swap={n} needs full activation checkpointing on the swapped blocks: set "
+    check(covered, f"model.block_swap={n} needs full activation checkpointing on the swapped blocks: set "
            f"model.activation_checkpointing=full model.ac_every=1 (now {policy}, every {m.ac_every})", e)
-    _check(not p.meta_init, f"model.block_swap={n} needs real weights to keep in host memory; set parallel.meta_init=false", e)
+    check(not p.meta_init, f"model.block_swap={n} needs real weights to keep in host memory; set parallel.meta_init=false", e)
     # torchao's NF4Tensor does not take .to(copy=True), which block_swap's host copies use
-    _check(str(m.base_quant) != "nf4", f"model.block_swap={n} with model.base_quant=nf4 is not supported (torchao's "
+    check(str(m.base_quant) != "nf4", f"model.block_swap={n} with model.base_quant=nf4 is not supported (torchao's "
            f"NF4Tensor cannot be copied to host memory the way block swap does); use model.base_quant=int8 or fp8", e)
     world = ParallelDims.from_config(p).world
-    _check(world == 1, f"model.block_swap={n} is for one process (one GPU); over {world} ranks use FSDP2's "
+    check(world == 1, f"model.block_swap={n} is for one process (one GPU); over {world} ranks use FSDP2's "
            f"parallel.cpu_offload=true (FSDP2 manages its parameters' storage itself; block swap under DDP is not tested)", e)
 
 
@@ -113,4 +109,4 @@ def _low_bit_optim(cfg: Config, e: list[str]) -> None:
                  f"8-bit codes (measured up to 1e-2 of the update from one process); use optim.name=adamw for several ranks")
         return
     reason = low_bit.probe("cuda" if runs_on_cuda(cfg.parallel.device) else "cpu")
-    _check(not reason, reason, e)
+    check(not reason, reason, e)
