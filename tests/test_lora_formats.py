@@ -160,3 +160,142 @@ def test_init_from_a_file_of_each_format_starts_the_adapters_equal(adapters, fam
     got = _deltas(lora_state_dict(model, family), 4.0 / RANK)
     want = _deltas(adapters[family], ALPHA / RANK)
     assert want.keys() == got.keys() and all(torch.allclose(got[m], want[m], rtol=1e-6, atol=1e-7) for m in want)
+
+
+def test_unmapped_modules_our_own_models_and_foreign_keys_are_refused_in_one_line(adapters, tmp_path):
+    from dit_train.config.errors import ConfigError
+    from dit_train.engine.checks import check_config
+    from dit_train.models.lora_formats import to_diffusers
+
+    with pytest.raises(ValueError, match=r"no ComfyUI / kohya name known for the LTX-Video module 'proj_in' \(ComfyUI "
+                                         r"names proj_in and time_embed patchify_proj"):
+        convert({"transformer.proj_in.lora_A.weight": torch.zeros(1)}, ALPHA, "kohya", key_map(MODELS["ltx"]))
+    for name in ("dit", "lm"):  # no ComfyUI / kohya loader exists for them: diffusers' format is the way
+        with pytest.raises(ValueError, match=rf"model={name} is dit_train's own model: no ComfyUI or kohya .*"
+                                             rf"\(--lora-format diffusers\)"):
+            key_map(MODELS[name])
+    wan = key_map(MODELS["wan"])
+    modules = {k.removeprefix("transformer.").rsplit(".lora_", 1)[0] for k in adapters["wan"]}
+    extra = convert(adapters["wan"], ALPHA, "comfyui", wan) | {"diffusion_model.blocks.0.norm2.lora_A.weight": torch.zeros(1)}
+    with pytest.raises(ValueError, match=r"^diffusion_model.blocks.0.norm2.lora_A.weight: not a LoRA down / up weight "
+                                         r"or alpha of a Wan module this run adapts"):
+        to_diffusers(extra, wan, modules)
+    # a ComfyUI file as model.lora.init_from of our DiT: one line before any worker starts
+    path = tmp_path / "lora_comfyui.safetensors"
+    save_file(convert(adapters["wan"], ALPHA, "comfyui", wan), str(path))
+    with pytest.raises(ConfigError) as err:
+        check_config(compose_config([*TINY, "model=dit_tiny", "model.lora.rank=4", f"model.lora.init_from={path}"]))
+    assert [p for p in err.value.problems if "init_from" in p] == [
+        f"model.lora.init_from={path} is a ComfyUI / kohya LoRA, but {_first_line(key_map, MODELS['dit'])}"]
+
+
+def _first_line(fn, *args) -> str:
+    try:
+        fn(*args)
+    except ValueError as err:
+        assert "\n" not in str(err)
+        return str(err)
+    raise AssertionError(f"{fn.__name__} did not refuse")
+
+
+@pytest.fixture(scope="module")
+def wan_lora_run(data_cache, tmp_path_factory) -> Path:
+    """`+experiment=wan_lora` (tiny random base) for 2 steps, alpha != rank."""
+    from tests.conftest import train_in_process
+
+    run = tmp_path_factory.mktemp("wan_lora_formats") / "run"
+    train_in_process(["+experiment=wan_lora", *(o for o in TINY if not o.startswith("optim")), "model.text_len=16",
+                      "train.steps=2", "train.sample_every=0", "model.lora.alpha=16", "optim.lr=0.05"], run,
+                     cache_dir=data_cache)
+    return run
+
+
+@pytest.mark.slow
+def test_export_weights_writes_each_format_beside_the_diffusers_file(wan_lora_run, capsys):
+    from dit_train.tools import export_weights
+
+    ours = load_file(wan_lora_run / "lora" / WEIGHT_NAME)
+    rank = next(v.shape[0] for k, v in ours.items() if ".lora_A." in k)
+    for fmt in FORMATS:
+        assert export_weights.main([str(wan_lora_run), "--lora-format", fmt]) == 0
+        got = _diffusers_read("WanLoraLoaderMixin", load_file(wan_lora_run / "lora" / f"lora_{fmt}.safetensors"))
+        want = _deltas(ours, 16.0 / rank)
+        assert want.keys() == got.keys() and all(torch.allclose(got[m], want[m], rtol=1e-6, atol=1e-12) for m in want)
+        capsys.readouterr()
+        assert export_weights.main([str(wan_lora_run), "--lora-format", fmt]) == 2  # exists: not replaced
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and "--overwrite" in err, err
+    assert export_weights.main([str(wan_lora_run), "--merge-lora", "--lora-format", "kohya", "--out", "x.safetensors"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "full weights" in err, err
+
+
+@pytest.mark.parametrize("fmt", ["diffusers", "comfyui", "kohya"])
+def test_init_from_through_the_build_starts_the_adapters_from_a_file_of_each_format(fmt, tmp_path):
+    """model.lora.init_from in build_parallel_model: the run's adapters start as the file's (file
+    alpha 8, the run's 4: B is rescaled so each delta is the file's)."""
+    from dit_train.engine.build import build_parallel_model
+    from dit_train.engine.checks import check_config
+    from dit_train.parallel.mesh import init_parallel
+
+    path, want = _source_file(fmt, tmp_path)
+    cfg = compose_config([*_WAN, "model.lora.alpha=4", f"model.lora.init_from={path}"])
+    check_config(cfg)
+    got = _deltas(_plain(build_parallel_model(cfg, init_parallel(cfg.parallel)).named_parameters()), 4.0 / RANK)
+    assert want.keys() == got.keys() and all(torch.allclose(got[m], want[m], rtol=1e-6, atol=1e-7) for m in want)
+    bad = compose_config([*_WAN, f"model.lora.init_from={tmp_path / 'missing.safetensors'}"])
+    with pytest.raises(Exception, match="model.lora.init_from=.* is not a file"):
+        check_config(bad)
+
+
+_WAN = [*TINY, "model=wan_tiny", "model.lora.rank=4"]
+
+
+def _plain(named) -> dict[str, torch.Tensor]:
+    """LoRA tensors of named parameters / a state dict, under diffusers' keys (full tensors)."""
+    return {"transformer." + k.replace(".default", ""): v.detach() for k, v in named if ".lora_" in k}
+
+
+def _source_file(fmt: str, tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A tiny Wan LoRA file (alpha 8, B random) in layout `fmt`, and its deltas."""
+    from dit_train.engine.build import build_parallel_model
+    from dit_train.models.lora import save_lora
+    from dit_train.parallel.mesh import init_parallel
+
+    src_cfg = compose_config([*_WAN, "model.lora.alpha=8"])
+    src = build_parallel_model(src_cfg, init_parallel(src_cfg.parallel))
+    with torch.no_grad():
+        for n, p in src.named_parameters():
+            if ".lora_B." in n:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))))
+    path = save_lora(src, tmp_path / "src", "wan")
+    if fmt != "diffusers":
+        path = tmp_path / f"lora_{fmt}.safetensors"
+        save_file(convert(load_file(tmp_path / "src" / WEIGHT_NAME), ALPHA, fmt, key_map(MODELS["wan"])), str(path))
+    return path, _deltas(_plain(src.named_parameters()), ALPHA / RANK)
+
+
+def _build_worker(cfg) -> dict[str, torch.Tensor]:
+    """build_parallel_model on this rank; the full LoRA tensors gathered on rank 0 ({} elsewhere)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, StateDictOptions
+
+    from dit_train.engine.build import build_parallel_model
+    from dit_train.parallel.mesh import init_parallel
+
+    model = build_parallel_model(cfg, init_parallel(cfg.parallel))
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v.clone() for k, v in sd.items() if ".lora_" in k}
+
+
+def test_init_from_lands_in_the_shards_of_a_meta_init_build(tmp_path):
+    """parallel.meta_init=true, dp_shard=2: the model is built on the meta device, sharded,
+    materialized and initialised before the file is read (engine/build.py), so the file lands in
+    real shards, not in meta tensors that the initialisation would then overwrite: the gathered
+    adapters start as the file's (a ComfyUI file, alpha 8, into a run with alpha 4)."""
+    from dit_train.engine.launch import launch_local
+
+    path, want = _source_file("comfyui", tmp_path)
+    cfg = compose_config([*_WAN, "model.lora.alpha=4", f"model.lora.init_from={path}", "parallel.dp_shard=2",
+                          "parallel.meta_init=true"])
+    got = _deltas(_plain(launch_local(_build_worker, (cfg,), 2, cfg.launcher)[0].items()), 4.0 / RANK)
+    assert want.keys() == got.keys() and all(torch.allclose(got[m], want[m], rtol=1e-6, atol=1e-7) for m in want)
