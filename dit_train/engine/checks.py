@@ -91,6 +91,10 @@ def _parallel(cfg: Config, world_size: int | None, e: list[str]) -> None:
            "parallel.meta_init=true needs FSDP2 (DDP needs full weights on every rank); set parallel.dp_mode=fsdp2 "
            "or parallel.meta_init=false", e)
     _check(not (p.dp_mode == "none" and p.meta_init), "parallel.meta_init=true needs parallel.dp_mode=fsdp2", e)
+    # one process is not wrapped in FSDP2 (parallelize moves it with .to(), which meta tensors refuse)
+    _check(not (p.dp_mode == "fsdp2" and p.meta_init and dims.world == 1),
+           "parallel.meta_init=true needs FSDP2 over >= 2 ranks (one process is not sharded: nothing would "
+           "materialize the meta-device weights); set parallel.meta_init=false or raise parallel.dp_shard", e)
     # FSDP2's CPUOffloadPolicy is the only parameter offload: DDP keeps full copies on the device,
     # and a single process is not wrapped in FSDP2 at all
     _check(not (p.cpu_offload and p.dp_mode != "fsdp2"),
