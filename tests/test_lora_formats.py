@@ -297,6 +297,7 @@ def _build_worker(cfg) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in sd.items() if ".lora_" in k}
 
 
+@pytest.mark.slow  # two gloo workers: ~20 s on a quiet core pair, most of it starting the pool
 def test_init_from_lands_in_the_shards_of_a_meta_init_build(tmp_path):
     """parallel.meta_init=true, dp_shard=2: the model is built on the meta device, sharded,
     materialized and initialised before the file is read (engine/build.py), so the file lands in
