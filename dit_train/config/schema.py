@@ -54,8 +54,8 @@ class LoraConfig:
     dropout: float = 0.0  # dropout on the adapter input (not layout-invariant: keep 0 for exact runs)
     targets: List[str] = field(default_factory=list)  # module-name suffixes to adapt; [] = the model's default set
     init: str = "default"  # peft init of the adapters: default (A kaiming-uniform, B = 0) | gaussian
-    # start the adapters from this LoRA file instead (diffusers', or a Wan LoRA in ComfyUI's / kohya's
-    # layout: models/lora_formats.py); same targets and rank; "" = init
+    # start the adapters from this LoRA file instead (diffusers', or ComfyUI's / kohya's layout for a
+    # family with a key map: models/lora_formats.py, docs/one-gpu.md); same targets and rank; "" = init
     init_from: str = ""
 
 

@@ -128,7 +128,7 @@ def build_parallel_model(cfg: Config, ctx: ParallelContext, adapters: tuple[str,
         init_weights(model, cfg.train.seed, cfg.model.init)
     init_adapters(model, cfg.train.seed)
     if lora is not None and cfg.model.lora.init_from:  # every rank reads the file and keeps its shards
-        load_lora(model, cfg.model.lora.init_from)
+        load_lora(model, cfg.model.lora.init_from, spec.name)
     if meta:
         return model
     # quantized where the weights are built (host memory for a GPU run: the full-precision base never

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from dit_train.config import PARALLEL_DEGREES, Config
@@ -22,7 +23,7 @@ from dit_train.config.choices import ActivationCheckpointing, Choice
 from dit_train.config.errors import ConfigError, check
 from dit_train.data_pipelines import SOURCES
 from dit_train.engine.one_gpu_checks import one_gpu_errors, runs_on_cuda
-from dit_train.models import build_model, model_spec, MODELS
+from dit_train.models import build_model, lora_formats, model_spec, MODELS
 from dit_train.parallel.mesh import ParallelDims
 from dit_train.tasks.causal import causal_errors
 from dit_train.tasks.conditioning import cond_errors
@@ -85,6 +86,10 @@ def _parallel(cfg: Config, world_size: int | None, e: list[str]) -> None:
            "parallel.meta_init=true needs FSDP2 (DDP needs full weights on every rank); set parallel.dp_mode=fsdp2 "
            "or parallel.meta_init=false", e)
     check(not (p.dp_mode == "none" and p.meta_init), "parallel.meta_init=true needs parallel.dp_mode=fsdp2", e)
+    # one process is not wrapped in FSDP2 (parallelize moves it with .to(), which meta tensors refuse)
+    check(not (p.dp_mode == "fsdp2" and p.meta_init and dims.world == 1),
+           "parallel.meta_init=true needs FSDP2 over >= 2 ranks (one process is not sharded: nothing would "
+           "materialize the meta-device weights); set parallel.meta_init=false or raise parallel.dp_shard", e)
     # FSDP2's CPUOffloadPolicy is the only parameter offload: DDP keeps full copies on the device,
     # and a single process is not wrapped in FSDP2 at all
     check(not (p.cpu_offload and p.dp_mode != "fsdp2"),
@@ -338,6 +343,23 @@ def _moe(m: Any, spec: Any, e: list[str]) -> None:
            f"adapters on stacked expert weights are not supported; train the MoE model fully (model.lora.rank=0)", e)
 
 
+def _init_from_layout(m: Any, path: Path) -> list[str]:
+    """model.lora.init_from in ComfyUI's / kohya's layout needs the model's key map (its names
+    alone are read here; the tensors when the model is built)."""
+    try:
+        with safe_open(str(path), "pt") as f:
+            names = dict.fromkeys(f.keys())
+    except (SafetensorError, OSError) as err:
+        return [f"model.lora.init_from={path} is not a readable .safetensors file ({err})"]
+    if not lora_formats.is_converted(names):
+        return []
+    try:
+        lora_formats.key_map(model_spec(m))
+    except ValueError as err:
+        return [f"model.lora.init_from={path} is a ComfyUI / kohya LoRA, but {err}"]
+    return []
+
+
 def lora_errors(m: Any) -> list[str]:
     """model.lora.init and model.lora.targets against the model (built on the meta device: no
     memory, no weights). peft matches a target to a layer whose name is it or ends in ".target";
@@ -346,8 +368,10 @@ def lora_errors(m: Any) -> list[str]:
     lo, e = m.lora, []
     check(lo.init in ("default", "gaussian"), f"model.lora.init={lo.init!r} must be default or gaussian", e)
     check(not lo.init_from or Path(lo.init_from).expanduser().is_file(),
-           f"model.lora.init_from={lo.init_from} is not a file: give a LoRA .safetensors file (diffusers', or a Wan "
-           f"LoRA in ComfyUI's / kohya's layout)", e)
+           f"model.lora.init_from={lo.init_from} is not a file: give a LoRA .safetensors file (diffusers', or one "
+           f"in ComfyUI's / kohya's layout of a family with a key map: docs/one-gpu.md)", e)
+    if lo.init_from and Path(lo.init_from).expanduser().is_file():
+        e += _init_from_layout(m, Path(lo.init_from).expanduser())
     if not lo.targets:
         return e
 

@@ -86,7 +86,6 @@ def _block_swap(cfg: Config, e: list[str]) -> None:
     covered = policy == "full" and swapped <= set(checkpointed_blocks(m.depth, max(1, m.ac_every)))
     check(covered, f"model.block_swap={n} needs full activation checkpointing on the swapped blocks: set "
            f"model.activation_checkpointing=full model.ac_every=1 (now {policy}, every {m.ac_every})", e)
-    check(not p.meta_init, f"model.block_swap={n} needs real weights to keep in host memory; set parallel.meta_init=false", e)
     # torchao's NF4Tensor does not take .to(copy=True), which block_swap's host copies use
     check(str(m.base_quant) != "nf4", f"model.block_swap={n} with model.base_quant=nf4 is not supported (torchao's "
            f"NF4Tensor cannot be copied to host memory the way block swap does); use model.base_quant=int8 or fp8", e)

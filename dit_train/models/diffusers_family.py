@@ -28,6 +28,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from dit_train.models.lora_formats import KeyMap
 from dit_train.models.registry import model_spec, ModelSpec, no_checks
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,9 @@ class DiffusersFamily:
     # state-dict key of a Conv3d input weight [dim, C, pt, ph, pw] that a text-to-video folder may be
     # widened into for cond.feed=concat (new channels start at zero: `widen`); "" = never
     widen_key: str = ""
+    # the family's LoRA module names in its original checkpoint, as ComfyUI and kohya / musubi-tuner
+    # files use them (models/lora_formats.KeyMap, with where they were read); None = not read
+    lora_keys: KeyMap | None = None
 
     # ------------------------------------------------------------------ folders and checks
 

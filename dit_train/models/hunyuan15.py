@@ -45,6 +45,7 @@ from dit_train.config.schema import VideoModelConfig
 from dit_train.kernels import LocalAttention
 from dit_train.models.diffusers_family import DiffusersFamily
 from dit_train.models.family_forward import take_modules, time_rows
+from dit_train.models.lora_formats import KeyMap
 from dit_train.models.registry import ActivationModel, register_model
 
 
@@ -106,8 +107,22 @@ def hunyuan15_config(cfg: Hunyuan15Config) -> dict[str, Any]:
 
 
 # target_size and task_type are written back on export but not compared (not in _OUR_KEY)
+# HunyuanVideo 1.5's LoRA names: its original checkpoint's, read in diffusers'
+# scripts/convert_hunyuan_video1_5_to_diffusers.py (convert_hyvideo15_transformer_to_diffusers: double_blocks.N.
+# img_attn_q -> transformer_blocks.N.attn.to_q, ...; final_layer.linear -> proj_out), the names musubi-tuner's
+# HunyuanVideo 1.5 LoRAs use (networks/lora_hv_1_5.py adapts its MMDoubleStreamBlocks, prefix lora_unet).
+# No maintained reader of such files exists to test against (diffusers has no HunyuanVideo 1.5 LoRA converter)
+HUNYUAN15_LORA_KEYS = KeyMap("HunyuanVideo 1.5", blocks={"transformer_blocks": ("double_blocks", {
+    "attn.to_q": "img_attn_q", "attn.to_k": "img_attn_k", "attn.to_v": "img_attn_v", "attn.to_out.0": "img_attn_proj",
+    "attn.add_q_proj": "txt_attn_q", "attn.add_k_proj": "txt_attn_k", "attn.add_v_proj": "txt_attn_v",
+    "attn.to_add_out": "txt_attn_proj", "ff.net.0.proj": "img_mlp.fc1", "ff.net.2": "img_mlp.fc2",
+    "ff_context.net.0.proj": "txt_mlp.fc1", "ff_context.net.2": "txt_mlp.fc2",
+    "norm1.linear": "img_mod.linear", "norm1_context.linear": "txt_mod.linear"})},
+    top={"proj_out": "final_layer.linear"},
+    unmapped="mapped: the double-stream blocks' attention, MLP and modulation linears, proj_out")
+
 HUNYUAN15 = DiffusersFamily(class_name="HunyuanVideo15Transformer3DModel", kwargs=hunyuan15_config, our_keys=_OUR_KEY,
-                            fixed=_FIXED, folder_kind="a HunyuanVideo 1.5 folder")
+                            fixed=_FIXED, folder_kind="a HunyuanVideo 1.5 folder", lora_keys=HUNYUAN15_LORA_KEYS)
 
 
 def hunyuan15_rope(pos: torch.Tensor, axes: tuple[int, int, int], theta: float) -> tuple[torch.Tensor, torch.Tensor]:

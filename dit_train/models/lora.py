@@ -361,16 +361,20 @@ def trained_modules_state(model: nn.Module, state_dict: dict[str, torch.Tensor] 
 
 
 @torch.no_grad()
-def load_lora(model: nn.Module, path: str | Path) -> None:
+def load_lora(model: nn.Module, path: str | Path, model_kind: str = "wan") -> None:
     """Load a LoRA file into a model wrapped by apply_lora, plain or sharded (each rank reads the
     file and keeps its shards): one written by `save_lora` or another diffusers LoRA file with the
     same adapted layers and rank (its scale: lora_alpha/r of its metadata; 1 without, as diffusers
-    assumes), or a Wan LoRA in ComfyUI's or kohya / musubi-tuner's layout (models/lora_formats.py;
-    its `.alpha` tensors, r without). The file's scale is converted to the model's by rescaling B."""
+    assumes), or a LoRA in ComfyUI's or kohya / musubi-tuner's layout under the key map of model
+    `model_kind`'s family (models/lora_formats.py; its `.alpha` tensors, scale 1 without). The
+    file's scale is converted to the model's by rescaling B."""
     with safe_open(str(path), "pt") as f:
         header = json.loads((f.metadata() or {}).get(METADATA_KEY, "{}"))
     config = _config(model)
-    sd, alpha = lora_formats.to_diffusers(load_file(str(path)), PREFIX)
+    sd, alpha = load_file(str(path)), None
+    if lora_formats.is_converted(sd):
+        modules = {plain_lora_name(n).split(".lora_")[0] for n, _ in model.named_parameters() if is_lora_name(n)}
+        sd, alpha = lora_formats.to_diffusers(sd, lora_formats.key_map(MODELS[model_kind]), modules, PREFIX)
     rank = next((v.shape[0] for k, v in sd.items() if ".lora_A." in k), config.r)
     r = header.get(f"{PREFIX}.r", rank)
     if r != config.r:

@@ -1,133 +1,152 @@
-"""LoRA files for the tools people load Wan LoRAs in: ComfyUI and kohya / musubi-tuner.
+"""LoRA files for the tools people load video LoRAs in: ComfyUI and kohya / musubi-tuner.
 
 Our LoRA files are diffusers' (models/lora.py): `transformer.<diffusers module>.lora_A.weight`
 [r, in] / `.lora_B.weight` [out, r], alpha in the header's adapter metadata. ComfyUI and
-musubi-tuner name the modules as Wan's original checkpoint does (blocks.N.self_attn.q, ...,
-ffn.0), which is the naming diffusers' own Wan LoRA readers convert from
-(diffusers.loaders.lora_conversion_utils: `_convert_non_diffusers_wan_lora_to_diffusers`,
-`_convert_musubi_wan_lora_to_diffusers`); the module map below is theirs, read in the other
-direction. Two layouts:
+musubi-tuner name a module as the family's original checkpoint does (Wan: blocks.N.self_attn.q;
+HunyuanVideo 1.5: double_blocks.N.img_attn_q; LTX: the diffusers names inside the blocks): ComfyUI
+keys a LoRA by its own model's state-dict names (comfy/lora.py `model_lora_keys_unet`: every
+`diffusion_model.<key>.weight` answers to `diffusion_model.<key>` and to `lora_unet_<key with . -> _>`).
+Each family owns its `KeyMap` (diffusers name -> original name), beside its DiffusersFamily in its
+model file, with where its names were read; this module holds the mechanics. Two layouts:
 
     comfyui   diffusion_model.<orig>.lora_A.weight, .lora_B.weight, diffusion_model.<orig>.alpha
-              (musubi-tuner's convert_lora.py "other" format, "Diffusers/ComfyUI": ComfyUI's Wan
-              models take the diffusion_model.<key> names of their own state dict)
+              (musubi-tuner's convert_lora.py "other" format, "Diffusers/ComfyUI")
     kohya     lora_unet_<orig, "." -> "_">.lora_down.weight, .lora_up.weight, .alpha
-              (musubi-tuner's / sd-scripts' native format; ComfyUI maps lora_unet_<key with _>
-              to every weight of its model too)
+              (musubi-tuner's / sd-scripts' native format)
 
-alpha is a 0-d float32 tensor per module, the value ComfyUI (`lora[alpha_name].item()`) and the
-diffusers converters read; the weight delta is alpha / r · up @ down, as in our training. Only
-the Wan family (T2V, I2V, VACE's shared blocks) is mapped: the other families' original key maps
-were not read, so their export is refused.
+alpha is a 0-d float32 tensor per module, the value ComfyUI (`lora[alpha_name].item()`; without
+one its scale is 1) and diffusers' Wan converters read: the weight delta is alpha / r · up @ down,
+as in training. A family whose diffusers reader drops `.alpha` (LTX-Video, LTX-2: their converters
+only rename keys, and peft then takes alpha = r) has `KeyMap.alpha = False`: alpha / r is folded
+into up and no alpha is written, which every reader takes as scale 1 — the same delta everywhere.
 """
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
 FORMATS = ("diffusers", "comfyui", "kohya")
-
-# diffusers module suffix inside a Wan block -> Wan's original name (diffusers' converters, reversed)
-_WAN_BLOCK = {
-    "attn1.to_q": "self_attn.q", "attn1.to_k": "self_attn.k", "attn1.to_v": "self_attn.v", "attn1.to_out.0": "self_attn.o",
-    "attn2.to_q": "cross_attn.q", "attn2.to_k": "cross_attn.k", "attn2.to_v": "cross_attn.v", "attn2.to_out.0": "cross_attn.o",
-    "attn2.add_k_proj": "cross_attn.k_img", "attn2.add_v_proj": "cross_attn.v_img",
-    "ffn.net.0.proj": "ffn.0", "ffn.net.2": "ffn.2",
-}
-# outside the blocks
-_WAN_TOP = {"condition_embedder.time_proj": "time_projection.1", "proj_out": "head.head"}
-_BLOCK = re.compile(r"^blocks\.(\d+)\.(.+)$")
+_BLOCK = re.compile(r"^([a-z_]+)\.(\d+)\.(.+)$")
 
 
-def wan_original_name(module: str) -> str:
-    """A Wan module's diffusers name -> its name in Wan's original checkpoint (ComfyUI's)."""
-    m = _BLOCK.match(module)
-    if m and m.group(2) in _WAN_BLOCK:
-        return f"blocks.{m.group(1)}.{_WAN_BLOCK[m.group(2)]}"
-    if module in _WAN_TOP:
-        return _WAN_TOP[module]
-    raise ValueError(f"no ComfyUI / kohya name known for the Wan module {module!r} (mapped: the blocks' "
-                     f"attention and FFN linears, time_proj, proj_out); export it with --lora-format diffusers")
+@dataclass(frozen=True)
+class KeyMap:
+    """One family's diffusers module names -> its original checkpoint's (ComfyUI's, kohya's).
+
+    blocks: {diffusers block list: (original list name, {suffix inside a block: original suffix},
+    or None where every module inside keeps its name)}; top: modules outside the blocks;
+    unmapped: why any other module has no name here (the refusal says it). alpha: write `.alpha`
+    tensors (False: fold alpha / r into up, see the module docstring)."""
+
+    family: str
+    blocks: dict[str, tuple[str, dict[str, str] | None]]
+    top: dict[str, str] = field(default_factory=dict)
+    alpha: bool = True
+    unmapped: str = ""
+
+    def original(self, module: str) -> str:
+        """A diffusers module name -> the original checkpoint's (ValueError in one line when unmapped)."""
+        m = _BLOCK.match(module)
+        if m and m.group(1) in self.blocks:
+            theirs, inner = self.blocks[m.group(1)]
+            if inner is None or m.group(3) in inner:
+                return f"{theirs}.{m.group(2)}.{m.group(3) if inner is None else inner[m.group(3)]}"
+        if module in self.top:
+            return self.top[module]
+        why = f" ({self.unmapped})" if self.unmapped else ""
+        raise ValueError(f"no ComfyUI / kohya name known for the {self.family} module {module!r}{why}; "
+                         f"export it with --lora-format diffusers")
+
+    def with_blocks(self, **blocks: tuple[str, dict[str, str] | None]) -> "KeyMap":
+        """This map with more block lists (Wan VACE: Wan's plus its vace_blocks)."""
+        return replace(self, blocks=self.blocks | blocks)
 
 
-def diffusers_name(original: str) -> str:
-    """The inverse of wan_original_name."""
-    m = re.match(r"^blocks\.(\d+)\.(.+)$", original)
-    inverse = {v: k for k, v in _WAN_BLOCK.items()}
-    if m and m.group(2) in inverse:
-        return f"blocks.{m.group(1)}.{inverse[m.group(2)]}"
-    top = {v: k for k, v in _WAN_TOP.items()}
-    if original in top:
-        return top[original]
-    raise ValueError(f"no diffusers name known for the Wan module {original!r}")
+def key_map(spec: Any) -> KeyMap:
+    """The KeyMap of a model (its ModelSpec): its diffusers family's; ValueError in one line for a
+    model no ComfyUI / kohya tool loads (our DiT, the LM) or a family whose names were not read."""
+    family = spec.diffusers
+    if family is None:
+        raise ValueError(f"model={spec.name} is dit_train's own model: no ComfyUI or kohya / musubi-tuner loader "
+                         f"exists for it (they load the families they implement), so there are no names to write; "
+                         f"its LoRA file is diffusers' format (--lora-format diffusers), which model.lora.init_from "
+                         f"and diffusers' load_lora_adapter read")
+    if family.lora_keys is None:
+        raise ValueError(f"model={spec.name}: the ComfyUI / kohya key map of {family.class_name} was not read "
+                         f"here; use --lora-format diffusers")
+    return family.lora_keys
 
 
-def convert(sd: dict[str, torch.Tensor], alpha: float, fmt: str, prefix: str = "transformer") -> dict[str, torch.Tensor]:
+def _parts(key: str, prefix: str) -> tuple[str, str]:
+    """`<prefix>.<module>.lora_A.weight` -> (module, "A" | "B")."""
+    module, _, kind = key.removeprefix(prefix + ".").rpartition(".lora_")
+    if kind not in ("A.weight", "B.weight"):
+        raise ValueError(f"{key} is not a LoRA tensor (X.lora_A.weight / X.lora_B.weight)")
+    return module, kind[0]
+
+
+def convert(sd: dict[str, torch.Tensor], alpha: float, fmt: str, keys: KeyMap,
+            prefix: str = "transformer") -> dict[str, torch.Tensor]:
     """Our diffusers LoRA tensors (`<prefix>.<module>.lora_A.weight` / `.lora_B.weight`, one alpha
-    for every module, unfolded: delta = alpha / r · B @ A) -> the same adapters in `fmt`
-    (comfyui | kohya; see the module docstring). Tensors are passed through unchanged."""
+    for every module, unfolded: delta = alpha / r · B @ A) -> the same adapters in `fmt` (comfyui |
+    kohya) under `keys`' names. Tensors pass unchanged, except up · alpha / r where keys.alpha is False."""
     if fmt == "diffusers":
         return dict(sd)
     if fmt not in FORMATS:
         raise ValueError(f"--lora-format {fmt!r} must be one of {', '.join(FORMATS)}")
     out: dict[str, torch.Tensor] = {}
     for key, value in sd.items():
-        body = key.removeprefix(prefix + ".")
-        module, _, kind = body.rpartition(".lora_")  # kind: "A.weight" | "B.weight"
-        if kind not in ("A.weight", "B.weight"):
-            raise ValueError(f"{key} is not a LoRA tensor (X.lora_A.weight / X.lora_B.weight)")
-        orig = wan_original_name(module)
+        module, ab = _parts(key, prefix)
+        orig = keys.original(module)
+        if not keys.alpha and ab == "B":
+            value = value * (alpha / value.shape[1])
         if fmt == "comfyui":
             name = f"diffusion_model.{orig}"
-            out[f"{name}.lora_{kind}"] = value
+            out[f"{name}.lora_{ab}.weight"] = value
         else:
             name = "lora_unet_" + orig.replace(".", "_")
-            out[f"{name}.lora_{'down' if kind == 'A.weight' else 'up'}.weight"] = value
-        out[f"{name}.alpha"] = torch.tensor(float(alpha), dtype=torch.float32)
+            out[f"{name}.lora_{'down' if ab == 'A' else 'up'}.weight"] = value
+        if keys.alpha:
+            out[f"{name}.alpha"] = torch.tensor(float(alpha), dtype=torch.float32)
     return out
 
 
-def to_diffusers(sd: dict[str, torch.Tensor], prefix: str = "transformer") -> tuple[dict[str, torch.Tensor], float | None]:
-    """A comfyui / kohya Wan LoRA (as `convert` writes them; musubi-tuner's files) -> (diffusers
-    keys `<prefix>.<module>.lora_A.weight` / `.lora_B.weight`, alpha). The file's alphas must be one
-    value (None when it has none: alpha = r); a diffusers file is returned as it is."""
-    if not any(k.startswith(("diffusion_model.", "lora_unet_")) for k in sd):
-        return dict(sd), None
+def is_converted(sd: dict[str, torch.Tensor]) -> bool:
+    """A ComfyUI / kohya layout (as opposed to diffusers' `transformer.` keys)."""
+    return any(k.startswith(("diffusion_model.", "lora_unet_")) for k in sd)
+
+
+def to_diffusers(sd: dict[str, torch.Tensor], keys: KeyMap, modules: set[str],
+                 prefix: str = "transformer") -> tuple[dict[str, torch.Tensor], float | None]:
+    """A comfyui / kohya LoRA (as `convert` writes them; musubi-tuner's files) of a model whose
+    adapted modules are `modules` (diffusers names) -> (`<prefix>.<module>.lora_A.weight` /
+    `.lora_B.weight`, alpha). The file's alphas must be one value (None when it has none: scale 1,
+    ComfyUI's reading). A key naming no module of `modules` under `keys` is refused in one line."""
+    names = {}
+    for module in modules:
+        try:
+            orig = keys.original(module)
+        except ValueError:
+            continue  # not in the map: a file cannot name it, and the load says which is missing
+        names[f"diffusion_model.{orig}"] = names["lora_unet_" + orig.replace(".", "_")] = module
     out: dict[str, torch.Tensor] = {}
     alphas = set()
     for key, value in sd.items():
-        if key.startswith("diffusion_model."):
-            name, _, kind = key.removeprefix("diffusion_model.").rpartition(".")
-            if kind == "alpha":
-                alphas.add(float(value))
-                continue
-            module, _, ab = name.rpartition(".lora_")  # ab: "A" | "B", kind "weight"
-            part = {"A": "lora_A", "B": "lora_B", "down": "lora_A", "up": "lora_B"}.get(ab)
-            original = module
-        elif key.startswith("lora_unet_"):
-            name, _, rest = key.removeprefix("lora_unet_").partition(".")
-            if rest == "alpha":
-                alphas.add(float(value))
-                continue
-            part = {"lora_down.weight": "lora_A", "lora_up.weight": "lora_B"}.get(rest)
-            original = _unflatten(name)
-        else:
-            part, original = None, ""
-        if part is None:
-            raise ValueError(f"{key}: not a LoRA down/up weight or alpha of a ComfyUI / kohya Wan LoRA")
-        out[f"{prefix}.{diffusers_name(original)}.{part}.weight"] = value
+        name, _, rest = key.partition(".") if key.startswith("lora_unet_") else key.rpartition(".lora_")
+        if key.endswith(".alpha"):
+            name, rest = key.removesuffix(".alpha"), "alpha"
+        part = {"A.weight": "lora_A", "B.weight": "lora_B", "lora_down.weight": "lora_A",
+                "lora_up.weight": "lora_B", "alpha": "alpha"}.get(rest)
+        if part is None or name not in names:
+            raise ValueError(f"{key}: not a LoRA down / up weight or alpha of a {keys.family} module this run adapts "
+                             f"(adapted: {len(modules)} modules, e.g. {sorted(modules)[:2]})")
+        if part == "alpha":
+            alphas.add(float(value))
+            continue
+        out[f"{prefix}.{names[name]}.{part}.weight"] = value
     if len(alphas) > 1:
         raise ValueError(f"the LoRA file has {len(alphas)} different alphas ({sorted(alphas)[:4]}); one is supported")
     return out, (alphas.pop() if alphas else None)
-
-
-def _unflatten(name: str) -> str:
-    """kohya's `blocks_3_self_attn_q` -> `blocks.3.self_attn.q` (Wan's names, whose own
-    underscores are those of self_attn, cross_attn, k_img, v_img)."""
-    for orig in (*(f"blocks.{{}}.{v}" for v in _WAN_BLOCK.values()), *_WAN_TOP.values()):
-        pattern = re.escape(orig.replace(".", "_")).replace(r"\{\}", r"(\d+)")
-        m = re.fullmatch(pattern, name)
-        if m:
-            return orig.format(*m.groups())
-    raise ValueError(f"lora_unet_{name}: not a module of a Wan LoRA")

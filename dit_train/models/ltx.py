@@ -42,6 +42,7 @@ from dit_train.kernels import packed_cross_attention
 from dit_train.models.diffusers_family import DiffusersFamily
 from dit_train.models.family_forward import (caption_batch, cross_attention_linears, PackedContext, packed_processors,
                                              PackedRope, take_modules, time_rows)
+from dit_train.models.lora_formats import KeyMap
 from dit_train.models.registry import ActivationModel, register_model
 from dit_train.objectives.flow_matching import PipelineShift
 
@@ -113,8 +114,18 @@ def ltx_config(cfg: LTXConfig) -> dict[str, Any]:
                 caption_channels=cfg.text_dim, norm_eps=cfg.norm_eps)
 
 
+# LTX-Video's LoRA names: inside the blocks the original checkpoint's are diffusers' (ComfyUI's
+# comfy/ldm/lightricks/model.py LTXVModel: transformer_blocks.N.attn1.to_q, ff.net.0.proj, ...; diffusers'
+# _convert_non_diffusers_ltxv_lora_to_diffusers only strips `diffusion_model.`), and so are proj_out and
+# caption_projection.linear_1/2. That reader also drops `.alpha` (peft then takes alpha = r): alpha folded
+LTX_LORA_KEYS = KeyMap("LTX-Video", blocks={"transformer_blocks": ("transformer_blocks", None)},
+                       top={m: m for m in ("proj_out", "caption_projection.linear_1", "caption_projection.linear_2")},
+                       alpha=False,
+                       unmapped="ComfyUI names proj_in and time_embed patchify_proj and adaln_single, diffusers' "
+                                "LTX-Video LoRA reader keeps their diffusers names: no name both read")
+
 LTX = DiffusersFamily(class_name="LTXVideoTransformer3DModel", kwargs=ltx_config, our_keys=_OUR_KEY, fixed=_FIXED,
-                      folder_kind="an LTX-Video folder", article="an")
+                      folder_kind="an LTX-Video folder", article="an", lora_keys=LTX_LORA_KEYS)
 
 
 def ltx_rope(pos: torch.Tensor, dim: int, scale: tuple[float, float, float], patch: tuple[int, int, int],

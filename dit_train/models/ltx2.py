@@ -41,6 +41,7 @@ from dit_train.config.schema import VideoModelConfig
 from dit_train.kernels import packed_cross_attention
 from dit_train.models.diffusers_family import DiffusersFamily
 from dit_train.models.family_forward import caption_batch, PackedContext, take_modules, time_rows
+from dit_train.models.lora_formats import KeyMap
 from dit_train.models.registry import ActivationModel, register_model
 from dit_train.kernels import LocalAttention
 
@@ -130,8 +131,17 @@ def pipeline_notes(cfg: LTX2Config) -> list[str]:
             "(docs/audio-video.md#sampling-an-export-in-diffusers-ltx2pipeline)"]
 
 
+# LTX-2's LoRA names: the blocks' as diffusers' (ComfyUI's comfy/ldm/lightricks/av_model.py
+# BasicAVTransformerBlock: attn1, audio_attn1, attn2, audio_attn2, audio_to_video_attn, video_to_audio_attn,
+# ff, audio_ff), the input projections the original's patchify_proj (diffusers'
+# _convert_non_diffusers_ltx2_lora_to_diffusers renames them back); that reader drops `.alpha`: alpha folded
+LTX2_LORA_KEYS = KeyMap("LTX-2", blocks={"transformer_blocks": ("transformer_blocks", None)},
+                        top={"proj_in": "patchify_proj", "audio_proj_in": "audio_patchify_proj", "proj_out": "proj_out",
+                             "audio_proj_out": "audio_proj_out"},
+                        alpha=False, unmapped="mapped: the blocks' linears, proj_in, audio_proj_in, proj_out, audio_proj_out")
+
 LTX2 = DiffusersFamily(class_name="LTX2VideoTransformer3DModel", kwargs=ltx2_config, our_keys=_OUR_KEY, fixed=_FIXED,
-                       folder_kind="an LTX-2 folder", article="an", export_notes=pipeline_notes)
+                       folder_kind="an LTX-2 folder", article="an", export_notes=pipeline_notes, lora_keys=LTX2_LORA_KEYS)
 
 # the diffusers modules PackedLTX2 holds, in LTX2VideoTransformer3DModel's order (= its state dict's)
 _MODULES = ("proj_in", "audio_proj_in", "caption_projection", "audio_caption_projection", "time_embed",

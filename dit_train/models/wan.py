@@ -41,6 +41,7 @@ from dit_train.kernels import packed_cross_attention
 from dit_train.models.diffusers_family import DiffusersFamily
 from dit_train.models.family_forward import (caption_batch, cross_attention_linears, PackedContext, packed_processors,
                                              PackedRope, take_modules, time_rows)
+from dit_train.models.lora_formats import KeyMap
 from dit_train.models.registry import ActivationModel, model_spec, ModelSpec, register_model
 from dit_train.models.wan_experts import (BOTH, components, expert_blocks, expert_checks, expert_folders, ExpertPair,
                                          experts_of, sampling_boundary, timestep_range)
@@ -135,9 +136,22 @@ def _image_branch(theirs: dict, want: dict) -> list[str]:
             "model.image_dim=0 (a T2V checkpoint widens into cond.feed=concat without it)"]
 
 
+# Wan's LoRA names in its original checkpoint (ComfyUI's WanModel, musubi-tuner's files): diffusers'
+# own Wan LoRA readers read the other way (diffusers.loaders.lora_conversion_utils:
+# _convert_non_diffusers_wan_lora_to_diffusers, _convert_musubi_wan_lora_to_diffusers)
+WAN_BLOCK = {
+    "attn1.to_q": "self_attn.q", "attn1.to_k": "self_attn.k", "attn1.to_v": "self_attn.v", "attn1.to_out.0": "self_attn.o",
+    "attn2.to_q": "cross_attn.q", "attn2.to_k": "cross_attn.k", "attn2.to_v": "cross_attn.v", "attn2.to_out.0": "cross_attn.o",
+    "attn2.add_k_proj": "cross_attn.k_img", "attn2.add_v_proj": "cross_attn.v_img",
+    "ffn.net.0.proj": "ffn.0", "ffn.net.2": "ffn.2",
+}
+WAN_LORA_KEYS = KeyMap("Wan", blocks={"blocks": ("blocks", WAN_BLOCK)},
+                       top={"condition_embedder.time_proj": "time_projection.1", "proj_out": "head.head"},
+                       unmapped="mapped: the blocks' attention and FFN linears, time_proj, proj_out")
+
 WAN = DiffusersFamily(
     class_name="WanTransformer3DModel", kwargs=wan_config, our_keys=_OUR_KEY, folder_kind="a Wan folder",
-    folders=expert_folders, notes=_image_branch,
+    folders=expert_folders, notes=_image_branch, lora_keys=WAN_LORA_KEYS,
     # a text-to-video checkpoint fine-tuned into concat conditioning (Wan 2.1 I2V style): its patch
     # embedding gets the new input channels, zero-initialised
     widen_key="patch_embedding.weight")

@@ -32,8 +32,8 @@ from torch import nn
 
 from dit_train.models.family_forward import PackedContext, packed_processors, PackedRope
 from dit_train.models.registry import register_model
-from dit_train.models.wan import (block_linears, PackedWan, PackedWanAttnProcessor, WAN, wan_config, wan_spec,
-                                  WanConfig)
+from dit_train.models.wan import (block_linears, PackedWan, PackedWanAttnProcessor, WAN, WAN_BLOCK, wan_config,
+                                  wan_spec, WanConfig)
 from dit_train.models.wan_experts import JoinedBlocks
 
 
@@ -87,7 +87,13 @@ VACE = dataclasses.replace(
     WAN, class_name="WanVACETransformer3DModel", kwargs=vace_config, folder_kind="a Wan VACE folder",
     our_keys=WAN.our_keys | {"vace_layers": "vace_layers",
                              "vace_in_channels": "2 in_channels + vace_mask_channels (cond.control)"},
-    refuse=_needs_vace_blocks)
+    refuse=_needs_vace_blocks,
+    # a VACE block is a Wan block (same names) plus block 0's before_proj and every block's after_proj:
+    # Wan's original vace_blocks.N.*, as diffusers' scripts/convert_wan_to_diffusers.py renames them
+    # (VACE_TRANSFORMER_KEYS_RENAME_DICT: "before_proj" -> "proj_in", "after_proj" -> "proj_out",
+    # vace_blocks kept) and ComfyUI's VaceWanModel names them; no diffusers LoRA reader takes vace_blocks
+    lora_keys=WAN.lora_keys.with_blocks(vace_blocks=("vace_blocks", WAN_BLOCK | {"proj_in": "before_proj",
+                                                                                 "proj_out": "after_proj"})))
 
 
 class PackedWanVACE(PackedWan):

@@ -22,9 +22,10 @@ merged in instead. --base exports the model the run started from, with no adapte
 model.pretrained weights, or the initialisation from its train.seed (for the CPU example
 `+experiment=wan_lora`, the tiny random base its adapters load onto).
 
---lora-format comfyui|kohya (Wan runs) also writes the adapters as ComfyUI / musubi-tuner name
-them, beside the diffusers file: lora_comfyui.safetensors or lora_kohya.safetensors in the same
-folder (dit_train/models/lora_formats.py; docs/one-gpu.md).
+--lora-format comfyui|kohya also writes the adapters as ComfyUI / musubi-tuner name them (Wan, Wan
+VACE, SkyReels-V2, LTX-Video, LTX-2, HunyuanVideo 1.5: each family's key map; our DiT is refused),
+beside the diffusers file: lora_comfyui.safetensors or lora_kohya.safetensors in the same folder
+(dit_train/models/lora_formats.py; docs/one-gpu.md).
 
 Key names are those of the plain model, the same as the run's own weights.safetensors,
 whatever layout wrote the checkpoint. With --diffusers (model.name=wan runs) full weights go
@@ -79,23 +80,25 @@ def _format_file(d: Path, fmt: str) -> Path:
 
 
 def _check_lora_format(cfg: Any, dirs: list[Path], args: argparse.Namespace) -> None:
-    """--lora-format other than diffusers: a Wan LoRA export, whose converted files do not exist yet."""
+    """--lora-format other than diffusers: a LoRA export of a family with a key map (models/lora_formats.py),
+    whose converted files do not exist yet."""
     if args.lora_format == "diffusers":
         return
-    kind = model_spec(cfg.model).name
-    if not _lora(cfg, args) or kind != "wan":
-        what = f"model={cfg.model.name}" if _lora(cfg, args) else "full weights (not a LoRA run's adapters)"
-        raise ValueError(f"--lora-format {args.lora_format} writes Wan LoRA adapters as ComfyUI / kohya tools name "
-                         f"them; {what} has no such key map here: use --lora-format diffusers")
+    if not _lora(cfg, args):
+        raise ValueError(f"--lora-format {args.lora_format} writes a LoRA run's adapters as ComfyUI / kohya tools name "
+                         f"them; full weights (not a LoRA run's adapters) have no such layout: use --lora-format diffusers")
+    lora_formats.key_map(model_spec(cfg.model))  # our DiT, or a family whose names were not read: refused
     for d in dirs:
         if _format_file(d, args.lora_format).exists() and not args.overwrite:
             raise ValueError(f"{_format_file(d, args.lora_format)} exists: pass --overwrite to replace it, or {_other(args)}")
 
 
-def _write_lora_format(written: list[Path], args: argparse.Namespace) -> list[Path]:
-    """Each written diffusers LoRA file, converted to --lora-format beside it (alpha from its header)."""
+def _write_lora_format(cfg: Any, written: list[Path], args: argparse.Namespace) -> list[Path]:
+    """Each written diffusers LoRA file, converted to --lora-format beside it under the family's key
+    map (alpha from its header)."""
     if args.lora_format == "diffusers":
         return written
+    keys = lora_formats.key_map(model_spec(cfg.model))
     out = []
     for src in written:
         with safe_open(str(src), "pt") as f:
@@ -105,7 +108,7 @@ def _write_lora_format(written: list[Path], args: argparse.Namespace) -> list[Pa
         alpha = header.get(f"{PREFIX}.lora_alpha", rank)  # diffusers' reading: no metadata = alpha r
         dest = _format_file(src.parent, args.lora_format)
         with _writing(dest):
-            save_safetensors(lora_formats.convert(sd, alpha, args.lora_format, PREFIX), dest)
+            save_safetensors(lora_formats.convert(sd, alpha, args.lora_format, keys, PREFIX), dest)
         out.append(dest)
     return out
 
@@ -215,7 +218,7 @@ def _from_checkpoint(ckpt: Path, args: argparse.Namespace) -> Path:
         with _writing(root if not args.diffusers else Path(args.diffusers)):
             written = [save_lora(model, out, model_spec(cfg.model).name, component=prefix)
                        for prefix, out in dests.items()]
-        written = _write_lora_format(written, args)
+        written = _write_lora_format(cfg, written, args)
         return written[0] if len(written) == 1 else root if not args.diffusers else Path(args.diffusers)
     return _full_weights(cfg, lambda: checkpoint_weights(ckpt, args.ema)[1], args,
                          ckpt / f"weights{suffix}.safetensors")
@@ -268,7 +271,7 @@ def _from_run_files(run: Path, args: argparse.Namespace) -> Path | None:
         _check_lora_format(cfg, list(lora_dirs.values()), args)
         for src in srcs:
             _checked_adapter(src)
-        written = _write_lora_format(srcs, args)
+        written = _write_lora_format(cfg, srcs, args)
         return written[0] if len(written) == 1 else run / f"lora{suffix}"
     if dest is None:
         where = srcs[0] if len(srcs) == 1 else run / f"lora{suffix}"
@@ -291,7 +294,7 @@ def _from_run_files(run: Path, args: argparse.Namespace) -> Path | None:
                 written.append(copy_atomic(lora_dirs[prefix] / WEIGHT_NAME, out / WEIGHT_NAME))
                 for src in extra[prefix]:
                     copy_atomic(src, out / src.name)
-        written = _write_lora_format(written, args)
+        written = _write_lora_format(cfg, written, args)
         return written[0] if len(written) == 1 else Path(dest)
     return _full_weights(cfg, lambda: load_safetensors(srcs[0]), args, run / srcs[0].name)
 
@@ -335,8 +338,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the weights the run started from, without adapters: model.pretrained's, or the "
                          "initialisation from train.seed (default output <run>/weights_base.safetensors)")
     ap.add_argument("--lora-format", choices=lora_formats.FORMATS, default="diffusers",
-                    help="LoRA runs of Wan: also write the adapters as ComfyUI (comfyui) or kohya / musubi-tuner "
-                         "(kohya) name them, as lora_<format>.safetensors beside the diffusers file")
+                    help="LoRA runs of a diffusers family: also write the adapters as ComfyUI (comfyui) or kohya / "
+                         "musubi-tuner (kohya) name them, as lora_<format>.safetensors beside the diffusers file")
     ap.add_argument("--overwrite", action="store_true",
                     help="replace files that exist where the export goes (default: refuse, naming them)")
     args = ap.parse_args(argv)
