@@ -8,14 +8,8 @@ import torch
 
 from dit_train.config.choices import Mode
 from dit_train.config.schema import DataConfig
-from dit_train.data_pipelines.latent_cache import (
-    LatentCacheDataset,
-    TextEncoder,
-    VaeCodec,
-    load_decoder,
-    read_cache_info,
-    uncached_companions,
-)
+from dit_train.data_pipelines.latent_cache import LatentCacheDataset, load_decoder, read_cache_info, uncached_companions
+from dit_train.data_pipelines.latent_encoders import TextEncoder, VaeCodec
 from dit_train.data_pipelines.prompt_space import PromptSpace, fit_to_patch, notice_cut
 from dit_train.data_pipelines.source import DataSource, register_source
 

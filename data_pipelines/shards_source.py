@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict
 import torch
 
 from dit_train.config.choices import Mode
-from dit_train.data_pipelines.latent_cache import VaeCodec
+from dit_train.data_pipelines.latent_encoders import VaeCodec
 from dit_train.data_pipelines.latent_cache_source import check_latent_model, latent_prompt_space
 from dit_train.data_pipelines.prompt_space import PromptSpace
 from dit_train.data_pipelines.shard_datasets import ShardClipDataset, ShardLatentDataset, pixel_entries
