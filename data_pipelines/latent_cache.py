@@ -12,10 +12,14 @@ Layout of a cache folder:
                                 latent voxel: companions.latent_mask_sums), with --control
                                 `control_latents` [C, f, h, w] (its control video encoded like the
                                 clip) and `control_inactive_latents` (an all-zero video of its size
-                                encoded: Wan VACE's inactive video), with --i2v Wan 2.1 I2V's tensors (i2v_cache.py)
-    manifest.jsonl              {file, caption, source, latent_shape, text_len} per encoded clip,
-                                in source order (sample id = line number)
-    report.json                 counts: encoded, reused, unreadable (path, why), ...
+                                encoded: Wan VACE's inactive video), with --i2v Wan 2.1 I2V's tensors (i2v_cache.py),
+                                with --audio-vae `audio_latents` [n, token_dim] float32: LTX-2's normalized
+                                audio tokens of the clip's kept frames' span (audio_latents.py; absent
+                                for a clip without usable sound)
+    manifest.jsonl              {file, caption, source, latent_shape, text_len[, audio_len]} per encoded
+                                clip, in source order (sample id = line number)
+    report.json                 counts: encoded, reused, unreadable (path, why), with --audio-vae
+                                audio / no_audio clips and the sound reader's outcomes, ...
 
 Latents are normalized like the Wan pipelines do: (z - latents_mean) / latents_std per channel,
 from the VAE's config (LTX-Video's VAE: from its latents_mean / latents_std buffers and
@@ -39,6 +43,7 @@ from safetensors.torch import load_file
 from tqdm import tqdm
 
 from dit_train.atomic import save_file_atomic, write_atomic
+from dit_train.data_pipelines.audio_latents import AudioLatentCodec, kept_span
 from dit_train.data_pipelines.companions import KEYS, LatentMask, latent_mask_sums
 from dit_train.data_pipelines.latent_encoders import TextEncoder, VaeCodec
 from dit_train.data_pipelines.records import in_heldout, member_name, parsed_once
@@ -94,7 +99,7 @@ def check_or_write_meta(out: Path, meta: dict, write: bool) -> None:
         _write_text_atomic(p, json.dumps(meta, indent=2))
 
 
-def build_meta(vae: VaeCodec, text: TextEncoder | None, settings: dict) -> dict:
+def build_meta(vae: VaeCodec, text: TextEncoder | None, settings: dict, audio: AudioLatentCodec | None = None) -> dict:
     return {
         "format": 1, "settings": settings, "fingerprint": fingerprint(settings),
         "vae": vae.path, "vae_class": vae.class_name, "latent_channels": vae.latent_channels,
@@ -103,6 +108,7 @@ def build_meta(vae: VaeCodec, text: TextEncoder | None, settings: dict) -> dict:
         "text_encoder": text.path if text else "", "tokenizer": text.tokenizer_path if text else "",
         "text_dim": text.text_dim if text else 0, "max_text_len": text.max_length if text else 0,
         "null_text_emb": NULL_TEXT if text else "",
+        "audio": audio.meta() if audio else None,
     }
 
 
@@ -141,9 +147,17 @@ class CompanionEncoder:
 
 
 def clip_tensors(sample: VideoSample, caption: str, vae: VaeCodec, text: TextEncoder | None, i2v: Any = None,
-                 companions: CompanionEncoder | None = None) -> dict[str, torch.Tensor]:
-    """Everything a cache stores of one clip (the sample file's tensors; the layout above)."""
+                 companions: CompanionEncoder | None = None, audio: AudioLatentCodec | None = None,
+                 audio_span: int = 0) -> dict[str, torch.Tensor]:
+    """Everything a cache stores of one clip (the sample file's tensors; the layout above).
+    audio_span: 16 kHz samples of the time span of the clip's frames (with `audio`)."""
     tensors = {"latents": vae.encode(sample.pixels)}
+    if audio is not None and sample.audio is not None:  # the sound of the frames the video VAE keeps
+        frames = sample.pixels.shape[1]
+        keep = kept_span(sample.audio.numel(), audio_span, frames, vae.usable_frames(frames))
+        z = audio.encode(sample.audio[:keep])
+        if z.shape[0]:
+            tensors["audio_latents"] = z
     if text is not None:
         tensors["text_emb"] = text.encode(caption)
     if i2v is not None:
@@ -154,12 +168,13 @@ def clip_tensors(sample: VideoSample, caption: str, vae: VaeCodec, text: TextEnc
 
 
 def encode_shard(dataset: Any, out: Path, vae: VaeCodec, text: TextEncoder | None, rank: int = 0,
-                 world: int = 1, progress: bool = True, i2v: Any = None, companions: CompanionEncoder | None = None) -> dict:
+                 world: int = 1, progress: bool = True, i2v: Any = None, companions: CompanionEncoder | None = None,
+                 audio: AudioLatentCodec | None = None) -> dict:
     """Encode the clips i ≡ rank (mod world) of `dataset` (VideoClipDataset: `entries`,
     `__getitem__` -> VideoSample with pixels [3, F, H, W], H/W multiples of the VAE's factor)
     into `out/samples/`, skipping those already there; with `i2v` (i2v_cache.I2VEncoder) also
-    each clip's Wan 2.1 I2V tensors, with `companions` its mask and control latents. Returns
-    this rank's counts."""
+    each clip's Wan 2.1 I2V tensors, with `companions` its mask and control latents, with `audio`
+    its audio latents (a clip without usable sound stays video-only). Returns this rank's counts."""
     mine = list(range(rank, len(dataset), world))
     report = {"encoded": 0, "reused": 0, "unreadable": []}
     bar = tqdm(mine, desc=f"caching latents (rank {rank}/{world})", unit="clip", position=rank, disable=not progress)
@@ -174,10 +189,12 @@ def encode_shard(dataset: Any, out: Path, vae: VaeCodec, text: TextEncoder | Non
         except VideoReadError as err:
             report["unreadable"].append([entry.path, str(err)])
             continue
-        _save_atomic(path, clip_tensors(sample, entry.caption, vae, text, i2v, companions),
+        span = dataset.span_samples(i) if audio is not None else 0
+        _save_atomic(path, clip_tensors(sample, entry.caption, vae, text, i2v, companions, audio, span),
                      {"caption": entry.caption, "source": entry.path})
         report["encoded"] += 1
     bar.close()
+    report["audio_outcomes"] = dict(getattr(dataset, "audio_outcomes", {}))
     return report
 
 
@@ -192,17 +209,33 @@ def write_manifest(out: Path, dataset: Any, reports: list[dict]) -> dict:
         with safe_open(str(out / name), "pt") as f:
             shape = list(f.get_slice("latents").get_shape())
             text_len = f.get_slice("text_emb").get_shape()[0] if "text_emb" in f.keys() else 0
-        lines.append(json.dumps({"file": name, "caption": entry.caption, "source": entry.path,
-                                 "latent_shape": shape, "text_len": int(text_len)}))
+            audio_len = f.get_slice("audio_latents").get_shape()[0] if "audio_latents" in f.keys() else 0
+        row = {"file": name, "caption": entry.caption, "source": entry.path, "latent_shape": shape,
+               "text_len": int(text_len)}
+        lines.append(json.dumps(row | ({"audio_len": int(audio_len)} if audio_len else {})))
     _write_text_atomic(out / MANIFEST, "".join(line + "\n" for line in lines))
     report = {
         "samples": len(lines),
         "encoded": sum(r["encoded"] for r in reports), "reused": sum(r["reused"] for r in reports),
         "unreadable": [u for r in reports for u in r["unreadable"]],
         "skipped_by_source": [list(s) for s in getattr(dataset, "skipped", [])],
-    }
+    } | audio_report(lines, reports)
     _write_text_atomic(out / REPORT, json.dumps(report, indent=2))
     return report
+
+
+def audio_report(rows: list[str], reports: list[dict]) -> dict:
+    """The report's sound counts, when the clips were read with sound (--audio-vae): clips with
+    audio latents, clips without (no track, silent, corrupt, under one latent: video-only), and
+    the sound reader's outcomes over the clips encoded now (audio_io's table)."""
+    outcomes: dict[str, int] = {}
+    for r in reports:
+        for k, v in (r.get("audio_outcomes") or {}).items():
+            outcomes[k] = outcomes.get(k, 0) + v
+    audio = sum('"audio_len"' in row for row in rows)
+    if not outcomes and not audio:
+        return {}
+    return {"audio": audio, "no_audio": len(rows) - audio, "audio_outcomes": outcomes}
 
 
 # -- reading it back -------------------------------------------------------------------------
@@ -276,6 +309,10 @@ class LatentCacheDataset:
         """Each sample's caption, in sample order (the resume check's content fingerprint)."""
         return [row["caption"] for row in self.rows]
 
+    def audio_token_count(self, i: int) -> int:
+        """Audio tokens of sample i (its cached audio latents; 0 without), from the manifest."""
+        return int(self.rows[i].get("audio_len", 0))
+
     def frames(self, i: int) -> int:
         """Latent frames sample i is trained with (cropped to a multiple of the temporal patch, as read)."""
         f = self.rows[i]["latent_shape"][1]
@@ -310,6 +347,8 @@ class LatentCacheDataset:
             sample.control = t["control_latents"].float()[(slice(None), *crop)].contiguous()
         if "control_inactive_latents" in t:  # Wan VACE's inactive video of a control without mask
             sample.control_inactive = t["control_inactive_latents"].float()[(slice(None), *crop)].contiguous()
+        if "audio_latents" in t:  # --audio-vae: LTX-2's audio tokens [n, token_dim] (the frames' whole span)
+            sample.audio_latents = t["audio_latents"].float()
         return sample
 
     def null_text_emb(self) -> torch.Tensor:
@@ -351,9 +390,10 @@ class CacheSettings:
     source: dict
     i2v: dict = None  # i2v_cache.I2VEncoder.meta(); None = no I2V tensors (and out of the fingerprint)
     companions: list = None  # CompanionEncoder.kinds ("mask", "control"); None = none (and out of the fingerprint)
+    audio: dict = None  # AudioLatentCodec.meta(); None = no audio latents (and out of the fingerprint)
 
     def as_dict(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k not in ("i2v", "companions") or v}
+        return {k: v for k, v in self.__dict__.items() if k not in ("i2v", "companions", "audio") or v}
 
 
 def uncached_companions(meta: dict, wanted: tuple[str, ...], where: str) -> list[str]:

@@ -31,6 +31,10 @@ def check_latent_model(meta: dict, where: str, model_cfg: Any, companions: tuple
     if model_cfg.in_channels != channels:
         raise ValueError(f"{where} holds {channels}-channel latents but "
                          f"model.in_channels={model_cfg.in_channels}; set model.in_channels={channels}")
+    audio, audio_patch = meta.get("audio") or {}, getattr(model_cfg, "audio_patch", 0)
+    if audio and audio_patch and audio_patch != int(audio["token_dim"]):
+        raise ValueError(f"{where} holds {audio['token_dim']}-feature audio latents (its audio VAE's latent_channels x "
+                         f"mel_bins / 4) but model.audio_patch={audio_patch}; set model.audio_patch={audio['token_dim']}")
     if model_cfg.text_dim and text_dim and model_cfg.text_dim != text_dim:
         raise ValueError(f"{where} holds {text_dim}-wide caption embeddings but "
                          f"model.text_dim={model_cfg.text_dim}; set model.text_dim={text_dim}")
