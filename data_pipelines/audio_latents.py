@@ -29,9 +29,11 @@ causal latent (which reads past the end) trimmed. A span under one latent gives 
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
-from dit_train.data_pipelines.audio_io import SAMPLE_RATE
+from dit_train.data_pipelines.audio_io import SAMPLE_RATE, resample
 from dit_train.data_pipelines.latent_encoders import component_path
 
 N_FFT = 1024  # diffusers' Echo `_encode_audio`: n_fft = win_length (module docstring)
@@ -158,3 +160,25 @@ def kept_span(samples: int, span: int, frames: int, usable: int) -> int:
     (their span: `span` samples at 16 kHz) the video VAE keeps the first `usable`; a short track
     (`samples` < span) keeps what it has."""
     return min(samples, int(round(span * usable / frames))) if frames > 0 else 0
+
+
+class LatentSound:
+    """Sampling sound on a run of cached audio latents (DataSource.sound): how many audio tokens a
+    clip gets and how they become a waveform.
+
+    codec: the cache's AudioLatentCodec; pixel_frames: latent shape (C, f, h, w) -> the frames its
+    video decodes to (VaeCodec.pixel_shape); fps: the clips' frame rate (model.fps: LTX2Pipeline's
+    frame_rate)."""
+
+    def __init__(self, codec: AudioLatentCodec, pixel_frames: Callable[[tuple], int], fps: float):
+        self.codec, self.pixel_frames, self.fps = codec, pixel_frames, float(fps)
+
+    def tokens(self, shape: tuple[int, ...]) -> int:
+        """Audio tokens of a clip of latent `shape`: LTX2Pipeline's round(frames / frame_rate · 25)."""
+        return self.codec.tokens_for(int(round(self.pixel_frames(shape) / self.fps * SAMPLE_RATE)))
+
+    def waveform(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Generated tokens [n, token_dim] -> float32 [N] mono at 16 kHz (audio VAE + vocoder, then
+        PyAV's resampler from the vocoder's rate), what the mp4s' AAC tracks carry."""
+        wave = self.codec.decode(tokens).numpy()
+        return torch.from_numpy(resample(wave, self.codec.output_rate, SAMPLE_RATE))

@@ -194,10 +194,16 @@ def test_a_pack_from_the_cache_is_the_pack_of_the_latents_given_directly(audio_c
     assert video == task.dataset.lengths()
 
 
-def test_ltx2_trains_its_audio_stream_from_the_cache(audio_cache, tmp_path):
+def test_ltx2_trains_its_audio_stream_from_the_cache_and_samples_sound(audio_cache, ltx2_audio, tmp_path):
     """2 steps of model=ltx2_tiny on the cache (2 clips a step): both streams carry loss (loss/audio
-    from the cached audio latents of the clips with sound)."""
+    from the cached audio latents of the clips with sound). tools.sample on the run generates a
+    clip's audio latents (LTX2Pipeline's count for its duration) and decodes them through the
+    cache's audio VAE and vocoder into the mp4's sound."""
+    from safetensors.torch import load_file
+
     from dit_train.__main__ import run_from_config
+    from dit_train.data_pipelines.audio_latents import AudioLatentCodec
+    from dit_train.tools.sample import main as sample
 
     cfg = compose_config(LTX2_CACHE + ["data=latent_cache", f"data.root={audio_cache}", "train.steps=2",
                                        "parallel.threads_per_worker=1", "train.global_batch=2",
@@ -206,6 +212,14 @@ def test_ltx2_trains_its_audio_stream_from_the_cache(audio_cache, tmp_path):
     assert run_from_config(cfg)["steps"] == 2
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["loss/video"] > 0 for r in rows) and any(r["loss/audio"] > 0 for r in rows), rows
+    gen = tmp_path / "gen"
+    assert sample([str(tmp_path / "run"), "--prompt", "a red circle", "--frames", "5", "--height", "16", "--width", "16",
+                   "--steps", "2", "--out", str(gen)]) == 0
+    (sound,) = load_file(gen / "sounds.safetensors").values()
+    n = round(5 / 8.0 * 16000 / 640)  # 5 frames at model.fps=8: 0.625 s, 25 latents a second
+    heard = AudioLatentCodec(str(ltx2_audio)).decode(torch.zeros(n, TOKEN_DIM))  # what n latents decode to
+    assert sound.shape == heard.shape and float(sound.abs().max()) > 0
+    assert json.loads((gen / "info.json").read_text())["sound"]["samples"] == [heard.numel()]
 
 
 def test_an_audio_patch_other_than_the_caches_is_refused(audio_cache):
