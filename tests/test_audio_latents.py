@@ -222,10 +222,16 @@ def test_ltx2_trains_its_audio_stream_from_the_cache_and_samples_sound(audio_cac
     assert json.loads((gen / "info.json").read_text())["sound"]["samples"] == [heard.numel()]
 
 
-def test_an_audio_patch_other_than_the_caches_is_refused(audio_cache):
+def test_audio_latents_a_model_cannot_read_are_refused_before_the_run(audio_cache):
+    """Another model.audio_patch than the cache's token width, and the two-stream DiT (its audio
+    tokens are waveform samples placed by time), each one error before step 0."""
     from dit_train.config.errors import ConfigError
     from dit_train.tasks import check_data
 
     cfg = compose_config(LTX2_CACHE + ["data=latent_cache", f"data.root={audio_cache}", "model.audio_patch=640"])
     with pytest.raises(ConfigError, match=f"set model.audio_patch={TOKEN_DIM}"):
+        check_data(cfg)
+    cfg = compose_config([f"model.in_channels={Z_DIM}", f"model.text_dim={TEXT_DIM}", "model.patch_size=[1,2,2]",
+                          f"model.audio_patch={TOKEN_DIM}", "data=latent_cache", f"data.root={audio_cache}"])
+    with pytest.raises(ConfigError, match="train LTX-2's audio stream"):
         check_data(cfg)
