@@ -84,3 +84,16 @@ def read_audio(path: str | Path, rate: int, start_s: float, stop_s: float, video
     if not len(span) or float(np.abs(span).max()) < SILENCE:
         return AudioRead(None, ("silent",))
     return AudioRead(np.ascontiguousarray(span), tuple(outcomes) or ("ok",))
+
+
+def resample(wave: np.ndarray, rate: int, to: int) -> np.ndarray:
+    """float32 [N] mono at `rate` -> float32 [M] at `to` (PyAV's AudioResampler; as is when equal)."""
+    if rate == to:
+        return wave.astype(np.float32)
+    import av  # deferred: PyAV loads FFmpeg (~1 s)
+
+    frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(wave, np.float32)[None], format="flt", layout="mono")
+    frame.sample_rate = rate
+    resampler = av.AudioResampler(format="flt", layout="mono", rate=to)
+    parts = [f.to_ndarray().reshape(-1) for f in [*resampler.resample(frame), *resampler.resample(None)]]
+    return np.concatenate(parts).astype(np.float32) if parts else np.zeros(0, np.float32)

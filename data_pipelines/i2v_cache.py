@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from dit_train.data_pipelines.latent_cache import VaeCodec, component_path
+from dit_train.data_pipelines.latent_encoders import VaeCodec, component_path
 
 I2V_KINDS = ("first_frame", "first_last")
 

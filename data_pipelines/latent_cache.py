@@ -12,10 +12,14 @@ Layout of a cache folder:
                                 latent voxel: companions.latent_mask_sums), with --control
                                 `control_latents` [C, f, h, w] (its control video encoded like the
                                 clip) and `control_inactive_latents` (an all-zero video of its size
-                                encoded: Wan VACE's inactive video), with --i2v Wan 2.1 I2V's tensors (i2v_cache.py)
-    manifest.jsonl              {file, caption, source, latent_shape, text_len} per encoded clip,
-                                in source order (sample id = line number)
-    report.json                 counts: encoded, reused, unreadable (path, why), ...
+                                encoded: Wan VACE's inactive video), with --i2v Wan 2.1 I2V's tensors (i2v_cache.py),
+                                with --audio-vae `audio_latents` [n, token_dim] float32: LTX-2's normalized
+                                audio tokens of the clip's kept frames' span (audio_latents.py; absent
+                                for a clip without usable sound)
+    manifest.jsonl              {file, caption, source, latent_shape, text_len[, audio_len]} per encoded
+                                clip, in source order (sample id = line number)
+    report.json                 counts: encoded, reused, unreadable (path, why), with --audio-vae
+                                audio / no_audio clips and the sound reader's outcomes, ...
 
 Latents are normalized like the Wan pipelines do: (z - latents_mean) / latents_std per channel,
 from the VAE's config (LTX-Video's VAE: from its latents_mean / latents_std buffers and
@@ -39,7 +43,9 @@ from safetensors.torch import load_file
 from tqdm import tqdm
 
 from dit_train.atomic import save_file_atomic, write_atomic
+from dit_train.data_pipelines.audio_latents import AudioLatentCodec, kept_span
 from dit_train.data_pipelines.companions import KEYS, LatentMask, latent_mask_sums
+from dit_train.data_pipelines.latent_encoders import TextEncoder, VaeCodec
 from dit_train.data_pipelines.records import in_heldout, member_name, parsed_once
 from dit_train.data_pipelines.video_dataset import VideoSample
 from dit_train.data_pipelines.video_io import VideoReadError
@@ -48,143 +54,6 @@ log = logging.getLogger(__name__)
 
 META, MANIFEST, REPORT, NULL_TEXT, SAMPLES = "meta.json", "manifest.jsonl", "report.json", "null_text_emb.safetensors", "samples"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def component_path(path: str, sub: str) -> str:
-    """`path`, or `path/sub` when `path` is a whole diffusers pipeline folder (vae/, text_encoder/, ...).
-    A path that is not a local folder is a ValueError naming it (diffusers and transformers would
-    take it for a hub id and fail on the network)."""
-    p = Path(path).expanduser()
-    if not p.is_dir():
-        raise ValueError(f"{path}: no such folder (the {sub} must be a local diffusers / transformers folder or a "
-                         f"pipeline folder holding {sub}/; hub ids are not downloaded)")
-    return str(p / sub) if (p / sub / "config.json").is_file() or (p / sub / "tokenizer_config.json").is_file() else str(p)
-
-
-class VaeCodec:
-    """A diffusers video VAE from a local folder: pixels [3, F, H, W] in [-1, 1] <-> normalized
-    latents [C, f, h, w], f = 1 + (F - 1) / t, h = H / s, w = W / s (t, s: its compression)."""
-
-    def __init__(self, path: str, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 tiling: bool = False, allow_pickle: bool = False):
-        from diffusers import AutoModel  # deferred: diffusers takes ~2 s to import; only latent caches need a VAE
-
-        self.path = component_path(path, "vae")
-        self.device, self.dtype = torch.device(device), dtype
-        # safetensors only unless asked: pickled weights (.bin) can run code when loaded
-        try:
-            self.vae = AutoModel.from_pretrained(self.path, torch_dtype=dtype, use_safetensors=not allow_pickle)
-        except (OSError, ValueError) as err:  # no weights there, .bin only, a damaged file: one line naming it
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise ValueError(f"the VAE folder {self.path} cannot be loaded ({first}); it must hold a diffusers VAE in "
-                             f"safetensors (the one the latent cache was made with)") from None
-        self.vae = self.vae.to(self.device).eval()
-        if tiling and hasattr(self.vae, "enable_tiling"):
-            self.vae.enable_tiling()
-        cfg = self.vae.config
-        self.latent_channels = int(cfg.get("z_dim") or cfg.get("latent_channels"))
-        self.temporal = int(cfg.get("scale_factor_temporal") or getattr(self.vae, "temporal_compression_ratio", 1) or 1)
-        self.spatial = int(getattr(self.vae, "spatial_compression_ratio", None) or cfg.get("scale_factor_spatial") or 8)
-        if cfg.get("latents_mean") is not None and cfg.get("latents_std") is not None:
-            mean, std = list(cfg["latents_mean"]), list(cfg["latents_std"])
-        elif isinstance(getattr(self.vae, "latents_mean", None), torch.Tensor):
-            # LTX-Video keeps its per-channel statistics as weights (buffers), and LTXPipeline
-            # normalizes (z - mean) · scaling_factor / std: the same map with std / scaling_factor
-            scale = float(cfg.get("scaling_factor") or 1.0)
-            mean, std = self.vae.latents_mean.float().tolist(), (self.vae.latents_std.float() / scale).tolist()
-        else:  # one scalar for all channels (CogVideoX, HunyuanVideo, ...)
-            mean = [float(cfg.get("shift_factor") or 0.0)] * self.latent_channels
-            std = [1.0 / float(cfg.get("scaling_factor") or 1.0)] * self.latent_channels
-        self.latents_mean, self.latents_std = [float(m) for m in mean], [float(s) for s in std]
-        if len(self.latents_mean) != self.latent_channels:
-            raise ValueError(f"VAE {self.path}: latents_mean has {len(self.latents_mean)} entries for "
-                             f"{self.latent_channels} latent channels")
-        self._mean = torch.tensor(self.latents_mean).view(-1, 1, 1, 1)
-        self._std = torch.tensor(self.latents_std).view(-1, 1, 1, 1)
-
-    @property
-    def class_name(self) -> str:
-        return type(self.vae).__name__
-
-    def usable_frames(self, frames: int) -> int:
-        """The longest 1 + t·k prefix of `frames` (causal video VAEs encode frame 0 alone)."""
-        return 1 + (frames - 1) // self.temporal * self.temporal if frames > 0 else 0
-
-    def latent_shape(self, frames: int, height: int, width: int) -> tuple[int, int, int, int]:
-        return (self.latent_channels, 1 + (self.usable_frames(frames) - 1) // self.temporal,
-                height // self.spatial, width // self.spatial)
-
-    def pixel_shape(self, latent_shape: tuple[int, ...]) -> tuple[int, int, int, int]:
-        """[3, F, H, W] of the pixels whose latents have `latent_shape` [C, f, h, w]: F = 1 + t·(f − 1)
-        (the inverse of latent_shape on usable frames)."""
-        _, f, h, w = latent_shape
-        return (3, 1 + self.temporal * (f - 1), h * self.spatial, w * self.spatial)
-
-    @torch.no_grad()
-    def encode(self, pixels: torch.Tensor) -> torch.Tensor:
-        """[3, F, H, W] in [-1, 1] (H, W multiples of s) -> normalized latents [C, f, h, w] float32
-        (the posterior's mode: deterministic, as Wan's pipelines do). Frames past 1 + t·k are dropped."""
-        c, f, h, w = pixels.shape
-        if h % self.spatial or w % self.spatial:
-            raise ValueError(f"frame size {h}x{w} is not a multiple of the VAE's spatial factor {self.spatial}")
-        x = pixels[:, : self.usable_frames(f)].unsqueeze(0).to(self.device, self.dtype)
-        dist = self.vae.encode(x).latent_dist
-        z = dist.mode()[0].float().cpu()
-        want = self.latent_shape(f, h, w)
-        if tuple(z.shape) != want:
-            raise RuntimeError(f"VAE {self.path} returned latents {tuple(z.shape)} for pixels {tuple(pixels.shape)}; "
-                               f"expected {want} from its compression factors (t={self.temporal}, s={self.spatial})")
-        return (z - self._mean) / self._std
-
-    @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Normalized latents [C, f, h, w] -> pixels [3, F, H, W] in [-1, 1], float32 on the CPU."""
-        z = latents.float().cpu() * self._std + self._mean
-        x = self.vae.decode(z.unsqueeze(0).to(self.device, self.dtype)).sample[0]
-        return x.float().clamp(-1, 1).cpu()
-
-
-class TextEncoder:
-    """Captions -> embeddings [Lt, text_dim] float32 of the valid tokens (no padding), with a
-    transformers tokenizer and encoder from local folders (T5 / UMT5 / mT5: encoder only).
-    HunyuanVideo 1.5's MLLM (a Qwen2.5-VL text model) is read as its pipeline does: the prompt
-    in its chat template, the third-to-last hidden layer, the template's tokens cropped
-    (`HunyuanVideo15Pipeline._get_mllm_prompt_embeds` itself); max_length counts the caption's."""
-
-    ENCODER_ONLY = {"t5": "T5EncoderModel", "mt5": "MT5EncoderModel", "umt5": "UMT5EncoderModel"}
-    MLLM = ("qwen2_5_vl_text",)  # HunyuanVideo 1.5's text encoder
-
-    def __init__(self, path: str, tokenizer: str = "", max_length: int = 512, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32, allow_pickle: bool = False):
-        import transformers  # deferred: optional (the text extra); only caption encoders need it
-
-        self.path = component_path(path, "text_encoder")
-        self.tokenizer_path = component_path(tokenizer or path, "tokenizer")
-        self.max_length = max_length
-        self.device = torch.device(device)
-        self.tokenizer = transformers.AutoTokenizer.from_pretrained(self.tokenizer_path)
-        config = transformers.AutoConfig.from_pretrained(self.path)
-        cls = getattr(transformers, self.ENCODER_ONLY.get(config.model_type, "AutoModel"))
-        model = cls.from_pretrained(self.path, torch_dtype=dtype, use_safetensors=not allow_pickle)
-        if getattr(config, "is_encoder_decoder", False) and hasattr(model, "get_encoder"):
-            model = model.get_encoder()
-        self.model = model.to(self.device).eval()
-        self.text_dim = int(getattr(config, "d_model", None) or config.hidden_size)
-        self.mllm = config.model_type in self.MLLM
-
-    @torch.no_grad()
-    def encode(self, caption: str) -> torch.Tensor:
-        if self.mllm:
-            from diffusers import HunyuanVideo15Pipeline  # deferred: diffusers takes ~2 s to import
-
-            emb, mask = HunyuanVideo15Pipeline._get_mllm_prompt_embeds(self.model, self.tokenizer, caption.strip(),
-                                                                       self.device, tokenizer_max_length=self.max_length)
-            return emb[0][mask[0].bool()].float().cpu().contiguous()
-        enc = self.tokenizer([caption.strip()], max_length=self.max_length, truncation=True,
-                             padding=False, return_attention_mask=True, return_tensors="pt")
-        ids, mask = enc.input_ids.to(self.device), enc.attention_mask.to(self.device)
-        hidden = self.model(input_ids=ids, attention_mask=mask).last_hidden_state[0]
-        return hidden[mask[0].bool()].float().cpu().contiguous()
 
 
 # -- the cache folder ------------------------------------------------------------------------
@@ -230,7 +99,7 @@ def check_or_write_meta(out: Path, meta: dict, write: bool) -> None:
         _write_text_atomic(p, json.dumps(meta, indent=2))
 
 
-def build_meta(vae: VaeCodec, text: TextEncoder | None, settings: dict) -> dict:
+def build_meta(vae: VaeCodec, text: TextEncoder | None, settings: dict, audio: AudioLatentCodec | None = None) -> dict:
     return {
         "format": 1, "settings": settings, "fingerprint": fingerprint(settings),
         "vae": vae.path, "vae_class": vae.class_name, "latent_channels": vae.latent_channels,
@@ -239,6 +108,7 @@ def build_meta(vae: VaeCodec, text: TextEncoder | None, settings: dict) -> dict:
         "text_encoder": text.path if text else "", "tokenizer": text.tokenizer_path if text else "",
         "text_dim": text.text_dim if text else 0, "max_text_len": text.max_length if text else 0,
         "null_text_emb": NULL_TEXT if text else "",
+        "audio": audio.meta() if audio else None,
     }
 
 
@@ -277,9 +147,17 @@ class CompanionEncoder:
 
 
 def clip_tensors(sample: VideoSample, caption: str, vae: VaeCodec, text: TextEncoder | None, i2v: Any = None,
-                 companions: CompanionEncoder | None = None) -> dict[str, torch.Tensor]:
-    """Everything a cache stores of one clip (the sample file's tensors; the layout above)."""
+                 companions: CompanionEncoder | None = None, audio: AudioLatentCodec | None = None,
+                 audio_span: int = 0) -> dict[str, torch.Tensor]:
+    """Everything a cache stores of one clip (the sample file's tensors; the layout above).
+    audio_span: 16 kHz samples of the time span of the clip's frames (with `audio`)."""
     tensors = {"latents": vae.encode(sample.pixels)}
+    if audio is not None and sample.audio is not None:  # the sound of the frames the video VAE keeps
+        frames = sample.pixels.shape[1]
+        keep = kept_span(sample.audio.numel(), audio_span, frames, vae.usable_frames(frames))
+        z = audio.encode(sample.audio[:keep])
+        if z.shape[0]:
+            tensors["audio_latents"] = z
     if text is not None:
         tensors["text_emb"] = text.encode(caption)
     if i2v is not None:
@@ -290,12 +168,13 @@ def clip_tensors(sample: VideoSample, caption: str, vae: VaeCodec, text: TextEnc
 
 
 def encode_shard(dataset: Any, out: Path, vae: VaeCodec, text: TextEncoder | None, rank: int = 0,
-                 world: int = 1, progress: bool = True, i2v: Any = None, companions: CompanionEncoder | None = None) -> dict:
+                 world: int = 1, progress: bool = True, i2v: Any = None, companions: CompanionEncoder | None = None,
+                 audio: AudioLatentCodec | None = None) -> dict:
     """Encode the clips i ≡ rank (mod world) of `dataset` (VideoClipDataset: `entries`,
     `__getitem__` -> VideoSample with pixels [3, F, H, W], H/W multiples of the VAE's factor)
     into `out/samples/`, skipping those already there; with `i2v` (i2v_cache.I2VEncoder) also
-    each clip's Wan 2.1 I2V tensors, with `companions` its mask and control latents. Returns
-    this rank's counts."""
+    each clip's Wan 2.1 I2V tensors, with `companions` its mask and control latents, with `audio`
+    its audio latents (a clip without usable sound stays video-only). Returns this rank's counts."""
     mine = list(range(rank, len(dataset), world))
     report = {"encoded": 0, "reused": 0, "unreadable": []}
     bar = tqdm(mine, desc=f"caching latents (rank {rank}/{world})", unit="clip", position=rank, disable=not progress)
@@ -310,10 +189,12 @@ def encode_shard(dataset: Any, out: Path, vae: VaeCodec, text: TextEncoder | Non
         except VideoReadError as err:
             report["unreadable"].append([entry.path, str(err)])
             continue
-        _save_atomic(path, clip_tensors(sample, entry.caption, vae, text, i2v, companions),
+        span = dataset.span_samples(i) if audio is not None else 0
+        _save_atomic(path, clip_tensors(sample, entry.caption, vae, text, i2v, companions, audio, span),
                      {"caption": entry.caption, "source": entry.path})
         report["encoded"] += 1
     bar.close()
+    report["audio_outcomes"] = dict(getattr(dataset, "audio_outcomes", {}))
     return report
 
 
@@ -328,17 +209,33 @@ def write_manifest(out: Path, dataset: Any, reports: list[dict]) -> dict:
         with safe_open(str(out / name), "pt") as f:
             shape = list(f.get_slice("latents").get_shape())
             text_len = f.get_slice("text_emb").get_shape()[0] if "text_emb" in f.keys() else 0
-        lines.append(json.dumps({"file": name, "caption": entry.caption, "source": entry.path,
-                                 "latent_shape": shape, "text_len": int(text_len)}))
+            audio_len = f.get_slice("audio_latents").get_shape()[0] if "audio_latents" in f.keys() else 0
+        row = {"file": name, "caption": entry.caption, "source": entry.path, "latent_shape": shape,
+               "text_len": int(text_len)}
+        lines.append(json.dumps(row | ({"audio_len": int(audio_len)} if audio_len else {})))
     _write_text_atomic(out / MANIFEST, "".join(line + "\n" for line in lines))
     report = {
         "samples": len(lines),
         "encoded": sum(r["encoded"] for r in reports), "reused": sum(r["reused"] for r in reports),
         "unreadable": [u for r in reports for u in r["unreadable"]],
         "skipped_by_source": [list(s) for s in getattr(dataset, "skipped", [])],
-    }
+    } | audio_report(lines, reports)
     _write_text_atomic(out / REPORT, json.dumps(report, indent=2))
     return report
+
+
+def audio_report(rows: list[str], reports: list[dict]) -> dict:
+    """The report's sound counts, when the clips were read with sound (--audio-vae): clips with
+    audio latents, clips without (no track, silent, corrupt, under one latent: video-only), and
+    the sound reader's outcomes over the clips encoded now (audio_io's table)."""
+    outcomes: dict[str, int] = {}
+    for r in reports:
+        for k, v in (r.get("audio_outcomes") or {}).items():
+            outcomes[k] = outcomes.get(k, 0) + v
+    audio = sum('"audio_len"' in row for row in rows)
+    if not outcomes and not audio:
+        return {}
+    return {"audio": audio, "no_audio": len(rows) - audio, "audio_outcomes": outcomes}
 
 
 # -- reading it back -------------------------------------------------------------------------
@@ -412,6 +309,10 @@ class LatentCacheDataset:
         """Each sample's caption, in sample order (the resume check's content fingerprint)."""
         return [row["caption"] for row in self.rows]
 
+    def audio_token_count(self, i: int) -> int:
+        """Audio tokens of sample i (its cached audio latents; 0 without), from the manifest."""
+        return int(self.rows[i].get("audio_len", 0))
+
     def frames(self, i: int) -> int:
         """Latent frames sample i is trained with (cropped to a multiple of the temporal patch, as read)."""
         f = self.rows[i]["latent_shape"][1]
@@ -446,6 +347,8 @@ class LatentCacheDataset:
             sample.control = t["control_latents"].float()[(slice(None), *crop)].contiguous()
         if "control_inactive_latents" in t:  # Wan VACE's inactive video of a control without mask
             sample.control_inactive = t["control_inactive_latents"].float()[(slice(None), *crop)].contiguous()
+        if "audio_latents" in t:  # --audio-vae: LTX-2's audio tokens [n, token_dim] (the frames' whole span)
+            sample.audio_latents = t["audio_latents"].float()
         return sample
 
     def null_text_emb(self) -> torch.Tensor:
@@ -487,9 +390,10 @@ class CacheSettings:
     source: dict
     i2v: dict = None  # i2v_cache.I2VEncoder.meta(); None = no I2V tensors (and out of the fingerprint)
     companions: list = None  # CompanionEncoder.kinds ("mask", "control"); None = none (and out of the fingerprint)
+    audio: dict = None  # AudioLatentCodec.meta(); None = no audio latents (and out of the fingerprint)
 
     def as_dict(self) -> dict:
-        return {k: v for k, v in self.__dict__.items() if k not in ("i2v", "companions") or v}
+        return {k: v for k, v in self.__dict__.items() if k not in ("i2v", "companions", "audio") or v}
 
 
 def uncached_companions(meta: dict, wanted: tuple[str, ...], where: str) -> list[str]:

@@ -8,14 +8,9 @@ import torch
 
 from dit_train.config.choices import Mode
 from dit_train.config.schema import DataConfig
-from dit_train.data_pipelines.latent_cache import (
-    LatentCacheDataset,
-    TextEncoder,
-    VaeCodec,
-    load_decoder,
-    read_cache_info,
-    uncached_companions,
-)
+from dit_train.data_pipelines.audio_latents import AudioLatentCodec, LatentSound
+from dit_train.data_pipelines.latent_cache import LatentCacheDataset, load_decoder, read_cache_info, uncached_companions
+from dit_train.data_pipelines.latent_encoders import TextEncoder, VaeCodec
 from dit_train.data_pipelines.prompt_space import PromptSpace, fit_to_patch, notice_cut
 from dit_train.data_pipelines.source import DataSource, register_source
 
@@ -37,6 +32,10 @@ def check_latent_model(meta: dict, where: str, model_cfg: Any, companions: tuple
     if model_cfg.in_channels != channels:
         raise ValueError(f"{where} holds {channels}-channel latents but "
                          f"model.in_channels={model_cfg.in_channels}; set model.in_channels={channels}")
+    audio, audio_patch = meta.get("audio") or {}, getattr(model_cfg, "audio_patch", 0)
+    if audio and audio_patch and audio_patch != int(audio["token_dim"]):
+        raise ValueError(f"{where} holds {audio['token_dim']}-feature audio latents (its audio VAE's latent_channels x "
+                         f"mel_bins / 4) but model.audio_patch={audio_patch}; set model.audio_patch={audio['token_dim']}")
     if model_cfg.text_dim and text_dim and model_cfg.text_dim != text_dim:
         raise ValueError(f"{where} holds {text_dim}-wide caption embeddings but "
                          f"model.text_dim={model_cfg.text_dim}; set model.text_dim={text_dim}")
@@ -69,6 +68,16 @@ def latent_prompt_space(meta: dict, where: str, model_cfg: Any, device: str | to
     return PromptSpace(encode, null, latent_shape, vae.decode, 16.0, codec=vae)
 
 
+def latent_sound(meta: dict, model_cfg: Any, device: str | torch.device) -> LatentSound | None:
+    """A LatentSound for a model with an audio stream on latents cached with --audio-vae, else None."""
+    audio = meta.get("audio")
+    if not audio or not getattr(model_cfg, "audio_patch", 0):
+        return None
+    vae = VaeCodec(meta["vae"], device)
+    codec = AudioLatentCodec(audio["audio_vae"], device, vocoder=audio.get("vocoder", ""))
+    return LatentSound(codec, lambda shape: vae.pixel_shape(shape)[1], float(getattr(model_cfg, "fps", 0.0) or 24.0))
+
+
 @register_source
 class LatentCacheSource(DataSource):
     name = "latent_cache"
@@ -90,6 +99,10 @@ class LatentCacheSource(DataSource):
     def decoder(self, device: str | torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
         """The cache's VAE decoder (meta.json names it)."""
         return load_decoder(self.cfg.root, device)
+
+    def sound(self, device: str | torch.device) -> LatentSound | None:
+        """The cache's audio VAE and vocoder (meta.json `audio`) for an LTX-2 run of its audio latents."""
+        return latent_sound(read_cache_info(self.cfg.root), self.model_cfg, device)
 
     def prompt_space(self, device: str | torch.device) -> PromptSpace:
         return latent_prompt_space(read_cache_info(self.cfg.root), f"the latent cache {self.cfg.root}", self.model_cfg,

@@ -169,9 +169,11 @@ def companion_members(c: Any, members: dict) -> dict:
 
 def latent_sample(position: int, data: bytes, row: dict) -> ShardSample:
     """A latent sample: `data` = a latent cache's sample file (safetensors: latents, text_emb),
-    `row` its manifest row (source, caption, latent_shape, text_len)."""
+    `row` its manifest row (source, caption, latent_shape, text_len[, audio_len])."""
     info = {"source": row["source"], "caption": row["caption"], "latent_shape": list(row["latent_shape"]),
             "text_len": int(row.get("text_len", 0))}
+    if row.get("audio_len"):  # cached audio latents (--audio-vae): their tokens, for the step plan
+        info["audio_len"] = int(row["audio_len"])
     return ShardSample(sample_key(position), {"safetensors": data, "json": json.dumps(info).encode()}, info)
 
 

@@ -15,8 +15,8 @@ from typing import Any, Callable, Dict
 import torch
 
 from dit_train.config.choices import Mode
-from dit_train.data_pipelines.latent_cache import VaeCodec
-from dit_train.data_pipelines.latent_cache_source import check_latent_model, latent_prompt_space
+from dit_train.data_pipelines.latent_encoders import VaeCodec
+from dit_train.data_pipelines.latent_cache_source import check_latent_model, latent_prompt_space, latent_sound
 from dit_train.data_pipelines.prompt_space import PromptSpace
 from dit_train.data_pipelines.shard_datasets import ShardClipDataset, ShardLatentDataset, pixel_entries
 from dit_train.data_pipelines.shard_index import KINDS, ShardIndex, load_index
@@ -139,6 +139,10 @@ class LatentShardsSource(DataSource):
     def decoder(self, device: str | torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
         """The VAE decoder the latents were made with (the shards' meta names its folder)."""
         return VaeCodec(self.meta()["vae"], device).decode
+
+    def sound(self, device: str | torch.device) -> Any:
+        """The audio VAE and vocoder the shards' audio latents were made with (--audio-vae), for LTX-2."""
+        return latent_sound(self.meta(), self.model_cfg, device)
 
     def prompt_space(self, device: str | torch.device) -> PromptSpace:
         return latent_prompt_space(self.meta(), f"the shards at {self.cfg.url}", self.model_cfg, device)

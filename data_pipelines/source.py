@@ -105,6 +105,12 @@ class DataSource:
         generated clips (built on the rank that writes them); None when samples are pixels."""
         return None
 
+    def sound(self, device: str | torch.device) -> Any:
+        """How generated audio tokens become sound when they are not waveform samples (a cache's
+        LTX-2 audio latents: audio_latents.LatentSound: `tokens(shape)`, `waveform(tokens)`); None:
+        the tokens are 16 kHz samples (sampling/sound.py)."""
+        return None
+
     def prompt_space(self, device: str | torch.device) -> PromptSpace | None:
         """How a user's prompts and clip sizes map into model space when the source knows better
         than its task (a latent cache: its text encoder and VAE); None = the task's own space

@@ -60,6 +60,9 @@ class VideoSample:
     # data.audio: float32 [N] mono sound at synthetic_video.SAMPLE_RATE of the time span of the
     # kept frames (data_pipelines/audio_io.py); None = the clip has no usable sound (video only)
     audio: torch.Tensor | None = None
+    # a latent cache written with --audio-vae (data_pipelines/audio_latents.py): LTX-2's normalized
+    # audio tokens [n, token_dim] of the same span; None = no audio latents (video only)
+    audio_latents: torch.Tensor | None = None
 
 
 MANIFEST_SUFFIXES = (".jsonl", ".csv")
@@ -310,6 +313,12 @@ class VideoClipDataset:
         e = self.entries[i]
         if not self.audio or not e.audio or is_image(e.path):
             return 0
+        return self.span_samples(i)
+
+    def span_samples(self, i: int) -> int:
+        """Waveform samples (16 kHz) of the time span of sample i's kept frames (what `_sound`
+        cuts out of its track when the track is long enough)."""
+        e = self.entries[i]
         idx = self._indices(e)
         return round((idx[-1] + 1 - idx[0]) / (e.info.fps if e.info.fps > 0 else 8.0) * SAMPLE_RATE)
 

@@ -32,7 +32,7 @@ class Validation:
         null = task.null_caption() if task.text_dim else None
         # the training shift: validation samples from the noise levels the model was trained on
         self.sampler = VideoSampler(requests, task.inputs, null, run.ctx, t.sample_steps, t.guidance_scale, t.seed,
-                                    **run_sampling(cfg))
+                                    sound=self.source.sound(run.ctx.device), **run_sampling(cfg))
         # rank 0 alone decodes (it alone writes): latents with the source's decoder, pixels as they are
         self.decode = self.source.decoder(run.ctx.device) if run.ctx.is_main else None
         self.latent = self.source.latent

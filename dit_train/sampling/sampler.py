@@ -194,7 +194,7 @@ class VideoSampler:
     def __init__(self, requests: list[SampleRequest], inputs: VideoInputs, null_caption: torch.Tensor | None,
                  ctx: ParallelContext, steps: int, guidance_scale: float, seed: int, shift: float = 1.0,
                  shift_reference_tokens: int = 0, stochastic: bool = False, guidance_scale_2: float = 0.0,
-                 boundary: float = 0.0, pipeline: PipelineShift | None = None):
+                 boundary: float = 0.0, pipeline: PipelineShift | None = None, sound: Any = None):
         from diffusers import FlowMatchEulerDiscreteScheduler  # deferred: diffusers takes ~2 s to import
 
         self.inputs, self.control = inputs, inputs.control
@@ -215,6 +215,9 @@ class VideoSampler:
         self.joint_text = False  # the model's caption tokens are slots of the pack (set by `sample`)
         self.audio_patch = inputs.audio_patch  # > 0: each clip's sound is generated too (sampling/sound.py)
         self.sounds: list[torch.Tensor] | None = None  # after `sample`: float32 [N] 16 kHz mono per clip
+        # audio tokens that are not waveform samples (DataSource.sound: a cache's LTX-2 audio latents):
+        # how many a clip gets, and the audio VAE + vocoder that turn them into sound
+        self.latent_sound = sound
 
     def schedulers(self) -> list[Any]:
         """One diffusers scheduler per clip (each keeps its own step counter), set to `steps`.
@@ -315,7 +318,8 @@ class VideoSampler:
         """Each clip's sound's starting noise [n_k, audio_patch] (None for a video-only model)."""
         if not self.audio_patch:
             return None
-        return [start_sound(r.shape, r.fps, self.audio_patch, self.seed, r.noise_id) for r in self.requests]
+        return [start_sound(r.shape, r.fps, self.audio_patch, self.seed, r.noise_id, self.latent_sound)
+                for r in self.requests]
 
     def _start(self) -> tuple[list[torch.Tensor], bool, list[torch.Tensor] | None]:
         """Each clip's starting noise (its own seeded stream), whether guidance runs (cfg), and the
@@ -382,7 +386,8 @@ class VideoSampler:
                 gen = sample_generator(self.seed, self.requests[k].noise_id, i + 1, "sampling") if self.stochastic else None
                 xs[k] = scheds[k].step(vel, scheds[k].timesteps[i], xs[k], generator=gen).prev_sample
         model.train(was_training)
-        self.sounds = [waveform(s) for s in sound] if sound is not None else None
+        hear = self.latent_sound.waveform if self.latent_sound is not None else waveform
+        self.sounds = [hear(s) for s in sound] if sound is not None else None
         if self.inputs.clean:  # the result shows the given frames as they were given
             xs = [self.given(k, xs[k]).x for k in range(n)]
         return xs

@@ -29,9 +29,11 @@ def sound_tokens(frames: int, fps: float, audio_patch: int) -> int:
     return int(round(frames * SAMPLE_RATE / fps)) // audio_patch
 
 
-def start_sound(shape: tuple[int, ...], fps: float, audio_patch: int, seed: int, noise_id: int) -> torch.Tensor:
-    """[n, audio_patch] starting noise of a clip's sound (shape (C, F, H, W), F frames at fps)."""
-    n = sound_tokens(shape[1], fps, audio_patch)
+def start_sound(shape: tuple[int, ...], fps: float, audio_patch: int, seed: int, noise_id: int,
+                latent: Any = None) -> torch.Tensor:
+    """[n, audio_patch] starting noise of a clip's sound (shape (C, F, H, W), F frames at fps);
+    `latent` (DataSource.sound: cached audio latents) says n for a latent clip instead."""
+    n = latent.tokens(shape) if latent is not None else sound_tokens(shape[1], fps, audio_patch)
     return torch.randn((n, audio_patch), generator=sample_generator(seed, noise_id, 0, "audio_sampling"))
 
 

@@ -151,6 +151,9 @@ class VideoTask:
         # second stream (tasks/joint_audio.py), and the metadata sync counts per stream
         self.audio_patch = getattr(model_cfg, "audio_patch", 0)
         self.streams = 2 if self.audio_patch else 1
+        if self.audio_patch and not inputs.audio_index and (getattr(dataset, "meta", None) or {}).get("audio"):
+            raise ValueError(f"model={model_cfg.name}: the data's audio latents (LTX-2's audio VAE) train LTX-2's audio "
+                             "stream (model=ltx2 ...); the two-stream DiT reads waveforms (data.audio=true on clips)")
         # cross-stream conditioning (cond.given_stream): one stream of a clip with sound given clean
         # at timestep 0 with weight 0, so it is out of T_{b,s} and the clip out of that B_s
         self.given_stream = str(getattr(cond, "given_stream", "none")) if self.audio_patch else "none"
@@ -172,8 +175,10 @@ class VideoTask:
             counts = [frames(i) for i in range(len(lengths))]
             lengths = [n // (f // pt) * (kept_frames(f, self.block_frames) // pt) if f >= pt else n
                        for n, f in zip(lengths, counts)]
-        if self.audio_patch:  # its audio tokens, from the manifest's audio column (no decoding)
-            lengths = [n + self.dataset.audio_samples(i) // self.audio_patch for i, n in enumerate(lengths)]
+        if self.audio_patch:  # its audio tokens: the manifest's audio column, or a cache's audio_len (no decoding)
+            cached = getattr(self.dataset, "audio_token_count", None)
+            count = cached or (lambda i: self.dataset.audio_samples(i) // self.audio_patch)
+            lengths = [n + count(i) for i, n in enumerate(lengths)]
         return [n + self.text_len for n in lengths] if self.joint_text else lengths
 
     def check_samples(self, is_still: Callable[[int], bool]) -> None:
@@ -331,9 +336,11 @@ class VideoTask:
         weights [n] and clean flags [n] to `out`: the clip's own t, noise from its own
         "audio_noise" stream of (seed, id, step); `given` (audio-to-video): the clean sound,
         weight 0, at timestep 0."""
-        a0 = audio_tokens(getattr(item, "audio", None), self.audio_patch)
+        latents = getattr(item, "audio_latents", None)  # a cache's LTX-2 audio tokens (--audio-vae), else the waveform's
+        a0 = latents.float() if latents is not None else audio_tokens(getattr(item, "audio", None), self.audio_patch)
         eps = torch.randn(a0.shape, generator=sample_generator(self.seed, sid, step, "audio_noise"))
-        fps = item.pixels.shape[1] * SAMPLE_RATE / max(1, item.audio.numel()) if a0.shape[0] else 0.0
+        # (positions by time, the two-stream DiT's, from a waveform; cached latents train LTX-2: by index)
+        fps = item.pixels.shape[1] * SAMPLE_RATE / max(1, item.audio.numel()) if latents is None and a0.shape[0] else 0.0
         out[3].append(torch.full((a0.shape[0],), 0 if given else WEIGHT_ONE, dtype=torch.int64))
         out[4].append(torch.full((a0.shape[0],), given))
         out[0].append(a0 if given else (1.0 - t) * a0 + t * eps)

@@ -7,6 +7,8 @@
                                                                      # + Wan 2.1 I2V's condition latents and CLIP tokens
     python -m dit_train.tools.cache_latents --masks --control ...    # + each clip's mask and control video (data.masks,
                                                                      #   cond.control: docs/conditioning.md)
+    python -m dit_train.tools.cache_latents --audio-vae /models/LTX-2 ...  # + each clip's sound as LTX-2's audio latents
+                                                                     #   (data.audio=true: docs/audio-video.md)
     torchrun --nproc-per-node 8 tools/cache_latents.py ... # or any launcher that sets RANK / WORLD_SIZE
 
 The source is chosen with the same data overrides as `python -m dit_train` (`data=video_folder
@@ -21,7 +23,11 @@ by running the same command again (done clips are skipped). Unreadable videos ar
 listed in <out>/report.json. `--masks` / `--control` read each clip's mask / control video as
 training does (clip.mask.mp4, clip.control.mp4 or the manifest's columns; a clip without one is
 skipped and listed) and store the mask summed over each latent voxel's pixels and the control
-video's latents, for `data.masks=true` / `cond.control=true` on the cache.
+video's latents, for `data.masks=true` / `cond.control=true` on the cache. `--audio-vae` (an
+AutoencoderKLLTX2Audio folder, or an LTX-2 pipeline folder with audio_vae/ and vocoder/) reads each
+clip's sound (data.audio=true is implied) and stores it as LTX-2's audio latents covering the
+frames the video VAE keeps; clips without usable sound stay video-only and are counted in
+report.json (data_pipelines/audio_latents.py).
 
 With `--shards`, or an `--out` URL such as s3://bucket/latents (any fsspec URL; `--storage-options`
 JSON for its filesystem), the latents are written as indexed tar shards for `data=shards
@@ -50,6 +56,7 @@ from safetensors.torch import save as safetensors_bytes
 from dit_train.compose import compose
 from dit_train.config.errors import RunFailed
 from dit_train.data_pipelines import latent_cache as lc, prepare_data, source_for
+from dit_train.data_pipelines.audio_latents import AudioLatentCodec
 from dit_train.data_pipelines.companions import KINDS
 from dit_train.data_pipelines.i2v_cache import I2V_KINDS, I2VEncoder, ImageEncoder
 from dit_train.data_pipelines.shard_index import NULL_TEXT, check_or_write_meta, fingerprint, merge_index, read_json
@@ -106,14 +113,17 @@ def run_rank(rank: int, world: int, local_rank: int, args: argparse.Namespace, d
             raise ValueError(f"data.resolution_buckets {bad} are not multiples of the VAE's spatial factor {vae.spatial}")
         i2v = i2v_encoder(args, vae, device, dtype)
         companions = lc.CompanionEncoder(vae, kinds) if kinds else None
+        audio = AudioLatentCodec(args.audio_vae, device, dtype, args.vocoder, args.allow_pickle_weights) if args.audio_vae else None
         settings = lc.CacheSettings(vae=vae.path, text_encoder=text.path if text else "",
                                     tokenizer=text.tokenizer_path if text else "", max_text_len=args.max_text_len if text else 0,
                                     dtype=args.dtype, source=source.cache_settings(),
-                                    i2v=i2v.meta() if i2v else None, companions=list(kinds) or None).as_dict()
-        encoders = {"i2v": i2v, "companions": companions}
+                                    i2v=i2v.meta() if i2v else None, companions=list(kinds) or None,
+                                    audio=audio.meta() if audio else None).as_dict()
+        encoders = {"i2v": i2v, "companions": companions, "audio": audio}
+        meta = lc.build_meta(vae, text, settings, audio)
         if shards_mode(args):
-            return encode_shards(rank, world, args, data, source, vae, text, lc.build_meta(vae, text, settings), encoders)
-        lc.check_or_write_meta(out, lc.build_meta(vae, text, settings), write=rank == 0)
+            return encode_shards(rank, world, args, data, source, vae, text, meta, encoders)
+        lc.check_or_write_meta(out, meta, write=rank == 0)
         if rank == 0 and text is not None and not (out / lc.NULL_TEXT).is_file():
             lc.write_null_text(out, text)
         if rank == 0:
@@ -179,10 +189,13 @@ def encode_shards(rank: int, world: int, args: argparse.Namespace, data, source,
             clip = dataset[p]
         except VideoReadError as err:
             return (entry.path, str(err))
-        tensors = lc.clip_tensors(clip, entry.caption, vae, text, **encoders)
+        span = dataset.span_samples(p) if encoders.get("audio") is not None else 0
+        tensors = lc.clip_tensors(clip, entry.caption, vae, text, **encoders, audio_span=span)
         raw = safetensors_bytes({k: v.contiguous() for k, v in tensors.items()}, {"caption": entry.caption, "source": entry.path})
         row = {"source": entry.path, "caption": entry.caption, "latent_shape": list(tensors["latents"].shape),
                "text_len": int(tensors["text_emb"].shape[0]) if text is not None else 0}
+        if "audio_latents" in tensors:
+            row["audio_len"] = int(tensors["audio_latents"].shape[0])
         return latent_sample(p, raw, row)
 
     total = len(dataset)
@@ -190,6 +203,7 @@ def encode_shards(rank: int, world: int, args: argparse.Namespace, data, source,
     report = write_shards(fs, root, total, per, lambda k: (sample(p) for p in slice_of(k, per, total)),
                           shards=list(range(rank, count, world)), progress=not args.no_progress,
                           desc=f"latent shards (rank {rank}/{world})")
+    report["audio_outcomes"] = dict(dataset.audio_outcomes)  # the sound reader's, over the clips read here
     reports = [report]
     if world > 1:
         reports = [None] * world
@@ -201,6 +215,8 @@ def encode_shards(rank: int, world: int, args: argparse.Namespace, data, source,
                "encoded": sum(r["samples_written"] for r in reports), "reused": sum(r["samples_reused"] for r in reports),
                "unreadable": [u for r in reports for u in r["skipped"]],
                "skipped_by_source": [list(s) for s in dataset.skipped]}
+    if encoders.get("audio") is not None:
+        summary |= lc.audio_report([json.dumps(i) for piece in index["shardlist"] for i in piece["info"]], reports)
     put_bytes(fs, join(root, lc.REPORT), json.dumps(summary, indent=2).encode())
     return summary
 
@@ -244,6 +260,10 @@ def main(argv: list[str] | None = None) -> int:
                     "(clip.control.mp4, the manifest's control), for cond.control=true")
     ap.add_argument("--image-encoder", default="", help="with --i2v: CLIPVisionModel folder, or a Wan I2V pipeline folder "
                     "(its image_encoder/ and image_processor/): caches the image tokens (model.image_dim)")
+    ap.add_argument("--audio-vae", default="", help="AutoencoderKLLTX2Audio folder, or an LTX-2 pipeline folder: also "
+                    "cache each clip's sound as LTX-2's audio latents (implies data.audio=true)")
+    ap.add_argument("--vocoder", default="", help="with --audio-vae: LTX2Vocoder folder for sampling sound from the cache "
+                    "(default: the pipeline folder's vocoder/)")
     ap.add_argument("--workers", type=POSITIVE_INT, default=1, help="local processes to start (ignored under torchrun)")
     ap.add_argument("--device", default="auto", help="auto | cpu | cuda")
     ap.add_argument("--dtype", default="fp32", choices=sorted(["fp32", "bf16", "fp16"]), help="VAE / text encoder precision")
@@ -254,11 +274,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_intermixed_args(argv)
     try:
         for flag, path in (("--vae", args.vae), ("--text-encoder", args.text_encoder), ("--tokenizer", args.tokenizer),
-                           ("--image-encoder", args.image_encoder)):
+                           ("--image-encoder", args.image_encoder), ("--audio-vae", args.audio_vae),
+                           ("--vocoder", args.vocoder)):
             if path and not Path(path).expanduser().is_dir():  # before any worker starts: one line, not one per rank
                 raise ValueError(f"{flag} {path}: no such folder (a local diffusers / transformers folder, or a "
                                  f"pipeline folder; hub ids are not downloaded)")
-        data = compose_data(args.overrides)
+        audio_named = any(o.split("=")[0] == "data.audio" for o in args.overrides)
+        data = compose_data(args.overrides + (["data.audio=true"] if args.audio_vae and not audio_named else []))
+        if args.audio_vae and not getattr(data, "audio", False):
+            raise ValueError("--audio-vae reads each clip's sound: leave data.audio=true (it is implied)")
         if not isinstance(source_for(data, None), PixelVideoSource):
             raise ValueError(f"data={data.name} is not a video source; use data=video_folder data.root=... (or data=synthetic_video)")
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun / SLURM-style launcher

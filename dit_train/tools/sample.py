@@ -168,7 +168,8 @@ def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, 
     sampler = kind(requests, video_inputs(cfg.model, cfg.cond), null, ctx, args.steps, args.guidance, args.seed,
                    shift, reference,
                    stochastic=cfg.train.stochastic_sampling if args.stochastic is None else args.stochastic,
-                   guidance_scale_2=args.guidance_scale_2, boundary=args.boundary, pipeline=pipeline, **stream)
+                   guidance_scale_2=args.guidance_scale_2, boundary=args.boundary, pipeline=pipeline,
+                   sound=recorded_source(args, cfg).sound(ctx.device), **stream)
     started = time.perf_counter()
     clips = sampler.sample(model, lambda: autocast(cfg.train.precision, ctx.device, False), progress=ctx.is_main)
     seconds = time.perf_counter() - started
