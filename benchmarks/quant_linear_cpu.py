@@ -1,6 +1,7 @@
 """What a quantized frozen base (model.base_quant) costs per use of a weight, on the CPU: the
 forward and input-gradient backward of one frozen linear of Wan 1.3B's sizes (dim 1536, FFN 8960),
-each torchao quantization against the plain weight, median of REPEATS after a warm-up. It is the
+each torchao quantization against the plain weight, median of REPEATS after a warm-up round,
+the kinds interleaved in each round. It is the
 input of the one-GPU planner's order (dit_train/planning/one_gpu.py: nf4 after block swap) and of
 docs/one-gpu.md; a GPU's kernels differ (not measured here).
 
@@ -18,16 +19,12 @@ from dit_train.models import quant
 SHAPES = {"attn 1536x1536": (1536, 1536), "ffn 1536->8960": (1536, 8960)}
 
 
-def timed(layer: nn.Linear, x: torch.Tensor, repeats: int) -> float:
-    """Median seconds of forward + backward to the input (the frozen weight gets no gradient)."""
-    out = []
-    for i in range(repeats + 1):
-        xi = x.detach().requires_grad_(True)
-        t = time.perf_counter()
-        layer(xi).sum().backward()
-        if i:  # the first is warm-up
-            out.append(time.perf_counter() - t)
-    return statistics.median(out)
+def step_s(layer: nn.Linear, x: torch.Tensor) -> float:
+    """Seconds of one forward + backward to the input (the frozen weight gets no gradient)."""
+    xi = x.detach().requires_grad_(True)
+    t = time.perf_counter()
+    layer(xi).sum().backward()
+    return time.perf_counter() - t
 
 
 def main() -> None:
@@ -40,13 +37,18 @@ def main() -> None:
     for name, (i, o) in SHAPES.items():
         torch.manual_seed(0)
         x = torch.randn(tokens, i)
-        cells = []
+        layers = {}
         for kind in ("none", *quant.KINDS):
-            layer = nn.Linear(i, o).requires_grad_(False)
-            quant.quantize_base([layer], kind)
-            s = timed(layer, x, repeats)
-            base = s if kind == "none" else base
-            cells.append(f"{s * 1e3:.1f} ms" + ("" if kind == "none" else f" ({s / base:.2f}x)"))
+            layers[kind] = nn.Linear(i, o).requires_grad_(False)
+            quant.quantize_base([layers[kind]], kind)
+        times: dict[str, list[float]] = {k: [] for k in layers}
+        for r in range(repeats + 1):  # kinds interleaved: a shared machine's load drift hits them alike
+            for kind, layer in layers.items():
+                s = step_s(layer, x)
+                if r:  # the first round is warm-up
+                    times[kind].append(s)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        cells = [f"{med[k] * 1e3:.1f} ms" + ("" if k == "none" else f" ({med[k] / med['none']:.2f}x)") for k in layers]
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 

@@ -18,17 +18,23 @@ KW = dict(precision="bf16", optimizer="adamw", ema=False, backend="flash", reser
           flops_per_s=80e12)
 
 
+@pytest.fixture(scope="module")
+def wan13():
+    """Wan 1.3B's shape and its rank-16 adapter count (composed once for the tests below)."""
+    cfg = compose_config(["model=wan_1_3b", "model.lora.rank=16"])
+    return model_shape(cfg.model), adapter_parameters(cfg.model)
+
+
 def _plan(s, adapters: int, tokens: int, gib: float):
     return one_gpu.choose(one_gpu.options(s, adapters, tokens, capacity=gib * GIB, **KW))
 
 
-def test_choice_gets_cheaper_options_first_as_memory_shrinks():
+def test_choice_gets_cheaper_options_first_as_memory_shrinks(wan13):
     """Each card size set to one option's need: that option is the choice, in the walk's order —
     no quantization, int8, int8 with swap, and nf4 only past every 8-bit option (here: with
     every block swapped, or a host too small for the 8-bit swapped blocks). (Activation offload
     does not lower this model's device estimate at 4000 tokens: no offload step here.)"""
-    cfg = compose_config(["model=wan_1_3b", "model.lora.rank=16"])
-    s, adapters = model_shape(cfg.model), adapter_parameters(cfg.model)
+    s, adapters = wan13
     opts = one_gpu.options(s, adapters, 4000, capacity=float("inf"), **KW)
     need = {(o.base_quant, o.activation_offload, o.block_swap, o.checkpointing): o for o in opts}
     walk = [("none", False, 0, "none"), ("none", False, 0, "full"), ("int8", False, 0, "full"),
@@ -49,11 +55,10 @@ def test_choice_gets_cheaper_options_first_as_memory_shrinks():
     assert _plan(s, adapters, 4000, 0.01) is None
 
 
-def test_asked_for_8bit_forms_are_walked_in_their_place():
+def test_asked_for_8bit_forms_are_walked_in_their_place(wan13):
     """quants (tools.plan --base-quants) walks the named values in the fixed order whatever the
     order given: fp8_scaled where int8 would be, before nf4."""
-    cfg = compose_config(["model=wan_1_3b", "model.lora.rank=16"])
-    s, n = model_shape(cfg.model), adapter_parameters(cfg.model)
+    s, n = wan13
     opts = one_gpu.options(s, n, 4000, quants=("nf4", "fp8_scaled", "none"), capacity=float("inf"), **KW)
     first = [o.base_quant for o in opts if o.block_swap == 0 and not o.activation_offload and o.checkpointing == "full"]
     assert first == ["none", "fp8_scaled", "nf4"]

@@ -51,8 +51,8 @@ QUANT_BYTES = {"none": 4.0, "int8": 1.0, "fp8": 1.0, "fp8_scaled": 1.0 + 4 / FP8
 # docs/one-gpu.md): none; int8 — the smallest error of the 8-bit forms (a 100-step LoRA's loss
 # drift from the full base 2.1e-3, fp8_scaled 6.5e-3, fp8 1.9e-2) and the fastest of them on the
 # CPU (benchmarks/quant_linear_cpu.py); nf4 last — ~0.52 B per weight, but 5.9e-2 drift, 13-18x
-# int8's adapter-gradient error, and 3-4x a plain linear's time on the CPU (dequantized on every
-# use). fp8 (int8's bytes) and fp8_scaled (1.06 B) are never the first to fit after int8 — more
+# int8's adapter-gradient error, and 2.2-3.9x a plain linear's time on the CPU against int8's
+# 1.0-1.4x (dequantized on every use). fp8 (int8's bytes) and fp8_scaled (1.06 B) are never the first to fit after int8 — more
 # bytes or as many, more error — so they are walked only when asked for (`quants`, tools.plan
 # --base-quants, e.g. where int8 does not run or for musubi-tuner's format).
 DEFAULT_QUANTS = ("none", "int8", "nf4")
@@ -61,7 +61,9 @@ DEFAULT_QUANTS = ("none", "int8", "nf4")
 # time, and a swapped block's copy hides behind the previous block's compute on long clips
 # (swap_exposed_s); nf4 costs every step its dequantization and the run its precision. With all
 # blocks swapped nf4 saves little device memory (half of the two resident blocks' int8 bytes):
-# where it is chosen is mostly a host too small for the 8-bit swapped blocks (host_capacity).
+# where it is chosen is mostly a pinned host budget too small for the 8-bit swapped blocks
+# (host_capacity: pinned bytes only; the build's transient full-precision copy of the model in
+# host memory, 4 B per weight before quantization, is not counted).
 ORDER = ("none", "int8", "fp8_scaled", "fp8", "nf4")  # cost to the result, measured as above
 FOUR_BIT = ("nf4",)
 
