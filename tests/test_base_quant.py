@@ -128,8 +128,6 @@ def test_bad_base_quant_is_refused_before_any_worker(monkeypatch):
     # fp8_scaled groups of 64 inputs: the tiny DiT's 32-wide layers
     assert ("blocks.0.attn.qkv.base_layer (96x32) has 32 inputs, not a multiple of 64"
             in refused([*LORA, "model.base_quant=fp8_scaled"]))
-    assert "model.block_swap=1 with model.base_quant=nf4 is not supported" in refused(
-        [*LORA, "model.base_quant=nf4", "model.block_swap=1", "model.activation_checkpointing=full"])
 
     def no_torchao():
         raise ImportError("No module named 'torchao'")

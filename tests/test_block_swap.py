@@ -2,8 +2,12 @@
 runs as on CUDA (plain copies instead of a side stream):
 
 1. Weights (adapters) and losses after 3 steps bit-equal to the run without swap, DiT and Wan,
-   some and all blocks swapped, and over an int8 base; at most two swapped blocks resident at
-   once; evicted parameters hold 0-element placeholders (a use the hooks did not announce fails).
+   some and all blocks swapped, and over an int8 and an nf4 base; at most two swapped blocks
+   resident at once; evicted parameters hold no values (0-element placeholders: a use the hooks
+   did not announce fails), read from the modules themselves, inner tensors of a quantized
+   weight included.
+   Every model.base_quant on a stack of checkpointed quantized blocks (cheap, no run): output and
+   input gradient bit-equal to no swap, at most two of four blocks holding values at once.
 2. Refused before any worker starts, one line each: more blocks than the model has, no LoRA,
    no full activation checkpointing on the swapped blocks, several ranks, meta init.
 """
@@ -13,6 +17,7 @@ import pytest
 import torch
 
 from dit_train.config.errors import ConfigError
+from dit_train.engine.block_swap import BlockSwap, held_bytes
 from dit_train.models import quant
 from tests.conftest import TINY, compose_config
 
@@ -20,6 +25,7 @@ BASE = [*TINY, "model.lora.rank=4", "model.lora.alpha=8", "model.activation_chec
 CASES = {"dit-1": ([], 1), "dit-all": ([], 2), "wan-all": (["model=wan_tiny"], 2)}
 if quant.available():
     CASES["dit-int8-1"] = (["model.base_quant=int8"], 1)
+    CASES["wan-nf4-all"] = (["model=wan_tiny", "model.base_quant=nf4"], 2)
 
 
 def _train(overrides: list[str], data_cache: str):
@@ -46,9 +52,57 @@ def test_block_swap_is_bit_equal_to_no_swap(case, data_cache):
     swap = run.model.block_swap_state
     assert len(swap.blocks) == n and swap.resident_peak <= 2
     swap.release()
-    frozen = [p for b in swap.blocks for p in b.params]
-    assert frozen and all(p.numel() == 0 for p in frozen)  # evicted: placeholders, values in host memory only
+    # evicted: placeholders (a quantized weight's codes and scales too), values in host memory only
+    assert all(held_bytes(m) == 0 for m in swap.modules)
     assert all(h.numel() > 0 for b in swap.blocks for h in b.host)
+
+
+class _Checkpointed(torch.nn.Module):
+    """A block as the models call it under full activation checkpointing (what block swap needs)."""
+
+    def __init__(self, block: torch.nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+
+
+def _quantized_stack(kind: str) -> list[torch.nn.Module]:
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64)).requires_grad_(False)
+              for _ in range(4)]
+    quant.quantize_base(blocks, kind)
+    return blocks
+
+
+@pytest.mark.skipif(not quant.available(), reason="torchao is not installed")
+@pytest.mark.parametrize("kind", ["none", *quant.KINDS])
+def test_block_swap_streams_every_base_quant(kind):
+    """Four checkpointed blocks of quantized linears, all swapped: output and input gradient
+    bit-equal to the same blocks without swap; at most two blocks hold values at any hook; none
+    after release (the quantized weight's inner tensors moved, not only its wrapper)."""
+    x = torch.randn(5, 64)
+
+    def run(blocks):
+        xi = x.clone().requires_grad_(True)
+        h = xi
+        for b in blocks:
+            h = b(h)
+        h.square().sum().backward()
+        return h.detach(), xi.grad
+
+    want = run([_Checkpointed(b) for b in _quantized_stack(kind)])
+    blocks = _quantized_stack(kind)
+    swap = BlockSwap(blocks, torch.device("cpu"))
+    wrapped = [_Checkpointed(b) for b in blocks]
+    swap.install(wrapped)
+    assert all(held_bytes(b) == 0 for b in blocks)
+    got = run(wrapped)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), kind
+    assert swap.resident_peak == 2
+    swap.release()
+    assert all(held_bytes(b) == 0 for b in blocks)
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -86,9 +86,6 @@ def _block_swap(cfg: Config, e: list[str]) -> None:
     covered = policy == "full" and swapped <= set(checkpointed_blocks(m.depth, max(1, m.ac_every)))
     check(covered, f"model.block_swap={n} needs full activation checkpointing on the swapped blocks: set "
            f"model.activation_checkpointing=full model.ac_every=1 (now {policy}, every {m.ac_every})", e)
-    # torchao's NF4Tensor does not take .to(copy=True), which block_swap's host copies use
-    check(str(m.base_quant) != "nf4", f"model.block_swap={n} with model.base_quant=nf4 is not supported (torchao's "
-           f"NF4Tensor cannot be copied to host memory the way block swap does); use model.base_quant=int8 or fp8", e)
     world = ParallelDims.from_config(p).world
     check(world == 1, f"model.block_swap={n} is for one process (one GPU); over {world} ranks use FSDP2's "
            f"parallel.cpu_offload=true (FSDP2 manages its parameters' storage itself; block swap under DDP is not tested)", e)

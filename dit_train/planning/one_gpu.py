@@ -5,22 +5,25 @@ and activation checkpointing, and models the swap's step-time cost.
 Per-term device bytes of one clip of T tokens (one micro-batch), c = bytes of the compute dtype:
 
     base          frozen block weights on the device: (depth - N + min(N, 2)) blocks x params_block x q
-                  (q = 4 for an unquantized base, which keeps fp32 storage; 1 for int8 / fp8: torchao's
-                  weight-only tensors, per-row scales ignored), + params outside the blocks x 4
+                  (q = QUANT_BYTES: 4 for an unquantized base, which keeps fp32 storage; 1 for int8 /
+                  fp8, torchao's weight-only tensors, per-row scales ignored; 1.06 for fp8_scaled;
+                  0.52 for nf4), + params outside the blocks x 4
     autocast      bf16/fp16 without quantization: autocast's c-byte copies of the resident block
                   weights (perf/memory.py's autocast_weight_cache; a quantized weight is dequantized
                   per use instead, transient)
     adapters      LoRA parameters x (4 weight + 4 gradient + optimizer state) (+4 EMA)
     activations   perf/memory.activation_parts (saved + one block's recompute), attention workspace
     reserve       allocator / CUDA context
-    host          N swapped blocks x params_block x q (pinned)
+    host          N swapped blocks x params_block x q (pinned) + offloaded activations
 
 N = model.block_swap: at most two swapped blocks are on the device at once
-(dit_train/engine/block_swap.py). Options, cheapest first: no quantization before int8 (fp8 has
-the same bytes and, measured, 4x the error: docs/one-gpu.md), no swap before swap, no
-checkpointing before full, no activation offload (train.activation_offload: the saved block
-inputs in host memory) before offload; block swap and offload come with full checkpointing. The
-first option that fits wins: (offload, block_swap, quantized, checkpointing) lexicographic.
+(dit_train/engine/block_swap.py). An option fits when its device terms fit the card and its host
+bytes the host memory. Options, cheapest first (ORDER below): no quantization before 8-bit
+(int8) before nf4, no swap before swap, no checkpointing before full, no activation offload
+(train.activation_offload: the saved block inputs in host memory) before offload; block swap and
+offload come with full checkpointing. The first option that fits wins: (4-bit, offload,
+block_swap, quantization, checkpointing) lexicographic — nf4 only where no 8-bit option fits,
+with any swap and offload.
 
 Swap cost: each swapped block is copied twice a step (ahead of its forward and of its backward),
 params_block x q bytes at `h2d_bytes_per_s`; the copy of block k + 1 runs while block k computes,
@@ -40,9 +43,29 @@ from dit_train.perf.memory import (DTYPE_BYTES, GIB, ModelShape, activation_part
 
 # bytes per frozen block weight, from models/quant.py's block sizes: fp8_scaled an fp32 scale per
 # FP8_GROUP inputs; nf4 4-bit codes, an int8 absmax per NF4_BLOCK values and an fp32 factor per
-# NF4_SCALER_BLOCK absmaxes. The choice below walks none and int8 only (nf4 is not chosen).
+# NF4_SCALER_BLOCK absmaxes.
 QUANT_BYTES = {"none": 4.0, "int8": 1.0, "fp8": 1.0, "fp8_scaled": 1.0 + 4 / FP8_GROUP,
                "nf4": 0.5 + 1 / NF4_BLOCK + 4 / (NF4_BLOCK * NF4_SCALER_BLOCK)}
+
+# The quantizations `options` walks by default, in the order of what they cost a run (measured,
+# docs/one-gpu.md): none; int8 — the smallest error of the 8-bit forms (a 100-step LoRA's loss
+# drift from the full base 2.1e-3, fp8_scaled 6.5e-3, fp8 1.9e-2) and the fastest of them on the
+# CPU (benchmarks/quant_linear_cpu.py); nf4 last — ~0.52 B per weight, but 5.9e-2 drift, 13-18x
+# int8's adapter-gradient error, and 2.2-3.9x a plain linear's time on the CPU against int8's
+# 1.0-1.4x (dequantized on every use). fp8 (int8's bytes) and fp8_scaled (1.06 B) are never the first to fit after int8 — more
+# bytes or as many, more error — so they are walked only when asked for (`quants`, tools.plan
+# --base-quants, e.g. where int8 does not run or for musubi-tuner's format).
+DEFAULT_QUANTS = ("none", "int8", "nf4")
+# Why nf4 comes after block swap and activation offload rather than before: those two move values
+# without changing them (block swap bit-equal to no swap, tests/test_block_swap.py) and cost only
+# time, and a swapped block's copy hides behind the previous block's compute on long clips
+# (swap_exposed_s); nf4 costs every step its dequantization and the run its precision. With all
+# blocks swapped nf4 saves little device memory (half of the two resident blocks' int8 bytes):
+# where it is chosen is mostly a pinned host budget too small for the 8-bit swapped blocks
+# (host_capacity: pinned bytes only; the build's transient full-precision copy of the model in
+# host memory, 4 B per weight before quantization, is not counted).
+ORDER = ("none", "int8", "fp8_scaled", "fp8", "nf4")  # cost to the result, measured as above
+FOUR_BIT = ("nf4",)
 
 
 @dataclass
@@ -57,6 +80,7 @@ class OneGpuOption:
     swap_exposed_s: float = 0.0  # of which not hidden behind compute
     compute_s: float = 0.0  # modelled compute seconds per step
     capacity: float = 0.0
+    host_capacity: float = float("inf")
 
     @property
     def total(self) -> float:
@@ -64,7 +88,7 @@ class OneGpuOption:
 
     @property
     def fits(self) -> bool:
-        return self.total <= self.capacity
+        return self.total <= self.capacity and self.host <= self.host_capacity
 
     def overrides(self) -> list[str]:
         return [f"model.base_quant={self.base_quant}", f"model.block_swap={self.block_swap}",
@@ -92,7 +116,7 @@ def lora_compute_s(s: ModelShape, tokens: int, checkpointing: str, flops_per_s: 
 
 def estimate(s: ModelShape, adapter_params: int, tokens: int, *, base_quant: str, block_swap: int, checkpointing: str,
              activation_offload: bool = False, precision: str, optimizer: str, ema: bool, backend: str, capacity: float, reserve: float,
-             h2d_bytes_per_s: float, flops_per_s: float) -> OneGpuOption:
+             h2d_bytes_per_s: float, flops_per_s: float, host_capacity: float = float("inf")) -> OneGpuOption:
     """The device terms, host bytes and swap cost of one option (see the module docstring)."""
     q = QUANT_BYTES[base_quant]
     c = DTYPE_BYTES[precision]
@@ -120,19 +144,27 @@ def estimate(s: ModelShape, adapter_params: int, tokens: int, *, base_quant: str
     act_copy = 2.0 * offloaded / h2d_bytes_per_s
     return OneGpuOption(base_quant, block_swap, checkpointing, activation_offload, terms,
                         host=block_swap * block_bytes + offloaded, swap_copy_s=2 * block_swap * copy + act_copy,
-                        swap_exposed_s=exposed + act_copy, compute_s=compute, capacity=capacity)
+                        swap_exposed_s=exposed + act_copy, compute_s=compute, capacity=capacity,
+                        host_capacity=host_capacity)
 
 
-def options(s: ModelShape, adapter_params: int, tokens: int, **kw: Any) -> list[OneGpuOption]:
-    """Every (activation offload, block_swap, base_quant, checkpointing) option, cheapest first
-    (module docstring)."""
+def options(s: ModelShape, adapter_params: int, tokens: int, quants: tuple[str, ...] = DEFAULT_QUANTS,
+            **kw: Any) -> list[OneGpuOption]:
+    """Every (4-bit, activation offload, block_swap, base_quant, checkpointing) option of the
+    model.base_quant values `quants` (walked in ORDER whatever their order here), cheapest first
+    (module docstring, DEFAULT_QUANTS)."""
+    unknown = set(quants) - set(ORDER)
+    if unknown:
+        raise ValueError(f"unknown model.base_quant {sorted(unknown)}: one of {', '.join(ORDER)}")
+    walked = [q for q in ORDER if q in quants]
     out = []
-    for offload in (False, True):
-        for n in range(s.depth + 1):
-            for quant in ("none", "int8"):
-                for ac in (("none", "full") if n == 0 and not offload else ("full",)):
-                    out.append(estimate(s, adapter_params, tokens, base_quant=quant, block_swap=n, checkpointing=ac,
-                                        activation_offload=offload, **kw))
+    for tier in ([q for q in walked if q not in FOUR_BIT], [q for q in walked if q in FOUR_BIT]):
+        for offload in (False, True):
+            for n in range(s.depth + 1):
+                for quant in tier:
+                    for ac in (("none", "full") if n == 0 and not offload else ("full",)):
+                        out.append(estimate(s, adapter_params, tokens, base_quant=quant, block_swap=n, checkpointing=ac,
+                                            activation_offload=offload, **kw))
     return out
 
 

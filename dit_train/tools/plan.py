@@ -23,6 +23,8 @@ import dataclasses
 import sys
 from pathlib import Path
 
+import torch
+
 from dit_train.compose import compose
 from dit_train.config import PARALLEL_DEGREES
 from dit_train.config.schema import AUTO_MICRO_BATCH_TOKENS
@@ -49,6 +51,15 @@ def vae_stride(text: str) -> tuple[int, ...]:
     if len(stride) != 3 or min(stride) < 1:  # a 0 divided the latent grid by zero
         raise argparse.ArgumentTypeError(f"{text!r} must be three integers >= 1 (t,h,w), e.g. 4,8,8")
     return stride
+
+
+def base_quants(text: str) -> tuple[str, ...]:
+    """An argparse `type=` for --base-quants: model.base_quant values, comma-separated."""
+    quants = tuple(q for q in text.split(",") if q)
+    bad = [q for q in quants if q not in one_gpu.ORDER]
+    if bad or not quants:
+        raise argparse.ArgumentTypeError(f"{text!r}: each must be one of {', '.join(one_gpu.ORDER)} (comma-separated)")
+    return quants
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,7 +93,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu-tflops", type=POSITIVE_FLOAT, default=80.0,
                     help="achieved TFLOP/s of the card for the swap's overlap model (default 80: an assumption for a "
                          "24-32 GB card in bf16, not measured)")
-    ap.add_argument("--host-mem-gib", type=POSITIVE_FLOAT, default=128.0, help="host memory per rank for the offload options")
+    ap.add_argument("--host-mem-gib", type=POSITIVE_FLOAT, default=128.0,
+                    help="host memory per rank for the offload options (and the one-GPU plan's swapped blocks)")
+    ap.add_argument("--base-quants", type=base_quants, default=one_gpu.DEFAULT_QUANTS,
+                    help="one-GPU LoRA plan: the model.base_quant values to choose from (default none,int8,nf4; "
+                         "walked in the order none, int8, fp8_scaled, fp8, nf4: planning/one_gpu.py)")
     ap.add_argument("--max-frames", type=POSITIVE_INT, default=4001, help="upper end of the longest-clip search")
     ap.add_argument("--top", type=POSITIVE_INT, default=12, help="rows to print")
     ap.add_argument("--json", default="", help="write every candidate and the rejected layouts here")
@@ -112,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     backend = args.backend or resolve_plan_backend(cfg, args.device)
     prologues = {"both": (False, True), "on": (True,), "off": (False,), "config": ()}[args.prologues]
     if args.frames and cfg.model.lora.rank > 0 and world == 1:
+        if args.smoke:  # before any output: a refusal is the only line
+            ap.error(one_gpu_smoke_refusal())
         return one_gpu_main(args, cfg, shape, backend)
     if args.frames:
         return clip_main(args, cfg, world, shape, backend, prologues)
@@ -168,6 +185,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if cands and cands[0].fits else 1
 
 
+def one_gpu_smoke_refusal() -> str:
+    """Why --smoke is refused for the one-GPU LoRA plan here: it would measure the choice's peak
+    memory on a GPU, which this machine may not have, and that measurement is not written yet."""
+    if not torch.cuda.is_available():
+        return ("--smoke measures the one-GPU LoRA choice on a GPU and this machine has none (torch.cuda.is_available() "
+                "is False); drop --smoke to get the modelled plan")
+    return ("--smoke for the one-GPU LoRA plan (model.lora.rank > 0, one rank, --frames) is not implemented yet; drop "
+            "--smoke and run the printed choice with python -m dit_train for a few steps to measure it")
+
+
 def one_gpu_main(args, cfg, shape, backend: str) -> int:
     """--frames with model.lora.rank > 0 on one rank: choose model.base_quant, model.block_swap and
     activation checkpointing for the clip (dit_train/planning/one_gpu.py), print every term of the
@@ -180,20 +207,23 @@ def one_gpu_main(args, cfg, shape, backend: str) -> int:
     opts = one_gpu.options(shape, lora, tokens, precision=cfg.train.precision, optimizer=cfg.optim.name,
                            ema=cfg.train.ema_decay > 0, backend=backend, capacity=args.gpu_mem_gib * GIB,
                            reserve=args.reserve_gib * GIB, h2d_bytes_per_s=args.h2d_gib_s * GIB,
-                           flops_per_s=args.gpu_tflops * 1e12)
+                           flops_per_s=args.gpu_tflops * 1e12, host_capacity=args.host_mem_gib * GIB,
+                           quants=args.base_quants)
     print(f"model: {cfg.model.name} dim={shape.dim} depth={shape.depth} params={shape.params / 1e9:.2f}B, LoRA rank "
           f"{cfg.model.lora.rank}: {lora / 1e6:.1f}M adapter params | one GPU of {args.gpu_mem_gib:g} GiB (reserve "
           f"{args.reserve_gib:g}) | precision={cfg.train.precision} optim={cfg.optim.name} attn={backend}")
     print(f"clip: {args.frames} frames x {args.height}x{args.width} px -> {tokens} tokens | host-to-device "
-          f"{args.h2d_gib_s:g} GiB/s, {args.gpu_tflops:g} TFLOP/s assumed")
+          f"{args.h2d_gib_s:g} GiB/s, {args.gpu_tflops:g} TFLOP/s assumed | host {args.host_mem_gib:g} GiB | "
+          f"base_quant from {','.join(args.base_quants)}")
     best = one_gpu.choose(opts)
     shown = [o for o in opts if o.block_swap == 0 and not o.activation_offload]
     shown += [best] if best is not None and best not in shown else []
     print(format_table([o.row() for o in shown]))
     if best is None:
-        worst = opts[-1]
-        print(f"nothing fits: even int8 with every block swapped and activations offloaded needs {worst.total / GIB:.1f} GiB; lower the clip "
-              f"(--frames / --height / --width) or use more GPUs")
+        worst = min(opts, key=lambda o: o.total)
+        print(f"nothing fits: even {worst.base_quant} with {worst.block_swap} blocks swapped"
+              f"{' and activations offloaded' if worst.activation_offload else ''} needs {worst.total / GIB:.1f} GiB on the "
+              f"device and {worst.host / GIB:.1f} GiB of host memory; lower the clip (--frames / --height / --width) or use more GPUs")
         return 1
     print("estimate of the choice (GiB): " + ", ".join(f"{k} {v / GIB:.2f}" for k, v in best.terms.items())
           + f"; total {best.total / GIB:.2f} of {args.gpu_mem_gib:g}; host (pinned) {best.host / GIB:.2f}")
