@@ -88,3 +88,30 @@ def test_one_failing_worker_stops_the_others_and_reports(tmp_path):
         launch_local(_failing_worker, (1, str(marker)), 2, LauncherConfig())
     # launch_local returned, so no worker is left; the sleeping rank was stopped, not waited for
     assert not marker.exists()
+
+
+def _environment_of_worker(names):
+    import os
+
+    return {n: os.environ.get(n) for n in names}
+
+
+@pytest.mark.real_launcher
+def test_workers_see_the_launchers_environment_of_the_launch(monkeypatch):
+    """Workers are forked from a fork server started at the first launch (engine/launch.py): an
+    environment variable set, changed or removed in the launcher after that still reaches every
+    worker as at the launch (as spawn gave it), beside what elastic sets for each rank."""
+    from dit_train.config import LauncherConfig
+    from dit_train.engine.launch import launch_local
+
+    names = ("DIT_TRAIN_TEST_SET", "DIT_TRAIN_TEST_CHANGED", "DIT_TRAIN_TEST_REMOVED", "RANK", "WORLD_SIZE")
+    monkeypatch.setenv("DIT_TRAIN_TEST_CHANGED", "before")
+    monkeypatch.setenv("DIT_TRAIN_TEST_REMOVED", "before")
+    launch_local(_environment_of_worker, (names,), 2, LauncherConfig())  # the fork server runs from here on
+    monkeypatch.setenv("DIT_TRAIN_TEST_SET", "new")
+    monkeypatch.setenv("DIT_TRAIN_TEST_CHANGED", "after")
+    monkeypatch.delenv("DIT_TRAIN_TEST_REMOVED")
+    seen = launch_local(_environment_of_worker, (names,), 2, LauncherConfig())
+    for rank in (0, 1):
+        assert seen[rank] == {"DIT_TRAIN_TEST_SET": "new", "DIT_TRAIN_TEST_CHANGED": "after",
+                              "DIT_TRAIN_TEST_REMOVED": None, "RANK": str(rank), "WORLD_SIZE": "2"}, seen
