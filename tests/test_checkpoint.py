@@ -123,16 +123,20 @@ def _children(pid: int) -> list[int]:
 
 
 def _workers(pid: int) -> list[int]:
-    """Worker processes of a local launch (multiprocessing spawn children, not the tracker)."""
+    """Worker processes of a local launch, lowest rank first: the children of its fork server
+    (engine/launch.py forks the workers from it), or where there is no fork server multiprocessing's
+    spawn children (not its resource tracker)."""
     found = []
     for c in _children(pid):
         try:
             cmd = Path(f"/proc/{c}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+        if b"forkserver" in cmd:
+            found.extend(_children(c))
+        elif b"spawn_main" in cmd and b"resource_tracker" not in cmd:
             found.append(c)
-    return found
+    return sorted(found)
 
 
 def _start_and_kill(args: list[str], run_dir: Path, cwd: Path, kill_at_step: int):
