@@ -28,7 +28,7 @@ def is_fsdp_module(m: Any) -> bool:
     return cls is not None and isinstance(m, cls)
 
 
-def local(t: Any) -> Any:
+def local_part(t: Any) -> Any:
     """A DTensor's local shard, any other tensor itself."""
     return t.to_local() if is_dtensor(t) else t
 

@@ -50,11 +50,17 @@ def test_two_process_run_shares_one_run_dir_and_key_names(tmp_path, data_cache):
 
 
 def test_bad_override_fails_before_running(tmp_path):
-    """A key the schema lacks (Hydra refuses it) and a ConfigError of run_from_config — the one
-    `except` that prints every check's, data problem's and checkpoint's refusal as an `error:`
-    line (their texts: tests/test_config.py, test_checkpoint.py, test_bad_inputs.py, in process)."""
-    r = run_cli(["train.stpes=3", f"hydra.run.dir={tmp_path / 'x'}"], cwd=tmp_path)
-    assert r.returncode != 0 and "stpes" in r.stderr
+    """A key the schema lacks (Hydra refuses it: the same strict composition in this process) and,
+    in a fresh Python, a ConfigError of run_from_config — the one `except` that prints every
+    check's, data problem's and checkpoint's refusal as an `error:` line (their texts:
+    tests/test_config.py, test_checkpoint.py, test_bad_inputs.py, in process; the CLI's line for a
+    `+key` the schema lacks: test_faults.py)."""
+    from hydra.errors import ConfigCompositionException
+
+    from dit_train.compose import compose
+
+    with pytest.raises(ConfigCompositionException, match="stpes"):
+        compose(["train.stpes=3"])
     r = run_cli(["parallel.cp_ulysses=3", f"hydra.run.dir={tmp_path / 'y'}"], cwd=tmp_path)
     assert r.returncode != 0 and "error: invalid configuration:" in r.stderr and "cp_ulysses" in r.stderr
     assert not (tmp_path / "y" / "metrics.jsonl").exists()

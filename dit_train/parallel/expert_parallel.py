@@ -29,7 +29,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from dit_train.models.moe import Experts, moe_layers, run_experts
 from dit_train.parallel.mesh import ParallelContext
-from dit_train.sharded import local
+from dit_train.sharded import local_part
 
 
 class ExpertParallelDispatch:
@@ -57,7 +57,7 @@ class ExpertParallelDispatch:
         by_expert = torch.argsort(key, stable=True)
         # FSDP2's mixed-precision policy casts every parameter but these (they are ignored by
         # FSDP): run the experts in the dtype the rows arrive in, gradients flow back in fp32
-        weights = tuple(local(w).to(x.dtype)
+        weights = tuple(local_part(w).to(x.dtype)
                         for w in (experts.w1, experts.b1, experts.w2, experts.b2))
         y = run_experts(weights, rows.index_select(0, by_expert), got.sum(dim=0).tolist())
         y = torch.empty_like(y).index_copy_(0, by_expert, y)  # back to source-major order
@@ -95,7 +95,7 @@ def sync_expert_grads(model: nn.Module, ctx: ParallelContext) -> None:
     if group is None:
         return
     grads = [p.grad for p in expert_parameters(model) if p.grad is not None]
-    locals_ = [local(g) for g in grads]
+    locals_ = [local_part(g) for g in grads]
     if not locals_:
         return
     flat = torch.cat([t.reshape(-1) for t in locals_])

@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from dit_train.config import ParallelConfig, TrainConfig
 from dit_train.kernels.eager import disable_compile
 from dit_train.models.moe import moe_layers
-from dit_train.sharded import is_fsdp_module, local
+from dit_train.sharded import is_fsdp_module, local_part
 from dit_train.models.quant import quantized_parameters
 from dit_train.parallel.expert_parallel import apply_expert_parallel, expert_parameters, sync_expert_grads
 from dit_train.models.registry import ModelSpec
@@ -177,7 +177,7 @@ def sync_unsharded_grads(model: nn.Module, groups: list[dist.ProcessGroup], ctx:
         return
 
     grads = [p.grad for p in model.parameters() if p.grad is not None and id(p) not in skip]
-    locals_ = [local(g) for g in grads]
+    locals_ = [local_part(g) for g in grads]
     if not locals_:
         return
     flat = torch.cat([t.reshape(-1) for t in locals_])
