@@ -176,12 +176,12 @@ def bidirectional_copy(run: Path, dest: Path) -> Path:
     return dest
 
 
-def run_cli(args: list[str], cwd: Path, timeout: int = 600):
-    """`python -m dit_train <args>` in a subprocess; returns CompletedProcess (text)."""
+def run_cli(args: list[str], cwd: Path, timeout: int = 600, python: tuple[str, ...] = ()):
+    """`python [python] -m dit_train <args>` in a subprocess; returns CompletedProcess (text)."""
     import subprocess
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "dit_train", *args], cwd=cwd, env=env, capture_output=True,
+    return subprocess.run([sys.executable, *python, "-m", "dit_train", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 

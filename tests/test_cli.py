@@ -61,8 +61,14 @@ def test_bad_override_fails_before_running(tmp_path):
 
     with pytest.raises(ConfigCompositionException, match="stpes"):
         compose(["train.stpes=3"])
-    r = run_cli(["parallel.cp_ulysses=3", f"hydra.run.dir={tmp_path / 'y'}"], cwd=tmp_path)
+    r = run_cli(["parallel.cp_ulysses=3", f"hydra.run.dir={tmp_path / 'y'}"], cwd=tmp_path, python=("-X", "importtime"))
     assert r.returncode != 0 and "error: invalid configuration:" in r.stderr and "cp_ulysses" in r.stderr
+    # and it answers without what only a run needs: torch.distributed.tensor (sympy, torch.fx's
+    # symbolic shapes) and DCP cost ~1.5-1.8 CPU-s at every start (dit_train/sharded.py)
+    imported = {line.rsplit("|", 1)[1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    assert "torch" in imported, r.stderr[-2000:]
+    assert not imported & {"torch.distributed.tensor", "torch.distributed.checkpoint", "torch.distributed.fsdp", "sympy",
+                           "diffusers", "peft"}
     assert not (tmp_path / "y" / "metrics.jsonl").exists()
 
 

@@ -205,8 +205,7 @@ def test_imports_inside_functions_defer_heavy_dependencies_and_say_so():
                 continue
             mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
             for m in mods:
-                top = "tensorboard" if m.startswith("torch.utils.tensorboard") else \
-                    next((d for d in DEFERRED if m == d or m.startswith(d + ".")), m.split(".")[0])
+                top = _deferred(m) or m.split(".")[0]
                 if not m or top == "dit_train" or node.__dict__.get("level"):
                     continue
                 if top not in DEFERRED:
@@ -215,6 +214,28 @@ def test_imports_inside_functions_defer_heavy_dependencies_and_say_so():
                 elif "#" not in lines[node.lineno - 1] and "#" not in lines[node.lineno - 2]:
                     wrong.append(f"{name}:{node.lineno} defers {m} without a comment saying why")
     assert not wrong, "\n".join(wrong)
+
+
+def test_deferred_dependencies_are_never_imported_at_a_modules_top():
+    """A DEFERRED module imported at the top of any module of the package loads at every start of
+    `python -m dit_train` and the tools (the package's modules import each other at their tops).
+    What third-party modules import in turn is checked on a refused run (tests/test_cli.py)."""
+    wrong = []
+    for name, path in modules().items():
+        tree = ast.parse(path.read_text())
+        inside = _functions(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in inside:
+                mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                wrong += [f"{name}:{node.lineno} imports {m} at its top (DEFERRED: {_deferred(m)})"
+                          for m in mods if _deferred(m)]
+    assert not wrong, "\n".join(wrong)
+
+
+def _deferred(module: str) -> str:
+    """The DEFERRED entry that covers `module` ("" if none)."""
+    top = "tensorboard" if module.startswith("torch.utils.tensorboard") else module
+    return next((d for d in DEFERRED if top == d or top.startswith(d + ".")), "")
 
 
 def test_the_docs_list_the_same_layers():
