@@ -36,14 +36,15 @@ def test_three_step_run_writes_every_output(tmp_path, data_cache):
     assert all(v.dtype.is_floating_point and str(v.dtype) == "torch.float32" for v in weights.values())
 
 
-def test_two_process_run_shares_one_run_dir_and_key_names(tmp_path, data_cache):
-    one, two = tmp_path / "one", tmp_path / "two"
-    base = [*TINY, "train.steps=2"]
-    train_in_process(base, one, cache_dir=data_cache)  # the one-process reference: no launch to test
-    r2 = run_cli([*base, "parallel.dp_shard=2", f"data.cache_dir={data_cache}", f"hydra.run.dir={two}"], cwd=tmp_path)
+def test_two_process_run_shares_one_run_dir_and_key_names(tmp_path, data_cache, tiny_teacher):
+    # the one-process reference: 2 steps of TINY on the same data cache, trained in process once
+    # per session (tests/conftest.py, tiny_teacher: the distillation tests' teacher)
+    one, two = tiny_teacher, tmp_path / "two"
+    r2 = run_cli([*TINY, "train.steps=2", "parallel.dp_shard=2", f"data.cache_dir={data_cache}", f"hydra.run.dir={two}"],
+                 cwd=tmp_path)
     assert r2.returncode == 0, r2.stderr[-3000:]
     assert len(_records(two)) == 2  # only rank 0 writes metrics
-    assert not [p for p in tmp_path.iterdir() if p.name not in ("one", "two")]  # no per-rank dirs
+    assert not [p for p in tmp_path.iterdir() if p.name != "two"]  # no per-rank dirs
     w1, w2 = load_file(one / "weights.safetensors"), load_file(two / "weights.safetensors")
     assert w1.keys() == w2.keys()
     assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < 1e-5
