@@ -14,6 +14,10 @@ from dit_train.compose import compose
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
+# The fresh Pythons the tests start (`python -m dit_train`, the tools, torch elastic's workers)
+# import this checkout's dit_train, as pytest does: with the package installed editable from
+# another checkout (a git worktree beside the main one), they imported that one's code instead.
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
 
 # A model and data small enough for many multi-process runs on 2 cores. init=normal so every
 # parameter moves from step 1 (adaLN-zero would leave most weights untouched in 2 steps and
@@ -172,12 +176,12 @@ def bidirectional_copy(run: Path, dest: Path) -> Path:
     return dest
 
 
-def run_cli(args: list[str], cwd: Path, timeout: int = 600):
-    """`python -m dit_train <args>` in a subprocess; returns CompletedProcess (text)."""
+def run_cli(args: list[str], cwd: Path, timeout: int = 600, python: tuple[str, ...] = ()):
+    """`python [python] -m dit_train <args>` in a subprocess; returns CompletedProcess (text)."""
     import subprocess
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "dit_train", *args], cwd=cwd, env=env, capture_output=True,
+    return subprocess.run([sys.executable, *python, "-m", "dit_train", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 

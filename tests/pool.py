@@ -184,9 +184,12 @@ class WorkerFailed(RuntimeError):
 # worker of the 2- and 4-worker pools. The video readers (PyAV before decord, as
 # data_pipelines/video_readers.py loads them) and diffusers' transformer classes (what
 # `getattr(diffusers, "WanTransformer3DModel")` imports: ~190 modules) were imported again by
-# every worker's first job, ~0.6 CPU-s each. A module missing here (decord off x86_64) is skipped.
+# every worker's first job, ~0.6 CPU-s each. FSDP2 and DCP (with torch.distributed.tensor, ~1.8
+# CPU-s): dit_train imports them only where a run shards or checkpoints (dit_train/sharded.py),
+# which every layout job does. A module missing here (decord off x86_64) is skipped.
 PRELOAD = ["dit_train", "torch", "torch.distributed", "dit_train.engine.layout_equivalence", "tests.pool", "peft",
-           "av", "decord", "diffusers.models.transformers"]
+           "av", "decord", "diffusers.models.transformers", "torch.distributed.fsdp", "torch.distributed.checkpoint",
+           "torch.distributed.checkpoint.state_dict"]
 
 
 def _context() -> Any:

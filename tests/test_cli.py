@@ -36,27 +36,40 @@ def test_three_step_run_writes_every_output(tmp_path, data_cache):
     assert all(v.dtype.is_floating_point and str(v.dtype) == "torch.float32" for v in weights.values())
 
 
-def test_two_process_run_shares_one_run_dir_and_key_names(tmp_path, data_cache):
-    one, two = tmp_path / "one", tmp_path / "two"
-    base = [*TINY, "train.steps=2"]
-    train_in_process(base, one, cache_dir=data_cache)  # the one-process reference: no launch to test
-    r2 = run_cli([*base, "parallel.dp_shard=2", f"data.cache_dir={data_cache}", f"hydra.run.dir={two}"], cwd=tmp_path)
+def test_two_process_run_shares_one_run_dir_and_key_names(tmp_path, data_cache, tiny_teacher):
+    # the one-process reference: 2 steps of TINY on the same data cache, trained in process once
+    # per session (tests/conftest.py, tiny_teacher: the distillation tests' teacher)
+    one, two = tiny_teacher, tmp_path / "two"
+    r2 = run_cli([*TINY, "train.steps=2", "parallel.dp_shard=2", f"data.cache_dir={data_cache}", f"hydra.run.dir={two}"],
+                 cwd=tmp_path)
     assert r2.returncode == 0, r2.stderr[-3000:]
     assert len(_records(two)) == 2  # only rank 0 writes metrics
-    assert not [p for p in tmp_path.iterdir() if p.name not in ("one", "two")]  # no per-rank dirs
+    assert not [p for p in tmp_path.iterdir() if p.name != "two"]  # no per-rank dirs
     w1, w2 = load_file(one / "weights.safetensors"), load_file(two / "weights.safetensors")
     assert w1.keys() == w2.keys()
     assert max(float((w1[k] - w2[k]).abs().max()) for k in w1) < 1e-5
 
 
 def test_bad_override_fails_before_running(tmp_path):
-    """A key the schema lacks (Hydra refuses it) and a ConfigError of run_from_config — the one
-    `except` that prints every check's, data problem's and checkpoint's refusal as an `error:`
-    line (their texts: tests/test_config.py, test_checkpoint.py, test_bad_inputs.py, in process)."""
-    r = run_cli(["train.stpes=3", f"hydra.run.dir={tmp_path / 'x'}"], cwd=tmp_path)
-    assert r.returncode != 0 and "stpes" in r.stderr
-    r = run_cli(["parallel.cp_ulysses=3", f"hydra.run.dir={tmp_path / 'y'}"], cwd=tmp_path)
+    """A key the schema lacks (Hydra refuses it: the same strict composition in this process) and,
+    in a fresh Python, a ConfigError of run_from_config — the one `except` that prints every
+    check's, data problem's and checkpoint's refusal as an `error:` line (their texts:
+    tests/test_config.py, test_checkpoint.py, test_bad_inputs.py, in process; the CLI's line for a
+    `+key` the schema lacks: test_faults.py)."""
+    from hydra.errors import ConfigCompositionException
+
+    from dit_train.compose import compose
+
+    with pytest.raises(ConfigCompositionException, match="stpes"):
+        compose(["train.stpes=3"])
+    r = run_cli(["parallel.cp_ulysses=3", f"hydra.run.dir={tmp_path / 'y'}"], cwd=tmp_path, python=("-X", "importtime"))
     assert r.returncode != 0 and "error: invalid configuration:" in r.stderr and "cp_ulysses" in r.stderr
+    # and it answers without what only a run needs: torch.distributed.tensor (sympy, torch.fx's
+    # symbolic shapes) and DCP cost ~1.5-1.8 CPU-s at every start (dit_train/sharded.py)
+    imported = {line.rsplit("|", 1)[1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+    assert "torch" in imported, r.stderr[-2000:]
+    assert not imported & {"torch.distributed.tensor", "torch.distributed.checkpoint", "torch.distributed.fsdp", "sympy",
+                           "diffusers", "peft"}
     assert not (tmp_path / "y" / "metrics.jsonl").exists()
 
 

@@ -17,7 +17,7 @@ PACKAGE = REPO / "dit_train"
 # module places it, should a package ever span two layers). The same list is in
 # docs/how-it-works.md#layers (test_the_docs_list_the_same_layers).
 LAYERS = [
-    ("config", "registry", "rng", "batch", "precision", "atomic"),
+    ("config", "registry", "rng", "batch", "precision", "atomic", "sharded"),
     ("kernels",),
     ("data_pipelines",),
     ("models", "objectives", "optim", "trackers"),
@@ -51,6 +51,11 @@ DEFERRED = {
     "flash_attn": "optional CUDA kernels",
     "submitit": "optional (the slurm extra)",
     "torch.nn.attention.flex_attention": "imports torch._dynamo, ~1.8 s at every start; the flex backend only",
+    # torch.distributed.tensor imports sympy and torch.fx's symbolic shapes; fsdp and checkpoint
+    # import it (dit_train/sharded.py asks "is it a DTensor?" without importing it)
+    "torch.distributed.tensor": "~1.5 s at every start; FSDP2, expert parallelism, checkpoints only",
+    "torch.distributed.fsdp": "imports torch.distributed.tensor; parallel.dp_mode=fsdp2 on several processes only",
+    "torch.distributed.checkpoint": "~1.8 s with torch.distributed.tensor; writing or reading checkpoints only",
     "torchao": "optional (the quant extra), ~1 s; model.base_quant only",
     "webdataset": "optional (the shards extra), ~1.2 s; writing shards only (tools.make_shards, cache_latents --shards)",
 }
@@ -200,7 +205,7 @@ def test_imports_inside_functions_defer_heavy_dependencies_and_say_so():
                 continue
             mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
             for m in mods:
-                top = "tensorboard" if m.startswith("torch.utils.tensorboard") else m if m in DEFERRED else m.split(".")[0]
+                top = _deferred(m) or m.split(".")[0]
                 if not m or top == "dit_train" or node.__dict__.get("level"):
                     continue
                 if top not in DEFERRED:
@@ -209,6 +214,28 @@ def test_imports_inside_functions_defer_heavy_dependencies_and_say_so():
                 elif "#" not in lines[node.lineno - 1] and "#" not in lines[node.lineno - 2]:
                     wrong.append(f"{name}:{node.lineno} defers {m} without a comment saying why")
     assert not wrong, "\n".join(wrong)
+
+
+def test_deferred_dependencies_are_never_imported_at_a_modules_top():
+    """A DEFERRED module imported at the top of any module of the package loads at every start of
+    `python -m dit_train` and the tools (the package's modules import each other at their tops).
+    What third-party modules import in turn is checked on a refused run (tests/test_cli.py)."""
+    wrong = []
+    for name, path in modules().items():
+        tree = ast.parse(path.read_text())
+        inside = _functions(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in inside:
+                mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                wrong += [f"{name}:{node.lineno} imports {m} at its top (DEFERRED: {_deferred(m)})"
+                          for m in mods if _deferred(m)]
+    assert not wrong, "\n".join(wrong)
+
+
+def _deferred(module: str) -> str:
+    """The DEFERRED entry that covers `module` ("" if none)."""
+    top = "tensorboard" if module.startswith("torch.utils.tensorboard") else module
+    return next((d for d in DEFERRED if top == d or top.startswith(d + ".")), "")
 
 
 def test_the_docs_list_the_same_layers():

@@ -11,7 +11,6 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from dit_train.atomic import save_file_atomic, temporary_name
 from dit_train.checkpoint import safe_load
@@ -32,6 +31,9 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     weight (model.base_quant) is returned as it is, for `with_base` to replace: torchao's
     NF4Tensor refuses `.to(copy=True)`, and no caller needs a copy of one.
     """
+    # deferred: DCP imports torch.distributed.tensor (~1.8 s at every start, --help and refusals too)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return {k: v if is_quantized(v) else v.detach().to(torch.float32, copy=True).contiguous() for k, v in sd.items()}
 

@@ -17,13 +17,6 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 
 class Part(Protocol):
@@ -46,14 +39,25 @@ class ModelState:
     sharded, optional = True, False
 
     def __init__(self, model: nn.Module, trainable_only: bool = False):
-        self.model = model
-        self.options = StateDictOptions(ignore_frozen_params=True, strict=False) if trainable_only else None
+        self.model, self.trainable_only = model, trainable_only
+
+    def _options(self) -> Any:
+        # deferred: DCP imports torch.distributed.tensor (~1.8 s at every start); checkpoints only
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(ignore_frozen_params=True, strict=False) if self.trainable_only else None
 
     def state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.model, options=self.options)
+        # deferred: DCP imports torch.distributed.tensor (~1.8 s at every start); checkpoints only
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.model, options=self._options())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        set_model_state_dict(self.model, state, options=self.options)
+        # deferred: DCP imports torch.distributed.tensor (~1.8 s at every start); checkpoints only
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(self.model, state, options=self._options())
 
 
 class OptimizerState:
@@ -69,6 +73,9 @@ class OptimizerState:
         self.model, self.optimizer = model, optimizer
 
     def state_dict(self) -> dict[str, Any]:
+        # deferred: DCP imports torch.distributed.tensor (~1.8 s at every start); checkpoints only
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
         return get_optimizer_state_dict(self.model, self.optimizer)
 
     def stored_only(self, state: dict[str, Any], stored: set[str]) -> dict[str, Any]:
@@ -81,6 +88,9 @@ class OptimizerState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # not strict: the parameters stored_only() left out get no state (torch's strict load
         # would refuse them)
+        # deferred: DCP imports torch.distributed.tensor (~1.8 s at every start); checkpoints only
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
         set_optimizer_state_dict(self.model, self.optimizer, state, options=StateDictOptions(strict=False))
 
 

@@ -26,15 +26,16 @@ import re
 from pathlib import Path
 from typing import Any
 
+import functools
+
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
-from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from dit_train.config.errors import CheckpointError, UnsafeCheckpoint
+from dit_train.sharded import loaded_type
+
+# torch.distributed.checkpoint (DCP) is imported by the functions that read or write a
+# checkpoint: it imports torch.distributed.tensor (~1.8 s at every start of `python -m dit_train`
+# and of the tools, `--help` and a refused config included)
 
 METADATA = ".metadata"
 
@@ -95,6 +96,10 @@ def read_metadata(folder: str | Path) -> Metadata:
         raise CheckpointError(f"{path} cannot be read: {err.strerror}") from None
     except Exception as err:  # noqa: BLE001 - any parse failure of a damaged file (EOFError, KeyError, ...)
         raise CheckpointError(f"{path} is not a readable checkpoint index (damaged: {type(err).__name__}: {err})") from None
+    # deferred: DCP (~1.8 s), see the top of this module
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata  # (the same)
+
     if not isinstance(md, Metadata) or not isinstance(md.storage_data, dict):
         raise CheckpointError(f"{path} is not a checkpoint index (it holds a {type(md).__name__})")
     for info in md.storage_data.values():
@@ -112,37 +117,53 @@ def stored_files(md: Metadata) -> dict[str, int]:
     return need
 
 
-class SafeReader(FileSystemReader):
-    """torch's FileSystemReader with the index read through MetadataUnpickler."""
+@functools.cache
+def safe_io() -> tuple[type, type]:
+    """(SafeReader, SafePlanner): DCP's reader and planner, made at the first load (they subclass
+    DCP's classes, and DCP is imported only when a checkpoint is read)."""
+    # deferred: DCP (~1.8 s), see the top of this module
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.checkpoint._traverse import set_element  # (the same)
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta  # (the same)
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        md = read_metadata(Path(self._get_metadata_path(kwargs.get("rank"))).parent)
-        if md.storage_meta is None:
-            md.storage_meta = StorageMeta()
-        md.storage_meta.load_id = self.load_id
-        return md
+    class SafeReader(FileSystemReader):
+        """torch's FileSystemReader with the index read through MetadataUnpickler."""
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+            md = read_metadata(Path(self._get_metadata_path(kwargs.get("rank"))).parent)
+            if md.storage_meta is None:
+                md.storage_meta = StorageMeta()
+            md.storage_meta.load_id = self.load_id
+            return md
+
+    class SafePlanner(DefaultLoadPlanner):
+        """torch's DefaultLoadPlanner with non-tensor values read by torch.load(weights_only=True)
+        (plain data and tensors only) instead of the full unpickler."""
+
+        def __init__(self, folder: Path):
+            super().__init__()
+            self.folder = folder
+
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            fqn = read_item.dest_index.fqn
+            try:
+                obj = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as err:
+                name = self.metadata.storage_data[read_item.storage_index].relative_path if self.metadata else "?"
+                raise UnsafeCheckpoint(unsafe_message(self.folder / name, f"an object that is not plain data as the "
+                                                      f"value of {fqn} ({refusal_reason(err)})")) from None
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[fqn], obj)
+            else:
+                self.state_dict[fqn] = obj
+
+    return SafeReader, SafePlanner
 
 
-class SafePlanner(DefaultLoadPlanner):
-    """torch's DefaultLoadPlanner with non-tensor values read by torch.load(weights_only=True)
-    (plain data and tensors only) instead of the full unpickler."""
-
-    def __init__(self, folder: Path):
-        super().__init__()
-        self.folder = folder
-
-    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        fqn = read_item.dest_index.fqn
-        try:
-            obj = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as err:
-            name = self.metadata.storage_data[read_item.storage_index].relative_path if self.metadata else "?"
-            raise UnsafeCheckpoint(unsafe_message(self.folder / name, f"an object that is not plain data as the value "
-                                                  f"of {fqn} ({refusal_reason(err)})")) from None
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[fqn], obj)
-        else:
-            self.state_dict[fqn] = obj
+def is_checkpoint_exception(err: BaseException) -> bool:
+    """isinstance(err, DCP's CheckpointException), without importing DCP (none is raised before it is loaded)."""
+    cls = loaded_type("torch.distributed.checkpoint.api", "CheckpointException")
+    return cls is not None and isinstance(err, cls)
 
 
 def first_failure(err: CheckpointException) -> BaseException:
@@ -153,7 +174,7 @@ def first_failure(err: CheckpointException) -> BaseException:
 def describe(err: BaseException) -> str:
     """One line for a failure: an OSError's reason and file, else `Type: message` (DCP's
     CheckpointException, which carries every rank's traceback, as the exception it wraps)."""
-    if isinstance(err, CheckpointException):
+    if is_checkpoint_exception(err):
         return describe(first_failure(err))
     if isinstance(err, OSError) and err.strerror:
         where = f" at {err.filename}" if err.filename else ""
@@ -175,9 +196,14 @@ def load(state: dict[str, Any], folder: str | Path) -> None:
     """dcp.load(state) from `folder` in place, through SafeReader and SafePlanner (every rank
     calls it; DCP plans over the default process group). A failure on any rank raises a
     one-line CheckpointError on every rank (UnsafeCheckpoint for a refused object)."""
+    # deferred: DCP (~1.8 s), see the top of this module
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # (the same)
+
     folder = Path(folder)
+    reader, planner = safe_io()
     try:
-        dcp.load(state, storage_reader=SafeReader(folder), planner=SafePlanner(folder))
+        dcp.load(state, storage_reader=reader(folder), planner=planner(folder))
     except CheckpointException as err:
         reraise_interrupt(err)
         inner = first_failure(err)

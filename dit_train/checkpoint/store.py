@@ -39,9 +39,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint.api import CheckpointException
 
 from dit_train.checkpoint import safe_load
 from dit_train.checkpoint.integrity import INTEGRITY, integrity_record, verify_checkpoint
@@ -221,6 +219,10 @@ def save_checkpoint(run_dir: str | Path, step: int, parts: dict[str, Part], conf
         error = describe(err)
     if not (error := _all_ok(error)):
         sharded = {name: p.state_dict() for name, p in parts.items() if p.sharded}
+        # deferred: DCP imports torch.distributed.tensor (~1.8 s at every start); only a save needs it
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException  # (the same)
+
         q = _quiet()
         try:  # DCP gathers every rank's write result: it fails on all ranks alike
             dcp.save(sharded, checkpoint_id=str(tmp))

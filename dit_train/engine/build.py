@@ -16,7 +16,6 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from dit_train.checkpoint import training_parts
 from dit_train.config import Config
@@ -82,6 +81,9 @@ def broadcast_full_weights(model: nn.Module, ctx: ParallelContext, read: Callabl
     if not ctx.distributed:
         load_full_weights(getattr(model, "module", model), read())  # DDP: the wrapped model's names
         return
+    # deferred: DCP imports torch.distributed.tensor (~1.8 s at every start); a distributed run only
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
     full: dict[str, torch.Tensor] = {}
     if ctx.is_main:
         sd = read()

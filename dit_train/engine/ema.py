@@ -21,9 +21,9 @@ from typing import Any, Iterator
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from dit_train.models.params import plain_name
+from dit_train.sharded import is_dtensor
 
 
 def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -84,7 +84,7 @@ class EMA:
         every rank must call it)."""
         out = {}
         for n, t in self.shadow.items():
-            full = t.full_tensor() if isinstance(t, DTensor) else t
+            full = t.full_tensor() if is_dtensor(t) else t
             out[n] = full.detach().to("cpu", torch.float32).contiguous()
         return out
 

@@ -18,15 +18,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dit_train.config import TRAIN_LAYOUT_KEYS, Config, ParallelConfig, TrainConfig, parallel_layout_keys
 from dit_train.models.quant import dequantized
 from dit_train.engine.build import build_run
 from dit_train.engine import launch  # launch.launch_local at call time: the tests route it to their worker pool
 from dit_train.parallel.mesh import ParallelDims, init_parallel
+from dit_train.sharded import is_dtensor
 
 EMA_PREFIX = "__ema__/"  # EMA weights in train_weights' results
 PARALLEL_KEYS = set(parallel_layout_keys()) - {"device", "threads_per_worker"}
@@ -89,6 +87,9 @@ def train_weights(cfgs: list[Config]) -> list[dict[str, torch.Tensor]]:
 def sharded_state_dict(model: torch.nn.Module) -> dict[str, Any]:
     """The model's state dict as `full_state_dict` keys it (wrapper prefixes removed), each value
     this rank's part: a DTensor under FSDP2 / expert parallelism, the whole tensor otherwise."""
+    # deferred: DCP imports torch.distributed.tensor (~1.8 s at every start of a tool that imports this)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
 
 
@@ -101,7 +102,10 @@ def local_pieces(named: dict[str, Any], prefix: str = "") -> list[Piece]:
     out = []
     for name, t in named.items():
         t = dequantized(t.detach())  # a quantized base (model.base_quant): its values, as the model computes with them
-        if isinstance(t, DTensor):
+        if is_dtensor(t):
+            # loaded already (t is a DTensor); a one-process run never loads it
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
             shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
             local = t.to_local()
             assert tuple(local.shape) == tuple(shape), (name, tuple(local.shape), shape)

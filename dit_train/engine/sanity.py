@@ -18,16 +18,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from dit_train.models.quant import dequantized
 from dit_train.models.lora import is_lora_name, plain_lora_name
+from dit_train.sharded import is_dtensor
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
     """This rank's values of `p`: its shard, or a quantized base weight's dequantized values
     (torchao's tensors implement the ops of a linear layer, not isfinite / count_nonzero)."""
-    return p.to_local() if isinstance(p, DTensor) else dequantized(p)
+    return p.to_local() if is_dtensor(p) else dequantized(p)
 
 
 def _any_rank(flag: bool, device: torch.device, group: Any) -> bool:

@@ -16,8 +16,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from dit_train.data_pipelines.packing import StepCost, data_fingerprint, place, plan_step
 from dit_train.batch import STREAMS, PackedBatch
@@ -30,6 +28,7 @@ from dit_train.parallel.context_parallel import split_for_cp
 from dit_train.parallel.mesh import ParallelContext
 from dit_train.parallel.parallelize import grad_sync_groups, sync_unsharded_grads
 from dit_train.precision import DynamicLossScale, autocast
+from dit_train.sharded import is_dtensor, is_fsdp_module
 from dit_train.kernels import VarlenLayout
 
 
@@ -57,7 +56,7 @@ class StepResult:
 def _total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """L2 norm of gradients that live on one mesh (or none), as a plain tensor."""
     norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=False)
-    if isinstance(norm, DTensor):
+    if is_dtensor(norm):
         if norm.device.type != norm.device_mesh.device_type:  # CPU-offloaded shards: reduce on the mesh's device
             norm = norm.to(norm.device_mesh.device_type)
         norm = norm.full_tensor()
@@ -71,7 +70,7 @@ def grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     params = [p for p in model.parameters() if p.grad is not None]
     by_mesh: dict[Any, list[torch.Tensor]] = {}
     for p in params:
-        by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p.grad)
+        by_mesh.setdefault(p.grad.device_mesh if is_dtensor(p.grad) else None, []).append(p.grad)
     norms = [_total_norm(grads) for grads in by_mesh.values()] or [torch.zeros(())]
     norm = norms[0] if len(norms) == 1 else torch.stack([n.to(norms[0].device) for n in norms]).norm()
     if max_norm > 0 and math.isfinite(float(norm)):
@@ -223,7 +222,7 @@ class Trainer:
 
     def gradient_sync(self, enabled: bool):
         """Context for a backward: the DP wrapper reduces gradients only when `enabled`."""
-        if isinstance(self.model, FSDPModule):
+        if is_fsdp_module(self.model):
             self.model.set_requires_gradient_sync(enabled)
             return contextlib.nullcontext()
         if isinstance(self.model, torch.nn.parallel.DistributedDataParallel) and not enabled:
@@ -241,7 +240,7 @@ class Trainer:
     def can_skip_sync(self) -> bool:
         """FSDP2 must run its reduce-scatter on the last backward (its accumulated unsharded
         gradients live inside FSDP); DDP and manual sums can simply not communicate."""
-        return not isinstance(self.model, FSDPModule)
+        return not is_fsdp_module(self.model)
 
     def flush_unreduced_gradients(self, step: int) -> None:
         """Reduce gradients that backward passes left unreduced (gradient_sync(False)).
@@ -348,7 +347,7 @@ class Trainer:
         return {"moe/aux_loss": float(sums[0]), "moe/z_loss": float(sums[1]), "moe/load_min": low, "moe/load_max": high}
 
     def autocast(self):
-        fsdp_casts = isinstance(self.model, FSDPModule) and self.ctx.device.type == "cuda"
+        fsdp_casts = is_fsdp_module(self.model) and self.ctx.device.type == "cuda"
         return autocast(self.train_cfg.precision, self.ctx.device, fsdp_casts)
 
     # -- state for checkpoints ------------------------------------------------------------------

@@ -7,7 +7,8 @@ from __future__ import annotations
 import hashlib
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
+
+from dit_train.sharded import distribute_like, is_dtensor
 
 # Name parts added by wrappers that parallelize() may apply before initialisation (meta_init):
 # activation checkpointing and torch.compile. Seeds and pretrained keys use the plain names.
@@ -27,7 +28,6 @@ def named_seed(seed: int, name: str) -> int:
 
 def copy_full(p: torch.Tensor, full: torch.Tensor) -> None:
     """Copy a full (unsharded) tensor into parameter p, or into p's local shard if p is a DTensor."""
-    if isinstance(p, DTensor):
-        # src_data_rank=None: every rank holds the same full tensor; slice locally, no comms
-        full = distribute_tensor(full.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
+    if is_dtensor(p):
+        full = distribute_like(full, p)  # every rank holds the same full tensor: slice locally, no comms
     p.copy_(full.to(device=p.device, dtype=p.dtype))

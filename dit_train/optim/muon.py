@@ -17,11 +17,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 # torch.optim.Muon's own Newton–Schulz and learning-rate scaling: its step() works on whatever
 # tensor it is given, which for a DTensor shard would orthogonalise the gathered matrix with
 # another summation order than one process (and gather inside every matmul)
 from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
+from dit_train.sharded import distribute_like, is_dtensor
 
 
 MUON_EPS = 1e-7  # torch.optim.Muon's Newton–Schulz epsilon (not optim.eps, which is AdamW's)
@@ -63,10 +64,10 @@ class ShardedMuon(torch.optim.Muon):
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - group["momentum"])
                 update = p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
-                whole = update.full_tensor() if isinstance(update, DTensor) else update
+                whole = update.full_tensor() if is_dtensor(update) else update
                 ortho = orthogonalize(whole, group["ns_coefficients"], group["ns_steps"], group["eps"])
-                if isinstance(p, DTensor):  # every rank holds the same matrix: keep its own shard, no traffic
-                    ortho = distribute_tensor(ortho, p.device_mesh, p.placements, src_data_rank=None)
+                if is_dtensor(p):  # every rank holds the same matrix: keep its own shard, no traffic
+                    ortho = distribute_like(ortho, p)
                 p.mul_(1 - group["lr"] * group["weight_decay"])
                 p.add_(ortho, alpha=-_adjust_lr(group["lr"], group["adjust_lr_fn"], p.shape))
 

@@ -26,10 +26,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from dit_train.models.moe import Experts, moe_layers, run_experts
 from dit_train.parallel.mesh import ParallelContext
+from dit_train.sharded import local_part
 
 
 class ExpertParallelDispatch:
@@ -57,7 +57,7 @@ class ExpertParallelDispatch:
         by_expert = torch.argsort(key, stable=True)
         # FSDP2's mixed-precision policy casts every parameter but these (they are ignored by
         # FSDP): run the experts in the dtype the rows arrive in, gradients flow back in fp32
-        weights = tuple((w.to_local() if isinstance(w, DTensor) else w).to(x.dtype)
+        weights = tuple(local_part(w).to(x.dtype)
                         for w in (experts.w1, experts.b1, experts.w2, experts.b2))
         y = run_experts(weights, rows.index_select(0, by_expert), got.sum(dim=0).tolist())
         y = torch.empty_like(y).index_copy_(0, by_expert, y)  # back to source-major order
@@ -73,6 +73,9 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
 def apply_expert_parallel(model: nn.Module, ctx: ParallelContext) -> None:
     """Shard every MoE layer's experts over the EP mesh (DTensor, Shard(0)) and install the
     all-to-all dispatch. Works on meta-device models too (values are set by init later)."""
+    # deferred: torch.distributed.tensor costs ~1.5 s at every start; only parallel.ep > 1 needs it here
+    from torch.distributed.tensor import Shard, distribute_tensor
+
     mesh = ctx.views["ep"]
     dispatch = ExpertParallelDispatch(mesh.get_group(), ctx.ep)
     for layer in moe_layers(model):
@@ -92,7 +95,7 @@ def sync_expert_grads(model: nn.Module, ctx: ParallelContext) -> None:
     if group is None:
         return
     grads = [p.grad for p in expert_parameters(model) if p.grad is not None]
-    locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    locals_ = [local_part(g) for g in grads]
     if not locals_:
         return
     flat = torch.cat([t.reshape(-1) for t in locals_])

@@ -11,13 +11,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dit_train.config import ParallelConfig, TrainConfig
 from dit_train.kernels.eager import disable_compile
 from dit_train.models.moe import moe_layers
+from dit_train.sharded import is_fsdp_module, local_part
 from dit_train.models.quant import quantized_parameters
 from dit_train.parallel.expert_parallel import apply_expert_parallel, expert_parameters, sync_expert_grads
 from dit_train.models.registry import ModelSpec
@@ -57,6 +56,8 @@ def fsdp_mp_policies(param_dtype: torch.dtype | None) -> tuple[MixedPrecisionPol
     would round the per-clip flow time t to bf16 (Wan's timestep 1000·t by up to ~2) before
     the fp32 sinusoidal embedding; the models cast what enters their first matmuls
     themselves. Blocks do cast theirs (activations, conditioning, RoPE tables)."""
+    # deferred: torch.distributed.fsdp imports torch.distributed.tensor (~1.5 s at every start)
+    from torch.distributed.fsdp import MixedPrecisionPolicy
     root = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     block = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     return root, block
@@ -65,6 +66,8 @@ def fsdp_mp_policies(param_dtype: torch.dtype | None) -> tuple[MixedPrecisionPol
 def router_mp_policy() -> MixedPrecisionPolicy:
     """FSDP2 policy of a MoE router's own unit: fp32 parameters and gradients whatever the
     model's compute dtype (the router casts its input to fp32 itself)."""
+    # deferred: torch.distributed.fsdp imports torch.distributed.tensor (~1.5 s at every start)
+    from torch.distributed.fsdp import MixedPrecisionPolicy
     return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
 
 
@@ -73,6 +76,8 @@ def apply_fsdp(model: nn.Module, blocks: nn.ModuleList, ctx: ParallelContext, cf
     """FSDP2 per block, then the root (the rest of the parameters), SUM gradient reduction;
     with parallel.cpu_offload the shards (parameters, gradients, hence optimizer state) live in
     host memory (pinned on CUDA; pinning needs an accelerator, so plain memory on a CPU run)."""
+    # deferred: FSDP2 imports torch.distributed.tensor (~1.5 s), which one-process runs never need
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
     mesh = fsdp_mesh(ctx, cfg.cp_fsdp_mode)
     root_mp, block_mp = fsdp_mp_policies(param_dtype)
     offload = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if cfg.cpu_offload else OffloadPolicy()
@@ -100,7 +105,7 @@ def apply_fsdp(model: nn.Module, blocks: nn.ModuleList, ctx: ParallelContext, cf
             block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + n])
             block.set_modules_to_backward_prefetch(blocks[max(0, i - n):i][::-1])
     for m in model.modules():
-        if isinstance(m, FSDPModule):
+        if is_fsdp_module(m):
             # Sum, never average. force_sum keeps the collective a plain SUM (gloo has no
             # PREMUL_SUM; NCCL's had silent bf16 bugs); the divide factor 1.0 then means no scaling.
             m.set_gradient_divide_factor(1.0)
@@ -172,7 +177,7 @@ def sync_unsharded_grads(model: nn.Module, groups: list[dist.ProcessGroup], ctx:
         return
 
     grads = [p.grad for p in model.parameters() if p.grad is not None and id(p) not in skip]
-    locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    locals_ = [local_part(g) for g in grads]
     if not locals_:
         return
     flat = torch.cat([t.reshape(-1) for t in locals_])

@@ -1,0 +1,42 @@
+"""Is this tensor a DTensor, this module an FSDP2 module? Asked without importing
+torch.distributed.tensor / torch.distributed.fsdp: those pull sympy and torch.fx's symbolic
+shapes (~1.5 CPU-s at every start of `python -m dit_train` or a tool), and a one-process run,
+`--help` or a refused config never makes a DTensor. Whatever makes one (FSDP2, expert
+parallelism, a distributed checkpoint) has imported the module first, so a module that is not
+loaded yet means no object can be of its type."""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+
+def loaded_type(module: str, name: str) -> type | None:
+    """`module.name` if `module` is imported already, else None (nothing can be of that type yet)."""
+    mod = sys.modules.get(module)
+    return getattr(mod, name, None) if mod is not None else None
+
+
+def is_dtensor(t: Any) -> bool:
+    """isinstance(t, torch.distributed.tensor.DTensor), without importing it."""
+    cls = loaded_type("torch.distributed.tensor", "DTensor")
+    return cls is not None and isinstance(t, cls)
+
+
+def is_fsdp_module(m: Any) -> bool:
+    """isinstance(m, torch.distributed.fsdp.FSDPModule), without importing it."""
+    cls = loaded_type("torch.distributed.fsdp", "FSDPModule")
+    return cls is not None and isinstance(m, cls)
+
+
+def local_part(t: Any) -> Any:
+    """A DTensor's local shard, any other tensor itself."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def distribute_like(full: Any, p: Any) -> Any:
+    """`full` (the same whole tensor on every rank) as a DTensor placed like DTensor `p`: each
+    rank keeps its own slice, no traffic (src_data_rank=None)."""
+    # loaded already (p is a DTensor); imported here so that a one-process run never loads it
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full.to(p.device), p.device_mesh, p.placements, src_data_rank=None)
