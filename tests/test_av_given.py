@@ -20,7 +20,8 @@ CLIP = (8, 32, 32)  # frames, height, width of the given clips
 @pytest.fixture(scope="module")
 def v2a_run(tmp_path_factory, data_cache):
     """A tiny two-stream run trained video-to-audio half the time (cond.given_stream=video)."""
-    return _trained(tmp_path_factory, data_cache, [*AV, "cond.given_stream=video"])
+    # init=normal: adaLN-zero would leave t (and so the clean flags) without effect after two steps
+    return _trained(tmp_path_factory, data_cache, [*AV, "cond.given_stream=video", "model.init=normal"])
 
 
 def _clip_file(path, k=0, fps=8, frames=CLIP[0]):
@@ -108,12 +109,28 @@ def test_a_given_stream_comes_back_unchanged_and_the_other_is_the_hand_run_loop(
             rs[0].given_sound = (0.25 * torch.sin(2 * torch.pi * (220 + 200 * k) * t)).reshape(-1, P)
         return rs
 
+    calls = []
+
+    class Recording(torch.nn.Module):  # what the sampler feeds the model: the clean flags per call
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, *args, **kw):
+            calls.append((args[2], kw.get("clean"), kw["stream"]))
+            return self.inner(*args, **kw)
+
     def sample(rs):
         s = VideoSampler(rs, inputs, space.null, ctx, 3, 2.0, 0)
-        return s.sample(model), s.sounds
+        return s.sample(Recording()), s.sounds
 
     rs = requests(0)
     clips, sounds = sample(rs)
+    # every call (3 steps, each clip with and without its caption: segs 0, 1 captioned, 2, 3 not) flags
+    # exactly clip 0's given stream clean, in both guidance branches
+    assert len(calls) == 3
+    for seg, clean, stream in calls:
+        assert torch.equal(clean, (stream == ("video", "audio").index(given)) & (seg % 2 == 0))
     out = {"video": clips[0], "audio": sounds[0].reshape(-1, P)}
     kept = rs[0].given_video if given == "video" else rs[0].given_sound
     assert torch.equal(out[given], kept)  # bit for bit
