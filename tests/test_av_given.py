@@ -197,3 +197,18 @@ def test_given_streams_that_do_not_fit_are_refused_in_one_line(v2a_run, tmp_path
     for name, needle in (("silent.wav", "is silent"), ("short.wav", "holds 0.50 s of sound")):
         with pytest.raises(ValueError, match=needle):
             sound_from_file(str(tmp_path / name), (3, 8, 32, 32), 8.0, 500)
+
+
+def test_evaluate_scores_video_to_audio_on_rendered_heldout_clips(v2a_run, tmp_path):
+    """tools.evaluate --given-video: each held-out caption gets a rendered clip of its composition
+    (OUT/given/), the clip comes back as given, and evaluate.json has the sound figures."""
+    from dit_train.tools.evaluate import main
+
+    out = tmp_path / "eval"
+    assert main([v2a_run.run_dir, "--heldout", "--given-video", "--n", "2", "--steps", "1", "--out", str(out)]) == 0
+    row = json.loads((out / "evaluate.json").read_text())
+    assert row["given_video"] and row["scores"]["sound_num_clips"] == 2 and sorted(p.name for p in (out / "given").iterdir()) == [
+        "clip_0000.mp4", "clip_0001.mp4"]
+    info = json.loads((out / "info.json").read_text())
+    assert info["given_stream"]["video"] == [str(out / "given" / f"clip_{k:04d}.mp4") for k in range(2)]
+    assert main([v2a_run.run_dir, "--train-captions", "--given-video", "--out", str(tmp_path / "no")]) == 2
