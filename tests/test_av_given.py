@@ -32,7 +32,7 @@ def _clip_file(path, k=0, fps=8, frames=CLIP[0]):
     return path
 
 
-def _hand_run(model, r, patch, P, steps, g, null, given):
+def _hand_run(model, r, patch, P, steps, g, null, given, g_audio):
     """The joint sampler's loop run by hand on clip r alone, one stream given clean: each call
     packs its video tokens then its audio tokens, the given stream's flagged clean (t = 0), and
     only the other stream takes the Euler steps x += (σ' − σ)·(v_u + g·(v_c − v_u))."""
@@ -69,7 +69,7 @@ def _hand_run(model, r, patch, P, steps, g, null, given):
             vc, ac = call(x, a, sig[i], r.context)
             vu, au = call(x, a, sig[i], null)
             if given == "video":
-                a = a + (sig[i + 1] - sig[i]) * (au + g * (ac - au))
+                a = a + (sig[i + 1] - sig[i]) * (au + g_audio * (ac - au))
             else:
                 grid = tuple(n // p for n, p in zip(r.shape[1:], patch))
                 x = x + (sig[i + 1] - sig[i]) * unpatchify(vu + g * (vc - vu), grid, patch, 3)
@@ -120,8 +120,8 @@ def test_a_given_stream_comes_back_unchanged_and_the_other_is_the_hand_run_loop(
             calls.append((args[2], kw.get("clean"), kw["stream"]))
             return self.inner(*args, **kw)
 
-    def sample(rs):
-        s = VideoSampler(rs, inputs, space.null, ctx, 3, 2.0, 0)
+    def sample(rs):  # the sound guided at 3, the pictures at 2 (LTX2Pipeline's audio_guidance_scale)
+        s = VideoSampler(rs, inputs, space.null, ctx, 3, 2.0, 0, audio_guidance_scale=3.0)
         return s.sample(Recording()), s.sounds
 
     rs = requests(0)
@@ -134,7 +134,7 @@ def test_a_given_stream_comes_back_unchanged_and_the_other_is_the_hand_run_loop(
     out = {"video": clips[0], "audio": sounds[0].reshape(-1, P)}
     kept = rs[0].given_video if given == "video" else rs[0].given_sound
     assert torch.equal(out[given], kept)  # bit for bit
-    x, a = _hand_run(model, rs[0], tuple(cfg.model.patch_size), P, 3, 2.0, space.null, given)
+    x, a = _hand_run(model, rs[0], tuple(cfg.model.patch_size), P, 3, 2.0, space.null, given, 3.0)
     made = out["audio" if given == "video" else "video"]
     hand = a if given == "video" else x
     assert torch.allclose(made, hand, atol=1e-5), (made - hand).abs().max()
@@ -186,7 +186,8 @@ def test_given_streams_that_do_not_fit_are_refused_in_one_line(v2a_run, tmp_path
     cases = [(["--audio", str(clip)], "train with cond.given_stream=audio"),
              (["--video", str(_clip_file(tmp_path / "fast.mp4", fps=24))], "runs at 24 fps, the run at 8"),
              (["--video", str(_clip_file(tmp_path / "short.mp4", frames=4))], "has 4 frames; --frames 8"),
-             (["--video", str(clip), "--video", str(clip)], "2 --video files for 1 --prompt")]
+             (["--video", str(clip), "--video", str(clip)], "2 --video files for 1 --prompt"),
+             (["--audio-guidance", "0.5"], "--audio-guidance=0.5 guides a run's sound")]
     for extra, needle in cases:
         assert main([v2a_run.run_dir, "--prompt", PROMPTS[0], *extra, *size]) == 2
         err = capsys.readouterr().err.strip().splitlines()

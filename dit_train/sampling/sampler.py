@@ -216,12 +216,14 @@ class VideoSampler:
     one model) guides clips below it with guidance_scale_2 (0 = guidance_scale), as WanPipeline.
     pipeline: a diffusers pipeline's token-count schedule (LTXPipeline's, `PipelineShift`)
     instead of `shift`: each clip's sigmas are the ones that pipeline uses for its token count.
+    audio_guidance_scale: the guidance of the sound (a model with an audio stream; 0 = the
+    pictures'), as LTX2Pipeline's `audio_guidance_scale`: one uncaptioned pass serves both streams.
     """
 
     def __init__(self, requests: list[SampleRequest], inputs: VideoInputs, null_caption: torch.Tensor | None,
                  ctx: ParallelContext, steps: int, guidance_scale: float, seed: int, shift: float = 1.0,
                  shift_reference_tokens: int = 0, stochastic: bool = False, guidance_scale_2: float = 0.0,
-                 boundary: float = 0.0, pipeline: PipelineShift | None = None):
+                 boundary: float = 0.0, pipeline: PipelineShift | None = None, audio_guidance_scale: float = 0.0):
         from diffusers import FlowMatchEulerDiscreteScheduler  # deferred: diffusers takes ~2 s to import
 
         self.inputs, self.control = inputs, inputs.control
@@ -237,6 +239,7 @@ class VideoSampler:
         self.stochastic = stochastic
         self.guidance_2, self.boundary = guidance_scale_2 or guidance_scale, boundary
         self.pipeline = pipeline
+        self.audio_guidance = audio_guidance_scale
         tokens = [num_patches(r.shape, self.patch) for r in requests]
         self.shifts = ([math.exp(pipeline.mu(math.prod(r.shape[1:]))) for r in requests] if pipeline is not None else
                        [sample_shift(shift, shift_reference_tokens, n) for n in tokens])
@@ -284,18 +287,18 @@ class VideoSampler:
         sched.set_timesteps(sigmas=np.linspace(1.0, 1 / self.steps, self.steps), mu=self.pipeline.mu(positions))
         return sched
 
-    def _step(self, k: int, i: int, v: torch.Tensor, offsets: list[int], t: float, cfg: bool, x: torch.Tensor,
+    def _step(self, k: int, i: int, v: torch.Tensor, offsets: list[int], scale: float, cfg: bool, x: torch.Tensor,
               sched: Any, gen: torch.Generator | None, shape: Callable[[torch.Tensor], torch.Tensor] | None = None
               ) -> torch.Tensor:
         """Step i of one stream of clip k (its pictures or its sound): v [rows, width] the stream's
         velocities of the pack in clip order (the uncaptioned copies after the captioned ones,
-        `offsets` their bounds), guided v = v_u + g·(v_c − v_u); `shape` turns clip k's rows into
+        `offsets` their bounds), guided v = v_u + scale·(v_c − v_u); `shape` turns clip k's rows into
         the shape of x (pictures: unpatchify); `gen` the stochastic step's noise. Returns the new x."""
         n = len(self.requests)
         vk = v[offsets[k]:offsets[k + 1]]
         if cfg:
             vu = v[offsets[n + k]:offsets[n + k + 1]]
-            vk = vu + self.guidance_at(t) * (vk - vu)
+            vk = vu + scale * (vk - vu)
         return sched.step(shape(vk) if shape else vk, sched.timesteps[i], x, generator=gen).prev_sample
 
     def _grid(self, shape: torch.Size) -> tuple[int, int, int]:
@@ -359,7 +362,8 @@ class VideoSampler:
         contexts of one call: the captions, then the null caption per clip when guided."""
         xs = [torch.randn(r.shape, generator=sample_generator(self.seed, r.noise_id, 0, "sampling")) for r in self.requests]
         xs = [x if r.given_video is None else r.given_video.to(x.dtype).clone() for x, r in zip(xs, self.requests)]
-        cfg = max(self.guidance, self.guidance_2 if self.boundary > 0 else 1.0) > 1.0 and self.text_dim > 0
+        scales = (self.guidance, self.guidance_2 if self.boundary > 0 else 1.0, self.audio_guidance if self.audio_patch else 1.0)
+        cfg = max(scales) > 1.0 and self.text_dim > 0
         ctxs = None
         if self.text_dim:
             ctxs = [r.context for r in self.requests]
@@ -412,11 +416,12 @@ class VideoSampler:
                 # step i draws its noise from step i + 1 of each stream (step 0 drew the start)
                 if sound is not None and r.given_sound is None:
                     gen = sound_noise(self.seed, r.noise_id, i + 1) if self.stochastic else None
-                    sound[k] = self._step(k, i, a, sound_offsets, ts[k], cfg, sound[k], sound_scheds[k], gen)
+                    scale = self.audio_guidance or self.guidance_at(ts[k])
+                    sound[k] = self._step(k, i, a, sound_offsets, scale, cfg, sound[k], sound_scheds[k], gen)
                 if r.given_video is None:
                     gen = sample_generator(self.seed, r.noise_id, i + 1, "sampling") if self.stochastic else None
                     grid, C = self._grid(xs[k].shape), xs[k].shape[0]
-                    xs[k] = self._step(k, i, v, offsets, ts[k], cfg, xs[k], scheds[k], gen,
+                    xs[k] = self._step(k, i, v, offsets, self.guidance_at(ts[k]), cfg, xs[k], scheds[k], gen,
                                        lambda vk: unpatchify(vk, grid, self.patch, C))
         model.train(was_training)
         self.sounds = [waveform(s) for s in sound] if sound is not None else None

@@ -175,7 +175,8 @@ def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, 
     sampler = kind(requests, video_inputs(cfg.model, cfg.cond), null, ctx, args.steps, args.guidance, args.seed,
                    shift, reference,
                    stochastic=cfg.train.stochastic_sampling if args.stochastic is None else args.stochastic,
-                   guidance_scale_2=args.guidance_scale_2, boundary=args.boundary, pipeline=pipeline, **stream)
+                   guidance_scale_2=args.guidance_scale_2, boundary=args.boundary, pipeline=pipeline,
+                   audio_guidance_scale=args.audio_guidance, **stream)
     started = time.perf_counter()
     clips = sampler.sample(model, lambda: autocast(cfg.train.precision, ctx.device, False), progress=ctx.is_main)
     seconds = time.perf_counter() - started
@@ -226,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="Wan 2.2 A14B: the guidance of the low-noise expert's steps (below model.boundary_ratio; "
                          "WanPipeline's guidance_scale_2; default: --guidance; with --data-captions the run's "
                          "train.guidance_scale_2)")
+    ap.add_argument("--audio-guidance", type=float, default=0.0, metavar="GA",
+                    help="a run with sound: the guidance of the sound (LTX2Pipeline's audio_guidance_scale; default "
+                         "0 = --guidance)")
     ap.add_argument("--seed", type=int, default=None,
                     help="noise seed (default 0; with --data-captions the run's train.seed)")
     ap.add_argument("--shift", type=float, default=None,
@@ -296,6 +300,9 @@ def main(argv: list[str] | None = None) -> int:
         args.streaming = check_streaming(args, cfg)
         if args.num < 1 or args.steps < 1 or args.guidance < 1:
             raise ValueError("--num and --steps must be >= 1 and --guidance >= 1")
+        if args.audio_guidance and (args.audio_guidance < 1 or not getattr(cfg.model, "audio_patch", 0)):
+            raise ValueError(f"--audio-guidance={args.audio_guidance:g} guides a run's sound: it needs a model with an "
+                             f"audio stream (model.audio_patch > 0) and a value >= 1 (1 = no guidance)")
         if args.guidance_scale_2 and args.guidance_scale_2 < 1:
             raise ValueError(f"--guidance-scale-2={args.guidance_scale_2} must be >= 1 (1 = no guidance)")
         if not args.data_captions:  # the data's own sizes need no check
