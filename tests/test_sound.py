@@ -36,6 +36,17 @@ def test_the_sound_metric_fails_what_is_wrong():
     assert score_sound(noise, CAPTION.format("red"), [3, 9])["sound_all_ok"] == 0.0
 
 
+def test_silence_passes_sync_only_where_nothing_bounces():
+    """A tone without clicks passes sound_sync_ok on a clip that never bounces: sound_sync_bounced
+    scores the clips that do bounce apart, so silence against still pictures is not synchrony."""
+    from dit_train.data_pipelines.shapes_sound_metric import score_sounds
+
+    tone = render_sound("red", [], 12)
+    s = score_sounds([tone, tone, render_sound("red", [4], 12)], [CAPTION.format("red")] * 3, [[], [4], [4]])
+    assert s["eval/sound_sync_ok"] == pytest.approx(2 / 3)
+    assert (s["eval/sound_sync_bounced"], s["eval/sound_bounced_clips"]) == (0.5, 2.0)
+
+
 def test_sound_changes_no_pixel_and_lists_the_bounces():
     """The renderer draws the same pixels when asked for the bounces, and the bounces it lists
     are, within a frame, those seen on its (lossless) pixels."""

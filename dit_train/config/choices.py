@@ -119,6 +119,14 @@ class CondKind(Choice):
     prefix = "prefix"  # continue a video from its first cond.prefix_frames frames
 
 
+class GivenStream(Choice):
+    """cond.given_stream: which stream of a clip with sound is given clean (docs/audio-video.md)."""
+
+    none = "none"  # joint generation only
+    video = "video"  # video-to-audio: the clip's frames given, its sound generated
+    audio = "audio"  # audio-to-video: the clip's sound given, its frames generated
+
+
 class CondFeed(Choice):
     """cond.feed: how the context reaches the model."""
 

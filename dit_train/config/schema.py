@@ -22,6 +22,7 @@ from dit_train.config.choices import (
     BlockNoiseSchedule,
     CondFeed,
     CondKind,
+    GivenStream,
     CPFSDPMode,
     Device,
     DPMode,
@@ -309,7 +310,7 @@ class CondConfig:
     # (video-to-audio: a clip's video given clean at timestep 0, weight 0, out of T_{b,video}; its
     # sound generated) or audio (audio-to-video, likewise); for a clip with sound, with
     # probability given_stream_prob decided by (seed, sample id, step), so every layout agrees
-    given_stream: str = "none"
+    given_stream: GivenStream = GivenStream.none  # none | video | audio
     given_stream_prob: float = 0.5
 
     # What the code asks of a cond, answered here only: elsewhere no code compares cond.kind or
@@ -318,6 +319,21 @@ class CondConfig:
     def active(self) -> bool:
         """Clips are conditioned on their own frames (kind is not none)."""
         return self.kind != CondKind.none
+
+    @property
+    def cross_stream(self) -> bool:
+        """One stream of a clip with sound is given clean (given_stream is not none)."""
+        return self.given_stream != GivenStream.none
+
+    @property
+    def gives_video(self) -> bool:
+        """Video-to-audio: a clip's frames are given, its sound generated."""
+        return self.given_stream == GivenStream.video
+
+    @property
+    def gives_audio(self) -> bool:
+        """Audio-to-video: a clip's sound is given, its frames generated."""
+        return self.given_stream == GivenStream.audio
 
     @property
     def concat_feed(self) -> bool:

@@ -295,9 +295,9 @@ def _model_and_data(cfg: Config, e: list[str]) -> None:
                                and cfg.loss.reduction == "sample_mean"),
            f"model.audio_patch > 0 (model={m.name} with an audio stream, first slice) trains without data.masks and "
            "cond, and with loss.reduction=sample_mean (a hierarchical mean per stream)", e)
-    gs = str(getattr(cfg.cond, "given_stream", "none"))
-    check(gs in ("none", "video", "audio"), f"cond.given_stream={gs!r} must be none, video or audio", e)
-    check(gs == "none" or (audio_model and m.name == "dit"),
+    # cond.given_stream's values are the schema's (GivenStream): composition refuses any other
+    gs = cfg.cond.given_stream
+    check(not cfg.cond.cross_stream or (audio_model and m.name == "dit"),
            f"cond.given_stream={gs} gives one stream of a clip with sound as clean context: it is built for the "
            f"two-stream DiT (model=dit model.audio_patch=500 data.audio=true), not model={m.name}"
            + ("" if audio_model else " without an audio stream"), e)

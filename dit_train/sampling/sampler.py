@@ -27,6 +27,10 @@ every step, in both branches too.
 A model with an audio stream (model.audio_patch > 0) generates each clip's sound with its
 pictures: its audio tokens follow its video tokens in every pack, at the clip's noise level, and
 step with their own scheduler of the same sigmas (sampling/sound.py); `sounds` holds the result.
+A request may give one of the two streams (`given_video`: video-to-audio, `given_sound`:
+audio-to-video, a run trained with cond.given_stream): the given stream's tokens are in every
+pack clean, flagged clean (timestep 0, as training gives them: tasks/video.py) in both guidance
+branches, and never stepped; it comes back bit for bit.
 """
 from __future__ import annotations
 
@@ -48,7 +52,7 @@ from dit_train.parallel.mesh import ParallelContext
 from dit_train.rng import sample_generator
 from dit_train.tasks.captions import pad_contexts
 from dit_train.tasks.conditioning import ClipInputs, clip_inputs, i2v_inputs
-from dit_train.sampling.sound import sound_noise, start_sound, waveform
+from dit_train.sampling.sound import sound_noise, sound_tokens, start_sound, waveform
 from dit_train.tasks.joint_audio import audio_positions, join_audio_tokens
 from dit_train.tasks.joint_text import join_text_tokens, video_rows
 from dit_train.tasks.video import num_patches, pack_clips, unpatchify
@@ -73,6 +77,10 @@ class SampleRequest:
     control: [C, F, H, W] the control video (a model trained with cond.control), or None.
     cond_latents: [C, F, H, W] Wan 2.1 I2V's condition latents (the VAE encoding of [image, zeros...]),
     image: [Li, image_dim] its CLIP image tokens; None unless the model has that layout.
+    given_video: [C, F, H, W] the clip's frames given clean (video-to-audio, a run trained with
+    cond.given_stream=video): only its sound is generated, the frames come back unchanged.
+    given_sound: [n, audio_patch] the clip's sound tokens given clean (audio-to-video,
+    cond.given_stream=audio; n = sound_tokens of its frames): only its frames are generated.
     """
 
     key: str
@@ -87,6 +95,8 @@ class SampleRequest:
     control: torch.Tensor | None = None
     cond_latents: torch.Tensor | None = None
     image: torch.Tensor | None = None
+    given_video: torch.Tensor | None = None
+    given_sound: torch.Tensor | None = None
 
 
 def dataset_requests(task: Any, num: int, fps: Callable[[int], float] | None = None,
@@ -169,6 +179,23 @@ def predict_velocity(model: torch.nn.Module, batch: PackedBatch, ctx: ParallelCo
     return video_forward(model, b, attn).float()
 
 
+def given_stream_check(r: SampleRequest, audio_patch: int) -> None:
+    """ValueError unless request r's given stream (if any) fits it: one stream at most, a model
+    with an audio stream, the video of r.shape, the sound of its frames' sound_tokens."""
+    if r.given_video is None and r.given_sound is None:
+        return
+    if r.given_video is not None and r.given_sound is not None:
+        raise ValueError(f"{r.key}: give its video or its sound, not both (nothing would be generated)")
+    if not audio_patch:
+        raise ValueError(f"{r.key}: a given video or sound needs a model with an audio stream (model.audio_patch > 0)")
+    if r.given_video is not None and tuple(r.given_video.shape) != tuple(r.shape):
+        raise ValueError(f"{r.key}: the given video is {tuple(r.given_video.shape)}, the request {tuple(r.shape)}")
+    want = (sound_tokens(r.shape[1], r.fps, audio_patch), audio_patch)
+    if r.given_sound is not None and tuple(r.given_sound.shape) != want:
+        raise ValueError(f"{r.key}: the given sound is {tuple(r.given_sound.shape)} tokens, its {r.shape[1]} frames at "
+                         f"{r.fps:g} fps take {want}")
+
+
 class VideoSampler:
     """Generates `requests` with the model (see the module docstring).
 
@@ -189,12 +216,15 @@ class VideoSampler:
     one model) guides clips below it with guidance_scale_2 (0 = guidance_scale), as WanPipeline.
     pipeline: a diffusers pipeline's token-count schedule (LTXPipeline's, `PipelineShift`)
     instead of `shift`: each clip's sigmas are the ones that pipeline uses for its token count.
+    audio_guidance_scale: the guidance of the sound (a model with an audio stream; 0 = the
+    pictures'), as LTX2Pipeline's `audio_guidance_scale`: one uncaptioned pass serves both streams.
     """
 
     def __init__(self, requests: list[SampleRequest], inputs: VideoInputs, null_caption: torch.Tensor | None,
                  ctx: ParallelContext, steps: int, guidance_scale: float, seed: int, shift: float = 1.0,
                  shift_reference_tokens: int = 0, stochastic: bool = False, guidance_scale_2: float = 0.0,
-                 boundary: float = 0.0, pipeline: PipelineShift | None = None, sound: Any = None):
+                 boundary: float = 0.0, pipeline: PipelineShift | None = None, sound: Any = None,
+                 audio_guidance_scale: float = 0.0):
         from diffusers import FlowMatchEulerDiscreteScheduler  # deferred: diffusers takes ~2 s to import
 
         self.inputs, self.control = inputs, inputs.control
@@ -202,12 +232,15 @@ class VideoSampler:
             raise ValueError("a Wan 2.1 I2V model needs each conditioned clip's condition latents (cond_latents)")
         if self.control and any(r.control is None for r in requests):
             raise ValueError("a model trained with cond.control needs a control video for every clip")
+        for r in requests:  # cross-stream conditioning: one stream given, of the request's own size
+            given_stream_check(r, inputs.audio_patch)
         self.requests, self.patch, self.text_dim, self.null_caption = requests, inputs.patch, inputs.text_dim, null_caption
         self.ctx, self.steps, self.guidance, self.seed, self.shift = ctx, steps, guidance_scale, seed, shift
         self.prediction, self.x0_min_t = inputs.prediction, inputs.x0_min_t  # what the model outputs (model.prediction)
         self.stochastic = stochastic
         self.guidance_2, self.boundary = guidance_scale_2 or guidance_scale, boundary
         self.pipeline = pipeline
+        self.audio_guidance = audio_guidance_scale
         tokens = [num_patches(r.shape, self.patch) for r in requests]
         self.shifts = ([math.exp(pipeline.mu(math.prod(r.shape[1:]))) for r in requests] if pipeline is not None else
                        [sample_shift(shift, shift_reference_tokens, n) for n in tokens])
@@ -258,17 +291,19 @@ class VideoSampler:
         sched.set_timesteps(sigmas=np.linspace(1.0, 1 / self.steps, self.steps), mu=self.pipeline.mu(positions))
         return sched
 
-    def _step_sound(self, k: int, i: int, v: torch.Tensor, offsets: list[int], t: float, cfg: bool,
-                    sound: list[torch.Tensor], scheds: list[Any]) -> None:
-        """Step i of clip k's sound, in place in `sound`: v [ΣA, audio_patch] the audio velocities
-        of the pack (the guided copies after the captioned ones), guided like its pictures."""
-        n = len(sound)
+    def _step(self, k: int, i: int, v: torch.Tensor, offsets: list[int], scale: float, cfg: bool, x: torch.Tensor,
+              sched: Any, gen: torch.Generator | None, shape: Callable[[torch.Tensor], torch.Tensor] | None = None
+              ) -> torch.Tensor:
+        """Step i of one stream of clip k (its pictures or its sound): v [rows, width] the stream's
+        velocities of the pack in clip order (the uncaptioned copies after the captioned ones,
+        `offsets` their bounds), guided v = v_u + scale·(v_c − v_u); `shape` turns clip k's rows into
+        the shape of x (pictures: unpatchify); `gen` the stochastic step's noise. Returns the new x."""
+        n = len(self.requests)
         vk = v[offsets[k]:offsets[k + 1]]
         if cfg:
             vu = v[offsets[n + k]:offsets[n + k + 1]]
-            vk = vu + self.guidance_at(t) * (vk - vu)
-        gen = sound_noise(self.seed, self.requests[k].noise_id, i + 1) if self.stochastic else None
-        sound[k] = scheds[k].step(vk, scheds[k].timesteps[i], sound[k], generator=gen).prev_sample
+            vk = vu + scale * (vk - vu)
+        return sched.step(shape(vk) if shape else vk, sched.timesteps[i], x, generator=gen).prev_sample
 
     def _grid(self, shape: torch.Size) -> tuple[int, int, int]:
         pt, ph, pw = self.patch
@@ -297,6 +332,11 @@ class VideoSampler:
             fields["cond"] = [g.cond for g in given]
         elif self.inputs.clean:
             per_token = {"clean": [g.clean for g in given]}
+        reqs = self.requests * (len(xs) // len(self.requests))  # the guidance copies after the captioned clips
+        cross = any(r.given_video is not None or r.given_sound is not None for r in self.requests)
+        if cross:  # cross-stream conditioning: the given stream's tokens at timestep 0, as training flags them
+            per_token = {"clean": [torch.full((math.prod(self._grid(x.shape)),), r.given_video is not None)
+                                   for x, r in zip(xs, reqs)]}
         if self.control:  # after the concat channels, as in training (batch.input_tokens)
             fields["control"] = [c.to(xs[0].dtype) for c in controls]
         if self.requests[0].image is not None:  # both CFG branches see the image, as WanImageToVideoPipeline
@@ -307,10 +347,10 @@ class VideoSampler:
         batch = pack_clips(fields, self.patch, dims, samples, torch.arange(len(xs)), per_token=per_token,
                            causal_block=self.inputs.causal_block)
         if sound is not None:  # each clip's audio tokens after its video tokens, as in training (stream 1)
-            reqs = self.requests * (len(xs) // len(self.requests))
             pos = [audio_positions(a.shape[0], self.audio_patch, r.fps, self.patch[0], self.inputs.audio_index)
                    for a, r in zip(sound, reqs)]
-            batch = join_audio_tokens(batch, sound, None, pos)
+            clean = [torch.full((a.shape[0],), r.given_sound is not None) for a, r in zip(sound, reqs)] if cross else None
+            batch = join_audio_tokens(batch, sound, None, pos, clean=clean)
         # a joint-attention model's caption tokens join each clip's run (tasks/joint_text.py)
         return join_text_tokens(batch, samples["context_len"]) if self.joint_text and ctxs is not None else batch
 
@@ -318,14 +358,17 @@ class VideoSampler:
         """Each clip's sound's starting noise [n_k, audio_patch] (None for a video-only model)."""
         if not self.audio_patch:
             return None
-        return [start_sound(r.shape, r.fps, self.audio_patch, self.seed, r.noise_id, self.latent_sound)
-                for r in self.requests]
+        noise = [start_sound(r.shape, r.fps, self.audio_patch, self.seed, r.noise_id, self.latent_sound)
+                 for r in self.requests]
+        return [a if r.given_sound is None else r.given_sound.to(a.dtype).clone() for a, r in zip(noise, self.requests)]
 
     def _start(self) -> tuple[list[torch.Tensor], bool, list[torch.Tensor] | None]:
         """Each clip's starting noise (its own seeded stream), whether guidance runs (cfg), and the
         contexts of one call: the captions, then the null caption per clip when guided."""
         xs = [torch.randn(r.shape, generator=sample_generator(self.seed, r.noise_id, 0, "sampling")) for r in self.requests]
-        cfg = max(self.guidance, self.guidance_2 if self.boundary > 0 else 1.0) > 1.0 and self.text_dim > 0
+        xs = [x if r.given_video is None else r.given_video.to(x.dtype).clone() for x, r in zip(xs, self.requests)]
+        scales = (self.guidance, self.guidance_2 if self.boundary > 0 else 1.0, self.audio_guidance if self.audio_patch else 1.0)
+        cfg = max(scales) > 1.0 and self.text_dim > 0
         ctxs = None
         if self.text_dim:
             ctxs = [r.context for r in self.requests]
@@ -374,17 +417,17 @@ class VideoSampler:
             width = self.inputs.patch_dim if sound is not None else out.shape[1]  # an audio model's rows are zero-padded
             v = velocity_from_output(out[video, :width], batch.tokens["x"][video, :width], t_tok, self.prediction,
                                      self.x0_min_t)
-            for k in range(n):
-                if sound is not None:
-                    self._step_sound(k, i, a, sound_offsets, ts[k], cfg, sound, sound_scheds)
-                vk = v[offsets[k]:offsets[k + 1]]
-                if cfg:
-                    vu = v[offsets[n + k]:offsets[n + k + 1]]
-                    vk = vu + self.guidance_at(ts[k]) * (vk - vu)
-                vel = unpatchify(vk, self._grid(xs[k].shape), self.patch, xs[k].shape[0])
-                # step i draws its noise from step i + 1 of the stream (step 0 drew the start)
-                gen = sample_generator(self.seed, self.requests[k].noise_id, i + 1, "sampling") if self.stochastic else None
-                xs[k] = scheds[k].step(vel, scheds[k].timesteps[i], xs[k], generator=gen).prev_sample
+            for k, r in enumerate(self.requests):  # a given stream (cross-stream conditioning) is never stepped
+                # step i draws its noise from step i + 1 of each stream (step 0 drew the start)
+                if sound is not None and r.given_sound is None:
+                    gen = sound_noise(self.seed, r.noise_id, i + 1) if self.stochastic else None
+                    scale = self.audio_guidance or self.guidance_at(ts[k])
+                    sound[k] = self._step(k, i, a, sound_offsets, scale, cfg, sound[k], sound_scheds[k], gen)
+                if r.given_video is None:
+                    gen = sample_generator(self.seed, r.noise_id, i + 1, "sampling") if self.stochastic else None
+                    grid, C = self._grid(xs[k].shape), xs[k].shape[0]
+                    xs[k] = self._step(k, i, v, offsets, self.guidance_at(ts[k]), cfg, xs[k], scheds[k], gen,
+                                       lambda vk: unpatchify(vk, grid, self.patch, C))
         model.train(was_training)
         hear = self.latent_sound.waveform if self.latent_sound is not None else waveform
         self.sounds = [hear(s) for s in sound] if sound is not None else None

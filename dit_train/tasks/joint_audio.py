@@ -43,14 +43,14 @@ def audio_positions(n: int, audio_patch: int, fps: float, pt: int, index: bool =
                         torch.zeros(n, dtype=torch.long)], 1)
 
 
-def given_stream(seed: int, sample_id: int, step: int, which: str, prob: float) -> int:
-    """The stream given clean to a clip with sound at `step` (cond.given_stream: 0 video, 1
-    audio), or -1: a draw of the "conditioning" stream of (seed, id, step) below `prob` (the
-    frame conditioning that also draws there is refused with an audio stream)."""
-    if which == "none" or prob <= 0:
+def given_stream(seed: int, sample_id: int, step: int, which: int, prob: float) -> int:
+    """The stream given clean to a clip with sound at `step` (`which`: cond.given_stream's index in
+    STREAMS, 0 video, 1 audio; -1 none), or -1: a draw of the "conditioning" stream of (seed, id,
+    step) below `prob` (the frame conditioning that also draws there is refused with an audio stream)."""
+    if which < 0 or prob <= 0:
         return -1
     hit = bool(torch.rand((), generator=sample_generator(seed, sample_id, step, "conditioning")) < prob)
-    return STREAMS.index(which) if hit else -1
+    return which if hit else -1
 
 
 def join_audio_tokens(batch: PackedBatch, x: list[torch.Tensor], target: list[torch.Tensor] | None,

@@ -11,7 +11,7 @@ from torch import nn
 from dit_train.data_pipelines.audio_io import SAMPLE_RATE
 from dit_train.data_pipelines.companions import token_mask_units
 from dit_train.data_pipelines.video_io import VideoReadError
-from dit_train.batch import WEIGHT_ONE, PackedBatch, video_forward
+from dit_train.batch import STREAMS, WEIGHT_ONE, PackedBatch, video_forward
 from dit_train.config import LossConfig, ModelConfig
 from dit_train.objectives.diffusion_forcing import history_weights, noisy_blocks
 from dit_train.objectives.flow_matching import loss_weight, noisy_sample, per_token_mse, sample_shift, velocity_from_output
@@ -156,8 +156,9 @@ class VideoTask:
                              "stream (model=ltx2 ...); the two-stream DiT reads waveforms (data.audio=true on clips)")
         # cross-stream conditioning (cond.given_stream): one stream of a clip with sound given clean
         # at timestep 0 with weight 0, so it is out of T_{b,s} and the clip out of that B_s
-        self.given_stream = str(getattr(cond, "given_stream", "none")) if self.audio_patch else "none"
-        self.given_prob = float(getattr(cond, "given_stream_prob", 0.0))
+        self.cross_stream = bool(self.audio_patch and cond is not None and cond.cross_stream)
+        self.given_index = STREAMS.index(str(cond.given_stream)) if self.cross_stream else -1  # 0 video, 1 audio
+        self.given_prob = cond.given_stream_prob if self.cross_stream else 0.0
         # data frames per causal block (0 = bidirectional): clips train with whole blocks (tasks/causal.py)
         self.block_frames = self.causal_block * self.patch[0]
         # diffusion forcing: each block its own t (objectives/diffusion_forcing.py)
@@ -300,11 +301,11 @@ class VideoTask:
             if self.masks:  # an all-zero mask: T_b = 0, the sample weighs nothing and B_global skips it
                 weight = masked(weight, item.mask[:frames], self.patch)
             gives = -1  # the stream given clean (cond.given_stream), only to a clip with sound
-            if self.given_stream != "none" and getattr(item, "audio", None) is not None:
-                gives = given_stream(self.seed, sid, step, self.given_stream, self.given_prob)
+            if self.cross_stream and getattr(item, "audio", None) is not None:
+                gives = given_stream(self.seed, sid, step, self.given_index, self.given_prob)
             if gives == 0:  # video-to-audio: the clip's frames clean, weightless (out of T_{b,video})
                 xt, weight = x0, torch.zeros_like(weight)
-            if self.given_stream != "none":
+            if self.cross_stream:
                 clean.append(torch.full(weight.shape, gives == 0))
             weights.append(weight)
             if self.control:
@@ -327,7 +328,7 @@ class VideoTask:
         ids = torch.tensor(kept, dtype=torch.long)
         batch = self._pack(xs, targets, conds, clean, controls, weights, samples, ids)
         if self.audio_patch:
-            given = self.given_stream != "none"
+            given = self.cross_stream
             batch = join_audio_tokens(batch, *sound[:3], sound[3] if given else None, sound[4] if given else None)
         return join_text_tokens(batch, samples["context_len"]) if self.joint_text else batch
 
@@ -350,7 +351,7 @@ class VideoTask:
     def _pack(self, xs, targets, conds, clean, controls, weights, samples, ids) -> PackedBatch:
         """The clips' fields packed (pack_clips): x and target, and what conditioning, masks and
         control add."""
-        given = self.given_stream != "none"  # cross-stream conditioning: weights and clean flags per token
+        given = self.cross_stream  # cross-stream conditioning: weights and clean flags per token
         if self.conditioner is None and not self.masks and not self.control and not self.block_noise and not given:
             return pack_clips({"x": xs, "target": targets}, self.patch, self.patch_dim, samples, ids,
                               causal_block=self.causal_block)

@@ -17,6 +17,13 @@ generates each clip's sound too, and its figures join the picture's: sound_color
 names the caption's colour), sound_sync_ok (clicks within one frame of the bounces seen in the
 generated pixels), sound_all_ok (data_pipelines/shapes_sound_metric.py).
 
+A run trained with cond.given_stream=video: `--given-video` gives each held-out caption a clip of
+its composition, rendered as the world's clips are (synthetic_video.render_long_clip, index k,
+written as H.264 mp4s under OUT/given/), and generates only its sound (tools.sample --video):
+the sound figures then score video-to-audio against the bounces of the given frames.
+
+    python -m dit_train.tools.evaluate V2A_RUN --heldout --given-video
+
 The drift of a block-causal run (docs/causal.md): `--frames 32 --overlap-frames 4` streams each
 held-out caption past the training length (tools.sample's KV cache and sliding window) and
 scores every 8-frame window of the long clip against the caption and against window 1, beside
@@ -38,7 +45,7 @@ import time
 from pathlib import Path
 
 from dit_train.compose import load_config
-from dit_train.data_pipelines.synthetic_video import EVAL_SIZE, caption_split
+from dit_train.data_pipelines.synthetic_video import EVAL_SIZE, caption_split, render_long_clip, write_mp4
 from dit_train.engine.checks import Range
 from dit_train.tools import sample
 from dit_train.tools.args import POSITIVE_INT, ToolParser, ranged
@@ -67,9 +74,21 @@ def sample_argv(args: argparse.Namespace, settings: dict, out: Path) -> list[str
         argv += ["--overlap-frames", str(args.overlap_frames)]
     if args.ar_step:
         argv += ["--ar-step", str(args.ar_step)]
-    for caption in heldout_captions(args.n):
+    for k, caption in enumerate(heldout_captions(args.n)):
         argv += ["--prompt", caption]
+        if args.given_video:
+            argv += ["--video", str(given_clip(out / "given", caption, k, args.frames))]
     return argv
+
+
+def given_clip(folder: Path, caption: str, k: int, frames: int) -> Path:
+    """OUT/given/clip_<k>.mp4: clip k of `caption`'s composition at EVAL_SIZE (the world's
+    renderer and encoder, fps 8), the video given to a video-to-audio run."""
+    _, height, width = EVAL_SIZE
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"clip_{k:04d}.mp4"
+    write_mp4(path, render_long_clip(caption, frames, height, width, index=k))
+    return path
 
 
 def heldout_captions(n: int) -> list[str]:
@@ -103,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ar-step", type=ranged(int, Range(0)), default=0, metavar="N",
                     help="a block-causal run: stream with SkyReels-V2's asynchronous schedule (tools.sample's "
                          "--ar-step; default 0, block by block)")
+    ap.add_argument("--given-video", action="store_true",
+                    help="a run trained with cond.given_stream=video: give each held-out caption a rendered clip of "
+                         "its composition and generate only its sound (video-to-audio)")
     ap.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     ap.add_argument("--out", type=Path, default=None, help="output folder (default RUN/eval/<which>_<time>)")
     args = ap.parse_args(argv)
@@ -113,6 +135,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     kind = "train" if args.train_captions else "heldout"
+    if args.given_video and (args.train_captions or not cfg.cond.gives_video):
+        print("error: --given-video gives the held-out captions rendered clips (drop --train-captions) to a run trained "
+              f"with cond.given_stream=video (this one: cond.given_stream={cfg.cond.given_stream})", file=sys.stderr)
+        return 2
+
     if cfg.mode != "video":
         print(f"error: {args.run_dir} trained mode={cfg.mode}; tools.evaluate scores video runs", file=sys.stderr)
         return 2
@@ -134,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"warning: {args.run_dir} trained with data.heldout_compositions=false: its clips may show the held-out "
               f"compositions, so these figures are not generalisation", file=sys.stderr)
     settings = sampler_settings(args, cfg.train)
-    out = args.out or args.run_dir / "eval" / f"{kind}_{time.strftime('%Y%m%d-%H%M%S')}"
+    folder = kind + ("_given_video" if args.given_video else "")
+    out = args.out or args.run_dir / "eval" / f"{folder}_{time.strftime('%Y%m%d-%H%M%S')}"
     code = sample.main(sample_argv(args, settings, out))
     if code:
         return code
@@ -146,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     row = {"run": str(args.run_dir), "which": kind, "n": args.n, **settings, "weights": info.get("weights"),
            "scores": scores, "grid": str(out / "grid.png"), "frames": args.frames, "overlap_frames": args.overlap_frames,
-           "ar_step": args.ar_step}
+           "ar_step": args.ar_step, "given_video": args.given_video}
     if drift:
         row["drift"] = drift_report(out, heldout_captions(args.n), args.frames)
     (out / "evaluate.json").write_text(json.dumps(row, indent=2) + "\n")
@@ -155,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(log, "a") as f:
         f.write(json.dumps(row) + "\n")
     figures = " ".join(f"{k}={v:.2f}" for k, v in scores.items() if not k.startswith("num"))
-    print(f"{kind} ({args.n} clips, {settings['steps']} steps, guidance {settings['guidance']:g}"
+    print(f"{folder} ({args.n} clips, {settings['steps']} steps, guidance {settings['guidance']:g}"
           f"{', stochastic' if settings['stochastic'] else ''}): {figures}")
     if drift:
         print(drift_line(row["drift"]))

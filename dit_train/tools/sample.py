@@ -31,6 +31,10 @@ A conditioned run (cond.kind, docs/conditioning.md) continues given frames:
     python -m dit_train.tools.sample RUN_DIR --prompt "..." --video prefix.mp4 --prefix-frames 4
     python -m dit_train.tools.sample RUN_DIR --data-captions 48     # from the held-out clips' first frames
     python -m dit_train.tools.sample RUN_DIR --prompt "..." --control ctrl.mp4     # a run trained with cond.control
+A run with sound trained with cond.given_stream (docs/audio-video.md) generates one stream for the other:
+
+    python -m dit_train.tools.sample V2A_RUN --prompt "..." --video clip.mp4 --frames 8 --height 32 --width 32  # its sound
+    python -m dit_train.tools.sample A2V_RUN --prompt "..." --audio sound.wav --frames 8 --height 32 --width 32  # its frames
 A block-causal run (model.causal_block_frames, docs/causal.md) streams its prompts block by block
 with a KV cache; past its training length with a sliding window:
 
@@ -68,6 +72,7 @@ from dit_train.sampling.conditioned import (condition_on_clips, control_from_fil
                                             given_flags, given_latents_from_files, given_scores, i2v_from_files, i2v_on_clips,
                                             validation_task)
 from dit_train.data_pipelines.latent_cache import read_cache_info
+from dit_train.sampling.cross_stream import check_flags, give_streams
 from dit_train.sampling.prompts import prompt_requests, prompt_space
 from dit_train.sampling.sound import sound_info, sound_scores
 from dit_train.sampling.streaming import StreamingSampler, stream_check
@@ -156,6 +161,8 @@ def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, 
                 r.given, r.given_patches = args.given[:2]
                 r.cond_latents, r.image = args.given[2:] if len(args.given) > 2 else (None, None)
             r.control = args.control_clip
+        if args.given_videos or args.given_audios:  # cross-stream: read and checked by main() first, read here again
+            give_streams(requests, args.given_videos, args.given_audios, args.num, cfg.model.audio_patch)
     # the run's training shift (per clip size with loss.shift_reference_tokens) ...
     shift, reference = cfg.loss.timestep_shift, cfg.loss.shift_reference_tokens
     pipeline = pipeline_shift(cfg.model)  # ... or the model's pipeline schedule (LTX: model.pipeline_shift) ...
@@ -169,7 +176,8 @@ def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, 
                    shift, reference,
                    stochastic=cfg.train.stochastic_sampling if args.stochastic is None else args.stochastic,
                    guidance_scale_2=args.guidance_scale_2, boundary=args.boundary, pipeline=pipeline,
-                   sound=recorded_source(args, cfg).sound(ctx.device), **stream)
+                   sound=recorded_source(args, cfg).sound(ctx.device), audio_guidance_scale=args.audio_guidance,
+                   **stream)
     started = time.perf_counter()
     clips = sampler.sample(model, lambda: autocast(cfg.train.precision, ctx.device, False), progress=ctx.is_main)
     seconds = time.perf_counter() - started
@@ -190,6 +198,8 @@ def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, 
             "stochastic_sampling": sampler.stochastic, "scores": scores,
             "given": {"image": args.image, "last_image": args.last_image, "video": args.video,
                       "prefix_frames": args.prefix_frames} if given_files(args) else None,
+            "given_stream": {"video": args.given_videos, "audio": args.given_audios}
+            if args.given_videos or args.given_audios else None,
             "control": args.control or None, "streamed": args.streaming, "overlap_frames": args.overlap_frames,
             **sound_info(sampler.sounds), "sampling_seconds": seconds,
             "seconds_per_frame": seconds / max(1, sum(r.shape[1] for r in requests))}
@@ -218,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="Wan 2.2 A14B: the guidance of the low-noise expert's steps (below model.boundary_ratio; "
                          "WanPipeline's guidance_scale_2; default: --guidance; with --data-captions the run's "
                          "train.guidance_scale_2)")
+    ap.add_argument("--audio-guidance", type=float, default=0.0, metavar="GA",
+                    help="a run with sound: the guidance of the sound (LTX2Pipeline's audio_guidance_scale; default "
+                         "0 = --guidance)")
     ap.add_argument("--seed", type=int, default=None,
                     help="noise seed (default 0; with --data-captions the run's train.seed)")
     ap.add_argument("--shift", type=float, default=None,
@@ -232,8 +245,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--image", default="", help="first frame to continue from (a run trained with cond.kind="
                     "first_frame or first_last); resized to cover --height x --width, centre-cropped")
     ap.add_argument("--last-image", default="", help="last frame (cond.kind=first_last), like --image")
-    ap.add_argument("--video", default="", help="a video whose first --prefix-frames frames are continued "
-                    "(cond.kind=prefix)")
+    ap.add_argument("--video", action="append", default=[], help="a video whose first --prefix-frames frames are "
+                    "continued (cond.kind=prefix); on a run trained with cond.given_stream=video, the clip whose sound "
+                    "is generated (its first --frames frames; repeat: one per --prompt)")
+    ap.add_argument("--audio", action="append", default=[], help="a run trained with cond.given_stream=audio: the "
+                    "sound whose frames are generated (its first --frames at the run's fps; repeat: one per --prompt)")
     ap.add_argument("--prefix-frames", type=ranged(int, Range(0, note="0 = the run's cond.prefix_frames")), default=0,
                     help="frames of --video given (a multiple of the temporal patch; default: the run's "
                          "cond.prefix_frames)")
@@ -277,6 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         if video_inputs(cfg.model, cfg.cond).i2v_mask and args.prompt and not given_files(args):  # its CLIP tokens need an image
             raise ValueError(f"this run trained diffusers' Wan 2.1 I2V layout (model.mask_channels={cfg.model.mask_channels}): "
                              f"give {given_flags(cfg.cond)}")
+        cross_stream_files(args, cfg)
         check_given(args, cfg.cond)
         args.given = read_given(args, cfg)
         args.control_clip = read_control(args, cfg)
@@ -284,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
         args.streaming = check_streaming(args, cfg)
         if args.num < 1 or args.steps < 1 or args.guidance < 1:
             raise ValueError("--num and --steps must be >= 1 and --guidance >= 1")
+        if args.audio_guidance and (args.audio_guidance < 1 or not getattr(cfg.model, "audio_patch", 0)):
+            raise ValueError(f"--audio-guidance={args.audio_guidance:g} guides a run's sound: it needs a model with an "
+                             f"audio stream (model.audio_patch > 0) and a value >= 1 (1 = no guidance)")
         if args.guidance_scale_2 and args.guidance_scale_2 < 1:
             raise ValueError(f"--guidance-scale-2={args.guidance_scale_2} must be >= 1 (1 = no guidance)")
         if not args.data_captions:  # the data's own sizes need no check
@@ -348,6 +368,24 @@ def check_data_at_hand(cfg: Any) -> None:
                          f"back, or sample --prompt captions (they need no data)") from None
 
 
+def cross_stream_files(args: argparse.Namespace, cfg: Any) -> None:
+    """Split --video / --audio: on a run trained with cond.given_stream they are the given streams
+    (args.given_videos / given_audios, read once here so a bad file is one `error:` line before any
+    worker); otherwise --video is cond.kind=prefix's one video (args.video)."""
+    check_flags(cfg.cond, args.video, args.audio, args.prompt, args.data_captions)
+    args.given_videos, args.given_audios = (args.video, args.audio) if cfg.cond.cross_stream else ([], [])
+    if cfg.cond.cross_stream:
+        args.video = ""
+        if args.given_videos or args.given_audios:
+            requests = prompt_requests(prompt_space(cfg, source=recorded_source(args, cfg)), args.prompt, args.num,
+                                       args.frames, args.height, args.width)
+            give_streams(requests, args.given_videos, args.given_audios, args.num, cfg.model.audio_patch)
+        return
+    if len(args.video) > 1:
+        raise ValueError("--video is given once (the video whose first frames are continued)")
+    args.video = args.video[0] if args.video else ""
+
+
 def given_files(args: argparse.Namespace) -> bool:
     return bool(args.image or args.last_image or args.video)
 
@@ -359,7 +397,8 @@ def check_given(args: argparse.Namespace, cond: Any) -> None:
         raise ValueError("--data-captions samples from the clips' own first frames; --image/--last-image/--video "
                          "go with --prompt")
     if given_files(args) and not cond_active(cond):
-        raise ValueError("--image/--last-image/--video: this run trained without conditioning (cond.kind=none)")
+        raise ValueError("--image/--last-image/--video: this run trained without conditioning (cond.kind=none; "
+                         "generating a video's sound needs cond.given_stream=video)")
     if args.prefix_frames and not args.video:
         raise ValueError("--prefix-frames goes with --video")
     if cond_active(cond) and cond.prob >= 1 and args.prompt and not given_files(args):
