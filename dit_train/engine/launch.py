@@ -245,11 +245,19 @@ START_METHOD = "forkserver" if "forkserver" in multiprocessing.get_all_start_met
 _ENV_AT_IMPORT = dict(os.environ)
 
 
+# What every training worker imports besides fn's module: FSDP2, DCP and torch._dynamo (torch's
+# optimizers import it when the first one is built; with sympy and DTensor ~1.5-3 CPU-s); deferred
+# in dit_train's modules so that a refused config or --help need not load them (docs/development.md)
+_WORKER_MODULES = ["torch.distributed.fsdp", "torch.distributed.checkpoint", "torch._dynamo"]
+
+
 def _preload_for(fn: Callable[..., Any]) -> None:
-    """Name the modules the fork server imports before it forks workers: this one and fn's (a
-    no-op once a server runs: its children import what they lack when they unpickle fn)."""
+    """Name the modules the fork server imports before it forks workers: this one, fn's and
+    _WORKER_MODULES (a no-op once a server runs: its children import what they lack when they
+    unpickle fn)."""
     module = getattr(getattr(fn, "func", fn), "__module__", None)
-    multiprocessing.set_forkserver_preload([__name__] + ([module] if module and module != "__main__" else []))
+    own = [module] if module and module != "__main__" else []
+    multiprocessing.set_forkserver_preload([__name__, *_WORKER_MODULES, *own])
 
 
 def _launcher_env(env: dict[str, str]) -> None:
