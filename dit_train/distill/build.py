@@ -27,7 +27,7 @@ from dit_train.checkpoint.export import run_weights
 from dit_train.compose import load_config
 from dit_train.config import Config
 from dit_train.config.errors import ConfigError
-from dit_train.config.schema import cond_active
+from dit_train.config.cond import cond_active
 from dit_train.distill.roles import CRITIC, Roles
 from dit_train.distill.task import DistillTask
 from dit_train.distill.self_forcing import SelfForcingTrainer

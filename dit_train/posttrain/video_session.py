@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from dit_train.config.errors import ConfigError
-from dit_train.config.schema import cond_active
+from dit_train.config.cond import cond_active
 from dit_train.loss import inverse_sample_tokens, sync_sequence_sums
 from dit_train.posttrain.datums import _Call
 from dit_train.posttrain.rollouts import SDESampler, VideoRollout, broadcast_from_rank0, run_id

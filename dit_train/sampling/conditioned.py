@@ -21,7 +21,7 @@ from dit_train.data_pipelines.sizes import resize_crop
 from dit_train.data_pipelines.video_io import is_image, probe, read_frames, to_model_range, VideoReadError
 from dit_train.sampling.sampler import SampleRequest
 from dit_train.tasks import build_task
-from dit_train.config.schema import cond_active
+from dit_train.config.cond import cond_active
 from dit_train.tasks.conditioning import context_patches, vace_context
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,8 @@ from typing import Any
 
 from dit_train.config import Config
 from dit_train.config.errors import ConfigError
-from dit_train.config.schema import AUTO_MICRO_BATCH_TOKENS, companions
+from dit_train.config.schema import AUTO_MICRO_BATCH_TOKENS
+from dit_train.config.cond import companions
 from dit_train.data_pipelines import SOURCES, data_location, open_dataset, source_for
 from dit_train.data_pipelines.packing import data_fingerprint
 from dit_train.data_pipelines.records import left_out_error

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dit_train.config.schema import cond_active
+from dit_train.config.cond import cond_active
 
 
 def kept_frames(frames: int, block_frames: int) -> int:

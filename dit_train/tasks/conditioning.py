@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from dit_train.batch import WEIGHT_ONE
-from dit_train.config.schema import companions, cond_active, cond_channels, control_channels
+from dit_train.config.cond import companions, cond_active, cond_channels, control_channels
 from dit_train.data_pipelines import SOURCES
 from dit_train.data_pipelines.companions import KEYS, token_mask_units
 from dit_train.models.registry import can_widen

@@ -17,7 +17,7 @@ from dit_train.objectives.diffusion_forcing import history_weights, noisy_blocks
 from dit_train.objectives.flow_matching import loss_weight, noisy_sample, per_token_mse, sample_shift, velocity_from_output
 from dit_train.tasks.causal import kept_frames, trim_report
 from dit_train.tasks.captions import ByteCaptionEncoder, drop_caption, pad_contexts
-from dit_train.config.schema import cond_active
+from dit_train.config.cond import cond_active
 from dit_train.tasks.conditioning import (Conditioner, i2v_data_errors, masked, too_short, unconditionable_error, vace_context,
                                          vace_data_check)
 from dit_train.rng import sample_generator

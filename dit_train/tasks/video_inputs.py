@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from dit_train.config.schema import MASK_CHANNELS, cond_channels, control_channels
+from dit_train.config.cond import MASK_CHANNELS, cond_channels, control_channels
 from dit_train.models.registry import model_spec
 
 

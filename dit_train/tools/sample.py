@@ -56,7 +56,7 @@ import torch
 from dit_train.checkpoint.export import run_weights
 from dit_train.compose import load_config
 from dit_train.config.errors import CheckpointError
-from dit_train.config.schema import cond_active
+from dit_train.config.cond import cond_active
 from dit_train.data_pipelines import SOURCES, run_source, source_for
 from dit_train.engine.build import build_parallel_model
 from dit_train.engine.checks import Range
