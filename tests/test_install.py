@@ -34,8 +34,11 @@ NO_NETWORK = re.compile(r"NewConnectionError|Max retries exceeded|Temporary fail
 
 
 def _pip(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    # without tests/conftest.py's PYTHONPATH (the checkout, for the suite's fresh Pythons): on it,
+    # pip sees the checkout's dit_train.egg-info as dit_train installed in the fresh venv and skips the wheel
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     return subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", *args], capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, env=env)
 
 
 def _skip_if_offline(proc: subprocess.CompletedProcess, what: str) -> None:
