@@ -78,6 +78,10 @@ def _parallel(cfg: Config, world_size: int | None, e: list[str]) -> None:
         check(m.dim % m.heads == 0, f"model.dim={m.dim} must be divisible by model.heads={m.heads}", e)
     check(p.cp_ulysses >= 1 and m.heads % max(1, p.cp_ulysses) == 0,
            f"model.heads={m.heads} must be divisible by parallel.cp_ulysses={p.cp_ulysses} (Ulysses splits heads)", e)
+    why = model_spec(m).no_context_parallel if m.name in MODELS else ""
+    check(not why or p.cp_ulysses * p.cp_ring == 1,
+          f"parallel.cp_ulysses={p.cp_ulysses} / parallel.cp_ring={p.cp_ring}: model={m.name} has no context "
+          f"parallelism yet ({why}); use parallel.dp_shard", e)
     audio_heads = getattr(m, "audio_heads", 0)  # LTX-2's audio stream and its audio<->video attention
     check(not audio_heads or audio_heads % max(1, p.cp_ulysses) == 0,
            f"model.audio_heads={audio_heads} must be divisible by parallel.cp_ulysses={p.cp_ulysses} (Ulysses splits "
@@ -184,6 +188,8 @@ RANGES: dict[str, Range] = {
     "model.in_channels": Range(1), "model.vocab_size": Range(1),
     "model.ffn_dim": Range(0, note="0 = model.dim x model.mlp_ratio"), "model.freq_dim": Range(1),
     "model.norm_eps": Range(0, low_open=True),
+    "model.head_dim": Range(1), "model.refiner_depth": Range(0), "model.time_hidden": Range(1),
+    "model.time_dim": Range(1), "model.rope_freq_dim": Range(1),
     "model.boundary_ratio": Range(0, 1, high_open=True, note="0 = no expert boundary (Wan 2.2 A14B: 0.875)"),
     "model.image_dim": Range(0, note="0 = no CLIP image branch (Wan 2.1 I2V: 1280)"),
     "model.pos_embed_seq_len": Range(0, note="0 = none (Wan 2.1 FLF2V: 514)"),
