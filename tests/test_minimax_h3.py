@@ -23,7 +23,7 @@ from dit_train.tasks.joint_text import join_text_tokens
 from dit_train.tasks.video import pack_clips
 from tests.families import assert_grads_match, PATCH, pretrained_folder, random_model
 
-SHAPES = [(2, 4, 6), (3, 2, 4), (6, 2, 2)]  # (F, H, W) latents: 12, 6 and 6 video tokens (6 frames: the clock's 2nd period)
+SHAPES = [(2, 4, 6), (3, 2, 4), (7, 2, 2)]  # (F, H, W) latents: 12, 6 and 7 video tokens (7 frames: into the clock's 2nd period)
 AUDIO = [5, 0, 3]  # audio tokens of each clip (the second has no sound)
 TEXT = [3, 6, 1]  # valid caption tokens of each clip
 AUDIO_PATCH, TEXT_DIM, C = 6, 10, 4
