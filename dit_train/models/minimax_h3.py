@@ -103,8 +103,18 @@ MINIMAX_H3 = DiffusersFamily(class_name="MiniMaxH3Transformer3DModel", kwargs=mi
                              folder_kind="a MiniMax-H3 folder")
 
 # the diffusers modules PackedMiniMaxH3 holds, in MiniMaxH3Transformer3DModel's order (= its state dict's)
-_MODULES = ("proj_in", "audio_proj_in", "context_embedder", "time_proj", "time_embedder", "rope", "token_refiner",
+# (not its `rope`: its frequencies are a non-persistent buffer, which a model built on the meta
+# device and filled from a folder under FSDP2 would leave as garbage; `_rotation` makes them per call)
+_MODULES = ("proj_in", "audio_proj_in", "context_embedder", "time_proj", "time_embedder", "token_refiner",
             "transformer_blocks", "norm_out", "proj_out", "audio_proj_out")
+
+
+def _rotation(positions: torch.Tensor, freq_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """diffusers' MiniMaxH3RotaryPosEmbed of positions [L, 3]: (cos, sin) [L, 6·freq_dim], from a fresh
+    module (its inv_freq made here, on the positions' device)."""
+    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3RotaryPosEmbed  # deferred: ~2 s import
+
+    return MiniMaxH3RotaryPosEmbed(freq_dim, theta).to(positions.device)(positions)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -183,6 +193,7 @@ class PackedMiniMaxH3(nn.Module):
         super().__init__()
         self.diffusers_config = minimax_h3_config(cfg)
         self.patch = tuple(int(p) for p in cfg.patch_size)
+        self.rope_freq_dim, self.rope_theta = int(cfg.rope_freq_dim), float(cfg.rope_theta)
         take_modules(self, MINIMAX_H3.model_class()(**self.diffusers_config), _MODULES)
         for block in self.transformer_blocks:
             block.attn.set_processor(PackedMiniMaxH3AttnProcessor())
@@ -226,8 +237,8 @@ class PackedMiniMaxH3(nn.Module):
         h = h + 0.0 * ha.sum().to(h.dtype)
         text_len = (context_len if context_len is not None and captions else torch.tensor(
             [c.shape[0] for c in captions] or [0] * S, dtype=torch.long)).to(seg.device)
-        cos, sin = self.rope(positions(pos, seg, tag, text if text is not None else torch.zeros_like(seg),
-                                       text_len, self.patch).float())
+        cos, sin = _rotation(positions(pos, seg, tag, text if text is not None else torch.zeros_like(seg), text_len,
+                                       self.patch).float(), self.rope_freq_dim, self.rope_theta)
         rope, adaln = PackedRope(cos, sin, meta), row * 3 + tag
         h = h[None]
         for block in self.transformer_blocks:

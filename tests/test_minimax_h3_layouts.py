@@ -1,0 +1,80 @@
+"""MiniMax-H3 (model=minimax_h3_tiny: diffusers' MiniMaxH3Transformer3DModel, caption, audio and
+video tokens of a clip in one sequence) trains layout-exact: dp_shard=2 against one process on the
+embedded set with sound (uneven clips, a quarter without audio, text slots in every pack), full
+training and LoRA, under the per-stream hierarchical mean (B_audio counted across DP). No
+context parallelism yet: refused before the run (docs/audio-video.md#minimax-h3)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tests.families import family_run_cfg, pretrained_folder
+from tests.layout_cases import Case, assert_exact, run_cases
+
+AV = ["model=minimax_h3_tiny", "data.audio=true", "train.micro_batch_tokens=600"]
+LAYOUT = "dp_shard=2"
+
+
+@pytest.fixture(scope="module")
+def h3_cfg(data_cache):
+    return family_run_cfg(AV, data_cache)  # TINY, data prepared; always clips: the global norm must be exact too
+
+
+@pytest.fixture(scope="module")
+def layouts(h3_cfg, tmp_path_factory):
+    folder = pretrained_folder(h3_cfg.model, tmp_path_factory.mktemp("h3_pretrained"))
+    lora = replace(h3_cfg, model=replace(h3_cfg.model, pretrained=str(folder),
+                                         lora=replace(h3_cfg.model.lora, rank=4, alpha=8)))
+    return run_cases({"full": Case(h3_cfg, LAYOUT), "lora": Case(lora, LAYOUT)})
+
+
+@pytest.mark.slow
+def test_minimax_h3_training_matches_one_process(layouts):
+    assert_exact(*layouts["full"], f"MiniMax-H3 audio + video + text on {LAYOUT}")
+
+
+@pytest.mark.slow
+def test_minimax_h3_lora_matches_one_process(layouts):
+    """LoRA adapts the blocks' attention and SwiGLU (not the token refiner's), the base stays put,
+    and the adapters on dp_shard=2 equal one process's."""
+    ref, got = layouts["lora"]
+    adapted = {k.split(".lora_")[0] for k in ref if ".lora_" in k and not k.startswith("__")}
+    assert adapted and all(k.startswith("transformer_blocks.") for k in adapted), adapted
+    assert all(torch.equal(ref[k], ref[f"__init__/{k}"]) for k in ref if not k.startswith("__") and ".lora_" not in k)
+    assert_exact(ref, got, f"MiniMax-H3 LoRA on {LAYOUT}")
+
+
+def test_the_layout_case_is_not_vacuous(h3_cfg):
+    """The steps trained hold clips with and without sound, every clip's caption as text slots,
+    and each DP rank's share of a step a different number of clips with sound (B_audio must be
+    summed over DP)."""
+    from dit_train.data_pipelines.packing import plan_step
+    from dit_train.tasks import build_task
+
+    c = h3_cfg
+    task = build_task(c.mode, c.data, c.model, c.loss, c.train.seed)
+    assert task.streams == 2 and task.joint_text
+    uneven = with_audio = without = 0
+    for step in range(c.train.steps):
+        plan = plan_step(step, task.lengths(), c.train.global_batch, 2, 1, c.train.micro_batch_tokens, c.train.seed)
+        per_rank = [0, 0]
+        for r, packs in enumerate(plan.micro_batches):
+            for ids in packs:
+                full = task.build(ids, step)
+                assert int((full.tokens["text"] > 0).sum()) > 0 and full.stream.shape == full.seg.shape
+                has = torch.bincount(full.seg[full.stream == 1], minlength=full.num_samples) > 0
+                with_audio, without = with_audio + int(has.sum()), without + int((~has).sum())
+                per_rank[r] += int(has.sum())
+        uneven += per_rank[0] != per_rank[1]
+    assert with_audio > 0 and without > 0 and uneven > 0, (with_audio, without, uneven)
+
+
+def test_context_parallel_is_refused_before_the_run(h3_cfg):
+    from dit_train.config.errors import ConfigError
+    from dit_train.engine.checks import check_config
+
+    cfg = replace(h3_cfg, parallel=replace(h3_cfg.parallel, cp_ulysses=2, dp_shard=1))
+    with pytest.raises(ConfigError, match="model=minimax_h3 has no context parallelism yet"):
+        check_config(cfg, world_size=2)
