@@ -12,6 +12,8 @@ one sequence) through our packed path (model.name=minimax_h3).
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -36,18 +38,56 @@ def tiny_cfg(**kw):
     return model_config("minimax_h3", **(base | kw))
 
 
-def diffusers_call(ref, clip, sound, ctx, t):
+def diffusers_call(ref, clip, sound, ctx, t, patch=PATCH):
     """diffusers' forward on one clip as its pipeline lays it out ([text | audio | video], one mono
     audio channel, every row at MiniMax timestep 1 − t): (video rows [Nv, C·vol], audio rows [Na, P])."""
     from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3PrepareLayoutStep, patchify_video_latents
 
     _, F, H, W = clip.shape
+    # the pipeline counts latent frames (its patch is (1, 2, 2)); a temporal patch pt > 1 is one of ours
     pos, tags, iv, ia, it, _, _ = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
-        torch.ones(ctx.shape[0], dtype=torch.long), F, H, W, sound.shape[0], PATCH, 1, audio_tag=2, video_tag=0)
-    out = ref(hidden_states=patchify_video_latents(clip[None], PATCH)[None], audio_hidden_states=sound[None],
+        torch.ones(ctx.shape[0], dtype=torch.long), F // patch[0], H, W, sound.shape[0], patch, 1, audio_tag=2, video_tag=0)
+    out = ref(hidden_states=patchify_video_latents(clip[None], patch)[None], audio_hidden_states=sound[None],
               encoder_hidden_states=ctx[None], timestep=(1 - t).reshape(1), timestep_indices=torch.zeros_like(tags),
               token_tags=tags, position_ids=pos, video_indices=iv, audio_indices=ia, text_indices=it)
     return out.sample[0], out.audio_sample[0]
+
+
+def packed(model, clips, sounds, ctx, ctx_len, t, patch=PATCH, pad: int = 8):
+    """Our forward on one pack of the clips (video, then audio tokens (j, 0, 0), then caption
+    slots; padded to a multiple of `pad`): (output [L, width], the pack)."""
+    index = lambda n: torch.stack([torch.arange(n), torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long)], 1)  # noqa: E731
+    batch = pack_clips({"x": clips}, patch, clips[0].shape[0] * math.prod(patch), {}, torch.arange(len(clips)))
+    batch = join_audio_tokens(batch, sounds, None, [index(s.shape[0]) for s in sounds])
+    batch = join_text_tokens(batch, ctx_len).pad_to_multiple(pad)  # padding tokens too
+    meta = VarlenLayout.build(batch.seg, batch.order, causal=False)
+    assert meta.cu_seqlens is not None  # each clip's video, audio and text: one contiguous run
+    return model(batch.tokens["x"], batch.pos, batch.seg, t, meta, ctx, ctx_len, stream=batch.stream,
+                 text=batch.tokens["text"]), batch
+
+
+def same_outputs(cfg, weights, diffusers_model, sound: int = 7):
+    """Our packed model with `weights` vs `diffusers_model` on one 4x16x24 pixel clip with `sound`
+    audio tokens and a 5-token caption: max |diff| / max over both streams
+    (tests/test_diffusers_families.py)."""
+    from dataclasses import replace
+
+    from dit_train.models import build_model
+
+    ours = build_model(replace(cfg, lora=replace(cfg.lora, rank=0)))
+    ours.load_state_dict(weights)
+    g = torch.Generator().manual_seed(5)
+    clip = torch.randn(cfg.in_channels, 4, 16, 24, generator=g)
+    audio = torch.randn(sound, cfg.audio_patch, generator=g)
+    ctx, t, patch = torch.randn(1, 5, cfg.text_dim, generator=g), torch.tensor([0.4]), tuple(cfg.patch_size)
+    with torch.no_grad():
+        out, batch = packed(ours, [clip], [audio], ctx, torch.tensor([5]), t, patch)
+        video, sound_out = diffusers_call(diffusers_model, clip, audio, ctx[0], t[0], patch)
+    text, stream = batch.tokens["text"], batch.stream
+    mine = torch.cat([out[(batch.seg == 0) & (text == 0) & (stream == 0)][:, : video.shape[1]].flatten(),
+                      out[(batch.seg == 0) & (stream == 1)][:, : cfg.audio_patch].flatten()])
+    theirs = -torch.cat([video.flatten(), sound_out.flatten()])
+    return float((mine - theirs).abs().max() / theirs.abs().max())
 
 
 def test_packed_forward_and_grads_match_diffusers_per_clip():
@@ -59,15 +99,9 @@ def test_packed_forward_and_grads_match_diffusers_per_clip():
     sounds = [torch.randn(n, AUDIO_PATCH, generator=g, dtype=torch.float64) for n in AUDIO]
     ctx = torch.randn(3, 6, TEXT_DIM, generator=g, dtype=torch.float64)  # garbage past each valid length
     ctx_len, t = torch.tensor(TEXT), torch.tensor([0.3, 0.85, 0.6], dtype=torch.float64)
-    batch = pack_clips({"x": clips}, PATCH, C * 4, {}, torch.arange(3))
-    index = lambda n: torch.stack([torch.arange(n), torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long)], 1)  # noqa: E731
-    batch = join_audio_tokens(batch, sounds, None, [index(n) for n in AUDIO])
-    batch = join_text_tokens(batch, ctx_len).pad_to_multiple(8)  # padding tokens too
+    out, batch = packed(ours, clips, sounds, ctx, ctx_len, t)
     text, stream = batch.tokens["text"], batch.stream
     assert stream.shape == text.shape and int(batch.weight_units()[text > 0].sum()) == 0  # slots weigh nothing
-    meta = VarlenLayout.build(batch.seg, batch.order, causal=False)
-    assert meta.cu_seqlens is not None  # each clip's video, audio and text: one contiguous run
-    out = ours(batch.tokens["x"], batch.pos, batch.seg, t, meta, ctx, ctx_len, stream=stream, text=text)
     assert torch.equal(out[text > 0], torch.zeros_like(out[text > 0]))
 
     loss_ours, loss_ref = 0.0, 0.0

@@ -99,8 +99,17 @@ def minimax_h3_config(cfg: MiniMaxH3Config) -> dict[str, Any]:
                 final_norm_eps=eps)
 
 
+def pipeline_notes(cfg: MiniMaxH3Config) -> list[str]:
+    """Why an export of `cfg` loads (from_pretrained) but does not fit MiniMax-H3's modular pipeline:
+    its layout counts latent frames, one row each, so only a temporal patch of 1 matches; [] then."""
+    if cfg.patch_size[0] == 1:
+        return []
+    return [f"model.patch_size={list(cfg.patch_size)}: this folder loads with MiniMaxH3Transformer3DModel.from_pretrained "
+            "but MiniMax-H3's pipeline lays out one row per latent frame (temporal patch 1, as MiniMax-H3's own)"]
+
+
 MINIMAX_H3 = DiffusersFamily(class_name="MiniMaxH3Transformer3DModel", kwargs=minimax_h3_config, our_keys=_OUR_KEY,
-                             folder_kind="a MiniMax-H3 folder")
+                             folder_kind="a MiniMax-H3 folder", export_notes=pipeline_notes)
 
 # the diffusers modules PackedMiniMaxH3 holds, in MiniMaxH3Transformer3DModel's order (= its state dict's)
 # (not its `rope`: its frequencies are a non-persistent buffer, which a model built on the meta
