@@ -2,7 +2,7 @@
 video tokens of a clip in one sequence) trains layout-exact: dp_shard=2 against one process on the
 embedded set with sound (uneven clips, a quarter without audio, text slots in every pack), full
 training and LoRA, under the per-stream hierarchical mean (B_audio counted across DP). No
-context parallelism yet: refused before the run (docs/audio-video.md#minimax-h3)."""
+context parallelism yet: refused before the run (docs/audio-video.md#minimax-h3-modelminimax_h3_tiny-modelminimax_h3-modelminimax_h3_tiny-modelminimax_h3)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tests.families import family_run_cfg, pretrained_folder
+from tests.families import family_run_cfg, lora_run_cfg
 from tests.layout_cases import Case, assert_exact, run_cases
 
 AV = ["model=minimax_h3_tiny", "data.audio=true", "train.micro_batch_tokens=600"]
@@ -24,9 +24,7 @@ def h3_cfg(data_cache):
 
 @pytest.fixture(scope="module")
 def layouts(h3_cfg, tmp_path_factory):
-    folder = pretrained_folder(h3_cfg.model, tmp_path_factory.mktemp("h3_pretrained"))
-    lora = replace(h3_cfg, model=replace(h3_cfg.model, pretrained=str(folder),
-                                         lora=replace(h3_cfg.model.lora, rank=4, alpha=8)))
+    lora = lora_run_cfg(h3_cfg, tmp_path_factory.mktemp("h3_pretrained"))  # rank 4 on a random folder
     return run_cases({"full": Case(h3_cfg, LAYOUT), "lora": Case(lora, LAYOUT)})
 
 

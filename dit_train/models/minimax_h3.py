@@ -239,7 +239,8 @@ class PackedMiniMaxH3(nn.Module):
         h = hv.new_zeros(L, hv.shape[1]).index_copy(0, iv, hv).index_copy(0, ia, ha.to(hv.dtype))
         if captions:
             flat, start = torch.cat(captions), torch.tensor([0] + [c.shape[0] for c in captions]).cumsum(0)[:-1]
-            h = h.index_copy(0, it, flat[start.to(seg.device)[seg[it]] + text[it] - 1].to(h.dtype))
+            if it.numel():  # (no slots: text None, or a CP rank without any)
+                h = h.index_copy(0, it, flat[start.to(seg.device)[seg[it]] + text[it] - 1].to(h.dtype))
             # a CP rank without caption slots (or audio) keeps the modules in its graph with an exact
             # zero: every rank's gradient reduction then covers the same parameters (FSDP2)
             h = h + 0.0 * flat.sum().to(h.dtype)
@@ -269,8 +270,10 @@ def _block_linears(b: nn.Module) -> list[nn.Module]:
 register_model(MINIMAX_H3.spec(
     name="minimax_h3", config=MiniMaxH3Config, mode=Mode.video,
     build=lambda cfg, backend="sdpa": PackedMiniMaxH3(cfg, backend),
-    # not measured for this block: LTX-2's numbers as a conservative stand-in (tests/test_planner.py)
-    activations=lambda cfg: ActivationModel(fp32_d=25.3, autocast_f32_d=8, autocast_lp_d=15.45, outside_d=6,
+    # measured with saved_tensors_hooks on PackedMiniMaxH3's block at d = 64, SwiGLU 128 (perf/memory.py
+    # calibrate_block: 7994 B/token fp32, 5145 under bf16 autocast; tests/test_planner.py re-measures);
+    # selective_d is HunyuanVideo 1.5's (not measured for this block)
+    activations=lambda cfg: ActivationModel(fp32_d=27.0, autocast_f32_d=8, autocast_lp_d=19.7, outside_d=6,
                                             selective_d=10.5),
     blocks=lambda m: m.transformer_blocks,
     block_linears=_block_linears,
