@@ -5,8 +5,6 @@ training and LoRA, under the per-stream hierarchical mean (B_audio counted acros
 context parallelism yet: refused before the run (docs/audio-video.md#minimax-h3-modelminimax_h3_tiny-modelminimax_h3-modelminimax_h3_tiny-modelminimax_h3)."""
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 
@@ -14,7 +12,7 @@ from tests.families import family_run_cfg, lora_run_cfg
 from tests.layout_cases import Case, assert_exact, run_cases
 
 AV = ["model=minimax_h3_tiny", "data.audio=true", "train.micro_batch_tokens=600"]
-LAYOUT = "dp_shard=2"
+LAYOUTS = {"dp": "dp_shard=2", "ulysses": "dp_shard=2,cp_ulysses=2", "ring": "dp_shard=2,cp_ring=2"}
 
 
 @pytest.fixture(scope="module")
@@ -25,36 +23,40 @@ def h3_cfg(data_cache):
 @pytest.fixture(scope="module")
 def layouts(h3_cfg, tmp_path_factory):
     lora = lora_run_cfg(h3_cfg, tmp_path_factory.mktemp("h3_pretrained"))  # rank 4 on a random folder
-    return run_cases({"full": Case(h3_cfg, LAYOUT), "lora": Case(lora, LAYOUT)})
+    cases = {name: Case(h3_cfg, spec) for name, spec in LAYOUTS.items()}
+    return run_cases(cases | {"lora": Case(lora, LAYOUTS["ulysses"])})
 
 
 @pytest.mark.slow
-def test_minimax_h3_training_matches_one_process(layouts):
-    assert_exact(*layouts["full"], f"MiniMax-H3 audio + video + text on {LAYOUT}")
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_minimax_h3_training_matches_one_process(name, layouts):
+    assert_exact(*layouts[name], f"MiniMax-H3 audio + video + text on {LAYOUTS[name]}")
 
 
 @pytest.mark.slow
 def test_minimax_h3_lora_matches_one_process(layouts):
     """LoRA adapts the blocks' attention and SwiGLU (not the token refiner's), the base stays put,
-    and the adapters on dp_shard=2 equal one process's."""
+    and the adapters on dp_shard=2 x cp_ulysses=2 equal one process's."""
     ref, got = layouts["lora"]
     adapted = {k.split(".lora_")[0] for k in ref if ".lora_" in k and not k.startswith("__")}
     assert adapted and all(k.startswith("transformer_blocks.") for k in adapted), adapted
     assert all(torch.equal(ref[k], ref[f"__init__/{k}"]) for k in ref if not k.startswith("__") and ".lora_" not in k)
-    assert_exact(ref, got, f"MiniMax-H3 LoRA on {LAYOUT}")
+    assert_exact(ref, got, f"MiniMax-H3 LoRA on {LAYOUTS['ulysses']}")
 
 
 def test_the_layout_case_is_not_vacuous(h3_cfg):
     """The steps trained hold clips with and without sound, every clip's caption as text slots,
-    and each DP rank's share of a step a different number of clips with sound (B_audio must be
-    summed over DP)."""
+    each DP rank's share of a step a different number of clips with sound (B_audio must be summed
+    over DP), and CP splits that leave a clip's video grid on one rank and its caption on the other
+    (the grid must come from the whole pack)."""
+    from dit_train.batch import cp_token_index
     from dit_train.data_pipelines.packing import plan_step
     from dit_train.tasks import build_task
 
     c = h3_cfg
     task = build_task(c.mode, c.data, c.model, c.loss, c.train.seed)
     assert task.streams == 2 and task.joint_text
-    uneven = with_audio = without = 0
+    uneven = with_audio = without = split = 0
     for step in range(c.train.steps):
         plan = plan_step(step, task.lengths(), c.train.global_batch, 2, 1, c.train.micro_batch_tokens, c.train.seed)
         per_rank = [0, 0]
@@ -65,14 +67,9 @@ def test_the_layout_case_is_not_vacuous(h3_cfg):
                 has = torch.bincount(full.seg[full.stream == 1], minlength=full.num_samples) > 0
                 with_audio, without = with_audio + int(has.sum()), without + int((~has).sum())
                 per_rank[r] += int(has.sum())
+                full = full.pad_to_multiple(2)
+                first = full.seg[cp_token_index(full.num_tokens, 2, 0, "contiguous")]
+                second = full.seg[cp_token_index(full.num_tokens, 2, 1, "contiguous")]
+                split += len(set(first[first >= 0].tolist()) & set(second[second >= 0].tolist()))
         uneven += per_rank[0] != per_rank[1]
-    assert with_audio > 0 and without > 0 and uneven > 0, (with_audio, without, uneven)
-
-
-def test_context_parallel_is_refused_before_the_run(h3_cfg):
-    from dit_train.config.errors import ConfigError
-    from dit_train.engine.checks import check_config
-
-    cfg = replace(h3_cfg, parallel=replace(h3_cfg.parallel, cp_ulysses=2, dp_shard=1))
-    with pytest.raises(ConfigError, match="model=minimax_h3 has no context parallelism yet"):
-        check_config(cfg, world_size=2)
+    assert with_audio > 0 and without > 0 and uneven > 0 and split > 0, (with_audio, without, uneven, split)

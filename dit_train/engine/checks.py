@@ -78,10 +78,6 @@ def _parallel(cfg: Config, world_size: int | None, e: list[str]) -> None:
         check(m.dim % m.heads == 0, f"model.dim={m.dim} must be divisible by model.heads={m.heads}", e)
     check(p.cp_ulysses >= 1 and m.heads % max(1, p.cp_ulysses) == 0,
            f"model.heads={m.heads} must be divisible by parallel.cp_ulysses={p.cp_ulysses} (Ulysses splits heads)", e)
-    why = model_spec(m).no_context_parallel if m.name in MODELS else ""
-    check(not why or p.cp_ulysses * p.cp_ring == 1,
-          f"parallel.cp_ulysses={p.cp_ulysses} / parallel.cp_ring={p.cp_ring}: model={m.name} has no context "
-          f"parallelism yet ({why}); use parallel.dp_shard", e)
     audio_heads = getattr(m, "audio_heads", 0)  # LTX-2's audio stream and its audio<->video attention
     check(not audio_heads or audio_heads % max(1, p.cp_ulysses) == 0,
            f"model.audio_heads={audio_heads} must be divisible by parallel.cp_ulysses={p.cp_ulysses} (Ulysses splits "

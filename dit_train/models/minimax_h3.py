@@ -24,9 +24,9 @@ as the pipeline does (diffusers' modular_pipelines/minimax_h3/before_denoise.py)
 - sign: MiniMax predicts the data-ward velocity x0 − ε; ours is ε − x0, so the heads' output is
   negated (a pretrained folder then trains under our objective unchanged).
 
-The video grid of a clip is read from its local tokens' positions (max + 1 per axis), so a CP
-rank holding part of a clip would place it on another grid: engine/checks.py refuses CP with
-this family (ModelSpec.no_context_parallel). No parallelism here (no torch.distributed).
+The video grid of a clip (max + 1 of its positions) is read from the whole pack: under CP from
+the layout, which keeps the full pack's positions (a rank may hold part of a clip). No
+parallelism here (no torch.distributed).
 """
 from __future__ import annotations
 
@@ -154,19 +154,25 @@ def _spatial(n: torch.Tensor, ratio: torch.Tensor, i: torch.Tensor) -> torch.Ten
     return ((1.0 - ratio) / 2.0 + i * ratio / n) * _SPATIAL_SCALE
 
 
+def clip_grids(pos: torch.Tensor, seg: torch.Tensor, S: int) -> torch.Tensor:
+    """[S, 2] float64 each clip's patch grid (rows, cols): max + 1 of its tokens' (h, w) in the WHOLE
+    pack (pos [L, 3], seg [L]; audio and caption tokens sit at h = w = 0 and change nothing)."""
+    grid = torch.ones(S, 2, dtype=torch.float64, device=pos.device)
+    real = seg >= 0
+    if S and bool(real.any()):
+        grid = grid.scatter_reduce(0, seg[real, None].expand(-1, 2), pos[real, 1:].double() + 1, "amax")
+    return grid
+
+
 def positions(pos: torch.Tensor, seg: torch.Tensor, tag: torch.Tensor, text: torch.Tensor, text_len: torch.Tensor,
-              patch: tuple[int, int, int]) -> torch.Tensor:
+              grid: torch.Tensor, patch: tuple[int, int, int]) -> torch.Tensor:
     """[L, 3] float64 MiniMax-H3 rotary coordinates of a pack's tokens (module docstring): pos [L, 3]
     our patch coordinates (an audio token's pos[:, 0] its index in its track), seg [L], tag [L]
-    modality, text [L] 1 + caption index, text_len [S] each clip's caption tokens."""
-    S = text_len.shape[0]
+    modality, text [L] 1 + caption index, text_len [S] each clip's caption tokens, grid [S, 2]
+    `clip_grids` of the whole pack."""
     pos, out = pos.double(), pos.new_zeros(pos.shape, dtype=torch.float64)
     seg_c = seg.clamp_min(0)
     video = (tag == VIDEO_TAG) & (seg >= 0)
-    # each clip's latent grid (rows, cols) from its video tokens, as ph·rows x pw·cols latents
-    grid = torch.ones(S, 2, dtype=torch.float64, device=pos.device)
-    if S and bool(video.any()):
-        grid = grid.scatter_reduce(0, seg_c[video, None].expand(-1, 2), pos[video, 1:] + 1, "amax")
     hh, ww = grid[:, 0] * patch[1], grid[:, 1] * patch[2]
     area = torch.sqrt(hh * ww)
     rh, rw = (hh / area)[seg_c], (ww / area)[seg_c]
@@ -247,8 +253,11 @@ class PackedMiniMaxH3(nn.Module):
         h = h + 0.0 * ha.sum().to(h.dtype)
         text_len = (context_len if context_len is not None and captions else torch.tensor(
             [c.shape[0] for c in captions] or [0] * S, dtype=torch.long)).to(seg.device)
+        # the clips' grids from the whole pack: under CP the layout keeps its positions (a rank holds part of a clip)
+        full_pos = getattr(meta, "full_pos", None)  # (CPAttnLayout's; a VarlenLayout's pack is whole)
+        grid = clip_grids(pos, seg, S) if full_pos is None else clip_grids(full_pos, meta.seg, S)
         cos, sin = _rotation(positions(pos, seg, tag, text if text is not None else torch.zeros_like(seg), text_len,
-                                       self.patch).float(), self.rope_freq_dim, self.rope_theta)
+                                       grid, self.patch).float(), self.rope_freq_dim, self.rope_theta)
         rope, adaln = PackedRope(cos, sin, meta), row * 3 + tag
         h = h[None]
         for block in self.transformer_blocks:
@@ -283,8 +292,6 @@ register_model(MINIMAX_H3.spec(
     # the blocks' attention and SwiGLU (the token refiner's, of the same names, stay frozen)
     lora_targets=r"transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0)|ff\.net\.(0\.proj|2))",
     joint_text=True,
-    no_context_parallel="a clip's video grid is read from its local tokens, so a CP rank holding part of a clip "
-                        "would place its rotary coordinates on another grid",
     audio_positions="index",  # an audio token's pos[:, 0]: its index in the clip's track
     silent_ok=True,  # a clip without sound: its text and video tokens alone
     vae_stride=(4, 16, 16),  # MiniMax-H3's video VAE: 16x in height and width (vae_spatial_compression_ratio)

@@ -99,8 +99,6 @@ class ModelSpec:
     # a model with an audio stream that also trains without sound (data.audio=false: every clip is
     # video alone, LTX-2 fine-tuned on silent films); False = data.audio=true is required
     silent_ok: bool = False
-    # why the model cannot run under context parallelism ("" = it can): refused before step 0
-    no_context_parallel: str = ""
     moe: bool = False  # builds mixture-of-experts blocks from `model.moe` (models/moe.py)
     # latent compression (t, h, w) of the family's VAE: the clip planner's default (tools.plan --frames)
     vae_stride: tuple[int, int, int] = (4, 8, 8)
