@@ -11,7 +11,9 @@ import torch
 from tests.families import family_run_cfg, lora_run_cfg
 from tests.layout_cases import Case, assert_exact, run_cases
 
-AV = ["model=minimax_h3_tiny", "data.audio=true", "train.micro_batch_tokens=600"]
+# short captions and these packs: CP splits where a rank holds media tokens of a clip but not its
+# whole grid (checked below)
+AV = ["model=minimax_h3_tiny", "data.audio=true", "model.text_len=4", "train.micro_batch_tokens=700"]
 LAYOUTS = {"dp": "dp_shard=2", "ulysses": "dp_shard=2,cp_ulysses=2", "ring": "dp_shard=2,cp_ring=2"}
 
 
@@ -47,10 +49,11 @@ def test_minimax_h3_lora_matches_one_process(layouts):
 def test_the_layout_case_is_not_vacuous(h3_cfg):
     """The steps trained hold clips with and without sound, every clip's caption as text slots,
     each DP rank's share of a step a different number of clips with sound (B_audio must be summed
-    over DP), and CP splits that leave a clip's video grid on one rank and its caption on the other
-    (the grid must come from the whole pack)."""
+    over DP), and CP splits where a rank holds video or audio tokens of a clip whose grid its own
+    tokens do not show (the grid must come from the whole pack)."""
     from dit_train.batch import cp_token_index
     from dit_train.data_pipelines.packing import plan_step
+    from dit_train.models.minimax_h3 import clip_grids
     from dit_train.tasks import build_task
 
     c = h3_cfg
@@ -61,15 +64,19 @@ def test_the_layout_case_is_not_vacuous(h3_cfg):
         plan = plan_step(step, task.lengths(), c.train.global_batch, 2, 1, c.train.micro_batch_tokens, c.train.seed)
         per_rank = [0, 0]
         for r, packs in enumerate(plan.micro_batches):
-            for ids in packs:
+            for ids in (p for p in packs if p):  # (a rank's micro-batch may hold no clip)
                 full = task.build(ids, step)
                 assert int((full.tokens["text"] > 0).sum()) > 0 and full.stream.shape == full.seg.shape
                 has = torch.bincount(full.seg[full.stream == 1], minlength=full.num_samples) > 0
                 with_audio, without = with_audio + int(has.sum()), without + int((~has).sum())
                 per_rank[r] += int(has.sum())
                 full = full.pad_to_multiple(2)
-                first = full.seg[cp_token_index(full.num_tokens, 2, 0, "contiguous")]
-                second = full.seg[cp_token_index(full.num_tokens, 2, 1, "contiguous")]
-                split += len(set(first[first >= 0].tolist()) & set(second[second >= 0].tolist()))
+                whole = clip_grids(full.pos, full.seg, full.num_samples)
+                for cp_rank in range(2):
+                    idx = cp_token_index(full.num_tokens, 2, cp_rank, "contiguous")
+                    seg, media = full.seg[idx], full.tokens["text"][idx] == 0
+                    local = clip_grids(full.pos[idx], seg, full.num_samples)
+                    held = torch.unique(seg[(seg >= 0) & media])
+                    split += int((local[held] != whole[held]).any(1).sum())
         uneven += per_rank[0] != per_rank[1]
     assert with_audio > 0 and without > 0 and uneven > 0 and split > 0, (with_audio, without, uneven, split)

@@ -171,7 +171,10 @@ def positions(pos: torch.Tensor, seg: torch.Tensor, tag: torch.Tensor, text: tor
     modality, text [L] 1 + caption index, text_len [S] each clip's caption tokens, grid [S, 2]
     `clip_grids` of the whole pack."""
     pos, out = pos.double(), pos.new_zeros(pos.shape, dtype=torch.float64)
-    seg_c = seg.clamp_min(0)
+    S = grid.shape[0]  # padding reads one more row (a rank's pack may hold no clip at all)
+    seg_c = torch.where(seg >= 0, seg, S)
+    grid = torch.cat([grid, grid.new_ones(1, 2)])
+    text_len = torch.cat([text_len, text_len.new_zeros(1)])
     video = (tag == VIDEO_TAG) & (seg >= 0)
     hh, ww = grid[:, 0] * patch[1], grid[:, 1] * patch[2]
     area = torch.sqrt(hh * ww)
@@ -243,6 +246,9 @@ class PackedMiniMaxH3(nn.Module):
         hv, ha = self.proj_in(width(x[iv], cv)), self.audio_proj_in(width(x[ia], ca))
         captions = self._captions(context, context_len, S)
         h = hv.new_zeros(L, hv.shape[1]).index_copy(0, iv, hv).index_copy(0, ia, ha.to(hv.dtype))
+        if not captions and context is not None:  # a pack without clips: a dummy caption, times 0 (FSDP2, below)
+            dummy = self.context_embedder(x.new_zeros(1, 1, self.context_embedder.in_features).to(w.dtype))
+            h = h + 0.0 * self.token_refiner(dummy).sum().to(h.dtype)
         if captions:
             flat, start = torch.cat(captions), torch.tensor([0] + [c.shape[0] for c in captions]).cumsum(0)[:-1]
             if it.numel():  # (no slots: text None, or a CP rank without any)
@@ -264,7 +270,8 @@ class PackedMiniMaxH3(nn.Module):
             h = block(h, temb, adaln, rope)
         h = self.norm_out(h, temb, row)[0].to(self.proj_out.weight.dtype)
         out_v, out_a = -self.proj_out(h[iv]), -self.audio_proj_out(h[ia])  # MiniMax's x0 − ε -> our ε − x0
-        width = out_v.shape[1] if stream is None else max(out_v.shape[1], out_a.shape[1])
+        # as wide as the pack's inputs (a pack without any audio, e.g. a rank's empty one, is the video's width)
+        width = out_v.shape[1] if stream is None else max(out_v.shape[1], x.shape[1])
         pad = lambda y: nn.functional.pad(y, (0, width - y.shape[1]))  # noqa: E731
         out = out_v.new_zeros(L, width).index_copy(0, iv, pad(out_v))
         return out.index_copy(0, ia, pad(out_a).to(out.dtype)) + 0.0 * out_a.sum()
