@@ -1,8 +1,9 @@
 """MiniMax-H3 (model=minimax_h3_tiny: diffusers' MiniMaxH3Transformer3DModel, caption, audio and
-video tokens of a clip in one sequence) trains layout-exact: dp_shard=2 against one process on the
-embedded set with sound (uneven clips, a quarter without audio, text slots in every pack), full
-training and LoRA, under the per-stream hierarchical mean (B_audio counted across DP). No
-context parallelism yet: refused before the run (docs/audio-video.md#minimax-h3-modelminimax_h3_tiny-modelminimax_h3-modelminimax_h3_tiny-modelminimax_h3)."""
+video tokens of a clip in one sequence) trains layout-exact against one process: dp_shard=2,
+dp_shard=2 x cp_ulysses=2 and dp_shard=2 x cp_ring=2, on the embedded set with sound (uneven
+clips, a quarter without audio, text slots in every pack, CP ranks holding part of a clip), full
+training, and LoRA on Ulysses, under the per-stream hierarchical mean (T_{b,s} summed in the CP
+group, B_s across DP) (docs/audio-video.md#minimax-h3-modelminimax_h3_tiny-modelminimax_h3)."""
 from __future__ import annotations
 
 import pytest
