@@ -44,6 +44,15 @@ def pretrained_folder(cfg, folder):
     return path
 
 
+def lora_run_cfg(cfg, folder, rank: int = 4, alpha: int = 8):
+    """`cfg` as LoRA (rank, alpha; the family's default targets) on a random pretrained folder of
+    its shape written under `folder` (pretrained_folder)."""
+    from dataclasses import replace
+
+    path = pretrained_folder(cfg.model, folder)
+    return replace(cfg, model=replace(cfg.model, pretrained=str(path), lora=replace(cfg.model.lora, rank=rank, alpha=alpha)))
+
+
 def assert_grads_match(ours: torch.nn.Module, ref: torch.nn.Module, rel: float = 1e-4) -> None:
     """After backward through both: every parameter of `ours` has a gradient, and it is within
     rel x (the largest |gradient|) of the gradient of `ref`'s parameter of the same name."""

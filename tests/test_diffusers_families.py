@@ -18,7 +18,7 @@ import torch
 
 from dit_train.models import build_model, model_spec
 from dit_train.models.diffusers_family import family_of, read_pretrained
-from tests import test_hunyuan15, test_ltx, test_ltx2, test_skyreels_v2, test_wan
+from tests import test_hunyuan15, test_ltx, test_ltx2, test_minimax_h3, test_skyreels_v2, test_wan
 from tests.families import family_run_cfg, pretrained_folder
 
 
@@ -41,6 +41,9 @@ FAMILIES = {
                            "loss.history_prob=0.5"), test_skyreels_v2.same_outputs, 3.0, frames=4),
     # both streams train on the embedded world's sound; outputs compared on a clip with sound
     "ltx2": Family(("model=ltx2_tiny", "model.text_len=16", "data.audio=true"), test_ltx2.same_outputs, 3.0),
+    # caption, audio and video tokens in one sequence; outputs compared on a clip with sound and caption
+    "minimax_h3": Family(("model=minimax_h3_tiny", "model.text_len=16", "data.audio=true"),
+                         test_minimax_h3.same_outputs, 3.0),
 }
 # registered diffusers families whose round trip needs more than a tiny preset, and where it is
 ELSEWHERE = {"wan_vace": "tests/test_wan_vace.py (needs a control video: pretrained -> LoRA run -> merged export)"}

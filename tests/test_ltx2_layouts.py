@@ -5,12 +5,11 @@ but none of its audio: tests/test_av_layouts.py shows the same planner's steps a
 full training and LoRA on both streams (docs/audio-video.md)."""
 from __future__ import annotations
 
-from dataclasses import replace
 
 import pytest
 import torch
 
-from tests.families import family_run_cfg, pretrained_folder
+from tests.families import family_run_cfg, lora_run_cfg
 from tests.layout_cases import Case, assert_exact, run_cases
 
 AV = ["model=ltx2_tiny", "data.audio=true", "model.audio_dim=32", "model.audio_heads=4", "train.micro_batch_tokens=600"]
@@ -25,9 +24,7 @@ def ltx2_cfg(data_cache):
 @pytest.fixture(scope="module")
 def lora_cfg(ltx2_cfg, tmp_path_factory):
     """LoRA (rank 4, the family's default targets) on a random pretrained LTX-2 folder."""
-    folder = pretrained_folder(ltx2_cfg.model, tmp_path_factory.mktemp("ltx2_pretrained"))
-    return replace(ltx2_cfg, model=replace(ltx2_cfg.model, pretrained=str(folder),
-                                           lora=replace(ltx2_cfg.model.lora, rank=4, alpha=8)))
+    return lora_run_cfg(ltx2_cfg, tmp_path_factory.mktemp("ltx2_pretrained"))
 
 
 @pytest.fixture(scope="module")

@@ -232,10 +232,11 @@ def test_frames_question_for_every_registered_video_model():
 
     presets = {"dit": "dit_1b", "wan": "wan_14b", "ltx": "ltx_2b", "hunyuan15": "hunyuan15_8b", "wan_vace": "wan_vace_14b",
                "skyreels_v2": "skyreels_v2_14b",
-               "ltx2": "ltx2_19b"}
+               "ltx2": "ltx2_19b", "minimax_h3": "minimax_h3"}
     # latent tokens of an 81-frame 480x832 clip: Wan-VAE 4x8x8 at patch 1x2x2; LTX's VAE 8x32x32 at
     # patch 1; HunyuanVideo 1.5's VAE 4x16x16 at patch 1 (the same grid as Wan's)
-    tokens = {"ltx": 11 * 15 * 26, "ltx2": 11 * 15 * 26}
+    # MiniMax-H3's VAE 4x16x16 at patch 1x2x2 (21 latent frames by our 1 + 4k rule)
+    tokens = {"ltx": 11 * 15 * 26, "ltx2": 11 * 15 * 26, "minimax_h3": 21 * 15 * 26}
     for name in MODELS.names():
         spec = MODELS[name]
         if spec.mode != "video":

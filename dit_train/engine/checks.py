@@ -184,6 +184,8 @@ RANGES: dict[str, Range] = {
     "model.in_channels": Range(1), "model.vocab_size": Range(1),
     "model.ffn_dim": Range(0, note="0 = model.dim x model.mlp_ratio"), "model.freq_dim": Range(1),
     "model.norm_eps": Range(0, low_open=True),
+    "model.head_dim": Range(1), "model.refiner_depth": Range(0), "model.time_hidden": Range(1),
+    "model.time_dim": Range(1), "model.rope_freq_dim": Range(1),
     "model.boundary_ratio": Range(0, 1, high_open=True, note="0 = no expert boundary (Wan 2.2 A14B: 0.875)"),
     "model.image_dim": Range(0, note="0 = no CLIP image branch (Wan 2.1 I2V: 1280)"),
     "model.pos_embed_seq_len": Range(0, note="0 = none (Wan 2.1 FLF2V: 514)"),

@@ -6,7 +6,7 @@ from typing import Any
 
 from torch import nn
 
-from dit_train.models import dit, hunyuan15, lm, ltx, ltx2, skyreels_v2, wan, wan_vace  # noqa: F401  (each registers its ModelSpec)
+from dit_train.models import dit, hunyuan15, lm, ltx, ltx2, minimax_h3, skyreels_v2, wan, wan_vace  # noqa: F401  (each registers its ModelSpec)
 from dit_train.models.dit import DiTConfig, VideoDiT, patch_dim
 from dit_train.models.init import init_weights, initialize
 from dit_train.models.layers import Block, Conditioning

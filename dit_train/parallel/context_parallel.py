@@ -41,7 +41,9 @@ class CPAttnLayout:
     in-sample index, or the temporal block of block-causal video); index[c]: [L/cp] token indices
     held by CP rank c. stream: [L] the full pack's `PackedBatch.stream` (None = one stream), for a
     model that derives per-stream layouts (`restricted`); key_seg: [L] the keys' own segment ids
-    when they differ from the queries' (kernels.VarlenLayout.key_seg), else None.
+    when they differ from the queries' (kernels.VarlenLayout.key_seg), else None; full_pos: [L, A] the
+    full pack's positions (None = not kept), for a model whose tokens' coordinates depend on their
+    whole clip (MiniMax-H3's aspect-normalised grid) while a rank holds part of it.
     """
 
     seg: torch.Tensor
@@ -50,6 +52,7 @@ class CPAttnLayout:
     index: list[torch.Tensor]
     stream: torch.Tensor | None = None
     key_seg: torch.Tensor | None = None
+    full_pos: torch.Tensor | None = None
     # what the first attention layer derives from the layout (host syncs) and the others reuse:
     # ("blocks", query ring rank, key ring rank) -> SampleBlocks of that ring step;
     # ("visible", ...) -> bool, for the dense reference; ("local", ...) -> the Ulysses VarlenLayout
@@ -58,12 +61,12 @@ class CPAttnLayout:
     def to(self, device: torch.device | str) -> "CPAttnLayout":
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return CPAttnLayout(self.seg.to(device), self.order.to(device), self.causal, [i.to(device) for i in self.index],
-                            move(self.stream), move(self.key_seg))
+                            move(self.stream), move(self.key_seg), move(self.full_pos))
 
     def restricted(self, seg: torch.Tensor, key_seg: torch.Tensor | None = None) -> "CPAttnLayout":
         """The same split with other segment ids [L] of the full pack (and the keys' own, `key_seg`):
         kernels.VarlenLayout.restricted under CP."""
-        return CPAttnLayout(seg, self.order, self.causal, self.index, self.stream, key_seg)
+        return CPAttnLayout(seg, self.order, self.causal, self.index, self.stream, key_seg, self.full_pos)
 
     def keys(self) -> torch.Tensor:
         """[L] the keys' segment ids."""
@@ -76,7 +79,8 @@ def split_for_cp(batch: PackedBatch, cp: int, cp_rank: int, layout: str) -> tupl
     full = batch.pad_to_multiple(multiple)
     L = full.num_tokens
     index = [cp_token_index(L, cp, c, layout).to(full.seg.device) for c in range(cp)]
-    meta = CPAttnLayout(seg=full.seg, order=full.mask_order, causal=full.causal, index=index, stream=full.stream)
+    meta = CPAttnLayout(seg=full.seg, order=full.mask_order, causal=full.causal, index=index, stream=full.stream,
+                        full_pos=full.pos)
     return full.select(index[cp_rank]), meta
 
 

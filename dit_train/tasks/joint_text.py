@@ -43,6 +43,8 @@ def join_text_tokens(batch: PackedBatch, counts: torch.Tensor) -> PackedBatch:
     tokens["text"] = cat(torch.zeros(batch.num_tokens, dtype=torch.long), j + 1)
     out = replace(batch, seg=seg[where], pos=cat(batch.pos, slots(batch.pos)), order=cat(batch.order, clip_len[seg_t] + j),
                   valid=cat(batch.valid, torch.zeros(seg_t.numel(), dtype=torch.bool)), tokens=tokens, weight=None)
+    if batch.stream is not None:  # audio tokens too (MiniMax-H3): the slots are stream 0 at weight 0, outside every T_{b,s}
+        out = replace(out, stream=cat(batch.stream, torch.zeros(seg_t.numel(), dtype=torch.long)))
     if batch.weight is not None:
         out = out.with_weight(cat(batch.weight, torch.zeros(seg_t.numel(), dtype=torch.int64)))
     return out
