@@ -2,7 +2,8 @@
 
     python -m dit_train.tools.cache_latents --vae /models/Wan2.1-T2V-1.3B-Diffusers --text-encoder /models/Wan2.1-T2V-1.3B-Diffusers \\
         --out latents/my_videos data=video_folder data.root=videos/ data.max_frames=81 'data.resolution_buckets=[[480,832]]'
-    python -m dit_train.tools.cache_latents --workers 4 ...          # 4 local processes (one GPU each when there are 4)
+    python -m dit_train.tools.cache_latents --workers 4 ...          # 4 local processes (one GPU each when there are 4),
+                                                                     #   started like training's local workers
     python -m dit_train.tools.cache_latents --i2v first_frame --image-encoder /models/Wan2.1-I2V-14B-480P-Diffusers ...
                                                                      # + Wan 2.1 I2V's condition latents and CLIP tokens
     python -m dit_train.tools.cache_latents --masks --control ...    # + each clip's mask and control video (data.masks,
