@@ -368,3 +368,39 @@ def test_a_vae_folder_without_safetensors_is_one_error_naming_it(models, tmp_pat
         f.rename(f.with_suffix(".bin"))
     with pytest.raises(ValueError, match=rf"the VAE folder {vae} cannot be loaded .*safetensors"):
         lc.VaeCodec(str(vae))
+
+
+
+def test_a_failing_local_worker_ends_the_tool_with_one_error_line(models, source, tmp_path, capsys, monkeypatch):
+    """--workers 2 starts its workers with engine.launch.launch_local, which raises WorkerFailure
+    ("worker rank 1 failed ...": tests/test_distributed.py) once a worker fails and the others were
+    stopped; the tool ends with that one `error:` line, not a traceback. The launcher is stood in
+    for: the real one costs ~22 CPU-s here (a fork server, 2 workers) for what test_distributed checks."""
+    from dit_train.config.errors import WorkerFailure
+    from dit_train.engine import launch
+    from dit_train.tools import cache_latents
+
+    calls = []
+
+    def failing_launch(fn, args, nproc, cfg):
+        calls.append((fn, nproc))
+        raise WorkerFailure("worker rank 1 failed (exit code 1): ValueError: boom")
+
+    monkeypatch.setattr(launch, "launch_local", failing_launch)
+    assert cache_latents.main(cache_args(models, source, tmp_path / "out", tmp_path / "probe", "--workers", "2")) == 1
+    assert calls == [(cache_latents._local_worker, 2)]
+    assert capsys.readouterr().err == "error: worker rank 1 failed (exit code 1): ValueError: boom\n"
+
+
+def test_a_default_group_of_another_size_is_refused(monkeypatch):
+    """A rank function handed an existing default group (the tests' pooled workers, a caller's)
+    uses it only if it holds the run's `world` processes: collectives over another size would hang
+    or split the clips wrongly."""
+    import torch.distributed as dist
+
+    from dit_train.tools.cache_latents import run_rank
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 4)
+    with pytest.raises(ValueError, match="a process group of 4 processes exists but this cache run is for 2"):
+        run_rank(0, 2, 0, None, None, None)

@@ -2,7 +2,8 @@
 
     python -m dit_train.tools.cache_latents --vae /models/Wan2.1-T2V-1.3B-Diffusers --text-encoder /models/Wan2.1-T2V-1.3B-Diffusers \\
         --out latents/my_videos data=video_folder data.root=videos/ data.max_frames=81 'data.resolution_buckets=[[480,832]]'
-    python -m dit_train.tools.cache_latents --workers 4 ...          # 4 local processes (one GPU each when there are 4)
+    python -m dit_train.tools.cache_latents --workers 4 ...          # 4 local processes (one GPU each when there are 4),
+                                                                     #   started like training's local workers
     python -m dit_train.tools.cache_latents --i2v first_frame --image-encoder /models/Wan2.1-I2V-14B-480P-Diffusers ...
                                                                      # + Wan 2.1 I2V's condition latents and CLIP tokens
     python -m dit_train.tools.cache_latents --masks --control ...    # + each clip's mask and control video (data.masks,
@@ -43,27 +44,27 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from safetensors.torch import save as safetensors_bytes
 
 from dit_train.compose import compose
-from dit_train.config.errors import RunFailed
+from dit_train.config import LauncherConfig
+from dit_train.config.errors import RunFailed, WorkerFailure
 from dit_train.data_pipelines import latent_cache as lc, prepare_data, source_for
 from dit_train.data_pipelines.audio_latents import AudioLatentCodec
 from dit_train.data_pipelines.companions import KINDS
 from dit_train.data_pipelines.i2v_cache import I2V_KINDS, I2VEncoder, ImageEncoder
-from dit_train.data_pipelines.shard_index import NULL_TEXT, check_or_write_meta, fingerprint, merge_index, read_json
+from dit_train.data_pipelines.shard_index import NULL_TEXT, check_or_write_meta, fingerprint, merge_index
 from dit_train.data_pipelines.shard_store import is_remote, join, open_url, put_bytes
 from dit_train.data_pipelines.shard_writer import latent_sample, shard_count, slice_of, write_shards
 from dit_train.data_pipelines.video_io import VideoReadError
 from dit_train.data_pipelines.video_source import PixelVideoSource
+from dit_train.engine import launch  # launch.launch_local at call time: the tests route it to their worker pool
 from dit_train.engine.launch import interrupt_on_signals, interruption
 from dit_train.tools.args import POSITIVE_INT, ToolParser
 from dit_train.tools.make_shards import digest, storage_options
@@ -92,12 +93,13 @@ def pick_device(spec: str, local_rank: int) -> str:
 
 def run_rank(rank: int, world: int, local_rank: int, args: argparse.Namespace, data, init_method: str | None) -> dict | None:
     """One rank's share; rank 0 also writes meta.json, the null caption and, once every rank
-    is done, manifest.jsonl and report.json. Returns the report on rank 0. A process group that
-    exists already (a caller's) is used and left as it was."""
+    is done, manifest.jsonl and report.json. Returns the report on rank 0. A default process group
+    that exists already (the local launcher's pooled workers in the tests, a caller's) is used if
+    it holds `world` processes and left as it was; otherwise, with world > 1, one is made (gloo)."""
+    if dist.is_initialized() and dist.get_world_size() != world:
+        raise ValueError(f"a process group of {dist.get_world_size()} processes exists but this cache run is for {world}")
     own_group = world > 1 and not dist.is_initialized()
     if own_group:
-        if args.workers > 1:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
                                 timeout=datetime.timedelta(hours=24))  # ranks may wait long for the slowest
     try:
@@ -221,22 +223,12 @@ def encode_shards(rank: int, world: int, args: argparse.Namespace, data, source,
     return summary
 
 
-def _spawned(rank: int, world: int, args: argparse.Namespace, data, init_method: str) -> None:
-    run_rank(rank, world, rank, args, data, init_method)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def read_report(args: argparse.Namespace) -> dict:
-    """report.json that rank 0 wrote (the spawned workers' results stay in their processes)."""
-    if shards_mode(args):
-        fs, root = open_url(args.out, storage_options(args.storage_options), key="--out")
-        return read_json(fs, join(root, lc.REPORT))
-    return json.loads((Path(args.out).expanduser() / lc.REPORT).read_text())
+def _local_worker(args: argparse.Namespace, data) -> dict | None:
+    """One of --workers N local processes started by `launch.launch_local` (RANK, WORLD_SIZE,
+    LOCAL_RANK and MASTER_* set by it): the CPU's threads shared between them, then `run_rank`."""
+    world = int(os.environ["WORLD_SIZE"])
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    return run_rank(int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", 0)), args, data, "env://")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -289,11 +281,11 @@ def main(argv: list[str] | None = None) -> int:
             report = run_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
                               int(os.environ.get("LOCAL_RANK", 0)), args, data, "env://")
         elif args.workers > 1:
-            mp.spawn(_spawned, args=(args.workers, args, data, f"tcp://127.0.0.1:{_free_port()}"), nprocs=args.workers)
-            report = read_report(args)
+            # the launcher of every local run: forked workers, one line when one fails (WorkerFailure)
+            report = launch.launch_local(_local_worker, (args, data), args.workers, LauncherConfig())[0]
         else:
             report = run_rank(0, 1, 0, args, data, None)
-    except (ValueError, RunFailed) as err:
+    except (ValueError, RunFailed, WorkerFailure) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as err:  # Ctrl-C / SIGTERM: a traceback before; the samples written are kept
