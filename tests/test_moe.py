@@ -40,11 +40,13 @@ def test_moe_layer_matches_a_token_by_token_loop():
         rows.append(sum(g[j] * F.linear(F.gelu(F.linear(x[t], ex.w1[e], ex.b1[e]), approximate="tanh"), ex.w2[e], ex.b2[e])
                         for j, e in enumerate(top.tolist())))
     ref = torch.stack(rows)
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+    # fp32 in another summation order (batched experts vs a loop): 1.4e-6 seen on an AVX2 CPU; a wrong
+    # expert or routing weight is off by ~1e-1
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     grads = torch.autograd.grad(out.square().sum(), [x, *layer.parameters()])
     ref_grads = torch.autograd.grad(ref.square().sum(), [x, *layer.parameters()])
     for g, r in zip(grads, ref_grads):
-        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
     assert layer.routing.experts.shape == (23, 2)
 
 

@@ -278,6 +278,28 @@ def _worker(fn: Callable[..., Any], args: tuple, beat_dir: str | None = None, en
         return run_stoppable(fn, *args)
     except KeyboardInterrupt as err:  # stopped on purpose: an exit code, not a traceback per worker
         raise SystemExit(interruption(err)[1]) from None
+    except Exception as err:
+        if _peer_failure(err):
+            time.sleep(PEER_GRACE_S)
+        raise
+
+
+# A collective that fails because a peer died (killed, out of memory) is a secondary error: this
+# rank waits before exiting so that the agent sees the dead peer first and the run's one line names
+# it. Without the wait the agent, polling every launcher.monitor_interval, could find both ranks
+# dead at once and report the lowest (forked workers' exits reach it through the fork server, a few
+# milliseconds later than a spawned child's): "rank 0 failed: Connection closed by peer" for a rank
+# 1 killed by SIGKILL (seen once in a loaded clean-clone suite).
+PEER_GRACE_S = 3.0
+_PEER_WORDS = ("closed by peer", "reset by peer", "remote worker", "remote process exited")
+
+
+def _peer_failure(err: BaseException) -> bool:
+    """Whether err is a collective failing because another rank is gone (gloo: a RuntimeError
+    "Connection closed by peer ... typically caused by a remote worker crashing")."""
+    import torch.distributed as dist  # deferred: loaded in every worker already
+
+    return isinstance(err, dist.DistError) or any(w in str(err) for w in _PEER_WORDS)
 
 
 def launch_local(fn: Callable[..., Any], args: tuple, nproc: int, cfg: LauncherConfig) -> dict[int, Any]:
