@@ -280,7 +280,8 @@ def _worker(fn: Callable[..., Any], args: tuple, beat_dir: str | None = None, en
         raise SystemExit(interruption(err)[1]) from None
     except Exception as err:
         if _peer_failure(err):
-            time.sleep(PEER_GRACE_S)
+            with contextlib.suppress(KeyboardInterrupt):  # the agent, having seen the dead peer, stops this rank
+                time.sleep(PEER_GRACE_S)
         raise
 
 
