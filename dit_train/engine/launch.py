@@ -26,6 +26,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -298,8 +299,6 @@ _PEER_WORDS = ("closed by peer", "reset by peer", "remote worker", "remote proce
 def _peer_failure(err: BaseException) -> bool:
     """Whether err is a collective failing because another rank is gone (gloo: a RuntimeError
     "Connection closed by peer ... typically caused by a remote worker crashing")."""
-    import torch.distributed as dist  # deferred: loaded in every worker already
-
     return isinstance(err, dist.DistError) or any(w in str(err) for w in _PEER_WORDS)
 
 
