@@ -110,3 +110,11 @@ def cross_attention_linears(block: nn.Module, ff: nn.Module) -> list[nn.Module]:
     caption tokens only)."""
     a1, a2 = block.attn1, block.attn2
     return [a1.to_q, a1.to_k, a1.to_v, a1.to_out[0], a2.to_q, a2.to_out[0], ff.net[0].proj, ff.net[2]]
+
+
+def joint_attention_linears(block: nn.Module) -> list[nn.Module]:
+    """ModelSpec.block_linears of a block with one attention `attn` over a joint sequence and the
+    feed-forward `ff` (HunyuanVideo 1.5's video stream, MiniMax-H3): the matmuls it applies to every
+    token it is given."""
+    a = block.attn
+    return [a.to_q, a.to_k, a.to_v, a.to_out[0], block.ff.net[0].proj, block.ff.net[2]]

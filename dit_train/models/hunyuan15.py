@@ -44,7 +44,7 @@ from dit_train.config.choices import Mode
 from dit_train.config.schema import VideoModelConfig
 from dit_train.kernels import LocalAttention
 from dit_train.models.diffusers_family import DiffusersFamily
-from dit_train.models.family_forward import take_modules, time_rows
+from dit_train.models.family_forward import joint_attention_linears, take_modules, time_rows
 from dit_train.models.lora_formats import KeyMap
 from dit_train.models.registry import ActivationModel, register_model
 
@@ -300,11 +300,6 @@ class PackedHunyuan15(nn.Module):
 # --------------------------------------------------------------------------- the family
 
 
-def _block_linears(b: nn.Module) -> list[nn.Module]:
-    """Matmuls a block applies to every video token (the text stream's act on text tokens only)."""
-    return [b.attn.to_q, b.attn.to_k, b.attn.to_v, b.attn.to_out[0], b.ff.net[0].proj, b.ff.net[2]]
-
-
 register_model(HUNYUAN15.spec(
     name="hunyuan15", config=Hunyuan15Config, mode=Mode.video,
     build=lambda cfg, backend="sdpa": PackedHunyuan15(cfg, backend),
@@ -316,7 +311,7 @@ register_model(HUNYUAN15.spec(
     activations=lambda cfg: ActivationModel(fp32_d=25.3, autocast_f32_d=8, autocast_lp_d=15.45, outside_d=6,
                                             selective_d=10.5),
     blocks=lambda m: m.transformer_blocks,
-    block_linears=_block_linears,
+    block_linears=joint_attention_linears,  # the video stream's (text-stream linears act on text only)
     io_linears=lambda m: [m.x_embedder.proj, m.proj_out],
     io_dim=lambda cfg: cfg.in_channels * cfg.patch_size[0] * cfg.patch_size[1] * cfg.patch_size[2],
     hidden=lambda cfg: int(cfg.dim * cfg.mlp_ratio),

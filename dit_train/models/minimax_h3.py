@@ -41,7 +41,7 @@ from dit_train.config.choices import Mode
 from dit_train.config.schema import VideoModelConfig
 from dit_train.kernels import LocalAttention
 from dit_train.models.diffusers_family import DiffusersFamily
-from dit_train.models.family_forward import PackedRope, take_modules
+from dit_train.models.family_forward import joint_attention_linears, PackedRope, take_modules
 from dit_train.models.registry import ActivationModel, register_model
 
 VIDEO_TAG, TEXT_TAG, AUDIO_TAG = 0, 1, 2  # MiniMax-H3's modality tags (MINIMAX_H3_MODALITY_NUM = 3)
@@ -277,12 +277,6 @@ class PackedMiniMaxH3(nn.Module):
         return out.index_copy(0, ia, pad(out_a).to(out.dtype)) + 0.0 * out_a.sum()
 
 
-def _block_linears(b: nn.Module) -> list[nn.Module]:
-    """The matmuls a block applies to every token of the sequence (text, audio and video alike)."""
-    a = b.attn
-    return [a.to_q, a.to_k, a.to_v, a.to_out[0], b.ff.net[0].proj, b.ff.net[2]]
-
-
 register_model(MINIMAX_H3.spec(
     name="minimax_h3", config=MiniMaxH3Config, mode=Mode.video,
     build=lambda cfg, backend="sdpa": PackedMiniMaxH3(cfg, backend),
@@ -292,7 +286,7 @@ register_model(MINIMAX_H3.spec(
     activations=lambda cfg: ActivationModel(fp32_d=27.0, autocast_f32_d=8, autocast_lp_d=19.7, outside_d=6,
                                             selective_d=10.5),
     blocks=lambda m: m.transformer_blocks,
-    block_linears=_block_linears,
+    block_linears=joint_attention_linears,  # text, audio and video alike
     io_linears=lambda m: [m.proj_in, m.proj_out],
     io_dim=lambda cfg: cfg.in_channels * math.prod(cfg.patch_size),
     hidden=lambda cfg: cfg.ffn_dim,
