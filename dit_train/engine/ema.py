@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from dit_train.models.params import plain_name
-from dit_train.sharded import is_dtensor
+from dit_train.sharded import is_dtensor, local_part
 
 
 def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -55,7 +55,9 @@ class EMA:
         """Fold the current weights in (call after an optimizer step that was taken)."""
         d = self.current_decay()
         for n, p in self.params.items():
-            self.shadow[n].lerp_(p.detach().to(torch.float32), 1.0 - d)
+            # on this rank's parts (the shadow is sharded like its parameter): the same values,
+            # without DTensor's dispatch per op (~40 % of an FSDP run's update on small models)
+            local_part(self.shadow[n]).lerp_(local_part(p).to(torch.float32), 1.0 - d)
         self.updates += 1
 
     @contextlib.contextmanager
