@@ -5,6 +5,7 @@ import json
 from dataclasses import replace
 
 import pytest
+import torch
 
 from dit_train.models import model_config
 from dit_train.perf.flops import train_flops
@@ -149,8 +150,10 @@ def test_plan_runs_as_module_from_any_directory(tmp_path):
 def test_every_registered_model_plans_and_calibrates():
     """Each model in the registry (its conf/model/*.yaml presets) goes through the planner, and
     the memory model's activation coefficients of its small presets match autograd's saved
-    tensors (a new model must declare them right)."""
-    from dit_train.models import MODELS
+    tensors (a new model must declare them right). A tiny preset built on the meta device has no
+    non-persistent buffer (engine/build.refuse_unfilled_buffers: nothing would fill it)."""
+    from dit_train.engine.build import refuse_unfilled_buffers
+    from dit_train.models import MODELS, build_model
 
     presets = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
     seen = set()
@@ -167,12 +170,19 @@ def test_every_registered_model_plans_and_calibrates():
         work = Workload(8, 4096, 2048)
         cands, _ = plan(cfg, 8, 80 * GIB, work, backend="flash")
         assert cands, preset
+        if preset.endswith("tiny"):  # no buffer a meta build (parallel.meta_init) would leave unfilled
+            with torch.device("meta"):
+                refuse_unfilled_buffers(build_model(cfg.model))
         # calibrate_block feeds no image tokens yet, and its depth-1 model has no room for VACE's hint layers
         if preset.endswith("tiny") and not preset.startswith(("wan_i2v", "wan_vace")):
             for precision in ("fp32", "bf16"):
                 r = calibrate_block(cfg.model, tokens=192, precision=precision)
                 assert abs(r["rel_error"]) < 0.06, (preset, precision, r)
     assert seen == set(MODELS.names())
+    table = torch.nn.Linear(2, 2)  # the refusal itself
+    table.register_buffer("inv_freq", torch.ones(2), persistent=False)
+    with pytest.raises(RuntimeError, match="inv_freq"):
+        refuse_unfilled_buffers(torch.nn.Sequential(table))
 
 
 def test_moe_models_plan_and_calibrate():

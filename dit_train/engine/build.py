@@ -99,6 +99,20 @@ def broadcast_full_weights(model: nn.Module, ctx: ParallelContext, read: Callabl
                                                                strict=False))
 
 
+def refuse_unfilled_buffers(model: nn.Module) -> None:
+    """Raise if `model` (built on the meta device) holds a non-persistent buffer: `to_empty` leaves
+    its memory uninitialised and neither `init_weights` nor a pretrained state dict fills it (a
+    state dict has no non-persistent buffers), so the forward would read garbage — silently, and
+    only on the meta path (MiniMax-H3's RoPE table was such a buffer: LoRA on dp_shard=2 was off
+    by 12 %). A family computes such tables in its forward instead (models/rope.py)."""
+    unfilled = [f"{name}.{buf}" if name else buf for name, mod in model.named_modules()
+                for buf in mod._non_persistent_buffers_set]
+    if unfilled:
+        raise RuntimeError(f"{type(model).__name__} has non-persistent buffers {unfilled[:4]}: a model built on the "
+                           "meta device would read them uninitialised; compute them in the forward (a model-family "
+                           "defect, not a setting)")
+
+
 def build_parallel_model(cfg: Config, ctx: ParallelContext, adapters: tuple[str, ...] = ()) -> nn.Module:
     """Plain model (+ LoRA adapters) -> initialised -> parallelized. Initial weights depend only
     on train.seed (or the pretrained folder), never on the layout. adapters: names of more LoRA
@@ -122,6 +136,7 @@ def build_parallel_model(cfg: Config, ctx: ParallelContext, adapters: tuple[str,
             for name in adapters:
                 add_frozen_adapter(model, lora, spec.name, name)
     if meta:
+        refuse_unfilled_buffers(model)
         model = parallelize(model, spec, ctx, cfg.parallel, cfg.model, cfg.train, backend)
         model.to_empty(device="cpu" if cfg.parallel.cpu_offload else ctx.device)  # offloaded shards live on the host
     if pretrained:
