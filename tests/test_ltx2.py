@@ -159,3 +159,21 @@ def test_audio_heads_that_ulysses_cannot_split_are_refused_before_the_run():
     with pytest.raises(ConfigError, match=r"model.audio_heads=3 must be divisible by parallel.cp_ulysses=2"):
         check_config(compose(["model=ltx2_tiny", "data.audio=true", "model.audio_heads=3", "model.audio_dim=48",
                               "parallel.cp_ulysses=2", "parallel.dp_shard=1"]))
+
+
+def test_a_pack_without_audio_keeps_its_width():
+    """A training pack (stream given) whose clips have no sound — e.g. a rank's micro-batch of
+    silent films, or its empty one — is only as wide as the video: the output must be too (the
+    loss compares it with the pack's target). Audio (24 features) wider than video (16)."""
+    cfg = tiny_ltx2_cfg(audio_patch=24)
+    ours = random_model(cfg)
+    g = torch.Generator().manual_seed(0)
+    for shapes in ([(2, 4, 6), (1, 2, 2)], []):  # silent films; an empty pack (padding only)
+        clips = [torch.randn(4, *s, generator=g) for s in shapes]
+        x, pos, seg, stream, order = pack(clips, [torch.zeros(0, 16)] * len(clips)) if clips else (
+            torch.zeros(3, 16), torch.zeros(3, 3, dtype=torch.long), torch.full((3,), -1),
+            torch.zeros(3, dtype=torch.long), torch.arange(3))
+        S = max(1, len(clips))
+        out = ours(x, pos, seg, torch.full((S,), 0.5), VarlenLayout.build(seg, order, causal=False),
+                   torch.randn(S, 5, 10, generator=g), torch.full((S,), 5), stream=stream)
+        assert out.shape == x.shape, (shapes, tuple(out.shape), tuple(x.shape))

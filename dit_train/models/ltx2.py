@@ -336,7 +336,9 @@ class PackedLTX2(nn.Module):
         out_v = self.proj_out(self.norm_out(hv[0]) * (1 + scale[rv]) + shift[rv])
         shift, scale = (self.audio_scale_shift_table[None] + emb_a[:, None]).unbind(1)
         out_a = self.audio_proj_out(self.audio_norm_out(ha[0]) * (1 + scale[ra]) + shift[ra])
-        width = out_v.shape[1] if video_only else max(out_v.shape[1], out_a.shape[1])
+        # as wide as the pack's inputs: a pack without audio tokens (silent films, a rank's empty
+        # micro-batch) is the video's width, as its target is
+        width = out_v.shape[1] if video_only else max(out_v.shape[1], x.shape[1])
         pad = lambda y: nn.functional.pad(y, (0, width - y.shape[1]))  # noqa: E731
         out_v, out_a = pad(out_v)[: iv.numel()], pad(out_a)[: ia.numel()].to(out_v.dtype)  # placeholders dropped
         return out_v.new_zeros(L, width).index_copy(0, iv, out_v).index_copy(0, ia, out_a)
