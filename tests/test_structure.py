@@ -4,6 +4,7 @@ and the maps in the docs (layers, repository layout, paths) match the tree."""
 from __future__ import annotations
 
 import ast
+import functools
 import os
 import re
 from dataclasses import dataclass
@@ -85,6 +86,15 @@ def modules() -> dict[str, Path]:
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def _parsed(path: Path) -> tuple[list[str], ast.AST, set[int]]:
+    """A module's lines, syntax tree and the ids of its imports inside functions, parsed once
+    for every test of this file (~300 modules)."""
+    text = path.read_text()
+    tree = ast.parse(text, str(path))
+    return text.splitlines(), tree, _functions(tree)
+
+
 def _functions(tree: ast.AST) -> set[int]:
     """ids of the import statements inside a function or lambda."""
     inside = set()
@@ -106,8 +116,7 @@ def imports(mods: dict[str, Path]) -> list[Import]:
     """Every import of a dit_train module, at the top of a module or inside a function."""
     out = []
     for name, path in mods.items():
-        tree = ast.parse(path.read_text(), str(path))
-        inside = _functions(tree)
+        _, tree, inside = _parsed(path)
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
@@ -197,11 +206,9 @@ def test_imports_inside_functions_defer_heavy_dependencies_and_say_so():
     """Only DEFERRED modules are imported inside functions, each with a comment (its line or the one above)."""
     wrong = []
     for name, path in modules().items():
-        text = path.read_text()
-        lines = text.splitlines()
-        tree = ast.parse(text)
+        lines, tree, inside = _parsed(path)
         for node in ast.walk(tree):
-            if not isinstance(node, (ast.Import, ast.ImportFrom)) or id(node) not in _functions(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)) or id(node) not in inside:
                 continue
             mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
             for m in mods:
@@ -222,8 +229,7 @@ def test_deferred_dependencies_are_never_imported_at_a_modules_top():
     What third-party modules import in turn is checked on a refused run (tests/test_cli.py)."""
     wrong = []
     for name, path in modules().items():
-        tree = ast.parse(path.read_text())
-        inside = _functions(tree)
+        _, tree, inside = _parsed(path)
         for node in ast.walk(tree):
             if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in inside:
                 mods = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
@@ -325,7 +331,7 @@ def test_no_module_branches_on_a_data_source_name():
     for name, path in modules().items():
         if name.endswith("_source"):
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(_parsed(path)[1]):
             if isinstance(node, ast.Compare) and any(isinstance(a, ast.Attribute) and a.attr == "name" for a in ast.walk(node)):
                 named = {c.value for c in ast.walk(node) if isinstance(c, ast.Constant)} & sources
                 if named:
