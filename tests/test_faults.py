@@ -32,9 +32,11 @@ def _steps(run_dir: Path) -> list[int]:
 # -- resume contract ---------------------------------------------------------------------------
 
 
-def test_resume_applies_a_new_lr_keeps_each_segment_config_and_logs_each_step_once(tmp_path, data_cache):
+def test_resume_applies_a_new_lr_keeps_each_segment_config_and_logs_each_step_once(tmp_path, data_cache, finished_run):
+    import shutil
+
     run = tmp_path / "run"
-    _run(BASE, run, data_cache)
+    shutil.copytree(finished_run, run)  # a run of BASE that finished there (trained once per module)
     assert _steps(run) == [0, 1, 2, 3] and not list(run.glob("resume_*.yaml"))
     first_config = (run / "config.yaml").read_text()
     ck = run / "checkpoints" / "step_00000001"  # steps 2 and 3 will be replayed
@@ -92,11 +94,13 @@ def test_resume_auto_with_outputs_but_no_checkpoint_says_why_it_cannot_continue(
     assert "starting from step 0" not in caplog.text
 
 
-def test_a_new_run_into_a_used_folder_is_refused_unless_overwrite(tmp_path, data_cache):
+def test_a_new_run_into_a_used_folder_is_refused_unless_overwrite(tmp_path, data_cache, finished_run):
+    import shutil
+
     from dit_train.config.errors import RunFolderError
 
     run = tmp_path / "run"
-    _run(BASE, run, data_cache)
+    shutil.copytree(finished_run, run)  # a run of BASE that finished there (trained once per module)
     old = load_file(run / "weights.safetensors")
     with pytest.raises(RunFolderError, match="holds another run's outputs.*train.resume=auto.*train.overwrite=true"):
         _run(BASE, run, data_cache)
@@ -222,10 +226,12 @@ def test_a_failing_save_is_one_clear_error_and_keeps_the_last_checkpoint(tmp_pat
     assert json.loads((run / "summary.json").read_text())["status"] == "failed"
 
 
-def test_a_damaged_latest_checkpoint_falls_back_to_the_previous(tmp_path, data_cache, caplog):
+def test_a_damaged_latest_checkpoint_falls_back_to_the_previous(tmp_path, data_cache, finished_run, caplog):
+    import shutil
+
     ref, run = tmp_path / "ref", tmp_path / "run"
     _run([*BASE, "train.steps=6"], ref, data_cache)
-    _run(BASE, run, data_cache)  # checkpoints at steps 1 and 3
+    shutil.copytree(finished_run, run)  # a run of BASE: checkpoints at steps 1 and 3
     shard = next((run / "checkpoints" / "step_00000003").glob("*.distcp"))
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF  # one flipped byte, same size

@@ -1,6 +1,7 @@
 """Planner: ranking order, rejected layouts, and the memory model's monotonicity/calibration."""
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import replace
 
@@ -147,6 +148,13 @@ def test_plan_runs_as_module_from_any_directory(tmp_path):
     assert "best: parallel." in r.stdout and "dim=32" in r.stdout
 
 
+@functools.cache
+def _shape_of(overrides: tuple[str, ...]):
+    """model_shape of a preset's composed model (built on the meta device once for this module:
+    the registry test and the frames test both ask for the large presets)."""
+    return model_shape(compose_config(list(overrides)).model)
+
+
 def test_every_registered_model_plans_and_calibrates():
     """Each model in the registry (its conf/model/*.yaml presets) goes through the planner, and
     the memory model's activation coefficients of its small presets match autograd's saved
@@ -168,7 +176,7 @@ def test_every_registered_model_plans_and_calibrates():
         cfg = compose_config([*mode, f"model={preset}"])
         seen.add(cfg.model.name)
         work = Workload(8, 4096, 2048)
-        cands, _ = plan(cfg, 8, 80 * GIB, work, backend="flash")
+        cands, _ = plan(cfg, 8, 80 * GIB, work, backend="flash", shape=_shape_of((*mode, f"model={preset}")))
         assert cands, preset
         if preset.endswith("tiny"):  # no buffer a meta build (parallel.meta_init) would leave unfilled
             with torch.device("meta"):
@@ -255,7 +263,11 @@ def test_frames_question_for_every_registered_video_model():
         cfg = compose([f"model={presets[name]}", "train.precision=bf16", *extra])
         stride = spec.vae_stride
         assert clip_tokens(cfg.model, 81, 480, 832, stride) == tokens.get(name, 21 * 30 * 52), name
-        res = {r.name: r for r in clip_options(cfg, 8, 80 * GIB, 81, 480, 832, shape=model_shape(cfg.model),
+        # the registry test's shape of the same model (train.precision changes no model key); both
+        # questions below ask for it
+        shape = _shape_of((*extra, f"model={presets[name]}"))
+        assert compose_config([*extra, f"model={presets[name]}"]).model == cfg.model, name
+        res = {r.name: r for r in clip_options(cfg, 8, 80 * GIB, 81, 480, 832, shape=shape,
                                                reserve_bytes=2 * GIB, host_capacity=128 * GIB, max_frames=8001,
                                                vae_stride=stride)}
         assert len(res) == 12 and all(r.best is not None for r in res.values()), name
@@ -264,7 +276,7 @@ def test_frames_question_for_every_registered_video_model():
         longest = res["ac=none"]
         assert longest.longest is not None and longest.longest.fits and longest.longest_frames < 8001
         # one latent frame more does not fit with any layout
-        over = clip_options(cfg, 8, 80 * GIB, longest.longest_frames + stride[0], 480, 832, shape=model_shape(cfg.model),
+        over = clip_options(cfg, 8, 80 * GIB, longest.longest_frames + stride[0], 480, 832, shape=shape,
                             reserve_bytes=2 * GIB, host_capacity=128 * GIB, max_frames=1, options=[("none", False, False)],
                             vae_stride=stride)
         assert over[0].best is None or not over[0].best.fits, name
