@@ -30,7 +30,9 @@ class PackedBatch:
     """Several samples concatenated into one flat sequence of L tokens.
 
     seg:    [L] int64  index of the token's sample in this pack (0..S-1); -1 = padding
-    pos:    [L, A] int64  RoPE coordinates (A = 3: t, h, w for video; A = 1 for text)
+    pos:    [L, A] int64  RoPE coordinates (A = 3: t, h, w for video; A = 1 for text); float32 when a
+            two-stream DiT's audio tokens sit at fractional times (tasks/joint_audio.py; the video's
+            integer positions are exact in it)
     order:  [L] int64  index of the token inside its sample (causal mask, contiguity check)
     valid:  [L] bool   token carries loss (padding, prompt, ignored labels and context tokens do not)
     weight: [L] int64 or None  loss weight of each token in units of 1/WEIGHT_ONE (w_t ≥ 0: 0 =

@@ -54,13 +54,12 @@ def _hand_run(model, r, patch, P, steps, g, null, given, g_audio):
         n = a.shape[0]
         width = max(tok.shape[1], P)
         inp = torch.cat([torch.nn.functional.pad(tok, (0, width - tok.shape[1])), torch.nn.functional.pad(a, (0, width - P))])
-        apos = torch.stack([torch.arange(n) * P * 8 // 16000 // patch[0], torch.zeros(n, dtype=torch.long),
-                            torch.zeros(n, dtype=torch.long)], 1)
+        apos = torch.stack([torch.arange(n) * (P * 8 / 16000 / patch[0]), torch.zeros(n), torch.zeros(n)], 1)
         L = inp.shape[0]
         seg = torch.zeros(L, dtype=torch.long)
         stream = torch.cat([torch.zeros(tok.shape[0], dtype=torch.long), torch.ones(n, dtype=torch.long)])
         clean = stream == (0 if given == "video" else 1)
-        out = model(inp, torch.cat([pos, apos]), seg, torch.tensor([t]), VarlenLayout.build(seg, torch.arange(L), False),
+        out = model(inp, torch.cat([pos.float(), apos]), seg, torch.tensor([t]), VarlenLayout.build(seg, torch.arange(L), False),
                     context=ctx[None], context_len=torch.tensor([ctx.shape[0]]), clean=clean, stream=stream)
         return out[: tok.shape[0], : tok.shape[1]], out[tok.shape[0]:, :P]
 

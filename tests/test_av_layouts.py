@@ -197,3 +197,41 @@ def test_cross_stream_conditioning_is_layout_exact(av_cfg):
     c.cond.given_stream, c.cond.given_stream_prob = "video", 0.5
     got = run_cases({"v2a": Case(c, LAYOUTS["ulysses"])})
     assert_exact(*got["v2a"], "video-to-audio on " + LAYOUTS["ulysses"])
+
+
+def test_each_audio_token_has_its_own_time(av_cfg):
+    """The two-stream DiT's audio tokens sit at their own time (fractional, in temporal patches):
+    the 8 tokens of a 2-frame patch (4 a frame at 8 fps) get 8 positions, each within the patch
+    its first sample falls in, and the video keeps its integer positions. The same token content
+    then gives different outputs at two tokens of one patch — one position for all of them (the
+    old floor) made them interchangeable, so a click could not be put in one of them."""
+    from dit_train.kernels import VarlenLayout
+    from dit_train.models.dit import VideoDiT
+    from dit_train.tasks import build_task
+    from dit_train.tasks.joint_audio import audio_positions
+
+    c = av_cfg
+    task = build_task(c.mode, c.data, c.model, c.loss, c.train.seed)
+    batch = task.build(list(range(8)), 0)
+    heard = 0
+    for k in range(batch.num_samples):
+        t_a = batch.pos[(batch.seg == k) & (batch.stream == 1), 0]
+        t_v = batch.pos[(batch.seg == k) & (batch.stream == 0), 0]
+        assert torch.equal(t_v, t_v.round()) and t_v.min() == 0
+        if t_a.numel():
+            heard += 1
+            assert bool((t_a[1:] > t_a[:-1]).all()) and t_a.floor().max() <= t_v.max(), (t_a, t_v)
+    assert heard > 0
+
+    torch.manual_seed(0)
+    model = VideoDiT(patch_dim=12, dim=32, depth=1, heads=4, mlp_ratio=2.0, audio_dim=6).eval()
+    for p in model.parameters():  # no zero-initialised output: every path carries signal
+        torch.nn.init.normal_(p, std=0.3)
+    pos_a = audio_positions(8, 500, 8.0, 2)  # one temporal patch's 8 audio tokens
+    assert pos_a[:, 0].unique().numel() == 8 and bool((pos_a[:, 0].floor() == 0).all())
+    pos = torch.cat([torch.tensor([[0, 0, 0], [0, 0, 1], [1, 0, 0], [1, 0, 1]]).float(), pos_a])
+    seg, stream = torch.zeros(12, dtype=torch.long), torch.tensor([0] * 4 + [1] * 8)
+    x = torch.cat([torch.randn(4, 12), torch.randn(1, 12).expand(8, 12)])  # the same content on every audio token
+    with torch.no_grad():
+        out = model(x, pos, seg, torch.tensor([0.9]), VarlenLayout.build(seg, torch.arange(12), False), stream=stream)
+    assert (out[4] - out[8]).abs().max() > 1e-3  # frame 0's first token, frame 1's

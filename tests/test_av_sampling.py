@@ -102,7 +102,7 @@ def test_sound_sampled_with_context_parallelism_matches_one_process(av_run, tmp_
 
 def _clip_alone(model, video, sound, t, context, patch, pt, x0_min_t=0.0):
     """The model's (video, audio) velocity of one clip packed alone, by hand: its video tokens,
-    then its audio tokens (stream 1, positions (temporal patch of the token's first sample, 0, 0)
+    then its audio tokens (stream 1, positions (its first sample's time in temporal patches, 0, 0)
     at 8 fps: 4 tokens a frame). x0_min_t > 0: the model predicts x̂0, v = (x_t − x̂0) / max(t, x0_min_t)."""
     from dit_train.kernels import VarlenLayout
     from dit_train.tasks.video import patchify
@@ -111,12 +111,11 @@ def _clip_alone(model, video, sound, t, context, patch, pt, x0_min_t=0.0):
     n, P = sound.shape
     width = max(tok.shape[1], P)
     x = torch.cat([torch.nn.functional.pad(tok, (0, width - tok.shape[1])), torch.nn.functional.pad(sound, (0, width - P))])
-    apos = torch.stack([torch.arange(n) * P * 8 // 16000 // pt, torch.zeros(n, dtype=torch.long),
-                        torch.zeros(n, dtype=torch.long)], 1)
+    apos = torch.stack([torch.arange(n) * (P * 8 / 16000 / pt), torch.zeros(n), torch.zeros(n)], 1)
     L = x.shape[0]
     seg, order = torch.zeros(L, dtype=torch.long), torch.arange(L)
     stream = torch.cat([torch.zeros(tok.shape[0], dtype=torch.long), torch.ones(n, dtype=torch.long)])
-    out = model(x, torch.cat([pos, apos]), seg, torch.tensor([t]), VarlenLayout.build(seg, order, False),
+    out = model(x, torch.cat([pos.float(), apos]), seg, torch.tensor([t]), VarlenLayout.build(seg, order, False),
                 context=context[None], context_len=torch.tensor([context.shape[0]]), stream=stream)
     v, a = out[: tok.shape[0], : tok.shape[1]], out[tok.shape[0]:, :P]
     if x0_min_t:

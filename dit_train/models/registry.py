@@ -92,8 +92,8 @@ class ModelSpec:
     # joint text-video attention: each clip's caption tokens are slots of the pack, weight 0
     # (tasks/joint_text.py; the model reads them through its `text` argument)
     joint_text: bool = False
-    # an audio token's RoPE position (tasks/joint_audio.py): "frames" = (the temporal patch its first
-    # sample falls in, 0, 0), one sequence with the video (the two-stream DiT); "index" = (its index
+    # an audio token's RoPE position (tasks/joint_audio.py): "frames" = (its first sample's time in
+    # temporal patches, fractional, 0, 0), one sequence with the video (the two-stream DiT); "index" = (its index
     # in its clip's track, 0, 0), its own stream's coordinates (LTX-2)
     audio_positions: str = "frames"
     # a model with an audio stream that also trains without sound (data.audio=false: every clip is

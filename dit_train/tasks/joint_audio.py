@@ -7,8 +7,10 @@ after its video and `stream` 1 (PackedBatch.stream): the clip's attention run is
 audio↔video one, whatever the backend, and CP (Ulysses, ring) splits it like any run — a CP rank
 may hold only a clip's video, or only its audio. Audio tokens are supervised (weight 1): they
 count in T_{b,audio}, and the metadata sync counts each stream apart (loss/counts.py). Their
-RoPE position is (the temporal patch their first sample falls in, 0, 0): aligned in time with
-the video. A clip without sound has no audio token and is not in B_audio.
+RoPE position is (the time of their first sample in temporal patches, fractional, 0, 0): aligned
+in time with the video, and each token of a temporal patch at its own time (the same position
+for all of them would make them interchangeable to attention: a click could not be placed in
+one). A clip without sound has no audio token and is not in B_audio.
 
 Nothing here communicates.
 """
@@ -33,14 +35,16 @@ def audio_tokens(wave: torch.Tensor | None, audio_patch: int) -> torch.Tensor:
 
 
 def audio_positions(n: int, audio_patch: int, fps: float, pt: int, index: bool = False) -> torch.Tensor:
-    """[n, 3] RoPE positions of a clip's n audio tokens: (temporal patch of the token's first
-    sample at `fps` kept frames a second, 0, 0), or with `index` (j, 0, 0) for its j-th token
-    (LTX-2 places audio tokens by their own time: ModelSpec.audio_positions)."""
+    """RoPE positions of a clip's n audio tokens: float32 [n, 3] (time of the token's first sample
+    in temporal patches of `pt` frames at `fps` kept frames a second, 0, 0) — a video token of
+    temporal patch p sits at p, so 500-sample tokens at 8 fps with pt = 2 sit at 0, 1/8, 2/8, ...
+    and the 8 tokens of a patch are told apart (they shared floor(·) = p before: attention could
+    not place a click in one of them) — or with `index` int64 (j, 0, 0) for its j-th token (LTX-2
+    places audio tokens by their own time: ModelSpec.audio_positions)."""
     if index:
         return torch.stack([torch.arange(n), torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long)], 1)
-    frame = torch.arange(n) * audio_patch * fps / SAMPLE_RATE
-    return torch.stack([torch.div(frame, pt, rounding_mode="floor").long(), torch.zeros(n, dtype=torch.long),
-                        torch.zeros(n, dtype=torch.long)], 1)
+    time = torch.arange(n, dtype=torch.float64) * (audio_patch * fps / SAMPLE_RATE / pt)
+    return torch.stack([time, torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)], 1).float()
 
 
 def given_stream(seed: int, sample_id: int, step: int, which: int, prob: float) -> int:
@@ -59,7 +63,7 @@ def join_audio_tokens(batch: PackedBatch, x: list[torch.Tensor], target: list[to
     """`batch` (clips contiguous and in seg order, no padding, as pack_clips builds it) with clip
     k's audio tokens after its video tokens: x[k], target[k] [n_k, P], pos[k] [n_k, 3]. Token
     fields x and target become [L + Σ n_k, max(D, P)] (zeros pad the narrower stream); stream
-    is 0 on video, 1 on audio. target None: a sampler's pack (no target field). weight [n_k]
+    is 0 on video, 1 on audio; pos is float32 when pos[k] is (fractional times). target None: a sampler's pack (no target field). weight [n_k]
     int64 (units of 1/WEIGHT_ONE; default whole tokens) and clean [n_k] bool (tokens given at
     timestep 0; default none) of the audio tokens join the video's when either side has them."""
     S = batch.num_samples
@@ -86,7 +90,11 @@ def join_audio_tokens(batch: PackedBatch, x: list[torch.Tensor], target: list[to
         tokens["clean"] = torch.cat([video, torch.cat(clean) if clean else torch.zeros(A, dtype=torch.bool)])[where]
     stream = torch.cat([torch.zeros(batch.num_tokens, dtype=torch.long), torch.ones(A, dtype=torch.long)])
     pos_a = torch.cat(pos) if pos else batch.pos.new_zeros(0, 3)
-    out = replace(batch, seg=seg[where], pos=torch.cat([batch.pos, pos_a])[where],
+    # fractional audio times make the pack's pos float32: the video's integer positions are exact
+    # in it, and RoPE reads pos.float() anyway (the video's rotations are unchanged)
+    dtype = torch.promote_types(batch.pos.dtype, pos_a.dtype)
+    pos_all = torch.cat([batch.pos.to(dtype), pos_a.to(dtype)])
+    out = replace(batch, seg=seg[where], pos=pos_all[where],
                   order=torch.cat([batch.order, clip_len[seg_a] + j])[where],
                   valid=torch.cat([batch.valid, torch.ones(A, dtype=torch.bool)])[where],
                   tokens=tokens, stream=stream[where], weight=None)
