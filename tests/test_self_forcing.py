@@ -14,10 +14,13 @@ from dit_train.engine.layout_equivalence import parse_layout, relative_differenc
 from tests.conftest import TINY, compose_config, train_in_process
 from tests.layout_cases import TOL, Case, assert_distill_adapters_match
 
-# 3 student steps per block, blocks of 4 frames (2 temporal patches), a student update at steps 0 and 2
+# 3 student steps per block, blocks of 4 frames (2 temporal patches), a student update at steps 0 and 2.
+# 4 clips a step, not TINY's 6 (the runs are Python-bound: ~30 % less CPU per run, each rank of
+# every layout included): step 2, a student step, still packs the one-block clip (6 frames) beside
+# two-block ones, 32 to 96 wide, and under dp_shard=2 step 1 leaves a DP rank's second pack empty
 SELF_FORCING = ["+experiment=self_forcing", "model.causal_block_frames=4", "distill.student_steps=3",
                 "distill.student_every=2", "distill.critic_lr=0.3", "optim=sgd", "optim.lr=0.2", "optim.max_grad_norm=0",
-                "train.steps=3"]
+                "train.steps=3", "train.global_batch=4", "train.micro_batch_tokens=440"]
 
 
 @pytest.fixture(scope="module")
