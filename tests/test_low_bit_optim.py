@@ -20,13 +20,14 @@ from tests.conftest import TINY, compose_config, refusal
 
 pytestmark = pytest.mark.skipif(not quant.available(), reason="torchao is not installed (pip install 'dit_train[quant]')")
 
-# TINY with AdamW8bit; dim 128 and rank 32 so the adapters' moments reach torchao's 4096-value
-# threshold (smaller tensors keep fp32 moments and would test nothing). One target, attn.proj:
-# its adapters have 2 shapes, and torchao's update is torch.compile'd once per shape (the default
-# targets' 6 shapes cost ~1.2 CPU-s more to compile, and 3.5x the adapter layers in every step)
+# TINY with AdamW8bit; dim 128 and rank 128 so the adapters' moments (16384 values each) pass
+# torchao's 4096-value threshold (smaller tensors keep fp32 moments and would test nothing). One
+# target, attn.proj, at rank = dim: lora_A and lora_B are both [128, 128], one shape, and torchao's
+# update is torch.compile'd once per shape — rank 32 gave [32, 128] and [128, 32], two compiles
+# (the file 43.2 -> 36.1 CPU-s with an empty inductor cache); the default targets' 6 shapes cost more
 BASE = [o for o in TINY if not o.startswith("optim")] + [
     "optim=adamw8bit", "optim.lr=1e-2", "optim.warmup_steps=0", "model.dim=128",
-    "model.lora.rank=32", "model.lora.alpha=32", "model.lora.targets=[attn.proj]"]
+    "model.lora.rank=128", "model.lora.alpha=128", "model.lora.targets=[attn.proj]"]
 
 
 def _build(overrides: list[str], data_cache: str):

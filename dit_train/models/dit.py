@@ -149,7 +149,8 @@ class VideoDiT(nn.Module):
         if block is None or clean is not None:
             raise ValueError("per-block timesteps t [S, B] need the tokens' `block` and no clean tokens")
         S, B = t.shape
-        c = self.t_embedder(t.reshape(-1)).reshape(S, B, -1)
+        c = self.t_embedder(t.reshape(-1))
+        c = c.reshape(S, B, c.shape[-1])  # not -1: an empty pack (S = 0, a DP rank's empty micro-batch) has no size to infer
         text, pool = self._text(context, context_len, seg, h.dtype)
         if pool is not None:
             c = c + pool[:, None]

@@ -56,7 +56,7 @@ class Conditioning:
         each sample; seg, block: [L] each token's sample and causal block. Rows S·B (sample-major),
         then the padding row: adaLN still runs per row, never per token."""
         S, B = c.shape[:2]
-        rows = torch.cat([c.reshape(S * B, -1), c.new_zeros(1, c.shape[-1])])
+        rows = torch.cat([c.reshape(S * B, c.shape[-1]), c.new_zeros(1, c.shape[-1])])  # S = 0: an empty pack
         return Conditioning(rows, torch.where(seg < 0, torch.full_like(seg, S * B), seg * B + block))
 
 

@@ -9,6 +9,7 @@ Every rank calls these with the same arguments, like the rest of the session.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 from typing import Any
 
@@ -31,9 +32,10 @@ class VideoSessionMixin:
     """sample_videos / clip_losses / transition_means and the video reward calls (needs the
     session's cfg, ctx, model, task, _trainer, _stream, _check_same_batch, _call_index)."""
 
-    @property
+    @functools.cached_property
     def run_id(self) -> str:
-        """The id rollouts of this run carry (model, data, seed; not the layout)."""
+        """The id rollouts of this run carry (model, data, seed; not the layout). Once per session:
+        it serializes cfg.model and cfg.data (~35 ms), which the built model no longer follows."""
         return run_id(self.cfg)
 
     def _video_only(self, what: str) -> None:
