@@ -41,6 +41,12 @@ def av_run_x0(tmp_path_factory, data_cache):
     return _trained(tmp_path_factory, data_cache, [o.replace("=velocity", "=x0") for o in AV])
 
 
+@pytest.fixture(scope="module")
+def av_run_spectrogram(tmp_path_factory, data_cache):
+    """The velocity run with log-magnitude STFT audio tokens (model.audio_features=spectrogram)."""
+    return _trained(tmp_path_factory, data_cache, AV + ["model.audio_features=spectrogram"])
+
+
 def _track(path):
     """(codec, sample rate, seconds, decoded 16 kHz samples) of an mp4's audio stream."""
     import av
@@ -100,10 +106,10 @@ def test_sound_sampled_with_context_parallelism_matches_one_process(av_run, tmp_
             torch.testing.assert_close(a[k], b[k], atol=1e-4, rtol=1e-4)
 
 
-def _clip_alone(model, video, sound, t, context, patch, pt, x0_min_t=0.0):
+def _clip_alone(model, video, sound, t, context, patch, pt, x0_min_t=0.0, audio_patch=500):
     """The model's (video, audio) velocity of one clip packed alone, by hand: its video tokens,
     then its audio tokens (stream 1, positions (its first sample's time in temporal patches, 0, 0)
-    at 8 fps: 4 tokens a frame). x0_min_t > 0: the model predicts x̂0, v = (x_t − x̂0) / max(t, x0_min_t)."""
+    at 8 fps: 4 tokens a frame of audio_patch samples). x0_min_t > 0: the model predicts x̂0, v = (x_t − x̂0) / max(t, x0_min_t)."""
     from dit_train.kernels import VarlenLayout
     from dit_train.tasks.video import patchify
 
@@ -111,7 +117,7 @@ def _clip_alone(model, video, sound, t, context, patch, pt, x0_min_t=0.0):
     n, P = sound.shape
     width = max(tok.shape[1], P)
     x = torch.cat([torch.nn.functional.pad(tok, (0, width - tok.shape[1])), torch.nn.functional.pad(sound, (0, width - P))])
-    apos = torch.stack([torch.arange(n) * (P * 8 / 16000 / pt), torch.zeros(n), torch.zeros(n)], 1)
+    apos = torch.stack([torch.arange(n) * (audio_patch * 8 / 16000 / pt), torch.zeros(n), torch.zeros(n)], 1)
     L = x.shape[0]
     seg, order = torch.zeros(L, dtype=torch.long), torch.arange(L)
     stream = torch.cat([torch.zeros(tok.shape[0], dtype=torch.long), torch.ones(n, dtype=torch.long)])
@@ -123,12 +129,15 @@ def _clip_alone(model, video, sound, t, context, patch, pt, x0_min_t=0.0):
     return v, a
 
 
-@pytest.mark.parametrize("prediction", ["velocity", "x0"])
+@pytest.mark.parametrize("prediction", ["velocity", "x0", "spectrogram"])
 def test_generated_sound_equals_a_hand_run_sampler_loop(request, prediction):
     """Two clips of different sizes sampled together with guidance 2 (VideoSampler, one pack
     holding both clips' video and audio, captioned and not) equal, video and audio values, an
     Euler loop run by hand on each clip alone: noise from the "sampling" / "audio_sampling"
-    streams, sigmas 1 -> 0, v = v_u + g (v_c - v_u) on both streams, x += (σ' − σ) v."""
+    streams, sigmas 1 -> 0, v = v_u + g (v_c - v_u) on both streams, x += (σ' − σ) v.
+    "spectrogram" (velocity, model.audio_features=spectrogram): the tokens are 4 STFT frames of
+    257 bins, and the sound is their Griffin-Lim decoding."""
+    from dit_train.data_pipelines.audio_features import decode, token_width
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     from dit_train.checkpoint.export import run_weights
@@ -141,8 +150,9 @@ def test_generated_sound_equals_a_hand_run_sampler_loop(request, prediction):
     from dit_train.tasks.video import unpatchify
     from dit_train.tasks.video_inputs import video_inputs
 
-    cfg = request.getfixturevalue("av_run" if prediction == "velocity" else "av_run_x0")
-    assert cfg.model.prediction == prediction
+    cfg = request.getfixturevalue({"velocity": "av_run", "x0": "av_run_x0"}.get(prediction, "av_run_spectrogram"))
+    features = str(cfg.model.audio_features)
+    assert cfg.model.prediction == prediction or features == prediction
     model = build_model(cfg.model)
     load_full_weights(model, run_weights(Path(cfg.run_dir), None)[0])
     model.eval()
@@ -159,20 +169,25 @@ def test_generated_sound_equals_a_hand_run_sampler_loop(request, prediction):
     patch, pt = tuple(cfg.model.patch_size), cfg.model.patch_size[0]
     for k, r in enumerate(requests):
         x = torch.randn(r.shape, generator=sample_generator(seed, r.noise_id, 0, "sampling"))
-        a = torch.randn((r.shape[1] * 2000 // P, P), generator=sample_generator(seed, r.noise_id, 0, "audio_sampling"))
+        a = torch.randn((r.shape[1] * 2000 // P, token_width(P, features)),
+                        generator=sample_generator(seed, r.noise_id, 0, "audio_sampling"))
         heard = False
         with torch.no_grad():
             for i in range(steps):
                 min_t = cfg.model.x0_min_t if prediction == "x0" else 0.0
-                vc, ac = _clip_alone(model, x, a, sigmas[i], r.context, patch, pt, min_t)
-                vu, au = _clip_alone(model, x, a, sigmas[i], space.null, patch, pt, min_t)
+                vc, ac = _clip_alone(model, x, a, sigmas[i], r.context, patch, pt, min_t, P)
+                vu, au = _clip_alone(model, x, a, sigmas[i], space.null, patch, pt, min_t, P)
                 v = unpatchify(vu + g * (vc - vu), tuple(n // p for n, p in zip(r.shape[1:], patch)), patch, 3)
                 x = x + (sigmas[i + 1] - sigmas[i]) * v
                 a = a + (sigmas[i + 1] - sigmas[i]) * (au + g * (ac - au))
                 heard |= not torch.allclose(ac, au, atol=1e-6)  # the audio stream reads the caption
         assert sampler.sounds[k].shape == (r.shape[1] * 2000,)
         assert torch.allclose(clips[k], x, atol=1e-5), (clips[k] - x).abs().max()
-        assert torch.allclose(sampler.sounds[k], a.reshape(-1), atol=1e-5), (sampler.sounds[k] - a.reshape(-1)).abs().max()
+        assert a.shape[1] == (4 * 257 if features == "spectrogram" else P)
+        sound = decode(a, P, features)  # the samples, or Griffin-Lim from the STFT magnitudes
+        # Griffin-Lim's 48 iterations carry the tokens' float rounding (1e-6) up to ~5e-5 of a 0.2-RMS sound
+        tol = 1e-5 if features == "wave" else 5e-4
+        assert torch.allclose(sampler.sounds[k], sound, atol=tol), (sampler.sounds[k] - sound).abs().max()
         assert heard and a.abs().max() > 0.1  # not vacuous: captions reach the sound, which moved from its noise
 
 

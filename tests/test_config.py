@@ -84,6 +84,7 @@ def test_experiment_video_cp8_is_8_way_cp():
     (["model.pooled_text=true", "model.text_dim=0"], "model.pooled_text=true pools the caption: set model.text_dim > 0"),
     (["model.causal_block_frames=3"], r"model.causal_block_frames=3 must be 0 \(bidirectional\) or a positive multiple"),
     (["cond.given_stream=video"], "built for the two-stream DiT .* not model=dit without an audio stream"),
+    (["model.audio_patch=300", "model.audio_features=spectrogram"], "a positive multiple of the STFT hop 125"),
     (["model=ltx2_tiny", "data.audio=true", "cond.given_stream=audio"], "not model=ltx2"),
 ])
 def test_invalid_values_give_actionable_errors(override, needle):
@@ -92,7 +93,8 @@ def test_invalid_values_give_actionable_errors(override, needle):
 
 
 @pytest.mark.parametrize("override", ["train.precision=fp8", "loss.reduction=mean", "parallel.dp_mode=zero3",
-                                      "optim.name=lion", "model.attn_backend=magic", "cond.given_stream=both"])
+                                      "optim.name=lion", "model.attn_backend=magic", "cond.given_stream=both",
+                                      "model.audio_features=mel"])
 def test_enumerated_keys_are_checked_by_the_schema(override):
     """Allowed values live once, in the schema's Choice enums: composition rejects others..."""
     with pytest.raises(ConfigCompositionException, match=override.split("=")[0]):

@@ -175,3 +175,26 @@ def test_a_videos_own_soundtrack_is_read_resampled_and_cut_to_the_kept_frames(tm
         assert got.shape == (8 * SAMPLES_PER_FRAME,)
         assert color_of_pitch(pitch_of(got)) == color and click_frames(got) == [3]
     assert dict(ds.audio_outcomes) == {"ok": 1, "resampled": 1}
+
+
+def test_spectrogram_tokens_decode_to_their_pitch_and_clicks():
+    """model.audio_features=spectrogram: a world clip's sound -> log-magnitude STFT tokens (as many
+    as waveform tokens, features of order 1) -> Griffin-Lim back to a waveform: the sound metric
+    scores the decoded sound as it scores the clip's own (every colour's pitch, every click in its
+    frame, none elsewhere); `wave` tokens are the samples themselves."""
+    import torch
+
+    from dit_train.data_pipelines.audio_features import decode, encode, token_width
+
+    for k, color in enumerate(COLORS):
+        bounces = [[0, 5], [3], [], [2, 7]][k % 4]
+        wave = torch.from_numpy(render_sound(color, bounces, 8))
+        assert torch.equal(decode(encode(wave, 500, "wave"), 500, "wave"), wave)
+        tokens = encode(wave, 500, "spectrogram")
+        assert tokens.shape == (32, token_width(500, "spectrogram")) == (32, 4 * 257)
+        assert tokens.abs().max() < 6 and tokens.std() < 1.5
+        back = decode(tokens, 500, "spectrogram").numpy()
+        assert back.shape == wave.shape and click_frames(back) == bounces, (color, click_frames(back))
+        reference = score_sound(wave.numpy(), CAPTION.format(color), bounces)
+        assert score_sound(back, CAPTION.format(color), bounces) == reference == {
+            "sound_color_ok": 1.0, "sound_sync_ok": 1.0, "sound_all_ok": 1.0}

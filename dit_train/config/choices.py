@@ -127,6 +127,13 @@ class GivenStream(Choice):
     audio = "audio"  # audio-to-video: the clip's sound given, its frames generated
 
 
+class AudioFeatures(Choice):
+    """model.audio_features: what an audio token of the two-stream DiT holds (data_pipelines/audio_features.py)."""
+
+    wave = "wave"  # its audio_patch waveform samples
+    spectrogram = "spectrogram"  # their log-magnitude STFT frames (phase-free; Griffin-Lim back to sound)
+
+
 class CondFeed(Choice):
     """cond.feed: how the context reaches the model."""
 

@@ -8,8 +8,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from dit_train.config.choices import Mode
+from dit_train.config.choices import AudioFeatures, Mode
 from dit_train.config.schema import VideoModelConfig
+from dit_train.data_pipelines.audio_features import feature_errors, token_width
 from dit_train.models import dit_pretrained
 from dit_train.models.layers import (Block, feed_forward_linears, Conditioning, TextContext, TimestepEmbedder, block_moe, modulate,
                                      modulation_tables)
@@ -36,6 +37,10 @@ class DiTConfig(VideoModelConfig):
     # docs/audio-video.md): each clip's sound (data.audio) joins its sequence as tokens of stream 1
     # with their own embedder and output head, attending jointly with the clip's video tokens
     audio_patch: int = 0
+    # what an audio token holds: `wave` (its audio_patch samples) or `spectrogram` (their log-
+    # magnitude STFT frames: phase-free, so the loss weighs a click against a steady band rather
+    # than the tone's phase; decoded with Griffin-Lim; data_pipelines/audio_features.py)
+    audio_features: AudioFeatures = AudioFeatures.wave
     # start from a finished run's weights: its folder (EMA weights when present) or a .safetensors
     # file of full weights; '' = initialise from train.seed (models/dit_pretrained.py)
     pretrained: str = ""
@@ -191,7 +196,7 @@ def build(cfg: DiTConfig, attn_backend: str = "sdpa") -> VideoDiT:
                     heads=cfg.heads, mlp_ratio=cfg.mlp_ratio,
                     qk_norm=cfg.qk_norm, rope_theta=cfg.rope_theta, backend=attn_backend, text_dim=cfg.text_dim,
                     moe_blocks=[block_moe(i, cfg.moe) for i in range(cfg.depth)], pooled_text=cfg.pooled_text,
-                    audio_dim=cfg.audio_patch)
+                    audio_dim=token_width(cfg.audio_patch, cfg.audio_features) if cfg.audio_patch else 0)
 
 
 def _checks(cfg: DiTConfig) -> list[str]:
@@ -206,6 +211,8 @@ def _shape_errors(cfg: DiTConfig) -> list[str]:
     if cfg.audio_patch < 0 or (cfg.audio_patch and (cfg.causal_block_frames or cfg.cond_channels)):
         return [f"model.audio_patch={cfg.audio_patch} must be >= 0; the two-stream variant trains bidirectional, "
                 "unconditioned models only (model.causal_block_frames=0, cond.kind=none)"]
+    if cfg.audio_patch and feature_errors(cfg.audio_patch, cfg.audio_features):
+        return feature_errors(cfg.audio_patch, cfg.audio_features)
     k, pt = cfg.causal_block_frames, cfg.patch_size[0]
     if k < 0 or k % pt:
         return [f"model.causal_block_frames={k} must be 0 (bidirectional) or a positive multiple of "

@@ -73,8 +73,9 @@ def video_from_file(path: str, shape: tuple[int, int, int, int], fps: float) -> 
     return resize_crop(pixels.contiguous(), H, W, resize=True)
 
 
-def sound_from_file(path: str, shape: tuple[int, int, int, int], fps: float, audio_patch: int) -> torch.Tensor:
-    """[n, audio_patch] the first n = sound_tokens(F, fps) audio tokens of the sound at `path`
+def sound_from_file(path: str, shape: tuple[int, int, int, int], fps: float, audio_patch: int,
+                    features: str = "wave") -> torch.Tensor:
+    """[n, W] the first n = sound_tokens(F, fps) audio tokens (model.audio_features) of the sound at `path`
     (16 kHz mono, PyAV resampling); ValueError when it cannot be decoded, is silent, or is shorter."""
     n = sound_tokens(shape[1], fps, audio_patch)
     if not Path(path).is_file():
@@ -92,11 +93,11 @@ def sound_from_file(path: str, shape: tuple[int, int, int, int], fps: float, aud
     span = torch.from_numpy(wave[:need].copy())
     if float(span.abs().max()) < SILENCE:
         raise ValueError(f"--audio {path} is silent over the first {need / SAMPLE_RATE:.2f} s")
-    return audio_tokens(span, audio_patch)
+    return audio_tokens(span, audio_patch, features)
 
 
 def give_streams(requests: list[SampleRequest], videos: list[str], audios: list[str], num: int,
-                 audio_patch: int) -> None:
+                 audio_patch: int, features: str = "wave") -> None:
     """Set each prompt request's given stream from the files (one for all, or one per prompt;
     `num` requests per prompt, in prompt order)."""
     files = videos or audios
@@ -105,4 +106,4 @@ def give_streams(requests: list[SampleRequest], videos: list[str], audios: list[
         if videos:
             r.given_video = video_from_file(path, r.shape, r.fps)
         else:
-            r.given_sound = sound_from_file(path, r.shape, r.fps, audio_patch)
+            r.given_sound = sound_from_file(path, r.shape, r.fps, audio_patch, features)

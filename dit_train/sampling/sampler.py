@@ -46,13 +46,14 @@ import torch
 import torch.distributed as dist
 
 from dit_train.batch import PackedBatch, video_forward
+from dit_train.data_pipelines.audio_features import decode
 from dit_train.objectives.flow_matching import PipelineShift, sample_shift, velocity_from_output
 from dit_train.parallel.context_parallel import split_for_cp
 from dit_train.parallel.mesh import ParallelContext
 from dit_train.rng import sample_generator
 from dit_train.tasks.captions import pad_contexts
 from dit_train.tasks.conditioning import ClipInputs, clip_inputs, i2v_inputs
-from dit_train.sampling.sound import sound_noise, sound_tokens, start_sound, waveform
+from dit_train.sampling.sound import sound_noise, sound_tokens, start_sound
 from dit_train.tasks.joint_audio import audio_positions, join_audio_tokens
 from dit_train.tasks.joint_text import join_text_tokens, video_rows
 from dit_train.tasks.video import num_patches, pack_clips, unpatchify
@@ -179,9 +180,9 @@ def predict_velocity(model: torch.nn.Module, batch: PackedBatch, ctx: ParallelCo
     return video_forward(model, b, attn).float()
 
 
-def given_stream_check(r: SampleRequest, audio_patch: int) -> None:
+def given_stream_check(r: SampleRequest, audio_patch: int, width: int) -> None:
     """ValueError unless request r's given stream (if any) fits it: one stream at most, a model
-    with an audio stream, the video of r.shape, the sound of its frames' sound_tokens."""
+    with an audio stream, the video of r.shape, the sound of its frames' sound_tokens of `width` features."""
     if r.given_video is None and r.given_sound is None:
         return
     if r.given_video is not None and r.given_sound is not None:
@@ -190,7 +191,7 @@ def given_stream_check(r: SampleRequest, audio_patch: int) -> None:
         raise ValueError(f"{r.key}: a given video or sound needs a model with an audio stream (model.audio_patch > 0)")
     if r.given_video is not None and tuple(r.given_video.shape) != tuple(r.shape):
         raise ValueError(f"{r.key}: the given video is {tuple(r.given_video.shape)}, the request {tuple(r.shape)}")
-    want = (sound_tokens(r.shape[1], r.fps, audio_patch), audio_patch)
+    want = (sound_tokens(r.shape[1], r.fps, audio_patch), width)
     if r.given_sound is not None and tuple(r.given_sound.shape) != want:
         raise ValueError(f"{r.key}: the given sound is {tuple(r.given_sound.shape)} tokens, its {r.shape[1]} frames at "
                          f"{r.fps:g} fps take {want}")
@@ -233,7 +234,7 @@ class VideoSampler:
         if self.control and any(r.control is None for r in requests):
             raise ValueError("a model trained with cond.control needs a control video for every clip")
         for r in requests:  # cross-stream conditioning: one stream given, of the request's own size
-            given_stream_check(r, inputs.audio_patch)
+            given_stream_check(r, inputs.audio_patch, inputs.audio_width)
         self.requests, self.patch, self.text_dim, self.null_caption = requests, inputs.patch, inputs.text_dim, null_caption
         self.ctx, self.steps, self.guidance, self.seed, self.shift = ctx, steps, guidance_scale, seed, shift
         self.prediction, self.x0_min_t = inputs.prediction, inputs.x0_min_t  # what the model outputs (model.prediction)
@@ -358,7 +359,8 @@ class VideoSampler:
         """Each clip's sound's starting noise [n_k, audio_patch] (None for a video-only model)."""
         if not self.audio_patch:
             return None
-        noise = [start_sound(r.shape, r.fps, self.audio_patch, self.seed, r.noise_id, self.latent_sound)
+        noise = [start_sound(r.shape, r.fps, self.audio_patch, self.seed, r.noise_id, self.latent_sound,
+                             self.inputs.audio_width)
                  for r in self.requests]
         return [a if r.given_sound is None else r.given_sound.to(a.dtype).clone() for a, r in zip(noise, self.requests)]
 
@@ -411,7 +413,8 @@ class VideoSampler:
             if sound is not None:  # the clips' audio rows, in clip order, apart
                 heard = batch.stream == 1
                 video = video & ~heard
-                a = velocity_from_output(out[heard, : self.audio_patch], batch.tokens["x"][heard, : self.audio_patch],
+                aw = self.inputs.audio_width
+                a = velocity_from_output(out[heard, :aw], batch.tokens["x"][heard, :aw],
                                          batch.samples["t"][batch.seg[heard]], self.prediction, self.x0_min_t)
             t_tok = batch.samples["t"][batch.seg[video].clamp_min(0)]  # [L] each token's clip noise level (no padding here)
             width = self.inputs.patch_dim if sound is not None else out.shape[1]  # an audio model's rows are zero-padded
@@ -429,7 +432,8 @@ class VideoSampler:
                     xs[k] = self._step(k, i, v, offsets, self.guidance_at(ts[k]), cfg, xs[k], scheds[k], gen,
                                        lambda vk: unpatchify(vk, grid, self.patch, C))
         model.train(was_training)
-        hear = self.latent_sound.waveform if self.latent_sound is not None else waveform
+        hear = (self.latent_sound.waveform if self.latent_sound is not None else
+                lambda s: decode(s, self.audio_patch, self.inputs.audio_features))  # samples, or Griffin-Lim
         self.sounds = [hear(s) for s in sound] if sound is not None else None
         if self.inputs.clean:  # the result shows the given frames as they were given
             xs = [self.given(k, xs[k]).x for k in range(n)]

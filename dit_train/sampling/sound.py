@@ -30,11 +30,12 @@ def sound_tokens(frames: int, fps: float, audio_patch: int) -> int:
 
 
 def start_sound(shape: tuple[int, ...], fps: float, audio_patch: int, seed: int, noise_id: int,
-                latent: Any = None) -> torch.Tensor:
-    """[n, audio_patch] starting noise of a clip's sound (shape (C, F, H, W), F frames at fps);
-    `latent` (DataSource.sound: cached audio latents) says n for a latent clip instead."""
+                latent: Any = None, width: int = 0) -> torch.Tensor:
+    """[n, width or audio_patch] starting noise of a clip's sound (shape (C, F, H, W), F frames at
+    fps; width: an audio token's features, model.audio_features); `latent` (DataSource.sound:
+    cached audio latents) says n for a latent clip instead."""
     n = latent.tokens(shape) if latent is not None else sound_tokens(shape[1], fps, audio_patch)
-    return torch.randn((n, audio_patch), generator=sample_generator(seed, noise_id, 0, "audio_sampling"))
+    return torch.randn((n, width or audio_patch), generator=sample_generator(seed, noise_id, 0, "audio_sampling"))
 
 
 def sound_noise(seed: int, noise_id: int, step: int) -> torch.Generator:
@@ -42,10 +43,6 @@ def sound_noise(seed: int, noise_id: int, step: int) -> torch.Generator:
     (seed, id, step) rule as its pictures', on the audio stream)."""
     return sample_generator(seed, noise_id, step, "audio_sampling")
 
-
-def waveform(tokens: torch.Tensor) -> torch.Tensor:
-    """[n, audio_patch] tokens -> float32 [n · audio_patch] mono waveform."""
-    return tokens.float().reshape(-1)
 
 
 def sound_scores(captions: list[str], pixels: list[torch.Tensor], sounds: list[torch.Tensor] | None) -> dict[str, float]:

@@ -1,7 +1,8 @@
 """Audio tokens as a second stream of the pack, for the two-stream DiT (model.audio_patch > 0).
 
 Each clip's sound (VideoSample.audio, 16 kHz mono, data.audio) is cut into tokens of
-`audio_patch` waveform samples and noised with the clip's own t (its own noise stream). Right
+`audio_patch` waveform samples (each token those samples, or their log-magnitude STFT frames:
+model.audio_features) and noised with the clip's own t (its own noise stream). Right
 after each clip's video tokens come its n_k audio tokens, with the clip's seg, in-clip order
 after its video and `stream` 1 (PackedBatch.stream): the clip's attention run is then the joint
 audio↔video one, whatever the backend, and CP (Ulysses, ring) splits it like any run — a CP rank
@@ -21,17 +22,18 @@ from dataclasses import replace
 import torch
 
 from dit_train.batch import STREAMS, WEIGHT_ONE, PackedBatch
+from dit_train.data_pipelines.audio_features import encode, token_width
 from dit_train.data_pipelines.audio_io import SAMPLE_RATE
 from dit_train.rng import sample_generator
 
 
-def audio_tokens(wave: torch.Tensor | None, audio_patch: int) -> torch.Tensor:
-    """float32 [N] waveform -> [N // audio_patch, audio_patch] tokens (the tail under one token
-    dropped); no sound -> [0, audio_patch]."""
+def audio_tokens(wave: torch.Tensor | None, audio_patch: int, features: str = "wave") -> torch.Tensor:
+    """float32 [N] waveform -> [N // audio_patch, W] tokens (the tail under one token dropped): W =
+    audio_patch samples, or their log-magnitude STFT frames (model.audio_features=spectrogram,
+    data_pipelines/audio_features.py); no sound -> [0, W]."""
     if wave is None:
-        return torch.zeros(0, audio_patch)
-    n = wave.numel() // audio_patch
-    return wave[: n * audio_patch].reshape(n, audio_patch).float()
+        return torch.zeros(0, token_width(audio_patch, features))
+    return encode(wave, audio_patch, features)
 
 
 def audio_positions(n: int, audio_patch: int, fps: float, pt: int, index: bool = False) -> torch.Tensor:

@@ -338,7 +338,8 @@ class VideoTask:
         "audio_noise" stream of (seed, id, step); `given` (audio-to-video): the clean sound,
         weight 0, at timestep 0."""
         latents = getattr(item, "audio_latents", None)  # a cache's LTX-2 audio tokens (--audio-vae), else the waveform's
-        a0 = latents.float() if latents is not None else audio_tokens(getattr(item, "audio", None), self.audio_patch)
+        a0 = latents.float() if latents is not None else audio_tokens(getattr(item, "audio", None), self.audio_patch,
+                                                                      self.inputs.audio_features)
         eps = torch.randn(a0.shape, generator=sample_generator(self.seed, sid, step, "audio_noise"))
         # (positions by time, the two-stream DiT's, from a waveform; cached latents train LTX-2: by index)
         fps = item.pixels.shape[1] * SAMPLE_RATE / max(1, item.audio.numel()) if latents is None and a0.shape[0] else 0.0
@@ -374,7 +375,7 @@ class VideoTask:
             out = velocity_from_output(out.float(), batch.tokens["x"], token_times(batch), self.prediction, self.x0_min_t)
         width = None
         if batch.stream is not None and self.audio_patch:  # each stream's rows: their own features, zeros after
-            width = torch.tensor([self.patch_dim, self.audio_patch])[batch.stream.cpu()]
+            width = torch.tensor([self.patch_dim, self.inputs.audio_width])[batch.stream.cpu()]
         loss = per_token_mse(out, batch.tokens["target"], width)
         if self.loss_cfg.weighting == "none":
             return loss

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dit_train.config.cond import MASK_CHANNELS, cond_channels, control_channels
+from dit_train.data_pipelines.audio_features import token_width
 from dit_train.models.registry import model_spec
 
 
@@ -37,6 +38,7 @@ class VideoInputs:
     audio_index: an audio token's position is its index in its clip's track (ModelSpec.audio_positions).
     audio_patch: waveform samples per audio token of a model with an audio stream (model.audio_patch;
     0 = video only): its sampler generates each clip's sound with its pictures (sampling/sound.py).
+    audio_features: what an audio token holds (model.audio_features: wave | spectrogram).
     """
 
     patch: tuple[int, int, int]
@@ -60,6 +62,7 @@ class VideoInputs:
     causal_block: int = 0
     audio_index: bool = False
     audio_patch: int = 0
+    audio_features: str = "wave"
 
     @property
     def patch_volume(self) -> int:
@@ -70,6 +73,11 @@ class VideoInputs:
     def patch_dim(self) -> int:
         """Features of a token of x (and of the target): C·pt·ph·pw."""
         return self.in_channels * self.patch_volume
+
+    @property
+    def audio_width(self) -> int:
+        """Features of an audio token: audio_patch samples, or their STFT frames (0 = video only)."""
+        return token_width(self.audio_patch, self.audio_features) if self.audio_patch else 0
 
     @property
     def cond_dim(self) -> int:
@@ -111,4 +119,5 @@ def video_inputs(model_cfg: Any, cond: Any = None) -> VideoInputs:
         vace_mask=getattr(model_cfg, "vace_mask_channels", 0), concat_channels=concat,
         joint_text=bool(model_cfg.text_dim) and model_spec(model_cfg).joint_text,
         causal_block=getattr(model_cfg, "causal_block_frames", 0) // model_cfg.patch_size[0],
-        audio_index=model_spec(model_cfg).audio_positions == "index", audio_patch=getattr(model_cfg, "audio_patch", 0))
+        audio_index=model_spec(model_cfg).audio_positions == "index", audio_patch=getattr(model_cfg, "audio_patch", 0),
+        audio_features=str(getattr(model_cfg, "audio_features", "wave")))

@@ -162,7 +162,8 @@ def _worker(cfg: Any, state_dict: dict, args: argparse.Namespace, out_dir: str, 
                 r.cond_latents, r.image = args.given[2:] if len(args.given) > 2 else (None, None)
             r.control = args.control_clip
         if args.given_videos or args.given_audios:  # cross-stream: read and checked by main() first, read here again
-            give_streams(requests, args.given_videos, args.given_audios, args.num, cfg.model.audio_patch)
+            give_streams(requests, args.given_videos, args.given_audios, args.num, cfg.model.audio_patch,
+                         str(getattr(cfg.model, "audio_features", "wave")))
     # the run's training shift (per clip size with loss.shift_reference_tokens) ...
     shift, reference = cfg.loss.timestep_shift, cfg.loss.shift_reference_tokens
     pipeline = pipeline_shift(cfg.model)  # ... or the model's pipeline schedule (LTX: model.pipeline_shift) ...
@@ -379,7 +380,8 @@ def cross_stream_files(args: argparse.Namespace, cfg: Any) -> None:
         if args.given_videos or args.given_audios:
             requests = prompt_requests(prompt_space(cfg, source=recorded_source(args, cfg)), args.prompt, args.num,
                                        args.frames, args.height, args.width)
-            give_streams(requests, args.given_videos, args.given_audios, args.num, cfg.model.audio_patch)
+            give_streams(requests, args.given_videos, args.given_audios, args.num, cfg.model.audio_patch,
+                         str(getattr(cfg.model, "audio_features", "wave")))
         return
     if len(args.video) > 1:
         raise ValueError("--video is given once (the video whose first frames are continued)")
