@@ -44,7 +44,6 @@ def sound_noise(seed: int, noise_id: int, step: int) -> torch.Generator:
     return sample_generator(seed, noise_id, step, "audio_sampling")
 
 
-
 def sound_scores(captions: list[str], pixels: list[torch.Tensor], sounds: list[torch.Tensor] | None) -> dict[str, float]:
     """The sound figures (data_pipelines/shapes_sound_metric.py) of generated clips against their
     captions and the bounces seen in their own generated pixels ([3, F, H, W] in [-1, 1]): {}
