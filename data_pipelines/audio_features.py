@@ -32,7 +32,8 @@ GRIFFIN_LIM_MOMENTUM = 0.99
 
 
 def token_width(audio_patch: int, features: str) -> int:
-    """Features of one audio token: audio_patch (`wave`) or FRAMES · BINS (`spectrogram`)."""
+    """Features of one audio token: audio_patch (`wave`) or FRAMES · BINS (`spectrogram`); 0 for
+    audio_patch 0 (a video-only model)."""
     return audio_patch if str(features) == "wave" else audio_patch // HOP * BINS
 
 

@@ -196,7 +196,7 @@ def build(cfg: DiTConfig, attn_backend: str = "sdpa") -> VideoDiT:
                     heads=cfg.heads, mlp_ratio=cfg.mlp_ratio,
                     qk_norm=cfg.qk_norm, rope_theta=cfg.rope_theta, backend=attn_backend, text_dim=cfg.text_dim,
                     moe_blocks=[block_moe(i, cfg.moe) for i in range(cfg.depth)], pooled_text=cfg.pooled_text,
-                    audio_dim=token_width(cfg.audio_patch, cfg.audio_features) if cfg.audio_patch else 0)
+                    audio_dim=token_width(cfg.audio_patch, cfg.audio_features))  # 0: video only
 
 
 def _checks(cfg: DiTConfig) -> list[str]:
@@ -211,8 +211,9 @@ def _shape_errors(cfg: DiTConfig) -> list[str]:
     if cfg.audio_patch < 0 or (cfg.audio_patch and (cfg.causal_block_frames or cfg.cond_channels)):
         return [f"model.audio_patch={cfg.audio_patch} must be >= 0; the two-stream variant trains bidirectional, "
                 "unconditioned models only (model.causal_block_frames=0, cond.kind=none)"]
-    if cfg.audio_patch and feature_errors(cfg.audio_patch, cfg.audio_features):
-        return feature_errors(cfg.audio_patch, cfg.audio_features)
+    features = feature_errors(cfg.audio_patch, cfg.audio_features) if cfg.audio_patch else []
+    if features:
+        return features
     k, pt = cfg.causal_block_frames, cfg.patch_size[0]
     if k < 0 or k % pt:
         return [f"model.causal_block_frames={k} must be 0 (bidirectional) or a positive multiple of "

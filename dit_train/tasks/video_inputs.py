@@ -77,7 +77,7 @@ class VideoInputs:
     @property
     def audio_width(self) -> int:
         """Features of an audio token: audio_patch samples, or their STFT frames (0 = video only)."""
-        return token_width(self.audio_patch, self.audio_features) if self.audio_patch else 0
+        return token_width(self.audio_patch, self.audio_features)
 
     @property
     def cond_dim(self) -> int:
