@@ -27,7 +27,7 @@ from dit_train.engine.summary import write_summary
 from dit_train.engine.validation import Validation, format_scores
 from dit_train.metrics import MetricsLogger
 from dit_train.parallel.mesh import ParallelContext, init_parallel
-from dit_train.trackers import TrackedRun, open_trackers
+from dit_train.trackers import TrackedRun, open_trackers, records_config
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,9 @@ def train(cfg: Config, ctx: ParallelContext | None = None, claimed: bool = False
     run_dir = Path(shared_run_dir(cfg.run_dir, ctx))
     cfg = dataclasses.replace(cfg, run_dir=str(run_dir))  # torchrun: rank 0's folder (a copy: cfg is only read)
     resume = claim_run_folder(cfg, ctx, claimed, hydra_record, data)
-    config_yaml = to_yaml(cfg)
+    # only rank 0 writes it, into checkpoints: OmegaConf's structured copy of the whole tree costs
+    # ~0.07 CPU-s, more than a tiny run's steps on the other ranks
+    config_yaml = to_yaml(cfg) if ctx.is_main and cfg.train.ckpt_every > 0 else ""
     run = build(cfg, ctx, heldout=cfg.train.eval_every > 0)
     trainer, t = run.trainer, cfg.train
     divergence = Divergence(t.divergence_factor, cfg.loss.reduction)
@@ -139,7 +141,10 @@ def train(cfg: Config, ctx: ParallelContext | None = None, claimed: bool = False
     if validation is not None and validation.reference:
         (run_dir / "samples").mkdir(parents=True, exist_ok=True)
         (run_dir / "samples" / "reference.json").write_text(json.dumps(validation.reference, indent=2))
-    trackers = open_trackers(t, TrackedRun(run_dir, run_id, start, to_dict(cfg))) if ctx.is_main else []
+    trackers: list = []
+    if ctx.is_main:  # the config as data only for a tracker that records it (W&B; not TensorBoard)
+        config = to_dict(cfg) if records_config(t.loggers) else {}
+        trackers = open_trackers(t, TrackedRun(run_dir, run_id, start, config))
     logger = MetricsLogger(run_dir, t.steps, start, enabled=ctx.is_main, progress=t.progress, log_every=t.log_every,
                            trackers=trackers)
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))

@@ -71,6 +71,7 @@ class TrackerSpec:
     open: Callable[[TrackedRun, Any], Tracker]
     package: str = ""  # the module it imports when it is not a core dependency
     extra: str = ""  # the pyproject extra that installs that module
+    records_config: bool = False  # it stores the whole config (TrackedRun.config); else that stays empty
 
     def missing(self) -> str | None:
         """How to install what this tracker needs, or None when it is there."""

@@ -101,4 +101,4 @@ def _open(run: TrackedRun, train_cfg: Any) -> Tracker:
     return WandbTracker(run, train_cfg.wandb_project, str(train_cfg.wandb_mode))
 
 
-register_tracker(TrackerSpec("wandb", _open, package="wandb", extra="wandb"))
+register_tracker(TrackerSpec("wandb", _open, package="wandb", extra="wandb", records_config=True))
