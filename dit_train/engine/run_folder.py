@@ -243,13 +243,14 @@ def open_run_folder(cfg: Any, resume: str, hydra_record: Any = None, data: dict[
     same_folder = ckpt is not None and ckpt.parent.parent.resolve() == path.resolve()
     run_id = (run_id_of(path) if same_folder else None) or (read_checkpoint_info(ckpt).get("run_id") if ckpt else None) \
         or uuid.uuid4().hex[:12]
+    config_yaml = to_yaml(cfg)  # once: OmegaConf's structured copy of the tree, ~0.07 CPU-s
     if ckpt is None:
-        (path / "config.yaml").write_text(to_yaml(cfg))
+        (path / "config.yaml").write_text(config_yaml)
     else:
         step = read_checkpoint_info(ckpt)["step"] + 1
-        (path / f"resume_{step:08d}.yaml").write_text(to_yaml(cfg))
+        (path / f"resume_{step:08d}.yaml").write_text(config_yaml)
         if not (path / "config.yaml").exists():
-            (path / "config.yaml").write_text(to_yaml(cfg))
+            (path / "config.yaml").write_text(config_yaml)
     (path / "run.json").write_text(json.dumps({"run_id": run_id, "resumed_from": str(ckpt) if ckpt else None,
                                                "data": record}, indent=2))
     if hydra_record is not None:
