@@ -9,6 +9,15 @@ from pathlib import Path
 
 import pytest
 
+# Bytecode caches, also where PYTHONDONTWRITEBYTECODE is set (as in this project's containers):
+# without them every pytest process (each xdist worker collects the whole suite) parsed, rewrote
+# (pytest's assertion rewriting) and compiled every test module and dit_train module afresh, and
+# every fresh Python a test starts (`run_cli`, the fork servers) compiled dit_train again: ~6 of a
+# worker's ~15 CPU-s of start and collection (docs/development.md). The caches go to __pycache__
+# (ignored by git); where that is not writable Python and pytest go on without them.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
 from dit_train.config import Config
 from dit_train.compose import compose
 
