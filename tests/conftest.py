@@ -62,6 +62,15 @@ def compose_config(overrides: list[str] | None = None, cache_dir: str | None = N
     return cfg
 
 
+def needs(package: str) -> pytest.MarkDecorator:
+    """Skip where `package` is not installed: found (importlib.util.find_spec), not imported, so that
+    collecting a file imports no heavy library its tests import themselves (transformers ~1 CPU-s
+    in every pytest process, xdist's workers each collect the whole suite)."""
+    import importlib.util
+
+    return pytest.mark.skipif(importlib.util.find_spec(package) is None, reason=f"{package} is not installed")
+
+
 def refusal(overrides: list[str]) -> str:
     """check_config's refusal of `compose(overrides)`: the ConfigError's text, asserted one line."""
     from dit_train.config.errors import ConfigError
