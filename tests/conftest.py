@@ -9,6 +9,15 @@ from pathlib import Path
 
 import pytest
 
+# Bytecode caches, also where PYTHONDONTWRITEBYTECODE is set (as in this project's containers):
+# without them every pytest process (each xdist worker collects the whole suite) parsed, rewrote
+# (pytest's assertion rewriting) and compiled every test module and dit_train module afresh, and
+# every fresh Python a test starts (`run_cli`, the fork servers) compiled dit_train again: ~6 of a
+# worker's ~15 CPU-s of start and collection (docs/development.md). The caches go to __pycache__
+# (ignored by git); where that is not writable Python and pytest go on without them.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
 from dit_train.config import Config
 from dit_train.compose import compose
 
@@ -51,6 +60,15 @@ def compose_config(overrides: list[str] | None = None, cache_dir: str | None = N
     if cache_dir is not None:
         cfg.data.cache_dir = cache_dir
     return cfg
+
+
+def needs(package: str) -> pytest.MarkDecorator:
+    """Skip where `package` is not installed: found (importlib.util.find_spec), not imported, so that
+    collecting a file imports no heavy library its tests import themselves (transformers ~1 CPU-s
+    in every pytest process, xdist's workers each collect the whole suite)."""
+    import importlib.util
+
+    return pytest.mark.skipif(importlib.util.find_spec(package) is None, reason=f"{package} is not installed")
 
 
 def refusal(overrides: list[str]) -> str:

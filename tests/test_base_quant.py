@@ -18,7 +18,8 @@ from dit_train.models import quant
 from tests.conftest import TINY, compose_config, refusal
 from tests.layout_cases import Case, assert_exact, run_cases
 
-pytestmark = pytest.mark.skipif(not quant.available(), reason="torchao is not installed (pip install 'dit_train[quant]')")
+# a string: asked at each test's setup, not at collection (torchao's import, ~2.5 CPU-s, only where a test needs it)
+pytestmark = pytest.mark.skipif("not quant.available()", reason="torchao is not installed (pip install 'dit_train[quant]')")
 
 LORA = ["model.lora.rank=4", "model.lora.alpha=8"]
 MODELS = {"dit": [], "wan": ["model=wan_tiny"]}

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+from dit_train.data_pipelines import latent_cache as lc
+from dit_train.data_pipelines.video_io import VideoReadError
+from tests.conftest import LATENT_MEAN as MEAN, LATENT_STD as STD, TEXT_DIM, TINY_MODEL, Z_DIM, cache_args, compose_config, needs
 
-from dit_train.data_pipelines import latent_cache as lc  # noqa: E402
-from dit_train.data_pipelines.video_io import VideoReadError  # noqa: E402
-from tests.conftest import LATENT_MEAN as MEAN, LATENT_STD as STD, TEXT_DIM, TINY_MODEL, Z_DIM, cache_args, compose_config  # noqa: E402
+pytestmark = needs("transformers")
 
 def test_cache_layout_shapes_and_report(cache, source, models):
     meta = lc.read_cache_info(cache)

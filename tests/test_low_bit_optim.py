@@ -18,7 +18,8 @@ from dit_train.models import quant
 from dit_train.optim import low_bit
 from tests.conftest import TINY, compose_config, refusal
 
-pytestmark = pytest.mark.skipif(not quant.available(), reason="torchao is not installed (pip install 'dit_train[quant]')")
+# a string: asked at each test's setup, not at collection (torchao's import, ~2.5 CPU-s, only where a test needs it)
+pytestmark = pytest.mark.skipif("not quant.available()", reason="torchao is not installed (pip install 'dit_train[quant]')")
 
 # TINY with AdamW8bit; dim 128 and rank 128 so the adapters' moments (16384 values each) pass
 # torchao's 4096-value threshold (smaller tensors keep fp32 moments and would test nothing). One

@@ -16,7 +16,6 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from dit_train.checkpoint.export import full_state_dict
 from dit_train.config.choices import OptimName
@@ -40,6 +39,9 @@ def _gradient(name: str, shape: torch.Size) -> torch.Tensor:
 def muon_steps(cfg, steps: int = 2) -> dict[str, torch.Tensor]:
     """Build cfg's run, give every parameter the same full gradient `steps` times, step the
     optimizer; the full weights (on every rank)."""
+    # deferred: DTensor's import (~0.7 CPU-s, sympy) cost every pytest process that collects this file
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
     run = build_run(cfg)
     assert isinstance(run.optimizer, MuonAdamW)
     for _ in range(steps):

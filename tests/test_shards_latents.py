@@ -8,15 +8,16 @@ import json
 import pytest
 import torch
 
-pytest.importorskip("transformers")
-pytest.importorskip("webdataset")
+pytest.importorskip("webdataset")  # dit_train.tools.make_shards imports it
 
 from dit_train.compose import compose  # noqa: E402
 from dit_train.data_pipelines import latent_cache as lc, source_for  # noqa: E402
 from dit_train.engine import launch  # noqa: E402
 from dit_train.tools.cache_latents import main as cache_latents  # noqa: E402
 from dit_train.tools.make_shards import main as make_shards  # noqa: E402
-from tests.conftest import TEXT_DIM, TINY_MODEL, Z_DIM, cache_args, train_in_process  # noqa: E402
+from tests.conftest import TEXT_DIM, TINY_MODEL, Z_DIM, cache_args, needs, train_in_process  # noqa: E402
+
+pytestmark = needs("transformers")
 
 MODEL = [*TINY_MODEL, f"model.in_channels={Z_DIM}", f"model.text_dim={TEXT_DIM}", "model.patch_size=[1,2,2]"]
 

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("transformers")
+from dit_train.data_pipelines import latent_cache as lc
+from tests.conftest import CLIP_DIM, TEXT_DIM, Z_DIM, compose_config, needs
 
-from dit_train.data_pipelines import latent_cache as lc  # noqa: E402
-from tests.conftest import CLIP_DIM, TEXT_DIM, Z_DIM, compose_config  # noqa: E402
+pytestmark = needs("transformers")
 
 def run_args(cache: Path) -> list[str]:
     return ["model=wan_i2v_tiny", "data=latent_cache", f"data.root={cache}", f"model.in_channels={Z_DIM}",
