@@ -9,6 +9,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import torch
+
 
 def loaded_type(module: str, name: str) -> type | None:
     """`module.name` if `module` is imported already, else None (nothing can be of that type yet)."""
@@ -31,6 +33,18 @@ def is_fsdp_module(m: Any) -> bool:
 def local_part(t: Any) -> Any:
     """A DTensor's local shard, any other tensor itself."""
     return t.to_local() if is_dtensor(t) else t
+
+
+def fp32_copy(t: Any) -> Any:
+    """A detached float32 copy of `t`, a DTensor placed like it when it is one. Made from the local
+    part: an op on the DTensor itself (detach, to) goes through DTensor's dispatch, whose first
+    call per (op, mesh, shape) propagates the sharding on fake tensors (~10 ms)."""
+    if not is_dtensor(t):
+        return t.detach().to(torch.float32, copy=True)
+    from torch.distributed.tensor import DTensor  # loaded already (t is a DTensor)
+
+    local = t.to_local().detach().to(torch.float32, copy=True)
+    return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
 
 
 def distribute_like(full: Any, p: Any) -> Any:

@@ -59,6 +59,17 @@ def test_labels_shift_inside_documents_and_prompts_are_ignored():
     assert batch.valid.tolist() == [x != IGNORE for x in labels]
 
 
+
+def test_long_documents_are_cut_into_pieces_that_share_one_token():
+    """A document longer than max_doc_tokens becomes pieces of at most max_doc_tokens + 1 ids, each
+    starting at the previous one's last id (every label predicted once); a prompt's ignored
+    labels carry into the pieces it reaches; lengths() are the pieces' positions."""
+    tok = ByteTokenizer()
+    ds = TextDataset([("0", "abcdefghij"), ("1\x00prompt", json.dumps(["PROMPT", "yes"]))], tok, 4, heldout_fraction=0)
+    assert [tok.decode(d.ids) for d in ds.docs] == ["abcde", "efghi", "ij", "PROMP", "PTyes"]
+    assert [d.prompt_len for d in ds.docs] == [0, 0, 0, 5, 1]
+    assert ds.lengths() == [ds.num_tokens(i) for i in range(len(ds))] == [4, 4, 1, 4, 4]
+
 def test_packs_without_valid_tokens_give_finite_zero_loss(llm_cfg):
     from dit_train.tasks import build_task
     from dit_train.loss import sync_counts, token_weights

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from dit_train.models.params import plain_name
-from dit_train.sharded import is_dtensor, local_part
+from dit_train.sharded import fp32_copy, is_dtensor, local_part
 
 
 def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -43,8 +43,8 @@ class EMA:
             raise ValueError(f"train.ema_decay={decay} must be in (0, 1) (0 disables EMA)")
         self.decay = decay
         self.params = trainable_parameters(model)
-        with torch.no_grad():
-            self.shadow = {n: p.detach().to(torch.float32, copy=True) for n, p in self.params.items()}
+        with torch.no_grad():  # fp32_copy: sharded like each parameter, built from its local part
+            self.shadow = {n: fp32_copy(p) for n, p in self.params.items()}
         self.updates = 0
 
     def current_decay(self) -> float:

@@ -28,7 +28,7 @@ from dit_train.parallel.context_parallel import split_for_cp
 from dit_train.parallel.mesh import ParallelContext
 from dit_train.parallel.parallelize import grad_sync_groups, sync_unsharded_grads
 from dit_train.precision import DynamicLossScale, autocast
-from dit_train.sharded import is_dtensor, is_fsdp_module
+from dit_train.sharded import is_dtensor, is_fsdp_module, local_part
 from dit_train.kernels import VarlenLayout
 
 
@@ -74,8 +74,23 @@ def grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     norms = [_total_norm(grads) for grads in by_mesh.values()] or [torch.zeros(())]
     norm = norms[0] if len(norms) == 1 else torch.stack([n.to(norms[0].device) for n in norms]).norm()
     if max_norm > 0 and math.isfinite(float(norm)):
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=False)
+        clip_grads_with_norm_([p.grad for p in params], max_norm, norm)
     return norm
+
+
+@torch.no_grad()
+def clip_grads_with_norm_(grads: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
+    """grad *= min(max_norm / (norm + 1e-6), 1), torch.nn.utils.clip_grads_with_norm_'s
+    arithmetic, on each gradient's local part: on the DTensor itself each `mul_` went through
+    DTensor's dispatch (its first call per mesh and shape propagates the sharding on fake
+    tensors, ~10 ms; ~40 % of a tiny FSDP2 rank job's step was such calls)."""
+    coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
+    on_device: dict[torch.device, torch.Tensor] = {}
+    for g in grads:
+        local = local_part(g)
+        if local.device not in on_device:
+            on_device[local.device] = coef.to(local.device)
+        local.mul_(on_device[local.device])
 
 
 @torch.no_grad()
