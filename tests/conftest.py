@@ -168,6 +168,16 @@ def tiny_teacher(tiny_cfg, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def one_block_teacher(tiny_cfg, tmp_path_factory) -> Path:
+    """tiny_teacher with one transformer block: the teacher of the distillation layout tests
+    (test_distill, test_self_forcing), whose multi-process runs are Python-bound — each block is
+    ~1/4 of a rank's CPU — and need no second block to split clips, counts and shards; read only."""
+    run = tmp_path_factory.mktemp("one_block_teacher")
+    train_in_process([*TINY, "model.depth=1", "train.steps=2"], run, cache_dir=tiny_cfg.data.cache_dir)
+    return run
+
+
+@pytest.fixture(scope="session")
 def causal_run(tmp_path_factory, tiny_cfg) -> Path:
     """A tiny diffusion-forcing run (K = 4 frames, clips of up to data.max_frames = 8: 2 blocks) that
     test_streaming and test_drift stream from; read only."""

@@ -21,9 +21,11 @@ DISTILL = ["distill.method=dmd2", "distill.student_steps=3", "distill.student_ev
 
 
 @pytest.fixture(scope="module")
-def teacher(tiny_teacher):
-    """conftest's tiny trained run (read only: tests copy it to change it)."""
-    return tiny_teacher
+def teacher(one_block_teacher):
+    """conftest's tiny trained run of one block (read only: tests copy it to change it): the runs
+    are Python-bound, a second block was ~1/4 of each layout rank's CPU, and neither the DMD
+    formulas nor what the layouts split (clips, counts, shards, the offloaded teacher) need it."""
+    return one_block_teacher
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,10 @@ def corpus(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm_cfg(corpus):
-    return compose_config([*LLM_TINY, f"data.text_path={corpus}"])
+    """LLM_TINY with one block: the layout runs are Python-bound (a step costs its blocks' calls,
+    not their width), and the zigzag splits, causal masks across CP chunks, counts and shards the
+    layouts must get right need no second block."""
+    return compose_config([*LLM_TINY, "model.depth=1", f"data.text_path={corpus}"])
 
 
 def test_embedded_corpus_loads_with_heldout_split():

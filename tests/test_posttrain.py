@@ -18,9 +18,16 @@ from dit_train.engine.layout_equivalence import apply_layout, relative_differenc
 from dit_train.posttrain import Datum, dpo_loss, grpo_loss, sft_loss
 from tests.conftest import compose_config
 
-LLM = ["mode=llm", "model.dim=32", "model.depth=2", "model.heads=4", "model.init=normal", "optim=sgd",
+# depth 1: the tiny runs are Python-bound (a step costs its blocks' calls, not their width), and
+# what the layouts must get right (tokens split over CP, the counts summed, FSDP2/DDP over the root
+# and a block) does not need a second block
+LLM = ["mode=llm", "model.dim=32", "model.depth=1", "model.heads=4", "model.init=normal", "optim=sgd",
        "optim.lr=0.5", "optim.max_grad_norm=0", "train.micro_batch_tokens=96", "train.progress=false",
        "train.eval_every=0", "data.max_doc_tokens=64", "data.heldout_fraction=0"]
+# The session trains on the caller's datums, never on the configured corpus, but builds its task
+# from it: the embedded corpus (pydoc_data.topics, ~7000 pieces of 64 tokens) cost ~0.3 CPU-s a
+# session to read and measure, ~25 % of a layout worker's time; this corpus is a few pieces.
+CORPUS = "\n\n".join(f"paragraph {i}: the quick brown fox jumps over the lazy dog." for i in range(4))
 TOL = 1e-4  # weights: max |Δ| relative to the largest update (see layout_equivalence)
 
 # (name, batch, loss, optim_step normalization, call boundaries inside the batch)
@@ -218,8 +225,10 @@ def _worker(cfg, layouts, batches, ckpt_one_process, ckpt_dir):
 
 
 @pytest.fixture(scope="module")
-def cfg():
-    return compose_config(LLM)
+def cfg(tmp_path_factory):
+    corpus = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    corpus.write_text(CORPUS)
+    return compose_config([*LLM, f"data.text_path={corpus}"])
 
 
 @pytest.fixture(scope="module")

@@ -40,6 +40,16 @@ def cfg(tiny_cfg, teacher):
                                          cache_dir=tiny_cfg.data.cache_dir))
 
 
+@pytest.fixture(scope="module")
+def layout_cfg(tiny_cfg, one_block_teacher):
+    """cfg of the one-block teacher (conftest): the layout tests' runs. The one-process tests keep the
+    two-block teacher (the KV cache holds one entry per block)."""
+    from dit_train.distill.build import student_config
+
+    return student_config(compose_config([*TINY, *SELF_FORCING, f"distill.teacher={one_block_teacher}"],
+                                         cache_dir=tiny_cfg.data.cache_dir))
+
+
 def test_rollout_blocks_and_exits(cfg):
     """The packs are block-causal with clips of one and two blocks, each block its own exit."""
     from dit_train.distill.build import build_distill_run
@@ -142,7 +152,7 @@ def test_the_cached_rollout_equals_the_recomputed_one(tiny_cfg, teacher):
 
 
 @pytest.mark.slow
-def test_layouts_equal_the_one_process_run(cfg, teacher):
+def test_layouts_equal_the_one_process_run(layout_cfg, one_block_teacher):
     """FSDP2 dp_shard=2, Ulysses cp=2, and dp_shard=2 x ring cp=2 on 4 ranks (a sample's blocks
     split over two ranks, zigzag, beside another DP rank's samples): student and critic weights
     after 3 steps (student updates at 0 and 2) equal the one-process run's."""
@@ -152,6 +162,7 @@ def test_layouts_equal_the_one_process_run(cfg, teacher):
     from dit_train.parallel.mesh import init_parallel
     from tests.test_distill import _worker, distill_steps, part
 
+    cfg, teacher = layout_cfg, one_block_teacher
     cases = {"dp2": Case(cfg, "dp_shard=2"), "ulysses2": Case(cfg, "cp_ulysses=2"),
              "dp2_ring2": Case(cfg, "dp_shard=2,cp_ring=2")}
     oracle = distill_steps(cases["dp2"].oracle_cfg(), init_parallel(cases["dp2"].oracle_cfg().parallel), 3)
@@ -168,7 +179,7 @@ def test_layouts_equal_the_one_process_run(cfg, teacher):
 
 
 @pytest.mark.slow
-def test_lora_layouts_equal_the_one_process_run(tiny_cfg, teacher):
+def test_lora_layouts_equal_the_one_process_run(tiny_cfg, one_block_teacher):
     """A LoRA student (one frozen base, the student's and the critic's adapters): FSDP2
     dp_shard=2 and Ulysses cp=2 on the uneven clips equal the one-process LoRA run after 3 steps,
     adapter by adapter; both adapters moved."""
@@ -181,7 +192,7 @@ def test_lora_layouts_equal_the_one_process_run(tiny_cfg, teacher):
     # adapters start at B = 0 and move slowly under SGD: test_distill's rates; no teacher guidance
     lora = apply_layout(student_config(compose_config(
         [*TINY, *SELF_FORCING, "model.lora.rank=4", "distill.teacher_guidance=1.0", "distill.critic_lr=100",
-         "optim.lr=20000", f"distill.teacher={teacher}"], cache_dir=tiny_cfg.data.cache_dir)), {})
+         "optim.lr=20000", f"distill.teacher={one_block_teacher}"], cache_dir=tiny_cfg.data.cache_dir)), {})
     one = distill_steps(lora, init_parallel(lora.parallel), 3)
     runs = {"lora_dp2": (lora, {"dp_shard": 2}), "lora_ulysses2": (lora, {"cp_ulysses": 2})}
     results = launch_local(_worker, (runs, 3), 2, lora.launcher)[0]

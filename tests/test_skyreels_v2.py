@@ -199,14 +199,20 @@ LAYOUTS = ["dp_shard=2,cp_ring=2", "cp_ulysses=2", "cp_ulysses=2,cp_ring=2"]
 
 
 @pytest.fixture(scope="module")
-def layouts(df_run_cfg, pretrained_dir):
+def layouts(df_run_cfg, tmp_path_factory):
     from dit_train.engine.layout_equivalence import apply_layout
+    from tests.families import pretrained_folder
     from tests.layout_cases import Case, run_cases
 
     full = apply_layout(df_run_cfg, {})
     full.train.steps = 2
+    # one block (and a pretrained base of one): the runs are Python-bound (a step costs its blocks'
+    # calls, not their width), and the causal blocks split over CP, the counts, the shards and the
+    # adapters on the base need no second transformer block
+    full.model.depth = 1
+    base = pretrained_folder(full.model, tmp_path_factory.mktemp("skyreels_pretrained_one_block"))
     lora = apply_layout(full, {})
-    lora.model.pretrained, lora.model.lora.rank, lora.model.lora.alpha = str(pretrained_dir), 4, 8.0
+    lora.model.pretrained, lora.model.lora.rank, lora.model.lora.alpha = str(base), 4, 8.0
     clip = apply_layout(full, {})  # per-clip noise: shows the per-block runs are not vacuous
     clip.loss.frame_noise, clip.loss.history_prob, clip.loss.block_noise_schedule = "clip", 0.0, "independent"
     cases = {("full", spec): Case(full, spec, "sample_mean") for spec in LAYOUTS}
