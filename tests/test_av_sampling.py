@@ -219,3 +219,36 @@ def test_evaluate_reports_the_sound_figures_of_a_two_stream_run(av_run, tmp_path
     scores = json.loads((out / "evaluate.json").read_text())["scores"]
     assert {"all_ok", "sound_color_ok", "sound_sync_ok", "sound_all_ok"} <= set(scores)
     assert scores["sound_num_clips"] == 3
+
+
+def test_the_sync_probe_reads_a_planted_signal_and_not_noise():
+    """tools.probe_sync's ridge probe, fitted on the even clips and scored on the odd ones, finds
+    a label written into one feature and reads chance from noise (fitted and scored on the same
+    rows it would read ~0.9 from this noise: seen failing so)."""
+    import numpy as np
+
+    from dit_train.tools.probe_sync import auc, probe
+
+    assert auc(np.array([0.1, 0.4, 0.35, 0.8]), np.array([0, 0, 1, 1])) == 0.75
+    rng = np.random.default_rng(0)
+    X, y = rng.normal(size=(240, 60)), rng.integers(0, 2, 240)
+    clips = np.repeat(np.arange(60), 4)
+    assert 0.35 < probe(X, y, clips) < 0.65
+    X[:, 7] += 5 * y
+    assert probe(X, y, clips) > 0.9
+
+
+def test_the_sync_probe_runs_on_a_two_stream_run(av_run_spectrogram, capsys):
+    """`python -m dit_train.tools.probe_sync RUN`: one AUC per block for each probe, over the
+    clips with sound asked for (a run without a sound stream is refused)."""
+    import math
+
+    from dit_train.tools.probe_sync import main, probe_run
+
+    cfg = av_run_spectrogram
+    r = probe_run(cfg.run_dir, clips=12)
+    assert r["clips"] >= 12 and r["bounces"] > 0 and r["clicks"] > 0 and r["tokens"] > r["clicks"]
+    assert len(r["video"]) == len(r["audio"]) == cfg.model.depth
+    assert all(0 <= v <= 1 for v in r["video"] + r["audio"] if not math.isnan(v))
+    main([str(cfg.run_dir), "--clips", "8", "--t", "0.5"])
+    assert "| 0 |" in capsys.readouterr().out

@@ -1,0 +1,158 @@
+"""Where a two-stream run's chain from picture to click breaks: linear probes on its hidden states.
+
+    python -m dit_train.tools.probe_sync outputs/v2a --clips 600            # its sound at t = 1
+    python -m dit_train.tools.probe_sync outputs/v2a --clips 600 --t 0.5
+
+The embedded world's sound clicks where the shape touches a wall (docs/audio-video.md). A run
+that makes the click from the picture must (1) carry the bounce in the given video's hidden
+states and (2) move it into the audio token of the bounce's frame. Each clip with sound of the
+run's training set (ids 0, 1, ... until --clips of them) is given its clean video, as
+`cond.given_stream=video` trains it, and its sound's tokens noised at --t (1: pure noise, where
+sampling starts); a forward hook keeps each block's output. Per block, two ridge probes fitted on
+the even clips and scored on the odd ones (AUC: 0.5 is chance, 1 perfect):
+
+- video: "a bounce in this temporal patch", from the mean, max and min of the patch's video tokens
+  (the bounces seen in the clip's own pixels, as the sound metric finds them);
+- audio: "this token holds a click", from each audio token (the one where a bounce frame's click
+  starts).
+
+A few hundred clips are needed: with ~100 the video probe (3 x model.dim features) reads near
+chance whatever the run. One process, no collective; the run's EMA weights when it has them.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dit_train.batch import video_forward
+from dit_train.config.choices import GivenStream
+from dit_train.data_pipelines.shapes_sound_metric import bounce_frames
+from dit_train.data_pipelines.synthetic_video import CLICK_OFFSET
+from dit_train.generate import load_run
+from dit_train.kernels import VarlenLayout
+from dit_train.tasks import build_task
+
+PACK = 8  # clips per forward
+
+
+def _features(task, model, ids: list[int], t: float, gen: torch.Generator) -> tuple[dict, dict]:
+    """Hidden states of one pack's clips: per block, video rows [patches, 3·dim] and audio rows
+    [tokens, dim], with their labels, clip ids and the block outputs' keys."""
+    b = task.build(ids, 0)
+    audio = b.stream == 1
+    width = model.audio_dim
+    x = b.tokens["x"].clone()
+    t0 = b.samples["t"][b.seg.clamp(min=0)]
+    x0 = x - t0[:, None] * b.tokens["target"]  # x_t − t·(ε − x0): the audio tokens' clean values
+    x[audio, :width] = (1 - t) * x0[audio, :width] + t * torch.randn(x0[audio, :width].shape, generator=gen)
+    kept: dict[int, torch.Tensor] = {}
+    hooks = [blk.register_forward_hook(lambda m, i, o, k=k: kept.__setitem__(k, o.detach()))
+             for k, blk in enumerate(model.blocks)]
+    try:
+        with torch.no_grad():
+            video_forward(model, b, VarlenLayout.build(b.seg, b.mask_order, b.causal), x=x,
+                          t=torch.full_like(b.samples["t"], t))
+    finally:
+        for h in hooks:
+            h.remove()
+    pt = task.patch[0]
+    video = {"X": {k: [] for k in kept}, "y": [], "clip": []}
+    sound = {"X": {k: [] for k in kept}, "y": [], "clip": []}
+    for c, sid in enumerate(b.sample_ids.tolist()):
+        item = task.dataset[sid]
+        bounces = set(bounce_frames(item.pixels))
+        mine = b.seg == c
+        vm, am = mine & ~audio, mine & audio
+        tp = b.pos[vm, 0].long()
+        for p in tp.unique().tolist():
+            sel = vm.clone()
+            sel[vm] = tp == p
+            video["y"].append(int(any(f in bounces for f in range(p * pt, p * pt + pt))))
+            video["clip"].append(sid)
+            for k, h in kept.items():
+                hs = h[sel].float()
+                video["X"][k].append(torch.cat([hs.mean(0), hs.amax(0), hs.amin(0)]).numpy())
+        per_frame = item.audio.numel() / item.pixels.shape[1]  # samples a frame
+        clicks = {int((f * per_frame + CLICK_OFFSET) // task.audio_patch) for f in bounces}
+        n = int(am.sum())
+        sound["y"].extend(int(j in clicks) for j in range(n))
+        sound["clip"].extend([sid] * n)
+        for k, h in kept.items():
+            sound["X"][k].extend(h[am].float().numpy())
+    return video, sound
+
+
+def auc(score: np.ndarray, y: np.ndarray) -> float:
+    """Area under the ROC curve of `score` for binary labels `y` (Mann-Whitney, ties by order)."""
+    rank = np.empty(len(score))
+    rank[np.argsort(score, kind="stable")] = np.arange(len(score))
+    pos = int(y.sum())
+    neg = len(y) - pos
+    return float((rank[y == 1].sum() - pos * (pos - 1) / 2) / (pos * neg)) if pos and neg else float("nan")
+
+
+def probe(X: np.ndarray, y: np.ndarray, clips: np.ndarray, ridge: float = 10.0) -> float:
+    """AUC on the odd clips of a ridge regression fitted on the even clips' standardised rows."""
+    train = clips % 2 == 0
+    mu, sd = X[train].mean(0), X[train].std(0) + 1e-6
+    Xs = (X - mu) / sd
+    A = Xs[train]
+    w = np.linalg.solve(A.T @ A + ridge * np.eye(A.shape[1]), A.T @ (y[train] - y[train].mean()))
+    return auc(Xs[~train] @ w, y[~train])
+
+
+def probe_run(run: str | Path, clips: int, t: float = 1.0, seed: int = 0) -> dict:
+    """{"video": [AUC per block], "audio": [...], counts} of a finished two-stream run (docstring above)."""
+    cfg, model = load_run(run, ema=(Path(run) / "weights_ema.safetensors").exists())
+    if getattr(cfg.model, "audio_patch", 0) <= 0:
+        raise ValueError(f"{run} is not a two-stream run (model.audio_patch=0): there is no sound to probe")
+    cond = copy.deepcopy(cfg.cond)
+    cond.given_stream, cond.given_stream_prob = GivenStream.video, 1.0  # every clip with sound given its clean video
+    task = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed, cond=cond)
+    gen = torch.Generator().manual_seed(seed)
+    heard = (i for i in range(len(task.dataset)) if task.dataset[i].audio is not None)
+    video = {"X": {}, "y": [], "clip": []}
+    sound = {"X": {}, "y": [], "clip": []}
+    done = 0
+    while done < clips:
+        ids = [i for _, i in zip(range(PACK), heard)]
+        if not ids:
+            break
+        for into, part in zip((video, sound), _features(task, model, ids, t, gen)):
+            for k, rows in part["X"].items():
+                into["X"].setdefault(k, []).extend(rows)
+            into["y"] += part["y"]
+            into["clip"] += part["clip"]
+        done += len(ids)
+    out = {"clips": done, "patches": len(video["y"]), "bounces": sum(video["y"]), "tokens": len(sound["y"]),
+           "clicks": sum(sound["y"]), "video": [], "audio": []}
+    for k in sorted(video["X"]):
+        for name, d in (("video", video), ("audio", sound)):
+            out[name].append(probe(np.stack(d["X"][k]), np.asarray(d["y"]), np.asarray(d["clip"])))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("run", help="a finished two-stream run (model.audio_patch > 0) on the embedded world with sound")
+    ap.add_argument("--clips", type=int, default=600, help="clips with sound to probe (a few hundred: see above)")
+    ap.add_argument("--t", type=float, default=1.0, help="the sound's noise level (1 = pure noise, where sampling starts)")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    if a.clips < 2 or not 0.0 <= a.t <= 1.0:
+        ap.error("--clips must be >= 2 and --t in [0, 1]")
+    r = probe_run(a.run, a.clips, a.t, a.seed)
+    print(f"{a.run}, sound at t = {a.t}: {r['clips']} clips, {r['patches']} temporal patches ({r['bounces']} with a "
+          f"bounce), {r['tokens']} audio tokens ({r['clicks']} clicks); AUC on the odd clips, 0.5 = chance")
+    print("| block | video: a bounce in this temporal patch | audio: this token holds a click |")
+    print("|---|---|---|")
+    for k, (v, s) in enumerate(zip(r["video"], r["audio"])):
+        print(f"| {k} | {v:.2f} | {s:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
