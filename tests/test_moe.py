@@ -287,7 +287,10 @@ def ep_results(moe_cfg):
     from dataclasses import replace
 
     cfg = apply_layout(moe_cfg, {}, "sample_mean")
-    cfg.model.moe = replace(cfg.model.moe, every=1)  # both blocks have experts
+    # one block, with experts: the dispatch, the expert replica sums and the shards need no second
+    # (the runs are Python-bound; dense-beside-MoE blocks are moe_layouts' case)
+    cfg.model.depth = 1
+    cfg.model.moe = replace(cfg.model.moe, every=1)
     cases = {spec: Case(cfg, spec) for spec in EP_LAYOUTS}
     cases["ep=2,dp_shard=4 + full AC"] = Case(cfg, "ep=2,dp_shard=4", change=_full_ac)
     return run_cases(cases)
@@ -307,7 +310,7 @@ def test_expert_parallel_checkpoint_resumes_on_another_ep(tmp_path, data_cache):
     from tests.test_checkpoint import _max_diff
     from tests.conftest import TINY
 
-    base = [*TINY, *MOE, "train.steps=4", f"data.cache_dir={data_cache}"]
+    base = [*TINY, *MOE, "model.depth=1", "train.steps=4", f"data.cache_dir={data_cache}"]  # one block of experts
     ref, a = tmp_path / "ref", tmp_path / "a"
     train_in_process(base, ref)
     # the saving run stops at its checkpoint (step 1 of the 4): the steps after it would not be read

@@ -66,6 +66,9 @@ def _worker(cfg, variants=ALL_VARIANTS, cases=None):
 @pytest.fixture(scope="module")
 def session_cfg(tiny_cfg):
     cfg = apply_layout(tiny_cfg, {})
+    # one block: the runs are Python-bound (a step costs its blocks' calls, not their width), and the
+    # calls' counts, their sync and the deferred reduction need no second transformer block
+    cfg.model.depth = 1
     cfg.optim.lr = 0.05  # `sum` has un-normalized gradients: keep the step small
     return cfg
 
