@@ -257,9 +257,8 @@ class TextDataset:
             # every rank of every run); a view ~1 µs. Nothing writes into ids.
             whole = torch.from_numpy(np.asarray(ids, dtype=np.int64))
             step = max_doc_tokens
-            for start in range(0, len(ids) - 1, step):
-                if min(step + 1, len(ids) - start) >= 2:
-                    self.docs.append(Document(whole[start:start + step + 1], max(0, prompt_len - start)))
+            for start in range(0, len(ids) - 1, step):  # every piece holds >= 2 ids: start <= len(ids) - 2
+                self.docs.append(Document(whole[start:start + step + 1], max(0, prompt_len - start)))
         if not self.docs:
             raise ValueError(f"the text corpus has no usable {split} document (all empty or too short)")
         self._lengths = [d.ids.numel() - 1 for d in self.docs]  # asked several times per run (plan, checks)
