@@ -39,10 +39,11 @@ from dit_train.tasks import build_task
 PACK = 8  # clips per forward
 
 
-def _features(task, model, ids: list[int], t: float, gen: torch.Generator) -> tuple[dict, dict]:
-    """Hidden states of one pack's clips: per block, video rows [patches, 3·dim] and audio rows
-    [tokens, dim], with their labels, clip ids and the block outputs' keys."""
-    b = task.build(ids, 0)
+def _features(task, model, items: dict, t: float, gen: torch.Generator) -> tuple[dict, dict]:
+    """Hidden states of one pack's clips (items: {sample id: its dataset item}, read once by the
+    caller): per block, video rows [patches, 3·dim] and audio rows [tokens, dim], with their
+    labels and clip ids."""
+    b = task.build(list(items), 0)
     audio = b.stream == 1
     width = model.audio_dim
     x = b.tokens["x"].clone()
@@ -63,7 +64,7 @@ def _features(task, model, ids: list[int], t: float, gen: torch.Generator) -> tu
     video = {"X": {k: [] for k in kept}, "y": [], "clip": []}
     sound = {"X": {k: [] for k in kept}, "y": [], "clip": []}
     for c, sid in enumerate(b.sample_ids.tolist()):
-        item = task.dataset[sid]
+        item = items[sid]
         bounces = set(bounce_frames(item.pixels))
         mine = b.seg == c
         vm, am = mine & ~audio, mine & audio
@@ -114,20 +115,21 @@ def probe_run(run: str | Path, clips: int, t: float = 1.0, seed: int = 0) -> dic
     cond.given_stream, cond.given_stream_prob = GivenStream.video, 1.0  # every clip with sound given its clean video
     task = build_task(cfg.mode, cfg.data, cfg.model, cfg.loss, cfg.train.seed, cond=cond)
     gen = torch.Generator().manual_seed(seed)
-    heard = (i for i in range(len(task.dataset)) if task.dataset[i].audio is not None)
+    items = ((i, task.dataset[i]) for i in range(len(task.dataset)))
+    heard = ((i, item) for i, item in items if item.audio is not None)
     video = {"X": {}, "y": [], "clip": []}
     sound = {"X": {}, "y": [], "clip": []}
     done = 0
     while done < clips:
-        ids = [i for _, i in zip(range(PACK), heard)]
-        if not ids:
+        pack = dict(i for _, i in zip(range(PACK), heard))
+        if not pack:
             break
-        for into, part in zip((video, sound), _features(task, model, ids, t, gen)):
+        for into, part in zip((video, sound), _features(task, model, pack, t, gen)):
             for k, rows in part["X"].items():
                 into["X"].setdefault(k, []).extend(rows)
             into["y"] += part["y"]
             into["clip"] += part["clip"]
-        done += len(ids)
+        done += len(pack)
     out = {"clips": done, "patches": len(video["y"]), "bounces": sum(video["y"]), "tokens": len(sound["y"]),
            "clicks": sum(sound["y"]), "video": [], "audio": []}
     for k in sorted(video["X"]):
