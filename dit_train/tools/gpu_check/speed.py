@@ -63,6 +63,8 @@ def mfu_rows(device: torch.device, model: str, configs: list[tuple[int, int, str
     """One row per (tokens, tokens per sample, activation checkpointing, compile, attention backend), through
     tools.bench_mfu's single-device step (model built and drawn on the device, AdamW, autocast);
     configs that would start with under a minute left are listed as skipped."""
+    if not configs:  # the CPU dry run's mfu_compile: no row, and no config to compose (a Hydra compose)
+        return []
     cfg = bench_mfu.model_cfg(model)
     peak = nominal_peak(device)
     rows = []
