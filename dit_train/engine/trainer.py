@@ -24,6 +24,7 @@ from dit_train.engine.offload import activation_offload
 from dit_train.loss import StepCounts, sync_counts, sync_expert_counts, token_weights, weighted_loss
 from dit_train.loss.moe import expert_load, local_expert_counts, router_token_losses
 from dit_train.models.moe import moe_layers
+from dit_train.optim import local_step
 from dit_train.parallel.context_parallel import split_for_cp
 from dit_train.parallel.mesh import ParallelContext
 from dit_train.parallel.parallelize import grad_sync_groups, sync_unsharded_grads
@@ -306,7 +307,7 @@ class Trainer:
             self.skipped_total += 1
         else:
             self.skipped_in_a_row = 0
-            self.optimizer.step()
+            local_step.step(self.optimizer)  # on the local shards: DTensor's dispatch per op adds only cost
             if self.ema is not None:
                 self.ema.update()
         if self.loss_scale is not None:
