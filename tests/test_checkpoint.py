@@ -104,9 +104,11 @@ def test_parameters_without_gradients_resume_without_optimizer_state(tmp_path):
 def test_resume_on_a_different_layout_keeps_the_trajectory(tmp_path, data_cache):
     """Saved with dp_shard=2, resumed with cp_ulysses=2 (and on 1 process): same weights and
     EMA weights as an uninterrupted 1-process run (layout-invariant data + DCP resharding). SGD
-    keeps the comparison about gradients (see dit_train.tools.verify_layouts)."""
+    keeps the comparison about gradients (see dit_train.tools.verify_layouts); its momentum
+    buffers are optimizer state that reshards too (made on the local shards: optim/local_step.py)."""
     # one block: the runs are Python-bound, and the resharding of every shard needs no second
-    base = [*TINY, "model.depth=1", "train.steps=4", "train.ema_decay=0.9", f"data.cache_dir={data_cache}"]
+    base = [*TINY, "model.depth=1", "train.steps=4", "train.ema_decay=0.9", "optim.momentum=0.9",
+            f"data.cache_dir={data_cache}"]
     ref, a, b, c = (tmp_path / n for n in ("ref", "a", "b", "c"))
     train_in_process(base, ref)
     # the saving run stops at its checkpoint (step 1 of the 4): the steps after it would not be read

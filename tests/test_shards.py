@@ -113,11 +113,13 @@ def test_same_weights_as_the_folder_on_every_layout(s3_endpoint, s3_clips, tiny_
     """The one-process folder run is the oracle; data=shards from the bucket on 1 process and on
     DP / CP / accumulation layouts must give its weights (and EMA weights)."""
     folder = apply_layout(tiny_cfg, {})
+    folder.model.depth = 1  # one block: the runs are Python-bound, and what is read needs no second
     folder.optim.max_grad_norm = 0.05
     folder.train.ema_decay = 0.9
     folder.data.resolution_buckets, folder.data.decoded_cache_items = [], 0
     shards = _shards_cfg(s3_endpoint, s3_clips, data_cache)
     shards.optim, shards.train = folder.optim, folder.train
+    shards.model.depth = 1
     layouts = ["1", "dp_shard=2", "dp_shard=2,cp_ulysses=2,grad_accum=2", "dp_replicate=2,dp_shard=2,micro_batch_tokens=600"]
     results = train_on_workers([folder] + [apply_layout(shards, parse_layout(spec)) for spec in layouts])
     oracle = results[0]
