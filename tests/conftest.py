@@ -13,7 +13,7 @@ import pytest
 # without them every pytest process (each xdist worker collects the whole suite) parsed, rewrote
 # (pytest's assertion rewriting) and compiled every test module and dit_train module afresh, and
 # every fresh Python a test starts (`run_cli`, the fork servers) compiled dit_train again: ~6 of a
-# worker's ~15 CPU-s of start and collection (docs/development.md). The caches go to __pycache__
+# worker's ~15 CPU-s of start and collection (docs/suite-costs.md). The caches go to __pycache__
 # (ignored by git); where that is not writable Python and pytest go on without them.
 sys.dont_write_bytecode = False
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
@@ -121,7 +121,7 @@ def pytest_runtest_setup(item):
     Python's full collections rescanned this process's whole heap (torch, diffusers,
     transformers, earlier modules' data) ~30 times a file: test_config + test_checkpoint +
     test_planner (not slow) spent 5.25 CPU-s of 49.7 in the collector, 3.09 with this
-    (docs/development.md). The pool workers do the same per job (tests/pool.py). Unfreezing
+    (docs/suite-costs.md). The pool workers do the same per job (tests/pool.py). Unfreezing
     at each module lets a module's garbage cycles go at the next one: none outlives it by
     more than a module."""
     if item.module is not _FROZEN_FOR[0]:

@@ -23,7 +23,7 @@ Two uses (tests/conftest.py):
   Most of the suite's CPU is in ~240 unmarked tests of 0.5-20 CPU-s each (fresh Pythons, W&B,
   compiles, calibrations): `-m "not slow"` took 636 CPU-s of the 1225.
 
-Measured 2026-11-28 (docs/development.md): the 497 tests left by this table took 61 and 57 CPU-s
+Measured 2026-11-28 (docs/suite-costs.md): the 497 tests left by this table took 61 and 57 CPU-s
 per xdist worker at load 5-7 (~6 of them starting and collecting); each round, the first quick
 test of a file pays the module fixture a slow test paid in the whole suite (36 tests >= 0.5 in
 that run), so a new `-m "not slow"` report always marks a few more.

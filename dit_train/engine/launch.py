@@ -248,7 +248,7 @@ _ENV_AT_IMPORT = dict(os.environ)
 
 # What every training worker imports besides fn's module: FSDP2, DCP and torch._dynamo (torch's
 # optimizers import it when the first one is built; with sympy and DTensor ~1.5-3 CPU-s); deferred
-# in dit_train's modules so that a refused config or --help need not load them (docs/development.md)
+# in dit_train's modules so that a refused config or --help need not load them (docs/suite-costs.md)
 _WORKER_MODULES = ["torch.distributed.fsdp", "torch.distributed.checkpoint", "torch._dynamo"]
 
 
