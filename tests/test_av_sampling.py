@@ -238,6 +238,27 @@ def test_the_sync_probe_reads_a_planted_signal_and_not_noise():
     assert probe(X, y, clips) > 0.9
 
 
+def test_the_click_gain_is_one_for_the_click_and_zero_for_the_tone():
+    """tools.probe_sync's teacher-forced click gain: an x̂0 equal to x0 has gain 1 and no error; one
+    that puts the clip's steady token (its median: the tone) everywhere has gain 0 and its whole
+    error at the click tokens; half the click, 0.5."""
+    from dit_train.tools.probe_sync import click_gain
+
+    torch.manual_seed(0)
+    tone = torch.randn(1, 20)
+    x0 = tone + 0.01 * torch.randn(12, 20)
+    clicks = torch.zeros(12, dtype=torch.bool)
+    clicks[[3, 8]] = True
+    x0[clicks] += 2.0 * torch.randn(2, 20)
+    gain, err_click, err_other = click_gain(x0, x0.clone(), clicks)
+    assert gain == pytest.approx([1.0, 1.0]) and max(err_click + err_other) == 0
+    m = x0.median(0).values
+    gain, err_click, err_other = click_gain(x0, m.expand(12, 20), clicks)
+    assert gain == pytest.approx([0.0, 0.0], abs=1e-6) and min(err_click) > 100 * max(err_other)
+    gain, _, _ = click_gain(x0, (m + x0) / 2, clicks)
+    assert gain == pytest.approx([0.5, 0.5])
+
+
 def test_the_sync_probe_runs_on_a_two_stream_run(av_run_spectrogram, capsys):
     """`python -m dit_train.tools.probe_sync RUN`: one AUC per block for each probe, over the
     clips with sound asked for (a run without a sound stream is refused)."""
@@ -250,5 +271,7 @@ def test_the_sync_probe_runs_on_a_two_stream_run(av_run_spectrogram, capsys):
     assert r["clips"] >= 12 and r["bounces"] > 0 and r["clicks"] > 0 and r["tokens"] > r["clicks"]
     assert len(r["video"]) == len(r["audio"]) == cfg.model.depth
     assert all(0 <= v <= 1 for v in r["video"] + r["audio"] if not math.isnan(v))
+    assert math.isfinite(r["click_gain"]) and r["error_click"] >= 0 and r["error_other"] >= 0
     main([str(cfg.run_dir), "--clips", "8", "--t", "0.5"])
-    assert "| 0 |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| 0 |" in out and "click gain" in out

@@ -18,6 +18,12 @@ the even clips and scored on the odd ones (AUC: 0.5 is chance, 1 perfect):
 
 A few hundred clips are needed: with ~100 the video probe (3 x model.dim features) reads near
 chance whatever the run. One process, no collective; the run's EMA weights when it has them.
+
+The same forward also gives the sound's x̂0, teacher-forced: its **click gain** (the projection
+of x̂0 − m on x0 − m at the click tokens, m the clip's median audio token, which holds the tone
+and no click: 1 = the click, 0 = none) and its mean squared error at the click tokens and at the
+others. Run at several --t, it shows the noise level above which the click stops coming from the
+noisy sound itself and must come from the video (docs/audio-video.md).
 """
 from __future__ import annotations
 
@@ -39,10 +45,21 @@ from dit_train.tasks import build_task
 PACK = 8  # clips per forward
 
 
+def click_gain(x0: torch.Tensor, x0_hat: torch.Tensor, clicks: torch.Tensor) -> tuple[list, list, list]:
+    """One clip's audio tokens x0, x0_hat [n, width] and clicks [n] bool (its click tokens) ->
+    (per click token: its gain, its squared error; per other token: its squared error). The gain
+    is <x̂0 − m, x0 − m> / |x0 − m|² with m the clip's median token (the tone without a click)."""
+    m = x0.median(0).values
+    err = ((x0_hat - x0) ** 2).mean(1)
+    d = x0[clicks] - m
+    gain = ((x0_hat[clicks] - m) * d).sum(1) / (d * d).sum(1).clamp(min=1e-12)
+    return gain.tolist(), err[clicks].tolist(), err[~clicks].tolist()
+
+
 def _features(task, model, items: dict, t: float, gen: torch.Generator) -> tuple[dict, dict]:
     """Hidden states of one pack's clips (items: {sample id: its dataset item}, read once by the
     caller): per block, video rows [patches, 3·dim] and audio rows [tokens, dim], with their
-    labels and clip ids."""
+    labels and clip ids; the sound's click gains and errors (click_gain) under "gain"."""
     b = task.build(list(items), 0)
     audio = b.stream == 1
     width = model.audio_dim
@@ -55,14 +72,16 @@ def _features(task, model, items: dict, t: float, gen: torch.Generator) -> tuple
              for k, blk in enumerate(model.blocks)]
     try:
         with torch.no_grad():
-            video_forward(model, b, VarlenLayout.build(b.seg, b.mask_order, b.causal), x=x,
-                          t=torch.full_like(b.samples["t"], t))
+            out = video_forward(model, b, VarlenLayout.build(b.seg, b.mask_order, b.causal), x=x,
+                                t=torch.full_like(b.samples["t"], t))[:, :width].float()
     finally:
         for h in hooks:
             h.remove()
     pt = task.patch[0]
     video = {"X": {k: [] for k in kept}, "y": [], "clip": []}
-    sound = {"X": {k: [] for k in kept}, "y": [], "clip": []}
+    sound = {"X": {k: [] for k in kept}, "y": [], "clip": [], "gain": ([], [], [])}
+    # the model's x̂0 of the sound (model.prediction: x0 outputs it, velocity v gives x_t − t·v)
+    x0_hat = out if task.inputs.prediction == "x0" else x[:, :width] - t * out
     for c, sid in enumerate(b.sample_ids.tolist()):
         item = items[sid]
         bounces = set(bounce_frames(item.pixels))
@@ -81,6 +100,9 @@ def _features(task, model, items: dict, t: float, gen: torch.Generator) -> tuple
         clicks = {int((f * per_frame + CLICK_OFFSET) // task.audio_patch) for f in bounces}
         n = int(am.sum())
         sound["y"].extend(int(j in clicks) for j in range(n))
+        is_click = torch.tensor([j in clicks for j in range(n)], dtype=torch.bool)
+        for into, part in zip(sound["gain"], click_gain(x0[am, :width], x0_hat[am], is_click)):
+            into.extend(part)
         sound["clip"].extend([sid] * n)
         for k, h in kept.items():
             sound["X"][k].extend(h[am].float().numpy())
@@ -129,9 +151,14 @@ def probe_run(run: str | Path, clips: int, t: float = 1.0, seed: int = 0) -> dic
                 into["X"].setdefault(k, []).extend(rows)
             into["y"] += part["y"]
             into["clip"] += part["clip"]
+            for gained, rows in zip(into.setdefault("gain", ([], [], [])), part.get("gain", ())):
+                gained.extend(rows)
         done += len(pack)
+    mean = lambda v: float(np.mean(v)) if v else float("nan")  # noqa: E731
+    gain, err_click, err_other = sound["gain"]
     out = {"clips": done, "patches": len(video["y"]), "bounces": sum(video["y"]), "tokens": len(sound["y"]),
-           "clicks": sum(sound["y"]), "video": [], "audio": []}
+           "clicks": sum(sound["y"]), "video": [], "audio": [], "click_gain": mean(gain),
+           "error_click": mean(err_click), "error_other": mean(err_other)}
     for k in sorted(video["X"]):
         for name, d in (("video", video), ("audio", sound)):
             out[name].append(probe(np.stack(d["X"][k]), np.asarray(d["y"]), np.asarray(d["clip"])))
@@ -154,6 +181,8 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---|")
     for k, (v, s) in enumerate(zip(r["video"], r["audio"])):
         print(f"| {k} | {v:.2f} | {s:.2f} |")
+    print(f"the sound's x̂0 at t = {a.t}: click gain {r['click_gain']:.2f} (1 = the click, 0 = none); squared error "
+          f"{r['error_click']:.3f} at the click tokens, {r['error_other']:.3f} elsewhere")
 
 
 if __name__ == "__main__":
