@@ -45,15 +45,16 @@ from dit_train.tasks import build_task
 PACK = 8  # clips per forward
 
 
-def click_gain(x0: torch.Tensor, x0_hat: torch.Tensor, clicks: torch.Tensor) -> tuple[list, list, list]:
+def click_gain(x0: torch.Tensor, x0_hat: torch.Tensor, clicks: torch.Tensor) -> tuple[list, list, list, list]:
     """One clip's audio tokens x0, x0_hat [n, width] and clicks [n] bool (its click tokens) ->
-    (per click token: its gain, its squared error; per other token: its squared error). The gain
-    is <x̂0 − m, x0 − m> / |x0 − m|² with m the clip's median token (the tone without a click)."""
+    per click token <x̂0 − m, x0 − m> and |x0 − m|² (m: the clip's median token, the tone without a
+    click), and the squared errors at the click tokens and at the others. The gain is the sum of
+    the first over the sum of the second (a click token whose click is cut off at the clip's end
+    has |x0 − m| ≈ 0 and would blow up a per-token ratio)."""
     m = x0.median(0).values
     err = ((x0_hat - x0) ** 2).mean(1)
     d = x0[clicks] - m
-    gain = ((x0_hat[clicks] - m) * d).sum(1) / (d * d).sum(1).clamp(min=1e-12)
-    return gain.tolist(), err[clicks].tolist(), err[~clicks].tolist()
+    return ((x0_hat[clicks] - m) * d).sum(1).tolist(), (d * d).sum(1).tolist(), err[clicks].tolist(), err[~clicks].tolist()
 
 
 def _features(task, model, items: dict, t: float, gen: torch.Generator) -> tuple[dict, dict]:
@@ -79,7 +80,7 @@ def _features(task, model, items: dict, t: float, gen: torch.Generator) -> tuple
             h.remove()
     pt = task.patch[0]
     video = {"X": {k: [] for k in kept}, "y": [], "clip": []}
-    sound = {"X": {k: [] for k in kept}, "y": [], "clip": [], "gain": ([], [], [])}
+    sound = {"X": {k: [] for k in kept}, "y": [], "clip": [], "gain": ([], [], [], [])}
     # the model's x̂0 of the sound (model.prediction: x0 outputs it, velocity v gives x_t − t·v)
     x0_hat = out if task.inputs.prediction == "x0" else x[:, :width] - t * out
     for c, sid in enumerate(b.sample_ids.tolist()):
@@ -151,13 +152,13 @@ def probe_run(run: str | Path, clips: int, t: float = 1.0, seed: int = 0) -> dic
                 into["X"].setdefault(k, []).extend(rows)
             into["y"] += part["y"]
             into["clip"] += part["clip"]
-            for gained, rows in zip(into.setdefault("gain", ([], [], [])), part.get("gain", ())):
+            for gained, rows in zip(into.setdefault("gain", ([], [], [], [])), part.get("gain", ())):
                 gained.extend(rows)
         done += len(pack)
     mean = lambda v: float(np.mean(v)) if v else float("nan")  # noqa: E731
-    gain, err_click, err_other = sound["gain"]
+    along, energy, err_click, err_other = sound["gain"]
     out = {"clips": done, "patches": len(video["y"]), "bounces": sum(video["y"]), "tokens": len(sound["y"]),
-           "clicks": sum(sound["y"]), "video": [], "audio": [], "click_gain": mean(gain),
+           "clicks": sum(sound["y"]), "video": [], "audio": [], "click_gain": sum(along) / sum(energy) if energy else float("nan"),
            "error_click": mean(err_click), "error_other": mean(err_other)}
     for k in sorted(video["X"]):
         for name, d in (("video", video), ("audio", sound)):
