@@ -41,10 +41,15 @@ def fp32_copy(t: Any) -> Any:
     call per (op, mesh, shape) propagates the sharding on fake tensors (~10 ms)."""
     if not is_dtensor(t):
         return t.detach().to(torch.float32, copy=True)
-    from torch.distributed.tensor import DTensor  # loaded already (t is a DTensor)
+    return from_local_like(t.to_local().detach().to(torch.float32, copy=True), t)
 
-    local = t.to_local().detach().to(torch.float32, copy=True)
-    return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+
+def from_local_like(local: torch.Tensor, p: Any) -> Any:
+    """This rank's part `local` of a tensor placed like DTensor `p` (same mesh, placements,
+    global shape and stride), as a DTensor: no check, no traffic."""
+    from torch.distributed.tensor import DTensor  # loaded already (p is a DTensor)
+
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
 def distribute_like(full: Any, p: Any) -> Any:

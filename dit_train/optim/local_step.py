@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from dit_train.sharded import is_dtensor
+from dit_train.sharded import from_local_like, is_dtensor
 
 # torch's per-tensor (foreach=False) updates of these touch each element on its own
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
@@ -67,8 +67,6 @@ def _restore(optimizer: torch.optim.Optimizer, swapped: list[Swap]) -> None:
     (updated in place through its local part); state it made (the first step's moments, SGD's
     momentum buffer) becomes a DTensor placed like its parameter, as it would have been made on
     the DTensor; 'step' counters stay plain tensors, as torch makes them."""
-    from torch.distributed.tensor import DTensor  # loaded already: there were DTensor parameters
-
     state = optimizer.state
     for params, i, p, local, own, before in swapped:
         params[i] = p
@@ -79,8 +77,7 @@ def _restore(optimizer: torch.optim.Optimizer, swapped: list[Swap]) -> None:
             if k in own and v is before[k]:
                 out[k] = own[k]
             elif k != "step" and isinstance(v, torch.Tensor) and v.shape == local.shape:
-                out[k] = DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                            stride=p.stride())
+                out[k] = from_local_like(v, p)
             else:
                 out[k] = v
         if out:
