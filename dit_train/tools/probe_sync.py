@@ -100,8 +100,8 @@ def _features(task, model, items: dict, t: float, gen: torch.Generator) -> tuple
         per_frame = item.audio.numel() / item.pixels.shape[1]  # samples a frame
         clicks = {int((f * per_frame + CLICK_OFFSET) // task.audio_patch) for f in bounces}
         n = int(am.sum())
-        sound["y"].extend(int(j in clicks) for j in range(n))
         is_click = torch.tensor([j in clicks for j in range(n)], dtype=torch.bool)
+        sound["y"].extend(is_click.int().tolist())
         for into, part in zip(sound["gain"], click_gain(x0[am, :width], x0_hat[am], is_click)):
             into.extend(part)
         sound["clip"].extend([sid] * n)
@@ -141,24 +141,26 @@ def probe_run(run: str | Path, clips: int, t: float = 1.0, seed: int = 0) -> dic
     items = ((i, task.dataset[i]) for i in range(len(task.dataset)))
     heard = ((i, item) for i, item in items if item.audio is not None)
     video = {"X": {}, "y": [], "clip": []}
-    sound = {"X": {}, "y": [], "clip": []}
+    sound = {"X": {}, "y": [], "clip": [], "gain": ([], [], [], [])}
     done = 0
     while done < clips:
         pack = dict(i for _, i in zip(range(PACK), heard))
         if not pack:
             break
-        for into, part in zip((video, sound), _features(task, model, pack, t, gen)):
+        parts = _features(task, model, pack, t, gen)
+        for into, part in zip((video, sound), parts):
             for k, rows in part["X"].items():
                 into["X"].setdefault(k, []).extend(rows)
             into["y"] += part["y"]
             into["clip"] += part["clip"]
-            for gained, rows in zip(into.setdefault("gain", ([], [], [], [])), part.get("gain", ())):
-                gained.extend(rows)
+        for gained, rows in zip(sound["gain"], parts[1]["gain"]):
+            gained.extend(rows)
         done += len(pack)
     mean = lambda v: float(np.mean(v)) if v else float("nan")  # noqa: E731
     along, energy, err_click, err_other = sound["gain"]
     out = {"clips": done, "patches": len(video["y"]), "bounces": sum(video["y"]), "tokens": len(sound["y"]),
-           "clicks": sum(sound["y"]), "video": [], "audio": [], "click_gain": sum(along) / sum(energy) if energy else float("nan"),
+           "clicks": sum(sound["y"]), "video": [], "audio": [],
+           "click_gain": sum(along) / sum(energy) if energy else float("nan"),
            "error_click": mean(err_click), "error_other": mean(err_other)}
     for k in sorted(video["X"]):
         for name, d in (("video", video), ("audio", sound)):
