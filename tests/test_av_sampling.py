@@ -259,6 +259,22 @@ def test_the_click_gain_is_one_for_the_click_and_zero_for_the_tone():
     assert sum(along) / sum(energy) == pytest.approx(0.5)
 
 
+def test_the_place_gains_split_each_place_into_click_and_other_tokens():
+    """tools.probe_sync's per-place table: the mean at each place's click tokens and at its other
+    tokens, with their counts (a place without a click reads nan there)."""
+    import math
+
+    from dit_train.tools.probe_sync import place_gains
+
+    along = torch.tensor([0.9, 0.1, 0.0, 0.2, 0.7, 0.3, 0.0, 0.1])
+    places = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3])
+    clicks = torch.tensor([True, False, False, False, False, False, False, False])
+    rows = place_gains(along, places, clicks)
+    assert [r[0] for r in rows] == [0, 1, 2, 3]
+    assert rows[0][1:] == (pytest.approx(0.9), 1, pytest.approx(0.7), 1)
+    assert math.isnan(rows[1][1]) and rows[1][2] == 0 and rows[1][3:] == (pytest.approx(0.2), 2)
+
+
 def test_the_sync_probe_runs_on_a_two_stream_run(av_run_spectrogram, capsys):
     """`python -m dit_train.tools.probe_sync RUN`: one AUC per block for each probe, over the
     clips with sound asked for (a run without a sound stream is refused)."""
@@ -272,6 +288,11 @@ def test_the_sync_probe_runs_on_a_two_stream_run(av_run_spectrogram, capsys):
     assert len(r["video"]) == len(r["audio"]) == cfg.model.depth
     assert all(0 <= v <= 1 for v in r["video"] + r["audio"] if not math.isnan(v))
     assert math.isfinite(r["click_gain"]) and r["error_click"] >= 0 and r["error_other"] >= 0
+    # every place of a patch is listed (500-sample tokens, 2-frame patches at 8 fps: 8), clicks at
+    # a frame's first token only (places 0 and 4)
+    places = r["places"]
+    assert [p[0] for p in places] == list(range(8)) and sum(p[2] + p[4] for p in places) == r["tokens"]
+    assert {p[0] for p in places if p[2]} <= {0, 4} and sum(p[2] for p in places) == r["clicks"]
     main([str(cfg.run_dir), "--clips", "8", "--t", "0.5"])
     out = capsys.readouterr().out
-    assert "| 0 |" in out and "click gain" in out
+    assert "| 0 |" in out and "click gain" in out and "per place in the temporal patch" in out

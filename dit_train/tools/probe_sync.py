@@ -24,6 +24,13 @@ of x̂0 − m on x0 − m at the click tokens, m the clip's median audio token, 
 and no click: 1 = the click, 0 = none) and its mean squared error at the click tokens and at the
 others. Run at several --t, it shows the noise level above which the click stops coming from the
 noisy sound itself and must come from the video (docs/audio-video.md).
+
+And per **place in the temporal patch** (an audio token's index there: 8 places for 500-sample
+tokens and 2-frame patches at 8 fps), x̂0's projection on the mean click (over every click token
+of the probed clips, relative to its clip's median token), at click tokens and at the others. The
+world's clicks start at a frame's first token only, so a run that knows where its tokens sit puts
+more there than elsewhere; one that reads the bounce, more at the click tokens of that place than
+at the others of it.
 """
 from __future__ import annotations
 
@@ -57,10 +64,25 @@ def click_gain(x0: torch.Tensor, x0_hat: torch.Tensor, clicks: torch.Tensor) -> 
     return ((x0_hat[clicks] - m) * d).sum(1).tolist(), (d * d).sum(1).tolist(), err[clicks].tolist(), err[~clicks].tolist()
 
 
+def place_gains(along: torch.Tensor, places: torch.Tensor, clicks: torch.Tensor) -> list[tuple]:
+    """Per place in the temporal patch: (place, mean of `along` over its click tokens, their count,
+    the mean over its other tokens, their count); along, places [n] (int64), clicks [n] bool over
+    every probed audio token. A mean over no token is nan."""
+    rows = []
+    for p in range(int(places.max()) + 1 if places.numel() else 0):
+        at = places == p
+        hit, miss = along[at & clicks], along[at & ~clicks]
+        mean = lambda v: float(v.mean()) if v.numel() else float("nan")  # noqa: E731
+        rows.append((p, mean(hit), hit.numel(), mean(miss), miss.numel()))
+    return rows
+
+
 def _features(task, model, items: dict, t: float, gen: torch.Generator) -> tuple[dict, dict]:
     """Hidden states of one pack's clips (items: {sample id: its dataset item}, read once by the
     caller): per block, video rows [patches, 3·dim] and audio rows [tokens, dim], with their
-    labels and clip ids; the sound's click gains and errors (click_gain) under "gain"."""
+    labels and clip ids; the sound's click gains and errors (click_gain) under "gain"; each audio
+    token's x̂0 − m and place in its temporal patch, each click token's x0 − m (m: its clip's
+    median token) under "dev", "place", "click_dev"."""
     b = task.build(list(items), 0)
     audio = b.stream == 1
     width = model.audio_dim
@@ -80,7 +102,8 @@ def _features(task, model, items: dict, t: float, gen: torch.Generator) -> tuple
             h.remove()
     pt = task.patch[0]
     video = {"X": {k: [] for k in kept}, "y": [], "clip": []}
-    sound = {"X": {k: [] for k in kept}, "y": [], "clip": [], "gain": ([], [], [], [])}
+    sound = {"X": {k: [] for k in kept}, "y": [], "clip": [], "gain": ([], [], [], []), "dev": [], "place": [],
+             "click_dev": []}
     # the model's x̂0 of the sound (model.prediction: x0 outputs it, velocity v gives x_t − t·v)
     x0_hat = out if task.inputs.prediction == "x0" else x[:, :width] - t * out
     for c, sid in enumerate(b.sample_ids.tolist()):
@@ -104,6 +127,10 @@ def _features(task, model, items: dict, t: float, gen: torch.Generator) -> tuple
         sound["y"].extend(is_click.int().tolist())
         for into, part in zip(sound["gain"], click_gain(x0[am, :width], x0_hat[am], is_click)):
             into.extend(part)
+        m = x0[am, :width].median(0).values
+        sound["dev"].append(x0_hat[am] - m)
+        sound["click_dev"].append(x0[am, :width][is_click] - m)
+        sound["place"].append(torch.arange(n) % round(pt * per_frame / task.audio_patch))
         sound["clip"].extend([sid] * n)
         for k, h in kept.items():
             sound["X"][k].extend(h[am].float().numpy())
@@ -141,7 +168,7 @@ def probe_run(run: str | Path, clips: int, t: float = 1.0, seed: int = 0) -> dic
     items = ((i, task.dataset[i]) for i in range(len(task.dataset)))
     heard = ((i, item) for i, item in items if item.audio is not None)
     video = {"X": {}, "y": [], "clip": []}
-    sound = {"X": {}, "y": [], "clip": [], "gain": ([], [], [], [])}
+    sound = {"X": {}, "y": [], "clip": [], "gain": ([], [], [], []), "dev": [], "place": [], "click_dev": []}
     done = 0
     while done < clips:
         pack = dict(i for _, i in zip(range(PACK), heard))
@@ -155,17 +182,29 @@ def probe_run(run: str | Path, clips: int, t: float = 1.0, seed: int = 0) -> dic
             into["clip"] += part["clip"]
         for gained, rows in zip(sound["gain"], parts[1]["gain"]):
             gained.extend(rows)
+        for key in ("dev", "place", "click_dev"):
+            sound[key] += parts[1][key]
         done += len(pack)
     mean = lambda v: float(np.mean(v)) if v else float("nan")  # noqa: E731
     along, energy, err_click, err_other = sound["gain"]
     out = {"clips": done, "patches": len(video["y"]), "bounces": sum(video["y"]), "tokens": len(sound["y"]),
            "clicks": sum(sound["y"]), "video": [], "audio": [],
            "click_gain": sum(along) / sum(energy) if energy else float("nan"),
-           "error_click": mean(err_click), "error_other": mean(err_other)}
+           "error_click": mean(err_click), "error_other": mean(err_other),
+           "places": _places(sound)}
     for k in sorted(video["X"]):
         for name, d in (("video", video), ("audio", sound)):
             out[name].append(probe(np.stack(d["X"][k]), np.asarray(d["y"]), np.asarray(d["clip"])))
     return out
+
+
+def _places(sound: dict) -> list[tuple]:
+    """place_gains of every probed audio token's x̂0 − m along the mean click."""
+    if not sound["click_dev"] or not sum(d.shape[0] for d in sound["click_dev"]):
+        return []
+    click = torch.cat(sound["click_dev"]).mean(0)
+    along = torch.cat(sound["dev"]) @ click / (click @ click)
+    return place_gains(along, torch.cat(sound["place"]), torch.tensor(sound["y"], dtype=torch.bool))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -184,6 +223,12 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---|")
     for k, (v, s) in enumerate(zip(r["video"], r["audio"])):
         print(f"| {k} | {v:.2f} | {s:.2f} |")
+    if r["places"]:
+        print(f"the sound's x̂0 at t = {a.t} along the mean click, per place in the temporal patch (1 = the click):")
+        print("| place | click tokens (count) | other tokens (count) |")
+        print("|---|---|---|")
+        for p, hit, n_hit, miss, n_miss in r["places"]:
+            print(f"| {p} | {hit:.3f} ({n_hit}) | {miss:.3f} ({n_miss}) |")
     print(f"the sound's x̂0 at t = {a.t}: click gain {r['click_gain']:.2f} (1 = the click, 0 = none); squared error "
           f"{r['error_click']:.3f} at the click tokens, {r['error_other']:.3f} elsewhere")
 
