@@ -8,6 +8,7 @@ run; `load_config` reads the config a run or checkpoint folder was trained with.
 from __future__ import annotations
 
 import copy
+import io
 import logging
 import os
 from pathlib import Path
@@ -49,7 +50,8 @@ def register_configs() -> None:
     for group, name, node in nodes:
         cs.store(group=group, name=name, node=node)
     _REGISTERED[0] = (id(cs), nodes)
-    _TREES.clear()  # composed from the nodes stored before
+    _TREES.clear()  # composed and read with the nodes stored before
+    _LOADED.clear()
 
 
 # Hydra's tree per (conf/ files' stamps, config-group overrides), in this process: composing
@@ -118,6 +120,11 @@ def typed_node(kind: str, node: Any) -> Any:
 TRUST_WIDENING = ("allow_pickle_weights",)
 
 
+# config.yaml text -> (its Config, the TRUST_WIDENING keys it set), in this process: the tools and the
+# session API read one run's config again and again (sampling, export, resumes), ~0.15 CPU-s a read
+_LOADED: dict[str, tuple[Config, tuple[str, ...]]] = {}
+
+
 def load_config(path: str | Path) -> Config:
     """The typed Config stored as config.yaml in a run or checkpoint dir (or the file itself).
 
@@ -130,7 +137,24 @@ def load_config(path: str | Path) -> Config:
     if not p.is_file():
         raise FileNotFoundError(f"{p} not found: is {path} a dit_train run or checkpoint dir?")
     try:
-        raw = OmegaConf.load(p)
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{p} is not a readable config ({_first_line(err)}); restore it from the run's "
+                          f"checkpoints/step_*/config.yaml or rerun") from None
+    register_configs()  # before the lookup: new registries clear _LOADED
+    if text not in _LOADED:
+        _LOADED[text] = _parse_config(p, text)
+    cfg, widened = _LOADED[text]
+    for key in widened:
+        log.warning("%s sets model.%s=true: ignored (a stored config cannot widen trust); give it on "
+                    "this command line if you trust the folder", p, key)
+    return copy.deepcopy(cfg)
+
+
+def _parse_config(p: Path, text: str) -> tuple[Config, tuple[str, ...]]:
+    """`load_config`'s reading of the text of `p`: the Config and the trust-widening keys it reset."""
+    try:
+        raw = OmegaConf.load(io.StringIO(text))
     except Exception as err:  # YAML syntax, unknown tags (OmegaConf's loader is a safe loader)
         raise ConfigError(f"{p} is not a readable config ({_first_line(err)}); restore it from the run's "
                           f"checkpoints/step_*/config.yaml or rerun") from None
@@ -140,17 +164,14 @@ def load_config(path: str | Path) -> Config:
     if found:
         raise ConfigError(f"{p} holds interpolations ({', '.join(found[:3])}): a stored config is data and is "
                           f"never resolved (a run writes its config resolved); remove them")
-    register_configs()
     try:
         root = OmegaConf.merge(OmegaConf.structured(Config), {k: v for k, v in raw.items() if k not in ("model", "data")})
         root.model = typed_node("model", raw.model)
         root.data = typed_node("data", raw.data)
-        for key in TRUST_WIDENING:
-            if root.model.get(key):
-                log.warning("%s sets model.%s=true: ignored (a stored config cannot widen trust); give it on "
-                            "this command line if you trust the folder", p, key)
-                root.model[key] = False
-        return to_config(root)
+        widened = tuple(key for key in TRUST_WIDENING if root.model.get(key))
+        for key in widened:
+            root.model[key] = False
+        return to_config(root), widened
     except (OmegaConfBaseException, ValueError) as err:
         raise ConfigError(f"{p} does not fit the config schema: {_first_line(err)}") from None
 
