@@ -137,6 +137,18 @@ def test_compose_equals_hydras_whole_compose():
         assert outcome(ours, overrides) == outcome(whole, overrides), overrides
 
 
+def test_to_yaml_follows_every_change_of_the_config():
+    """to_yaml keeps the YAML per config value (its repr): a config changed in place, or a node of
+    it, is written as OmegaConf writes it now, never an earlier text."""
+    from dit_train.config import to_yaml
+
+    cfg = compose_config()
+    assert to_yaml(cfg) == OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    cfg.train.steps, cfg.model.patch_size[0] = 12345, 3
+    assert to_yaml(cfg) == OmegaConf.to_yaml(OmegaConf.structured(cfg)) and "steps: 12345" in to_yaml(cfg)
+    assert to_yaml(cfg.model) == OmegaConf.to_yaml(OmegaConf.structured(cfg.model))
+
+
 def test_world_size_mismatch_under_torchrun_says_what_to_change():
     with pytest.raises(ConfigError, match="parallel.dp_shard=4"):
         validate(compose_config(["parallel.dp_shard=2"]), world_size=4)
