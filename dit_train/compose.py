@@ -7,13 +7,20 @@ run; `load_config` reads the config a run or checkpoint folder was trained with.
 """
 from __future__ import annotations
 
+import copy
+import io
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
 from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import Override
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -43,6 +50,16 @@ def register_configs() -> None:
     for group, name, node in nodes:
         cs.store(group=group, name=name, node=node)
     _REGISTERED[0] = (id(cs), nodes)
+    _TREES.clear()  # composed and read with the nodes stored before
+    _LOADED.clear()
+
+
+# Hydra's tree per (conf/ files' stamps, config-group overrides), in this process: composing
+# (~0.25 CPU-s: the defaults tree, loading and merging every file) depends on the group choices
+# only; the key=value overrides are applied to the merged tree afterwards, by Hydra's own
+# function, as Hydra applies them. Tests, the session API and the tools compose hundreds of
+# configs per process that differ in values only (docs/suite-costs.md).
+_TREES: dict[tuple[Any, ...], DictConfig] = {}
 
 
 def compose(overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -50,8 +67,43 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> Config:
     tools, tests and `TrainingSession.from_overrides`."""
     register_configs()
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        d = hydra_compose("config", overrides=list(overrides))
+        split = _split(list(overrides))
+        if split is None:  # hydra.* keys, sweeps: Hydra composes (and refuses) them whole
+            d = hydra_compose("config", overrides=list(overrides))
+        else:
+            groups, values = split
+            key = (_conf_stamps(), groups)
+            if key not in _TREES:
+                _TREES[key] = hydra_compose("config", overrides=list(groups))
+            d = copy.deepcopy(_TREES[key])
+            ConfigLoaderImpl._apply_overrides_to_config(values, d)
     return to_config(d)
+
+
+def _split(overrides: list[str]) -> tuple[tuple[str, ...], list[Override]] | None:
+    """The config-group overrides (which pick files: `model=wan`, `+experiment=x`) and the
+    key=value ones, split as Hydra's defaults list splits them (`Overrides` in
+    hydra/_internal/defaults_list.py); None for what only a whole compose handles (hydra.*, sweeps).
+    Called inside `initialize_config_dir`."""
+    parsed = OverridesParser.create().parse_overrides(overrides=overrides)
+    if any(o.is_hydra_override() or o.key_or_group == "hydra" or o.is_sweep_override() for o in parsed):
+        return None
+    repo = GlobalHydra.instance().hydra.config_loader.repository
+    groups, values = [], []
+    for o in parsed:
+        is_group = repo.group_exists(o.key_or_group) and not isinstance(o.value(), dict)
+        (groups.append(o.input_line) if is_group else values.append(o))
+    return tuple(groups), values
+
+
+def _conf_stamps() -> tuple[tuple[str, int, int], ...]:
+    """Each conf/ file's path, mtime and size: an edited file is read again (~0.3 ms for ~70 files)."""
+    out = []
+    for folder, _, files in os.walk(config_dir(), followlinks=True):
+        for name in files:
+            st = os.stat(os.path.join(folder, name))
+            out.append((os.path.join(folder, name), st.st_mtime_ns, st.st_size))
+    return tuple(sorted(out))
 
 
 def typed_node(kind: str, node: Any) -> Any:
@@ -68,6 +120,11 @@ def typed_node(kind: str, node: Any) -> Any:
 TRUST_WIDENING = ("allow_pickle_weights",)
 
 
+# config.yaml text -> (its Config, the TRUST_WIDENING keys it set), in this process: the tools and the
+# session API read one run's config again and again (sampling, export, resumes), ~0.15 CPU-s a read
+_LOADED: dict[str, tuple[Config, tuple[str, ...]]] = {}
+
+
 def load_config(path: str | Path) -> Config:
     """The typed Config stored as config.yaml in a run or checkpoint dir (or the file itself).
 
@@ -80,7 +137,24 @@ def load_config(path: str | Path) -> Config:
     if not p.is_file():
         raise FileNotFoundError(f"{p} not found: is {path} a dit_train run or checkpoint dir?")
     try:
-        raw = OmegaConf.load(p)
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{p} is not a readable config ({_first_line(err)}); restore it from the run's "
+                          f"checkpoints/step_*/config.yaml or rerun") from None
+    register_configs()  # before the lookup: new registries clear _LOADED
+    if text not in _LOADED:
+        _LOADED[text] = _parse_config(p, text)
+    cfg, widened = _LOADED[text]
+    for key in widened:
+        log.warning("%s sets model.%s=true: ignored (a stored config cannot widen trust); give it on "
+                    "this command line if you trust the folder", p, key)
+    return copy.deepcopy(cfg)
+
+
+def _parse_config(p: Path, text: str) -> tuple[Config, tuple[str, ...]]:
+    """`load_config`'s reading of the text of `p`: the Config and the trust-widening keys it reset."""
+    try:
+        raw = OmegaConf.load(io.StringIO(text))
     except Exception as err:  # YAML syntax, unknown tags (OmegaConf's loader is a safe loader)
         raise ConfigError(f"{p} is not a readable config ({_first_line(err)}); restore it from the run's "
                           f"checkpoints/step_*/config.yaml or rerun") from None
@@ -90,17 +164,14 @@ def load_config(path: str | Path) -> Config:
     if found:
         raise ConfigError(f"{p} holds interpolations ({', '.join(found[:3])}): a stored config is data and is "
                           f"never resolved (a run writes its config resolved); remove them")
-    register_configs()
     try:
         root = OmegaConf.merge(OmegaConf.structured(Config), {k: v for k, v in raw.items() if k not in ("model", "data")})
         root.model = typed_node("model", raw.model)
         root.data = typed_node("data", raw.data)
-        for key in TRUST_WIDENING:
-            if root.model.get(key):
-                log.warning("%s sets model.%s=true: ignored (a stored config cannot widen trust); give it on "
-                            "this command line if you trust the folder", p, key)
-                root.model[key] = False
-        return to_config(root)
+        widened = tuple(key for key in TRUST_WIDENING if root.model.get(key))
+        for key in widened:
+            root.model[key] = False
+        return to_config(root), widened
     except (OmegaConfBaseException, ValueError) as err:
         raise ConfigError(f"{p} does not fit the config schema: {_first_line(err)}") from None
 

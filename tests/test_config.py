@@ -112,6 +112,43 @@ def test_enumerated_keys_of_configs_built_in_python_are_checked_too():
     assert "parallel.dp_mode='zero3' must be one of fsdp2, ddp, none" in str(err.value)
 
 
+def test_compose_equals_hydras_whole_compose():
+    """dit_train.compose reuses Hydra's tree per config-group choice and applies the key=value
+    overrides to a copy: each result (or refusal) is what one whole Hydra compose gives, also
+    right after a compose that set, added or deleted keys of the same tree."""
+    from dit_train.compose import compose as ours
+    from dit_train.compose import register_configs
+    from dit_train.config import to_config, to_yaml
+
+    def outcome(make, overrides):
+        try:
+            return to_yaml(make(overrides))
+        except (ConfigCompositionException, ConfigError) as err:
+            return f"{type(err).__name__}: {err}"
+
+    def whole(overrides):
+        register_configs()
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            return to_config(compose("config", overrides=overrides))
+
+    for overrides in (["optim.lr=0.1", "optim=sgd", "train.steps=3", "++model.dim=16"], ["optim=sgd"],
+                      ["mode=llm", "train.steps=2"], ["+experiment=wan_lora", "model.lora.rank=2"],
+                      ["+model.foo=1"], ["~train.loggers"], ["train.steps=1", "+train.steps=2"]):
+        assert outcome(ours, overrides) == outcome(whole, overrides), overrides
+
+
+def test_to_yaml_follows_every_change_of_the_config():
+    """to_yaml keeps the YAML per config value (its repr): a config changed in place, or a node of
+    it, is written as OmegaConf writes it now, never an earlier text."""
+    from dit_train.config import to_yaml
+
+    cfg = compose_config()
+    assert to_yaml(cfg) == OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    cfg.train.steps, cfg.model.patch_size[0] = 12345, 3
+    assert to_yaml(cfg) == OmegaConf.to_yaml(OmegaConf.structured(cfg)) and "steps: 12345" in to_yaml(cfg)
+    assert to_yaml(cfg.model) == OmegaConf.to_yaml(OmegaConf.structured(cfg.model))
+
+
 def test_world_size_mismatch_under_torchrun_says_what_to_change():
     with pytest.raises(ConfigError, match="parallel.dp_shard=4"):
         validate(compose_config(["parallel.dp_shard=2"]), world_size=4)

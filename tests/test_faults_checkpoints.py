@@ -401,6 +401,24 @@ def test_a_stored_config_cannot_switch_pickle_loading_on(tmp_path, caplog):
     assert "cannot widen trust" in caplog.text
 
 
+def test_a_stored_config_read_again_is_the_files_own_and_the_callers_copy(tmp_path, caplog):
+    """load_config keeps what it parsed per file text (the tools read one run's config again and
+    again): a read again warns again, hands out a new copy, and sees the file's new text."""
+    from dit_train.compose import load_config
+    from dit_train.config import to_yaml
+
+    text = to_yaml(compose_config(["model=wan_tiny"])).replace("allow_pickle_weights: false", "allow_pickle_weights: true")
+    (tmp_path / "config.yaml").write_text(text)
+    first = load_config(tmp_path)
+    first.train.steps = 12345  # the caller's copy
+    caplog.clear()
+    again = load_config(tmp_path)
+    assert again.model.allow_pickle_weights is False and "cannot widen trust" in caplog.text
+    assert again.train.steps != 12345
+    (tmp_path / "config.yaml").write_text(text.replace(f"\n  steps: {again.train.steps}\n", "\n  steps: 7\n"))
+    assert load_config(tmp_path).train.steps == 7
+
+
 def test_a_pickle_refusal_names_what_was_refused_not_torchs_retry_advice(tmp_path):
     """torch's message starts with "Re-running torch.load with weights_only set to False will
     likely succeed": quoted in our refusal, it told the user to do the one unsafe thing."""

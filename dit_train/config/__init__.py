@@ -70,8 +70,20 @@ def _did_you_mean(key: str, cfg: Any) -> str:
     return f" (did you mean {'.'.join([*parents, close[0]])}?)" if close else ""
 
 
-def to_yaml(cfg: Config) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+# The YAML of each config seen (by its repr: every field's value, nested), in this process: a run
+# writes its config into its folder and checkpoints, a session into every save and export, ~0.05
+# CPU-s each (OmegaConf's structured copy of the whole tree) against ~0.2 ms for the repr.
+_YAML: dict[str, str] = {}
+
+
+def to_yaml(cfg: Any) -> str:
+    """`cfg` (a Config or any node of it) as YAML, as OmegaConf writes it."""
+    key = repr(cfg)
+    if key not in _YAML:
+        if len(_YAML) >= 256:  # a long-lived process (a sweep, a notebook) keeps the recent ones
+            _YAML.clear()
+        _YAML[key] = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    return _YAML[key]
 
 
 def to_dict(cfg: Config) -> dict[str, Any]:
