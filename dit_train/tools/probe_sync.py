@@ -125,11 +125,12 @@ def _features(task, model, items: dict, t: float, gen: torch.Generator) -> tuple
         n = int(am.sum())
         is_click = torch.tensor([j in clicks for j in range(n)], dtype=torch.bool)
         sound["y"].extend(is_click.int().tolist())
-        for into, part in zip(sound["gain"], click_gain(x0[am, :width], x0_hat[am], is_click)):
+        a0, ah = x0[am, :width], x0_hat[am]  # this clip's sound: clean, and the model's x̂0
+        for into, part in zip(sound["gain"], click_gain(a0, ah, is_click)):
             into.extend(part)
-        m = x0[am, :width].median(0).values
-        sound["dev"].append(x0_hat[am] - m)
-        sound["click_dev"].append(x0[am, :width][is_click] - m)
+        m = a0.median(0).values
+        sound["dev"].append(ah - m)
+        sound["click_dev"].append(a0[is_click] - m)
         sound["place"].append(torch.arange(n) % round(pt * per_frame / task.audio_patch))
         sound["clip"].extend([sid] * n)
         for k, h in kept.items():
@@ -200,7 +201,7 @@ def probe_run(run: str | Path, clips: int, t: float = 1.0, seed: int = 0) -> dic
 
 def _places(sound: dict) -> list[tuple]:
     """place_gains of every probed audio token's x̂0 − m along the mean click."""
-    if not sound["click_dev"] or not sum(d.shape[0] for d in sound["click_dev"]):
+    if not sum(d.shape[0] for d in sound["click_dev"]):  # no click token probed: no mean click
         return []
     click = torch.cat(sound["click_dev"]).mean(0)
     along = torch.cat(sound["dev"]) @ click / (click @ click)
