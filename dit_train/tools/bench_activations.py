@@ -29,7 +29,6 @@ model.recompute_prologues setting, measured in one interleaved run of real train
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 
@@ -231,4 +230,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dit_train.engine.process_exit import run_and_exit
+
+    run_and_exit(main)

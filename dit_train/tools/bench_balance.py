@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import statistics
-import sys
 import time
 from dataclasses import replace
 from types import SimpleNamespace
@@ -340,4 +339,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dit_train.engine.process_exit import run_and_exit
+
+    run_and_exit(main)

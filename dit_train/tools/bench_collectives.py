@@ -18,7 +18,6 @@ a sample): column `moe_count_sync`, kept out of `all_reduce`.
 from __future__ import annotations
 
 import argparse
-import sys
 
 from dit_train.compose import compose
 from dit_train.data_pipelines import prepare_data
@@ -95,4 +94,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dit_train.engine.process_exit import run_and_exit
+
+    run_and_exit(main)

@@ -23,7 +23,6 @@ import argparse
 import itertools
 import os
 import statistics
-import sys
 import time
 from dataclasses import replace
 
@@ -220,4 +219,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dit_train.engine.process_exit import run_and_exit
+
+    run_and_exit(main)

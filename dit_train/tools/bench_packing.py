@@ -15,7 +15,6 @@ Metrics (valid tokens / tokens paid for):
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -98,4 +97,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dit_train.engine.process_exit import run_and_exit
+
+    run_and_exit(main)

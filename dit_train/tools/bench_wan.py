@@ -27,7 +27,6 @@ in wall time and in CPU time of the process (robust to other load on a shared ma
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 
@@ -206,4 +205,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dit_train.engine.process_exit import run_and_exit
+
+    run_and_exit(main)

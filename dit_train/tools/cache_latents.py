@@ -303,4 +303,6 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     interrupt_on_signals()  # SIGTERM ends it like Ctrl-C: one line, exit 143
-    sys.exit(main())
+    from dit_train.engine.process_exit import run_and_exit
+
+    run_and_exit(main)

@@ -12,7 +12,6 @@ The clips (height x width): 144x176 at 30 fps (3 s), 272x640 at 25 fps (2 s), 72
 from __future__ import annotations
 
 import argparse
-import sys
 
 from dit_train.data_pipelines.example_videos import EXAMPLE_CLIPS, write_example_videos
 
@@ -31,4 +30,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dit_train.engine.process_exit import run_and_exit
+
+    run_and_exit(main)

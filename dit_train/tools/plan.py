@@ -280,4 +280,6 @@ def clip_main(args, cfg, world: int, shape, backend: str, prologues: tuple[bool,
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dit_train.engine.process_exit import run_and_exit
+
+    run_and_exit(main)

@@ -136,4 +136,6 @@ def plot_quality(jobs: list[tuple[str, list[dict]]], out_dir: Path, metrics: lis
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dit_train.engine.process_exit import run_and_exit
+
+    run_and_exit(main)

@@ -235,4 +235,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from dit_train.engine.process_exit import run_and_exit
+
+    run_and_exit(main)

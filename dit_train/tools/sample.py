@@ -493,4 +493,6 @@ def check_streaming(args: argparse.Namespace, cfg: Any) -> bool:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dit_train.engine.process_exit import run_and_exit
+
+    run_and_exit(main)

@@ -356,4 +356,6 @@ def kept(out: Path, status: str) -> str:
 
 if __name__ == "__main__":
     interrupt_on_signals()  # Ctrl-C / SIGTERM stop the loop like the trainer's: kept progress, one line, 130 / 143
-    sys.exit(main())
+    from dit_train.engine.process_exit import run_and_exit
+
+    run_and_exit(main)
