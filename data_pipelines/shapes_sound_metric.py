@@ -128,12 +128,15 @@ def score_sounds(waves: list[np.ndarray], captions: list[str], bounces: list[lis
     """Means of `score_sound`, keys prefixed eval/ (eval/sound_num_clips: how many), and
     sound_sync_bounced: sound_sync_ok over the clips whose pixels show a bounce
     (eval/sound_bounced_clips of them) — a sound that never clicks passes sync on every clip
-    without one, so pictures that never bounce would make silence look synchronised."""
+    without one, so pictures that never bounce would make silence look synchronised;
+    eval/sound_clicking_clips: how many clips' sounds click at all (0 with sync_ok > 0: the
+    sync is silence, not clicks put in the wrong frames)."""
     scores = [score_sound(w, c, b) for w, c, b in zip(waves, captions, bounces)]
     out = {f"eval/{k}": float(np.mean([s[k] for s in scores])) if scores else 0.0 for k in SOUND_FIGURES}
     bounced = [s["sound_sync_ok"] for s, b in zip(scores, bounces) if b]
     out["eval/sound_sync_bounced"] = float(np.mean(bounced)) if bounced else 0.0
     out["eval/sound_bounced_clips"] = float(len(bounced))
+    out["eval/sound_clicking_clips"] = float(sum(bool(click_frames(w)) for w in waves))
     out["eval/sound_num_clips"] = float(len(scores))
     return out
 

@@ -45,6 +45,7 @@ def test_silence_passes_sync_only_where_nothing_bounces():
     s = score_sounds([tone, tone, render_sound("red", [4], 12)], [CAPTION.format("red")] * 3, [[], [4], [4]])
     assert s["eval/sound_sync_ok"] == pytest.approx(2 / 3)
     assert (s["eval/sound_sync_bounced"], s["eval/sound_bounced_clips"]) == (0.5, 2.0)
+    assert s["eval/sound_clicking_clips"] == 1.0  # only the third clip's sound clicks
 
 
 def test_sound_changes_no_pixel_and_lists_the_bounces():
