@@ -23,8 +23,8 @@ from dit_train.data_pipelines import prepare_data
 from dit_train.distill.build import build_distill_run, student_config
 from dit_train.engine.checks import check_config
 from dit_train.engine.hydra_outputs import HydraRecord
-from dit_train.engine.process_exit import run_and_exit
 from dit_train.engine.launch import external_world_size, interrupt_on_signals, interruption, launch
+from dit_train.engine.process_exit import run_and_exit
 from dit_train.engine.run_folder import open_run_folder
 from dit_train.engine.summary import amend_summary
 from dit_train.engine.worker import train
