@@ -85,15 +85,16 @@ def test_the_fork_server_is_stopped_not_torn_down(tmp_path):
 
 
 def test_entry_points_end_with_exit_process():
-    """Every `python -m` entry point of the package ends through run_and_exit."""
+    """Every `python -m` entry point of the package, and every script in tools/, ends through
+    run_and_exit."""
     root = Path(__file__).resolve().parents[1] / "dit_train"
     missing = []
-    for path in sorted(root.rglob("*.py")):
+    for path in sorted([*root.rglob("*.py"), *(root.parent / "tools").glob("*.py")]):
         text = path.read_text()
         if 'if __name__ == "__main__":' in text and path.name != "__main__.py":
             tail = text.split('if __name__ == "__main__":', 1)[1]
             if "run_and_exit(main)" not in tail:
-                missing.append(str(path.relative_to(root)))
+                missing.append(str(path.relative_to(root.parent)))
     assert not missing, missing
     main = (root / "__main__.py").read_text()
     assert "run_and_exit(cli)" in main and main.rstrip().endswith('if __name__ == "__main__":\n    entry()')

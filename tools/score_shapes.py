@@ -1,8 +1,7 @@
 #!/usr/bin/env python
 """Same as `python -m dit_train.tools.score_shapes` (see its --help); kept so the tool also runs as a script."""
-import sys
-
+from dit_train.engine.process_exit import run_and_exit
 from dit_train.tools.score_shapes import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_and_exit(main)
