@@ -3,6 +3,7 @@ exit must still do (threads finished, atexit handlers run, streams flushed, its 
 its idle fork server is stopped, not left to tear itself down while holding the caller's stdout."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -37,22 +38,16 @@ import multiprocessing as mp, sys
 sys.path.insert(0, sys.argv[1])
 from dit_train.engine.process_exit import exit_process
 
-def job():
-    return None
-
 if __name__ == "__main__":
     mp.set_forkserver_preload(["server_mark"])
-    ctx = mp.get_context("forkserver")
-    p = ctx.Process(target=job)
+    p = mp.get_context("forkserver").Process(target=int)  # a builtin: the child needs nothing of this script
     p.start()
     p.join()
-    exit_process(0)
+    exit_process(p.exitcode)
 """
 
 
 def _run(script: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    import os
-
     env = {k: v for k, v in (env or os.environ).items() if k != "PYTHONUNBUFFERED"}  # stdout buffered, as in a pipe
     return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=60, env=env)
 
@@ -70,8 +65,6 @@ def test_exit_process_keeps_what_an_exit_does(tmp_path):
 
 
 def test_the_fork_server_is_stopped_not_torn_down(tmp_path):
-    import os
-
     (tmp_path / "server_mark.py").write_text(textwrap.dedent(_SERVER_MODULE))
     env = dict(os.environ, MARK_DIR=str(tmp_path), PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
     r = _run(textwrap.dedent(_SERVER), str(tmp_path), env=env)
@@ -79,7 +72,7 @@ def test_the_fork_server_is_stopped_not_torn_down(tmp_path):
     # the caller's pipe closed (run returned); a server that tore itself down would have left its mark
     assert not (tmp_path / "server_teardown").exists()
     # the mark works: a server ended by its own exit leaves it
-    plain = textwrap.dedent(_SERVER).replace("exit_process(0)", "sys.exit(0)")
+    plain = textwrap.dedent(_SERVER).replace("exit_process(p.exitcode)", "sys.exit(p.exitcode)")
     assert _run(plain, str(tmp_path), env=env).returncode == 0
     assert (tmp_path / "server_teardown").exists()
 
