@@ -113,6 +113,11 @@ def _matched(a: list[int], b: list[int]) -> bool:
 def score_sound(wave: np.ndarray, caption: str, bounces: list[int], rate: int = SAMPLE_RATE) -> dict[str, float]:
     """The SOUND_FIGURES of one clip's float [N] mono `wave` against its caption and the frames
     where its shape bounces."""
+    return _score_sound(wave, caption, bounces, rate)[0]
+
+
+def _score_sound(wave: np.ndarray, caption: str, bounces: list[int], rate: int) -> tuple[dict[str, float], list[int]]:
+    """score_sound's figures and the frames where `wave` clicks."""
     cap = parse_caption(caption)
     if cap is None:
         raise ValueError(f"not a caption of the shapes world: {caption!r}")
@@ -121,7 +126,7 @@ def score_sound(wave: np.ndarray, caption: str, bounces: list[int], rate: int = 
     out = {"sound_color_ok": float(color == cap.color),
            "sound_sync_ok": float(_matched(bounces, clicks) and _matched(clicks, bounces))}
     out["sound_all_ok"] = float(out["sound_color_ok"] and out["sound_sync_ok"])
-    return out
+    return out, clicks
 
 
 def score_sounds(waves: list[np.ndarray], captions: list[str], bounces: list[list[int]]) -> dict[str, float]:
@@ -131,12 +136,13 @@ def score_sounds(waves: list[np.ndarray], captions: list[str], bounces: list[lis
     without one, so pictures that never bounce would make silence look synchronised;
     eval/sound_clicking_clips: how many clips' sounds click at all (0 with sync_ok > 0: the
     sync is silence, not clicks put in the wrong frames)."""
-    scores = [score_sound(w, c, b) for w, c, b in zip(waves, captions, bounces)]
+    scored = [_score_sound(w, c, b, SAMPLE_RATE) for w, c, b in zip(waves, captions, bounces)]
+    scores = [figures for figures, _ in scored]
     out = {f"eval/{k}": float(np.mean([s[k] for s in scores])) if scores else 0.0 for k in SOUND_FIGURES}
     bounced = [s["sound_sync_ok"] for s, b in zip(scores, bounces) if b]
     out["eval/sound_sync_bounced"] = float(np.mean(bounced)) if bounced else 0.0
     out["eval/sound_bounced_clips"] = float(len(bounced))
-    out["eval/sound_clicking_clips"] = float(sum(bool(click_frames(w)) for w in waves))
+    out["eval/sound_clicking_clips"] = float(sum(bool(clicks) for _, clicks in scored))
     out["eval/sound_num_clips"] = float(len(scores))
     return out
 
