@@ -40,6 +40,10 @@ def test_every_option_composes(group, option):
         extra = ["data=latent_cache", "data.root=latents/"]  # a latent cache (the embedded clips' 8 are off that grid)
     cfg = compose_config([*extra, f"{prefix}{group}={option}"])
     assert isinstance(cfg, Config)
+    if group in ("model", "data", "experiment"):  # every schema, and the values experiments set
+        from dit_train.config import to_yaml
+
+        assert to_yaml(cfg) == OmegaConf.to_yaml(OmegaConf.structured(cfg))
     if group not in ("data",):  # data options may need a user path (data.root=???)
         validate(cfg)
 
@@ -147,6 +151,12 @@ def test_to_yaml_follows_every_change_of_the_config():
     cfg.train.steps, cfg.model.patch_size[0] = 12345, 3
     assert to_yaml(cfg) == OmegaConf.to_yaml(OmegaConf.structured(cfg)) and "steps: 12345" in to_yaml(cfg)
     assert to_yaml(cfg.model) == OmegaConf.to_yaml(OmegaConf.structured(cfg.model))
+    # what a config built in Python may hold, and OmegaConf's copy converts: an int in a float
+    # field (3.0), a tuple (a list), an enum by its value (its name), a str in an int field ('5' -> 5)
+    cfg.optim.lr, cfg.model.patch_size, cfg.parallel.dp_mode = 1, (1, 2, 2), "ddp"
+    assert to_yaml(cfg) == OmegaConf.to_yaml(OmegaConf.structured(cfg)) and "lr: 1.0" in to_yaml(cfg)
+    cfg.train.steps = "5"
+    assert to_yaml(cfg) == OmegaConf.to_yaml(OmegaConf.structured(cfg)) and "steps: 5\n" in to_yaml(cfg)
 
 
 def test_world_size_mismatch_under_torchrun_says_what_to_change():
