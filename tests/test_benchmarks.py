@@ -111,3 +111,26 @@ def test_bench_cp_quick(tmp_path):
     assert [r["layout"] for r in rows] == list(VARIANTS)
     assert all(r["step_s"] > 0 and r["peak_MiB"] > 0 and r["clips"] == 8 for r in rows)
     assert all("time / ulysses 2" in r for r in rows if r["layout"].startswith("ring"))
+
+
+def test_suite_profile_samples_every_python_a_command_starts(tmp_path, capsys):
+    """benchmarks/suite_profile.py: a Python and the Python it starts each write their stacks, and
+    the report names the function that spent the CPU (seen failing with the timer not restarted
+    in a forked child: the child's loop went unsampled)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "suite_profile.py"
+    spec = importlib.util.spec_from_file_location("suite_profile", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    code = ("import os, sys, time\n"
+            "def spin_parent():\n    t = time.process_time()\n    while time.process_time() - t < 0.3: pass\n"
+            "def spin_child():\n    t = time.process_time()\n    while time.process_time() - t < 0.3: pass\n"
+            "if os.fork() == 0:\n    spin_child()\n    sys.exit(0)\nos.wait()\nspin_parent()\n")
+    assert mod.profile([sys.executable, "-c", code], tmp_path / "out") == 0
+    mod.report(tmp_path / "out", top=50)
+    text = capsys.readouterr().out
+    assert "in 2 processes" in text, text
+    assert "spin_parent (<string>)" in text and "spin_child (<string>)" in text, text
