@@ -89,14 +89,19 @@ def to_yaml(cfg: Any) -> str:
     if key not in _YAML:
         if len(_YAML) >= 256:  # a long-lived process (a sweep, a notebook) keeps the recent ones
             _YAML.clear()
-        try:
-            container = _container(cfg)
-        except _Unplain:  # a value OmegaConf would convert in a way _container does not copy
-            container = OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
         # what OmegaConf.to_yaml does with the container it builds (omegaconf/omegaconf.py)
-        _YAML[key] = yaml.dump(container, default_flow_style=False, allow_unicode=True, sort_keys=False,
+        _YAML[key] = yaml.dump(_plain(cfg), default_flow_style=False, allow_unicode=True, sort_keys=False,
                                Dumper=get_omega_conf_dumper())
     return _YAML[key]
+
+
+def _plain(cfg: Any) -> Any:
+    """`OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)`, from the dataclasses
+    where _container can read them."""
+    try:
+        return _container(cfg)
+    except _Unplain:  # a value OmegaConf would convert in a way _container does not copy
+        return OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
 
 
 class _Unplain(Exception):
@@ -153,7 +158,7 @@ def _primitives(hint: Any) -> tuple[type, ...] | None:
 
 def to_dict(cfg: Config) -> dict[str, Any]:
     """The config as plain data (nested dicts, lists, strings for choices), e.g. for a tracker."""
-    return OmegaConf.to_container(OmegaConf.structured(cfg), enum_to_str=True)
+    return _plain(cfg)
 
 
 __all__ = [
