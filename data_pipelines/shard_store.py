@@ -25,6 +25,7 @@ import errno
 import hashlib
 import logging
 import os
+import stat
 import tempfile
 import threading
 import time
@@ -184,7 +185,21 @@ class ShardCache:
             pass
 
     def used(self) -> int:
-        return sum(f.stat().st_size for f in self.base.rglob("*") if f.is_file())
+        return sum(size for _, size, _ in self._files())
+
+    def _files(self) -> list[tuple[Path, int, float]]:
+        """(path, size, mtime) of every file under the cache, each stat'ed once. Other processes
+        (local ranks, other runs) rename their `.part` copies into place or evict files while
+        this one lists them: a file gone between the listing and its stat is not counted."""
+        found = []
+        for f in self.base.rglob("*") if self.base.is_dir() else ():
+            try:
+                st = f.stat()
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                found.append((f, st.st_size, st.st_mtime))
+        return found
 
     def want(self, shard: str, size: int) -> bool:
         """Whether this caller should copy `shard` now (room made if possible); False when it does
@@ -201,12 +216,12 @@ class ShardCache:
             return True
 
     def _make_room(self, size: int) -> bool:
-        files = [f for f in self.base.rglob("*") if f.is_file()] if self.base.is_dir() else []
-        used = sum(f.stat().st_size for f in files)
-        others = sorted((f for f in files if f.parent != self.dir), key=lambda f: f.stat().st_mtime)
+        files = self._files()
+        used = sum(n for _, n, _ in files)
+        others = sorted((x for x in files if x[0].parent != self.dir), key=lambda x: x[2])
         while used + size > self.limit and others:
-            victim = others.pop(0)
-            used -= victim.stat().st_size
+            victim, n, _ = others.pop(0)
+            used -= n
             victim.unlink(missing_ok=True)
         return used + size <= self.limit
 

@@ -10,6 +10,7 @@ import re
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -264,6 +265,29 @@ def test_local_shard_cache_keeps_whole_shards_under_its_limit(s3_endpoint, s3_cl
     used = sum(p.stat().st_size for p in (tmp_path / "small" / "shards").rglob("*") if p.is_file())
     assert not (other / "old.tar").exists() and used <= limit
     assert 0 < reader.stats["shards_copied"] < 4 and reader.stats["remote_reads"] > 0
+
+
+def test_the_cache_skips_copies_renamed_while_it_lists(tmp_path, monkeypatch):
+    # Local ranks share the cache folder: one rank lists it to make room while another renames its
+    # `.part` copy into place (CI saw FileNotFoundError from the stat of such a file).
+    cache = ShardCache(str(tmp_path), "s3://bucket/set", limit_bytes=100)
+    other = tmp_path / "shards" / "0000other"
+    other.mkdir(parents=True)
+    (other / "old.tar").write_bytes(bytes(60))
+    listing = Path.rglob
+
+    def listed_then_renamed(self, pattern):
+        yield from listing(self, pattern)
+        part = cache.dir / "shard-000001.tar.kknm978x.part"
+        part.parent.mkdir(parents=True, exist_ok=True)
+        part.touch()
+        yield part  # exists when listed, renamed before the listing ends
+        part.unlink()
+
+    monkeypatch.setattr(Path, "rglob", listed_then_renamed)
+    assert cache.used() == 60
+    assert cache.want("shard-000002.tar", 50)  # the other set's old shard makes room
+    assert not (other / "old.tar").exists()
 
 
 def ShardClipDataset_over(ds, reader):
