@@ -29,7 +29,7 @@ from dit_train.data_pipelines.shapes_metric import (
     parse_caption,
     to_rgb,
 )
-from dit_train.data_pipelines.synthetic_video import PITCHES, SAMPLE_RATE, SAMPLES_PER_FRAME
+from dit_train.data_pipelines.synthetic_video import PITCHES, SAMPLE_RATE, SAMPLES_PER_FRAME, caption_split, render_long_clip
 from dit_train.data_pipelines.video_io import probe, read_frames
 
 TONE_BAND_HZ = (150.0, 1500.0)
@@ -169,3 +169,19 @@ def reference_sound_scores(manifest_dir: str | Path, from_pixels: bool = True) -
         waves.append(sound.samples)
         captions.append(item["caption"])
     return score_sounds(waves, captions, bounces)
+
+
+def heldout_event_clips(per_caption: int = 4, frames: int = 8, size: int = 32) -> list:
+    """`per_caption` clips of each of the 48 held-out compositions (synthetic_video.caption_split),
+    drawn as the set's clips are (render_long_clip, as tools.evaluate --heldout draws them): (pixels [3, F, H, W] in [-1, 1], [F] float 1
+    on the frames where the shape touches a wall, `bounce_frames` of the pixels: where the world
+    clicks)."""
+    _, held = caption_split()
+    out = []
+    for j, caption in enumerate(held * per_caption):
+        rgb = render_long_clip(caption, frames, size, size, index=j)  # uint8 [F, H, W, 3]
+        pixels = torch.from_numpy(np.ascontiguousarray(rgb)).permute(3, 0, 1, 2).float() / 127.5 - 1.0
+        label = torch.zeros(frames)
+        label[bounce_frames(pixels)] = 1.0
+        out.append((pixels, label))
+    return out

@@ -122,6 +122,12 @@ class DataSource:
         captions, for sources whose world can be scored exactly; None otherwise."""
         return None
 
+    def sync_events(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """Clips [3, F, H, W] in [-1, 1] of compositions the training data never shows, each with
+        [F] 1 on the frames where a sound event must start, for sources whose world knows them
+        (tools.train_sync scores its encoder on them); None otherwise."""
+        return None
+
     def is_still(self, dataset: Any, i: int) -> bool:
         """Whether sample i is a still image (a one-frame sample)."""
         return False

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import List
 
 from dit_train.data_pipelines.shapes_metric import score_clips
+from dit_train.data_pipelines.shapes_sound_metric import heldout_event_clips
 from dit_train.data_pipelines.source import register_source
 from dit_train.data_pipelines.synthetic_video import dataset_dir, ensure_synthetic_videos
 from dit_train.data_pipelines.video_dataset import manifest_entries
@@ -50,6 +51,11 @@ class SyntheticVideoSource(PixelVideoSource):
     def score(self, pixels: list, captions: list[str]) -> dict[str, float]:
         """The shapes world's exact metric (data_pipelines/shapes_metric.py)."""
         return score_clips(pixels, captions)
+
+    def sync_events(self) -> list:
+        """Clips of the 48 held-out compositions and the frames their shape touches a wall
+        (shapes_sound_metric.heldout_event_clips), where the world's sound clicks."""
+        return heldout_event_clips()
 
     def cache_settings(self) -> dict:
         settings = {**super().cache_settings(), "num_clips": self.cfg.num_clips, "gen_seed": self.cfg.gen_seed}

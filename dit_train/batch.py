@@ -169,8 +169,9 @@ def model_context(batch: PackedBatch, captions: str = "context") -> dict[str, to
     """The keyword arguments of a video model call besides the tokens: captions
     (samples[captions] [S, Lc, text_dim] and its "_len" [S]; distillation's teacher also reads
     "null_context"), the clean (timestep 0) tokens of the conditioning's timestep feed
-    (tokens["clean"] [L] bool), a joint-attention model's text slots (tokens["text"] [L]) and the
-    clips' CLIP image tokens (samples["image"] [S, Li, image_dim]); {} for unconditional packs."""
+    (tokens["clean"] [L] bool), a joint-attention model's text slots (tokens["text"] [L]), the
+    clips' CLIP image tokens (samples["image"] [S, Li, image_dim]), a two-stream pack's `stream`
+    and its audio tokens' sync feature (tokens["sync"] [L] float); {} for unconditional packs."""
     out = {}
     if captions in batch.samples:
         out = {"context": batch.samples[captions], "context_len": batch.samples[f"{captions}_len"]}
@@ -182,6 +183,8 @@ def model_context(batch: PackedBatch, captions: str = "context") -> dict[str, to
         out["image"] = batch.samples["image"]
     if batch.stream is not None:  # the two-stream DiT's audio tokens (tasks/joint_audio.py)
         out["stream"] = batch.stream
+    if "sync" in batch.tokens:  # their sync feature (model.sync_encoder, tasks/av_sync.py)
+        out["sync"] = batch.tokens["sync"]
     return out
 
 

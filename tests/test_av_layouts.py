@@ -199,11 +199,15 @@ def test_a_given_stream_is_clean_context_out_of_its_count(av_cfg, given):
 
 
 @pytest.mark.slow
-def test_cross_stream_conditioning_is_layout_exact(av_cfg):
-    """Half of the clips with sound given their video clean (video-to-audio), two steps on
-    dp_shard=2 × cp_ulysses=2 against one process."""
+def test_cross_stream_conditioning_is_layout_exact(av_cfg, tmp_path_factory):
+    """Half of the clips with sound given their video clean (video-to-audio), their audio tokens
+    with the sync feature of those frames (model.sync_encoder: a per-token field that CP splits
+    like the tokens), two steps on dp_shard=2 × cp_ulysses=2 against one process."""
+    from tests.test_av_sync import random_encoder
+
     c = one_block(av_cfg)
     c.cond.given_stream, c.cond.given_stream_prob = "video", 0.5
+    c.model.sync_encoder = random_encoder(tmp_path_factory.mktemp("sync"))
     got = run_cases({"v2a": Case(c, LAYOUTS["ulysses"])})
     assert_exact(*got["v2a"], "video-to-audio on " + LAYOUTS["ulysses"])
 

@@ -303,6 +303,10 @@ def _model_and_data(cfg: Config, e: list[str]) -> None:
            f"cond.given_stream={gs} gives one stream of a clip with sound as clean context: it is built for the "
            f"two-stream DiT (model=dit model.audio_patch=500 data.audio=true), not model={m.name}"
            + ("" if audio_model else " without an audio stream"), e)
+    # the sync feature comes from a clean picture: only video-to-audio clips have one in training
+    check(not getattr(m, "sync_encoder", "") or (cfg.cond.gives_video and cfg.cond.given_stream_prob > 0),
+          f"model.sync_encoder={getattr(m, 'sync_encoder', '')} reads the clean picture of video-to-audio clips: train "
+          f"with cond.given_stream=video and cond.given_stream_prob > 0 (0.5: half the clips joint, half video-to-audio)", e)
     check(0.0 <= d.caption_dropout < 1.0, f"data.caption_dropout={d.caption_dropout} must be in [0, 1)", e)
     check(0.0 <= d.heldout_fraction < 1.0, f"data.heldout_fraction={d.heldout_fraction} must be in [0, 1)", e)
     check(not (cfg.train.eval_every > 0 and d.heldout_fraction <= 0),

@@ -11,7 +11,7 @@ from torch import nn
 from dit_train.config.choices import AudioFeatures, Mode
 from dit_train.config.schema import VideoModelConfig
 from dit_train.data_pipelines.audio_features import feature_errors, token_width
-from dit_train.models import dit_pretrained
+from dit_train.models import dit_pretrained, sync_encoder
 from dit_train.models.layers import (Block, feed_forward_linears, Conditioning, TextContext, TimestepEmbedder, block_moe, modulate,
                                      modulation_tables)
 from dit_train.models.recompute import prologue_switch, recomputed_linear
@@ -44,6 +44,15 @@ class DiTConfig(VideoModelConfig):
     # start from a finished run's weights: its folder (EMA weights when present) or a .safetensors
     # file of full weights; '' = initialise from train.seed (models/dit_pretrained.py)
     pretrained: str = ""
+    # a sync encoder (tools.train_sync's folder; '' = none): each audio token also gets the
+    # probability that a sound event starts at its frame's instant in the clean picture it is
+    # given (video-to-audio: cond.given_stream=video), through its own embedding
+    # (tasks/av_sync.py, docs/audio-video.md); needs model.audio_patch > 0
+    sync_encoder: str = ""
+    # that probability enters the DiT times sync_scale: ~ the norm of a noisy audio token (√1028
+    # for spectrogram tokens) — at 1, one input beside ~1000 unit-variance noise features is
+    # swamped and the click is not made where told (measured, docs/audio-video.md)
+    sync_scale: float = 32.0
 
 
 class FinalLayer(nn.Module):
@@ -62,6 +71,30 @@ class FinalLayer(nn.Module):
     def forward(self, x: torch.Tensor, cond: Conditioning) -> torch.Tensor:
         shift, scale1p = modulation_tables(self.adaLN_modulation(cond.per_sample), 2, scale_at=(1,))
         return recomputed_linear(self.linear, modulate(self.norm, shift, scale1p, cond.index), x)
+
+
+class SyncEmbedder(nn.Module):
+    """sync [L] -> [L, dim]: the audio tokens' sync feature (tasks/av_sync.py) times `scale`, projected.
+
+    Its weight is drawn as one more column of the audio embedder would be (xavier over that
+    layer's fan-in + 1), so at input `scale` ~ the norm of a noisy audio token it starts at that
+    token's scale, and AdamW moves its contribution `scale` times faster than a column read at 1
+    (measured: at 1 the DiT did not make the click where told; docs/audio-video.md)."""
+
+    def __init__(self, dim: int, audio_dim: int, scale: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim, 1))
+        self.scale, self.fans = scale, audio_dim + 1 + dim
+
+    def init_parameter(self, pname: str, full: torch.Tensor, gen: torch.Generator, scheme: str, std: float) -> torch.Tensor:
+        """models/init.py's hook: xavier uniform with the audio embedder's fans (normal under init=normal)."""
+        if scheme == "normal":
+            return full.normal_(0.0, std, generator=gen)
+        bound = (6.0 / self.fans) ** 0.5
+        return full.uniform_(-bound, bound, generator=gen)
+
+    def forward(self, sync: torch.Tensor) -> torch.Tensor:
+        return (sync * self.scale)[:, None] * self.weight[:, 0]
 
 
 class VideoDiT(nn.Module):
@@ -83,6 +116,8 @@ class VideoDiT(nn.Module):
               an audio token's first audio_dim (its waveform samples), zeros after
       block: [L] int64 each token's causal block (PackedBatch.block), with t [S, B]: a token is
              conditioned on its block's t
+      sync: [L] float32 the sync feature of each token (model.sync_encoder: an audio token's
+            frame-event probability from its clip's clean picture, tasks/av_sync.py; 0 elsewhere)
     returns [L, patch_dim], the predicted velocity; with `stream`, [L, max(patch_dim, audio_dim)]
     (an audio token's velocity in its first audio_dim values, zeros after; likewise video).
     """
@@ -94,7 +129,8 @@ class VideoDiT(nn.Module):
 
     def __init__(self, patch_dim: int, dim: int, depth: int, heads: int, mlp_ratio: float,
                  qk_norm: bool = True, rope_theta: float = 10000.0, backend: str = "sdpa", text_dim: int = 0,
-                 moe_blocks: list | None = None, pooled_text: bool = False, cond_dim: int = 0, audio_dim: int = 0):
+                 moe_blocks: list | None = None, pooled_text: bool = False, cond_dim: int = 0, audio_dim: int = 0,
+                 sync_scale: float = 0.0):
         super().__init__()
         self.patch_dim, self.audio_dim = patch_dim, audio_dim
         self.text_dim = text_dim
@@ -113,18 +149,23 @@ class VideoDiT(nn.Module):
         # the audio stream's own way in and out (the blocks are shared: one joint sequence per clip)
         self.audio_embedder = nn.Linear(audio_dim, dim) if audio_dim else None
         self.audio_final = FinalLayer(dim, audio_dim) if audio_dim else None
+        # the sync feature's own embedding (model.sync_encoder; 0 = none)
+        self.sync_embedder = SyncEmbedder(dim, audio_dim, sync_scale) if audio_dim and sync_scale else None
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor, seg: torch.Tensor, t: torch.Tensor, meta: Any,
                 context: torch.Tensor | None = None, context_len: torch.Tensor | None = None,
                 clean: torch.Tensor | None = None, stream: torch.Tensor | None = None,
-                block: torch.Tensor | None = None) -> torch.Tensor:
+                block: torch.Tensor | None = None, sync: torch.Tensor | None = None) -> torch.Tensor:
         # inputs arrive in fp32 (FSDP2's root does not cast them, see parallel.fsdp_mp_policies)
         x = x.to(self.x_embedder.weight.dtype)
         h = self.x_embedder(x[:, : self.x_embedder.in_features])
         audio = None
         if stream is not None and self.audio_embedder is not None:
             audio = (stream == 1)[:, None]
-            h = torch.where(audio, self.audio_embedder(x[:, : self.audio_dim]), h)
+            a = self.audio_embedder(x[:, : self.audio_dim])
+            if self.sync_embedder is not None and sync is not None:
+                a = a + self.sync_embedder(sync.to(h.dtype))
+            h = torch.where(audio, a, h)
         if t.dim() == 2:  # per-block t: every (clip, block) is one conditioning row
             return self._blocks_forward(h, pos, seg, t, meta, context, context_len, clean, block, audio)
         S = t.shape[0]
@@ -196,7 +237,8 @@ def build(cfg: DiTConfig, attn_backend: str = "sdpa") -> VideoDiT:
                     heads=cfg.heads, mlp_ratio=cfg.mlp_ratio,
                     qk_norm=cfg.qk_norm, rope_theta=cfg.rope_theta, backend=attn_backend, text_dim=cfg.text_dim,
                     moe_blocks=[block_moe(i, cfg.moe) for i in range(cfg.depth)], pooled_text=cfg.pooled_text,
-                    audio_dim=token_width(cfg.audio_patch, cfg.audio_features))  # 0: video only
+                    audio_dim=token_width(cfg.audio_patch, cfg.audio_features),  # 0: video only
+                    sync_scale=cfg.sync_scale if cfg.sync_encoder else 0.0)
 
 
 def _checks(cfg: DiTConfig) -> list[str]:
@@ -214,10 +256,32 @@ def _shape_errors(cfg: DiTConfig) -> list[str]:
     features = feature_errors(cfg.audio_patch, cfg.audio_features) if cfg.audio_patch else []
     if features:
         return features
+    if cfg.sync_encoder:
+        errors = sync_errors(cfg)
+        if errors:
+            return errors
     k, pt = cfg.causal_block_frames, cfg.patch_size[0]
     if k < 0 or k % pt:
         return [f"model.causal_block_frames={k} must be 0 (bidirectional) or a positive multiple of "
                 f"model.patch_size[0]={pt} (a causal block holds whole temporal patches)"]
+    return []
+
+
+def sync_errors(cfg: DiTConfig) -> list[str]:
+    """model.sync_encoder: a two-stream model, a positive scale, and a file that loads (before any worker starts)."""
+    where = f"model.sync_encoder={cfg.sync_encoder}"
+    if not cfg.audio_patch:
+        return [f"{where} feeds the audio tokens: it needs the two-stream DiT (model.audio_patch=500 data.audio=true)"]
+    if cfg.in_channels != 3:
+        return [f"{where} reads pixels (model.in_channels=3), not {cfg.in_channels}-channel latents"]
+    if cfg.sync_scale <= 0:
+        return [f"model.sync_scale={cfg.sync_scale} must be > 0 (the sync feature's input scale)"]
+    try:
+        sync_encoder.load(cfg.sync_encoder)
+    except FileNotFoundError as err:
+        return [f"{where}: {err}"]
+    except Exception as err:  # noqa: BLE001 - not an encoder tools.train_sync wrote: one line, not a traceback
+        return [f"{where}: cannot load it as a sync encoder ({type(err).__name__}: {str(err)[:160]})"]
     return []
 
 

@@ -31,13 +31,18 @@ A request may give one of the two streams (`given_video`: video-to-audio, `given
 audio-to-video, a run trained with cond.given_stream): the given stream's tokens are in every
 pack clean, flagged clean (timestep 0, as training gives them: tasks/video.py) in both guidance
 branches, and never stepped; it comes back bit for bit.
+A model with a sync encoder (model.sync_encoder, tasks/av_sync.py) reads the frame events of a
+clean picture through its audio tokens: a given video's at every step; a request that gives
+neither stream gets its pictures first (with a sound the model makes without them), then its
+sound again from those pictures, as a video-to-audio request (`sound_from_pictures`).
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import numpy as np
@@ -54,6 +59,7 @@ from dit_train.rng import sample_generator
 from dit_train.tasks.captions import pad_contexts
 from dit_train.tasks.conditioning import ClipInputs, clip_inputs, i2v_inputs
 from dit_train.sampling.sound import sound_noise, sound_tokens, start_sound
+from dit_train.tasks.av_sync import clip_sync
 from dit_train.tasks.joint_audio import audio_positions, join_audio_tokens
 from dit_train.tasks.joint_text import join_text_tokens, video_rows
 from dit_train.tasks.video import num_patches, pack_clips, unpatchify
@@ -252,6 +258,7 @@ class VideoSampler:
         # audio tokens that are not waveform samples (DataSource.sound: a cache's LTX-2 audio latents):
         # how many a clip gets, and the audio VAE + vocoder that turn them into sound
         self.latent_sound = sound
+        self.sync: list[torch.Tensor] | None = None  # per clip [n_k] its audio tokens' sync feature (set by `sample`)
 
     def schedulers(self) -> list[Any]:
         """One diffusers scheduler per clip (each keeps its own step counter), set to `steps`.
@@ -351,7 +358,8 @@ class VideoSampler:
             pos = [audio_positions(a.shape[0], self.audio_patch, r.fps, self.patch[0], self.inputs.audio_index)
                    for a, r in zip(sound, reqs)]
             clean = [torch.full((a.shape[0],), r.given_sound is not None) for a, r in zip(sound, reqs)] if cross else None
-            batch = join_audio_tokens(batch, sound, None, pos, clean=clean)
+            sync = self.sync * (len(xs) // len(self.requests)) if self.sync is not None else None
+            batch = join_audio_tokens(batch, sound, None, pos, clean=clean, sync=sync)
         # a joint-attention model's caption tokens join each clip's run (tasks/joint_text.py)
         return join_text_tokens(batch, samples["context_len"]) if self.joint_text and ctxs is not None else batch
 
@@ -387,6 +395,9 @@ class VideoSampler:
         autocast = autocast or contextlib.nullcontext
         xs, cfg, ctxs = self._start()
         sound = self.start_sound()  # [n_k, audio_patch] per clip, or None
+        if sound is not None and self.inputs.sync_encoder:  # each clip's sync feature from its given picture (zeros without)
+            self.sync = [clip_sync(self.inputs.sync_encoder, r.given_video, a.shape[0], self.audio_patch, r.fps)
+                         for a, r in zip(sound, self.requests)]
         scheds = self.schedulers()
         sound_scheds = self.schedulers() if sound is not None else None  # the same sigmas, their own step counters
         sigmas = [s.sigmas.tolist() for s in scheds]  # per clip: decreasing from 1 to 0, steps + 1 values
@@ -437,4 +448,22 @@ class VideoSampler:
         self.sounds = [hear(s) for s in sound] if sound is not None else None
         if self.inputs.clean:  # the result shows the given frames as they were given
             xs = [self.given(k, xs[k]).x for k in range(n)]
+        if sound is not None and self.inputs.sync_encoder:
+            self.sound_from_pictures(model, xs, autocast, progress)
         return xs
+
+    def sound_from_pictures(self, model: torch.nn.Module, xs: list[torch.Tensor], autocast: Callable[[], Any],
+                            progress: bool) -> None:
+        """A sync-encoder model's sound of the requests that gave neither stream, made again from
+        their sampled pictures xs [C, F, H, W] (video-to-audio requests of the same noise ids, run
+        by this sampler's settings): the joint pass could not read the frame events of pictures it
+        was still making. Replaces those clips' `sounds`."""
+        todo = [k for k, r in enumerate(self.requests) if r.given_video is None and r.given_sound is None]
+        if not todo:
+            return
+        second = copy.copy(self)
+        second.requests = [replace(self.requests[k], given_video=xs[k].clamp(-1, 1)) for k in todo]  # the picture as written
+        second.shifts = [self.shifts[k] for k in todo]
+        second.sample(model, autocast, progress)
+        for k, heard in zip(todo, second.sounds):
+            self.sounds[k] = heard

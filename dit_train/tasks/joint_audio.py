@@ -61,13 +61,14 @@ def given_stream(seed: int, sample_id: int, step: int, which: int, prob: float) 
 
 def join_audio_tokens(batch: PackedBatch, x: list[torch.Tensor], target: list[torch.Tensor] | None,
                       pos: list[torch.Tensor], weight: list[torch.Tensor] | None = None,
-                      clean: list[torch.Tensor] | None = None) -> PackedBatch:
+                      clean: list[torch.Tensor] | None = None, sync: list[torch.Tensor] | None = None) -> PackedBatch:
     """`batch` (clips contiguous and in seg order, no padding, as pack_clips builds it) with clip
     k's audio tokens after its video tokens: x[k], target[k] [n_k, P], pos[k] [n_k, 3]. Token
     fields x and target become [L + Σ n_k, max(D, P)] (zeros pad the narrower stream); stream
     is 0 on video, 1 on audio; pos is float32 when pos[k] is (fractional times). target None: a sampler's pack (no target field). weight [n_k]
     int64 (units of 1/WEIGHT_ONE; default whole tokens) and clean [n_k] bool (tokens given at
-    timestep 0; default none) of the audio tokens join the video's when either side has them."""
+    timestep 0; default none) of the audio tokens join the video's when either side has them;
+    sync [n_k] float32 (model.sync_encoder, tasks/av_sync.py) becomes tokens["sync"], 0 on video."""
     S = batch.num_samples
     counts = torch.tensor([t.shape[0] for t in x], dtype=torch.long)
     clip_len = torch.bincount(batch.seg, minlength=S)[:S] if batch.num_tokens else torch.zeros(S, dtype=torch.long)
@@ -90,6 +91,8 @@ def join_audio_tokens(batch: PackedBatch, x: list[torch.Tensor], target: list[to
     if clean is not None or "clean" in batch.tokens:
         video = batch.tokens.get("clean", torch.zeros(batch.num_tokens, dtype=torch.bool))
         tokens["clean"] = torch.cat([video, torch.cat(clean) if clean else torch.zeros(A, dtype=torch.bool)])[where]
+    if sync is not None:
+        tokens["sync"] = torch.cat([torch.zeros(batch.num_tokens), torch.cat(sync).float() if sync else torch.zeros(A)])[where]
     stream = torch.cat([torch.zeros(batch.num_tokens, dtype=torch.long), torch.ones(A, dtype=torch.long)])
     pos_a = torch.cat(pos) if pos else batch.pos.new_zeros(0, 3)
     # fractional audio times make the pack's pos float32: the video's integer positions are exact

@@ -21,6 +21,7 @@ from dit_train.config.cond import cond_active
 from dit_train.tasks.conditioning import (Conditioner, i2v_data_errors, masked, too_short, unconditionable_error, vace_context,
                                          vace_data_check)
 from dit_train.rng import sample_generator
+from dit_train.tasks.av_sync import clip_sync
 from dit_train.tasks.joint_audio import audio_positions, audio_tokens, given_stream, join_audio_tokens
 from dit_train.tasks.joint_text import join_text_tokens
 from dit_train.tasks.video_inputs import video_inputs
@@ -260,7 +261,7 @@ class VideoTask:
         xs, targets, ts, ctx = [], [], [], []
         conds, weights, clean, controls, images = [], [], [], [], []
         kept, block_ts = [], []
-        sound = ([], [], [], [], [])  # sound: audio x, target, positions, weights, clean flags per kept clip
+        sound = ([], [], [], [], [], [])  # sound: audio x, target, positions, weights, clean flags, sync per kept clip
         lc = self.loss_cfg
         for sid in sample_ids:
             try:
@@ -314,7 +315,7 @@ class VideoTask:
             targets.append(v)
             ts.append(t)
             if self.audio_patch:
-                self._sound(item, sid, step, t, sound, given=gives == 1)
+                self._sound(item, sid, step, t, sound, given=gives == 1, picture=x0 if gives == 0 else None)
             if self.text_dim:
                 dropped = drop_caption(self.seed, sid, step, self.caption_dropout)
                 ctx.append(self.null_caption() if dropped else self.caption_embedding(item))
@@ -329,14 +330,17 @@ class VideoTask:
         batch = self._pack(xs, targets, conds, clean, controls, weights, samples, ids)
         if self.audio_patch:
             given = self.cross_stream
-            batch = join_audio_tokens(batch, *sound[:3], sound[3] if given else None, sound[4] if given else None)
+            batch = join_audio_tokens(batch, *sound[:3], sound[3] if given else None, sound[4] if given else None,
+                                      sound[5] if self.inputs.sync_encoder else None)
         return join_text_tokens(batch, samples["context_len"]) if self.joint_text else batch
 
-    def _sound(self, item: Any, sid: int, step: int, t: float, out: tuple[list, ...], given: bool = False) -> None:
+    def _sound(self, item: Any, sid: int, step: int, t: float, out: tuple[list, ...], given: bool = False,
+               picture: torch.Tensor | None = None) -> None:
         """Append one clip's noised audio tokens [n, P], their velocity target, RoPE positions,
-        weights [n] and clean flags [n] to `out`: the clip's own t, noise from its own
-        "audio_noise" stream of (seed, id, step); `given` (audio-to-video): the clean sound,
-        weight 0, at timestep 0."""
+        weights [n], clean flags [n] and sync feature [n] to `out`: the clip's own t, noise from
+        its own "audio_noise" stream of (seed, id, step); `given` (audio-to-video): the clean sound,
+        weight 0, at timestep 0; `picture` [3, F, H, W]: the clean frames it is given (video-to-
+        audio), read by model.sync_encoder (tasks/av_sync.py; zeros without)."""
         latents = getattr(item, "audio_latents", None)  # a cache's LTX-2 audio tokens (--audio-vae), else the waveform's
         a0 = latents.float() if latents is not None else audio_tokens(getattr(item, "audio", None), self.audio_patch,
                                                                       self.inputs.audio_features)
@@ -348,6 +352,8 @@ class VideoTask:
         out[0].append(a0 if given else (1.0 - t) * a0 + t * eps)
         out[1].append(eps - a0)
         out[2].append(audio_positions(a0.shape[0], self.audio_patch, fps, self.patch[0], self.inputs.audio_index))
+        if self.inputs.sync_encoder:
+            out[5].append(clip_sync(self.inputs.sync_encoder, picture, a0.shape[0], self.audio_patch, fps))
 
     def _pack(self, xs, targets, conds, clean, controls, weights, samples, ids) -> PackedBatch:
         """The clips' fields packed (pack_clips): x and target, and what conditioning, masks and

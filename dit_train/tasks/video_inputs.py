@@ -39,6 +39,8 @@ class VideoInputs:
     audio_patch: waveform samples per audio token of a model with an audio stream (model.audio_patch;
     0 = video only): its sampler generates each clip's sound with its pictures (sampling/sound.py).
     audio_features: what an audio token holds (model.audio_features: wave | spectrogram).
+    sync_encoder: the two-stream DiT's sync encoder (model.sync_encoder; '' = none): audio tokens of a
+    clip whose clean picture is given carry its frame-event probabilities (tasks/av_sync.py).
     """
 
     patch: tuple[int, int, int]
@@ -63,6 +65,7 @@ class VideoInputs:
     audio_index: bool = False
     audio_patch: int = 0
     audio_features: str = "wave"
+    sync_encoder: str = ""
 
     @property
     def patch_volume(self) -> int:
@@ -120,4 +123,5 @@ def video_inputs(model_cfg: Any, cond: Any = None) -> VideoInputs:
         joint_text=bool(model_cfg.text_dim) and model_spec(model_cfg).joint_text,
         causal_block=getattr(model_cfg, "causal_block_frames", 0) // model_cfg.patch_size[0],
         audio_index=model_spec(model_cfg).audio_positions == "index", audio_patch=getattr(model_cfg, "audio_patch", 0),
-        audio_features=str(getattr(model_cfg, "audio_features", "wave")))
+        audio_features=str(getattr(model_cfg, "audio_features", "wave")),
+        sync_encoder=getattr(model_cfg, "sync_encoder", ""))

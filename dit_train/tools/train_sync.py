@@ -1,0 +1,145 @@
+"""Train the sync encoder a two-stream DiT reads its frame events from (`model.sync_encoder`).
+
+    python -m dit_train.tools.train_sync +experiment=shapes_av --out outputs/sync        # ~2 CPU-minutes
+    python -m dit_train +experiment=shapes_av_sync model.sync_encoder=outputs/sync
+
+The overrides are a training run's: the encoder learns from that run's clips. Self-supervised, as
+Synchformer-style sync features are: the label of a frame is whether the clip's *own sound* has a
+transient there (`click_frames`: energy above 2.5 kHz in the frame's span of samples), never
+the picture's ground truth, so any data with sound trains it. Clips without sound (or that
+cannot be read) are skipped and counted. One process, no collective.
+
+On the embedded world it also scores the encoder where the DiT will need it: on clips of the 48
+compositions the training data never shows (`caption_split`), against the frames where their
+shape touches a wall (`bounce_frames` of their pixels) — per-frame AUC, the share of bounce frames
+it flags (p > 0.5) and of other frames it flags. The figures go to the folder's
+sync_encoder.json beside the weights (models/sync_encoder.py).
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from dit_train.compose import compose
+from dit_train.data_pipelines import open_dataset, prepare_data, source_for
+from dit_train.data_pipelines.shapes_sound_metric import click_frames
+from dit_train.data_pipelines.video_io import VideoReadError
+from dit_train.models.sync_encoder import SyncEncoder, save
+from dit_train.tools.args import POSITIVE_FLOAT, POSITIVE_INT, ToolParser
+
+def labelled_clips(dataset: Any, limit: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int, int]:
+    """Up to `limit` (pixels [3, F, H, W], label [F] float 0/1) of the dataset's clips with sound,
+    in id order: label 1 on the frames where the clip's own sound has a transient. Also returns
+    how many clips had no sound and how many could not be read (skipped)."""
+    out, silent, unreadable = [], 0, 0
+    for i in range(len(dataset)):
+        if len(out) >= limit:
+            break
+        try:
+            item = dataset[i]
+        except VideoReadError:
+            unreadable += 1
+            continue
+        audio = getattr(item, "audio", None)
+        if audio is None or audio.numel() == 0:
+            silent += 1
+            continue
+        frames = item.pixels.shape[1]
+        per_frame = max(1, audio.numel() // frames)  # samples of one frame's span
+        label = torch.zeros(frames)
+        hits = [f for f in click_frames(audio.float().numpy(), per_frame=per_frame) if f < frames]
+        label[hits] = 1.0
+        out.append((item.pixels.float(), label))
+    return out, silent, unreadable
+
+
+def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
+    """Probability that a positive frame scores above a negative one (ties count half); nan without both."""
+    pos, neg = scores[labels > 0], scores[labels <= 0]
+    if not len(pos) or not len(neg):
+        return float("nan")
+    return float((pos[:, None] > neg[None]).float().mean() + 0.5 * (pos[:, None] == neg[None]).float().mean())
+
+
+@torch.no_grad()
+def score(encoder: SyncEncoder, clips: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, float]:
+    """Per-frame AUC, and the shares of positive / negative frames with p > 0.5, over `clips`."""
+    logits = torch.cat([encoder(x) for x, _ in clips])
+    labels = torch.cat([y for _, y in clips])
+    flagged = logits > 0
+    return {"auc": auc(logits, labels), "hit": float(flagged[labels > 0].float().mean()),
+            "false": float(flagged[labels <= 0].float().mean())}
+
+
+def train(clips: list[tuple[torch.Tensor, torch.Tensor]], steps: int, batch: int, lr: float, channels: int,
+          seed: int, progress: bool = True) -> SyncEncoder:
+    """The encoder after `steps` AdamW steps of `batch` clips drawn at random (seeded): binary
+    cross-entropy per frame, positives weighted by the negatives-to-positives ratio (clicks are rare)."""
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    encoder = SyncEncoder(channels)
+    opt = torch.optim.AdamW(encoder.parameters(), lr)
+    labels = torch.cat([y for _, y in clips])
+    pos_weight = ((labels <= 0).sum() / labels.sum().clamp(min=1)).clamp(1, 100)
+    bar = tqdm(range(steps), desc="sync encoder", unit="step", disable=not progress)
+    for _ in bar:
+        drawn = rng.sample(clips, min(batch, len(clips)))
+        loss = sum(nn.functional.binary_cross_entropy_with_logits(encoder(x), y, pos_weight=pos_weight)
+                   for x, y in drawn) / len(drawn)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        bar.set_postfix(loss=f"{loss.item():.3f}", refresh=False)
+    return encoder.eval()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = ToolParser(prog="python -m dit_train.tools.train_sync", description=__doc__.split("\n")[0])
+    p.add_argument("overrides", nargs="*", help="the training run's overrides (its data)")
+    p.add_argument("--out", required=True, help="folder for sync_encoder.safetensors and sync_encoder.json")
+    p.add_argument("--steps", type=POSITIVE_INT, default=600)
+    p.add_argument("--clips", type=POSITIVE_INT, default=1500, help="training clips with sound, read in id order")
+    p.add_argument("--batch", type=POSITIVE_INT, default=8)
+    p.add_argument("--lr", type=POSITIVE_FLOAT, default=2e-3)
+    p.add_argument("--channels", type=POSITIVE_INT, default=24)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    try:
+        cfg = compose(args.overrides)
+    except Exception as err:  # noqa: BLE001 - a bad override: one line
+        p.error(f"the overrides do not compose: {err}")
+    if not getattr(cfg.data, "audio", False):
+        p.error(f"data={cfg.data.name} has no sound (data.audio=false): the encoder learns from the clips' own "
+                "sound; add data.audio=true or +experiment=shapes_av")
+    start = time.process_time()
+    prepare_data(cfg.data, cfg.model)
+    clips, silent, unreadable = labelled_clips(open_dataset(cfg.data, cfg.model), args.clips)
+    positives = int(sum(y.sum() for _, y in clips))
+    print(f"{len(clips)} clips with sound ({silent} without, {unreadable} unreadable: skipped), "
+          f"{positives} of {sum(len(y) for _, y in clips)} frames with a transient")
+    if not clips or not positives:
+        p.error("no clip with a transient in its sound: nothing to learn the frame events from")
+    encoder = train(clips, args.steps, args.batch, args.lr, args.channels, args.seed)
+    meta: dict[str, Any] = {"steps": args.steps, "clips": len(clips), "overrides": args.overrides,
+                            "train": score(encoder, clips[:200])}
+    events = source_for(cfg.data, cfg.model).sync_events()  # the embedded world: its held-out compositions
+    if events:
+        meta["heldout"] = score(encoder, events)
+    meta["cpu_s"] = round(time.process_time() - start, 1)
+    folder = save(encoder, args.out, meta)
+    for split in ("train", "heldout"):
+        if split in meta:
+            s = meta[split]
+            print(f"{split}: per-frame AUC {s['auc']:.3f}, event frames flagged {s['hit']:.2f}, others {s['false']:.3f}")
+    print(f"sync encoder: {folder} ({meta['cpu_s']:.0f} CPU-s); train with model.sync_encoder={folder}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
