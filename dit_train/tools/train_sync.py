@@ -77,12 +77,27 @@ def score(encoder: SyncEncoder, clips: list[tuple[torch.Tensor, torch.Tensor]]) 
             "false": float(flagged[labels <= 0].float().mean())}
 
 
+def perturbed(pixels: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """pixels [3, F, H, W] with what differs from frame to frame in *generated* clips and is no
+    event: each frame its own Gaussian noise (std up to 0.2) and its own speckles (up to 3 % of the
+    pixels at random values). Without it the encoder flagged 32 % of the frames without a bounce in
+    clips the DiT generated (5 % in rendered ones): it had learnt that a change between frames is
+    an event; with it, 2 % (docs/audio-video.md)."""
+    F = pixels.shape[1]
+    std = 0.2 * torch.rand(1, F, 1, 1, generator=gen)
+    rate = 0.03 * torch.rand(1, F, 1, 1, generator=gen)
+    noisy = pixels + std * torch.randn(pixels.shape, generator=gen)
+    speckle = torch.rand((1, *pixels.shape[1:]), generator=gen) < rate
+    return torch.where(speckle, 2 * torch.rand(pixels.shape, generator=gen) - 1, noisy).clamp(-1, 1)
+
+
 def train(clips: list[tuple[torch.Tensor, torch.Tensor]], steps: int, batch: int, lr: float, channels: int,
-          seed: int, progress: bool = True) -> SyncEncoder:
+          seed: int, progress: bool = True, augment: float = 0.5) -> SyncEncoder:
     """The encoder after `steps` AdamW steps of `batch` clips drawn at random (seeded): binary
-    cross-entropy per frame, positives weighted by the negatives-to-positives ratio (clicks are rare)."""
+    cross-entropy per frame, positives weighted by the negatives-to-positives ratio (clicks are rare);
+    a share `augment` of the drawn clips `perturbed`, their labels kept."""
     torch.manual_seed(seed)
-    rng = random.Random(seed)
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     encoder = SyncEncoder(channels)
     opt = torch.optim.AdamW(encoder.parameters(), lr)
     labels = torch.cat([y for _, y in clips])
@@ -90,6 +105,7 @@ def train(clips: list[tuple[torch.Tensor, torch.Tensor]], steps: int, batch: int
     bar = tqdm(range(steps), desc="sync encoder", unit="step", disable=not progress)
     for _ in bar:
         drawn = rng.sample(clips, min(batch, len(clips)))
+        drawn = [(perturbed(x, gen) if rng.random() < augment else x, y) for x, y in drawn]  # half of them
         loss = sum(nn.functional.binary_cross_entropy_with_logits(encoder(x), y, pos_weight=pos_weight)
                    for x, y in drawn) / len(drawn)
         opt.zero_grad()
@@ -108,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=POSITIVE_INT, default=8)
     p.add_argument("--lr", type=POSITIVE_FLOAT, default=2e-3)
     p.add_argument("--channels", type=POSITIVE_INT, default=24)
+    p.add_argument("--augment", type=float, default=0.5, help="share of the clips drawn with per-frame noise and speckles")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     try:
@@ -125,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{positives} of {sum(len(y) for _, y in clips)} frames with a transient")
     if not clips or not positives:
         p.error("no clip with a transient in its sound: nothing to learn the frame events from")
-    encoder = train(clips, args.steps, args.batch, args.lr, args.channels, args.seed)
-    meta: dict[str, Any] = {"steps": args.steps, "clips": len(clips), "overrides": args.overrides,
+    encoder = train(clips, args.steps, args.batch, args.lr, args.channels, args.seed, augment=args.augment)
+    meta: dict[str, Any] = {"steps": args.steps, "clips": len(clips), "augment": args.augment, "overrides": args.overrides,
                             "train": score(encoder, clips[:200])}
     events = source_for(cfg.data, cfg.model).sync_events()  # the embedded world: its held-out compositions
     if events:
