@@ -164,6 +164,7 @@ class VideoTask:
         self.block_frames = self.causal_block * self.patch[0]
         # diffusion forcing: each block its own t (objectives/diffusion_forcing.py)
         self.block_noise = str(loss_cfg.frame_noise) == "block"
+        self._sync_cache: dict[int, torch.Tensor] = {}  # sample id -> its audio tokens' sync feature
         self.failed: set[int] = set()  # samples whose file could not be decoded (skipped, counted)
         self.failure_reasons: dict[int, str] = {}  # ... and why (the first few name them in errors)
 
@@ -353,7 +354,17 @@ class VideoTask:
         out[1].append(eps - a0)
         out[2].append(audio_positions(a0.shape[0], self.audio_patch, fps, self.patch[0], self.inputs.audio_index))
         if self.inputs.sync_encoder:
-            out[5].append(clip_sync(self.inputs.sync_encoder, picture, a0.shape[0], self.audio_patch, fps))
+            out[5].append(self._sync_feature(sid, picture, a0.shape[0], fps))
+
+    def _sync_feature(self, sid: int, picture: torch.Tensor | None, n: int, fps: float) -> torch.Tensor:
+        """[n] the sync feature of sample `sid`'s audio tokens (tasks/av_sync.py): zeros without a
+        given picture; else computed once per sample (a sample's frames are the same at every
+        step, and the encoder cost ~30 ms a clip: a quarter of a step)."""
+        if picture is None:
+            return torch.zeros(n)
+        if sid not in self._sync_cache:
+            self._sync_cache[sid] = clip_sync(self.inputs.sync_encoder, picture, n, self.audio_patch, fps)
+        return self._sync_cache[sid]
 
     def _pack(self, xs, targets, conds, clean, controls, weights, samples, ids) -> PackedBatch:
         """The clips' fields packed (pack_clips): x and target, and what conditioning, masks and
