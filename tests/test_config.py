@@ -29,7 +29,7 @@ def test_default_config_is_video_on_one_process():
 
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
-def test_every_option_composes(group, option):
+def test_every_option_composes(group, option, tmp_path):
     prefix = "+" if group == "experiment" else ""
     extra = ["mode=llm"] if group == "model" and option.startswith("lm") else []
     if group == "model" and option.startswith("wan_i2v"):  # Wan 2.1 I2V: its conditioning and a latent cache
@@ -44,6 +44,10 @@ def test_every_option_composes(group, option):
         from dit_train.config import to_yaml
 
         assert to_yaml(cfg) == OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    if getattr(cfg.model, "sync_encoder", "") and not Path(cfg.model.sync_encoder).exists():
+        from tests.test_av_sync import random_encoder  # the file its user trains first (tools.train_sync)
+
+        cfg.model.sync_encoder = random_encoder(tmp_path)
     if group not in ("data",):  # data options may need a user path (data.root=???)
         validate(cfg)
 
