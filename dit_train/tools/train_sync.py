@@ -1,7 +1,7 @@
 """Train the sync encoder a two-stream DiT reads its frame events from (`model.sync_encoder`).
 
-    python -m dit_train.tools.train_sync +experiment=shapes_av --out outputs/sync        # ~2 CPU-minutes
-    python -m dit_train +experiment=shapes_av_sync model.sync_encoder=outputs/sync
+    python -m dit_train.tools.train_sync +experiment=shapes_av --out outputs/sync_encoder     # ~3 CPU-minutes
+    python -m dit_train +experiment=shapes_v2a                    # video-to-audio reading outputs/sync_encoder
 
 The overrides are a training run's: the encoder learns from that run's clips. Self-supervised, as
 Synchformer-style sync features are: the label of a frame is whether the clip's *own sound* has a
@@ -9,10 +9,12 @@ transient there (`click_frames`: energy above 2.5 kHz in the frame's span of sam
 the picture's ground truth, so any data with sound trains it. Clips without sound (or that
 cannot be read) are skipped and counted. One process, no collective.
 
-On the embedded world it also scores the encoder where the DiT will need it: on clips of the 48
-compositions the training data never shows (`caption_split`), against the frames where their
-shape touches a wall (`bounce_frames` of their pixels) — per-frame AUC, the share of bounce frames
-it flags (p > 0.5) and of other frames it flags. The figures go to the folder's
+Half of the clips drawn are perturbed frame by frame (`perturbed`): the DiT's generated pictures
+carry such noise, and an encoder that never saw it flagged a third of their frames. On the
+embedded world it also scores the encoder where the DiT will need it: on clips of the 48
+compositions the training data never shows (the data source's `sync_events`), against the frames
+where their shape touches a wall — per-frame AUC, the share of bounce frames it flags (p > 0.5)
+and of other frames it flags. The figures go to the folder's
 sync_encoder.json beside the weights (models/sync_encoder.py).
 """
 from __future__ import annotations
@@ -31,7 +33,9 @@ from dit_train.data_pipelines import open_dataset, prepare_data, source_for
 from dit_train.data_pipelines.shapes_sound_metric import click_frames
 from dit_train.data_pipelines.video_io import VideoReadError
 from dit_train.models.sync_encoder import SyncEncoder, save
-from dit_train.tools.args import POSITIVE_FLOAT, POSITIVE_INT, ToolParser
+from dit_train.engine.checks import Range
+from dit_train.tools.args import POSITIVE_FLOAT, POSITIVE_INT, ToolParser, ranged
+
 
 def labelled_clips(dataset: Any, limit: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int, int]:
     """Up to `limit` (pixels [3, F, H, W], label [F] float 0/1) of the dataset's clips with sound,
@@ -105,7 +109,7 @@ def train(clips: list[tuple[torch.Tensor, torch.Tensor]], steps: int, batch: int
     bar = tqdm(range(steps), desc="sync encoder", unit="step", disable=not progress)
     for _ in bar:
         drawn = rng.sample(clips, min(batch, len(clips)))
-        drawn = [(perturbed(x, gen) if rng.random() < augment else x, y) for x, y in drawn]  # half of them
+        drawn = [(perturbed(x, gen) if rng.random() < augment else x, y) for x, y in drawn]
         loss = sum(nn.functional.binary_cross_entropy_with_logits(encoder(x), y, pos_weight=pos_weight)
                    for x, y in drawn) / len(drawn)
         opt.zero_grad()
@@ -124,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=POSITIVE_INT, default=8)
     p.add_argument("--lr", type=POSITIVE_FLOAT, default=2e-3)
     p.add_argument("--channels", type=POSITIVE_INT, default=24)
-    p.add_argument("--augment", type=float, default=0.5, help="share of the clips drawn with per-frame noise and speckles")
+    p.add_argument("--augment", type=ranged(float, Range(0, 1)), default=0.5,
+                   help="share of the clips drawn with per-frame noise and speckles")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     try:
