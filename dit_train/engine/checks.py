@@ -184,6 +184,7 @@ RANGES: dict[str, Range] = {
     "model.in_channels": Range(1), "model.vocab_size": Range(1),
     "model.ffn_dim": Range(0, note="0 = model.dim x model.mlp_ratio"), "model.freq_dim": Range(1),
     "model.norm_eps": Range(0, low_open=True),
+    "model.sync_scale": Range(0, low_open=True, note="the sync feature's input scale (model.sync_encoder)"),
     "model.head_dim": Range(1), "model.refiner_depth": Range(0), "model.time_hidden": Range(1),
     "model.time_dim": Range(1), "model.rope_freq_dim": Range(1),
     "model.boundary_ratio": Range(0, 1, high_open=True, note="0 = no expert boundary (Wan 2.2 A14B: 0.875)"),

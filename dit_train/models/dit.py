@@ -274,8 +274,6 @@ def sync_errors(cfg: DiTConfig) -> list[str]:
         return [f"{where} feeds the audio tokens: it needs the two-stream DiT (model.audio_patch=500 data.audio=true)"]
     if cfg.in_channels != 3:
         return [f"{where} reads pixels (model.in_channels=3), not {cfg.in_channels}-channel latents"]
-    if cfg.sync_scale <= 0:
-        return [f"model.sync_scale={cfg.sync_scale} must be > 0 (the sync feature's input scale)"]
     try:
         sync_encoder.load(cfg.sync_encoder)
     except FileNotFoundError as err:

@@ -164,4 +164,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from dit_train.engine.process_exit import run_and_exit
+
+    run_and_exit(main)
