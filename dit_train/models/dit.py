@@ -268,7 +268,7 @@ def _shape_errors(cfg: DiTConfig) -> list[str]:
 
 
 def sync_errors(cfg: DiTConfig) -> list[str]:
-    """model.sync_encoder: a two-stream model, a positive scale, and a file that loads (before any worker starts)."""
+    """model.sync_encoder: a two-stream pixel-space model and a file that loads (before any worker starts)."""
     where = f"model.sync_encoder={cfg.sync_encoder}"
     if not cfg.audio_patch:
         return [f"{where} feeds the audio tokens: it needs the two-stream DiT (model.audio_patch=500 data.audio=true)"]
