@@ -30,7 +30,7 @@ from dit_train.data_pipelines.shapes_metric import (
     to_rgb,
 )
 from dit_train.data_pipelines.synthetic_video import PITCHES, SAMPLE_RATE, SAMPLES_PER_FRAME, caption_split, render_long_clip
-from dit_train.data_pipelines.video_io import probe, read_frames
+from dit_train.data_pipelines.video_io import probe, read_frames, to_model_range
 
 TONE_BAND_HZ = (150.0, 1500.0)
 PITCH_TOL_SEMITONES = 2.0
@@ -180,7 +180,7 @@ def heldout_event_clips(per_caption: int = 4, frames: int = 8, size: int = 32) -
     out = []
     for j, caption in enumerate(held * per_caption):
         rgb = render_long_clip(caption, frames, size, size, index=j)  # uint8 [F, H, W, 3]
-        pixels = torch.from_numpy(np.ascontiguousarray(rgb)).permute(3, 0, 1, 2).float() / 127.5 - 1.0
+        pixels = to_model_range(torch.from_numpy(np.ascontiguousarray(rgb)))
         label = torch.zeros(frames)
         label[bounce_frames(pixels)] = 1.0
         out.append((pixels, label))

@@ -19,7 +19,6 @@ sync_encoder.json beside the weights (models/sync_encoder.py).
 """
 from __future__ import annotations
 
-import argparse
 import random
 import time
 from typing import Any
@@ -32,9 +31,10 @@ from dit_train.compose import compose
 from dit_train.data_pipelines import open_dataset, prepare_data, source_for
 from dit_train.data_pipelines.shapes_sound_metric import click_frames
 from dit_train.data_pipelines.video_io import VideoReadError
-from dit_train.models.sync_encoder import SyncEncoder, save
 from dit_train.engine.checks import Range
+from dit_train.models.sync_encoder import SyncEncoder, save
 from dit_train.tools.args import POSITIVE_FLOAT, POSITIVE_INT, ToolParser, ranged
+from dit_train.tools.probe_sync import auc
 
 
 def labelled_clips(dataset: Any, limit: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int, int]:
@@ -63,21 +63,13 @@ def labelled_clips(dataset: Any, limit: int) -> tuple[list[tuple[torch.Tensor, t
     return out, silent, unreadable
 
 
-def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
-    """Probability that a positive frame scores above a negative one (ties count half); nan without both."""
-    pos, neg = scores[labels > 0], scores[labels <= 0]
-    if not len(pos) or not len(neg):
-        return float("nan")
-    return float((pos[:, None] > neg[None]).float().mean() + 0.5 * (pos[:, None] == neg[None]).float().mean())
-
-
 @torch.no_grad()
 def score(encoder: SyncEncoder, clips: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, float]:
     """Per-frame AUC, and the shares of positive / negative frames with p > 0.5, over `clips`."""
     logits = torch.cat([encoder(x) for x, _ in clips])
     labels = torch.cat([y for _, y in clips])
     flagged = logits > 0
-    return {"auc": auc(logits, labels), "hit": float(flagged[labels > 0].float().mean()),
+    return {"auc": auc(logits.numpy(), labels.numpy()), "hit": float(flagged[labels > 0].float().mean()),
             "false": float(flagged[labels <= 0].float().mean())}
 
 
