@@ -92,7 +92,7 @@ def test_a_sync_model_makes_a_joint_requests_sound_again_from_its_pictures(v2a_c
     model = random_model(c.model).eval()
     assert model.sync_embedder is not None
     space, inputs, ctx = prompt_space(c), video_inputs(c.model, c.cond), init_parallel(c.parallel)
-    seen = []
+    seen, segs = [], []
 
     class Recording(torch.nn.Module):
         def __init__(self):
@@ -101,6 +101,7 @@ def test_a_sync_model_makes_a_joint_requests_sound_again_from_its_pictures(v2a_c
 
         def forward(self, *args, **kw):
             seen.append(kw["sync"].clone())
+            segs.append(args[2].clone())
             return self.inner(*args, **kw)
 
     def sample(rs):
@@ -110,6 +111,8 @@ def test_a_sync_model_makes_a_joint_requests_sound_again_from_its_pictures(v2a_c
     joint = prompt_requests(space, PROMPTS, 1, 8, 32, 32)
     clips, sounds = sample(joint)
     assert len(seen) == 4 and not seen[0].any() and seen[2].any()  # 2 joint steps (zeros), then 2 from the pictures
+    # guidance 2: the uncaptioned copies (clips 2, 3 of each pack) read no frame events either
+    assert not seen[2][segs[2] >= len(joint)].any() and seen[2][segs[2] < len(joint)].any()
     given = prompt_requests(space, PROMPTS, 1, 8, 32, 32)
     for r, x in zip(given, clips):
         r.given_video = x.clamp(-1, 1)

@@ -32,7 +32,8 @@ audio-to-video, a run trained with cond.given_stream): the given stream's tokens
 pack clean, flagged clean (timestep 0, as training gives them: tasks/video.py) in both guidance
 branches, and never stepped; it comes back bit for bit.
 A model with a sync encoder (model.sync_encoder, tasks/av_sync.py) reads the frame events of a
-clean picture through its audio tokens: a given video's at every step; a request that gives
+clean picture through its audio tokens: a given video's at every step (in the captioned branch
+only: the guidance branch gets zeros, so guidance amplifies the events); a request that gives
 neither stream gets its pictures first (with a sound the model makes without them), then its
 sound again from those pictures, as a video-to-audio request (`sound_from_pictures`).
 """
@@ -358,7 +359,11 @@ class VideoSampler:
             pos = [audio_positions(a.shape[0], self.audio_patch, r.fps, self.patch[0], self.inputs.audio_index)
                    for a, r in zip(sound, reqs)]
             clean = [torch.full((a.shape[0],), r.given_sound is not None) for a, r in zip(sound, reqs)] if cross else None
-            sync = self.sync * (len(xs) // len(self.requests)) if self.sync is not None else None
+            # the guidance copies read no frame events, as they read no caption: guidance then
+            # pushes the sound towards the events as well (a given video's held-out clicks at the
+            # bounce 0.43 -> 0.61 of the clips that bounce, docs/audio-video.md)
+            copies = len(xs) // len(self.requests) - 1
+            sync = self.sync + [torch.zeros_like(v) for v in self.sync] * copies if self.sync is not None else None
             batch = join_audio_tokens(batch, sound, None, pos, clean=clean, sync=sync)
         # a joint-attention model's caption tokens join each clip's run (tasks/joint_text.py)
         return join_text_tokens(batch, samples["context_len"]) if self.joint_text and ctxs is not None else batch
