@@ -205,10 +205,12 @@ def test_evaluate_scores_video_to_audio_on_rendered_heldout_clips(v2a_run, tmp_p
     from dit_train.tools.evaluate import main
 
     out = tmp_path / "eval"
-    assert main([v2a_run.run_dir, "--heldout", "--given-video", "--n", "2", "--steps", "1", "--out", str(out)]) == 0
+    assert main([v2a_run.run_dir, "--heldout", "--given-video", "--n", "2", "--steps", "1", "--audio-guidance", "3",
+                 "--out", str(out)]) == 0
     row = json.loads((out / "evaluate.json").read_text())
     assert row["given_video"] and row["scores"]["sound_num_clips"] == 2 and sorted(p.name for p in (out / "given").iterdir()) == [
         "clip_0000.mp4", "clip_0001.mp4"]
     info = json.loads((out / "info.json").read_text())
+    assert info["audio_guidance_scale"] == row["audio_guidance"] == 3.0  # passed on to tools.sample
     assert info["given_stream"]["video"] == [str(out / "given" / f"clip_{k:04d}.mp4") for k in range(2)]
     assert main([v2a_run.run_dir, "--train-captions", "--given-video", "--out", str(tmp_path / "no")]) == 2

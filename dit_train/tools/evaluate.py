@@ -56,7 +56,7 @@ def sampler_settings(args: argparse.Namespace, train) -> dict:
     return {"steps": args.steps or train.sample_steps,
             "guidance": train.guidance_scale if args.guidance is None else args.guidance,
             "stochastic": train.stochastic_sampling if args.stochastic is None else args.stochastic,
-            "seed": train.seed if args.seed is None else args.seed}
+            "seed": train.seed if args.seed is None else args.seed, "audio_guidance": args.audio_guidance}
 
 
 def sample_argv(args: argparse.Namespace, settings: dict, out: Path) -> list[str]:
@@ -64,6 +64,8 @@ def sample_argv(args: argparse.Namespace, settings: dict, out: Path) -> list[str
     argv = [str(args.run_dir), "--out", str(out), "--steps", str(settings["steps"]), "--guidance",
             str(settings["guidance"]), "--seed", str(settings["seed"]),
             "--stochastic" if settings["stochastic"] else "--no-stochastic", "--device", args.device]
+    if settings["audio_guidance"]:
+        argv += ["--audio-guidance", str(settings["audio_guidance"])]
     if args.ema is not None:
         argv.append("--ema" if args.ema else "--no-ema")
     if args.train_captions:
@@ -107,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=POSITIVE_INT, default=48, help="clips to sample (default 48)")
     ap.add_argument("--steps", type=POSITIVE_INT, default=None, help="sampler steps (default: the run's train.sample_steps)")
     ap.add_argument("--guidance", type=float, default=None, help="guidance scale (default: the run's train.guidance_scale)")
+    ap.add_argument("--audio-guidance", type=float, default=0.0, metavar="GA",
+                    help="a run with sound: the guidance of the sound (tools.sample's --audio-guidance; default 0 = "
+                         "--guidance)")
     ap.add_argument("--stochastic", action=argparse.BooleanOptionalAction, default=None,
                     help="the stochastic sampler step (default: the run's train.stochastic_sampling)")
     ap.add_argument("--seed", type=int, default=None, help="noise seed (default: the run's train.seed)")
