@@ -91,19 +91,21 @@ def ring_blocks(device: torch.device, lens: list[int], heads: int, head_dim: int
     seg = torch.cat([torch.full((n,), i) for i, n in enumerate(lens)])
     pos = torch.cat([torch.arange(n) for n in lens])
     L = len(seg) - len(seg) % 4
-    seg, pos = seg[:L], pos[:L]
-    sets = [cp_token_index(L, 2, r, "zigzag") for r in range(2)]
     kernels = ["sdpa", "math"] + (["flex"] if device.type == "cuda" else [])
     # compiled flex builds a graph per dtype, causal flag and shape regime (a training run: ~6, then
-    # none; measured with dynamo's counters on the CPU). This loop cycles both dtypes and both
+    # none; measured with dynamo's counters on the CPU). This check cycles both dtypes and both
     # flags, which passed dynamo's limit of 8 on an H200 (2026-11-28): flex then ran uncompiled
-    # and ended in a CUDA illegal memory access. The limit is raised for this loop only.
-    with torch._dynamo.config.patch(recompile_limit=64):
-        return _ring_block_rows(device, kernels, seg, pos, sets, L, heads, head_dim)
+    # and ended in a CUDA illegal memory access. The limit is raised for the check only.
+    limit = torch._dynamo.config.patch(recompile_limit=64) if "flex" in kernels else contextlib.nullcontext()
+    with limit:
+        return _ring_block_rows(device, kernels, seg[:L], pos[:L], heads, head_dim)
 
 
-def _ring_block_rows(device: torch.device, kernels: list[str], seg: torch.Tensor, pos: torch.Tensor,
-                     sets: list[torch.Tensor], L: int, heads: int, head_dim: int) -> list[dict[str, Any]]:
+def _ring_block_rows(device: torch.device, kernels: list[str], seg: torch.Tensor, pos: torch.Tensor, heads: int,
+                     head_dim: int) -> list[dict[str, Any]]:
+    """ring_blocks' rows for the pack seg / pos [L] (L a multiple of 4: two zigzag ranks)."""
+    L = len(seg)
+    sets = [cp_token_index(L, 2, r, "zigzag") for r in range(2)]
     rows = []
     for causal in (False, True):
         g = torch.Generator().manual_seed(21 + causal)
